@@ -1,0 +1,1 @@
+"""slothkit_kernels: fused Triton kernels with hand-derived backward passes."""

@@ -1,0 +1,66 @@
+"""NF4Weight: a frozen weight stored in bitsandbytes' NF4 format, as plain tensors.
+
+The kernel library never imports bitsandbytes.  Glue code turns a bitsandbytes
+``Params4bit`` (its ``.data`` plus ``.quant_state``) into this record with
+:meth:`NF4Weight.from_bitsandbytes`, which only reads attributes.
+
+Layout (bitsandbytes' "nf4" with optional double quantisation):
+  * ``packed``: uint8, two 4-bit codes per byte, the element with the even index in
+    the high nibble; flattening order is the row-major order of ``shape``.
+  * each run of ``blocksize`` elements shares one scale ``absmax[b]``:
+        w[j] = NF4_CODE[nibble_j] * absmax[j // blocksize]
+  * double quantisation stores ``absmax`` itself as uint8 codes into a 256-entry
+    table ``nested_code`` with fp32 scales ``nested_absmax`` per
+    ``nested_blocksize`` entries, plus a scalar ``offset``:
+        absmax[b] = nested_code[absmax_q[b]] * nested_absmax[b // nested_blocksize] + offset
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class NF4Weight:
+    packed: torch.Tensor  # uint8, numel = prod(shape) / 2
+    absmax: torch.Tensor  # fp32 per-block scales, or uint8 codes when nested
+    code: torch.Tensor  # fp32, the 16 NF4 levels
+    blocksize: int  # elements per scale
+    shape: torch.Size  # (out_features, in_features) of the dequantised weight
+    dtype: torch.dtype  # dtype the weight dequantises to
+    nested_absmax: torch.Tensor | None = None  # fp32 scales of the absmax codes
+    nested_code: torch.Tensor | None = None  # fp32, 256-entry table for absmax codes
+    nested_blocksize: int | None = None  # absmax codes per nested scale
+    offset: torch.Tensor | float | None = None  # added to every dequantised absmax
+
+    @property
+    def is_nested(self) -> bool:
+        return self.nested_absmax is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @classmethod
+    def from_bitsandbytes(cls, packed: torch.Tensor, quant_state) -> "NF4Weight":
+        """Wrap a bitsandbytes 4-bit weight (``param.data``, ``param.quant_state``)."""
+        if getattr(quant_state, "quant_type", "nf4") != "nf4":
+            raise ValueError(
+                f"only NF4 weights are supported, got quant_type={quant_state.quant_type!r}"
+            )
+        nested = getattr(quant_state, "nested", False)
+        state2 = quant_state.state2 if nested else None
+        return cls(
+            packed=packed,
+            absmax=quant_state.absmax,
+            code=quant_state.code,
+            blocksize=int(quant_state.blocksize),
+            shape=torch.Size(quant_state.shape),
+            dtype=quant_state.dtype,
+            nested_absmax=state2.absmax if nested else None,
+            nested_code=state2.code if nested else None,
+            nested_blocksize=int(state2.blocksize) if nested else None,
+            offset=quant_state.offset if nested else None,
+        )
