@@ -1,2 +1,64 @@
-def main():
-    pass
+"""The `slothkit` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from slothkit.demo import run_demo
+
+    result = run_demo(output_dir=args.output_dir, steps=args.steps, arch=args.arch)
+    return 0 if result["losses"][-1] < result["losses"][0] else 1
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from slothkit.environment import describe
+
+    print(describe())
+    return 0
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from slothkit_kernels import bench
+
+    return bench.main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="LoRA-train a tiny offline model for a few steps (no download, no GPU needed)"
+    )
+    demo.add_argument("--output-dir", default="slothkit-demo-output", help="where the adapter is saved")
+    demo.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
+    demo.add_argument("--arch", choices=["llama", "mistral", "gemma"], default="llama")
+    demo.set_defaults(func=_cmd_demo)
+
+    env = sub.add_parser("env", help="show versions and the GPU slothkit would use")
+    env.set_defaults(func=_cmd_env)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    kernels = bench_sub.add_parser(
+        "kernels",
+        help="per-kernel table against torch eager and torch.compile (options: see --help)",
+        add_help=False,
+    )
+    kernels.add_argument("bench_args", nargs=argparse.REMAINDER)
+    kernels.set_defaults(func=_cmd_bench_kernels)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

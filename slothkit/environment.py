@@ -1,0 +1,63 @@
+"""What this machine has: versions and accelerator, for reports and benchmark records."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import torch
+
+REPORTED_PACKAGES = (
+    "slothkit",
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "trl",
+    "datasets",
+    "liger-kernel",
+    "unsloth",
+)
+
+
+def package_versions(names=REPORTED_PACKAGES) -> dict[str, str | None]:
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def accelerator() -> dict:
+    """The GPU slothkit would train on, or a note that there is none."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu", "name": platform.processor() or platform.machine()}
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {
+        "device": "cuda",
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "compute_capability": f"{props.major}.{props.minor}",
+        "bf16": torch.cuda.is_bf16_supported(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def describe() -> str:
+    lines = [f"python {platform.python_version()} on {platform.system()} {platform.machine()}"]
+    acc = accelerator()
+    if acc["device"] == "cuda":
+        lines.append(
+            f"GPU: {acc['name']}, {acc['memory_gib']} GiB, compute {acc['compute_capability']}, "
+            f"bf16 {'yes' if acc['bf16'] else 'no'}, CUDA {acc['cuda']}"
+        )
+    else:
+        lines.append("GPU: none (training runs on the CPU, slowly)")
+    for name, version in package_versions().items():
+        lines.append(f"{name:14s} {version or 'not installed'}")
+    return "\n".join(lines)
