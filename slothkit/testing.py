@@ -1,0 +1,670 @@
+"""Tiny random checkpoints of real architectures, built offline in a fraction of a second.
+
+Every slothkit test and notebook that needs "a Llama" or "a Gemma" uses these instead of
+downloading one. A checkpoint is a folder holding what a Hub model holds (config.json,
+model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json with a chat
+template, special_tokens_map.json), so `AutoModelForCausalLM.from_pretrained(path)` and
+`AutoTokenizer.from_pretrained(path)` load it with no network.
+
+The models are tiny (hidden 64 by default) but keep the traits of the architecture that
+kernels and patching code must get right:
+
+    arch     attention                 MLP        norm        head   rope theta  tokenizer
+    llama    GQA                       SiLU GLU   w * x       own    500000      byte-level BPE
+    mistral  GQA, sliding window (32)  SiLU GLU   w * x       own    10000       SentencePiece-style
+    gemma    GQA, head_dim 256         GeGLU      (1 + w) * x tied   10000       SentencePiece-style
+             (embeddings scaled by sqrt(hidden) inside GemmaModel)
+
+The tokenizers are trained here, with the `tokenizers` library, on a few paragraphs of
+plain English embedded below; they have a few hundred tokens, so most words split into
+pieces, and the model's vocabulary is padded up to a multiple of 256 (or to Gemma's real
+256,000 rows with `large_vocab=True`); the padding rows are never produced by the tokenizer.
+
+    path = tiny_model_path("gemma")                    # built once per process, then cached
+    path = build_tiny_model("llama", hidden_size=256, intermediate_size=512)  # GGUF K-quant rows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import pathlib
+import tempfile
+
+import torch
+
+ARCHITECTURES = ("llama", "mistral", "gemma")
+TOKENIZER_FLAVOURS = ("bpe", "sentencepiece")
+LARGE_VOCAB_SIZE = 256_000  # Gemma's real vocabulary
+
+# ---------------------------------------------------------------------------------------
+# Training text: written for this file. Digits, punctuation, quotes, contractions and a
+# little code so that every pre-tokenizer rule and number split gets exercised.
+# ---------------------------------------------------------------------------------------
+
+CORPUS = """\
+The lighthouse on the northern cape was built in 1871 and has been lit every night since. \
+Its keeper, a patient woman named Ada, climbs 114 steps at dusk to wind the clockwork that \
+turns the lens. She writes the weather in a ledger: wind from the west, 12 knots; sea \
+moderate; visibility good. On foggy nights she sounds the horn twice a minute until dawn.
+
+Baking bread at home is simpler than it looks. Mix 500 grams of flour with 350 grams of \
+warm water, 10 grams of salt and 7 grams of dried yeast. Knead the dough for ten minutes, \
+let it rise for an hour, shape it, and let it rise again. Bake at 230 degrees for 35 to 40 \
+minutes. The loaf is done when it sounds hollow as you tap the bottom.
+
+Sloths spend most of their lives hanging upside down in the trees of Central and South \
+America. They move slowly because their diet of leaves gives them very little energy. A \
+sloth may come down to the ground only once a week. Surprisingly, they are good swimmers, \
+and they can hold their breath for up to 40 minutes!
+
+The 08:15 train to the coast leaves from platform 3. It stops at Millbrook (08:42), \
+Stonebridge (09:05) and Harbour Road (09:31). Tickets cost 14.50 for a single journey or \
+22.00 for a return. Children under 5 travel free; a family pass covers 2 adults and up to \
+3 children. Please keep your bags off the seats.
+
+"Could you help me plan a garden?" asked the user. "Of course," replied the assistant. \
+"Start with the light: most vegetables need at least six hours of sun each day. Tomatoes, \
+beans and courgettes like warmth; lettuce and spinach prefer a cooler, shadier spot. Water \
+in the morning, not in the evening, and add compost to the soil every spring."
+
+A good system answers questions clearly and admits what it doesn't know. When a model is \
+trained to follow instructions, it learns from many short conversations between a user and \
+an assistant. Each turn has a role and some content. The model reads the whole conversation \
+but is usually trained only on the answers it should give.
+
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, i * 2))
+
+Numbers appear everywhere: 3.14159, 2.71828, 1,000,000 and 42. The year 2024 had 366 days. \
+Water boils at 100 degrees Celsius and freezes at 0. A kilometre is 1000 metres, a mile is \
+about 1609 metres, and light travels roughly 299,792 kilometres every second.
+
+The river runs past the old mill, under three stone bridges, and into the sea. In summer \
+children swim near the weir; in winter the water rises and floods the meadows. People have \
+lived along its banks for thousands of years, fishing, farming and trading wool.
+
+Questions worth asking: What is it? Why does it work? How could it fail? Who will use it, \
+and what will they expect? If you can't answer these, you aren't ready to build it yet. \
+Write the test first; then write the code; then make it fast; then make it clear.
+
+It's a quiet morning. We're early, they'll be late, and I'd rather wait here than there. \
+You've seen the map; she's got the keys; he'll drive. Let's go!
+"""
+
+# ---------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------
+
+# tiktoken-style split used by Llama 3: contractions, words, numbers in groups of at most
+# three digits, punctuation runs, newlines and other whitespace.
+_LLAMA3_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BPE_TRAINED_VOCAB = 640  # byte-level BPE before special tokens
+_SENTENCEPIECE_VOCAB = 640  # SentencePiece-style, specials and byte tokens included
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlavourSpecials:
+    bos: str
+    eos: str  # ends a document
+    pad: str
+    unk: str | None
+    extra: tuple[str, ...]  # further special tokens that come with the flavour
+
+
+_FLAVOUR_SPECIALS = {
+    "bpe": _FlavourSpecials(
+        bos="<|begin_of_text|>",
+        eos="<|end_of_text|>",
+        pad="<|finetune_right_pad_id|>",
+        unk=None,  # byte-level: every string is representable
+        extra=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ),
+    "sentencepiece": _FlavourSpecials(bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", extra=()),
+}
+
+# Chat templates, one per architecture, in the format of the real instruct models.
+# `end_of_turn` is the token that closes an assistant turn (None: the tokenizer's eos).
+
+_LLAMA_CHAT_TEMPLATE = r"""
+{{- bos_token -}}
+{%- for message in messages -%}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' -}}
+    {{- message['content'] | trim + '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+{%- endif -%}
+"""
+
+# Mistral has no system role: a system message is put in front of the first user turn.
+_MISTRAL_CHAT_TEMPLATE = r"""
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
+    {%- set conversation = messages[1:] -%}
+{%- else -%}
+    {%- set system_prefix = '' -%}
+    {%- set conversation = messages -%}
+{%- endif -%}
+{{- bos_token -}}
+{%- for message in conversation -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception('Mistral turns must alternate user, assistant, user, ...') -}}
+    {%- endif -%}
+    {%- if message['role'] == 'user' -%}
+        {%- set prefix = system_prefix if loop.first else '' -%}
+        {{- '[INST] ' + prefix + message['content'] | trim + ' [/INST]' -}}
+    {%- else -%}
+        {{- ' ' + message['content'] | trim + eos_token -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
+# Gemma calls the assistant "model" and has no system role either.
+_GEMMA_CHAT_TEMPLATE = r"""
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
+    {%- set conversation = messages[1:] -%}
+{%- else -%}
+    {%- set system_prefix = '' -%}
+    {%- set conversation = messages -%}
+{%- endif -%}
+{{- bos_token -}}
+{%- for message in conversation -%}
+    {%- if message['role'] not in ['user', 'assistant'] -%}
+        {{- raise_exception('Gemma accepts the roles system (first message only), user and assistant') -}}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
+    {%- set prefix = system_prefix if loop.first else '' -%}
+    {{- '<start_of_turn>' + role + '\n' + prefix + message['content'] | trim + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArchSpec:
+    """What differs between the architectures, as data."""
+
+    model_type: str
+    architecture: str  # class name written to config.json
+    tokenizer: str  # default flavour
+    chat_template: str
+    chat_specials: tuple[str, ...]  # special tokens the chat template needs
+    end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
+    hidden_act: str
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    norm_neutral: float  # RMSNorm weight value that leaves the input unscaled
+    head_dim: int | None  # None: hidden_size // num_heads
+    sliding_window: int | None
+
+
+_ARCHS = {
+    "llama": _ArchSpec(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        tokenizer="bpe",
+        chat_template=_LLAMA_CHAT_TEMPLATE.strip(),
+        chat_specials=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        end_of_turn="<|eot_id|>",
+        hidden_act="silu",
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        norm_neutral=1.0,
+        head_dim=None,
+        sliding_window=None,
+    ),
+    "mistral": _ArchSpec(
+        model_type="mistral",
+        architecture="MistralForCausalLM",
+        tokenizer="sentencepiece",
+        chat_template=_MISTRAL_CHAT_TEMPLATE.strip(),
+        chat_specials=("[INST]", "[/INST]"),
+        end_of_turn=None,
+        hidden_act="silu",
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        norm_neutral=1.0,
+        head_dim=None,
+        sliding_window=32,
+    ),
+    "gemma": _ArchSpec(
+        model_type="gemma",
+        architecture="GemmaForCausalLM",
+        tokenizer="sentencepiece",
+        chat_template=_GEMMA_CHAT_TEMPLATE.strip(),
+        chat_specials=("<start_of_turn>", "<end_of_turn>"),
+        end_of_turn="<end_of_turn>",
+        hidden_act="gelu_pytorch_tanh",
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        norm_neutral=0.0,  # GemmaRMSNorm multiplies by (1 + w)
+        head_dim=256,
+        sliding_window=None,
+    ),
+}
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+@functools.cache
+def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str:
+    """Train a tokenizer once per process and return it serialised (immutable, so cacheable)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    specials = _FLAVOUR_SPECIALS[flavour]
+    extra = _extra_specials(flavour, chat_specials)
+    paragraphs = [p + "\n" for p in CORPUS.split("\n\n")]
+
+    if flavour == "bpe":
+        # Llama 3: byte-level BPE; the special tokens come after the learned vocabulary.
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        trainer = trainers.BpeTrainer(
+            vocab_size=_BPE_TRAINED_VOCAB,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(paragraphs, trainer)
+        tok.decoder = decoders.ByteLevel()
+        named = (specials.bos, specials.eos, specials.pad)
+    else:
+        # Llama 2 / Mistral / Gemma style: "▁" marks a word start, characters unseen in
+        # training fall back to byte tokens <0x00>..<0xFF>. Special and byte tokens take the
+        # first ids, as in the real vocabularies.
+        named = (specials.unk, specials.bos, specials.eos, specials.pad)
+        byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+        metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+        draft = Tokenizer(models.BPE(unk_token=specials.unk))
+        draft.pre_tokenizer = metaspace
+        trainer = trainers.BpeTrainer(
+            vocab_size=_SENTENCEPIECE_VOCAB,
+            special_tokens=list(named + extra) + byte_tokens,
+            show_progress=False,
+        )
+        draft.train_from_iterator(paragraphs, trainer)
+        # The trainer registers its special tokens as added tokens; byte tokens must live in
+        # the model vocabulary only (typing "<0x41>" must not produce the byte token), so the
+        # learned vocabulary and merges are rebuilt into a fresh tokenizer.
+        learned = json.loads(draft.to_str())["model"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+        tok = Tokenizer(
+            models.BPE(learned["vocab"], merges, unk_token=specials.unk, byte_fallback=True, fuse_unk=True)
+        )
+        tok.pre_tokenizer = metaspace
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named + extra])
+    bos_id = tok.token_to_id(specials.bos)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{specials.bos} $A",
+        pair=f"{specials.bos} $A {specials.bos}:1 $B:1",
+        special_tokens=[(specials.bos, bos_id)],
+    )
+    return tok.to_str()
+
+
+def _extra_specials(flavour: str, chat_specials: tuple[str, ...]) -> tuple[str, ...]:
+    """Special tokens beyond bos/eos/pad/unk: the flavour's own, then those the chat template needs."""
+    own = _FLAVOUR_SPECIALS[flavour].extra
+    return own + tuple(t for t in chat_specials if t not in own)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenizerInfo:
+    size: int  # number of token ids, special tokens included
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    end_of_turn_id: int  # closes an assistant turn in the chat template
+
+
+def _write_tokenizer(flavour: str, arch: str, path: pathlib.Path, model_max_length: int) -> _TokenizerInfo:
+    spec = _ARCHS[arch]
+    specials = _FLAVOUR_SPECIALS[flavour]
+    tokenizer_json = _trained_tokenizer_json(flavour, spec.chat_specials)
+    vocab = _vocab_of(tokenizer_json)
+    extra = _extra_specials(flavour, spec.chat_specials)
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    special_map = {"bos_token": specials.bos, "eos_token": specials.eos, "pad_token": specials.pad}
+    if specials.unk is not None:
+        special_map["unk_token"] = specials.unk
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "additional_special_tokens": list(extra),
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": model_max_length,
+        "padding_side": "right",
+        "chat_template": spec.chat_template,
+    }
+    _write_json(path / "tokenizer_config.json", config)
+    _write_json(path / "special_tokens_map.json", {**special_map, "additional_special_tokens": list(extra)})
+    end_of_turn = spec.end_of_turn or specials.eos
+    return _TokenizerInfo(
+        size=len(vocab),
+        bos_id=vocab[specials.bos],
+        eos_id=vocab[specials.eos],
+        pad_id=vocab[specials.pad],
+        end_of_turn_id=vocab[end_of_turn],
+    )
+
+
+@functools.cache
+def _vocab_of(tokenizer_json: str) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
+
+
+def build_tiny_tokenizer(
+    flavour: str = "bpe",
+    path: str | pathlib.Path | None = None,
+    *,
+    arch: str | None = None,
+    model_max_length: int = 2048,
+) -> pathlib.Path:
+    """Write a tokenizer trained on `CORPUS` to `path` (a fresh temporary folder when None).
+
+    flavour: "bpe" (Llama 3 style byte-level BPE, no unk) or "sentencepiece" (BPE over "▁"-marked
+        words with byte fallback, `<unk> <s> </s> <pad>`).
+    arch: whose chat template (and its special tokens) to include; defaults to "llama" for
+        "bpe" and "mistral" for "sentencepiece".
+    Returns the folder; load it with `AutoTokenizer.from_pretrained(path)`.
+    """
+    _check_choice("flavour", flavour, TOKENIZER_FLAVOURS)
+    if arch is None:
+        arch = "llama" if flavour == "bpe" else "mistral"
+    _check_choice("arch", arch, ARCHITECTURES)
+    path = pathlib.Path(path) if path is not None else pathlib.Path(tempfile.mkdtemp(prefix="slothkit-tok-"))
+    _write_tokenizer(flavour, arch, path, model_max_length)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def build_tiny_model(
+    arch: str,
+    path: str | pathlib.Path | None = None,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int | None = None,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
+    large_vocab: bool = False,
+    max_position_embeddings: int = 2048,
+    sliding_window: int | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> pathlib.Path:
+    """Write a random-initialised checkpoint of `arch` with its tokenizer; return the folder.
+
+    arch: "llama", "mistral" or "gemma" (see the module docstring for what each keeps).
+    path: where to write; a fresh temporary folder (left for the caller) when None.
+    intermediate_size: MLP width; default 3 * hidden_size.
+    head_dim: default hidden_size // num_heads, except Gemma's 256.
+    vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
+        to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
+    sliding_window: Mistral only; default 32, so sequences longer than that hit it.
+    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", Mistral and Gemma: "sentencepiece".
+    seed: the weights are a pure function of the arguments.
+
+    When hidden_size, intermediate_size and num_heads * head_dim are multiples of 256 (as with
+    hidden_size=256, intermediate_size=512 and the other defaults, for every arch) every
+    weight row is a multiple of 256 long, as GGUF K-quants need.
+
+    Weights are normal with std 1/sqrt(fan_in), so every layer changes its input by a
+    comparable amount and the logits spread over a few units rather than collapsing to a
+    uniform distribution. RMSNorm weights are their neutral value (1, or 0 for Gemma's
+    (1 + w)) plus noise of std 0.1, so confusing `w` with `1 + w` changes the output a lot.
+    """
+    _check_choice("arch", arch, ARCHITECTURES)
+    spec = _ARCHS[arch]
+    flavour = tokenizer if tokenizer is not None else spec.tokenizer
+    _check_choice("tokenizer", flavour, TOKENIZER_FLAVOURS)
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype must be one of {_DTYPES}; got {dtype!r}")
+    for name, value in [
+        ("hidden_size", hidden_size),
+        ("num_layers", num_layers),
+        ("num_heads", num_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("max_position_embeddings", max_position_embeddings),
+    ]:
+        _check_positive(name, value)
+    intermediate_size = 3 * hidden_size if intermediate_size is None else intermediate_size
+    _check_positive("intermediate_size", intermediate_size)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim is None:
+        head_dim = spec.head_dim
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
+                "unless head_dim is given"
+            )
+        head_dim = hidden_size // num_heads
+    _check_positive("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}")
+    if sliding_window is None:
+        sliding_window = spec.sliding_window
+    elif arch != "mistral":
+        raise ValueError(f"sliding_window applies to mistral only; got it for {arch!r}")
+    else:
+        _check_positive("sliding_window", sliding_window)
+
+    path = (
+        pathlib.Path(path) if path is not None else pathlib.Path(tempfile.mkdtemp(prefix=f"slothkit-{arch}-"))
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _write_tokenizer(flavour, arch, path, max_position_embeddings)
+
+    if large_vocab:
+        if vocab_size not in (None, LARGE_VOCAB_SIZE):
+            raise ValueError(
+                f"large_vocab=True means vocab_size {LARGE_VOCAB_SIZE}; got vocab_size={vocab_size}"
+            )
+        vocab_size = LARGE_VOCAB_SIZE
+    elif vocab_size is None:
+        vocab_size = -(-tok.size // 256) * 256
+    if vocab_size < tok.size:
+        raise ValueError(f"vocab_size ({vocab_size}) is smaller than the tokenizer's {tok.size} tokens")
+
+    # The end of a document, and (for chat) the end of an assistant turn, both stop generation.
+    eos_ids = [tok.eos_id] + ([tok.end_of_turn_id] if tok.end_of_turn_id != tok.eos_id else [])
+    eos = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+
+    config = _make_config(
+        spec,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        sliding_window=sliding_window,
+        bos_token_id=tok.bos_id,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_id,
+        dtype=dtype,
+    )
+    _write_json(path / "config.json", _config_json(config, spec))
+    _write_json(
+        path / "generation_config.json",
+        {"bos_token_id": tok.bos_id, "eos_token_id": eos, "pad_token_id": tok.pad_id, "do_sample": False},
+    )
+
+    from safetensors.torch import save_file
+
+    weights = _random_weights(config, spec, seed)
+    save_file(
+        {k: v.to(dtype) for k, v in weights.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return path
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+
+
+def _make_config(spec: _ArchSpec, *, dtype: torch.dtype, sliding_window: int | None, **sizes):
+    from transformers import AutoConfig
+
+    kwargs = dict(
+        sizes,
+        architectures=[spec.architecture],
+        hidden_act=spec.hidden_act,
+        rope_theta=spec.rope_theta,  # transformers 5 moves this into rope_parameters itself
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=0.02,
+        attention_dropout=0.0,
+        use_cache=True,
+    )
+    if spec.model_type == "mistral":
+        kwargs["sliding_window"] = sliding_window
+    if spec.model_type == "gemma":
+        kwargs["hidden_activation"] = spec.hidden_act  # the name transformers 4.x reads
+    major = int(_transformers_version().split(".")[0])
+    kwargs["dtype" if major >= 5 else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    return AutoConfig.for_model(spec.model_type, **kwargs)
+
+
+def _config_json(config, spec: _ArchSpec) -> dict:
+    """config.json as a Hub checkpoint has it: the model's fields, without the generic
+    PretrainedConfig ones (id2label, return_dict, ...), and explicit about every trait even
+    where it equals the class default, since GGUF converters read the file, not the class."""
+    full = config.to_dict()
+    traits = (
+        "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "hidden_act", "hidden_activation", "max_position_embeddings", "rms_norm_eps",
+        "tie_word_embeddings", "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id",
+        "rope_parameters", "rope_scaling", "dtype", "torch_dtype",
+    )  # fmt: skip
+    out = {**config.to_diff_dict(), **{k: full[k] for k in traits if k in full}}
+    # transformers 5 keeps rope_theta inside rope_parameters; converters and transformers 4
+    # look for it at the top level.
+    out.setdefault("rope_theta", spec.rope_theta)
+    return out
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _random_weights(config, spec: _ArchSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Fill every parameter of the model that `config` describes, in the model's order."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # names and shapes only, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, param in skeleton.named_parameters():
+        if spec.tie_word_embeddings and name == "lm_head.weight":
+            continue  # tied to model.embed_tokens.weight; safetensors stores it once
+        if param.ndim == 1:  # RMSNorm weights (the only vectors: no biases here)
+            value = spec.norm_neutral + 0.1 * torch.randn(param.shape, generator=generator)
+        else:  # Linear (out, in) and Embedding (vocab, hidden) both have the fan-in last
+            value = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
+        weights[name] = value
+    return weights
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# Cache: each variant built once per process
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_model_path(arch: str, **kwargs) -> pathlib.Path:
+    """Like `build_tiny_model(arch, **kwargs)`, but built once per process and cached.
+
+    The folder lives in a temporary directory removed when the process exits. Treat it as
+    read-only: other callers with the same arguments get the same folder.
+    """
+    if "path" in kwargs:
+        raise TypeError("tiny_model_path chooses the folder itself; call build_tiny_model to pick one")
+    bound = inspect.signature(build_tiny_model).bind(arch, **kwargs)
+    bound.apply_defaults()
+    bound.arguments.pop("path")
+    return _cached_model(tuple(bound.arguments.items()))
+
+
+@functools.cache
+def _cached_model(arguments: tuple) -> pathlib.Path:
+    digest = hashlib.sha1(repr(arguments).encode()).hexdigest()[:12]
+    kwargs = dict(arguments)
+    arch = kwargs.pop("arch")
+    return build_tiny_model(arch, _cache_root() / f"{arch}-{digest}", **kwargs)
+
+
+@functools.cache
+def _cache_dir() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="slothkit-tiny-models-")
+
+
+def _cache_root() -> pathlib.Path:
+    return pathlib.Path(_cache_dir().name)
