@@ -4,15 +4,19 @@ The kernel library never imports bitsandbytes.  Glue code turns a bitsandbytes
 ``Params4bit`` (its ``.data`` plus ``.quant_state``) into this record with
 :meth:`NF4Weight.from_bitsandbytes`, which only reads attributes.
 
-Layout (bitsandbytes' "nf4" with optional double quantisation):
+Layout (bitsandbytes' "nf4" with optional double quantisation, as of 0.50):
   * ``packed``: uint8, two 4-bit codes per byte, the element with the even index in
-    the high nibble; flattening order is the row-major order of ``shape``.
-  * each run of ``blocksize`` elements shares one scale ``absmax[b]``:
-        w[j] = NF4_CODE[nibble_j] * absmax[j // blocksize]
+    the high nibble; flattening order is the row-major order of ``shape``; an odd
+    element count leaves the low nibble of the last byte unused.
+  * each run of ``blocksize`` elements (the last run may be shorter) shares one
+    scale ``absmax[b]``; the product is formed in fp32 and rounded once to ``dtype``:
+        w[j] = dtype(fp32(NF4_CODE[nibble_j] * absmax[j // blocksize]))
   * double quantisation stores ``absmax`` itself as uint8 codes into a 256-entry
     table ``nested_code`` with fp32 scales ``nested_absmax`` per
-    ``nested_blocksize`` entries, plus a scalar ``offset``:
-        absmax[b] = nested_code[absmax_q[b]] * nested_absmax[b // nested_blocksize] + offset
+    ``nested_blocksize`` entries (256 in bitsandbytes), plus a scalar ``offset``.
+    The product and the sum are rounded separately in fp32 (never one FMA):
+        scale = fp32(nested_code[absmax_q[b]] * nested_absmax[b // nested_blocksize])
+        absmax[b] = fp32(scale + offset)
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 
 @dataclass
 class NF4Weight:
-    packed: torch.Tensor  # uint8, numel = prod(shape) / 2
+    packed: torch.Tensor  # uint8, numel = ceil(prod(shape) / 2)
     absmax: torch.Tensor  # fp32 per-block scales, or uint8 codes when nested
     code: torch.Tensor  # fp32, the 16 NF4 levels
     blocksize: int  # elements per scale
@@ -50,6 +54,15 @@ class NF4Weight:
             raise ValueError(
                 f"only NF4 weights are supported, got quant_type={quant_state.quant_type!r}"
             )
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            raise ValueError(
+                "this weight was repacked for bitsandbytes' CPU kernels "
+                "(quant_state.packing_format_for_cpu); move it to the GPU (param.cuda()) "
+                "or undo the repacking before wrapping it"
+            )
+        if packed.dtype != torch.uint8:
+            # quant_storage other than uint8 (e.g. bf16 for FSDP) holds the same bytes.
+            packed = packed.contiguous().view(torch.uint8)
         nested = getattr(quant_state, "nested", False)
         state2 = quant_state.state2 if nested else None
         return cls(
