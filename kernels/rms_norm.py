@@ -1,0 +1,236 @@
+"""RMSNorm: y = w * x / rms(x), one row of the last dimension at a time.
+
+Two flavours, each matching its Hugging Face module to the rounding:
+
+* ``gemma=False`` (LlamaRMSNorm, also Mistral, Qwen2, ...)::
+
+      y = weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)
+
+  The normalised row is rounded to x's dtype *before* the weight multiply, and
+  the product has dtype ``torch.promote_types(x.dtype, weight.dtype)`` (a bf16
+  input with an fp32 weight gives an fp32 output, as in transformers).
+
+* ``gemma=True`` (GemmaRMSNorm)::
+
+      y = (x_fp32 * rsqrt(mean(x_fp32^2) + eps) * (1 + weight.float())).to(x.dtype)
+
+  The weight is stored as an offset from one; everything is fp32 and rounded once.
+
+Everything inside the kernels is fp32.  The forward pass saves x and the per-row
+r = rsqrt(mean(x^2) + eps) (fp32, one value per row); x_hat = x * r is recomputed.
+
+Backward, per row of H elements, with g = dL/dy and v = w (Llama) or 1 + w (Gemma):
+    x_hat_i = x_i r,            r = (mean_j x_j^2 + eps)^(-1/2)
+    dr/dx_j = -r^3 x_j / H,     so  d x_hat_i / d x_j = r (delta_ij - x_hat_i x_hat_j / H)
+    u = g * v                   (dL/dx_hat)
+    dL/dx = r * (u - x_hat * mean(u * x_hat))
+    dL/dw = sum over rows of g * x_hat
+The rounding of x_hat to x.dtype in the Llama flavour is treated as the identity
+(as autograd does), but dL/dw uses the rounded x_hat, which is the value the
+weight actually multiplied.  Each backward program handles a run of rows and
+keeps its share of dL/dw in fp32 registers; the per-program partial sums are
+added up afterwards.  dL/dw is only computed when weight requires grad.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slothkit_kernels.utils import (
+    calculate_settings,
+    check_float_dtype,
+    check_not_empty,
+    check_same_device,
+    use_triton,
+    warn_reference_once,
+)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False
+) -> torch.Tensor:
+    """The same function in plain torch, written as transformers writes it."""
+    x32 = x.float()
+    x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (x_hat * (1.0 + weight.float())).to(x.dtype)
+    return weight * x_hat.to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_forward_kernel(
+    X,  # pointer to the input rows, (n_rows, H), last dim contiguous
+    W,  # pointer to the weight, (H,)
+    Y,  # pointer to the output rows, (n_rows, H), contiguous
+    RSTD,  # pointer to the saved r = rsqrt(mean(x^2) + eps), (n_rows,) fp32
+    x_row_stride,  # elements between consecutive rows of X
+    n_cols,  # H, the length of a row
+    eps,  # added to the mean square
+    GEMMA: tl.constexpr,  # True: y = x_hat * (1 + w) rounded once (GemmaRMSNorm)
+    BLOCK_SIZE: tl.constexpr,  # power of two >= H
+):
+    # int64: row * stride can exceed 2**31 (e.g. 8192 x 256000).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+
+    x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    x_hat = x * rstd
+    if GEMMA:
+        y = x_hat * (1.0 + w)
+    else:
+        # LlamaRMSNorm rounds x_hat to the input dtype before multiplying by w.
+        y = w * x_hat.to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY,  # pointer to dL/dy, (n_rows, H), last dim contiguous
+    X,  # pointer to the saved input, (n_rows, H), last dim contiguous
+    W,  # pointer to the weight, (H,)
+    RSTD,  # pointer to the saved r per row, (n_rows,) fp32
+    DX,  # pointer to dL/dx, (n_rows, H), contiguous (unused unless COMPUTE_DX)
+    DW_PARTIAL,  # pointer to per-program sums of g * x_hat, (programs, H) fp32 (unused unless COMPUTE_DW)
+    dy_row_stride,  # elements between consecutive rows of DY
+    x_row_stride,  # elements between consecutive rows of X
+    n_rows,  # number of rows
+    n_cols,  # H, the length of a row
+    rows_per_program,  # consecutive rows handled by one program
+    GEMMA: tl.constexpr,  # the weight enters as (1 + w)
+    COMPUTE_DX: tl.constexpr,  # write dL/dx
+    COMPUTE_DW: tl.constexpr,  # write this program's partial dL/dw
+    BLOCK_SIZE: tl.constexpr,  # power of two >= H
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < n_cols
+
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = 1.0 + w
+    dw_acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+
+    # int64 loop bounds make the row index int64, so row * stride cannot overflow.
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        x_hat = x * rstd
+        if COMPUTE_DX:
+            u = dy * w
+            mean_ux = tl.sum(u * x_hat, axis=0) / n_cols
+            dx = rstd * (u - x_hat * mean_ux)
+            tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if GEMMA:
+                dw_acc += dy * x_hat
+            else:
+                dw_acc += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """(..., H) -> (rows, H) with a unit stride along H (a view when possible)."""
+    rows = t.reshape(-1, n_cols)
+    if rows.stride(-1) != 1 and n_cols > 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def _backward_programs(device: torch.device, n_rows: int) -> int:
+    """Programs sharing the rows in the backward pass, each with its own dL/dw partial."""
+    if device.type == "cuda":
+        # A few programs per SM: enough in flight to hide memory latency, while the
+        # (programs, H) fp32 partial buffer stays small next to x.
+        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_rows, 8)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, gemma):
+        n_cols = x.shape[-1]
+        x_rows = _as_rows(x, n_cols)
+        weight = weight.contiguous()
+        n_rows = x_rows.shape[0]
+        out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+        y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block_size, num_warps = calculate_settings(n_cols)
+        _rms_norm_forward_kernel[(n_rows,)](
+            x_rows, weight, y, rstd,
+            x_rows.stride(0), n_cols, eps,
+            GEMMA=gemma, BLOCK_SIZE=block_size, num_warps=num_warps,
+        )
+        ctx.save_for_backward(x_rows, weight, rstd)
+        ctx.gemma = gemma
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_rows, weight, rstd = ctx.saved_tensors
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n_rows, n_cols = x_rows.shape
+        dy_rows = _as_rows(dy, n_cols)
+        dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if needs_dx else None
+        n_programs = _backward_programs(x_rows.device, n_rows) if needs_dw else n_rows
+        rows_per_program = triton.cdiv(n_rows, n_programs)
+        n_programs = triton.cdiv(n_rows, rows_per_program)
+        dw_partial = (
+            torch.empty((n_programs, n_cols), dtype=torch.float32, device=x_rows.device)
+            if needs_dw else None
+        )
+        block_size, num_warps = calculate_settings(n_cols)
+        _rms_norm_backward_kernel[(n_programs,)](
+            dy_rows, x_rows, weight, rstd,
+            dx if needs_dx else x_rows,  # placeholders are never written
+            dw_partial if needs_dw else rstd,
+            dy_rows.stride(0), x_rows.stride(0),
+            n_rows, n_cols, rows_per_program,
+            GEMMA=ctx.gemma, COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw,
+            BLOCK_SIZE=block_size, num_warps=num_warps,
+        )
+        dx = dx.view(ctx.x_shape) if needs_dx else None
+        dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
+        return dx, dw, None, None
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    check_float_dtype("rms_norm: x", x)
+    check_float_dtype("rms_norm: weight", weight)
+    check_same_device(x=x, weight=weight)
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x is a scalar; expected shape (..., H)")
+    check_not_empty("rms_norm: x", x)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight has shape {tuple(weight.shape)}; expected ({x.shape[-1]},) "
+            f"to match the last dimension of x {tuple(x.shape)}"
+        )
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"rms_norm: eps must be a non-negative number, got {eps!r}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of x (any leading dims), differentiable.
+
+    gemma=False: LlamaRMSNorm, output dtype promote_types(x.dtype, weight.dtype).
+    gemma=True: GemmaRMSNorm (scale 1 + weight), output dtype x.dtype.
+    """
+    _check_inputs(x, weight, eps)
+    if not use_triton(x):
+        warn_reference_once("rms_norm", x.device.type)
+        return rms_norm_reference(x, weight, eps, gemma)
+    return _RMSNormFunction.apply(x, weight, float(eps), bool(gemma))
