@@ -1,0 +1,486 @@
+"""LoRA-adapted projections with hand-derived backward passes.
+
+A projection has a frozen base weight W (out, in), either a 16-bit tensor or an
+``NF4Weight`` (dequantised on the fly, in forward and again in backward, never
+kept in 16-bit), an optional frozen bias, and an optional adapter A (r, in),
+B (out, r) with scale s:
+
+    Y = X W^T + s (X A^T) B^T (+ bias)              X: (N, in), Y: (N, out)
+
+Backward, given dY (N, out):
+
+    dX = dY W + s (dY B) A
+    dA = s (dY B)^T X                               (r, in)
+    dB = s dY^T (X A^T)                             (out, r)
+
+X A^T (N, r) is tiny, so it is saved from the forward pass instead of being
+recomputed.  Only the gradients autograd asks for are computed
+(``ctx.needs_input_grad``): the first layer's input often needs none.
+
+Precision.  PEFT keeps A and B in fp32 while the base runs in bf16/fp16; here the
+adapter matmuls run in the compute dtype (A and B are cast, which is cheap) and
+dA, dB are returned in A's and B's own dtype.  The compute dtype is x's dtype, or
+the autocast dtype when torch autocast is on (then x and a 16-bit W are cast to
+it, as autocast would for ``F.linear``).  Without autocast a tensor W must have
+x's dtype.  LoRA dropout is not modelled: use these with ``lora_dropout=0``.
+
+Fused blocks:
+
+* ``lora_qkv``: q, k, v projections of one input.  X is saved once and
+  dX = sum over the three projections of the dX above.
+* ``lora_mlp``: e = X Wg'^T, g = X Wu'^T, h = act(e) * g, Y = h Wd'^T (' = with
+  adapter).  Saved: X, e, g and the (N, r) adapter products.  Backward:
+      dh            = dY Wd + s_d (dY B_d) A_d
+      h, de, dg     = fused activation backward (recomputes h; written into the
+                      buffers of dh, e, g, so no new (N, intermediate) tensors)
+      dA_d = s_d (dY B_d)^T h,   dB_d = s_d dY^T (h A_d^T)
+      gate and up projections as above with dY := de and dg, their dX summed.
+  Because e and g are overwritten, the block's backward can run only once (no
+  ``retain_graph=True`` double backward); a second attempt raises.
+
+The functions here are torch matmuls and run on any device; the Triton kernels
+they call (the fused activations, NF4 dequantisation) dispatch by themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from slothkit_kernels.geglu import geglu_backward, geglu_forward, geglu_reference
+from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_reference
+from slothkit_kernels.utils import check_float_dtype, check_not_empty
+
+ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu")
+
+
+@dataclass
+class LoRAProjection:
+    weight: torch.Tensor | NF4Weight  # frozen base, (out_features, in_features)
+    lora_a: torch.Tensor | None  # (r, in_features), trainable; None = no adapter
+    lora_b: torch.Tensor | None  # (out_features, r)
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) for rsLoRA
+    bias: torch.Tensor | None = None  # frozen base-layer bias (out_features,), no grad
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def fields(self) -> tuple:
+        return (self.weight, self.lora_a, self.lora_b, self.scaling, self.bias)
+
+
+_N_FIELDS = 5  # LoRAProjection.fields() as passed to Function.apply
+
+
+def _base_weight(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight as a (out, in) tensor of ``dtype``; NF4 is dequantised afresh."""
+    if isinstance(weight, NF4Weight):
+        from slothkit_kernels.nf4 import dequantize_nf4
+
+        weight = dequantize_nf4(weight)
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# References (plain torch, differentiated by autograd)
+# ----------------------------------------------------------------------------
+
+
+def lora_linear_reference(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
+    """Same math as ``lora_linear`` through autograd (W of an NF4 weight dequantised)."""
+    dtype = x.dtype
+    y = F.linear(
+        x, _base_weight(proj.weight, dtype), None if proj.bias is None else proj.bias.to(dtype)
+    )
+    if proj.lora_a is not None:
+        xa = F.linear(x, proj.lora_a.to(dtype))
+        y = y + proj.scaling * F.linear(xa, proj.lora_b.to(dtype))
+    return y
+
+
+def lora_qkv_reference(x, q_proj, k_proj, v_proj):
+    return tuple(lora_linear_reference(x, p) for p in (q_proj, k_proj, v_proj))
+
+
+def lora_mlp_reference(x, gate_proj, up_proj, down_proj, activation="swiglu"):
+    e = lora_linear_reference(x, gate_proj)
+    g = lora_linear_reference(x, up_proj)
+    if activation == "swiglu":
+        h = swiglu_reference(e, g)
+    else:
+        h = geglu_reference(e, g, "tanh" if activation == "geglu_tanh" else "none")
+    return lora_linear_reference(h, down_proj)
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _check_projection(
+    name: str, proj: LoRAProjection, in_features: int, x: torch.Tensor, dtype: torch.dtype
+) -> None:
+    if not isinstance(proj, LoRAProjection):
+        raise TypeError(f"{name} must be a LoRAProjection, got {type(proj).__name__}")
+    w = proj.weight
+    if not isinstance(w, (torch.Tensor, NF4Weight)):
+        raise TypeError(
+            f"{name}.weight must be a torch.Tensor or NF4Weight, got {type(w).__name__}"
+        )
+    if len(w.shape) != 2:
+        raise ValueError(
+            f"{name}.weight must be (out_features, in_features), got shape {tuple(w.shape)}"
+        )
+    out_features = w.shape[0]
+    if w.shape[1] != in_features:
+        raise ValueError(
+            f"{name}.weight has in_features={w.shape[1]} but its input has last dimension "
+            f"{in_features}"
+        )
+    if w.device != x.device:
+        raise ValueError(f"{name}.weight is on {w.device} but the input is on {x.device}")
+    if isinstance(w, torch.Tensor):
+        check_float_dtype(f"{name}.weight", w)
+        if w.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name}.weight has dtype {w.dtype} but the input has {dtype}; they must "
+                f"match (or run under torch.autocast)"
+            )
+        if w.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name}.weight requires grad, but the base weight of a LoRA projection is "
+                f"frozen and gets no gradient; call weight.requires_grad_(False)"
+            )
+    if proj.bias is not None:
+        if proj.bias.shape != (out_features,):
+            raise ValueError(
+                f"{name}.bias has shape {tuple(proj.bias.shape)}, expected ({out_features},)"
+            )
+        if proj.bias.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name}.bias requires grad, but the base bias is frozen here; "
+                f"call bias.requires_grad_(False)"
+            )
+    a, b = proj.lora_a, proj.lora_b
+    if (a is None) != (b is None):
+        raise ValueError(f"{name}: lora_a and lora_b must both be tensors or both be None")
+    if a is None:
+        return
+    check_float_dtype(f"{name}.lora_a", a)
+    check_float_dtype(f"{name}.lora_b", b)
+    if a.dim() != 2 or a.shape[1] != in_features:
+        raise ValueError(f"{name}.lora_a must be (r, {in_features}), got shape {tuple(a.shape)}")
+    if b.dim() != 2 or b.shape[0] != out_features:
+        raise ValueError(f"{name}.lora_b must be ({out_features}, r), got shape {tuple(b.shape)}")
+    if a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"{name}: rank mismatch, lora_a has r={a.shape[0]} rows but lora_b has "
+            f"r={b.shape[1]} columns"
+        )
+    for part, t in (("lora_a", a), ("lora_b", b)):
+        if t.device != x.device:
+            raise ValueError(f"{name}.{part} is on {t.device} but the input is on {x.device}")
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype("x", x)
+    check_not_empty("x", x)
+    if x.dim() < 1:
+        raise ValueError("x must have shape (..., in_features)")
+
+
+# ----------------------------------------------------------------------------
+# One projection, forward and backward, without autograd
+# ----------------------------------------------------------------------------
+
+
+def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection):
+    """Y = X W^T + s (X A^T) B^T + bias; returns (Y, X A^T or None)."""
+    dtype = x2d.dtype
+    bias = None if proj.bias is None else proj.bias.to(dtype)
+    y = F.linear(x2d, _base_weight(proj.weight, dtype), bias)  # (N, out)
+    xa = None
+    if proj.lora_a is not None:
+        xa = x2d @ proj.lora_a.to(dtype).t()  # (N, r)
+        y.addmm_(xa, proj.lora_b.to(dtype).t(), alpha=proj.scaling)
+    return y, xa
+
+
+def _projection_backward(
+    dy: torch.Tensor,
+    x2d: torch.Tensor | None,
+    xa: torch.Tensor | None,
+    proj: LoRAProjection,
+    need_x: bool,
+    need_a: bool,
+    need_b: bool,
+    dx: torch.Tensor | None = None,
+):
+    """Gradients of one projection; dX is added into ``dx`` when given.
+
+    Returns (dX or None, dA or None, dB or None).
+    """
+    dtype = dy.dtype
+    d_a = d_b = None
+    dyb_s = None
+    has_adapter = proj.lora_a is not None
+    if has_adapter and (need_x or need_a):
+        dyb_s = (dy @ proj.lora_b.to(dtype)).mul_(proj.scaling)  # s dY B: (N, r)
+    if has_adapter and need_a:
+        d_a = (dyb_s.t() @ x2d).to(proj.lora_a.dtype)  # (r, in)
+    if has_adapter and need_b:
+        d_b = (dy.t() @ (xa * proj.scaling)).to(proj.lora_b.dtype)  # (out, r)
+    if need_x:
+        w = _base_weight(proj.weight, dtype)
+        if dx is None:
+            dx = dy @ w  # (N, in)
+        else:
+            dx.addmm_(dy, w)
+        del w
+        if has_adapter:
+            dx.addmm_(dyb_s, proj.lora_a.to(dtype))
+    return dx, d_a, d_b
+
+
+def _save_projections(ctx, x, projs, products, *extra) -> None:
+    """save_for_backward(x, *extra, then per projection W, A, B, X A^T).
+
+    A 16-bit W is a frozen parameter, so saving it costs nothing; an NF4Weight is
+    not a tensor and is kept on ctx (its packed codes, never a dequantised copy).
+    The bias is not needed in backward.
+    """
+    saved = []
+    for p, xa in zip(projs, products):
+        saved += [p.weight if isinstance(p.weight, torch.Tensor) else None, p.lora_a, p.lora_b, xa]
+    ctx.save_for_backward(x, *extra, *saved)
+    ctx.nf4 = [None if isinstance(p.weight, torch.Tensor) else p.weight for p in projs]
+    ctx.scalings = [p.scaling for p in projs]
+
+
+def _load_projections(ctx, saved) -> list[tuple[LoRAProjection, torch.Tensor | None]]:
+    """(projection, X A^T) pairs from what _save_projections stored."""
+    pairs = []
+    for i, (nf4, scaling) in enumerate(zip(ctx.nf4, ctx.scalings)):
+        weight, a, b, xa = saved[4 * i : 4 * i + 4]
+        pairs.append((LoRAProjection(weight if nf4 is None else nf4, a, b, scaling), xa))
+    return pairs
+
+
+def _adapter_needs(ctx, first: int, i: int) -> tuple[bool, bool]:
+    """needs_input_grad of (A, B) of the i-th projection whose fields start at ``first``."""
+    need = ctx.needs_input_grad
+    return need[first + _N_FIELDS * i + 1], need[first + _N_FIELDS * i + 2]
+
+
+# ----------------------------------------------------------------------------
+# autograd Functions
+# ----------------------------------------------------------------------------
+
+
+class _LoRAProjectionsFunction(torch.autograd.Function):
+    """k projections of one shared input (k = 1 for lora_linear, 3 for lora_qkv).
+
+    apply(x, *fields of projection 1, ..., *fields of projection k).
+    """
+
+    @staticmethod
+    def forward(ctx, x, *flat):
+        projs = [LoRAProjection(*flat[i : i + _N_FIELDS]) for i in range(0, len(flat), _N_FIELDS)]
+        x2d = x.reshape(-1, x.shape[-1])  # (N, in)
+        outs, products = [], []
+        with torch.autocast(x.device.type, enabled=False):
+            for p in projs:
+                y, xa = _projection_forward(x2d, p)
+                outs.append(y.view(*x.shape[:-1], p.out_features))
+                products.append(xa)
+        _save_projections(ctx, x, projs, products)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *saved = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        x2d = x.reshape(-1, x.shape[-1])
+        dx = None
+        adapter_grads = []
+        with torch.autocast(x.device.type, enabled=False):
+            for i, ((proj, xa), dy) in enumerate(zip(_load_projections(ctx, saved), grads)):
+                need_a, need_b = _adapter_needs(ctx, 1, i)
+                dy = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # (N, out_i)
+                dx, d_a, d_b = _projection_backward(dy, x2d, xa, proj, need_x, need_a, need_b, dx)
+                adapter_grads += [None, d_a, d_b, None, None]
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (dx, *adapter_grads)
+
+
+def _activation_launchers(activation: str):
+    if activation == "swiglu":
+        return swiglu_forward, swiglu_backward
+    approximate = "tanh" if activation == "geglu_tanh" else "none"
+    return (
+        lambda e, g: geglu_forward(e, g, approximate),
+        lambda dh, e, g, inplace: geglu_backward(dh, e, g, approximate, inplace=inplace),
+    )
+
+
+class _LoRAMLPFunction(torch.autograd.Function):
+    """apply(x, activation, *gate fields, *up fields, *down fields)."""
+
+    @staticmethod
+    def forward(ctx, x, activation, *flat):
+        gate, up, down = (LoRAProjection(*flat[i : i + _N_FIELDS]) for i in (0, 5, 10))
+        act_forward, _ = _activation_launchers(activation)
+        x2d = x.reshape(-1, x.shape[-1])  # (N, hidden)
+        with torch.autocast(x.device.type, enabled=False):
+            e, xa_g = _projection_forward(x2d, gate)  # (N, intermediate)
+            g, xa_u = _projection_forward(x2d, up)  # (N, intermediate)
+            h = act_forward(e, g)
+            y, ha_d = _projection_forward(h, down)  # (N, out)
+        del h  # recomputed in backward
+        _save_projections(ctx, x, (gate, up, down), (xa_g, xa_u, ha_d), e, g)
+        ctx.activation = activation
+        ctx.done = False
+        return y.view(*x.shape[:-1], down.out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.done:
+            raise RuntimeError(
+                "lora_mlp's backward reuses its saved activations' memory for gradients "
+                "and can run only once per forward (retain_graph=True is not supported)"
+            )
+        ctx.done = True
+        x, e, g, *saved = ctx.saved_tensors
+        (gate, xa_g), (up, xa_u), (down, ha_d) = _load_projections(ctx, saved)
+        need_x = ctx.needs_input_grad[0]
+        need_ga, need_gb = _adapter_needs(ctx, 2, 0)
+        need_ua, need_ub = _adapter_needs(ctx, 2, 1)
+        need_da, need_db = _adapter_needs(ctx, 2, 2)
+        # dL/dh is needed for anything upstream of the activation.
+        need_dh = need_x or need_ga or need_gb or need_ua or need_ub
+
+        act_forward, act_backward = _activation_launchers(ctx.activation)
+        dtype = x.dtype
+        s_d = down.scaling
+        x2d = x.reshape(-1, x.shape[-1])
+        dy = dy.reshape(-1, dy.shape[-1]).to(dtype)  # (N, out)
+        d_gate = d_up = (None, None)
+        d_da = d_db = dx = None
+        with torch.autocast(x.device.type, enabled=False):
+            has_adapter = down.lora_a is not None
+            dyb_s = None
+            if has_adapter and (need_dh or need_da):
+                dyb_s = (dy @ down.lora_b.to(dtype)).mul_(s_d)  # s_d dY B_d: (N, r)
+            if has_adapter and need_db:
+                d_db = (dy.t() @ (ha_d * s_d)).to(down.lora_b.dtype)  # (out, r)
+
+            h = None
+            if need_dh:
+                dh = dy @ _base_weight(down.weight, dtype)  # (N, intermediate)
+                if has_adapter:
+                    dh.addmm_(dyb_s, down.lora_a.to(dtype))
+                # h goes into dh's buffer, de into e's, dg into g's.
+                h, de, dg = act_backward(dh, e, g, inplace=True)
+                del dh, e, g
+            elif has_adapter and need_da:
+                h = act_forward(e, g)
+            if has_adapter and need_da:
+                d_da = (dyb_s.t() @ h).to(down.lora_a.dtype)  # (r, intermediate)
+            del h
+
+            if need_dh:
+                dx, *d_gate = _projection_backward(de, x2d, xa_g, gate, need_x, need_ga, need_gb)
+                del de
+                dx, *d_up = _projection_backward(dg, x2d, xa_u, up, need_x, need_ua, need_ub, dx)
+                del dg
+        if dx is not None:
+            dx = dx.view(x.shape)
+        return (
+            dx, None,
+            None, d_gate[0], d_gate[1], None, None,
+            None, d_up[0], d_up[1], None, None,
+            None, d_da, d_db, None, None,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------
+
+
+def _prepare(x: torch.Tensor, checks) -> torch.Tensor:
+    """Validate x and each (name, projection, in_features or None for x's last dim).
+
+    Returns x cast to the compute dtype.
+    """
+    _check_input(x)
+    dtype = _compute_dtype(x)
+    for name, proj, in_features in checks:
+        _check_projection(name, proj, in_features or x.shape[-1], x, dtype)
+    return x.to(dtype)
+
+
+def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
+    """y = x W^T + s (x A^T) B^T (+ bias) for x of shape (..., in); y: (..., out)."""
+    x = _prepare(x, [("proj", proj, None)])
+    (y,) = _LoRAProjectionsFunction.apply(x, *proj.fields())
+    return y
+
+
+def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
+    """The attention output projection: ``lora_linear`` under its usual name."""
+    x = _prepare(x, [("o_proj", o_proj, None)])
+    (y,) = _LoRAProjectionsFunction.apply(x, *o_proj.fields())
+    return y
+
+
+def lora_qkv(
+    x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) projections of one input x (..., hidden); x is saved once."""
+    x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
+    return _LoRAProjectionsFunction.apply(x, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate_proj: LoRAProjection,
+    up_proj: LoRAProjection,
+    down_proj: LoRAProjection,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) with LoRA on each projection; x: (..., hidden).
+
+    activation: "swiglu" (silu, Llama), "geglu_tanh" (tanh GELU, Gemma) or
+    "geglu" (exact erf GELU).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    x = _prepare(x, [("gate_proj", gate_proj, None), ("up_proj", up_proj, None)])
+    if up_proj.out_features != gate_proj.out_features:
+        raise ValueError(
+            f"up_proj has out_features={up_proj.out_features} but gate_proj has "
+            f"{gate_proj.out_features}; they must match"
+        )
+    _check_projection("down_proj", down_proj, gate_proj.out_features, x, x.dtype)
+    return _LoRAMLPFunction.apply(
+        x, activation, *gate_proj.fields(), *up_proj.fields(), *down_proj.fields()
+    )

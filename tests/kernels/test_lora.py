@@ -1,0 +1,630 @@
+"""LoRA projections (lora_linear, lora_qkv, lora_o, lora_mlp) against PEFT.
+
+The reference is a real PEFT model: a tiny attention + MLP block of nn.Linear
+layers wrapped by ``get_peft_model`` (adapters kept in fp32 as PEFT does for a
+16-bit base).  Our functions get the very same tensors through LoRAProjection
+records, and the forward output and the gradients of x and of every adapter
+matrix are compared.  For an NF4 base, PEFT runs on the bitsandbytes-dequantised
+weights while our functions get the packed NF4Weight.
+"""
+
+import copy
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import Linear as PeftLoraLinear
+from transformers.activations import ACT2FN
+
+from slothkit_kernels.lora import (
+    LoRAProjection,
+    lora_linear,
+    lora_linear_reference,
+    lora_mlp,
+    lora_mlp_reference,
+    lora_o,
+    lora_qkv,
+    lora_qkv_reference,
+)
+from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.testing import relative_error
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+# Odd sizes: hidden 96, intermediate 80, q 64, k/v 40, rank 8, 7 tokens.
+HIDDEN, INTERMEDIATE, Q_OUT, KV_OUT, RANK = 96, 80, 64, 40, 8
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Norm-wise relative error allowed against PEFT, which runs the adapter matmuls in
+# fp32 where we run them in the 16-bit compute dtype.
+PEFT_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+# ... and against our own plain-torch reference, which rounds like we do.
+REF_RTOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
+# GPU-sized cases reduce over thousands of elements.
+LARGE_RTOL = 2e-2
+ACTIVATIONS = {"swiglu": "silu", "geglu_tanh": "gelu_pytorch_tanh", "geglu": "gelu"}
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _has_nf4_kernel() -> bool:
+    try:
+        import slothkit_kernels.nf4  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_nf4_kernel = pytest.mark.skipif(
+    not _has_nf4_kernel(),
+    reason="slothkit_kernels.nf4 (kernels/nf4.py, dequantize_nf4) is not written yet; "
+    "the NF4 plumbing is covered by the *_nf4_stub tests meanwhile",
+)
+
+
+class TinyBlock(nn.Module):
+    """The linear layers of one decoder layer, named as in Llama."""
+
+    def __init__(self, activation: str, bias: bool):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, Q_OUT, bias=bias)
+        self.k_proj = nn.Linear(HIDDEN, KV_OUT, bias=bias)
+        self.v_proj = nn.Linear(HIDDEN, KV_OUT, bias=bias)
+        self.o_proj = nn.Linear(Q_OUT, HIDDEN, bias=False)
+        self.gate_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+        self.act_fn = ACT2FN[ACTIVATIONS[activation]]
+
+    def qkv(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def mlp(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _peft_block(
+    dtype, device, activation="swiglu", targets=ALL_TARGETS, bias=False, rslora=False, seed=0
+):
+    torch.manual_seed(seed)
+    block = TinyBlock(activation, bias).to(device, dtype)
+    config = LoraConfig(
+        r=RANK,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=list(targets),
+        init_lora_weights=False,  # random A and B, so that every gradient is non-trivial
+        use_rslora=rslora,
+    )
+    model = get_peft_model(block, config)  # adapters upcast to fp32 for a 16-bit base
+    return model.base_model.model
+
+
+def _projection(module, nf4=None) -> LoRAProjection:
+    """LoRAProjection sharing the tensors of a PEFT LoRA layer (or a plain nn.Linear)."""
+    if isinstance(module, PeftLoraLinear):
+        base = module.base_layer
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        scaling = module.scaling["default"]
+    else:
+        base, a, b, scaling = module, None, None, 1.0
+    weight = base.weight if nf4 is None else nf4[base]
+    return LoRAProjection(weight, a, b, scaling, base.bias)
+
+
+def _adapter_params(*modules):
+    params = []
+    for m in modules:
+        if isinstance(m, PeftLoraLinear):
+            params += [m.lora_A["default"].weight, m.lora_B["default"].weight]
+    return params
+
+
+def _bnb_dequantize(packed, state):
+    """bitsandbytes' dequantize_4bit as the reference for an NF4 weight.
+
+    bitsandbytes 0.50's CPU kernel restarts the blocks at every row, which is wrong
+    when in_features is not a multiple of the blocksize (96 here, blocksize 64; its
+    quantiser and CUDA kernel run blocks over the flat weight), so on the CPU it
+    dequantises the flat weight and the result is reshaped.
+    """
+    import bitsandbytes.functional as bnb_functional
+
+    shape = state.shape
+    if packed.device.type == "cpu" and shape[-1] % state.blocksize != 0:
+        state = copy.copy(state)
+        state.shape = torch.Size([shape.numel()])
+    return bnb_functional.dequantize_4bit(packed, state).reshape(shape)
+
+
+def _quantize_to_nf4(block):
+    """Quantise every base weight to NF4 with bitsandbytes.
+
+    The block's base weights are replaced by their dequantised values (what PEFT then
+    computes with) and the NF4Weight records are returned by base layer.
+    """
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    records = {}
+    for module in block.modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, PeftLoraLinear):
+            packed, state = bnb_functional.quantize_4bit(
+                module.weight.data, quant_type="nf4", compress_statistics=True, blocksize=64
+            )
+            module.weight.data = _bnb_dequantize(packed, state)
+            records[module] = NF4Weight.from_bitsandbytes(packed, state)
+    return records
+
+
+def _compare(ours, theirs, rtol, what):
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert a.shape == b.shape, f"{what}[{i}]: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        assert a.dtype == b.dtype, f"{what}[{i}]: dtype {a.dtype} vs {b.dtype}"
+        err = relative_error(a, b)
+        assert err < rtol, f"{what}[{i}]: relative error {err:.2e} >= {rtol:.0e}"
+
+
+def _run(fn, params, seed=1):
+    """Outputs of fn and the grads of params, for fixed random output grads."""
+    outs = fn()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(seed)
+    dys = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, params, dys)
+    return [o.detach() for o in outs], list(grads)
+
+
+def _x(shape, dtype, device, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+
+
+# ----------------------------------------------------------------------------
+# 16-bit (and fp32) base
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize(
+    "targets",
+    [ALL_TARGETS, ["gate_proj", "down_proj"]],  # the second leaves up_proj without adapter
+    ids=["all", "partial"],
+)
+def test_lora_mlp_matches_peft(dtype, activation, targets, device):
+    block = _peft_block(dtype, device, activation, targets)
+    gate, up, down = block.gate_proj, block.up_proj, block.down_proj
+    projs = [_projection(m) for m in (gate, up, down)]
+    x = _x((2, 7, HIDDEN), dtype, device)
+    params = [x] + _adapter_params(gate, up, down)
+
+    y, grads = _run(lambda: lora_mlp(x, *projs, activation=activation), params)
+    y_peft, grads_peft = _run(lambda: block.mlp(x), params)
+    y_ref, grads_ref = _run(lambda: lora_mlp_reference(x, *projs, activation), params)
+    _compare(y, y_peft, PEFT_RTOL[dtype], "y vs PEFT")
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], "grads (x, A, B...) vs PEFT")
+    _compare(y, y_ref, REF_RTOL[dtype], "y vs reference")
+    _compare(grads, grads_ref, REF_RTOL[dtype], "grads vs reference")
+    for p, g in zip(params[1:], grads[1:]):
+        assert g.dtype == torch.float32 == p.dtype  # PEFT's fp32 adapters get fp32 grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize(
+    "targets", [ALL_TARGETS, ["q_proj", "v_proj"]], ids=["all", "k_without_adapter"]
+)
+def test_lora_qkv_matches_peft(dtype, bias, targets, device):
+    block = _peft_block(dtype, device, bias=bias, targets=targets, seed=3)
+    q, k, v = block.q_proj, block.k_proj, block.v_proj
+    projs = [_projection(m) for m in (q, k, v)]
+    x = _x((7, HIDDEN), dtype, device)
+    params = [x] + _adapter_params(q, k, v)
+
+    outs, grads = _run(lambda: lora_qkv(x, *projs), params)
+    outs_peft, grads_peft = _run(lambda: block.qkv(x), params)
+    outs_ref, grads_ref = _run(lambda: lora_qkv_reference(x, *projs), params)
+    _compare(outs, outs_peft, PEFT_RTOL[dtype], "q, k, v vs PEFT")
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], "grads vs PEFT")
+    _compare(outs, outs_ref, REF_RTOL[dtype], "q, k, v vs reference")
+    _compare(grads, grads_ref, REF_RTOL[dtype], "grads vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
+@pytest.mark.parametrize("shape", [(1, Q_OUT), (7, Q_OUT), (2, 3, Q_OUT)])
+def test_lora_o_and_linear_match_peft(dtype, rslora, shape, device):
+    block = _peft_block(dtype, device, rslora=rslora, seed=4)
+    o = block.o_proj
+    proj = _projection(o)
+    expected_scaling = 16 / RANK**0.5 if rslora else 16 / RANK
+    assert proj.scaling == pytest.approx(expected_scaling)
+    x = _x(shape, dtype, device)
+    params = [x] + _adapter_params(o)
+
+    y_peft, grads_peft = _run(lambda: o(x), params)
+    y_ref, grads_ref = _run(lambda: lora_linear_reference(x, proj), params)
+    for fn in (lora_o, lora_linear):
+        y, grads = _run(lambda fn=fn: fn(x, proj), params)
+        _compare(y, y_peft, PEFT_RTOL[dtype], f"{fn.__name__} y vs PEFT")
+        _compare(grads, grads_peft, PEFT_RTOL[dtype], f"{fn.__name__} grads vs PEFT")
+        _compare(y, y_ref, REF_RTOL[dtype], f"{fn.__name__} y vs reference")
+        _compare(grads, grads_ref, REF_RTOL[dtype], f"{fn.__name__} grads vs reference")
+
+
+def test_lora_linear_without_adapter_is_plain_linear(device):
+    torch.manual_seed(5)
+    layer = nn.Linear(HIDDEN, KV_OUT).to(device).requires_grad_(False)
+    x = _x((7, HIDDEN), torch.float32, device)
+    proj = LoRAProjection(layer.weight, None, None, 2.0, layer.bias)
+    y, (dx,) = _run(lambda: lora_linear(x, proj), [x])
+    y_ref, (dx_ref,) = _run(lambda: layer(x), [x])
+    _compare([*y, dx], [*y_ref, dx_ref], 1e-6, "y, dx")
+
+
+@pytest.mark.parametrize("layout", ["1d", "transposed"])
+def test_lora_linear_input_layouts(layout, device):
+    """A single token without batch dimension, and a non-contiguous x."""
+    block = _peft_block(torch.float32, device, seed=16)
+    proj = _projection(block.q_proj)
+    params = _adapter_params(block.q_proj)
+    if layout == "1d":
+        x = _x((HIDDEN,), torch.float32, device)
+    else:
+        x = _x((HIDDEN, 5), torch.float32, device).detach().t().requires_grad_()
+        assert not x.is_contiguous()
+    y, grads = _run(lambda: lora_linear(x, proj), [x, *params])
+    y_peft, grads_peft = _run(lambda: block.q_proj(x), [x, *params])
+    assert y[0].shape == x.shape[:-1] + (Q_OUT,)
+    _compare(y, y_peft, PEFT_RTOL[torch.float32], f"y ({layout})")
+    _compare(grads, grads_peft, PEFT_RTOL[torch.float32], f"grads ({layout})")
+
+
+@pytest.mark.parametrize("which", ["x_only", "adapters_only"])
+def test_lora_grads_only_where_needed(which, device):
+    """x without grad (first layer) or frozen adapters: the other grads are still right."""
+    dtype = torch.float32
+    block = _peft_block(dtype, device, seed=6)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m) for m in mods]
+    adapters = _adapter_params(*mods)
+    x = _x((7, HIDDEN), dtype, device)
+    if which == "adapters_only":
+        x.requires_grad_(False)
+        params = adapters
+    else:
+        for p in adapters:
+            p.requires_grad_(False)
+        params = [x]
+    _, grads = _run(lambda: lora_mlp(x, *projs), params)
+    _, grads_peft = _run(lambda: block.mlp(x), params)
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], f"grads ({which})")
+
+    qkv = (block.q_proj, block.k_proj, block.v_proj)
+    qkv_projs = [_projection(m) for m in qkv]
+    params = _adapter_params(*qkv) if which == "adapters_only" else [x]
+    _, grads = _run(lambda: lora_qkv(x, *qkv_projs), params)
+    _, grads_peft = _run(lambda: block.qkv(x), params)
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], f"qkv grads ({which})")
+
+
+def test_lora_mlp_only_down_adapter_without_x_grad(device):
+    """No gradient flows above the activation: h is recomputed just for dA_down."""
+    block = _peft_block(torch.float32, device, targets=["down_proj"], seed=7)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m) for m in mods]
+    x = _x((7, HIDDEN), torch.float32, device).requires_grad_(False)
+    params = _adapter_params(*mods)
+    assert len(params) == 2
+    _, grads = _run(lambda: lora_mlp(x, *projs), params)
+    _, grads_peft = _run(lambda: block.mlp(x), params)
+    _compare(grads, grads_peft, PEFT_RTOL[torch.float32], "down A, B grads")
+
+
+def test_lora_under_autocast(device):
+    """fp32 model and input under bf16 autocast: run in bf16, like PEFT under autocast."""
+    block = _peft_block(torch.float32, device, seed=8)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m) for m in mods]
+    x = _x((7, HIDDEN), torch.float32, device)
+    params = [x] + _adapter_params(*mods)
+    qkv_projs = [_projection(m) for m in (block.q_proj, block.k_proj, block.v_proj)]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y, grads = _run(lambda: lora_mlp(x, *projs), params)
+        y_peft, grads_peft = _run(lambda: block.mlp(x), params)
+        qkv, (dx_qkv,) = _run(lambda: lora_qkv(x, *qkv_projs), [x])
+    assert y[0].dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in qkv)
+    assert grads[0].dtype == torch.float32 and dx_qkv.dtype == torch.float32  # x's dtype
+    _compare(y, y_peft, PEFT_RTOL[torch.bfloat16], "y under autocast")
+    _compare(grads[1:], grads_peft[1:], PEFT_RTOL[torch.bfloat16], "adapter grads under autocast")
+    assert relative_error(grads[0], grads_peft[0]) < PEFT_RTOL[torch.bfloat16]
+
+
+def test_lora_mlp_backward_runs_once(device):
+    block = _peft_block(torch.float32, device, seed=9)
+    projs = [_projection(m) for m in (block.gate_proj, block.up_proj, block.down_proj)]
+    x = _x((7, HIDDEN), torch.float32, device)
+    y = lora_mlp(x, *projs)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="only once"):
+        y.sum().backward()
+
+
+def test_lora_qkv_retain_graph_backward_twice(device):
+    block = _peft_block(torch.float32, device, seed=10)
+    projs = [_projection(m) for m in (block.q_proj, block.k_proj, block.v_proj)]
+    x = _x((7, HIDDEN), torch.float32, device)
+    q, k, v = lora_qkv(x, *projs)
+    loss = q.sum() + k.square().sum() + v.mean()
+    (g1,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    (g2,) = torch.autograd.grad(loss, [x])
+    assert torch.equal(g1, g2)
+
+
+def test_lora_no_grad_inference(device):
+    block = _peft_block(torch.bfloat16, device, seed=11)
+    projs = [_projection(m) for m in (block.gate_proj, block.up_proj, block.down_proj)]
+    x = _x((1, HIDDEN), torch.bfloat16, device).detach()
+    with torch.no_grad():
+        y = lora_mlp(x, *projs)
+        y_peft = block.mlp(x)
+    assert not y.requires_grad
+    _compare([y], [y_peft], PEFT_RTOL[torch.bfloat16], "no_grad forward")
+
+
+# ----------------------------------------------------------------------------
+# NF4 base
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nf4_stub(monkeypatch):
+    """A stand-in ``slothkit_kernels.nf4`` whose dequantize_nf4 returns bitsandbytes'
+    dequantised weight, and counts its calls, to test lora.py's NF4 plumbing."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    calls = []
+
+    def dequantize_nf4(weight: NF4Weight) -> torch.Tensor:
+        assert isinstance(weight, NF4Weight)
+        calls.append(weight)
+        state = bnb_functional.QuantState(
+            absmax=weight.absmax,
+            shape=weight.shape,
+            code=weight.code,
+            blocksize=weight.blocksize,
+            quant_type="nf4",
+            dtype=weight.dtype,
+            offset=weight.offset,
+            state2=bnb_functional.QuantState(
+                absmax=weight.nested_absmax,
+                code=weight.nested_code,
+                blocksize=weight.nested_blocksize,
+                dtype=torch.float32,
+            )
+            if weight.is_nested
+            else None,
+        )
+        return _bnb_dequantize(weight.packed, state)
+
+    module = types.ModuleType("slothkit_kernels.nf4")
+    module.dequantize_nf4 = dequantize_nf4
+    monkeypatch.setitem(sys.modules, "slothkit_kernels.nf4", module)
+    return calls
+
+
+def _check_mlp_nf4(dtype, activation, targets, device):
+    block = _peft_block(dtype, device, activation, targets, seed=12)
+    nf4 = _quantize_to_nf4(block)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m, nf4) for m in mods]
+    assert all(isinstance(p.weight, NF4Weight) for p in projs)
+    x = _x((7, HIDDEN), dtype, device)
+    params = [x] + _adapter_params(*mods)
+
+    saved_shapes = []
+
+    def pack(t):
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, grads = _run(lambda: lora_mlp(x, *projs, activation=activation), params)
+    for p in projs:
+        w_shape = tuple(p.weight.shape)
+        assert w_shape not in saved_shapes and w_shape[::-1] not in saved_shapes, (
+            f"a dequantised {w_shape} weight was saved for backward"
+        )
+    y_peft, grads_peft = _run(lambda: block.mlp(x), params)
+    _compare(y, y_peft, PEFT_RTOL[dtype], "NF4 y vs PEFT on dequantised weights")
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], "NF4 grads vs PEFT on dequantised weights")
+
+
+def _check_qkv_o_nf4(dtype, device):
+    block = _peft_block(dtype, device, targets=["q_proj", "v_proj", "o_proj"], bias=True, seed=13)
+    nf4 = _quantize_to_nf4(block)
+    qkv = (block.q_proj, block.k_proj, block.v_proj)
+    projs = [_projection(m, nf4) for m in qkv]
+    x = _x((2, 7, HIDDEN), dtype, device)
+    params = [x] + _adapter_params(*qkv)
+    outs, grads = _run(lambda: lora_qkv(x, *projs), params)
+    outs_peft, grads_peft = _run(lambda: block.qkv(x), params)
+    _compare(outs, outs_peft, PEFT_RTOL[dtype], "NF4 q, k, v")
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], "NF4 qkv grads")
+
+    o = block.o_proj
+    xo = _x((2, 7, Q_OUT), dtype, device)
+    params = [xo] + _adapter_params(o)
+    y, grads = _run(lambda: lora_o(xo, _projection(o, nf4)), params)
+    y_peft, grads_peft = _run(lambda: o(xo), params)
+    _compare(y, y_peft, PEFT_RTOL[dtype], "NF4 o")
+    _compare(grads, grads_peft, PEFT_RTOL[dtype], "NF4 o grads")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_lora_mlp_nf4_stub(dtype, activation, nf4_stub, device):
+    _check_mlp_nf4(dtype, activation, ["gate_proj", "down_proj"], device)
+    # Dequantised once per projection in forward and once again in backward.
+    assert len(nf4_stub) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_qkv_o_nf4_stub(dtype, nf4_stub, device):
+    _check_qkv_o_nf4(dtype, device)
+    assert len(nf4_stub) == 3 + 3 + 1 + 1
+
+
+@needs_nf4_kernel
+@pytest.mark.parametrize(
+    "dtype, activation",
+    [
+        (torch.float32, "swiglu"),
+        (torch.float16, "geglu_tanh"),
+        (torch.bfloat16, "swiglu"),
+        (torch.bfloat16, "geglu"),
+    ],
+)
+def test_lora_mlp_nf4(dtype, activation, device):
+    _check_mlp_nf4(dtype, activation, ALL_TARGETS, device)
+
+
+@needs_nf4_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_qkv_o_nf4(dtype, device):
+    _check_qkv_o_nf4(dtype, device)
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+
+def _proj(in_f, out_f, r=4, device="cpu", dtype=torch.float32):
+    return LoRAProjection(
+        torch.randn(out_f, in_f, device=device, dtype=dtype),
+        torch.randn(r, in_f, device=device, requires_grad=True),
+        torch.randn(out_f, r, device=device, requires_grad=True),
+        2.0,
+    )
+
+
+def test_lora_bad_inputs(device):
+    x = torch.randn(3, 16, device=device)
+    good = _proj(16, 12, device=device)
+    with pytest.raises(ValueError, match="in_features=20"):
+        lora_linear(x, _proj(20, 12, device=device))
+    bad = _proj(16, 12, device=device)
+    bad.lora_b = torch.randn(12, 5, device=device)
+    with pytest.raises(ValueError, match="rank mismatch"):
+        lora_linear(x, bad)
+    bad = _proj(16, 12, device=device)
+    bad.lora_a = torch.randn(4, 15, device=device)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        lora_linear(x, bad)
+    bad = _proj(16, 12, device=device)
+    bad.lora_b = torch.randn(11, 4, device=device)
+    with pytest.raises(ValueError, match="lora_b must be"):
+        lora_linear(x, bad)
+    bad = _proj(16, 12, device=device)
+    bad.lora_b = None
+    with pytest.raises(ValueError, match="both"):
+        lora_linear(x, bad)
+    bad = _proj(16, 12, device=device)
+    bad.bias = torch.zeros(11, device=device)
+    with pytest.raises(ValueError, match="bias"):
+        lora_linear(x, bad)
+    bad = _proj(16, 12, device=device)
+    bad.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen"):
+        lora_linear(x, bad)
+    with pytest.raises(TypeError, match="dtype"):
+        lora_linear(x.bfloat16(), good)  # bf16 input, fp32 base weight, no autocast
+    with pytest.raises(TypeError, match="dtype"):
+        lora_linear(x.double(), good)
+    with pytest.raises(ValueError, match="empty"):
+        lora_linear(torch.empty(0, 16, device=device), good)
+    with pytest.raises(TypeError, match="LoRAProjection"):
+        lora_linear(x, "q_proj")
+    with pytest.raises(ValueError, match="k_proj"):
+        lora_qkv(x, good, _proj(17, 12, device=device), good)
+    with pytest.raises(ValueError, match="activation"):
+        lora_mlp(
+            x,
+            _proj(16, 12, device=device),
+            _proj(16, 12, device=device),
+            _proj(12, 16, device=device),
+            "relu",
+        )
+    with pytest.raises(ValueError, match="up_proj"):
+        lora_mlp(
+            x,
+            _proj(16, 12, device=device),
+            _proj(16, 13, device=device),
+            _proj(12, 16, device=device),
+        )
+    with pytest.raises(ValueError, match="down_proj"):
+        lora_mlp(
+            x,
+            _proj(16, 12, device=device),
+            _proj(16, 12, device=device),
+            _proj(13, 16, device=device),
+        )
+
+
+# ----------------------------------------------------------------------------
+# GPU-sized cases
+# ----------------------------------------------------------------------------
+
+
+def _big_projection(in_f, out_f, r, dtype, nf4=False):
+    weight = torch.randn(out_f, in_f, device="cuda", dtype=dtype) / in_f**0.5
+    a = (torch.randn(r, in_f, device="cuda") / in_f**0.5).requires_grad_()
+    b = (torch.randn(out_f, r, device="cuda") / r**0.5).requires_grad_()
+    if nf4:
+        import bitsandbytes.functional as bnb_functional
+
+        packed, state = bnb_functional.quantize_4bit(
+            weight, quant_type="nf4", compress_statistics=True, blocksize=64
+        )
+        return (
+            LoRAProjection(NF4Weight.from_bitsandbytes(packed, state), a, b, 2.0),
+            LoRAProjection(_bnb_dequantize(packed, state), a, b, 2.0),
+        )
+    proj = LoRAProjection(weight, a, b, 2.0)
+    return proj, proj
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "nf4", [False, pytest.param(True, marks=needs_nf4_kernel)], ids=["bf16", "nf4"]
+)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_lora_mlp_large(nf4, activation):
+    dtype = torch.bfloat16
+    torch.manual_seed(14)
+    pairs = [
+        _big_projection(4096, 14336, 16, dtype, nf4),
+        _big_projection(4096, 14336, 16, dtype, nf4),
+        _big_projection(14336, 4096, 16, dtype, nf4),
+    ]
+    projs, ref_projs = zip(*pairs)
+    x = (torch.randn(2, 2048, 4096, device="cuda", dtype=dtype)).requires_grad_()
+    params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b)]
+    y, grads = _run(lambda: lora_mlp(x, *projs, activation=activation), params)
+    y_ref, grads_ref = _run(lambda: lora_mlp_reference(x, *ref_projs, activation), params)
+    _compare(y, y_ref, LARGE_RTOL, "y")
+    _compare(grads, grads_ref, LARGE_RTOL, "grads")
+
+
+@pytest.mark.cuda
+def test_lora_qkv_large():
+    dtype = torch.bfloat16
+    torch.manual_seed(15)
+    projs = [_big_projection(4096, n, 16, dtype)[0] for n in (4096, 1024, 1024)]
+    x = torch.randn(4, 2048, 4096, device="cuda", dtype=dtype).requires_grad_()
+    params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b)]
+    outs, grads = _run(lambda: lora_qkv(x, *projs), params)
+    outs_ref, grads_ref = _run(lambda: lora_qkv_reference(x, *projs), params)
+    _compare(outs, outs_ref, LARGE_RTOL, "q, k, v")
+    _compare(grads, grads_ref, LARGE_RTOL, "grads")
