@@ -211,16 +211,29 @@ def _check_input(x: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------
 
 
-def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection):
-    """Y = X W^T + s (X A^T) B^T + bias; returns (Y, X A^T or None)."""
+def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection, lead_shape=None):
+    """Y = X W^T + s (X A^T) B^T + bias; returns (Y, X A^T or None).
+
+    With ``lead_shape``, Y is returned as a fresh (*lead_shape, out) tensor rather
+    than a view of a 2-D one: autograd forbids in-place changes (such as RoPE's)
+    to view outputs of a Function with several outputs.
+    """
     dtype = x2d.dtype
     bias = None if proj.bias is None else proj.bias.to(dtype)
-    y = F.linear(x2d, _base_weight(proj.weight, dtype), bias)  # (N, out)
+    if lead_shape is None:
+        y = F.linear(x2d, _base_weight(proj.weight, dtype), bias)  # (N, out)
+        shaped = y
+    else:
+        shaped = torch.empty((*lead_shape, proj.out_features), dtype=dtype, device=x2d.device)
+        y = shaped.view(-1, proj.out_features)  # (N, out), same storage
+        torch.mm(x2d, _base_weight(proj.weight, dtype).t(), out=y)
+        if bias is not None:
+            y.add_(bias)
     xa = None
     if proj.lora_a is not None:
         xa = x2d @ proj.lora_a.to(dtype).t()  # (N, r)
         y.addmm_(xa, proj.lora_b.to(dtype).t(), alpha=proj.scaling)
-    return y, xa
+    return shaped, xa
 
 
 def _projection_backward(
@@ -307,8 +320,8 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
         outs, products = [], []
         with torch.autocast(x.device.type, enabled=False):
             for p in projs:
-                y, xa = _projection_forward(x2d, p)
-                outs.append(y.view(*x.shape[:-1], p.out_features))
+                y, xa = _projection_forward(x2d, p, lead_shape=x.shape[:-1])
+                outs.append(y)
                 products.append(xa)
         _save_projections(ctx, x, projs, products)
         return tuple(outs)
@@ -353,12 +366,12 @@ class _LoRAMLPFunction(torch.autograd.Function):
             e, xa_g = _projection_forward(x2d, gate)  # (N, intermediate)
             g, xa_u = _projection_forward(x2d, up)  # (N, intermediate)
             h = act_forward(e, g)
-            y, ha_d = _projection_forward(h, down)  # (N, out)
+            y, ha_d = _projection_forward(h, down, lead_shape=x.shape[:-1])  # (..., out)
         del h  # recomputed in backward
         _save_projections(ctx, x, (gate, up, down), (xa_g, xa_u, ha_d), e, g)
         ctx.activation = activation
         ctx.done = False
-        return y.view(*x.shape[:-1], down.out_features)
+        return y
 
     @staticmethod
     def backward(ctx, dy):

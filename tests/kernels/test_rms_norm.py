@@ -69,7 +69,7 @@ def _inputs(shape, dtype, device, gemma, seed, weight_dtype=None):
         w = 0.3 * torch.randn(h, generator=gen)
     else:
         w = 1.0 + 0.3 * torch.randn(h, generator=gen)
-    dy = torch.randn(shape, generator=gen)
+    dy = torch.randn(shape, generator=gen).to(device)
     return x, w.to(device, weight_dtype or dtype), dy
 
 
@@ -160,7 +160,7 @@ def test_strided_input_and_grad(gemma, device):
     x, w, _ = _inputs((6, 37), dtype, device, gemma, seed=9)
     x = x.t().contiguous().t()  # same values, last stride 6
     assert x.stride(-1) != 1
-    dy = torch.ones(x.shape)
+    dy = torch.ones(x.shape, device=x.device)
     y, dx, dw = _run(lambda x, w: rms_norm(x, w, gemma=gemma), x, w, dy)
     x_c = x.contiguous()
     y_ref, dx_ref, dw_ref = _run(lambda x, w: rms_norm_reference(x, w, gemma=gemma), x_c, w, dy)
