@@ -106,36 +106,42 @@ def _rms_norm_backward_kernel(
     COMPUTE_DX: tl.constexpr,  # write dL/dx
     COMPUTE_DW: tl.constexpr,  # write this program's partial dL/dw
     BLOCK_SIZE: tl.constexpr,  # power of two >= H
+    BLOCK_ROWS: tl.constexpr,  # rows per tile, a power of two
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_SIZE)
-    mask = cols < n_cols
+    col_mask = cols < n_cols
 
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GEMMA:
         w = 1.0 + w
     dw_acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
 
-    # int64 loop bounds make the row index int64, so row * stride cannot overflow.
+    # A tile of BLOCK_ROWS rows per step keeps several rows' loads in flight; one row
+    # at a time leaves the loop waiting on memory latency.  int64 loop bounds make
+    # the row index int64, so row * stride cannot overflow.
     row_start = pid.to(tl.int64) * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        x_hat = x * rstd
+    for first_row in range(row_start, row_end, BLOCK_ROWS):
+        rows = first_row + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        x_hat = x * rstd[:, None]
         if COMPUTE_DX:
-            u = dy * w
-            mean_ux = tl.sum(u * x_hat, axis=0) / n_cols
-            dx = rstd * (u - x_hat * mean_ux)
-            tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            u = dy * w[None, :]
+            mean_ux = tl.sum(u * x_hat, axis=1) / n_cols
+            dx = rstd[:, None] * (u - x_hat * mean_ux[:, None])
+            tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if GEMMA:
-                dw_acc += dy * x_hat
+                dw_acc += tl.sum(dy * x_hat, axis=0)
             else:
-                dw_acc += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+                dw_acc += tl.sum(dy * x_hat.to(X.dtype.element_ty).to(tl.float32), axis=0)
     if COMPUTE_DW:
-        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -146,12 +152,21 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return rows
 
 
+# Backward launch shape: programs per SM (each keeps one fp32 dL/dw partial row)
+# and warps per program; None means calculate_settings' choice for the row length.
+BACKWARD_PROGRAMS_PER_SM = 4
+BACKWARD_NUM_WARPS = None
+# Elements per backward tile (BLOCK_ROWS x BLOCK_SIZE).
+BACKWARD_TILE_ELEMENTS = 16384
+
+
 def _backward_programs(device: torch.device, n_rows: int) -> int:
     """Programs sharing the rows in the backward pass, each with its own dL/dw partial."""
     if device.type == "cuda":
         # A few programs per SM: enough in flight to hide memory latency, while the
         # (programs, H) fp32 partial buffer stays small next to x.
-        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return min(n_rows, BACKWARD_PROGRAMS_PER_SM * sms)
     return min(n_rows, 8)
 
 
@@ -191,6 +206,8 @@ class _RMSNormFunction(torch.autograd.Function):
             if needs_dw else None
         )
         block_size, num_warps = calculate_settings(n_cols)
+        num_warps = BACKWARD_NUM_WARPS or num_warps
+        block_rows = max(1, min(16, BACKWARD_TILE_ELEMENTS // block_size))
         _rms_norm_backward_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd,
             dx if needs_dx else x_rows,  # placeholders are never written
@@ -198,7 +215,7 @@ class _RMSNormFunction(torch.autograd.Function):
             dy_rows.stride(0), x_rows.stride(0),
             n_rows, n_cols, rows_per_program,
             GEMMA=ctx.gemma, COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw,
-            BLOCK_SIZE=block_size, num_warps=num_warps,
+            BLOCK_SIZE=block_size, BLOCK_ROWS=block_rows, num_warps=num_warps,
         )
         dx = dx.view(ctx.x_shape) if needs_dx else None
         dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None

@@ -1,0 +1,85 @@
+"""Sweep launch settings of the memory-bound backward kernels on the GPU.
+
+Prints, per setting, the median time and the share of the device-to-device copy
+bandwidth (bytes read + written, measured here).  Used to pick the constants in
+kernels/rms_norm.py, kernels/swiglu.py and kernels/rope.py; the numbers go to
+docs/kernel-tuning.md.
+"""
+
+import torch
+import triton.testing
+
+import slothkit_kernels.geglu as geglu_mod
+import slothkit_kernels.rms_norm as rms_mod
+import slothkit_kernels.rope as rope_mod
+import slothkit_kernels.swiglu as swiglu_mod
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth():
+    a = torch.empty(2**29, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() / ms / 1e6  # GB/s
+
+
+def main(only=None):
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s")
+
+    # RMSNorm backward (dx and dw), bf16.
+    for rows, h in [(16384, 4096), (8192, 3072)]:
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        y = rms_mod.rms_norm(x, w)
+        nbytes = 3 * x.numel() * 2  # read x, dy; write dx (dw is H-sized)
+        for tile in (4096, 8192, 16384, 32768):
+            for per_sm in (1, 2, 4, 8):
+                for warps in (8, 16):
+                    rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = per_sm, warps
+                    rms_mod.BACKWARD_TILE_ELEMENTS = tile
+                    ms = bench(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+                    print(f"rms_norm bwd {rows}x{h} tile={tile:5d} per_sm={per_sm:2d} "
+                          f"warps={warps:2d}: {ms*1e3:7.1f} us {nbytes/ms/1e6/bw*100:5.1f}% copy")
+    rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = 4, None
+    rms_mod.BACKWARD_TILE_ELEMENTS = 16384
+    if only == "rms_norm":
+        return
+
+    # SwiGLU / GeGLU backward: read dh, e, g; write h, de, dg.
+    n = 16384 * 14336
+    dh, e, g = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for name, mod, fn in (("swiglu", swiglu_mod, lambda: swiglu_mod.swiglu_backward(dh, e, g)),
+                          ("geglu", geglu_mod, lambda: geglu_mod.geglu_backward(dh, e, g))):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                mod.BLOCK_SIZE, mod.NUM_WARPS = block, warps
+                ms = bench(fn)
+                print(f"{name} bwd block={block:5d} warps={warps:2d}: {ms*1e3:7.1f} us "
+                      f"{6*n*2/ms/1e6/bw*100:5.1f}% copy")
+        mod.BLOCK_SIZE, mod.NUM_WARPS = 1024, 4
+
+    # RoPE backward on one gradient (q-shaped), as autograd calls it.
+    b, hq, t, d = 2, 32, 4096, 128
+    grad = torch.randn(b, hq, t, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(grad)
+    pos = torch.arange(t, device="cuda")
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = freqs.cos()[None].bfloat16(), freqs.sin()[None].bfloat16()
+    for tile in (512, 1024, 2048, 4096):
+        for warps in (2, 4, 8):
+            rope_mod.MAX_TILE, rope_mod.NUM_WARPS = tile, warps
+            ms = bench(lambda: rope_mod._launch(grad, out, None, None, cos, sin, None, inverse=True))
+            print(f"rope bwd q tile={tile:5d} warps={warps}: {ms*1e3:7.1f} us "
+                  f"{2*grad.numel()*2/ms/1e6/bw*100:5.1f}% copy")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
