@@ -5,3 +5,14 @@ to the model instance it is given.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["FastModel", "FastLanguageModel", "__version__"]
+
+
+def __getattr__(name):
+    # Imported on first use so that `import slothkit` (and the CLI) stays light.
+    if name in ("FastModel", "FastLanguageModel"):
+        from slothkit import fast_model
+
+        return getattr(fast_model, name)
+    raise AttributeError(f"module 'slothkit' has no attribute {name!r}")

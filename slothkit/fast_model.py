@@ -1,0 +1,189 @@
+"""FastModel: load a causal LM, add LoRA, and train it through the fused kernels.
+
+    model, tokenizer = FastModel.from_pretrained("path/or/hub-id", load_in_4bit=True)
+    model = FastModel.get_peft_model(model, r=16)
+
+``get_peft_model`` returns a real ``peft.PeftModel``: it trains with the
+Hugging Face Trainer and TRL, and ``save_pretrained`` writes a standard adapter.
+The speed-ups are applied to the loaded instance only (slothkit.models.decoder).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from slothkit.loading import (
+    ALL_PROJECTIONS,
+    check_max_seq_length,
+    linear_module_leaves,
+    matching_modules,
+    pick_dtype,
+    require_bitsandbytes,
+    resolve_checkpoint,
+)
+from slothkit.models import architecture_for, supported_summary
+from slothkit.models.decoder import decoder_layers, patch_decoder
+from slothkit.offload_checkpoint import enable_checkpointing
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unsupported(model_type: str) -> None:
+    warnings.warn(
+        f"slothkit has no fused path for model_type {model_type!r}; it will train through the "
+        f"plain Hugging Face + PEFT path. Fused architectures: {supported_summary()}.",
+        stacklevel=3,
+    )
+
+
+class FastModel:
+    """Namespace for the loading and LoRA entry points (mirrors Unsloth's API)."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name: str,
+        max_seq_length: int = 2048,
+        dtype: torch.dtype | str | None = None,
+        load_in_4bit: bool = True,
+        device_map=None,
+        token: str | None = None,
+        attn_implementation: str = "sdpa",
+        **hf_kwargs,
+    ):
+        """Load ``model_name`` (a local directory or a Hub id) and its tokenizer.
+
+        dtype=None picks bf16 where the GPU supports it, fp16 on T4/V100-class
+        GPUs and fp32 on CPU.  load_in_4bit loads NF4 weights with double
+        quantisation (checkpoints already quantised load as they are).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+        config = resolve_checkpoint(model_name, token=token)
+        check_max_seq_length(config, max_seq_length)
+        dtype = pick_dtype(dtype)
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_name, token=token)
+        except (OSError, ValueError, TypeError) as error:
+            raise FileNotFoundError(
+                f"{model_name!r} has no usable tokenizer (tokenizer.json or tokenizer.model "
+                f"with tokenizer_config.json); save one with the checkpoint "
+                f"(underlying error: {error})"
+            ) from None
+
+        already_quantized = getattr(config, "quantization_config", None) is not None
+        quantization_config = None
+        if load_in_4bit or already_quantized:
+            require_bitsandbytes()
+        if load_in_4bit and not already_quantized:
+            quantization_config = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=dtype,
+                bnb_4bit_quant_storage=torch.uint8,
+            )
+        if device_map is None:
+            device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name,
+            dtype=dtype,
+            quantization_config=quantization_config,
+            device_map=device_map,
+            token=token,
+            attn_implementation=attn_implementation,
+            **hf_kwargs,
+        )
+        model.max_seq_length = max_seq_length
+        tokenizer.model_max_length = max_seq_length
+        tokenizer.padding_side = "right"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+
+        arch = architecture_for(model.config)
+        if arch is None:
+            _warn_unsupported(model.config.model_type)
+        else:
+            patch_decoder(model, arch)
+        model._slothkit_tokenizer = tokenizer
+        return model, tokenizer
+
+    @staticmethod
+    def get_peft_model(
+        model,
+        r: int = 16,
+        target_modules=None,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        bias: str = "none",
+        use_gradient_checkpointing="offload",
+        random_state: int = 3407,
+        use_rslora: bool = False,
+        modules_to_save=None,
+        **lora_kwargs,
+    ):
+        """Add LoRA adapters and return a ``peft.PeftModel`` ready to train."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if isinstance(model, PeftModel):
+            raise ValueError("this model already has LoRA adapters (it is a PeftModel)")
+        if not isinstance(r, int) or r <= 0:
+            raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
+        target_modules = list(ALL_PROJECTIONS if target_modules is None else target_modules)
+        if not matching_modules(model, target_modules):
+            raise ValueError(
+                f"target_modules={target_modules} match no layer of this model; its linear "
+                f"layers are named {linear_module_leaves(model)}"
+            )
+        if bias not in ("none", "all", "lora_only"):
+            raise ValueError(f"bias={bias!r}; accepted: 'none', 'all', 'lora_only'")
+
+        torch.manual_seed(random_state)
+        config = LoraConfig(
+            r=r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            bias=bias,
+            target_modules=target_modules,
+            use_rslora=use_rslora,
+            modules_to_save=modules_to_save,
+            task_type="CAUSAL_LM",
+            **lora_kwargs,
+        )
+        peft_model = get_peft_model(model, config)
+
+        causal_lm, layers = decoder_layers(peft_model)
+        causal_lm.config.use_cache = False
+        enable_checkpointing(layers, use_gradient_checkpointing)
+        if use_gradient_checkpointing:
+            # Checkpointed layers recompute in backward; their input must require grad.
+            causal_lm.enable_input_require_grads()
+        peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        FastModel.for_training(peft_model)
+        return peft_model
+
+    @staticmethod
+    def for_training(model):
+        """Training mode; the tokenizer pads on the right."""
+        model.train()
+        tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.padding_side = "right"
+        return model
+
+    @staticmethod
+    def for_inference(model):
+        """Evaluation mode with the KV cache on; the tokenizer pads on the left for batched generation."""
+        model.eval()
+        causal_lm, _ = decoder_layers(model)
+        causal_lm.config.use_cache = True
+        tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.padding_side = "left"
+        return model
+
+
+FastLanguageModel = FastModel

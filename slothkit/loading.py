@@ -1,0 +1,98 @@
+"""Checks and choices made before a model is loaded, so that mistakes surface as
+clear messages rather than as errors deep inside transformers or bitsandbytes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def pick_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """None: bf16 where the GPU has it, fp16 on T4/V100-class GPUs, fp32 on CPU."""
+    if isinstance(dtype, str):
+        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+                 "fp32": torch.float32}
+        if dtype not in names:
+            raise ValueError(f"dtype={dtype!r}; accepted: None, {', '.join(names)} or a torch dtype")
+        dtype = names[dtype]
+    if dtype is None:
+        if not torch.cuda.is_available():
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}; accepted: torch.float32, torch.float16, torch.bfloat16")
+    if dtype == torch.bfloat16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name()
+        raise ValueError(
+            f"dtype=torch.bfloat16 was asked for, but {name} has no bfloat16 support; "
+            f"use dtype=torch.float16 (or dtype=None to choose automatically)"
+        )
+    return dtype
+
+
+def require_bitsandbytes() -> None:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(
+            "load_in_4bit=True needs bitsandbytes, which is not installed: "
+            "`pip install bitsandbytes`, or pass load_in_4bit=False to train in 16-bit"
+        )
+
+
+def resolve_checkpoint(name_or_path: str, token=None, **config_kwargs):
+    """Load the config, turning a missing path or unknown Hub id into one clear error."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(name_or_path):
+        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            raise FileNotFoundError(
+                f"{name_or_path!r} is a directory but has no config.json: it is not a "
+                f"transformers checkpoint (expected config.json and weights)"
+            )
+    elif os.path.exists(name_or_path):
+        raise ValueError(f"{name_or_path!r} is a file; pass the checkpoint's directory or a Hub id")
+    try:
+        return AutoConfig.from_pretrained(name_or_path, token=token, **config_kwargs)
+    except (OSError, ValueError) as error:
+        looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+        where = "no such directory" if looks_local else "not found locally or on the Hugging Face Hub"
+        raise FileNotFoundError(
+            f"cannot load model {name_or_path!r}: {where}. Check the spelling, that the "
+            f"path exists, or for gated/private Hub models pass token=... "
+            f"(underlying error: {error})"
+        ) from None
+
+
+def check_max_seq_length(config, max_seq_length: int) -> None:
+    if max_seq_length is None:
+        return
+    if not isinstance(max_seq_length, int) or max_seq_length <= 0:
+        raise ValueError(f"max_seq_length={max_seq_length!r}; expected a positive integer")
+    context = getattr(config, "max_position_embeddings", None)
+    if context is not None and max_seq_length > context:
+        raise ValueError(
+            f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens "
+            f"(config.max_position_embeddings). Use max_seq_length <= {context}; slothkit does "
+            f"not silently extend the context with RoPE scaling."
+        )
+
+
+def matching_modules(model, target_modules) -> list[str]:
+    names = []
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in target_modules:
+            names.append(name)
+    return names
+
+
+def linear_module_leaves(model) -> list[str]:
+    leaves = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            leaves.add(name.rsplit(".", 1)[-1])
+    return sorted(leaves)

@@ -1,0 +1,105 @@
+"""Read a (possibly LoRA-wrapped, possibly 4-bit) linear layer as a LoRAProjection.
+
+The fused functions in slothkit_kernels.lora take plain tensors.  This module
+looks at a layer at call time (adapters can be switched off and on between
+calls, e.g. by DPO's reference pass) and either describes it as a
+``LoRAProjection`` or says why it cannot, so that the caller falls back to the
+layer's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+from slothkit_kernels.lora import LoRAProjection
+from slothkit_kernels.nf4_weight import NF4Weight
+
+
+def _is_bnb_4bit_linear(layer: nn.Module) -> bool:
+    weight = getattr(layer, "weight", None)
+    return weight is not None and hasattr(weight, "quant_state") and weight.quant_state is not None
+
+
+def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
+    """The frozen weight of a plain or bitsandbytes-4-bit linear layer, else None."""
+    if _is_bnb_4bit_linear(layer):
+        state = layer.weight.quant_state
+        if getattr(state, "quant_type", None) != "nf4":
+            return None
+        return NF4Weight.from_bitsandbytes(layer.weight.data, state)
+    if isinstance(layer, nn.Linear):
+        return layer.weight
+    return None
+
+
+def why_not_fusable(layer: nn.Module) -> str | None:
+    """None when ``layer`` can run through the fused LoRA functions, else the reason."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:  # not a PEFT LoRA layer: a plain (frozen) linear
+        if base_weight(layer) is None:
+            return f"{type(layer).__name__} is neither nn.Linear nor an NF4 bitsandbytes Linear4bit"
+        if layer.weight.requires_grad and torch.is_grad_enabled():
+            return "the base weight is trainable (the fused functions assume a frozen base)"
+        return None
+    if base_weight(base) is None:
+        return f"the base layer {type(base).__name__} is neither nn.Linear nor NF4 Linear4bit"
+    if base.weight.requires_grad and torch.is_grad_enabled():
+        return "the base weight is trainable (the fused functions assume a frozen base)"
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return None  # runs as the plain base layer
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) > 1:
+        return f"{len(active)} adapters are active at once"
+    if not active:
+        return None
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}):
+        return "it uses a LoRA variant (e.g. DoRA)"
+    dropout = layer.lora_dropout[name]
+    if not isinstance(dropout, nn.Identity) and layer.training and dropout.p > 0:
+        return f"lora_dropout={dropout.p} (use 0.0 for the fused path)"
+    if layer.lora_B[name].bias is not None:
+        return "the LoRA B matrix has a bias (bias='lora_only' or 'all')"
+    return None
+
+
+def lora_projection(layer: nn.Module) -> LoRAProjection:
+    """Describe ``layer`` (checked with :func:`why_not_fusable` first) as a LoRAProjection."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return LoRAProjection(base_weight(layer), None, None, 0.0, layer.bias)
+    bias = base.bias
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False) or not active:
+        return LoRAProjection(base_weight(base), None, None, 0.0, bias)
+    name = active[0]
+    return LoRAProjection(
+        base_weight(base),
+        layer.lora_A[name].weight,
+        layer.lora_B[name].weight,
+        float(layer.scaling[name]),
+        bias,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def warn_fallback_once(module_kind: str, reason: str) -> None:
+    warnings.warn(
+        f"slothkit: {module_kind} runs through the plain PEFT path, not the fused kernels, "
+        f"because {reason}. Results are the same; training is slower.",
+        stacklevel=3,
+    )
+
+
+def projections_or_none(kind: str, *layers: nn.Module) -> list[LoRAProjection] | None:
+    """All layers as LoRAProjections, or None (after one warning) if any is not fusable."""
+    for layer in layers:
+        reason = why_not_fusable(layer)
+        if reason is not None:
+            warn_fallback_once(kind, reason)
+            return None
+    return [lora_projection(layer) for layer in layers]

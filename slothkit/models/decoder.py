@@ -1,0 +1,221 @@
+"""Decoder glue shared by Llama, Mistral and Gemma: route a loaded model's modules
+through slothkit_kernels by patching the *instance*.
+
+Only the given model's modules get new ``forward`` methods (bound with
+``types.MethodType``); transformers' classes are never touched, so a plain and a
+fused model can live in one process and importing slothkit changes nothing.
+The original forward of each patched module is kept as
+``module._slothkit_original_forward`` and is what runs whenever the fused path
+cannot (an unsupported LoRA setting, a trainable lm_head, evaluation with
+logits requested).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slothkit.lora_projection import projections_or_none
+from slothkit.models.architecture import Architecture
+from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv
+from slothkit_kernels.rms_norm import rms_norm
+from slothkit_kernels.rope import rope
+
+PATCHED_MARK = "_slothkit_architecture"
+
+
+def _bind(module: nn.Module, forward) -> None:
+    if not hasattr(module, "_slothkit_original_forward"):
+        module._slothkit_original_forward = module.forward
+    module.forward = types.MethodType(forward, module)
+
+
+# --- RMSNorm -----------------------------------------------------------------
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self._slothkit_eps, gemma=self._slothkit_adds_one)
+
+
+def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps")
+    norm._slothkit_eps = float(eps)
+    norm._slothkit_adds_one = adds_one
+    _bind(norm, _rms_norm_forward)
+
+
+# --- MLP ---------------------------------------------------------------------
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    projections = projections_or_none("the MLP", self.gate_proj, self.up_proj, self.down_proj)
+    if projections is None:
+        return self._slothkit_original_forward(x)
+    return lora_mlp(x, *projections, activation=self._slothkit_activation)
+
+
+def patch_mlp(mlp: nn.Module, activation: str) -> None:
+    mlp._slothkit_activation = activation
+    _bind(mlp, _mlp_forward)
+
+
+# --- attention ---------------------------------------------------------------
+
+
+def _attention_function(config):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation == "eager":
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _update_cache(cache, key, value, layer_idx, kwargs):
+    # transformers >= 5.2x passes the call's kwargs to Cache.update; older ones do not.
+    if "kwargs" in inspect.signature(cache.update).parameters:
+        return cache.update(key, value, layer_idx, kwargs=kwargs)
+    return cache.update(key, value, layer_idx)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    # transformers renamed `past_key_values` to `cache`; accept both.
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    else:
+        kwargs.pop("past_key_values", None)
+
+    batch, seq = hidden_states.shape[:-1]
+    projections = projections_or_none("attention q/k/v", self.q_proj, self.k_proj, self.v_proj)
+    if projections is None:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    else:
+        q, k, v = lora_qkv(hidden_states, *projections)
+    # (B, T, heads * D) -> (B, heads, T, D)
+    q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    cos, sin = position_embeddings
+    q, k = rope(q, k, cos, sin)
+
+    if cache is not None:
+        k, v = _update_cache(cache, k, v, self.layer_idx, kwargs)
+
+    extra = {}
+    window = getattr(self.config, "sliding_window", None)
+    if window is not None:
+        extra["sliding_window"] = window
+    attn_output, attn_weights = _attention_function(self.config)(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(batch, seq, -1)  # (B, T, heads * D)
+    out_projection = projections_or_none("attention o_proj", self.o_proj)
+    if out_projection is None:
+        return self.o_proj(attn_output), attn_weights
+    return lora_o(attn_output, out_projection[0]), attn_weights
+
+
+def patch_attention(attention: nn.Module) -> None:
+    _bind(attention, _attention_forward)
+
+
+# --- the language-model head and loss ------------------------------------------
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+    """With labels in training mode, return the loss from the fused linear
+    cross-entropy and no logits; otherwise run the model's own forward."""
+    head = self.get_output_embeddings()
+    fusable_head = type(head) is nn.Linear and head.bias is None
+    if labels is None or not self.training or not fusable_head:
+        return self._slothkit_original_forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            labels=labels, **kwargs,
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    kwargs.pop("logits_to_keep", None)
+    kwargs.pop("return_dict", None)
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    )
+    hidden = outputs.last_hidden_state  # (B, T, H)
+    if shift_labels is None:
+        # Position t predicts token t+1; the last position predicts nothing.
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = int(num_items_in_batch.item())
+    loss = fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        shift_labels.reshape(-1).to(hidden.device),
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+        num_items_in_batch=num_items_in_batch,
+    )
+    return CausalLMOutputWithPast(
+        loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+    )
+
+
+def patch_causal_lm(model: nn.Module) -> None:
+    _bind(model, _causal_lm_forward)
+
+
+# --- the whole model ---------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module):
+    """The decoder layers of a *ForCausalLM model (optionally inside a PeftModel)."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return causal_lm, causal_lm.model.layers
+
+
+def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
+    """Route every norm, attention, MLP and the training loss of ``model`` through
+    the fused kernels.  Idempotent; returns the model."""
+    causal_lm, layers = decoder_layers(model)
+    if getattr(causal_lm, PATCHED_MARK, None) == arch.name:
+        return model
+    activation = arch.activation(causal_lm.config)
+    for layer in layers:
+        patch_rms_norm(layer.input_layernorm, arch.norm_adds_one)
+        patch_rms_norm(layer.post_attention_layernorm, arch.norm_adds_one)
+        patch_attention(layer.self_attn)
+        patch_mlp(layer.mlp, activation)
+    patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
+    patch_causal_lm(causal_lm)
+    setattr(causal_lm, PATCHED_MARK, arch.name)
+    return model
+
+
+def unpatch_decoder(model: nn.Module) -> nn.Module:
+    """Restore every patched module's own forward."""
+    causal_lm, _ = decoder_layers(model)
+    for module in causal_lm.modules():
+        original = module.__dict__.pop("_slothkit_original_forward", None)
+        if original is not None:
+            module.__dict__.pop("forward", None)
+    if hasattr(causal_lm, PATCHED_MARK):
+        delattr(causal_lm, PATCHED_MARK)
+    return model

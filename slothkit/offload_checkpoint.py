@@ -1,0 +1,185 @@
+"""Gradient checkpointing that keeps each decoder layer's input in host memory.
+
+Plain checkpointing keeps one activation per layer on the GPU (the layer's
+input, B x T x H) and recomputes the rest in backward, so activation memory
+still grows with depth: 32 layers x 2 x 2048 x 4096 x 2 bytes = 1 GiB for
+Llama-3-8B at batch 2, and far more at long context.  Here that input is copied
+to pinned host memory on a side stream during forward, and copied back on a side
+stream one layer ahead during backward (while the layer above is being
+recomputed), so the GPU holds only the few layers in flight.
+
+Autograd: the layer runs under no_grad in forward; in backward its input is
+brought back, the layer is re-run with grad enabled under the same RNG and
+autocast state, and ``torch.autograd.backward`` sends the incoming gradient
+through it.  Parameter gradients (the LoRA matrices) accumulate during that
+inner backward, as in reentrant checkpointing, so the model's inputs must
+require grad (``model.enable_input_require_grads()``; FastModel does this).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class _OffloadedActivation:
+    """One layer input: its host copy, and the device copy once prefetched."""
+
+    def __init__(self, tensor: torch.Tensor, stream: torch.cuda.Stream):
+        self.device = tensor.device
+        self.dtype = tensor.dtype
+        self.stream = stream
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.previous = None  # weakref to the input of the layer run before this one
+        self.prefetched = None
+        self.ready = torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            self.host.copy_(tensor, non_blocking=True)
+            self.ready.record(stream)
+        # The caching allocator must not hand this block to anyone else until the copy is done.
+        tensor.record_stream(stream)
+
+    def prefetch(self) -> None:
+        """Start the host-to-device copy on the side stream, if not started yet."""
+        if self.prefetched is not None or self.host is None:
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.ready)
+            self.prefetched = torch.empty(self.host.shape, dtype=self.dtype, device=self.device)
+            self.prefetched.copy_(self.host, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(self.stream)
+
+    def fetch(self) -> torch.Tensor:
+        self.prefetch()
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(self.ready)
+        tensor = self.prefetched
+        tensor.record_stream(current)
+        self.prefetched = None
+        self.host = None  # release the pinned buffer once consumed
+        return tensor
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, checkpointer, run_function, hidden_states, *args):
+        ctx.run_function = run_function
+        ctx.args = args
+        ctx.autocast = _autocast_state(hidden_states.device.type)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
+        with torch.no_grad():
+            output = run_function(hidden_states, *args)
+        if hidden_states.is_cuda:
+            ctx.offloaded = checkpointer.offload(hidden_states)
+            ctx.saved_input = None
+        else:  # nothing to offload to: keep it where it is
+            ctx.offloaded = None
+            ctx.saved_input = hidden_states.detach()
+        ctx.input_requires_grad = hidden_states.requires_grad
+        return output
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if ctx.offloaded is not None:
+            previous = ctx.offloaded.previous() if ctx.offloaded.previous is not None else None
+            hidden_states = ctx.offloaded.fetch()
+            if previous is not None:
+                previous.prefetch()  # overlap the next layer's copy with this layer's recompute
+        else:
+            hidden_states = ctx.saved_input
+        hidden_states = hidden_states.detach().requires_grad_(ctx.input_requires_grad)
+        devices = [hidden_states.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
+            with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast):
+                outputs = ctx.run_function(hidden_states, *ctx.args)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        grad_input = hidden_states.grad if ctx.input_requires_grad else None
+        return (None, None, grad_input) + (None,) * len(ctx.args)
+
+
+def _autocast_state(device_type: str):
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(device_type: str, dtype):
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype)
+
+
+class OffloadedCheckpointer:
+    """A ``_gradient_checkpointing_func`` for transformers' decoder layers.
+
+    One instance per model: it owns the side stream and links each layer's
+    offloaded input to the previous layer's, so backward can prefetch one ahead.
+    """
+
+    def __init__(self):
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._last = None
+
+    def offload(self, tensor: torch.Tensor) -> _OffloadedActivation:
+        stream = self._streams.get(tensor.device)
+        if stream is None:
+            stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
+        activation = _OffloadedActivation(tensor, stream)
+        last = self._last() if self._last is not None else None
+        if last is not None and last.host is not None:
+            activation.previous = weakref.ref(last)
+        self._last = weakref.ref(activation)
+        return activation
+
+    def __call__(self, run_function, hidden_states, *args):
+        return _Checkpoint.apply(self, run_function, hidden_states, *args)
+
+
+def offload_checkpoint(run_function, hidden_states, *args):
+    """Functional form for a single call (no cross-layer prefetch)."""
+    return OffloadedCheckpointer()(run_function, hidden_states, *args)
+
+
+def enable_checkpointing(layers, mode) -> None:
+    """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
+
+    mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
+    """
+    if mode not in (True, False, "offload", "unsloth"):
+        raise ValueError(
+            f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False"
+        )
+    if mode is False:
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        return
+    if mode in ("offload", "unsloth"):
+        func = OffloadedCheckpointer()
+    else:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint
+
+        func = partial(checkpoint, use_reentrant=False)
+    for layer in layers:
+        if not hasattr(layer, "_gradient_checkpointing_func") and not hasattr(type(layer), "gradient_checkpointing"):
+            raise TypeError(
+                f"{type(layer).__name__} does not support transformers' gradient checkpointing hooks"
+            )
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = func

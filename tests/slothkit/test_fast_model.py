@@ -1,0 +1,179 @@
+"""FastModel's fused path against plain Hugging Face + PEFT on tiny offline models.
+
+Same checkpoint, same LoRA initialisation (same seed), same data, same optimizer:
+the fused model must follow the plain one step for step.
+"""
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+
+from slothkit import FastModel
+from slothkit.testing import tiny_model_path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ARCHS = ["llama", "mistral", "gemma"]
+STEPS = 20
+
+
+def _batch(vocab_size, seed=0, batch=2, seq=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a masked prompt, as in instruction tuning
+    return ids, labels
+
+
+def _plain_peft(path, load_in_4bit, device):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = None
+    if load_in_4bit:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 quantization_config=quant,
+                                                 attn_implementation="sdpa",
+                                                 device_map={"": device})
+    torch.manual_seed(3407)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                        "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, config)
+    model.train()
+    return model
+
+
+def _fused(path, load_in_4bit, checkpointing=False):
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=load_in_4bit)
+    return FastModel.get_peft_model(model, r=8, lora_alpha=16,
+                                    use_gradient_checkpointing=checkpointing)
+
+
+def _train(model, ids, labels, steps):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    losses, first_grads = [], None
+    for step in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                           if p.requires_grad}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
+    path = tiny_model_path(arch)
+    plain = _plain_peft(path, load_in_4bit, device)
+    fused = _fused(path, load_in_4bit)
+    ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
+
+    plain_losses, plain_grads = _train(plain, ids, labels, STEPS)
+    fused_losses, fused_grads = _train(fused, ids, labels, STEPS)
+
+    assert plain_losses[-1] < plain_losses[0]  # the run actually learns
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses),
+                               rtol=1e-5, atol=0)
+    assert plain_grads.keys() == fused_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    # Greedy generation after training is the same token for token.
+    FastModel.for_inference(fused)
+    plain.eval()
+    prompt = ids[:1, :5]
+    with torch.no_grad():
+        a = plain.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+        b = fused.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_offloaded_checkpointing_gives_same_gradients(arch, device):
+    path = tiny_model_path(arch)
+    results = []
+    for mode in (False, "offload", True):
+        model = _fused(path, load_in_4bit=False, checkpointing=mode)
+        ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.item(), grads))
+    base_loss, base_grads = results[0]
+    for loss, grads in results[1:]:
+        assert loss == pytest.approx(base_loss, rel=1e-6)
+        for name, grad in base_grads.items():
+            assert grads[name] is not None, name
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_importing_slothkit_patches_nothing_and_models_coexist(device):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_path("llama")
+    fused, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    assert "forward" in vars(fused.model.layers[0].mlp)
+    assert "forward" not in vars(plain.model.layers[0].mlp)
+    ids, _ = (t.to(device) for t in _batch(plain.config.vocab_size))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_clear_errors_for_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cannot load model"):
+        FastModel.from_pretrained(str(tmp_path / "missing"), load_in_4bit=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        FastModel.from_pretrained(str(tmp_path / "empty"), load_in_4bit=False)
+    path = tiny_model_path("llama")
+    with pytest.raises(ValueError, match="exceeds this model's context"):
+        FastModel.from_pretrained(str(path), max_seq_length=10**6, load_in_4bit=False)
+    with pytest.raises(ValueError, match="accepted"):
+        FastModel.from_pretrained(str(path), dtype="float8", load_in_4bit=False)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(ValueError, match="match no layer.*q_proj"):
+        FastModel.get_peft_model(model, target_modules=["query_key_value"])
+    with pytest.raises(ValueError, match="use_gradient_checkpointing"):
+        FastModel.get_peft_model(copy.deepcopy(model), use_gradient_checkpointing="sometimes")
+
+
+def test_checkpoint_without_tokenizer_is_refused(tmp_path):
+    import shutil
+
+    path = tiny_model_path("llama")
+    target = tmp_path / "no-tokenizer"
+    target.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(path / name, target / name)
+    with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
+        FastModel.from_pretrained(str(target), load_in_4bit=False)
+
+
+def test_lora_dropout_falls_back_with_one_warning(device):
+    from slothkit.lora_projection import warn_fallback_once
+
+    warn_fallback_once.cache_clear()
+    path = tiny_model_path("llama")
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    model = FastModel.get_peft_model(model, r=8, lora_dropout=0.1, use_gradient_checkpointing=False)
+    ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(input_ids=ids, labels=labels).loss
+    assert torch.isfinite(loss)
+    messages = [str(w.message) for w in caught if "plain PEFT path" in str(w.message)]
+    assert messages and all("lora_dropout" in m for m in messages)
