@@ -69,6 +69,7 @@ class Row:
     peak_mib: float | None = None
     rel_err: float | None = None
     error: str | None = None
+    timing: str = "launch"  # "launch" (do_bench) or "cuda-graph" (replays of a captured call)
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class Settings:
     compile_backend: str = "inductor"
     warmup_ms: int = 25
     rep_ms: int = 100
+    cuda_graph: bool = False
 
 
 # --- measuring -----------------------------------------------------------------------
@@ -98,6 +100,21 @@ def time_ms(fn: Callable[[], Any], grad_tensors: list[torch.Tensor], settings: S
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def graph_time_ms(fn: Callable[[], Any], grad_tensors: list[torch.Tensor], settings: Settings) -> float:
+    """Median milliseconds per replay of a CUDA graph of fn.
+
+    A small kernel launched from Python can finish before the next launch is
+    issued, so launch timing measures the CPU.  Graph replays measure the GPU work
+    alone, which is what the kernel costs inside a training step whose launches
+    run ahead of the GPU.
+    """
+    from triton.testing import do_bench_cudagraph
+
+    for t in grad_tensors:
+        t.grad = None
+    return float(do_bench_cudagraph(fn, rep=settings.rep_ms, return_mode="median"))
 
 
 def copy_bandwidth(settings: Settings) -> float:
@@ -200,7 +217,16 @@ def _measure(row: Row, impl, inputs: dict, settings: Settings,
         row.rel_err = relative_error(result, reference)
     result = [t.detach().clone() for t in result] if row.impl == "eager" else None
     row.peak_mib = peak_mib(step, grad_tensors, settings.device)
-    row.ms = time_ms(step, grad_tensors, settings)
+    row.ms = None
+    if settings.cuda_graph and settings.device.type == "cuda":
+        try:
+            row.ms = graph_time_ms(step, grad_tensors, settings)
+            row.timing = "cuda-graph"
+        except Exception as exc:  # e.g. a host sync inside the op cannot be captured
+            torch.cuda.synchronize(settings.device)
+            row.timing = f"launch (graph capture failed: {type(exc).__name__})"
+    if row.ms is None:
+        row.ms = time_ms(step, grad_tensors, settings)
     return result
 
 
@@ -312,6 +338,8 @@ def _cells(row: Row) -> list[str]:
         return "-" if value is None else format(value, fmt)
 
     note = "" if row.status == "ok" else f"{row.status}: {row.error}"
+    if row.status == "ok" and row.timing not in ("launch", "cuda-graph"):
+        note = row.timing
     if len(note) > 90:
         note = note[:87] + "..."
     return [row.op, row.shape, row.dtype, row.mode, row.impl, num(row.ms, ".3f"),
@@ -350,6 +378,9 @@ def markdown_report(env: dict, rows: list[Row], notes: dict[str, str]) -> str:
         f"- command: `{env['command']}`",
         "" if env["complete"] else "\n**Incomplete: written before the last case finished.**\n",
         markdown_table(rows),
+        "",
+        "timing: replays of a CUDA graph of each call (--cuda-graph), except rows whose note says"
+        " otherwise" if "--cuda-graph" in env["command"] else "timing: triton.testing.do_bench of each call, Python and launch overhead included",
         "",
         "ms: median per call; GB/s: least bytes the op must move (inputs read once, outputs",
         "written once) / time; vs eager: eager ms / ms; peak MiB: memory beyond the inputs;",
@@ -398,6 +429,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench timing budget")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time replays of a captured CUDA graph of each call, so Python and "
+                             "launch overhead stay out of the figures (falls back per row)")
     args = parser.parse_args(argv)
     args.ops = _list_arg(args.ops, OPS, "op", parser) or list(OPS)
     args.dtype = _list_arg(args.dtype, DTYPES, "dtype", parser) or (
@@ -421,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
               "on tiny CPU shapes (its numbers mean nothing).", file=sys.stderr)
         return 1
     settings = Settings(device, compile=not args.no_compile, compile_backend=args.compile_backend,
-                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cuda_graph=args.cuda_graph)
     shapes = "tiny" if args.cpu_tiny else "quick" if args.quick else "full"
     cases = build_cases(args.ops, [DTYPES[d] for d in args.dtype], shapes)
 

@@ -153,9 +153,12 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 
 
 # Backward launch shape: programs per SM (each keeps one fp32 dL/dw partial row)
-# and warps per program; None means calculate_settings' choice for the row length.
-BACKWARD_PROGRAMS_PER_SM = 4
-BACKWARD_NUM_WARPS = None
+# and warps per program (None: calculate_settings' choice for the row length).
+# Chosen on an H200 with scripts/tune_kernels.py (CUDA-graph timing, bf16): one
+# program of 16 warps per SM over 16384-element tiles moved 78% of the copy
+# bandwidth at 16384 x 4096, against 47% for 4 programs of one row at a time.
+BACKWARD_PROGRAMS_PER_SM = 1
+BACKWARD_NUM_WARPS = 16
 # Elements per backward tile (BLOCK_ROWS x BLOCK_SIZE).
 BACKWARD_TILE_ELEMENTS = 16384
 

@@ -19,6 +19,20 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def bench_graph(fn):
+    """Time replays of a CUDA graph of fn: no Python or launch overhead in the figure."""
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+class _SavedContext:
+    """Stands in for autograd's ctx so a backward can be called (and graphed) directly."""
+
+    def __init__(self, saved, needs, **attrs):
+        self.saved_tensors = saved
+        self.needs_input_grad = needs
+        self.__dict__.update(attrs)
+
+
 def copy_bandwidth():
     a = torch.empty(2**29, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -43,9 +57,16 @@ def main(only=None):
                     rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = per_sm, warps
                     rms_mod.BACKWARD_TILE_ELEMENTS = tile
                     ms = bench(lambda: torch.autograd.grad(y, (x, w), dy, retain_graph=True))
+                    node = y.grad_fn
+                    while "RMSNorm" not in type(node).__name__:
+                        node = node.next_functions[0][0]
+                    ctx = _SavedContext(node.saved_tensors, (True, True), gemma=False,
+                                        x_shape=x.shape)
+                    ms_graph = bench_graph(lambda: rms_mod._RMSNormFunction.backward(ctx, dy))
                     print(f"rms_norm bwd {rows}x{h} tile={tile:5d} per_sm={per_sm:2d} "
-                          f"warps={warps:2d}: {ms*1e3:7.1f} us {nbytes/ms/1e6/bw*100:5.1f}% copy")
-    rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = 4, None
+                          f"warps={warps:2d}: {ms*1e3:7.1f} us {nbytes/ms/1e6/bw*100:5.1f}% copy; "
+                          f"graphed {ms_graph*1e3:7.1f} us {nbytes/ms_graph/1e6/bw*100:5.1f}% copy")
+    rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = 1, 16
     rms_mod.BACKWARD_TILE_ELEMENTS = 16384
     if only == "rms_norm":
         return

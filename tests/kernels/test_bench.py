@@ -24,7 +24,7 @@ ENV_KEYS = {"date", "command", "device", "gpu", "driver", "cuda", "python", "tor
             "transformers", "bitsandbytes", "triton_interpreter", "copy_gb_per_s", "complete",
             "notes", "rows"}
 ROW_KEYS = {"op", "shape", "dtype", "mode", "impl", "status", "ms", "gb_per_s", "pct_copy_bw",
-            "tflop_per_s", "speedup_vs_eager", "peak_mib", "rel_err", "error"}
+            "tflop_per_s", "speedup_vs_eager", "peak_mib", "rel_err", "error", "timing"}
 # Largest relative error against eager accepted in fp32.  Loose on purpose: the ops'
 # own tests check their accuracy; a harness that mixes up arguments or results is off
 # by O(1).
@@ -48,6 +48,7 @@ def positive_finite(value) -> bool:
 def check_row(row: dict, cpu: bool = True) -> None:
     assert set(row) == ROW_KEYS
     assert row["status"] in ("ok", "not available", "error"), row
+    assert row["timing"] == "launch", row  # --cuda-graph is CUDA-only
     if row["status"] != "ok":
         assert row["error"], row
         assert row["ms"] is None
