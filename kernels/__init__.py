@@ -1,1 +1,52 @@
-"""slothkit_kernels: fused Triton kernels with hand-derived backward passes."""
+"""slothkit_kernels: fused Triton kernels with hand-derived backward passes.
+
+Needs only torch and triton and knows nothing of models.  Each op runs its
+Triton kernel on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``)
+and its plain-torch reference, named ``<op>_reference``, elsewhere.
+"""
+
+from slothkit_kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from slothkit_kernels.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from slothkit_kernels.geglu import geglu, geglu_reference
+from slothkit_kernels.lora import (
+    LoRAProjection,
+    lora_linear,
+    lora_mlp,
+    lora_mlp_reference,
+    lora_o,
+    lora_qkv,
+    lora_qkv_reference,
+)
+from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
+from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference
+from slothkit_kernels.rope import rope, rope_reference
+from slothkit_kernels.swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "LoRAProjection",
+    "NF4Weight",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "dequantize_nf4",
+    "dequantize_nf4_reference",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_reference",
+    "geglu",
+    "geglu_reference",
+    "lora_linear",
+    "lora_mlp",
+    "lora_mlp_reference",
+    "lora_o",
+    "lora_qkv",
+    "lora_qkv_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_reference",
+    "swiglu",
+    "swiglu_reference",
+]
