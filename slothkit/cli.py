@@ -26,6 +26,13 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     return bench.main(args.bench_args)
 
 
+def _cmd_bench_train(args: argparse.Namespace) -> int:
+    from slothkit.bench.train import run_train_bench
+
+    record = run_train_bench(args)
+    return 0 if any(r["status"] == "ok" for r in record["rows"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
@@ -52,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kernels.add_argument("bench_args", nargs=argparse.REMAINDER)
     kernels.set_defaults(func=_cmd_bench_kernels)
+
+    from slothkit.bench.train import add_arguments
+
+    train = bench_sub.add_parser(
+        "train", help="training tokens/s and memory: slothkit vs HF + PEFT, Liger, Unsloth"
+    )
+    add_arguments(train)
+    train.set_defaults(func=_cmd_bench_train)
     return parser
 
 

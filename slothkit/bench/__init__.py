@@ -1,0 +1,1 @@
+"""`slothkit bench`: slothkit against Hugging Face + PEFT and its peers, side by side."""

@@ -1,0 +1,162 @@
+"""`slothkit bench train`: training throughput and memory, implementation by implementation.
+
+Each implementation runs in its own subprocess (slothkit.bench.train_worker) on
+the same shape, weights, data and LoRA settings; repeats alternate between
+implementations so that drift of the GPU's clocks hits them alike.  A peer whose
+package is missing is reported as skipped, one that fails or runs out of memory
+as such, with its error; the others still run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from slothkit.bench.shapes import SHAPES, shape_by_name
+from slothkit.bench.train_worker import RESULT_TAG
+
+IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
+
+
+def run_worker(impl: str, args, extra_env=None) -> dict:
+    command = [
+        sys.executable, "-m", "slothkit.bench.train_worker", "--impl", impl,
+        "--model", args.model, "--mode", args.mode, "--dtype", args.dtype,
+        "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--rank", str(args.rank),
+    ]
+    if getattr(args, "memory_gib", None):
+        command += ["--memory-gib", str(args.memory_gib)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env)
+    for line in completed.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (completed.stderr or completed.stdout).strip().splitlines()[-3:]
+    return {"status": "error", "error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
+
+
+def flops_per_token(shape_name: str, seq: int) -> float:
+    """LoRA training with checkpointing: ~6 x matmul parameters per token (forward, the
+    recomputed forward, and the input-gradient matmuls; frozen weights need no weight
+    gradients) plus causal attention, 8 * T * layers * (heads * head_dim) per token."""
+    shape = shape_by_name(shape_name)
+    head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
+    attention = 8 * seq * shape.num_hidden_layers * shape.num_attention_heads * head_dim
+    return 6 * shape.matmul_parameters() + attention
+
+
+def environment() -> dict:
+    from slothkit.environment import accelerator, package_versions
+
+    return {"accelerator": accelerator(), "versions": package_versions(),
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "slothkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+
+
+def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -> list[dict]:
+    rows = []
+    per_token = flops_per_token(args.model, args.seq)
+    for impl, runs in results.items():
+        ok = [r for r in runs if r.get("status") == "ok"]
+        if not ok:
+            rows.append({"impl": impl, **runs[-1]})
+            continue
+        row = {"impl": impl, "status": "ok", "runs": len(ok)}
+        row["step_s"] = statistics.median(r["step_s"] for r in ok)
+        row["tokens_per_s"] = args.batch * args.seq / row["step_s"]
+        if peak_tflops:
+            row["mfu"] = row["tokens_per_s"] * per_token / (peak_tflops * 1e12)
+        for key in ("peak_allocated_gib", "peak_reserved_gib", "training_gib", "loaded_gib",
+                    "host_rss_gib", "final_loss"):
+            if key in ok[0]:
+                row[key] = max(r[key] for r in ok) if key != "final_loss" else ok[-1][key]
+        row["losses"] = ok[-1]["losses"]
+        rows.append(row)
+    hf = next((r for r in rows if r["impl"] == "hf" and r["status"] == "ok"), None)
+    for row in rows:
+        if hf and row["status"] == "ok":
+            row["vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("impl", "status", "step s", "tokens/s", "vs HF", "MFU", "peak GiB",
+              "reserved", "above weights", "host GiB", "final loss")
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for r in rows:
+        def f(key, fmt):
+            return fmt.format(r[key]) if r.get(key) is not None else "-"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
+        lines.append(" | ".join([
+            r["impl"], status, f("step_s", "{:.3f}"), f("tokens_per_s", "{:,.0f}"),
+            f("vs_hf", "{:.2f}x"), f("mfu", "{:.1%}"), f("peak_allocated_gib", "{:.1f}"),
+            f("peak_reserved_gib", "{:.1f}"), f("training_gib", "{:.1f}"),
+            f("host_rss_gib", "{:.1f}"), f("final_loss", "{:.4f}"),
+        ]))
+    return "\n".join("| " + line + " |" for line in lines)
+
+
+def run_train_bench(args) -> dict:
+    impls = [i.strip() for i in args.impl.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)}")
+    shape_by_name(args.model)
+    import torch
+
+    if not torch.cuda.is_available() and not args.model.startswith("tiny-"):
+        raise SystemExit(
+            f"no CUDA GPU here: {args.model} is a real-size shape. On a CPU, run a tiny "
+            f"configuration instead: --model tiny-llama (or tiny-mistral, tiny-gemma) "
+            f"--dtype fp32 --seq 64"
+        )
+    peak = None
+    if torch.cuda.is_available():
+        peak = run_worker("matmul-peak", args).get("tflops")
+    results: dict[str, list[dict]] = {impl: [] for impl in impls}
+    total = args.repeats * len(impls)
+    done = 0
+    for repeat in range(args.repeats):
+        order = impls if repeat % 2 == 0 else impls[::-1]  # alternate to share drift
+        for impl in order:
+            done += 1
+            print(f"[{done}/{total}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
+                  file=sys.stderr, flush=True)
+            results[impl].append(run_worker(impl, args))
+    rows = summarise(results, args, peak)
+    record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
+              "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+              "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
+              "matmul_peak_tflops": peak, "rows": rows, "raw": results}
+    print(format_table(rows))
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"record written to {path}", file=sys.stderr)
+    return record
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default="llama-3-8b",
+                        help=f"a known shape ({', '.join(SHAPES)})")
+    parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per implementation, alternating")
+    parser.add_argument("--impl", default="slothkit,hf,liger,unsloth",
+                        help="comma-separated: slothkit, hf, liger, unsloth")
+    parser.add_argument("--output", help="write the JSON record here")

@@ -1,0 +1,221 @@
+"""One implementation's training run, in its own process (``python -m slothkit.bench.train_worker``).
+
+The parent (slothkit.bench.train) starts one worker per implementation so that
+no implementation's patches, compiled kernels or cached memory can affect
+another's figures.  The worker prints one JSON line prefixed with RESULT_TAG.
+
+Every implementation trains the same thing: the model shape built with the same
+random weights (seeded), LoRA r=16 / alpha 16 on all seven projections, gradient
+checkpointing on, fused AdamW at lr 1e-4, the same random tokens each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int):
+    """The named shape with random weights, built directly on the device."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.bench.shapes import shape_by_name
+
+    config = shape_by_name(shape_name).config()
+
+    # Parameters on the meta device (no memory, no init time); buffers real, since
+    # to_empty() leaves them as garbage: rotary inv_freq, Gemma's embed_scale.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                # Neutral norm: 1, or 0 where the norm scales by (1 + w).
+                param.fill_(0.0 if config.model_type == "gemma" else 1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.tie_weights()
+    return model
+
+
+def quantize_to_nf4(model, compute_dtype: torch.dtype):
+    """Replace the decoder's projections with bitsandbytes NF4 (double-quantised) layers."""
+    import bitsandbytes as bnb
+
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in LORA_TARGETS or not isinstance(module, torch.nn.Linear):
+            continue
+        quantized = bnb.nn.Linear4bit(
+            module.in_features, module.out_features, bias=module.bias is not None,
+            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+            quant_storage=torch.uint8, device="meta",
+        )
+        weight = module.weight.data
+        quantized.weight = bnb.nn.Params4bit(
+            weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
+            quant_storage=torch.uint8,
+        ).to(module.weight.device)
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        setattr(parent, leaf, quantized)
+    return model
+
+
+def prepare(impl: str, model, rank: int):
+    """Add LoRA and checkpointing the way each implementation's users do."""
+    from peft import LoraConfig, get_peft_model
+
+    if impl == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    if impl in ("hf", "liger"):
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+        model.train()  # from_config/from_pretrained return eval mode, which skips checkpointing
+        return model
+    if impl == "slothkit":
+        from slothkit import FastModel
+        from slothkit.models import architecture_for
+        from slothkit.models.decoder import patch_decoder
+
+        patch_decoder(model, architecture_for(model.config))
+        return FastModel.get_peft_model(model, r=rank, lora_alpha=rank,
+                                        use_gradient_checkpointing="offload")
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def matmul_peak_tflops() -> float:
+    """bf16 matmul rate on random data, the MFU denominator (measured, not the datasheet)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / statistics.median(times) / 1e12
+
+
+def run(args) -> dict:
+    if args.impl == "matmul-peak":
+        return {"status": "ok", "tflops": matmul_peak_tflops()}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    torch.manual_seed(args.seed)
+    if device == "cuda" and args.memory_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
+
+    model = build_model(args.model, dtype, device, args.seed)
+    if args.mode == "qlora":
+        model = quantize_to_nf4(model, dtype)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        loaded = torch.cuda.memory_allocated()
+    else:
+        loaded = 0
+    model = prepare(args.impl, model, args.rank)
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
+    use_scaler = dtype == torch.float16
+    scaler = torch.amp.GradScaler(device, enabled=use_scaler)
+
+    losses, times = [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    timed = times[args.warmup:]
+    step_s = statistics.median(timed)
+    result = {
+        "status": "ok",
+        "step_s": step_s,
+        "tokens_per_s": args.batch * args.seq / step_s,
+        "losses": losses,
+        "final_loss": losses[-1],
+        "loaded_gib": loaded / 2**30,
+    }
+    if device == "cuda":
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        result["training_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
+    try:
+        import psutil
+
+        result["host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
+    except ImportError:
+        pass
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-gib", type=float, default=None)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except torch.cuda.OutOfMemoryError as error:
+        result = {"status": "out of memory", "error": str(error).splitlines()[0]}
+    except ImportError as error:
+        result = {"status": "skipped", "error": f"not importable: {error}"}
+    except Exception as error:  # reported in the table; the other implementations still run
+        result = {"status": "error", "error": f"{type(error).__name__}: {error}",
+                  "traceback": traceback.format_exc()}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
