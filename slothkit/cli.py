@@ -33,6 +33,13 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in record["rows"]) else 1
 
 
+def _cmd_bench_context(args: argparse.Namespace) -> int:
+    from slothkit.bench.context import run_context_bench
+
+    record = run_context_bench(args)
+    return 0 if any(r.get("status") == "ok" for r in record["rows"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
@@ -67,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(train)
     train.set_defaults(func=_cmd_bench_train)
+
+    from slothkit.bench import context
+
+    context_parser = bench_sub.add_parser(
+        "context", help="longest batch-1 sequence per implementation under a GPU memory cap"
+    )
+    context.add_arguments(context_parser)
+    context_parser.set_defaults(func=_cmd_bench_context)
     return parser
 
 

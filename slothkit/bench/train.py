@@ -106,6 +106,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_train_bench(args) -> dict:
+    apply_t4(args)
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     unknown = [i for i in impls if i not in IMPLEMENTATIONS]
     if unknown:
@@ -134,7 +135,7 @@ def run_train_bench(args) -> dict:
             results[impl].append(run_worker(impl, args))
     rows = summarise(results, args, peak)
     record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
-              "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+              "dtype": args.dtype, "memory_gib": args.memory_gib, "batch": args.batch, "seq": args.seq, "steps": args.steps,
               "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
               "matmul_peak_tflops": peak, "rows": rows, "raw": results}
     print(format_table(rows))
@@ -159,4 +160,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per implementation, alternating")
     parser.add_argument("--impl", default="slothkit,hf,liger,unsloth",
                         help="comma-separated: slothkit, hf, liger, unsloth")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)")
+    parser.add_argument("--t4", action="store_true",
+                        help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16")
     parser.add_argument("--output", help="write the JSON record here")
+
+
+def apply_t4(args) -> None:
+    """--t4: what a free Colab/Kaggle T4 offers: 15 GiB and no bf16."""
+    if getattr(args, "t4", False):
+        args.dtype = "fp16"
+        args.memory_gib = min(args.memory_gib or 15.0, 15.0)

@@ -121,9 +121,42 @@ def matmul_peak_tflops() -> float:
     return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
+def load_with_unsloth(model, args, dtype):
+    """Unsloth loads from a checkpoint on disk: save the random model, then load it
+    the way Unsloth's notebooks do (its own 4-bit loading, its offloaded checkpointing)."""
+    import tempfile
+
+    from unsloth import FastLanguageModel
+
+    folder = tempfile.mkdtemp(prefix="slothkit-bench-unsloth-")
+    model.save_pretrained(folder, safe_serialization=True)
+    from slothkit.testing import build_tiny_tokenizer
+
+    build_tiny_tokenizer("bpe", folder)  # Unsloth wants a tokenizer beside the weights
+    del model
+    torch.cuda.empty_cache()
+    unsloth_model, _ = FastLanguageModel.from_pretrained(
+        folder, max_seq_length=args.seq, dtype=dtype, load_in_4bit=args.mode == "qlora",
+    )
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated()
+    unsloth_model = FastLanguageModel.get_peft_model(
+        unsloth_model, r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, bias="none",
+        target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth", random_state=args.seed,
+    )
+    return unsloth_model, loaded
+
+
 def run(args) -> dict:
     if args.impl == "matmul-peak":
         return {"status": "ok", "tflops": matmul_peak_tflops()}
+    if args.impl == "unsloth":
+        import importlib.util
+
+        if importlib.util.find_spec("unsloth") is None:
+            raise ImportError("No module named 'unsloth'")
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+        import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.manual_seed(args.seed)
@@ -132,14 +165,17 @@ def run(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
 
     model = build_model(args.model, dtype, device, args.seed)
-    if args.mode == "qlora":
-        model = quantize_to_nf4(model, dtype)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        loaded = torch.cuda.memory_allocated()
+    if args.impl == "unsloth":
+        model, loaded = load_with_unsloth(model, args, dtype)
     else:
-        loaded = 0
-    model = prepare(args.impl, model, args.rank)
+        if args.mode == "qlora":
+            model = quantize_to_nf4(model, dtype)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            loaded = torch.cuda.memory_allocated()
+        else:
+            loaded = 0
+        model = prepare(args.impl, model, args.rank)
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
