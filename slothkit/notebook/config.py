@@ -1,0 +1,131 @@
+"""The notebook's settings: Colab form fields, an ipywidgets panel, environment overrides.
+
+The config cell of every notebook assigns plain variables (which Colab shows as a
+form through its ``# @param`` comments) and hands them to
+``NotebookConfig.from_cell(globals())``.  Every field can then be overridden by an
+environment variable ``SLOTHKIT_<FIELD>`` (how the tests point a notebook at a
+tiny offline model and a local Hub), and in Jupyter or Kaggle ``config.panel()``
+shows the same fields as ipywidgets (7 or 8) that write back into the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass
+class NotebookConfig:
+    model_name: str
+    load_in_4bit: bool = True
+    max_seq_length: int = 2048
+    lora_r: int = 16
+    lora_alpha: int = 16
+    learning_rate: float = 2e-4
+    max_steps: int = 60
+    batch_size: int = 2
+    grad_accum: int = 4
+    dataset: str = "example:alpaca"
+    chat_template: str = ""
+    save_lora: bool = True
+    save_merged: bool = False
+    save_gguf: bool = False
+    gguf_quants: str = "q4_k_m,q8_0"
+    output_dir: str = "outputs"
+    hub_repo: str = ""
+    hub_token: str = ""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_cell(cls, namespace: dict, environ=None) -> "NotebookConfig":
+        """Read UPPER_CASE variables of the config cell, then SLOTHKIT_* overrides."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name.upper() in namespace:
+                values[field.name] = namespace[field.name.upper()]
+        if "model_name" not in values and "SLOTHKIT_MODEL_NAME" not in environ:
+            raise ValueError("the config cell must set MODEL_NAME")
+        for field in dataclasses.fields(cls):
+            key = f"SLOTHKIT_{field.name.upper()}"
+            if key in environ:
+                values[field.name] = _parse(field, environ[key], key)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for name in ("max_seq_length", "lora_r", "lora_alpha", "max_steps", "batch_size", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name.upper()} = {value!r}; expected a positive integer")
+        if not self.learning_rate > 0:
+            raise ValueError(f"LEARNING_RATE = {self.learning_rate!r}; expected a positive number")
+
+    @property
+    def gguf_quant_list(self) -> list[str]:
+        return [q.strip() for q in self.gguf_quants.split(",") if q.strip()]
+
+    def panel(self):
+        """An ipywidgets form bound to this config (Jupyter, Kaggle); None if widgets are missing."""
+        try:
+            import ipywidgets as widgets
+        except ImportError:
+            return None
+        rows = []
+        for field in dataclasses.fields(self):
+            if field.name == "hub_token":
+                widget = widgets.Password(value=self.hub_token, description="hub_token")
+            elif field.type in (bool, "bool"):
+                widget = widgets.Checkbox(value=getattr(self, field.name), description=field.name)
+            elif field.type in (int, "int"):
+                widget = widgets.IntText(value=getattr(self, field.name), description=field.name)
+            elif field.type in (float, "float"):
+                widget = widgets.FloatText(value=getattr(self, field.name), description=field.name)
+            else:
+                widget = widgets.Text(value=str(getattr(self, field.name)), description=field.name)
+            widget.observe(self._setter(field.name), names="value")
+            rows.append(widget)
+        return widgets.VBox(rows)
+
+    def _setter(self, name):
+        def update(change):
+            setattr(self, name, change["new"])
+        return update
+
+    def show(self) -> None:
+        """Display the panel in Jupyter/Kaggle (Colab shows its form instead), else print."""
+        from slothkit.notebook.runtime import detect_runtime
+
+        panel = self.panel() if detect_runtime() != "colab" else None
+        if panel is not None:
+            try:
+                from IPython.display import display
+
+                display(panel)
+                return
+            except ImportError:
+                pass
+        for field in dataclasses.fields(self):
+            value = "***" if field.name == "hub_token" and self.hub_token else getattr(self, field.name)
+            print(f"{field.name:15s} {value}")
+
+
+def _parse(field, text: str, key: str):
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    try:
+        if kind == "bool":
+            lowered = text.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError
+            return lowered in ("1", "true", "yes")
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{key}={text!r} is not a valid {kind}") from None
+    return text

@@ -1,0 +1,102 @@
+"""Render notebook templates (templates/, the ``slothkit_templates`` package) for a model.
+
+A template is a jupytext percent-format .py file with ``${key}`` placeholders;
+the values come from templates/models.json (what differs between models, as
+data) plus ``--set key=value`` overrides.  Output: an .ipynb and its paired
+percent-format .py, without outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from importlib import resources
+from pathlib import Path
+
+TEMPLATES = {
+    "finetune": "base fine-tune on instruction data (Alpaca format)",
+    "conversational": "chat fine-tune with the model's chat template, trained on replies only",
+    "dpo": "preference tuning with DPO",
+}
+
+
+def _package_file(name: str):
+    return resources.files("slothkit_templates").joinpath(name)
+
+
+def model_data() -> dict[str, dict]:
+    return json.loads(_package_file("models.json").read_text())
+
+
+def template_text(template: str) -> str:
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; valid templates: {', '.join(TEMPLATES)}")
+    return _package_file(f"{template}.py").read_text()
+
+
+def parse_overrides(pairs: list[str] | None, valid_keys) -> dict[str, str]:
+    overrides = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--set {pair!r}: expected key=value")
+        if key not in valid_keys:
+            raise ValueError(f"--set {key}: unknown key; valid keys: {', '.join(sorted(valid_keys))}")
+        overrides[key] = value
+    return overrides
+
+
+def values_for(model: str, overrides: dict | None = None) -> dict:
+    models = model_data()
+    if model not in models:
+        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(models)}")
+    values = {"model_key": model, **models[model]}
+    values.update(overrides or {})
+    return values
+
+
+def render_text(template: str, model: str, overrides: dict | None = None) -> str:
+    """The template's percent-format source with the model's values filled in."""
+    try:
+        return string.Template(template_text(template)).substitute(values_for(model, overrides))
+    except KeyError as error:
+        raise ValueError(f"template {template!r} needs a value for {error}, which models.json "
+                         f"does not give for {model!r}") from None
+
+
+def render_notebook(template: str, model: str, overrides: dict | None = None):
+    import jupytext
+
+    return jupytext.reads(render_text(template, model, overrides), fmt="py:percent")
+
+
+def write_notebook(template: str, model: str, output: str | Path, overrides=None,
+                   overwrite: bool = False) -> tuple[Path, Path]:
+    """Write OUTPUT.ipynb and its paired OUTPUT.py; refuse to overwrite unless told to."""
+    import jupytext
+
+    output = Path(output)
+    notebook_path = output.with_suffix(".ipynb")
+    script_path = output.with_suffix(".py")
+    for path in (notebook_path, script_path):
+        if path.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists; pass --force (overwrite=True) to replace it")
+    notebook = render_notebook(template, model, overrides)
+    notebook.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
+    notebook_path.parent.mkdir(parents=True, exist_ok=True)
+    jupytext.write(notebook, notebook_path)
+    jupytext.write(notebook, script_path, fmt="py:percent")
+    return notebook_path, script_path
+
+
+def listing() -> str:
+    lines = ["models:"]
+    for name, data in model_data().items():
+        lines.append(f"  {name:12s} {data['display_name']}: 4-bit {data['model_4bit']}, "
+                     f"chat template {data['chat_template']}, max_seq_length {data['max_seq_length']}, "
+                     f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}")
+    lines.append("templates:")
+    for name, description in TEMPLATES.items():
+        lines.append(f"  {name:14s} {description}")
+    lines.append("keys for --set: " + ", ".join(sorted(next(iter(model_data().values())))))
+    return "\n".join(lines)
