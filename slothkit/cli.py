@@ -40,6 +40,41 @@ def _cmd_bench_context(args: argparse.Namespace) -> int:
     return 0 if any(r.get("status") == "ok" for r in record["rows"]) else 1
 
 
+def _cmd_list(args: argparse.Namespace) -> int:
+    from slothkit.notebook.render import listing
+
+    print(listing())
+    return 0
+
+
+def _cmd_new_notebook(args: argparse.Namespace) -> int:
+    from slothkit.notebook.render import model_data, parse_overrides, write_notebook
+
+    models = model_data()
+    if args.model not in models:
+        print(f"slothkit new-notebook: unknown model {args.model!r}; valid models: "
+              f"{', '.join(models)}", file=sys.stderr)
+        return 2
+    try:
+        overrides = parse_overrides(args.set, models[args.model].keys())
+        output = args.output or f"{args.model}-{args.template}"
+        paths = write_notebook(args.template, args.model, output, overrides, overwrite=args.force)
+    except (ValueError, FileExistsError) as error:
+        print(f"slothkit new-notebook: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {paths[0]} (paired with {paths[1]})")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from slothkit.plan import plan
+
+    result = plan(args.model, gpu=args.gpu, seq=args.seq, batch=args.batch, mode=args.mode,
+                  rank=args.rank)
+    print(result.report())
+    return 0 if result.fits is not False else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
@@ -53,6 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
     demo.add_argument("--arch", choices=["llama", "mistral", "gemma"], default="llama")
     demo.set_defaults(func=_cmd_demo)
+
+    listing = sub.add_parser("list", help="the models and notebook templates, with their defaults")
+    listing.set_defaults(func=_cmd_list)
+
+    from slothkit.notebook.render import TEMPLATES
+
+    notebook = sub.add_parser(
+        "new-notebook",
+        help="write a ready-to-run notebook for a model (see `slothkit list`)",
+        description="Render a notebook template for MODEL into OUTPUT.ipynb and its paired "
+                    "OUTPUT.py (jupytext percent format).",
+    )
+    notebook.add_argument("model", help="a model from `slothkit list`, e.g. gemma-7b")
+    notebook.add_argument("-o", "--output", help="path without extension (default MODEL-TEMPLATE)")
+    notebook.add_argument("--template", default="finetune", choices=list(TEMPLATES),
+                          help="which workflow (default finetune)")
+    notebook.add_argument("--set", action="append", metavar="KEY=VALUE",
+                          help="override a model default, e.g. --set max_seq_length=4096")
+    notebook.add_argument("--force", action="store_true", help="overwrite an existing notebook")
+    notebook.set_defaults(func=_cmd_new_notebook)
+
+    from slothkit.plan import add_arguments as add_plan_arguments
+
+    plan_parser = sub.add_parser(
+        "plan", help="predict GPU memory for training a model and pick settings that fit"
+    )
+    add_plan_arguments(plan_parser)
+    plan_parser.set_defaults(func=_cmd_plan)
 
     env = sub.add_parser("env", help="show versions and the GPU slothkit would use")
     env.set_defaults(func=_cmd_env)
