@@ -104,11 +104,24 @@ def activation_bytes(shape: Shape, tokens: int, checkpointing: str = "offload") 
     return total
 
 
-def plan(model: str, gpu: str = "auto", seq: int = 2048, batch: int = 2, mode: str = "qlora",
+def shape_from_config(config) -> Shape:
+    """A Shape read off a transformers config (for checkpoints the bench does not name)."""
+    extra = {}
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+        extra["head_dim"] = head_dim
+    return Shape(config.model_type, config.hidden_size, config.intermediate_size,
+                 config.num_hidden_layers, config.num_attention_heads,
+                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                 config.vocab_size, getattr(config, "max_position_embeddings", 0), extra)
+
+
+def plan(model: str | Shape, gpu: str = "auto", seq: int = 2048, batch: int = 2, mode: str = "qlora",
          rank: int = 16, target_batch: int = 8) -> MemoryPlan:
     """Predict the peak and adjust batch (then seq) to fit the GPU; keep the effective
-    batch near target_batch through gradient accumulation."""
-    shape = shape_by_name(model)
+    batch near target_batch through gradient accumulation.  model: a shape name or a Shape."""
+    shape = model if isinstance(model, Shape) else shape_by_name(model)
+    model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
         raise ValueError(f"mode={mode!r}; accepted: 'lora' (16-bit base) or 'qlora' (4-bit base)")
     gpu_gib, gpu_name = _gpu_memory(gpu)
