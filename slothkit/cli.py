@@ -75,6 +75,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits is not False else 1
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from slothkit.export import export_adapter
+
+    try:
+        result = export_adapter(args.adapter_dir, args.to, quant=args.quant, push=args.push,
+                                output=args.output, token=args.token, overwrite=args.overwrite,
+                                base_model=args.base_model)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+        print(f"slothkit export: {error}", file=sys.stderr)
+        return 2
+    print(f"exported to {result.output}")
+    if result.push is not None:
+        print(f"pushed: {result.push}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
@@ -116,6 +132,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_arguments(plan_parser)
     plan_parser.set_defaults(func=_cmd_plan)
+
+    from slothkit.export import EXPORT_TARGETS
+
+    export = sub.add_parser(
+        "export", help="merge a saved LoRA adapter into its base and save it (16-bit, 4-bit, GGUF)"
+    )
+    export.add_argument("adapter_dir", help="a folder written by model.save_pretrained (PEFT adapter)")
+    export.add_argument("--to", required=True, choices=list(EXPORT_TARGETS))
+    export.add_argument("--quant", help="GGUF quantisation(s), comma-separated, e.g. q4_k_m,q8_0")
+    export.add_argument("--push", metavar="REPO_ID", help="also push the result to the Hugging Face Hub")
+    export.add_argument("--output", help="output folder (default: beside the adapter)")
+    export.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    export.add_argument("--base-model", help="base checkpoint, if not the adapter's base_model_name_or_path")
+    export.set_defaults(func=_cmd_export)
 
     env = sub.add_parser("env", help="show versions and the GPU slothkit would use")
     env.set_defaults(func=_cmd_env)

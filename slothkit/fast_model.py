@@ -162,6 +162,9 @@ class FastModel:
             # Checkpointed layers recompute in backward; their input must require grad.
             causal_lm.enable_input_require_grads()
         peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        from slothkit.export import attach_export_methods
+
+        attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
         FastModel.for_training(peft_model)
         return peft_model
 

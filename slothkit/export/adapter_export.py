@@ -1,0 +1,166 @@
+"""Export a saved LoRA adapter folder (what `slothkit export ADAPTER_DIR` does).
+
+    export_adapter("outputs/checkpoint-500", to="merged_16bit", output="merged")
+    export_adapter("outputs/adapter", to="gguf", quant="q4_k_m", push="me/my-model-GGUF")
+
+The base model is the one the adapter names (adapter_config.json's base_model_name_or_path),
+loaded unquantised from a local folder or the local Hugging Face cache (never downloaded
+here), so merges go into the original 16-bit weights even when the adapter was trained with
+QLoRA. The tokenizer comes from the adapter folder when it has one (it carries the chat
+template used in training), else from the base. Training settings are read from a
+trainer_state.json in the adapter folder when there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+
+from slothkit.export.hub import PushResult, push_folder_to_hub
+from slothkit.export.merge import find_original_checkpoint
+from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
+
+EXPORT_TARGETS = (*SAVE_METHODS, "gguf")
+
+
+@dataclasses.dataclass
+class ExportResult:
+    target: str
+    output: pathlib.Path | None  # None when only pushed (the local copy was temporary)
+    save: SaveResult | object | None  # SaveResult, or what save_pretrained_gguf returned
+    push: PushResult | None = None
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
+    folder = pathlib.Path(adapter_dir).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no adapter_config.json; pass the folder written by model.save_pretrained() "
+            f"(or a Trainer checkpoint-N folder) of a LoRA fine-tune"
+        )
+    return json.loads(config_file.read_text(encoding="utf-8"))
+
+
+def resolve_base_model(adapter_config: dict, base_model: str | None = None) -> pathlib.Path:
+    """The local folder of the base the adapter was trained on."""
+    name = base_model or adapter_config.get("base_model_name_or_path")
+    if not name:
+        raise ValueError("adapter_config.json names no base_model_name_or_path; pass base_model=PATH")
+    local = pathlib.Path(name).expanduser()
+    if local.is_dir() and (local / "config.json").is_file():
+        return local
+    cached = find_original_checkpoint(name)
+    if cached is not None:
+        return cached
+    raise FileNotFoundError(
+        f"the adapter's base model {name!r} is not a local checkpoint folder nor in the local Hugging Face "
+        f"cache; download it first (e.g. `huggingface-cli download {name}`) or pass base_model=PATH"
+    )
+
+
+def _has_tokenizer(folder: pathlib.Path) -> bool:
+    return (folder / "tokenizer_config.json").is_file() and any(
+        (folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    )
+
+
+def training_settings_from(adapter_dir: pathlib.Path) -> dict | None:
+    """A few facts from a Trainer's trainer_state.json, when present."""
+    state_file = adapter_dir / "trainer_state.json"
+    if not state_file.is_file():
+        return None
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    facts = {}
+    for key, label in (("global_step", "steps"), ("epoch", "epochs"), ("train_batch_size", "batch size per device")):
+        if state.get(key) is not None:
+            facts[label] = round(state[key], 4) if isinstance(state[key], float) else state[key]
+    history = state.get("log_history") or []
+    learning_rates = [h["learning_rate"] for h in history if "learning_rate" in h]
+    losses = [h["loss"] for h in history if "loss" in h]
+    if learning_rates:
+        facts["peak learning rate"] = max(learning_rates)
+    if losses:
+        facts["last logged training loss"] = losses[-1]
+    return facts or None
+
+
+def load_adapter_model(adapter_dir: str | os.PathLike, base_model: str | None = None):
+    """(peft model, tokenizer) for an adapter folder, on its unquantised base, in eval mode."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = pathlib.Path(adapter_dir).expanduser()
+    base_path = resolve_base_model(read_adapter_config(folder), base_model)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype="auto")
+    model = PeftModel.from_pretrained(base, folder)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder if _has_tokenizer(folder) else base_path)
+    return model, tokenizer
+
+
+def export_adapter(
+    adapter_dir: str | os.PathLike,
+    to: str,
+    quant: str | None = None,
+    push: str | None = None,
+    output: str | os.PathLike | None = None,
+    token: str | None = None,
+    *,
+    base_model: str | None = None,
+    overwrite: bool = False,
+    endpoint: str | None = None,
+) -> ExportResult:
+    """Load the adapter on its base and export it.
+
+    to: "merged_16bit", "merged_4bit", "lora" or "gguf".
+    quant: GGUF quantisation (e.g. "q4_k_m", "q8_0", "f16"); only with to="gguf".
+    push: a Hub repo id to upload the export to (one commit).
+    output: where to write; default ADAPTER_DIR-TO beside the adapter, or a temporary folder
+        when pushing only.
+    base_model: override the base named in adapter_config.json.
+    """
+    if to not in EXPORT_TARGETS:
+        raise ValueError(f"--to {to!r} is not one of {', '.join(EXPORT_TARGETS)}")
+    if quant is not None and to != "gguf":
+        raise ValueError(f"--quant applies to --to gguf only; got --to {to} --quant {quant}")
+    folder = pathlib.Path(adapter_dir).expanduser()
+    config = read_adapter_config(folder)
+    resolve_base_model(config, base_model)  # fail before loading anything
+    if output is None and push is None:
+        output = folder.with_name(f"{folder.resolve().name}-{to}")
+
+    if push is not None:  # check the token before the slow part
+        from huggingface_hub import HfApi
+
+        from slothkit.export.hub import resolve_token
+
+        token = resolve_token(token, HfApi(endpoint=endpoint))
+
+    model, tokenizer = load_adapter_model(folder, base_model)
+    settings = training_settings_from(folder)
+    with tempfile.TemporaryDirectory(prefix="slothkit-export-") as scratch:
+        target = pathlib.Path(output) if output is not None else pathlib.Path(scratch) / f"{folder.resolve().name}-{to}"
+        if to == "gguf":
+            from slothkit.export.gguf import save_pretrained_gguf
+
+            kwargs = {"quantization_method": quant} if quant is not None else {}
+            plain = merged_plain_model(model, tokenizer)  # the GGUF writer takes a merged model
+            saved = save_pretrained_gguf(plain, str(target), tokenizer, overwrite=overwrite, **kwargs)
+        else:
+            saved = save_pretrained_merged(
+                model, target, tokenizer, save_method=to, overwrite=overwrite, training_settings=settings
+            )
+        pushed = None
+        if push is not None:
+            pushed = push_folder_to_hub(
+                target, push, token=token, endpoint=endpoint, replace_model_files=to != "gguf",
+                commit_message=f"Upload {to} export of {folder.resolve().name} with slothkit",
+            )  # fmt: skip
+    return ExportResult(target=to, output=pathlib.Path(output) if output is not None else None, save=saved, push=pushed)

@@ -1,0 +1,218 @@
+"""Publishing to the Hugging Face Hub: one atomic commit per push, safe to retry.
+
+A push is one `upload_folder` call, which the Hub applies as a single commit: either every
+file of the export appears in the repo or none does. Retrying after a failure is idempotent:
+
+- large files already uploaded by the failed attempt are skipped (the LFS/Xet store already
+  has their hash), and never visible in the repo on their own;
+- files whose content is already in the repo are dropped from the commit by the client, so a
+  retry after a commit that did land (but whose reply was lost) creates no second commit;
+- files of an earlier export that the new one does not contain (say, an adapter's
+  adapter_config.json when a merged model is pushed to the same repo) are deleted in the
+  same commit, so the repo holds exactly one model (MODEL_FILE_PATTERNS; other files stay).
+
+Transient failures (connection errors, HTTP 5xx, 408, 429) are retried here a few times with
+a growing pause; authentication problems are reported with how to log in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import tempfile
+import time
+
+from torch import nn
+
+from slothkit.export.save import SaveResult, check_save_method, save_pretrained_merged
+
+LOGIN_HELP = (
+    "Log in with `huggingface-cli login` (or `hf auth login`), set the HF_TOKEN environment "
+    "variable, or pass token=... — a token with write access, from https://huggingface.co/settings/tokens."
+)
+
+# Files that the exports write (weights, configs, tokenizer, card). A push deletes those of an
+# earlier export that the new one lacks; other files in the repo (GGUF files, images) stay.
+MODEL_FILE_PATTERNS = (
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
+    "adapter_config.json", "config.json", "generation_config.json", "README.md",
+    "chat_template.jinja", "chat_template.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+)  # fmt: skip
+
+_TRANSIENT_STATUS = {408, 429}
+_NETWORK_ERROR_NAMES = {
+    "ConnectError", "ConnectTimeout", "ReadError", "ReadTimeout", "WriteError", "WriteTimeout",
+    "PoolTimeout", "RemoteProtocolError", "NetworkError", "TimeoutException", "ConnectionError",
+}  # fmt: skip
+
+
+class HubAuthError(PermissionError):
+    """No usable Hugging Face token: missing, invalid, read-only, or without access to the repo."""
+
+
+@dataclasses.dataclass
+class PushResult:
+    repo_id: str
+    commit_oid: str
+    commit_url: str
+    files: list[str]  # paths uploaded (the export folder's contents)
+    save: SaveResult | None = None
+
+
+def _status_of(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _causes(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_transient(error: BaseException) -> bool:
+    """A failure worth retrying: the network, or the server, not the request."""
+    for cause in _causes(error):
+        status = _status_of(cause)
+        if status is not None:
+            return status >= 500 or status in _TRANSIENT_STATUS
+        if any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(cause).__mro__):
+            return True
+    return False
+
+
+def _auth_error_or_none(error: BaseException, repo_id: str | None = None) -> HubAuthError | None:
+    status = next((s for s in map(_status_of, _causes(error)) if s is not None), None)
+    if status == 401:
+        return HubAuthError(f"the Hugging Face Hub rejected the token (HTTP 401: invalid or expired). {LOGIN_HELP}")
+    if status == 403:
+        where = f" to {repo_id}" if repo_id else ""
+        return HubAuthError(
+            f"the token has no write access{where} (HTTP 403). Use a write token for an account or "
+            f"organisation that owns the repo. {LOGIN_HELP}"
+        )
+    return None
+
+
+def resolve_token(token: str | None, api) -> str:
+    """The token to push with, checked against the Hub before any work is done."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    token = token or get_token()
+    if not token:
+        raise HubAuthError(f"no Hugging Face token found. {LOGIN_HELP}")
+    try:
+        info = api.whoami(token=token)
+    except HfHubHTTPError as error:
+        auth_error = _auth_error_or_none(error)
+        if auth_error is not None:
+            raise auth_error from None
+        raise
+    role = ((info.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise HubAuthError(f"the Hugging Face token of {info.get('name')!r} is read-only; pushing needs write access. {LOGIN_HELP}")
+    return token
+
+
+def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message: str,
+            replace_model_files: bool, retries: int, retry_wait_s: float):  # fmt: skip
+    for attempt in range(retries + 1):
+        try:
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=str(folder),
+                repo_type="model",
+                token=token,
+                commit_message=commit_message,
+                delete_patterns=list(MODEL_FILE_PATTERNS) if replace_model_files else None,
+            )
+        except Exception as error:
+            auth_error = _auth_error_or_none(error, repo_id)
+            if auth_error is not None:
+                raise auth_error from error
+            if attempt == retries or not is_transient(error):
+                raise
+            time.sleep(retry_wait_s * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, commit_message: str,
+          replace_model_files: bool, retries: int, retry_wait_s: float) -> PushResult:  # fmt: skip
+    try:
+        repo_url = api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
+    except Exception as error:
+        auth_error = _auth_error_or_none(error, repo_id)
+        if auth_error is not None:
+            raise auth_error from error
+        raise
+    repo_id = getattr(repo_url, "repo_id", None) or repo_id  # "name" alone gains the user's namespace
+    info = _upload(api, folder, repo_id, token, commit_message, replace_model_files, retries, retry_wait_s)
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    return PushResult(repo_id=repo_id, commit_oid=info.oid, commit_url=info.commit_url, files=files)
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    *,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    replace_model_files: bool = True,
+    retries: int = 2,
+    retry_wait_s: float = 2.0,
+) -> PushResult:
+    """Upload a saved folder (any export: merged, adapter, GGUF) to `repo_id` in one commit.
+
+    The repo is created if missing (private as asked; an existing repo keeps its visibility).
+    replace_model_files: delete files of an earlier export (MODEL_FILE_PATTERNS) that this folder lacks.
+    endpoint: another Hub (defaults to HF_ENDPOINT / huggingface.co).
+    """
+    from huggingface_hub import HfApi
+
+    folder = pathlib.Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise FileNotFoundError(f"{str(folder)!r} is not a non-empty folder; nothing to push")
+    api = HfApi(endpoint=endpoint)
+    token = resolve_token(token, api)
+    message = commit_message or f"Upload {folder.name} with slothkit"
+    return _push(api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s)
+
+
+def push_to_hub_merged(
+    model: nn.Module,
+    repo_id: str,
+    tokenizer=None,
+    save_method: str = "merged_16bit",
+    token: str | None = None,
+    private: bool = False,
+    *,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    retries: int = 2,
+    retry_wait_s: float = 2.0,
+    **save_kwargs,
+) -> PushResult:
+    """Save `model` as `save_pretrained_merged` does, into a temporary folder, and push it.
+
+    The token is checked first, so a login problem surfaces before any merging. save_kwargs
+    go to save_pretrained_merged (base_weights, max_shard_size, dtype, training_settings).
+    """
+    from huggingface_hub import HfApi
+
+    check_save_method(save_method)
+    api = HfApi(endpoint=endpoint)
+    token = resolve_token(token, api)
+    with tempfile.TemporaryDirectory(prefix="slothkit-push-") as scratch:
+        folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
+        saved = save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **save_kwargs)
+        message = commit_message or f"Upload {save_method} model with slothkit"
+        result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s)
+    result.save = saved
+    return result

@@ -1,0 +1,74 @@
+"""Bind the export functions onto one model instance as the methods users know.
+
+    attach_export_methods(model)
+    model.save_pretrained_merged("out", tokenizer, save_method="merged_16bit")
+    model.push_to_hub_merged("me/my-model", tokenizer, save_method="lora", token=...)
+    model.save_pretrained_gguf("out-gguf", tokenizer, quantization_method="q4_k_m")
+    model.push_to_hub_gguf("me/my-model-GGUF", tokenizer, quantization_method="q4_k_m")
+
+Only the instance gets the attributes (types.MethodType); no class is patched. The GGUF
+methods call `slothkit.export.gguf.save_pretrained_gguf` / `push_to_hub_gguf`, imported when
+called (and attached only when that module is installed), with the model merged first
+(`merged_plain_model`): the GGUF writer takes a plain 16-bit model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+
+from torch import nn
+
+from slothkit.export.hub import push_to_hub_merged
+from slothkit.export import merge
+from slothkit.export.save import merged_plain_model, save_pretrained_merged
+
+GGUF_MODULE = "slothkit.export.gguf"
+GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
+
+
+def _gguf_available() -> bool:
+    if sys.modules.get(GGUF_MODULE) is not None:
+        return True
+    try:
+        return importlib.util.find_spec(GGUF_MODULE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def needs_merging(model: nn.Module) -> bool:
+    """A LoRA (PEFT) model, or one with 4-bit weights: GGUF writers take a plain 16-bit model."""
+    return hasattr(model, "peft_config") or merge.has_4bit_weights(model)
+
+
+def _gguf_method(name: str):
+    def method(model, *args, **kwargs):
+        module = importlib.import_module(GGUF_MODULE)
+        function = getattr(module, name, None)
+        if function is None:
+            raise AttributeError(f"{GGUF_MODULE} has no {name}(); this slothkit build cannot export GGUF")
+        if needs_merging(model):
+            tokenizer = args[1] if len(args) > 1 else kwargs.get("tokenizer")
+            tokenizer = tokenizer if tokenizer is not None else getattr(model, "_slothkit_tokenizer", None)
+            model = merged_plain_model(model, tokenizer)  # fp32 merge, see slothkit.export.merge
+        return function(model, *args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"Merges a LoRA/4-bit model first, then calls {GGUF_MODULE}.{name}(model, ...)."
+    return method
+
+
+def attach_export_methods(model: nn.Module) -> nn.Module:
+    """Give `model` (a peft.PeftModel or a transformers model) save_pretrained_merged and
+    push_to_hub_merged methods (and the GGUF ones where available); returns the model."""
+    methods = {
+        "save_pretrained_merged": save_pretrained_merged,
+        "push_to_hub_merged": push_to_hub_merged,
+    }
+    if _gguf_available():
+        methods.update({name: _gguf_method(name) for name in GGUF_FUNCTIONS})
+    for name, function in methods.items():
+        setattr(model, name, types.MethodType(function, model))
+    return model

@@ -1,0 +1,245 @@
+"""save_pretrained_merged: write a fine-tuned model as a folder that plain libraries load.
+
+    save_method      what the folder holds                           loads with
+    "merged_16bit"   base + LoRA merged, unquantised safetensors     transformers
+    "merged_4bit"    the same, re-quantised to bitsandbytes 4-bit    transformers + bitsandbytes
+    "lora"           the adapter only (adapter_config.json, ...)     peft, on top of the base
+
+Every folder also gets the tokenizer (chat template included), generation_config.json with
+the EOS ids generation must stop at, and a README.md model card. The folder appears only once
+complete (slothkit.export.atomic); a non-empty one is replaced only with overwrite=True.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import tempfile
+
+import torch
+from torch import nn
+
+from slothkit.export import merge
+from slothkit.export.atomic import atomic_directory, check_target
+from slothkit.export.checkpoint_files import write_sharded
+from slothkit.export.generation_config import write_generation_config
+from slothkit.export.model_card import CardFacts, lora_facts, render
+
+SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass
+class SaveResult:
+    path: pathlib.Path
+    save_method: str
+    base_model: str | None
+    merge_source: str | None  # "16bit", "dequantized_4bit", "original_checkpoint"; None for "lora"
+    merged_into: str | None  # the same, in words (also in the model card)
+    files: list[str]
+    ties_broken: bool = False  # the merged checkpoint unties input and output embeddings
+
+
+def check_save_method(save_method: str) -> str:
+    if save_method not in SAVE_METHODS:
+        hint = " (GGUF files are written by save_pretrained_gguf)" if "gguf" in str(save_method).lower() else ""
+        raise ValueError(f"save_method={save_method!r} is not one of {', '.join(map(repr, SAVE_METHODS))}{hint}")
+    return save_method
+
+
+def resolve_tokenizer(model: nn.Module, tokenizer):
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "_slothkit_tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            "pass the tokenizer (save_pretrained_merged(save_directory, tokenizer, ...)): the saved folder "
+            "must hold one for the model to be usable"
+        )
+    return tokenizer
+
+
+def _check_dtype(dtype):
+    if dtype is None or dtype in DTYPES:
+        return dtype
+    from slothkit.loading import pick_dtype
+
+    return pick_dtype(dtype)  # names such as "bfloat16"; raises naming the accepted ones
+
+
+@torch.no_grad()
+def write_merged_checkpoint(
+    model: nn.Module, directory: pathlib.Path, source: merge.MergeSource, max_shard_size, dtype=None
+) -> tuple[list[str], merge.MergeReport, torch.dtype]:
+    """Merged weights and config.json into `directory`; (files, report, saved dtype)."""
+    report = merge.MergeReport(source)
+    saved_dtypes: set[torch.dtype] = set()
+
+    def cast(items):
+        for name, tensor in items:
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            if tensor.is_floating_point():
+                saved_dtypes.add(tensor.dtype)
+            yield name, tensor
+
+    files = write_sharded(cast(merge.merged_tensors(model, source, report)), directory, max_shard_size)
+    # The dtype the checkpoint is stored in; mixed only if the base itself was.
+    main_dtype = dtype or (saved_dtypes.pop() if len(saved_dtypes) == 1 else merge.compute_dtype(model))
+    merge.save_config(model, directory, main_dtype, untie=report.ties_broken)
+    return files + ["config.json"], report, main_dtype
+
+
+def bnb_4bit_config_for(model: nn.Module, compute_dtype: torch.dtype):
+    """Quantisation settings for merged_4bit: those the base was loaded with, else NF4 with
+    double quantisation (QLoRA's)."""
+    from transformers import BitsAndBytesConfig
+
+    settings = dict(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+    existing = getattr(merge.causal_lm_of(model).config, "quantization_config", None)
+    if existing is not None:
+        existing = existing.to_dict() if hasattr(existing, "to_dict") else dict(existing)
+        if existing.get("load_in_4bit"):
+            settings["bnb_4bit_quant_type"] = existing.get("bnb_4bit_quant_type", "nf4")
+            settings["bnb_4bit_use_double_quant"] = bool(existing.get("bnb_4bit_use_double_quant", True))
+    return BitsAndBytesConfig(**settings)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next(merge.causal_lm_of(model).parameters()).device
+
+
+def write_requantized_checkpoint(
+    model: nn.Module, directory: pathlib.Path, source: merge.MergeSource, max_shard_size, dtype=None
+) -> tuple[list[str], merge.MergeReport, object]:
+    """Merge into a scratch 16-bit checkpoint, load it back quantised by transformers +
+    bitsandbytes (so the result is exactly what their loader produces), save that."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix=".merged-16bit-", dir=directory.parent) as scratch:
+        scratch = pathlib.Path(scratch)
+        _, report, saved_dtype = write_merged_checkpoint(model, scratch, source, max_shard_size, dtype)
+        quantization = bnb_4bit_config_for(model, saved_dtype)
+        device = _model_device(model)
+        device_map = {"": device.index or 0} if device.type == "cuda" else None
+        quantized = AutoModelForCausalLM.from_pretrained(
+            scratch, dtype=saved_dtype, quantization_config=quantization, device_map=device_map
+        )
+        quantized.save_pretrained(directory, max_shard_size=max_shard_size)
+        del quantized
+    files = sorted(p.name for p in directory.iterdir())
+    return files, report, quantization
+
+
+def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
+    facts = dict(training_settings or {})
+    max_seq_length = getattr(merge.causal_lm_of(model), "max_seq_length", None)
+    if max_seq_length is not None:
+        facts.setdefault("max_seq_length", max_seq_length)
+    if merge.has_4bit_weights(model):
+        facts.setdefault("base loaded as", "bitsandbytes 4-bit (QLoRA)")
+    return facts or None
+
+
+def save_pretrained_merged(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    tokenizer=None,
+    save_method: str = "merged_16bit",
+    overwrite: bool = False,
+    *,
+    base_weights: str | os.PathLike | None = "auto",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    training_settings: dict | None = None,
+) -> SaveResult:
+    """Save `model` (a peft.PeftModel with LoRA adapters, or a plain model) to `save_directory`.
+
+    save_method: "merged_16bit", "merged_4bit" or "lora" (see the module docstring).
+    overwrite: replace a non-empty save_directory (atomically); without it such a folder is refused.
+    base_weights: for merges from a 4-bit model, where W comes from: "auto" (the original 16-bit
+        checkpoint when the adapter's base_model_name_or_path is one on this machine, else the
+        dequantised 4-bit weights), None (always the model's own, dequantised, weights) or the
+        path of the original 16-bit checkpoint. The result and the model card say which was used.
+    dtype: store merged weights in this dtype (default: the base weights' own dtype).
+    training_settings: recorded in the model card (learning rate, epochs, ...).
+    """
+    check_save_method(save_method)
+    target = check_target(save_directory, overwrite)
+    tokenizer = resolve_tokenizer(model, tokenizer)
+    dtype = _check_dtype(dtype)
+    config = merge.active_lora_config(model)
+    if save_method == "lora" and config is None:
+        raise ValueError("save_method='lora' needs a model with LoRA adapters (a peft.PeftModel); this model has none")
+    source = merge.choose_merge_source(model, base_weights) if save_method != "lora" else None
+
+    facts = CardFacts(
+        save_method=save_method,
+        base_model=merge.base_model_name(model),
+        lora=lora_facts(config),
+        training=_training_facts(model, training_settings),
+        chat_template=bool(getattr(tokenizer, "chat_template", None)),
+    )
+    report = None
+    with atomic_directory(target, overwrite) as staging:
+        if save_method == "merged_16bit":
+            _, report, saved_dtype = write_merged_checkpoint(model, staging, source, max_shard_size, dtype)
+            facts.weights = f"{str(saved_dtype).removeprefix('torch.')} safetensors, not quantised"
+        elif save_method == "merged_4bit":
+            _, report, quantization = write_requantized_checkpoint(model, staging, source, max_shard_size, dtype)
+            double = ", double quantisation" if quantization.bnb_4bit_use_double_quant else ""
+            compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
+            facts.weights = (
+                f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
+            )
+        else:
+            model.save_pretrained(str(staging))
+            base = "4-bit (bitsandbytes)" if merge.has_4bit_weights(model) else "16-bit"
+            facts.weights = f"LoRA adapter weights; the base was {base} during training"
+        if report is not None:
+            facts.merged_into = source.describe()
+            if report.ties_broken:
+                facts.notes.append(
+                    "The input and output embeddings are untied in this checkpoint: the adapter "
+                    "(or a trained lm_head) changed one of them."
+                )
+        tokenizer.save_pretrained(str(staging))
+        eos = write_generation_config(merge.causal_lm_of(model), tokenizer, staging)
+        facts.eos_tokens = [str(t) for t in tokenizer.convert_ids_to_tokens(eos)]
+        (staging / "README.md").write_text(render(facts), encoding="utf-8")
+        all_files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+
+    return SaveResult(
+        path=target,
+        save_method=save_method,
+        base_model=facts.base_model,
+        merge_source=source.kind if report is not None else None,
+        merged_into=facts.merged_into,
+        files=all_files,
+        ties_broken=bool(report and report.ties_broken),
+    )
+
+
+@torch.no_grad()
+def merged_plain_model(model: nn.Module, tokenizer=None, *, base_weights="auto", dtype=None) -> nn.Module:
+    """A plain transformers model (no adapters, not quantised) holding the merged weights, for
+    writers that take a model rather than a folder (GGUF). Built by writing the merged
+    checkpoint to a temporary folder and loading it back, so it is exactly what
+    save_pretrained_merged(..., "merged_16bit") would give; the generation config keeps the
+    EOS list of write_generation_config."""
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.export.generation_config import generation_config_with_eos
+
+    source = merge.choose_merge_source(model, base_weights)
+    with tempfile.TemporaryDirectory(prefix="slothkit-merged-") as scratch:
+        _, _, saved_dtype = write_merged_checkpoint(model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype))
+        plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
+    plain.generation_config = generation_config_with_eos(merge.causal_lm_of(model), tokenizer)
+    plain.eval()
+    return plain

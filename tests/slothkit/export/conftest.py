@@ -1,0 +1,86 @@
+"""Fixtures for the export tests: tiny LoRA models with non-zero adapters, and a local Hub."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach the real Hub
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def randomize_lora_b(model, seed: int, scale: float = 0.05) -> None:
+    """PEFT initialises B to zero (the adapter starts as a no-op); give it values so that a
+    merge that dropped or mis-scaled the adapter shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+@pytest.fixture
+def make_lora_model():
+    """make_lora_model(arch, load_in_4bit=False, seed=0, **get_peft_model kwargs) ->
+    (peft model in eval mode, tokenizer, base checkpoint path)."""
+    from slothkit import FastModel
+    from slothkit.testing import tiny_model_path
+
+    def make(arch, load_in_4bit=False, seed=0, dtype=torch.float32, **peft_kwargs):
+        path = tiny_model_path(arch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, tokenizer = FastModel.from_pretrained(str(path), load_in_4bit=load_in_4bit, dtype=dtype)
+            peft_kwargs.setdefault("r", 4)
+            peft_kwargs.setdefault("lora_alpha", 8)
+            peft_kwargs.setdefault("target_modules", ALL_PROJECTIONS)
+            model = FastModel.get_peft_model(model, use_gradient_checkpointing=False, **peft_kwargs)
+        randomize_lora_b(model, seed)
+        FastModel.for_inference(model)
+        return model, tokenizer, path
+
+    return make
+
+
+@pytest.fixture
+def input_ids():
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(3, 600, (2, 11), generator=generator)  # ids the tiny tokenizers produce
+
+
+@pytest.fixture
+def logits():
+    @torch.no_grad()
+    def run(model, ids):
+        model.eval()
+        return model(input_ids=ids).logits.float()
+
+    return run
+
+
+@pytest.fixture
+def relative_error():
+    """max |a - b| / max |b|: one number for 'the same logits up to rounding'."""
+
+    def error(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+    return error
+
+
+@pytest.fixture
+def local_hub(monkeypatch, tmp_path):
+    """A LocalHub on 127.0.0.1 with huggingface_hub pointed at it; no ambient token is used."""
+    from huggingface_hub import constants
+
+    from slothkit.testing_hub import LocalHub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub = LocalHub(tokens={"hf_writer": ("local-user", "write"), "hf_reader": ("local-user", "read")})
+    with hub, hub.patched_client():
+        yield hub
