@@ -1,0 +1,54 @@
+"""Training data for slothkit: chat templates, dataset formatting and loading.
+
+    from slothkit.data import get_chat_template, standardize_sharegpt, apply_chat_template
+
+    tokenizer = get_chat_template(tokenizer, "llama-3", model=model)
+    dataset = apply_chat_template(standardize_sharegpt(load_data("data.jsonl")), tokenizer)
+    ...
+    trainer = train_on_responses_only(trainer)
+
+Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
+(installing one), sharegpt, conversations, alpaca, responses_only, loading, examples;
+validation holds the checks slothkit.trainers runs before handing data to TRL.
+"""
+
+from slothkit.data.alpaca import alpaca_prompt, format_alpaca
+from slothkit.data.chat_formats import FORMATS, ChatFormat
+from slothkit.data.chat_templates import (
+    chat_template_names,
+    follow_tokenizer,
+    get_chat_template,
+)
+from slothkit.data.conversations import (
+    apply_chat_template,
+    check_conversation,
+    conversation_text,
+)
+from slothkit.data.examples import example_dataset
+from slothkit.data.loading import as_dataset, load_data
+from slothkit.data.responses_only import (
+    NoTrainableTokensError,
+    infer_markers,
+    train_on_responses_only,
+)
+from slothkit.data.sharegpt import standardize_sharegpt
+
+__all__ = [
+    "FORMATS",
+    "ChatFormat",
+    "NoTrainableTokensError",
+    "alpaca_prompt",
+    "apply_chat_template",
+    "as_dataset",
+    "chat_template_names",
+    "check_conversation",
+    "conversation_text",
+    "example_dataset",
+    "follow_tokenizer",
+    "format_alpaca",
+    "get_chat_template",
+    "infer_markers",
+    "load_data",
+    "standardize_sharegpt",
+    "train_on_responses_only",
+]

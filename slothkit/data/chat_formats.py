@@ -1,0 +1,402 @@
+"""The chat formats slothkit can install on a tokenizer, as data.
+
+Each format is written from its authors' public description:
+
+    name      turn layout (u: user text, a: assistant text, s: system text)              source
+    chatml    <|im_start|>system\\ns<|im_end|>\\n<|im_start|>user\\nu<|im_end|>\\n          OpenAI ChatML, as used by
+              <|im_start|>assistant\\na<|im_end|>\\n                                      Qwen and OpenHermes
+    vicuna    s USER: u ASSISTANT: a</s>USER: ...                                        FastChat "vicuna_v1.1"
+    zephyr    <|system|>\\ns</s>\\n<|user|>\\nu</s>\\n<|assistant|>\\na</s>\\n              HuggingFaceH4/zephyr-7b-beta
+    alpaca    s\\n\\n### Instruction:\\nu\\n\\n### Response:\\na</s>\\n\\n                  Stanford Alpaca prompt
+    llama-3   <|start_header_id|>user<|end_header_id|>\\n\\nu<|eot_id|>...                Meta Llama 3 Instruct
+    gemma     <start_of_turn>user\\nu<end_of_turn>\\n                                    Gemma instruct (system text
+              <start_of_turn>model\\na<end_of_turn>\\n                                   goes before the first user
+                                                                                         text, as Gemma 3 does)
+    mistral   [INST] u [/INST] a</s>[INST] ...                                           Mistral Instruct v1 (the
+                                                                                         mistral-common "v1" tokenizer;
+                                                                                         system text before the first
+                                                                                         user text)
+
+Every template starts with the tokenizer's BOS when the tokenizer puts one in front of
+plain text (the model was pre-trained on documents that start with it), and nowhere else.
+
+Every assistant reply is wrapped in ``{% generation %}...{% endgeneration %}`` so that
+``apply_chat_template(..., return_assistant_tokens_mask=True)`` (TRL's
+``assistant_only_loss``) marks exactly the reply, its end-of-turn token and the separator
+up to the next turn: the same tokens that ``train_on_responses_only`` keeps with the
+format's ``instruction_part`` / ``response_part`` markers.
+
+A template is assembled from a prelude generated here (the dataset's field and role names,
+the default system message, whether to emit BOS, and the checks every format shares) and
+the format's own body.  The first line names the format, so that the markers can be found
+again from ``tokenizer.chat_template`` after a save and reload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+TEMPLATE_TAG = "{#- slothkit chat template: "
+_TAG_PATTERN = re.compile(r"^\{#- slothkit chat template: ([a-z0-9-]+) -#\}")
+
+# Keys of `mapping`: the names the dataset uses for these five things.
+MAPPING_KEYS = ("role", "content", "user", "assistant", "system")
+DEFAULT_MAPPING = {key: key for key in MAPPING_KEYS}
+_NAME_PATTERN = re.compile(r"[A-Za-z0-9_. -]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    body: str  # Jinja for the turns; reads `system`, `turns` and the mapped names
+    instruction_part: str  # opens a user turn: a trainable span ends where it starts
+    response_part: str  # opens an assistant turn: a trainable span starts where it ends
+    turn_end: str | None  # token closing an assistant turn; None: the tokenizer's EOS
+    special_tokens: tuple[str, ...]  # markers the format's own tokenizers hold as single tokens
+    default_system: str | None  # system text used when a conversation has none
+    alternate: bool  # turns must alternate user, assistant, user, ...
+    source: str
+
+
+# --- bodies --------------------------------------------------------------------------
+# `system` is a string or none, `turns` the messages after a leading system message;
+# `message[content_key]`, `message[role_key] == user_role` read the dataset's names.
+
+_CHATML = r"""
+{%- if system is not none -%}
+    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- generation -%}
+            {{- message[content_key] + '<|im_end|>\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+# FastChat's ADD_COLON_TWO style: system + " ", then "USER: u" + " " and
+# "ASSISTANT: a" + "</s>"; an open assistant turn is "ASSISTANT:".
+_VICUNA = r"""
+{%- if system -%}
+    {{- system + ' ' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- 'USER: ' + message[content_key] + ' ' -}}
+    {%- else -%}
+        {{- 'ASSISTANT:' -}}
+        {%- generation -%}
+            {{- ' ' + message[content_key] + eos_token -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- 'ASSISTANT:' -}}
+{%- endif -%}
+"""
+
+_ZEPHYR = r"""
+{%- if system is not none -%}
+    {{- '<|system|>\n' + system + eos_token + '\n' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|user|>\n' + message[content_key] + eos_token + '\n' -}}
+    {%- else -%}
+        {{- '<|assistant|>\n' -}}
+        {%- generation -%}
+            {{- message[content_key] + eos_token + '\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+{%- endif -%}
+"""
+
+# One turn is Stanford Alpaca's prompt exactly ("<preamble>\n\n### Instruction:\n...\n\n
+# ### Response:\n") followed by the response and EOS; further turns repeat the two headers.
+_ALPACA = r"""
+{%- if system -%}
+    {{- system + '\n\n' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '### Instruction:\n' + message[content_key] + '\n\n' -}}
+    {%- else -%}
+        {{- '### Response:\n' -}}
+        {%- generation -%}
+            {{- message[content_key] + eos_token + '\n\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '### Response:\n' -}}
+{%- endif -%}
+"""
+
+_LLAMA_3 = r"""
+{%- if system is not none -%}
+    {{- '<|start_header_id|>system<|end_header_id|>\n\n' + system | trim + '<|eot_id|>' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|start_header_id|>user<|end_header_id|>\n\n' + message[content_key] | trim + '<|eot_id|>' -}}
+    {%- else -%}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {%- generation -%}
+            {{- message[content_key] | trim + '<|eot_id|>' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+{%- endif -%}
+"""
+
+_GEMMA = r"""
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {%- set prefix = system | trim + '\n\n' if loop.first and system else '' -%}
+        {{- '<start_of_turn>user\n' + prefix + message[content_key] | trim + '<end_of_turn>\n' -}}
+    {%- else -%}
+        {{- '<start_of_turn>model\n' -}}
+        {%- generation -%}
+            {{- message[content_key] | trim + '<end_of_turn>\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+
+# The prompt of an open assistant turn is the user turn itself: no generation prompt.
+_MISTRAL = r"""
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {%- set prefix = system + '\n\n' if loop.first and system else '' -%}
+        {{- '[INST] ' + prefix + message[content_key] + ' [/INST]' -}}
+    {%- else -%}
+        {%- generation -%}
+            {{- ' ' + message[content_key] + eos_token -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
+FORMATS: dict[str, ChatFormat] = {
+    f.name: f
+    for f in (
+        ChatFormat(
+            name="chatml",
+            body=_CHATML,
+            instruction_part="<|im_start|>user\n",
+            response_part="<|im_start|>assistant\n",
+            turn_end="<|im_end|>",
+            special_tokens=("<|im_start|>", "<|im_end|>"),
+            default_system=None,
+            alternate=False,
+            source="OpenAI ChatML (Qwen, OpenHermes)",
+        ),
+        ChatFormat(
+            name="vicuna",
+            body=_VICUNA,
+            instruction_part="USER:",
+            response_part="ASSISTANT:",
+            turn_end=None,
+            special_tokens=(),
+            default_system=(
+                "A chat between a curious user and an artificial intelligence assistant. "
+                "The assistant gives helpful, detailed, and polite answers to the user's questions."
+            ),
+            alternate=True,
+            source='FastChat conversation template "vicuna_v1.1"',
+        ),
+        ChatFormat(
+            name="zephyr",
+            body=_ZEPHYR,
+            instruction_part="<|user|>\n",
+            response_part="<|assistant|>\n",
+            turn_end=None,
+            special_tokens=(),  # plain text in Zephyr's own tokenizer
+            default_system=None,
+            alternate=False,
+            source="HuggingFaceH4/zephyr-7b-beta chat template",
+        ),
+        ChatFormat(
+            name="alpaca",
+            body=_ALPACA,
+            instruction_part="### Instruction:\n",
+            response_part="### Response:\n",
+            turn_end=None,
+            special_tokens=(),
+            default_system=(
+                "Below is an instruction that describes a task. "
+                "Write a response that appropriately completes the request."
+            ),
+            alternate=True,
+            source="Stanford Alpaca prompt (no-input variant)",
+        ),
+        ChatFormat(
+            name="llama-3",
+            body=_LLAMA_3,
+            instruction_part="<|start_header_id|>user<|end_header_id|>\n\n",
+            response_part="<|start_header_id|>assistant<|end_header_id|>\n\n",
+            turn_end="<|eot_id|>",
+            special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            default_system=None,
+            alternate=False,
+            source="Meta Llama 3 Instruct",
+        ),
+        ChatFormat(
+            name="gemma",
+            body=_GEMMA,
+            instruction_part="<start_of_turn>user\n",
+            response_part="<start_of_turn>model\n",
+            turn_end="<end_of_turn>",
+            special_tokens=("<start_of_turn>", "<end_of_turn>"),
+            default_system=None,
+            alternate=True,
+            source="Gemma instruct (system text as Gemma 3 places it)",
+        ),
+        ChatFormat(
+            name="mistral",
+            body=_MISTRAL,
+            instruction_part="[INST]",
+            response_part="[/INST]",
+            turn_end=None,
+            special_tokens=(),  # plain text in the v1 tokenizer; control tokens from v3 on
+            default_system=None,
+            alternate=True,
+            source="Mistral Instruct v1 (mistral-common's v1 tokenizer)",
+        ),
+    )
+}
+
+ALIASES = {"llama3": "llama-3", "llama-3.1": "llama-3", "gemma2": "gemma"}
+
+
+def format_named(name: str) -> ChatFormat:
+    key = ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
+    if key not in FORMATS:
+        raise ValueError(
+            f"unknown chat template {name!r}; accepted: {', '.join(FORMATS)} "
+            "(or 'model' for the tokenizer's own template)"
+        )
+    return FORMATS[key]
+
+
+def format_of_template(template: str | None) -> ChatFormat | None:
+    """The slothkit format a template was built from (read from its first line), if any."""
+    if not template:
+        return None
+    match = _TAG_PATTERN.match(template)
+    return FORMATS.get(match.group(1)) if match else None
+
+
+def check_mapping(mapping: dict | None) -> dict[str, str]:
+    if mapping is None:
+        return dict(DEFAULT_MAPPING)
+    if not isinstance(mapping, dict):
+        raise TypeError(f"mapping must be a dict such as {{'role': 'from', 'content': 'value'}}; got {mapping!r}")
+    unknown = set(mapping) - set(MAPPING_KEYS)
+    if unknown:
+        raise ValueError(f"mapping has unknown keys {sorted(unknown)}; accepted keys: {', '.join(MAPPING_KEYS)}")
+    merged = {**DEFAULT_MAPPING, **mapping}
+    for key, value in merged.items():
+        # The names are written into the template (and its error messages) verbatim.
+        if not isinstance(value, str) or not _NAME_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"mapping[{key!r}] must be a field or role name made of letters, digits, '_', '-', '.' "
+                f"or spaces; got {value!r}"
+            )
+    roles = [merged["user"], merged["assistant"], merged["system"]]
+    if len(set(roles)) != 3:
+        raise ValueError(f"mapping gives the user, assistant and system roles the same name: {roles}")
+    return merged
+
+
+def jinja_string(value: str) -> str:
+    """A Jinja string literal for any text.
+
+    Jinja decodes literals with Python's unicode-escape codec, so every character outside
+    plain ASCII punctuation and letters is written as \\UXXXXXXXX; this also keeps '{', '}',
+    '%' and '#' out of the template's own syntax, and '@' out of template_source's fields.
+    """
+    safe = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'()-_/+*=&$<>[]|^~`")
+    return '"' + "".join(ch if ch in safe else f"\\U{ord(ch):08x}" for ch in value) + '"'
+
+
+# Shared by every format: the dataset's names, the default system text, the split of a
+# leading system message from the turns, the role checks, and BOS.  @NAME@-style fields are
+# filled in by template_source (names are restricted to characters safe in a Jinja string).
+_PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
+{%- set role_key = @ROLE_KEY@ -%}
+{%- set content_key = @CONTENT_KEY@ -%}
+{%- set user_role = @USER_ROLE@ -%}
+{%- set assistant_role = @ASSISTANT_ROLE@ -%}
+{%- set system_role = @SYSTEM_ROLE@ -%}
+{%- set default_system = @DEFAULT_SYSTEM@ -%}
+{%- if messages and messages[0][role_key] == system_role -%}
+    {%- set system = messages[0][content_key] -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set system = default_system -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] not in [user_role, assistant_role] -%}
+        {{- raise_exception('chat template @NAME@: message role ' ~ message[role_key] ~ ' is not accepted here; accepted roles: @ROLES@') -}}
+    {%- endif -%}
+@ALTERNATION@
+{%- endfor -%}
+@BOS@
+"""
+
+_ALTERNATION = r"""    {%- if (message[role_key] == user_role) != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception('chat template @NAME@: turns must alternate @ORDER@') -}}
+    {%- endif -%}"""
+
+
+def template_source(fmt: ChatFormat, *, mapping: dict[str, str], system_message: str | None, use_bos: bool) -> str:
+    """The full Jinja template of `fmt` for the given field names, default system text and BOS rule."""
+    default_system = fmt.default_system if system_message is None else system_message
+    fields = {
+        "@ALTERNATION@": _ALTERNATION if fmt.alternate else "",
+        "@BOS@": "{{- bos_token -}}" if use_bos else "",
+        "@NAME@": fmt.name,
+        "@ROLE_KEY@": jinja_string(mapping["role"]),
+        "@CONTENT_KEY@": jinja_string(mapping["content"]),
+        "@USER_ROLE@": jinja_string(mapping["user"]),
+        "@ASSISTANT_ROLE@": jinja_string(mapping["assistant"]),
+        "@SYSTEM_ROLE@": jinja_string(mapping["system"]),
+        "@DEFAULT_SYSTEM@": "none" if default_system is None else jinja_string(default_system),
+        "@ROLES@": f"{mapping['system']} (first message only), {mapping['user']}, {mapping['assistant']}",
+        "@ORDER@": f"{mapping['user']}, {mapping['assistant']}, {mapping['user']}, ...",
+    }
+    prelude = _PRELUDE
+    for field, value in fields.items():  # the first two bring @NAME@ and @ORDER@ with them
+        prelude = prelude.replace(field, value)
+    return prelude + fmt.body.strip() + "\n"
+
+
+_MAPPED_NAME = re.compile(r'\{%- set (role_key|content_key|user_role|assistant_role|system_role) = "([^"]*)" -%\}')
+_MAPPED_KEYS = {"role_key": "role", "content_key": "content", "user_role": "user",
+                "assistant_role": "assistant", "system_role": "system"}
+
+
+def mapping_of_template(template: str | None) -> dict[str, str] | None:
+    """The dataset names a slothkit template was built for (None for other templates)."""
+    if format_of_template(template) is None:
+        return None
+    found = dict(_MAPPED_NAME.findall(template))
+    return {name: found[variable] for variable, name in _MAPPED_KEYS.items()}

@@ -1,0 +1,231 @@
+"""Install a chat format on a tokenizer (and its model): `get_chat_template`.
+
+    tokenizer = get_chat_template(tokenizer, "llama-3", model=model)
+
+What changes, and why:
+
+* ``tokenizer.chat_template`` renders the format (slothkit.data.chat_formats), with each
+  assistant reply inside ``{% generation %}`` for TRL's ``assistant_only_loss``.
+* Markers the format's own tokenizers hold as single tokens (``<|im_start|>``,
+  ``<|eot_id|>``, ``<start_of_turn>``, ...) are added as special tokens when missing, so
+  they are never split into pieces; with ``model=`` the embeddings grow to match when the
+  tokenizer outgrows them (their new rows are untrained: train them with
+  ``modules_to_save=["embed_tokens", "lm_head"]`` or prefer a format the tokenizer knows).
+* ``map_eos_token=True``: the token that closes an assistant turn becomes the tokenizer's
+  EOS, and with ``model=`` the first of ``generation_config.eos_token_id``, so ``generate``
+  stops at the end of the reply and TRL ends plain-text samples with it.
+* BOS: the template emits the tokenizer's BOS only when the tokenizer itself puts one in
+  front of plain text; ``tokenizer.apply_chat_template(..., tokenize=True)`` tokenizes
+  without adding special tokens, so a conversation holds exactly one BOS.  Text rendered
+  for a ``text`` column goes through slothkit.data.conversations, which drops that leading
+  BOS again because tokenizing the text adds it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from slothkit.data.chat_formats import (
+    DEFAULT_MAPPING,
+    FORMATS,
+    ChatFormat,
+    check_mapping,
+    format_named,
+    format_of_template,
+    template_source,
+)
+
+# Conversations on which a tokenizer's own template is compared with slothkit's formats.
+_PROBES = (
+    ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}], False),
+    (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3 + 3?"},
+            {"role": "assistant", "content": "6"},
+        ],
+        False,
+    ),
+    ([{"role": "user", "content": "Name a colour."}], True),
+    ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}], True),
+)
+
+
+def chat_template_names() -> tuple[str, ...]:
+    return tuple(FORMATS)
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether tokenizing plain text puts the BOS token in front of it."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def get_chat_template(
+    tokenizer,
+    chat_template: str = "chatml",
+    mapping: dict | None = None,
+    map_eos_token: bool = True,
+    system_message: str | None = None,
+    *,
+    model=None,
+):
+    """Set `tokenizer`'s chat template to the format `chat_template` and return the tokenizer.
+
+    chat_template: one of chatml, vicuna, zephyr, alpaca, llama-3, gemma, mistral; or
+        "model" for the tokenizer's own template (replaced by slothkit's equivalent when it
+        renders the same text, so that it gains the {% generation %} marks; kept otherwise).
+    mapping: the dataset's names, e.g. {"role": "from", "content": "value", "user": "human",
+        "assistant": "gpt"} to render ShareGPT records directly with
+        slothkit.data.apply_chat_template.  (TRL converts a "conversations" column to
+        role/content itself before rendering: with TRL, keep the default mapping.)
+    map_eos_token: make the end-of-turn token the EOS (see the module docstring).
+    system_message: system text for conversations that have none (vicuna and alpaca have
+        a default one; "" gives none).
+    model: the model (before get_peft_model when the tokenizer must grow) whose
+        embeddings and generation_config follow the tokenizer.
+    """
+    mapping = check_mapping(mapping)
+    if system_message is not None and not isinstance(system_message, str):
+        raise TypeError(f"system_message must be a string or None; got {type(system_message).__name__}")
+
+    if chat_template in (None, "model"):
+        fmt = matching_format(tokenizer)
+        if fmt is None:
+            if mapping != DEFAULT_MAPPING or system_message is not None:
+                raise ValueError(
+                    "mapping and system_message apply to slothkit's formats; the tokenizer's own "
+                    "template is kept as it is. Pick a format by name: " + ", ".join(FORMATS)
+                )
+            turn_end = own_turn_end(tokenizer)
+            _finish(tokenizer, model, turn_end, map_eos_token, added=[])
+            return tokenizer
+    else:
+        fmt = format_named(chat_template)
+
+    added = _add_missing_tokens(tokenizer, fmt.special_tokens)
+    tokenizer.chat_template = template_source(
+        fmt, mapping=mapping, system_message=system_message, use_bos=adds_bos(tokenizer)
+    )
+    _finish(tokenizer, model, fmt.turn_end or tokenizer.eos_token, map_eos_token, added)
+    return tokenizer
+
+
+def matching_format(tokenizer) -> ChatFormat | None:
+    """slothkit's format that renders exactly like `tokenizer`'s own chat template, if any."""
+    own = tokenizer.chat_template
+    if not own:
+        raise ValueError(
+            "chat_template='model' but this tokenizer has no chat template; pick one of: " + ", ".join(FORMATS)
+        )
+    tagged = format_of_template(own)
+    if tagged is not None:
+        return tagged
+    use_bos = adds_bos(tokenizer)
+    for fmt in FORMATS.values():
+        if any(token not in tokenizer.get_vocab() for token in fmt.special_tokens):
+            continue
+        candidate = template_source(fmt, mapping=DEFAULT_MAPPING, system_message=None, use_bos=use_bos)
+        if _renders_alike(tokenizer, own, candidate):
+            return fmt
+    return None
+
+
+def _renders_alike(tokenizer, own: str, candidate: str) -> bool:
+    compared = 0
+    for messages, prompt in _PROBES:
+        try:
+            expected = tokenizer.apply_chat_template(
+                messages, chat_template=own, tokenize=False, add_generation_prompt=prompt
+            )
+        except Exception:  # the own template refuses this conversation (e.g. a system turn)
+            continue
+        try:
+            got = tokenizer.apply_chat_template(
+                messages, chat_template=candidate, tokenize=False, add_generation_prompt=prompt
+            )
+        except Exception:
+            return False
+        if got != expected:
+            return False
+        compared += 1
+    return compared > 0
+
+
+def own_turn_end(tokenizer) -> str:
+    """The first special token after an assistant reply in the tokenizer's own template
+    (its end-of-turn token), or the EOS when the reply is followed by none."""
+    answer = "Hello from the assistant"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}], tokenize=False
+    )
+    tail = text[text.rfind(answer) + len(answer) :]
+    special = set(tokenizer.all_special_ids)
+    for token_id in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if token_id in special:
+            return tokenizer.convert_ids_to_tokens(token_id)
+    return tokenizer.eos_token
+
+
+def _add_missing_tokens(tokenizer, tokens: tuple[str, ...]) -> list[str]:
+    from tokenizers import AddedToken
+
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
+    return missing
+
+
+def _finish(tokenizer, model, turn_end: str, map_eos_token: bool, added: list[str]) -> None:
+    changed_eos = False
+    if map_eos_token and turn_end != tokenizer.eos_token:
+        tokenizer.eos_token = turn_end
+        changed_eos = True
+    if model is not None:
+        follow_tokenizer(model, tokenizer, turn_end)
+    elif added or changed_eos:
+        what = []
+        if added:
+            what.append(f"gained the tokens {added} (now {len(tokenizer)} ids)")
+        if changed_eos:
+            what.append(f"ends turns with EOS {turn_end!r}")
+        warnings.warn(
+            "the tokenizer " + " and ".join(what) + "; pass model= to get_chat_template so that the "
+            "model's embeddings and generation_config follow (or call slothkit.data.follow_tokenizer)",
+            stacklevel=3,
+        )
+
+
+def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
+    """Grow `model`'s embeddings to the tokenizer's size when needed and make `turn_end`
+    (default: the tokenizer's EOS) the first id generation stops on."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rows = causal_lm.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        if causal_lm is not model:
+            raise ValueError(
+                f"the tokenizer has {len(tokenizer)} ids but the model's embeddings only {rows} rows, and "
+                "LoRA adapters are already attached; call get_chat_template(..., model=model) before "
+                "FastModel.get_peft_model"
+            )
+        causal_lm.resize_token_embeddings(len(tokenizer))
+        warnings.warn(
+            f"the embeddings grew from {rows} to {len(tokenizer)} rows; the new rows are untrained, so add "
+            "modules_to_save=['embed_tokens', 'lm_head'] to get_peft_model to learn them",
+            stacklevel=3,
+        )
+    turn_end = turn_end or tokenizer.eos_token
+    turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
+    generation = causal_lm.generation_config
+    current = generation.eos_token_id
+    current = [] if current is None else [current] if isinstance(current, int) else list(current)
+    stop_ids = [turn_end_id] + [i for i in current if i != turn_end_id]
+    generation.eos_token_id = stop_ids[0] if len(stop_ids) == 1 else stop_ids
+    if generation.pad_token_id is None and tokenizer.pad_token_id is not None:
+        generation.pad_token_id = tokenizer.pad_token_id

@@ -1,0 +1,100 @@
+"""One entry point for training data: `load_data(source)` returns a `datasets.Dataset`.
+
+    load_data("yahma/alpaca-cleaned")          # a Hugging Face Hub dataset
+    load_data("data/train.jsonl")              # local .json, .jsonl, .csv, .parquet (or a folder of them)
+    load_data([{"instruction": ..., ...}])     # records in memory (a list of dicts, a dict of lists,
+                                               # a pandas DataFrame)
+
+Everything goes through `datasets`, so the result maps, shuffles and caches like any other
+dataset and TRL takes it as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+# File extension -> the `datasets` builder that reads it.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def as_dataset(data):
+    """`data` as a datasets.Dataset: a Dataset or IterableDataset passes through; a list of
+    dicts, a dict of lists or a pandas DataFrame is converted."""
+    import datasets
+
+    if isinstance(data, (datasets.Dataset, datasets.IterableDataset)):
+        return data
+    if isinstance(data, datasets.DatasetDict):
+        raise TypeError(f"got a DatasetDict with splits {list(data)}; pass one split, e.g. data['train']")
+    if isinstance(data, dict):
+        lengths = {key: len(value) if isinstance(value, (list, tuple)) else None for key, value in data.items()}
+        if not data or None in lengths.values() or len(set(lengths.values())) != 1:
+            raise ValueError(f"a dict of records must map column names to lists of one length; got lengths {lengths}")
+        return datasets.Dataset.from_dict(data)
+    if isinstance(data, (list, tuple)):
+        if len(data) == 0:
+            raise ValueError("the list of records is empty")
+        not_dicts = [i for i, record in enumerate(data) if not isinstance(record, dict)]
+        if not_dicts:
+            raise ValueError(f"records must be dicts; record {not_dicts[0]} is {type(data[not_dicts[0]]).__name__}")
+        return datasets.Dataset.from_list(list(data))
+    if type(data).__name__ == "DataFrame":
+        return datasets.Dataset.from_pandas(data, preserve_index=False)
+    raise TypeError(
+        f"cannot use {type(data).__name__} as a dataset; accepted: datasets.Dataset, a list of dicts, "
+        "a dict of lists, a pandas DataFrame (or a path or Hub name through load_data)"
+    )
+
+
+def load_data(source, split: str = "train", **load_kwargs):
+    """Load `source` as a datasets.Dataset.
+
+    source: a Hub dataset name ("org/name"), a local file (.json, .jsonl, .csv, .parquet)
+        or folder of such files, records in memory, a Dataset, or a DatasetDict.
+    split: which split to return; slices work ("train[:100]"). A local file has a single
+        "train" split.
+    load_kwargs: passed to datasets.load_dataset (name=, data_files=, revision=, ...).
+    """
+    import datasets
+
+    if isinstance(source, datasets.DatasetDict):
+        if split not in source:
+            raise ValueError(f"split {split!r} not in this DatasetDict; its splits: {list(source)}")
+        return source[split]
+    if not isinstance(source, (str, os.PathLike)):
+        return as_dataset(source)
+
+    path = pathlib.Path(source).expanduser()
+    if path.is_file():
+        builder = FILE_BUILDERS.get(_extension(path))
+        if builder is None:
+            raise ValueError(
+                f"cannot read {str(path)!r}: unknown file type; accepted: {', '.join(sorted(FILE_BUILDERS))}"
+            )
+        return datasets.load_dataset(builder, data_files=str(path), split=split, **load_kwargs)
+    if path.is_dir():
+        return datasets.load_dataset(str(path), split=split, **load_kwargs)
+    if _extension(path) in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"no such data file or folder: {str(path)!r}")
+    return _load_from_hub(str(source), split, load_kwargs)
+
+
+def _extension(path: pathlib.Path) -> str:
+    return path.suffix.lower()
+
+
+def _load_from_hub(name: str, split: str, load_kwargs: dict):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split, **load_kwargs)
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as error:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get(
+            "HF_DATASETS_OFFLINE", "0"
+        ) not in ("", "0")
+        hint = " (HF_HUB_OFFLINE is set, so only datasets already in the local cache load)" if offline else ""
+        raise FileNotFoundError(
+            f"could not load {name!r} (split {split!r}) as a local path or from the Hugging Face Hub{hint}: "
+            f"{type(error).__name__}: {error}"
+        ) from error

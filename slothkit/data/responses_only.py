@@ -1,0 +1,309 @@
+"""Train on the assistant's replies only: `train_on_responses_only(trainer)`.
+
+Every token outside a reply gets the label -100 (ignored by the loss).  A reply starts
+right after a *response marker* (the text that opens an assistant turn, e.g.
+"<|start_header_id|>assistant<|end_header_id|>\\n\\n") and runs until the next
+*instruction marker* (the text that opens a user turn), the next response marker, a BOS,
+the start of the next packed sequence, or the end of the sequence.  So a reply's
+end-of-turn token and the separator after it are trained, as in the templates'
+{% generation %} blocks: the model learns to stop.
+
+Markers are found in token ids, not text.  A marker does not always tokenize the same way
+inside a conversation as alone ("\\n" can merge with the first word of the reply), so
+each marker is searched as every token sequence it takes in context (in the chat
+template's own renderings and a few plain-text ones), taking only the tokens that lie
+wholly inside the marker: a token that straddles the marker's end belongs to the reply,
+as it does in transformers' assistant masks.
+
+A batch in which no token is left to train on would give a loss of 0/0 (NaN) or a
+silent zero; that raises NoTrainableTokensError instead, naming the markers and showing
+the decoded sequence.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from slothkit.data.chat_formats import format_of_template
+
+_PLAIN_LEFT = ("", "Hello", "Hello.", "Hello\n", "Hello\n\n", " ", "1")
+_PLAIN_RIGHT = ("Hello", " Hello", "1", "\nHello", "(", "Hello!", " 1")
+# Placeholders for probing a template: plain words that no template rewrites.
+_PROBE = ("QUESTIONONE", "ANSWERONE", "QUESTIONTWO", "ANSWERTWO")
+_SAMPLE_CHARS = 800
+
+
+class NoTrainableTokensError(ValueError):
+    """A batch (or a whole dataset) has no token left to train on after masking."""
+
+
+def infer_markers(tokenizer) -> tuple[str, str]:
+    """(instruction_part, response_part) for the tokenizer's chat template."""
+    template = tokenizer.chat_template
+    fmt = format_of_template(template)
+    if fmt is not None:
+        return fmt.instruction_part, fmt.response_part
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template to find the markers in; pass instruction_part and "
+            "response_part (for Alpaca text: '### Instruction:\\n' and '### Response:\\n')"
+        )
+    return probe_markers(tokenizer)
+
+
+def probe_markers(tokenizer) -> tuple[str, str]:
+    """Markers read off renderings of a two-exchange conversation with placeholder texts."""
+    q1, a1, q2, a2 = _PROBE
+    conversation = [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
+                    {"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    if not all(p in text for p in _PROBE):
+        raise ValueError("cannot find the markers in this chat template; pass instruction_part and response_part")
+    turn_end = text[text.index(a2) + len(a2) :]  # what closes a reply
+    between_exchanges = text[text.index(a1) + len(a1) : text.index(q2)]  # a reply's close + a user header
+    shared = 0
+    while shared < min(len(turn_end), len(between_exchanges)) and turn_end[shared] == between_exchanges[shared]:
+        shared += 1
+    instruction = between_exchanges[shared:]
+    prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
+    plain = tokenizer.apply_chat_template(conversation[:1], tokenize=False)
+    if prompt.startswith(plain) and len(prompt) > len(plain):
+        response = prompt[len(plain) :]
+    else:  # no generation prompt (Mistral): the text between a question and its answer
+        response = text[text.index(q2) + len(q2) : text.index(a2)]
+    instruction, response = instruction.strip(" "), response.strip(" ")
+    if not instruction.strip() or not response.strip():
+        raise ValueError(
+            f"could not tell the markers apart in this chat template (found {instruction!r} and {response!r}); "
+            "pass instruction_part and response_part"
+        )
+    return instruction, response
+
+
+def marker_variants(tokenizer, marker: str, contexts: list[str]) -> list[tuple[int, ...]]:
+    """Every token sequence `marker` takes alone and in `contexts`, longest first."""
+    if not isinstance(marker, str) or not marker.strip():
+        raise ValueError(f"a marker must be a non-empty string; got {marker!r}")
+    variants = {tuple(tokenizer(marker, add_special_tokens=False)["input_ids"])}
+    # A core that lost most of the marker to its neighbours would match far too often.
+    least = max(1, int(0.6 * len(marker.strip())))
+    texts = list(contexts) + [left + marker + right for left in _PLAIN_LEFT for right in _PLAIN_RIGHT]
+    for text in texts:
+        if marker not in text:
+            continue
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        start = text.find(marker)
+        while start != -1:
+            end = start + len(marker)
+            core = [i for i, (s, e) in zip(encoded["input_ids"], offsets) if start <= s and e <= end and e > s]
+            covered = sum(e - s for s, e in offsets if start <= s and e <= end and e > s)
+            if core and covered >= least:
+                variants.add(tuple(core))
+            start = text.find(marker, start + 1)
+    return sorted((v for v in variants if v), key=len, reverse=True)
+
+
+def _template_contexts(tokenizer) -> list[str]:
+    """Renderings of varied conversations by the tokenizer's chat template (if any)."""
+    if not tokenizer.chat_template:
+        return []
+    texts = []
+    replies = ("Hello!", "42 is the answer.", " leading space", "\nleading newline", "(brackets)", "Yes")
+    for i, reply in enumerate(replies):
+        conversation = [
+            {"role": "user", "content": replies[-1 - i]},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": reply},
+            {"role": "assistant", "content": replies[i - 1]},
+        ]
+        for messages in (conversation, [{"role": "system", "content": "Be brief."}] + conversation):
+            try:
+                texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+            except Exception:  # e.g. a template without a system role
+                continue
+    return texts
+
+
+class ResponseMasker:
+    """Which tokens of a batch belong to assistant replies, found through the markers."""
+
+    def __init__(self, tokenizer, instruction_part: str, response_part: str):
+        if instruction_part == response_part:
+            raise ValueError(f"instruction_part and response_part are both {instruction_part!r}")
+        self.tokenizer = tokenizer
+        self.instruction_part = instruction_part
+        self.response_part = response_part
+        contexts = _template_contexts(tokenizer)
+        self.instruction_variants = marker_variants(tokenizer, instruction_part, contexts)
+        self.response_variants = marker_variants(tokenizer, response_part, contexts)
+        self.bos_id = tokenizer.bos_token_id
+
+    def _matches(self, ids: torch.Tensor, variants) -> list[tuple[int, int]]:
+        """Non-overlapping (start, end) spans where any variant occurs in the 1-D `ids`."""
+        found = []
+        for variant in variants:
+            if len(variant) > ids.numel():
+                continue
+            windows = ids.unfold(0, len(variant), 1)  # (T - m + 1, m)
+            hits = (windows == torch.tensor(variant, device=ids.device)).all(-1).nonzero().flatten().tolist()
+            found += [(s, s + len(variant)) for s in hits]
+        spans, reach = [], -1
+        for start, end in sorted(found, key=lambda span: (span[0], -span[1])):
+            if end <= reach:  # inside a longer match
+                continue
+            spans.append((start, end))
+            reach = end
+        return spans
+
+    def keep_row(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Boolean mask over the 1-D `ids`: True on reply tokens."""
+        length = ids.numel()
+        keep = torch.zeros(length, dtype=torch.bool, device=ids.device)
+        responses = self._matches(ids, self.response_variants)
+        if not responses:
+            return keep
+        stops = {start for start, _ in self._matches(ids, self.instruction_variants)}
+        stops |= {start for start, _ in responses}
+        if self.bos_id is not None:
+            stops |= set((ids == self.bos_id).nonzero().flatten().tolist())
+        if position_ids is not None:  # packed sequences restart their positions at 0
+            stops |= set((position_ids[1:] == 0).nonzero().flatten().add(1).tolist())
+        ordered = sorted(stops)
+        for _, end in responses:
+            stop = next((s for s in ordered if s >= end), length)
+            keep[end:stop] = True
+        return keep
+
+    def keep_mask(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) boolean mask of reply tokens for a (B, T) batch."""
+        rows = [
+            self.keep_row(input_ids[b], None if position_ids is None else position_ids[b])
+            for b in range(input_ids.shape[0])
+        ]
+        return torch.stack(rows)
+
+    def describe(self, ids) -> str:
+        """The markers and the decoded sequence, for error messages."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        if len(text) > _SAMPLE_CHARS:
+            text = text[:_SAMPLE_CHARS] + f"... ({len(text)} characters)"
+        return (
+            f"response_part={self.response_part!r} (token ids {list(self.response_variants[0])}), "
+            f"instruction_part={self.instruction_part!r} (token ids {list(self.instruction_variants[0])}). "
+            f"Decoded sequence: {text!r}"
+        )
+
+
+class ResponsesOnlyCollator:
+    """Wraps a data collator: labels outside the replies become -100."""
+
+    def __init__(self, collator, masker: ResponseMasker):
+        self.collator = collator
+        self.masker = masker
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        input_ids = batch["input_ids"]
+        labels = batch.get("labels")
+        if labels is None:
+            labels = input_ids.clone()
+            if batch.get("attention_mask") is not None:
+                labels[batch["attention_mask"] == 0] = -100
+        keep = self.masker.keep_mask(input_ids, batch.get("position_ids"))
+        labels = labels.masked_fill(~keep, -100)
+        if not (labels != -100).any():
+            raise NoTrainableTokensError(
+                f"train_on_responses_only: this batch of {input_ids.shape[0]} sequence(s) has no token to "
+                f"train on (the loss would be 0/0): no reply was found after the response marker, or the reply "
+                f"was cut off by max_length. Check that the markers match the chat template: "
+                f"{self.masker.describe(_unpadded(batch, 0))}"
+            )
+        batch["labels"] = labels
+        return batch
+
+
+def _unpadded(batch, row: int) -> list[int]:
+    ids = batch["input_ids"][row]
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        ids = ids[mask[row].bool()]
+    return ids.tolist()
+
+
+def trainable_counts(masker: ResponseMasker, dataset) -> list[int]:
+    """Per sample of a tokenized dataset: how many labels stay trainable after masking."""
+    counts = []
+    has_labels = "labels" in dataset.column_names
+    for record in dataset:
+        ids = torch.tensor(record["input_ids"])
+        keep = masker.keep_row(ids)
+        if has_labels:
+            keep &= torch.tensor(record["labels"]) != -100
+        counts.append(int(keep.sum()))
+    return counts
+
+
+def _screen(dataset, masker: ResponseMasker, name: str):
+    """Drop samples with nothing to train on; raise when that is every sample."""
+    import datasets
+
+    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+        return dataset  # not tokenized yet, or streamed: the collator checks each batch
+    counts = trainable_counts(masker, dataset)
+    empty = [i for i, count in enumerate(counts) if count == 0]
+    if len(empty) == len(counts):
+        raise NoTrainableTokensError(
+            f"train_on_responses_only: none of the {len(counts)} samples of the {name} dataset has a token to "
+            f"train on. Check that the markers match the chat template: "
+            f"{masker.describe(dataset[0]['input_ids'])}"
+        )
+    if empty:
+        warnings.warn(
+            f"train_on_responses_only: {len(empty)} of {len(counts)} samples of the {name} dataset have no reply "
+            f"tokens (no response marker, or the reply was cut off by max_length) and are left out; first: "
+            f"{masker.describe(dataset[empty[0]]['input_ids'])}",
+            stacklevel=3,
+        )
+        keep = sorted(set(range(len(counts))) - set(empty))
+        dataset = dataset.select(keep)
+    return dataset
+
+
+def train_on_responses_only(trainer, instruction_part: str | None = None, response_part: str | None = None,
+                            *, tokenizer=None):
+    """Make `trainer` (TRL SFTTrainer or transformers Trainer) compute the loss on the
+    assistant replies only; returns the trainer.
+
+    instruction_part / response_part: the text opening a user / an assistant turn; by
+        default read from the chat template (slothkit's formats know theirs; other
+        templates are probed).
+    tokenizer: default trainer.processing_class (or trainer.tokenizer).
+
+    Tokenized samples with no reply token left are dropped from the datasets (with a
+    warning); if none is left, or a batch has none at training time, NoTrainableTokensError
+    says so with the markers and a decoded sample.
+    """
+    if tokenizer is None:
+        tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("the trainer has no tokenizer (processing_class); pass tokenizer=")
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+    if instruction_part is None or response_part is None:
+        inferred_instruction, inferred_response = infer_markers(tokenizer)
+        instruction_part = inferred_instruction if instruction_part is None else instruction_part
+        response_part = inferred_response if response_part is None else response_part
+    masker = ResponseMasker(tokenizer, instruction_part, response_part)
+    if getattr(trainer, "train_dataset", None) is not None:
+        trainer.train_dataset = _screen(trainer.train_dataset, masker, "training")
+    eval_dataset = getattr(trainer, "eval_dataset", None)
+    if isinstance(eval_dataset, dict):
+        trainer.eval_dataset = {
+            key: _screen(value, masker, f"{key!r} evaluation") for key, value in eval_dataset.items()
+        }
+    elif eval_dataset is not None:
+        trainer.eval_dataset = _screen(eval_dataset, masker, "evaluation")
+    trainer.data_collator = ResponsesOnlyCollator(trainer.data_collator, masker)
+    return trainer

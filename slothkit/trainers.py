@@ -1,0 +1,240 @@
+"""TRL on slothkit models: configs with defaults that fit the hardware, and trainer
+constructors that check the data first.
+
+    from slothkit.trainers import sft_config, sft_trainer
+    trainer = sft_trainer(model, tokenizer, dataset, args=sft_config(model, max_steps=60))
+    trainer.train()
+
+How the trainers meet slothkit's fused model (TRL >= 1.16):
+
+* SFT, DPO and GRPO give the model TRL's own fused LM head (``trl.trainer.utils.
+  add_fused_lm_head``): the loss, log-probabilities, entropy and accuracy are computed in
+  tiles from the last hidden state, so the (batch, seq, vocab) logits are never built.
+  The decoder layers still run slothkit's kernels; only the head's cross-entropy is TRL's.
+* transformers' Trainer calls the model with labels: slothkit's forward returns its fused
+  loss and logits=None.  Older TRL SFTTrainers did the same with ``loss_type="nll"`` (the
+  default before TRL 1.x made "chunked_nll" the default) and then read ``outputs.logits``
+  for their entropy and token-accuracy metrics, which fails on None: hence the version
+  floor below (the lowest version tested with slothkit).
+* Gradient accumulation: both paths divide the summed token losses by the number of
+  trainable tokens of the whole accumulated batch (``num_items_in_batch``), so 2 x batch 1
+  trains like batch 2.
+
+Defaults that differ from TRL's, and why:
+
+* ``gradient_checkpointing=False``: FastModel.get_peft_model already set up checkpointing
+  (offloaded by default); the Trainer's would replace it with plain checkpointing.
+* ``bf16`` / ``fp16`` follow the model's compute dtype (TRL's default bf16=True fails on a
+  T4 and is slow on a CPU); ``optim="adamw_8bit"`` when bitsandbytes and a GPU are there.
+* ``max_length`` = the model's ``max_seq_length``; longer samples are truncated to it
+  (keeping the start) by TRL, and samples left without a trainable token are dropped.
+* The trainer constructors here keep the adapters in the dtype get_peft_model gave them
+  (float32): TRL's trainers cast a quantized model's adapters to bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+
+import torch
+
+# 1.15 gave SFT, DPO and GRPO the fused LM head (see the module docstring); 1.16 stopped it
+# launching its Triton kernel on CPU tensors.
+MIN_TRL_VERSION = "1.16"
+
+COMMON_DEFAULTS = dict(
+    output_dir="outputs",
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=4,
+    warmup_steps=5,
+    lr_scheduler_type="linear",
+    weight_decay=0.01,
+    logging_steps=1,
+    seed=3407,
+    report_to="none",
+    gradient_checkpointing=False,
+)
+LEARNING_RATES = {"sft": 2e-4, "dpo": 5e-6, "grpo": 5e-6}  # LoRA rates; full fine-tuning wants less
+
+
+def require_trl():
+    """Import trl, checking that it is recent enough for slothkit's fused model."""
+    if importlib.util.find_spec("trl") is None:
+        raise ImportError(f"slothkit's trainers need TRL >= {MIN_TRL_VERSION}: pip install 'trl>={MIN_TRL_VERSION}'")
+    import trl
+    from packaging.version import Version
+
+    if Version(trl.__version__) < Version(MIN_TRL_VERSION):
+        raise ImportError(
+            f"TRL {trl.__version__} is too old for slothkit (need >= {MIN_TRL_VERSION}): before 1.15 its "
+            "SFTTrainer with loss_type='nll' reads outputs.logits, which slothkit's fused training forward "
+            "never builds, and DPO and GRPO build the full logits; 1.15 runs its fused head's Triton kernel "
+            f"on CPU tensors. pip install -U 'trl>={MIN_TRL_VERSION}'"
+        )
+    return trl
+
+
+def _causal_lm(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype the model computes in (the NF4 compute dtype for 4-bit models)."""
+    causal_lm = _causal_lm(model)
+    quantization = getattr(causal_lm.config, "quantization_config", None)
+    if quantization is not None:
+        dtype = getattr(quantization, "bnb_4bit_compute_dtype", None)
+        if dtype is None and isinstance(quantization, dict):
+            dtype = quantization.get("bnb_4bit_compute_dtype")
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."))
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return causal_lm.get_input_embeddings().weight.dtype
+
+
+def hardware_defaults(model=None) -> dict:
+    """bf16 / fp16 / optim for this machine and model."""
+    on_gpu = torch.cuda.is_available()
+    if model is not None:
+        dtype = compute_dtype(model)
+    elif on_gpu:
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtype = torch.float32
+    eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
+    return {
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "optim": "adamw_8bit" if eight_bit else "adamw_torch",
+    }
+
+
+def _defaults(kind: str, model) -> dict:
+    defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **hardware_defaults(model)}
+    max_seq_length = getattr(_causal_lm(model), "max_seq_length", None) if model is not None else None
+    if max_seq_length is not None:
+        defaults["max_length"] = max_seq_length
+    return defaults
+
+
+def sft_config(model=None, **overrides):
+    """trl.SFTConfig with slothkit's defaults (module docstring); `overrides` win."""
+    trl = require_trl()
+    return trl.SFTConfig(**{**_defaults("sft", model), **overrides})
+
+
+def dpo_config(model=None, **overrides):
+    """trl.DPOConfig with slothkit's defaults; `overrides` win."""
+    trl = require_trl()
+    return trl.DPOConfig(**{**_defaults("dpo", model), **overrides})
+
+
+def grpo_config(model=None, **overrides):
+    """trl.GRPOConfig with slothkit's defaults; `overrides` win.  GRPO has no max_length:
+    the completions are bounded by max_completion_length, the prompts by the data."""
+    trl = require_trl()
+    defaults = _defaults("grpo", model)
+    defaults.pop("max_length", None)
+    return trl.GRPOConfig(**{**defaults, **overrides})
+
+
+def training_arguments(model=None, **overrides):
+    """transformers.TrainingArguments with the same defaults, for the plain Trainer."""
+    from transformers import TrainingArguments
+
+    defaults = _defaults("sft", model)
+    defaults.pop("max_length", None)
+    return TrainingArguments(**{**defaults, **overrides})
+
+
+def check_setup(model, tokenizer, args) -> None:
+    """Catch what would fail (or silently misbehave) deep inside a trainer."""
+    causal_lm = _causal_lm(model)
+    rows = causal_lm.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} ids but the model's embeddings {rows} rows; call "
+            "get_chat_template(..., model=model) before FastModel.get_peft_model so that they grow together"
+        )
+    patched = getattr(causal_lm, "_slothkit_architecture", None) is not None or hasattr(model, "_slothkit_tokenizer")
+    if patched and getattr(args, "gradient_checkpointing", False):
+        warnings.warn(
+            "gradient_checkpointing=True in the training arguments would replace the checkpointing "
+            "FastModel.get_peft_model set up; turning it off (choose it with use_gradient_checkpointing=)",
+            stacklevel=3,
+        )
+        args.gradient_checkpointing = False
+    if getattr(args, "bf16", False) and not _bf16_available():
+        raise ValueError("bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)")
+
+
+def _bf16_available() -> bool:
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return True  # CPU autocast supports bf16 (slowly)
+
+
+def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+    """trl.SFTTrainer after checking the data (slothkit.data.validation) and the setup."""
+    from slothkit.data.validation import check_sft_dataset
+
+    trl = require_trl()
+    args = sft_config(model) if args is None else args
+    check_setup(model, tokenizer, args)
+    for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
+        if dataset is not None:
+            check_sft_dataset(dataset, tokenizer, text_field=args.dataset_text_field, name=name)
+    adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=tokenizer, **trainer_kwargs)
+    _restore_adapter_dtypes(model, adapter_dtypes)
+    return trainer
+
+
+def _restore_adapter_dtypes(model, dtypes: dict) -> None:
+    """Undo the TRL trainers' cast of a quantized model's trainable adapters to bf16: it
+    fails on GPUs without bf16 (T4) and rounds every optimizer update to 8 mantissa bits.
+    PEFT keeps the adapters in float32 and autocast computes in the model's dtype.  (The
+    DPO trainer's frozen "ref" adapter, added in its constructor, is not trainable and is
+    left as TRL made it.)"""
+    for name, param in model.named_parameters():
+        dtype = dtypes.get(name)
+        if dtype is not None and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+    """trl.DPOTrainer after checking the data and the setup (with a PeftModel the reference
+    model is the same model with its adapters switched off: no second copy in memory)."""
+    from slothkit.data.validation import check_preference_dataset
+
+    trl = require_trl()
+    args = dpo_config(model) if args is None else args
+    check_setup(model, tokenizer, args)
+    for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
+        if dataset is not None:
+            check_preference_dataset(dataset, name=name)
+    adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                             processing_class=tokenizer, **trainer_kwargs)
+    _restore_adapter_dtypes(model, adapter_dtypes)
+    return trainer
+
+
+def grpo_trainer(model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+    """trl.GRPOTrainer after checking the prompts and the setup."""
+    from slothkit.data.validation import check_prompt_dataset
+
+    trl = require_trl()
+    args = grpo_config(model) if args is None else args
+    check_setup(model, tokenizer, args)
+    for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
+        if dataset is not None:
+            check_prompt_dataset(dataset, name=name)
+    adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                              eval_dataset=eval_dataset, processing_class=tokenizer, **trainer_kwargs)
+    _restore_adapter_dtypes(model, adapter_dtypes)
+    return trainer

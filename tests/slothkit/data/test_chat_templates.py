@@ -1,0 +1,293 @@
+"""Chat templates render each format's text exactly, tokenize with one BOS, mark the
+assistant replies for TRL, and end replies with the token generation stops on."""
+
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from slothkit.data import FORMATS, conversation_text, get_chat_template
+from slothkit.data.chat_formats import format_of_template, jinja_string
+from slothkit.data.chat_templates import matching_format
+from slothkit.testing import tiny_model_path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+B, E = "<|begin_of_text|>", "<|end_of_text|>"  # the tiny Llama tokenizer's BOS and EOS
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+ALPACA_SYSTEM = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
+
+TWO_EXCHANGES = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+]
+WITH_SYSTEM = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+]
+PROMPT = [{"role": "user", "content": "Name a colour."}]
+
+# (two exchanges, with a system message, generation prompt), written out from each format's spec.
+GOLDEN = {
+    "chatml": (
+        B + "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n",
+        B + "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n"
+        "<|im_start|>assistant\nBlue.<|im_end|>\n",
+        B + "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "vicuna": (
+        B + VICUNA_SYSTEM + " USER: Hi there ASSISTANT: Hello!" + E + "USER: What is 2 + 2? ASSISTANT: 4" + E,
+        B + "Be brief. USER: Name a colour. ASSISTANT: Blue." + E,
+        B + VICUNA_SYSTEM + " USER: Name a colour. ASSISTANT:",
+    ),
+    "zephyr": (
+        B + "<|user|>\nHi there" + E + "\n<|assistant|>\nHello!" + E + "\n<|user|>\nWhat is 2 + 2?" + E
+        + "\n<|assistant|>\n4" + E + "\n",
+        B + "<|system|>\nBe brief." + E + "\n<|user|>\nName a colour." + E + "\n<|assistant|>\nBlue." + E + "\n",
+        B + "<|user|>\nName a colour." + E + "\n<|assistant|>\n",
+    ),
+    "alpaca": (
+        B + ALPACA_SYSTEM + "\n\n### Instruction:\nHi there\n\n### Response:\nHello!" + E
+        + "\n\n### Instruction:\nWhat is 2 + 2?\n\n### Response:\n4" + E + "\n\n",
+        B + "Be brief.\n\n### Instruction:\nName a colour.\n\n### Response:\nBlue." + E + "\n\n",
+        B + ALPACA_SYSTEM + "\n\n### Instruction:\nName a colour.\n\n### Response:\n",
+    ),
+    "llama-3": (
+        B + "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n4<|eot_id|>",
+        B + "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nBlue.<|eot_id|>",
+        B + "<|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    ),
+    "gemma": (
+        B + "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
+        B + "<start_of_turn>user\nBe brief.\n\nName a colour.<end_of_turn>\n<start_of_turn>model\nBlue.<end_of_turn>\n",
+        B + "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n",
+    ),
+    "mistral": (
+        B + "[INST] Hi there [/INST] Hello!" + E + "[INST] What is 2 + 2? [/INST] 4" + E,
+        B + "[INST] Be brief.\n\nName a colour. [/INST] Blue." + E,
+        B + "[INST] Name a colour. [/INST]",
+    ),
+}
+
+# What the assistant masks keep of TWO_EXCHANGES: each reply, its end token and separator.
+KEPT = {
+    "chatml": "Hello!<|im_end|>\n4<|im_end|>\n",
+    "vicuna": " Hello!" + E + " 4" + E,
+    "zephyr": "Hello!" + E + "\n4" + E + "\n",
+    "alpaca": "Hello!" + E + "\n\n4" + E + "\n\n",
+    "llama-3": "Hello!<|eot_id|>4<|eot_id|>",
+    "gemma": "Hello!<end_of_turn>\n4<end_of_turn>\n",
+    "mistral": " Hello!" + E + " 4" + E,
+}
+
+
+def _tokenizer(arch="llama", **kwargs):
+    return AutoTokenizer.from_pretrained(str(tiny_model_path(arch)), **kwargs)
+
+
+def _templated(name, arch="llama", **kwargs):
+    tokenizer = _tokenizer(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tokens added without a model: covered below
+        return get_chat_template(tokenizer, name, **kwargs)
+
+
+def _ids(encoded):
+    return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+
+
+def test_every_format_has_golden_strings():
+    assert set(GOLDEN) == set(FORMATS) == set(KEPT)
+
+
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_renders_golden_strings(name):
+    tokenizer = _templated(name)
+    two, system, prompt = GOLDEN[name]
+    assert tokenizer.apply_chat_template(TWO_EXCHANGES, tokenize=False) == two
+    assert tokenizer.apply_chat_template(WITH_SYSTEM, tokenize=False) == system
+    assert tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == prompt
+    assert format_of_template(tokenizer.chat_template).name == name
+
+
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_assistant_masks_keep_the_replies(name):
+    tokenizer = _templated(name)
+    encoded = tokenizer.apply_chat_template(
+        TWO_EXCHANGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    kept = [t for t, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]
+    assert tokenizer.decode(kept) == KEPT[name]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_one_bos_on_both_tokenization_paths(name, arch):
+    tokenizer = _templated(name, arch)
+    bos = tokenizer.bos_token_id
+    chat_ids = _ids(tokenizer.apply_chat_template(WITH_SYSTEM, tokenize=True))
+    text = conversation_text(tokenizer, WITH_SYSTEM)
+    text_ids = tokenizer(text)["input_ids"]
+    assert chat_ids[0] == bos and chat_ids.count(bos) == 1
+    assert text_ids[0] == bos and text_ids.count(bos) == 1
+    assert not text.startswith(tokenizer.bos_token)
+    # Both paths spell the same text; the text ends on the reply's end token.
+    rendered = tokenizer.apply_chat_template(WITH_SYSTEM, tokenize=False)
+    assert tokenizer.bos_token + text == rendered.rstrip()
+    assert tokenizer.decode(text_ids[1:], skip_special_tokens=False) == text
+    assert text_ids[-1] == tokenizer.eos_token_id  # map_eos_token: the turn end is the EOS
+
+
+def test_no_bos_when_the_tokenizer_adds_none():
+    tokenizer = _tokenizer(add_bos_token=False)
+    assert tokenizer("a")["input_ids"][0] != tokenizer.bos_token_id
+    with pytest.warns(UserWarning, match="ends turns with EOS '<\\|eot_id\\|>'; pass model="):
+        get_chat_template(tokenizer, "llama-3")
+    assert tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == (
+        GOLDEN["llama-3"][2].removeprefix(B)
+    )
+
+
+@pytest.mark.parametrize(
+    "name, turn_end", [("chatml", "<|im_end|>"), ("llama-3", "<|eot_id|>"), ("gemma", "<end_of_turn>"), ("mistral", E)]
+)
+def test_turn_end_becomes_eos_and_generation_stops_there(name, turn_end):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("llama")), dtype=torch.float32)
+    tokenizer = _tokenizer()
+    rows = model.get_input_embeddings().weight.shape[0]
+    get_chat_template(tokenizer, name, model=model)
+    turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
+    assert tokenizer.eos_token == turn_end
+    stop_ids = model.generation_config.eos_token_id
+    stop_ids = [stop_ids] if isinstance(stop_ids, int) else stop_ids
+    assert stop_ids[0] == turn_end_id
+    assert model.get_input_embeddings().weight.shape[0] == max(rows, len(tokenizer))
+    assert len(tokenizer.tokenize(turn_end)) == 1  # a single token, never split
+
+    # Force a reply of three tokens then the turn end, then more: generate must stop at it.
+    forced = [300, 301, 302, turn_end_id, 303, 304]
+
+    class Force:
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - prompt.shape[1]
+            scores = torch.full_like(scores, -1e9)
+            scores[:, forced[step]] = 0.0
+            return scores
+
+    prompt = _ids(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt"))
+    output = model.generate(prompt, max_new_tokens=6, do_sample=False, logits_processor=[Force()])
+    assert output[0, prompt.shape[1] :].tolist() == forced[:4]
+
+
+def test_missing_tokens_grow_the_embeddings_and_warn():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("mistral")), dtype=torch.float32)
+    tokenizer = _tokenizer("mistral")
+    model.resize_token_embeddings(len(tokenizer))  # no spare rows: new tokens need new ones
+    with pytest.warns(UserWarning, match="embeddings grew"):
+        get_chat_template(tokenizer, "llama-3", model=model)
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)
+    for token in FORMATS["llama-3"].special_tokens:
+        assert len(tokenizer.tokenize(token)) == 1
+    with pytest.warns(UserWarning, match="pass model="):
+        get_chat_template(_tokenizer("mistral"), "chatml")
+
+
+def test_mapping_reads_sharegpt_records_directly():
+    tokenizer = _templated(
+        "llama-3", mapping={"role": "from", "content": "value", "user": "human", "assistant": "gpt"}
+    )
+    sharegpt = [
+        {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in TWO_EXCHANGES
+    ]
+    assert tokenizer.apply_chat_template(sharegpt, tokenize=False) == GOLDEN["llama-3"][0]
+    assert conversation_text(tokenizer, sharegpt) == GOLDEN["llama-3"][0].removeprefix(B)
+
+
+def test_system_message_default_override_and_escaping():
+    text = 'Say "hi" {{ not jinja }} {% raw %} 100% \\ @ROLES@ ünïcode 🦥\nsecond line'
+    tokenizer = _templated("chatml", system_message=text)
+    rendered = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert rendered == B + f"<|im_start|>system\n{text}<|im_end|>\n" + GOLDEN["chatml"][2].removeprefix(B)
+    # A conversation's own system message wins over the default.
+    assert tokenizer.apply_chat_template(WITH_SYSTEM, tokenize=False) == GOLDEN["chatml"][1]
+    # "" switches vicuna's default system text off.
+    vicuna = _templated("vicuna", system_message="")
+    assert vicuna.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == (
+        B + "USER: Name a colour. ASSISTANT:"
+    )
+    assert jinja_string("a\"b") == '"a\\U00000022b"'
+
+
+@pytest.mark.parametrize("arch, expected", [("llama", "llama-3"), ("mistral", "mistral"), ("gemma", "gemma")])
+def test_model_template_is_recognised_and_gains_generation_marks(arch, expected):
+    tokenizer = _tokenizer(arch)
+    assert "{%- generation" not in tokenizer.chat_template
+    assert matching_format(tokenizer).name == expected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the EOS mapping warning without a model
+        get_chat_template(tokenizer, "model")
+    assert format_of_template(tokenizer.chat_template).name == expected
+    assert "{%- generation -%}" in tokenizer.chat_template
+
+
+def test_model_template_without_a_match_is_kept():
+    tokenizer = _tokenizer()
+    own = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}"
+    tokenizer.chat_template = own
+    tokenizer.eos_token = B
+    with pytest.warns(UserWarning, match="pass model="):
+        get_chat_template(tokenizer, "model")
+    assert tokenizer.chat_template == own
+    assert tokenizer.eos_token == "<|eot_id|>"  # the special token after a reply
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"chat_template": "llama-2"}, "unknown chat template 'llama-2'; accepted: chatml, vicuna"),
+        ({"mapping": {"speaker": "from"}}, "unknown keys \\['speaker'\\]"),
+        ({"mapping": {"role": "fr'om"}}, "must be a field or role name"),
+        ({"mapping": {"user": "x", "assistant": "x"}}, "the same name"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        get_chat_template(_tokenizer(), **{"chat_template": "chatml", **kwargs})
+
+
+@pytest.mark.parametrize(
+    "name, messages, match",
+    [
+        ("chatml", [{"role": "tool", "content": "x"}], "role tool is not accepted here"),
+        ("mistral", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "must alternate"),
+        ("gemma", [{"role": "assistant", "content": "a"}], "must alternate"),
+    ],
+)
+def test_template_rejects_wrong_roles(name, messages, match):
+    from jinja2 import TemplateError
+
+    tokenizer = _templated(name)
+    with pytest.raises(TemplateError, match=match):
+        tokenizer.apply_chat_template(messages, tokenize=False)

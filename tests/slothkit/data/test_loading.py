@@ -1,0 +1,98 @@
+"""load_data: local files of every supported type, records in memory, and the Hub path."""
+
+import json
+
+import datasets
+import pytest
+
+from slothkit.data import load_data
+from slothkit.data.loading import as_dataset
+
+RECORDS = [{"instruction": f"What is {i} + {i}?", "output": f"{2 * i}"} for i in range(5)]
+
+
+def _write(path, kind):
+    if kind == "jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in RECORDS) + "\n")
+    elif kind == "json":
+        path.write_text(json.dumps(RECORDS))
+    elif kind == "csv":
+        path.write_text("instruction,output\n" + "".join(f"\"{r['instruction']}\",{r['output']}\n" for r in RECORDS))
+    else:
+        datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet"])
+def test_local_files(tmp_path, kind):
+    path = tmp_path / f"train.{kind}"
+    _write(path, kind)
+    dataset = load_data(path)
+    assert isinstance(dataset, datasets.Dataset)
+    assert [str(v) for v in dataset["output"]] == [r["output"] for r in RECORDS]
+    assert dataset["instruction"] == [r["instruction"] for r in RECORDS]
+    assert len(load_data(str(path), split="train[:2]")) == 2
+
+
+def test_folder_of_files(tmp_path):
+    _write(tmp_path / "part.jsonl", "jsonl")
+    assert load_data(tmp_path)["instruction"] == [r["instruction"] for r in RECORDS]
+
+
+def test_records_in_memory():
+    assert load_data(RECORDS)["output"] == [r["output"] for r in RECORDS]
+    columns = {"instruction": [r["instruction"] for r in RECORDS], "output": [r["output"] for r in RECORDS]}
+    assert load_data(columns).num_rows == 5
+    import pandas
+
+    assert load_data(pandas.DataFrame(RECORDS)).column_names == ["instruction", "output"]
+    splits = datasets.DatasetDict({"train": as_dataset(RECORDS), "test": as_dataset(RECORDS[:1])})
+    assert load_data(splits, split="test").num_rows == 1
+
+
+@pytest.mark.parametrize(
+    "source, error, match",
+    [
+        ("missing/train.jsonl", FileNotFoundError, "no such data file or folder"),
+        ("./nowhere", FileNotFoundError, "no such data file or folder"),
+        ([], ValueError, "the list of records is empty"),
+        ([{"a": 1}, "b"], ValueError, "record 1 is str"),
+        ({"a": [1, 2], "b": [1]}, ValueError, "lists of one length"),
+        (42, TypeError, "cannot use int as a dataset"),
+    ],
+)
+def test_bad_sources(source, error, match):
+    with pytest.raises(error, match=match):
+        load_data(source)
+
+
+def test_unknown_file_type_and_split(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(ValueError, match="unknown file type; accepted: .csv, .json, .jsonl, .parquet"):
+        load_data(path)
+    with pytest.raises(ValueError, match="split 'validation' not in this DatasetDict; its splits: \\['train'\\]"):
+        load_data(datasets.DatasetDict({"train": as_dataset(RECORDS)}), split="validation")
+
+
+def test_hub_names_go_to_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split=None, **kwargs):
+        calls.append((name, split, kwargs))
+        return as_dataset(RECORDS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert load_data("yahma/alpaca-cleaned", split="train[:10]", revision="main").num_rows == 5
+    assert calls == [("yahma/alpaca-cleaned", "train[:10]", {"revision": "main"})]
+
+
+def test_hub_failure_offline_is_explained(monkeypatch):
+    import huggingface_hub
+
+    # datasets and huggingface_hub read the switch when imported; set their copies too.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    match = "could not load 'slothkit-test/no-such-dataset'.*HF_HUB_OFFLINE is set"
+    with pytest.raises(FileNotFoundError, match=match):
+        load_data("slothkit-test/no-such-dataset")
