@@ -1,0 +1,66 @@
+"""nbval runs every notebook here top to bottom, offline: each is pointed (through the
+SLOTHKIT_* variables its config cell reads) at a tiny random model of its architecture
+and at a local server that speaks the Hugging Face Hub's protocol."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+MODELS = json.loads((Path(__file__).resolve().parents[1] / "templates" / "models.json").read_text())
+_state = {}
+
+
+def _model_key(stem: str) -> str:
+    for key in sorted(MODELS, key=len, reverse=True):
+        if stem.startswith(key + "-"):
+            return key
+    raise ValueError(f"notebook {stem!r} is not named <model>-<template>; models: {', '.join(MODELS)}")
+
+
+def _hub():
+    if "hub" not in _state:
+        from slothkit.testing_hub import LocalHub
+
+        _state["hub"] = LocalHub().start()
+        _state["outputs"] = tempfile.TemporaryDirectory(prefix="slothkit-notebooks-")
+    return _state["hub"]
+
+
+def notebook_environment(stem: str) -> dict[str, str]:
+    from slothkit.testing import tiny_model_path
+
+    hub = _hub()
+    arch = MODELS[_model_key(stem)]["tiny_arch"]
+    return {
+        **hub.client_env(),
+        "SLOTHKIT_NO_INSTALL": "1",
+        "SLOTHKIT_MODEL_NAME": str(tiny_model_path(arch)),
+        "SLOTHKIT_LOAD_IN_4BIT": "0",
+        "SLOTHKIT_MAX_STEPS": "16",
+        "SLOTHKIT_LEARNING_RATE": "0.002",
+        "SLOTHKIT_OUTPUT_DIR": os.path.join(_state["outputs"].name, stem),
+        "SLOTHKIT_SAVE_GGUF": "0",
+        "SLOTHKIT_HUB_REPO": f"local-user/{stem}",
+        "SLOTHKIT_HUB_TOKEN": hub.token,
+        "MPLBACKEND": "Agg",
+    }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # nbval starts a notebook's kernel when its first cell is set up, from this
+    # process's environment: set that notebook's variables just before.
+    path = Path(str(item.fspath))
+    notebook = item.parent
+    if path.suffix == ".ipynb" and not getattr(notebook, "_slothkit_environment", False):
+        os.environ.update(notebook_environment(path.stem))
+        notebook._slothkit_environment = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    hub = _state.pop("hub", None)
+    if hub is not None:
+        hub.stop()

@@ -1,0 +1,104 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Fine-tune Gemma 2B Instruct with slothkit
+#
+# LoRA (or QLoRA, on 4-bit weights) fine-tuning on instruction data in the Alpaca
+# format, then a few test prompts, then saving: the LoRA adapter, a merged 16-bit
+# model, and GGUF files for llama.cpp / Ollama / LM Studio, optionally pushed to the
+# Hugging Face Hub. The defaults fit a free Colab or Kaggle T4 (15 GB).
+#
+# Run the cells top to bottom. Change settings in the **Config** cell (a form on
+# Colab, a panel in Jupyter and Kaggle).
+
+# %% Install what is missing (never replaces Colab's torch or ipywidgets)
+import importlib.util
+import os
+import subprocess
+import sys
+
+if importlib.util.find_spec("slothkit") is None:
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
+                           os.environ.get("SLOTHKIT_PIP_SPEC", "slothkit")])
+from slothkit.notebook import prepare_runtime
+
+runtime = prepare_runtime()
+
+# %% Config
+MODEL_NAME = "unsloth/gemma-2b-it-bnb-4bit"  # @param {type:"string"}
+LOAD_IN_4BIT = True  # @param {type:"boolean"}
+MAX_SEQ_LENGTH = 2048  # @param {type:"integer"}
+LORA_R = 16  # @param {type:"integer"}
+LORA_ALPHA = 16  # @param {type:"integer"}
+LEARNING_RATE = 2e-4  # @param {type:"number"}
+MAX_STEPS = 60  # @param {type:"integer"}
+BATCH_SIZE = 2  # @param {type:"integer"}
+GRAD_ACCUM = 4  # @param {type:"integer"}
+DATASET = "example:alpaca"  # @param {type:"string"}
+SAVE_LORA = True  # @param {type:"boolean"}
+SAVE_MERGED = True  # @param {type:"boolean"}
+SAVE_GGUF = True  # @param {type:"boolean"}
+GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
+OUTPUT_DIR = "outputs"  # @param {type:"string"}
+HUB_REPO = ""  # @param {type:"string"}
+
+from slothkit.notebook import NotebookConfig
+
+config = NotebookConfig.from_cell(globals())
+config.show()
+
+# %% Hardware and memory plan
+from slothkit.notebook.hardware import hardware_report
+
+config = hardware_report(config)
+
+# %% Load the model and add LoRA adapters
+from slothkit import FastModel
+
+model, tokenizer = FastModel.from_pretrained(
+    config.model_name, max_seq_length=config.max_seq_length, load_in_4bit=config.load_in_4bit
+)
+model = FastModel.get_peft_model(
+    model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
+)
+
+# %% Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
+from slothkit.data import format_alpaca
+from slothkit.notebook.training import load_configured_dataset
+
+dataset = format_alpaca(load_configured_dataset(config.dataset), tokenizer)
+print(dataset)
+print(dataset[0]["text"])
+
+# %% Train
+from slothkit.notebook.training import train
+
+result = train(model, tokenizer, dataset, config)
+assert result.loss_went_down, f"the loss did not go down: {result.losses}"
+
+# %% Try it: streamed generation on a few prompts
+from slothkit.notebook.inference import generate_alpaca
+
+FastModel.for_inference(model)
+for instruction in ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]:
+    generate_alpaca(model, tokenizer, instruction, max_new_tokens=48)
+
+# %% Save and publish (each behind its Config flag)
+from slothkit.notebook.saving import save_all
+
+saved = save_all(model, tokenizer, config)
+for kind, path in saved.items():
+    print(f"{kind:12s} {path}")

@@ -1,0 +1,38 @@
+"""The notebook's last cell: save (and publish) what the config asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def save_all(model, tokenizer, config) -> dict[str, str]:
+    """LoRA adapter, merged 16-bit model and GGUF files, each behind its config flag;
+    each pushed to config.hub_repo (with a suffix per kind) when one is set."""
+    out = Path(config.output_dir)
+    token = config.hub_token or None
+    saved: dict[str, str] = {}
+    if config.save_lora:
+        result = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", overwrite=True)
+        saved["lora"] = str(result.path)
+        if config.hub_repo:
+            push = model.push_to_hub_merged(f"{config.hub_repo}-lora", tokenizer, save_method="lora",
+                                            token=token)
+            saved["lora (hub)"] = str(getattr(push, "url", push))
+    if config.save_merged:
+        result = model.save_pretrained_merged(out / "merged-16bit", tokenizer, save_method="merged_16bit",
+                                              overwrite=True)
+        saved["merged_16bit"] = str(result.path)
+        if config.hub_repo:
+            push = model.push_to_hub_merged(config.hub_repo, tokenizer, save_method="merged_16bit",
+                                            token=token)
+            saved["merged (hub)"] = str(getattr(push, "url", push))
+    if config.save_gguf:
+        paths = model.save_pretrained_gguf(out / "gguf", tokenizer,
+                                           quantization_method=config.gguf_quant_list, overwrite=True)
+        for path in paths if isinstance(paths, (list, tuple)) else [paths]:
+            saved[f"gguf {Path(str(path)).name}"] = str(path)
+        if config.hub_repo:
+            push = model.push_to_hub_gguf(f"{config.hub_repo}-gguf", tokenizer,
+                                          quantization_method=config.gguf_quant_list, token=token)
+            saved["gguf (hub)"] = str(getattr(push, "url", push))
+    return saved

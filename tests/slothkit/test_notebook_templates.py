@@ -1,0 +1,63 @@
+"""Committed notebooks equal what their templates render; the CLI's answers."""
+
+from pathlib import Path
+
+import pytest
+
+from slothkit.cli import main
+from slothkit.notebook.render import TEMPLATES, model_data, render_notebook
+
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def _parts(stem):
+    for template in TEMPLATES:
+        if stem.endswith("-" + template):
+            return stem[: -len(template) - 1], template
+    raise AssertionError(f"{stem}: not named <model>-<template>")
+
+
+def _cells(notebook):
+    return [(cell.cell_type, cell.source) for cell in notebook.cells]
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem)
+def test_committed_notebook_is_up_to_date(path):
+    import jupytext
+
+    model, template = _parts(path.stem)
+    committed = jupytext.read(path)
+    assert _cells(committed) == _cells(render_notebook(template, model)), (
+        f"{path.name} is out of date with templates/{template}.py: "
+        f"run slothkit new-notebook {model} --template {template} -o notebooks/{path.stem} --force"
+    )
+    assert all(not getattr(c, "outputs", None) for c in committed.cells), "commit notebooks without outputs"
+    paired = jupytext.read(path.with_suffix(".py"))
+    assert _cells(paired) == _cells(committed), f"{path.stem}.py is not paired with its .ipynb"
+
+
+def test_every_model_has_a_committed_finetune_notebook():
+    for model in model_data():
+        assert (NOTEBOOKS / f"{model}-finetune.ipynb").is_file(), model
+
+
+def test_new_notebook_refuses_to_overwrite_and_explains_bad_names(tmp_path, capsys):
+    out = tmp_path / "nb"
+    assert main(["new-notebook", "gemma-7b", "-o", str(out), "--set", "max_seq_length=4096"]) == 0
+    assert 'MAX_SEQ_LENGTH = 4096' in (tmp_path / "nb.py").read_text()
+    assert main(["new-notebook", "gemma-7b", "-o", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["new-notebook", "gemma-7b", "-o", str(out), "--force"]) == 0
+    assert main(["new-notebook", "gemma-9b"]) == 2
+    assert "valid models: llama-3-8b, gemma-2b, gemma-7b, mistral-7b" in capsys.readouterr().err
+    assert main(["new-notebook", "gemma-7b", "-o", str(out), "--force", "--set", "colour=red"]) == 2
+    assert "valid keys" in capsys.readouterr().err
+
+
+def test_list_shows_models_templates_and_defaults(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for model in model_data():
+        assert model in out
+    for template in TEMPLATES:
+        assert template in out
