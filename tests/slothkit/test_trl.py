@@ -283,7 +283,8 @@ def test_batched_generation_with_left_padding_matches_one_by_one(reference_kerne
     with torch.no_grad():  # make the adapters matter
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                generator = torch.Generator(device=param.device).manual_seed(len(name))
+                param.normal_(0, 0.05, generator=generator)
     FastModel.for_inference(model)
     assert tokenizer.padding_side == "left"
     questions = ["Name a colour.", "Convert 3 kilometres to metres, please.", "What is the capital of France?"]
@@ -307,7 +308,9 @@ def test_batched_generation_with_left_padding_matches_one_by_one(reference_kerne
 def test_configs_fit_the_hardware(reference_kernels, monkeypatch):
     model, _ = _load("slothkit", load_in_4bit=True)
     args = sft_config(model, output_dir="unused")
-    assert (args.bf16, args.fp16, args.optim, args.gradient_checkpointing) == (False, False, "adamw_torch", False)
+    # An fp32 model trains in fp32; 8-bit AdamW only where bitsandbytes has a GPU to run on.
+    optim = "adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
+    assert (args.bf16, args.fp16, args.optim, args.gradient_checkpointing) == (False, False, optim, False)
     assert args.max_length == MAX_SEQ and args.learning_rate == 2e-4 and args.gradient_accumulation_steps == 4
     assert sft_config(model, output_dir="unused", learning_rate=1e-3).learning_rate == 1e-3
     assert dpo_config(model, output_dir="unused").max_length == MAX_SEQ
