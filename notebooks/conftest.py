@@ -42,7 +42,9 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "SLOTHKIT_MAX_STEPS": "16",
         "SLOTHKIT_LEARNING_RATE": "0.002",
         "SLOTHKIT_OUTPUT_DIR": os.path.join(_state["outputs"].name, stem),
-        "SLOTHKIT_SAVE_GGUF": "0",
+        "SLOTHKIT_SAVE_GGUF": "1",
+        # One quantisation keeps the run short; every type is tested in tests/slothkit/export.
+        "SLOTHKIT_GGUF_QUANTS": "q8_0",
         "SLOTHKIT_HUB_REPO": f"local-user/{stem}",
         "SLOTHKIT_HUB_TOKEN": hub.token,
         "MPLBACKEND": "Agg",

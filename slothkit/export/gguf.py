@@ -1,0 +1,503 @@
+"""GGUF export, written by slothkit itself: no llama.cpp checkout, compiler or binary needed.
+
+    from slothkit.export.gguf import save_pretrained_gguf, push_to_hub_gguf
+    paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
+    # out/gguf/gguf.Q4_K_M.gguf, out/gguf/gguf.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
+
+`model` is a plain (merged, 16- or 32-bit) transformers model of a supported architecture;
+slothkit.export.merge turns a LoRA/QLoRA model into one. What the file holds, architecture by
+architecture, matches llama.cpp's convert_hf_to_gguf.py (LlamaModel, GemmaModel):
+
+    HF model_type   GGUF arch   Q/K rows           RMSNorm weights    output
+    llama           llama       permuted (below)   w                  output.weight unless tied
+    mistral         llama       permuted           w                  output.weight unless tied
+    gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
+
+Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
+pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of
+q_proj and k_proj are reordered within each head so that both compute the same attention:
+    rows (head, half, i) -> (head, i, half),  i.e. reshape(n_head, 2, d/2, -1).swapaxes(1, 2).
+Gemma's arch in llama.cpp uses the "neox" (half-split) rotation, so its rows stay as they are.
+
+Gemma computes its norm as x * (1 + w) and llama.cpp's gemma graph as x * w, so 1 is added (in
+float32, then stored as F32: adding 1 in bf16 would round w away).
+
+Metadata: context length, embedding length, block count, feed-forward length, head counts,
+key/value length (head_dim), rope dimension count and base, RMS epsilon, Mistral's sliding
+window (`llama.attention.sliding_window`; llama.cpp's llama graph does not apply it, as with
+its own converter, so the GGUF matches HF up to the window length), rope scaling (linear as
+metadata; "llama3" as the rope_freqs tensor of per-frequency divisors, as the converter
+writes it), file type and quantization version; the tokenizer as described in gguf_tokenizer.
+
+Which tensor gets which type: gguf_tensor_types. K-quants are encoded in torch on the GPU when
+there is one (kquants), everything else with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf.quants import quant_shape_to_byte_shape
+
+from slothkit.export import gguf_tensor_types as types
+from slothkit.export.atomic import atomic_directory, check_target
+from slothkit.export.gguf_tokenizer import gguf_vocab
+from slothkit.export.modelfile import write_modelfile
+
+T = GGMLQuantizationType
+QUANTIZATION_METHODS = tuple(types.QUANTIZATION_METHODS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ArchLayout:
+    """What differs between the supported architectures on their way into GGUF."""
+
+    gguf_arch: str
+    permute_qk: bool  # llama.cpp's llama arch rotates adjacent pairs (see module docstring)
+    norm_offset: float  # added to RMSNorm weights: Gemma's (1 + w)
+    output_always_tied: bool  # the GGUF arch has no separate output matrix
+
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": _ArchLayout("llama", permute_qk=True, norm_offset=0.0, output_always_tied=False),
+    "mistral": _ArchLayout("llama", permute_qk=True, norm_offset=0.0, output_always_tied=False),
+    "gemma": _ArchLayout("gemma", permute_qk=False, norm_offset=1.0, output_always_tied=True),
+}
+
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_PER_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------
+
+
+def save_pretrained_gguf(
+    model,
+    save_directory: str | os.PathLike,
+    tokenizer,
+    quantization_method: str | Sequence[str] = "q8_0",
+    verify: bool | None = None,
+    overwrite: bool = False,
+) -> list[pathlib.Path]:
+    """Write `model` as one GGUF file per quantisation method, each with an Ollama Modelfile.
+
+    quantization_method: one of QUANTIZATION_METHODS ("f16", "bf16", "q8_0", "q4_0", "q4_k_m",
+        "q5_k_m", "q6_k"; "f32" too) or a list of them.
+    verify: load each file with llama-cpp-python and compare its logits and greedy tokens with
+        the HF model (slothkit.export.gguf_verify); None: when llama-cpp-python is installed.
+    overwrite: replace a non-empty save_directory (atomically); refused otherwise.
+    Returns the written paths: the GGUF files in the order asked, then the Modelfiles. With
+    one method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
+    The folder appears only when every file is written (and verified).
+    """
+    methods = _methods(quantization_method)
+    layout = architecture_layout(model)
+    _check_plain_model(model)
+    target = check_target(save_directory, overwrite)
+    if verify is None:
+        from slothkit.export.gguf_verify import llama_cpp_available
+
+        verify = llama_cpp_available()
+
+    stem = target.name or "model"
+    written = []
+    with atomic_directory(target, overwrite=overwrite) as staging:
+        for method in methods:
+            path = staging / f"{stem}.{method.label}.gguf"
+            write_gguf(model, path, tokenizer, method.name, layout=layout)
+            if verify:
+                from slothkit.export.gguf_verify import verify_gguf
+
+                verify_gguf(path, model, tokenizer, method.name)
+            written.append(path.name)
+        for method in methods:
+            modelfile = "Modelfile" if len(methods) == 1 else f"Modelfile.{method.label}"
+            write_modelfile(staging / modelfile, f"{stem}.{method.label}.gguf", tokenizer, _stop_token_ids(model))
+            written.append(modelfile)
+    return [target / name for name in written]
+
+
+def push_to_hub_gguf(
+    model,
+    repo_id: str,
+    tokenizer,
+    quantization_method: str | Sequence[str] = "q8_0",
+    token: str | None = None,
+    private: bool = False,
+    *,
+    verify: bool | None = None,
+    endpoint: str | None = None,
+    commit_message: str | None = None,
+):
+    """Write the GGUF files and Modelfile(s) as save_pretrained_gguf does, into a temporary
+    folder, and upload it to `repo_id` in one commit (slothkit.export.hub.push_folder_to_hub:
+    created if missing, retried on transient errors). The token is checked before any work.
+    endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
+    Files already in the repo stay (other quantisations, a merged model), except those this
+    push replaces. Returns the hub module's PushResult.
+    """
+    from huggingface_hub import HfApi
+
+    from slothkit.export.hub import push_folder_to_hub, resolve_token
+
+    methods = _methods(quantization_method)  # refuse bad input before any work
+    architecture_layout(model)
+    token = resolve_token(token, HfApi(endpoint=endpoint))
+    labels = ", ".join(m.label for m in methods)
+    with tempfile.TemporaryDirectory(prefix="slothkit-gguf-") as scratch:
+        folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
+        save_pretrained_gguf(model, folder, tokenizer, [m.name for m in methods], verify=verify)
+        return push_folder_to_hub(
+            folder,
+            repo_id,
+            token=token,
+            private=private,
+            commit_message=commit_message or f"Upload GGUF ({labels}) with slothkit",
+            endpoint=endpoint,
+            replace_model_files=False,
+        )
+
+
+def write_gguf(
+    model, path: str | os.PathLike, tokenizer, quantization_method: str = "q8_0", *, layout=None
+) -> pathlib.Path:
+    """Write one GGUF file (no Modelfile, no verification, not atomic); return its path.
+
+    layout: the architecture's _ArchLayout, by default from model.config.model_type (the tests
+    pass a wrong one on purpose, to see verification catch it).
+    """
+    method = types.quantization_method(quantization_method)
+    layout = layout or architecture_layout(model)
+    _check_plain_model(model)
+    hp = _hyperparameters(model.config)
+    tensors = list(_gguf_tensors(model, layout, hp))
+    tied = layout.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    device = _quantization_device(model)
+
+    path = pathlib.Path(path)
+    vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
+    writer = GGUFWriter(path, layout.gguf_arch)
+    _write_metadata(writer, hp, method, name=_model_name(model, path))
+    vocab.write(writer)
+
+    plan = []
+    for name, produce, shape, layer in tensors:
+        qtype = types.tensor_type(
+            method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
+        )
+        nbytes = types.encoded_nbytes(qtype, shape)
+        if qtype in (T.F32, T.F16):
+            writer.add_tensor_info(name, shape, np.float32 if qtype == T.F32 else np.float16, nbytes, raw_dtype=qtype)
+        else:
+            writer.add_tensor_info(name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype)
+        plan.append((produce, qtype))
+
+    try:
+        writer.write_header_to_file(path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for produce, qtype in plan:  # one tensor in memory at a time
+            writer.write_tensor_data(types.encode(produce(), qtype, device))
+    finally:
+        writer.close()
+    return path
+
+
+def architecture_layout(model) -> _ArchLayout:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF export supports the architectures {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}; "
+            f"this model's config.model_type is {model_type!r}"
+        )
+    return SUPPORTED_ARCHITECTURES[model_type]
+
+
+def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tensor]:
+    """Read a file written by write_gguf back into `model`'s parameter names: every tensor
+    dequantised (gguf.quants.dequantize), un-permuted, Gemma's norm offset removed, in the
+    model's dtype and on its device. The weights llama.cpp computes with, in HF's layout
+    (gguf_verify runs the HF model on them). Tied weights appear once, as in the file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    layout = architecture_layout(model)
+    hp = _hyperparameters(model.config)
+    stored = {t.name: t for t in GGUFReader(path).tensors}
+    weights = {}
+    for hf_name, param in model.state_dict().items():
+        mapped = gguf_tensor_name(hf_name)
+        if mapped is None or mapped[0] not in stored:
+            continue
+        name = mapped[0]
+        tensor = stored[name]
+        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        value = value.reshape(param.shape)
+        if layout.permute_qk and (".attn_q." in name or ".attn_k." in name):
+            value = unpermute_rotary_rows(value, hp.n_heads if ".attn_q." in name else hp.n_kv_heads)
+        if name.endswith("_norm.weight") and layout.norm_offset:
+            value = value - layout.norm_offset
+        weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------
+# Hyperparameters and metadata
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _HyperParameters:
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    context: int
+    rope_theta: float
+    rope_type: str
+    rope: dict
+    sliding_window: int | None
+
+
+def _hyperparameters(config) -> _HyperParameters:
+    n_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise NotImplementedError(
+            f"GGUF export supports the rope types 'default', 'linear' and 'llama3'; this model uses {rope_type!r}"
+        )
+    return _HyperParameters(
+        vocab_size=config.vocab_size,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+        rms_eps=config.rms_norm_eps,
+        context=config.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10_000.0))),
+        rope_type=rope_type,
+        rope=rope,
+        sliding_window=getattr(config, "sliding_window", None) if config.model_type == "mistral" else None,
+    )
+
+
+def _write_metadata(writer: GGUFWriter, hp: _HyperParameters, method, name: str) -> None:
+    writer.add_name(name)
+    writer.add_file_type(int(method.file_type))
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_context_length(hp.context)
+    writer.add_embedding_length(hp.hidden)
+    writer.add_block_count(hp.n_layers)
+    writer.add_feed_forward_length(hp.intermediate)
+    writer.add_head_count(hp.n_heads)
+    writer.add_head_count_kv(hp.n_kv_heads)
+    writer.add_key_length(hp.head_dim)
+    writer.add_value_length(hp.head_dim)
+    writer.add_rope_dimension_count(hp.head_dim)
+    writer.add_rope_freq_base(hp.rope_theta)
+    writer.add_layer_norm_rms_eps(hp.rms_eps)
+    writer.add_vocab_size(hp.vocab_size)
+    if hp.rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(hp.rope["factor"]))
+    if hp.sliding_window:
+        writer.add_sliding_window(int(hp.sliding_window))
+
+
+def _llama3_rope_divisors(hp: _HyperParameters) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling as llama.cpp's rope_freqs: per frequency, the number the
+    rotation frequency is divided by. Long wavelengths (beyond the original context / low
+    factor) are slowed by `factor`, short ones (below / high factor) kept, and the band in
+    between blends the two smoothly in 1 / frequency."""
+    p = hp.rope
+    factor = float(p.get("factor", 8.0))
+    low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
+    original = float(p.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.float32) / hp.head_dim))
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------
+
+
+def _gguf_tensors(model, layout: _ArchLayout, hp: _HyperParameters) -> Iterator[tuple]:
+    """(gguf name, () -> tensor, shape, layer or None) for every tensor of the file, in order;
+    the producer applies the permutation / norm offset only when called."""
+    state = model.state_dict()
+    embed = state.get("model.embed_tokens.weight")
+    head = state.get("lm_head.weight")
+    head_is_embed = (
+        head is None
+        or getattr(model.config, "tie_word_embeddings", False)
+        or (embed is not None and head.data_ptr() == embed.data_ptr())
+    )
+    if layout.output_always_tied and not head_is_embed and not torch.equal(head, embed):
+        raise ValueError(
+            f"GGUF's {layout.gguf_arch!r} architecture ties the output layer to the embeddings, but this "
+            "model's lm_head differs from embed_tokens; tie them (or train without lm_head) before export"
+        )
+
+    if hp.rope_type == "llama3":
+        if layout.gguf_arch != "llama":
+            raise NotImplementedError("'llama3' rope scaling is supported for the llama architecture only")
+        divisors = _llama3_rope_divisors(hp)
+        yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
+
+    unknown = []
+    for hf_name, tensor in state.items():
+        if "rotary_emb" in hf_name:
+            continue  # buffers recomputed by both sides
+        if hf_name == "lm_head.weight" and head_is_embed:
+            continue
+        mapped = gguf_tensor_name(hf_name)
+        if mapped is None:
+            unknown.append(hf_name)
+            continue
+        name, layer = mapped
+        yield name, _producer(tensor, name, layout, hp), tuple(tensor.shape), layer
+    if unknown:
+        raise ValueError(
+            f"GGUF export does not know where these weights go: {unknown[:8]}"
+            f"{' ...' if len(unknown) > 8 else ''} (is the model merged and of a supported architecture?)"
+        )
+
+
+def gguf_tensor_name(hf_name: str) -> tuple[str, int | None] | None:
+    """The GGUF name of a Hugging Face weight and its layer (None outside the layers), or None
+    when the weight has no place in the file."""
+    if hf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[hf_name], None
+    match = _LAYER_NAME.fullmatch(hf_name)
+    if match is None or match.group(2) not in _PER_LAYER:
+        return None
+    layer = int(match.group(1))
+    return f"blk.{layer}.{_PER_LAYER[match.group(2)]}.{match.group(3)}", layer
+
+
+def _producer(tensor: torch.Tensor, name: str, layout: _ArchLayout, hp: _HyperParameters):
+    def produce() -> torch.Tensor:
+        value = tensor.detach()
+        if layout.permute_qk and (".attn_q." in name or ".attn_k." in name):
+            heads = hp.n_heads if ".attn_q." in name else hp.n_kv_heads
+            value = permute_rotary_rows(value, heads)
+        if name.endswith("_norm.weight") and layout.norm_offset:
+            value = value.float() + layout.norm_offset
+        return value
+
+    return produce
+
+
+def permute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's rows from half-split (i, i + d/2) to interleaved (2i, 2i + 1) pairs."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of the Q/K row permutation: GGUF's interleaved pairs back to HF's half-split."""
+    rows = weight.shape[0]
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _methods(quantization_method) -> list:
+    names = [quantization_method] if isinstance(quantization_method, str) else list(quantization_method)
+    if not names:
+        raise ValueError(
+            f"quantization_method is empty; give one or more of {', '.join(map(repr, QUANTIZATION_METHODS))}"
+        )
+    methods = [types.quantization_method(n) for n in names]
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"quantization_method lists a method twice: {names}")
+    return methods
+
+
+def _check_plain_model(model) -> None:
+    if hasattr(model, "peft_config"):
+        raise TypeError(
+            "save_pretrained_gguf needs a merged model; this is a PEFT model with adapters. Merge it first "
+            "(slothkit.export.merge, or model.merge_and_unload())"
+        )
+    for name, tensor in model.state_dict().items():
+        if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(
+                f"GGUF export needs a 16- or 32-bit model; {name} is {tensor.dtype} (a quantised model: "
+                "merge to 16-bit first)"
+            )
+
+
+def _stop_token_ids(model) -> list[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
+
+
+def _model_name(model, path: pathlib.Path) -> str:
+    source = getattr(model.config, "_name_or_path", "") or ""
+    return pathlib.PurePath(source).name or path.stem.split(".")[0]
+
+
+def _quantization_device(model) -> torch.device:
+    """Where the K-quant encoder runs: the model's GPU, else any GPU, else the CPU."""
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        return device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

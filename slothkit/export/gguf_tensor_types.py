@@ -1,0 +1,147 @@
+"""Which GGML type each GGUF tensor gets for a quantisation method, and the encoding itself.
+
+    method   file type       2-D weights                      rule followed
+    f32      ALL_F32         F32                              convert_hf_to_gguf.py --outtype f32
+    f16      MOSTLY_F16      F16                              ... --outtype f16
+    bf16     MOSTLY_BF16     BF16                             ... --outtype bf16
+    q8_0     MOSTLY_Q8_0     Q8_0                             ... --outtype q8_0
+    q4_0     MOSTLY_Q4_0     Q4_0, output Q6_K                llama-quantize Q4_0
+    q4_k_m   MOSTLY_Q4_K_M   Q4_K, some Q6_K (below)          llama-quantize Q4_K_M
+    q5_k_m   MOSTLY_Q5_K_M   Q5_K, some Q6_K (below)          llama-quantize Q5_K_M
+    q6_k     MOSTLY_Q6_K     Q6_K                             llama-quantize Q6_K
+
+Always F32, whatever the method: vectors (RMSNorm weights, biases, rope_freqs), as llama.cpp
+computes norms in F32 and both llama.cpp tools leave them unquantised.
+
+The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense models):
+  - output.weight, or token_embd.weight when the output is tied to it (Gemma): Q6_K
+    (Q8_0 if its rows are not a multiple of 256; kept Q8_0 for a Q8_0 base);
+  - _M variants: attn_v.weight and ffn_down.weight get Q6_K in the layers where
+    `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
+    (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31);
+  - every other 2-D weight, token_embd included when untied: the base type.
+Fallback for rows that a type's block cannot tile (tensor_type_fallback): Q4_K -> Q5_0,
+Q5_K -> Q5_1, Q6_K -> Q8_0 when the row length is not a multiple of 256; then F16 when it is
+not even a multiple of 32 (Q4_0, Q5_0, Q5_1, Q8_0 blocks). The converter's own types (q8_0)
+fall back to F16 the same way.
+
+Encoding: F32/F16 by cast, BF16/Q8_0/Q4_0/Q5_0/Q5_1 by `gguf.quants.quantize` (numpy, bit-exact
+with ggml's reference), Q4_K/Q5_K/Q6_K by slothkit.export.kquants (torch, on the GPU if given one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf import quants as gguf_quants
+
+from slothkit.export import kquants
+
+T = GGMLQuantizationType
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationMethod:
+    name: str  # what users pass: "q4_k_m"
+    label: str  # in file names and general.file_type's spelling: "Q4_K_M"
+    file_type: LlamaFileType
+    base: GGMLQuantizationType  # type of most 2-D weights
+    mixed: bool  # follows llama-quantize's per-tensor choices (True) or the converter's (False)
+
+
+QUANTIZATION_METHODS = {
+    m.name: m
+    for m in (
+        QuantizationMethod("f32", "F32", LlamaFileType.ALL_F32, T.F32, mixed=False),
+        QuantizationMethod("f16", "F16", LlamaFileType.MOSTLY_F16, T.F16, mixed=False),
+        QuantizationMethod("bf16", "BF16", LlamaFileType.MOSTLY_BF16, T.BF16, mixed=False),
+        QuantizationMethod("q8_0", "Q8_0", LlamaFileType.MOSTLY_Q8_0, T.Q8_0, mixed=False),
+        QuantizationMethod("q4_0", "Q4_0", LlamaFileType.MOSTLY_Q4_0, T.Q4_0, mixed=True),
+        QuantizationMethod("q4_k_m", "Q4_K_M", LlamaFileType.MOSTLY_Q4_K_M, T.Q4_K, mixed=True),
+        QuantizationMethod("q5_k_m", "Q5_K_M", LlamaFileType.MOSTLY_Q5_K_M, T.Q5_K, mixed=True),
+        QuantizationMethod("q6_k", "Q6_K", LlamaFileType.MOSTLY_Q6_K, T.Q6_K, mixed=True),
+    )
+}
+
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
+def quantization_method(name: str) -> QuantizationMethod:
+    key = name.lower() if isinstance(name, str) else name
+    if key not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"unknown GGUF quantization_method {name!r}; valid: {', '.join(map(repr, QUANTIZATION_METHODS))}"
+        )
+    return QUANTIZATION_METHODS[key]
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's choice of layers that get the larger type in the _M mixes: the first and
+    last eighth, and every third layer in between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def tensor_type(
+    method: QuantizationMethod,
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    layer: int | None,
+    n_layers: int,
+    output_tied_to_embeddings: bool,
+) -> GGMLQuantizationType:
+    """The GGML type of GGUF tensor `name` (shape in torch order, rows last) under `method`."""
+    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
+        return T.F32
+    row = shape[-1]
+    if not method.mixed:
+        return _fit_row(method.base, row)
+
+    chosen = method.base
+    is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
+    if is_output:
+        if row % 256:
+            return _fit_row(T.Q8_0, row)
+        if method.base != T.Q8_0:
+            chosen = T.Q6_K
+    elif (
+        method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
+        and name.endswith((".attn_v.weight", ".ffn_down.weight"))
+        and layer is not None
+        and use_more_bits(layer, n_layers)
+    ):
+        chosen = T.Q6_K
+    if row % GGML_QUANT_SIZES[chosen][0]:
+        chosen = _FALLBACK.get(chosen, chosen)
+    return _fit_row(chosen, row)
+
+
+def _fit_row(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
+    """F16 when even the fallback cannot tile the row."""
+    return qtype if row % GGML_QUANT_SIZES[qtype][0] == 0 else T.F16
+
+
+def encoded_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // block * size
+
+
+def encode(weight: torch.Tensor, qtype: GGMLQuantizationType, device: torch.device | str | None = None) -> np.ndarray:
+    """A float tensor -> the array GGUFWriter stores for `qtype`: float32/float16 with the
+    tensor's shape, or uint8 with the last dimension in bytes."""
+    if qtype == T.F32:
+        return weight.detach().to("cpu", torch.float32).numpy()
+    if qtype == T.F16:
+        return weight.detach().to("cpu", torch.float16).numpy()
+    name = qtype.name
+    if name in kquants.QUANTIZERS:
+        source = weight.detach()
+        if device is not None:
+            source = source.to(device)
+        return kquants.QUANTIZERS[name](source).cpu().numpy()
+    # BF16 and the 32-blocks: ggml's reference rounding, from float32
+    return gguf_quants.quantize(weight.detach().to("cpu", torch.float32).numpy(), qtype)

@@ -1,0 +1,115 @@
+"""An Ollama Modelfile for a GGUF file: FROM, TEMPLATE (the chat format in Go-template form) and
+stop tokens, so that `ollama create my-model -f Modelfile` gives a chat model.
+
+The Hugging Face chat template is Jinja; Ollama's is a Go template over .System, .Prompt and
+.Response (one user turn and the answer; Ollama repeats it for each turn of a conversation).
+Jinja cannot be translated mechanically, so the known formats are recognised by their markers
+and written by hand, rendering a (system, user) prompt exactly as the HF template does (BOS
+excluded: llama.cpp adds it when the GGUF says add_bos):
+
+    marker in the chat template   format
+    <|start_header_id|>           Llama 3
+    [INST]                        Mistral / Llama 2 ([INST] ... [/INST], system folded into the first turn)
+    <start_of_turn>               Gemma (system folded into the first turn, assistant called "model")
+    <|im_start|>                  ChatML
+
+Anything else (or no chat template) gets a plain "### Instruction / ### Response" template;
+Ollama users with such a model should replace it with their own.
+
+Stop tokens: the tokenizer's eos, every other id generation stops at (generation_config),
+and the format's turn markers, so generation ends at the end of the assistant's turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    name: str
+    marker: str | None  # recognised by this text in the HF chat template
+    template: str  # Go template; "{eos}" is replaced by the tokenizer's eos text
+    stops: tuple[str, ...]
+
+
+CHAT_FORMATS = (
+    ChatFormat(
+        "llama3",
+        "<|start_header_id|>",
+        "{{ if .System }}<|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>{{ end }}"
+        "{{ if .Prompt }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Prompt }}<|eot_id|>{{ end }}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{{ .Response }}<|eot_id|>",
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ),
+    ChatFormat(
+        "mistral",
+        "[INST]",
+        "[INST] {{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }} [/INST]{{ .Response }}{eos}",
+        ("[INST]", "[/INST]"),
+    ),
+    ChatFormat(
+        "gemma",
+        "<start_of_turn>",
+        "<start_of_turn>user\n{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}<end_of_turn>\n"
+        "<start_of_turn>model\n{{ .Response }}<end_of_turn>\n",
+        ("<start_of_turn>", "<end_of_turn>"),
+    ),
+    ChatFormat(
+        "chatml",
+        "<|im_start|>",
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
+        "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n",
+        ("<|im_start|>", "<|im_end|>"),
+    ),
+)
+GENERIC_FORMAT = ChatFormat(
+    "generic",
+    None,
+    "{{ if .System }}{{ .System }}\n\n{{ end }}{{ if .Prompt }}### Instruction:\n{{ .Prompt }}\n\n{{ end }}"
+    "### Response:\n{{ .Response }}{eos}",
+    ("### Instruction:",),
+)
+
+
+def chat_format(chat_template: str | None) -> ChatFormat:
+    """The known format whose marker appears in `chat_template`, else the generic one."""
+    for fmt in CHAT_FORMATS:
+        if chat_template and fmt.marker in chat_template:
+            return fmt
+    return GENERIC_FORMAT
+
+
+def render_modelfile(gguf_file: str, tokenizer, stop_token_ids: list[int] | None = None) -> str:
+    """The text of a Modelfile for `gguf_file` (a path relative to the Modelfile's folder)."""
+    template = getattr(tokenizer, "chat_template", None)
+    fmt = chat_format(template if isinstance(template, str) else None)
+    eos = tokenizer.eos_token or ""
+    stops = [eos] if eos else []
+    for token_id in stop_token_ids or []:
+        text = tokenizer.convert_ids_to_tokens(int(token_id))
+        if text:
+            stops.append(text)
+    stops.extend(fmt.stops)
+    lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{fmt.template.replace("{eos}", eos)}"""']
+    seen = set()
+    for stop in stops:
+        if stop and stop not in seen:
+            seen.add(stop)
+            lines.append(f"PARAMETER stop {_quote(stop)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_modelfile(
+    path: str | os.PathLike, gguf_file: str, tokenizer, stop_token_ids: list[int] | None = None
+) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.write_text(render_modelfile(gguf_file, tokenizer, stop_token_ids), encoding="utf-8")
+    return path
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,94 @@
+"""Ollama Modelfiles (slothkit.export.modelfile): the Go template renders a prompt exactly as the
+HF chat template does, and generation stops at the end of the assistant's turn."""
+
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from slothkit.export.modelfile import (
+    CHAT_FORMATS,
+    GENERIC_FORMAT,
+    chat_format,
+    render_modelfile,
+)
+from slothkit.testing import build_tiny_tokenizer, tiny_model_path
+
+
+def render_go_template(template: str, **values) -> str:
+    """The part of Go's text/template that the Modelfile templates use: {{ if .X }}...{{ end }}
+    (not nested) and {{ .X }}. Ollama renders the turn being answered with .Response empty and
+    stops there, so the prompt is everything before {{ .Response }}."""
+    template = template.split("{{ .Response }}")[0]
+    template = re.sub(
+        r"\{\{ if \.(\w+) \}\}(.*?)\{\{ end \}\}",
+        lambda m: m.group(2) if values.get(m.group(1)) else "",
+        template,
+        flags=re.DOTALL,
+    )
+    assert "{{" not in re.sub(r"\{\{ \.(\w+) \}\}", "", template), "unsupported template syntax"
+    return re.sub(r"\{\{ \.(\w+) \}\}", lambda m: values.get(m.group(1), ""), template)
+
+
+def parse(modelfile: str) -> dict:
+    template = re.search(r'^TEMPLATE """(.*?)"""$', modelfile, flags=re.DOTALL | re.MULTILINE).group(1)
+    stops = [
+        s.encode().decode("unicode_escape")
+        for s in re.findall(r'^PARAMETER stop "(.*)"$', modelfile, flags=re.MULTILINE)
+    ]
+    return {"from": modelfile.splitlines()[0], "template": template, "stops": stops}
+
+
+END_OF_TURN = {"llama": "<|eot_id|>", "mistral": "</s>", "gemma": "<end_of_turn>"}
+
+
+@pytest.mark.parametrize("system", [None, "You are terse."])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
+def test_template_renders_the_prompt_as_the_hf_chat_template(arch, system):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(arch))
+    text = render_modelfile("m.Q4_K_M.gguf", tokenizer, [tokenizer.convert_tokens_to_ids(END_OF_TURN[arch])])
+    parsed = parse(text)
+    assert parsed["from"] == "FROM ./m.Q4_K_M.gguf"
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "Plan a garden."}
+    ]
+    hf = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # llama.cpp adds BOS itself (the GGUF says add_bos), so the template leaves it out
+    assert hf.startswith(tokenizer.bos_token)
+    assert (
+        render_go_template(parsed["template"], System=system, Prompt="Plan a garden.") == hf[len(tokenizer.bos_token) :]
+    )
+    assert END_OF_TURN[arch] in parsed["stops"] and tokenizer.eos_token in parsed["stops"]
+    assert len(parsed["stops"]) == len(set(parsed["stops"]))
+
+
+def test_each_known_format_is_recognised_by_its_marker():
+    assert [chat_format(f"... {fmt.marker} ...").name for fmt in CHAT_FORMATS] == [
+        "llama3",
+        "mistral",
+        "gemma",
+        "chatml",
+    ]
+    assert chat_format(None) is GENERIC_FORMAT and chat_format("{{ messages[0]['content'] }}") is GENERIC_FORMAT
+
+
+def test_unknown_chat_template_gets_the_generic_one():
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_tokenizer("bpe"))
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    parsed = parse(render_modelfile("x.gguf", tokenizer))
+    prompt = render_go_template(parsed["template"], System="Be kind.", Prompt="Hello?")
+    assert prompt == "Be kind.\n\n### Instruction:\nHello?\n\n### Response:\n"
+    assert parsed["stops"] == ["<|end_of_text|>", "### Instruction:"]
+
+
+def test_quotes_and_backslashes_in_stop_tokens_are_escaped():
+    class Tok:
+        chat_template = None
+        eos_token = 'say "bye"\\'
+
+        def convert_ids_to_tokens(self, i):
+            return "<eot>"
+
+    text = render_modelfile("x.gguf", Tok(), [7])
+    assert 'PARAMETER stop "say \\"bye\\"\\\\"' in text.splitlines()
+    assert 'PARAMETER stop "<eot>"' in text.splitlines()
