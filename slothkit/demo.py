@@ -1,10 +1,10 @@
 """The embedded default job: LoRA-train a tiny offline model for a few steps.
 
 It needs no download and no GPU, so it proves an install end to end: a tiny
-random Llama-architecture checkpoint and tokenizer are built locally
-(slothkit.testing), LoRA adapters go on all seven projections, and the loss is
-computed with slothkit_kernels.fused_linear_cross_entropy, which never builds
-the full logits.  The adapter is saved at the end.
+random checkpoint and tokenizer are built locally (slothkit.testing), loaded
+with FastModel (the fused path), LoRA adapters go on all seven projections, and
+the loss comes from the fused linear cross-entropy, which never builds the full
+logits.  The adapter is saved at the end.
 """
 
 from __future__ import annotations
@@ -26,24 +26,9 @@ DEMO_TEXTS = [
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def causal_lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Next-token loss through the fused linear cross-entropy (no full logits)."""
-    from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-
-    causal_lm = model.get_base_model()
-    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
-    # Position t predicts token t+1.
-    shifted_hidden = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
-    shifted_labels = labels[:, 1:].reshape(-1)
-    return fused_linear_cross_entropy(shifted_hidden, causal_lm.lm_head.weight, shifted_labels)
-
-
 def run_demo(output_dir: str | Path = "slothkit-demo-output", steps: int = 8, arch: str = "llama",
              learning_rate: float = 5e-3, seed: int = 3407) -> dict:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from slothkit import FastModel
     from slothkit.testing import build_tiny_model
 
     torch.manual_seed(seed)
@@ -51,25 +36,21 @@ def run_demo(output_dir: str | Path = "slothkit-demo-output", steps: int = 8, ar
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     checkpoint = build_tiny_model(arch, output_dir / "tiny-base", seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device)
-    model = get_peft_model(
-        model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    )
-    model.train()
+    model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
+    model = FastModel.get_peft_model(model, r=16, lora_alpha=16, target_modules=LORA_TARGETS,
+                                     use_gradient_checkpointing=False, random_state=seed)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     print(f"tiny {arch} on {device}: {total:,} parameters, {trainable:,} trainable (LoRA r=16)")
 
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(DEMO_TEXTS, return_tensors="pt", padding=True).to(device)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
 
     losses = []
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        loss = causal_lm_loss(model, batch["input_ids"], batch["attention_mask"])
+        loss = model(**batch, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -80,7 +61,6 @@ def run_demo(output_dir: str | Path = "slothkit-demo-output", steps: int = 8, ar
     if not all(math.isfinite(v) for v in losses):
         raise RuntimeError(f"the demo's loss is not finite: {losses}")
     adapter_dir = output_dir / "lora-adapter"
-    model.save_pretrained(adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
+    model.save_pretrained_merged(adapter_dir, tokenizer, save_method="lora", overwrite=True)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {elapsed:.1f} s; adapter saved to {adapter_dir}")
     return {"losses": losses, "adapter_dir": str(adapter_dir), "seconds": elapsed}
