@@ -17,18 +17,7 @@
 # Ollama Modelfile), optionally pushed to the Hugging Face Hub. The defaults fit
 # a free Colab or Kaggle T4.
 
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
-import importlib.util
-import os
-import subprocess
-import sys
-
-if importlib.util.find_spec("slothkit") is None:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           os.environ.get("SLOTHKIT_PIP_SPEC", "slothkit")])
-from slothkit.notebook import prepare_runtime
-
-runtime = prepare_runtime()
+# %include install
 
 # %% Config
 MODEL_NAME = "${model_4bit}"  # @param {type:"string"}
@@ -54,10 +43,7 @@ from slothkit.notebook import NotebookConfig
 config = NotebookConfig.from_cell(globals())
 config.show()
 
-# %% Hardware and memory plan
-from slothkit.notebook.hardware import hardware_report
-
-config = hardware_report(config)
+# %include hardware
 
 # %% Load the model, set its chat template, add LoRA adapters
 from slothkit import FastModel
@@ -92,9 +78,4 @@ FastModel.for_inference(model)
 for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
     generate_chat(model, tokenizer, message, max_new_tokens=48)
 
-# %% Save and publish (each behind its Config flag)
-from slothkit.notebook.saving import save_all
-
-saved = save_all(model, tokenizer, config)
-for kind, path in saved.items():
-    print(f"{kind:12s} {path}")
+# %include save

@@ -19,18 +19,7 @@
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
 
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
-import importlib.util
-import os
-import subprocess
-import sys
-
-if importlib.util.find_spec("slothkit") is None:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q",
-                           os.environ.get("SLOTHKIT_PIP_SPEC", "slothkit")])
-from slothkit.notebook import prepare_runtime
-
-runtime = prepare_runtime()
+# %include install
 
 # %% Config
 MODEL_NAME = "${model_4bit}"  # @param {type:"string"}
@@ -55,10 +44,7 @@ from slothkit.notebook import NotebookConfig
 config = NotebookConfig.from_cell(globals())
 config.show()
 
-# %% Hardware and memory plan
-from slothkit.notebook.hardware import hardware_report
-
-config = hardware_report(config)
+# %include hardware
 
 # %% Load the model and add LoRA adapters
 from slothkit import FastModel
@@ -91,9 +77,4 @@ FastModel.for_inference(model)
 for instruction in ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]:
     generate_alpaca(model, tokenizer, instruction, max_new_tokens=48)
 
-# %% Save and publish (each behind its Config flag)
-from slothkit.notebook.saving import save_all
-
-saved = save_all(model, tokenizer, config)
-for kind, path in saved.items():
-    print(f"{kind:12s} {path}")
+# %include save

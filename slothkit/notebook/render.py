@@ -9,6 +9,7 @@ percent-format .py, without outputs.
 from __future__ import annotations
 
 import json
+import re
 import string
 from importlib import resources
 from pathlib import Path
@@ -27,10 +28,16 @@ def model_data() -> dict[str, dict]:
     return json.loads(_package_file("models.json").read_text())
 
 
+INCLUDE = re.compile(r"^# %include (\w+)$", re.MULTILINE)
+
+
 def template_text(template: str) -> str:
+    """The template with its ``# %include NAME`` lines replaced by templates/_NAME.py:
+    cells every workflow shares (install, hardware, save) are written once."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; valid templates: {', '.join(TEMPLATES)}")
-    return _package_file(f"{template}.py").read_text()
+    text = _package_file(f"{template}.py").read_text()
+    return INCLUDE.sub(lambda m: _package_file(f"_{m.group(1)}.py").read_text().rstrip("\n"), text)
 
 
 def parse_overrides(pairs: list[str] | None, valid_keys) -> dict[str, str]:
@@ -66,7 +73,10 @@ def render_text(template: str, model: str, overrides: dict | None = None) -> str
 def render_notebook(template: str, model: str, overrides: dict | None = None):
     import jupytext
 
-    return jupytext.reads(render_text(template, model, overrides), fmt="py:percent")
+    notebook = jupytext.reads(render_text(template, model, overrides), fmt="py:percent")
+    for index, cell in enumerate(notebook.cells):
+        cell.id = f"{template}-{index:02d}"  # stable ids: re-rendering changes nothing
+    return notebook
 
 
 def write_notebook(template: str, model: str, output: str | Path, overrides=None,
