@@ -45,17 +45,7 @@ config.show()
 
 # %include hardware
 
-# %% Load the model, set its chat template, add LoRA adapters
-from slothkit import FastModel
-from slothkit.data import get_chat_template
-
-model, tokenizer = FastModel.from_pretrained(
-    config.model_name, max_seq_length=config.max_seq_length, load_in_4bit=config.load_in_4bit
-)
-tokenizer = get_chat_template(tokenizer, config.chat_template, model=model)
-model = FastModel.get_peft_model(
-    model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="${lora_targets}".split(",")
-)
+# %include load_chat
 
 # %% Data: conversations (ShareGPT or role/content), rendered with the chat template
 from slothkit.data import apply_chat_template, standardize_sharegpt
@@ -71,11 +61,6 @@ from slothkit.notebook.training import train
 result = train(model, tokenizer, dataset, config, responses_only=True)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %% Chat with it (streamed)
-from slothkit.notebook.inference import generate_chat
-
-FastModel.for_inference(model)
-for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
-    generate_chat(model, tokenizer, message, max_new_tokens=48)
+# %include chat_test
 
 # %include save

@@ -17,6 +17,7 @@ from pathlib import Path
 TEMPLATES = {
     "finetune": "base fine-tune on instruction data (Alpaca format)",
     "conversational": "chat fine-tune with the model's chat template, trained on replies only",
+    "dpo": "preference tuning with DPO (prompt, chosen, rejected)",
 }
 
 

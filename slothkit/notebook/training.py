@@ -45,11 +45,17 @@ def _peak_memory_gib() -> float | None:
     return None
 
 
-def train(model, tokenizer, dataset, config, responses_only: bool = False, **sft_overrides) -> TrainResult:
-    """SFT for config.max_steps with the config's batch, accumulation and learning rate."""
-    from slothkit.trainers import sft_config, sft_trainer
+def train(model, tokenizer, dataset, config, responses_only: bool = False, method: str = "sft",
+          **overrides) -> TrainResult:
+    """SFT (or DPO, method="dpo") for config.max_steps with the config's batch, accumulation
+    and learning rate."""
+    from slothkit import trainers
 
-    args = sft_config(
+    if method not in ("sft", "dpo"):
+        raise ValueError(f"method={method!r}; accepted: 'sft', 'dpo'")
+    make_config = trainers.sft_config if method == "sft" else trainers.dpo_config
+    make_trainer = trainers.sft_trainer if method == "sft" else trainers.dpo_trainer
+    args = make_config(
         model,
         output_dir=f"{config.output_dir}/checkpoints",
         per_device_train_batch_size=config.batch_size,
@@ -58,9 +64,9 @@ def train(model, tokenizer, dataset, config, responses_only: bool = False, **sft
         learning_rate=config.learning_rate,
         max_length=config.max_seq_length,
         save_strategy="no",
-        **sft_overrides,
+        **overrides,
     )
-    trainer = sft_trainer(model, tokenizer, dataset, args=args)
+    trainer = make_trainer(model, tokenizer, dataset, args=args)
     if responses_only:
         from slothkit.data import train_on_responses_only
 
