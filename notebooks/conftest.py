@@ -52,6 +52,8 @@ def notebook_environment(stem: str) -> dict[str, str]:
         # notebook kernel it would make every step crawl, and the kernels' CPU path
         # (their torch references) is what a notebook on a CPU runs anyway.
         "TRITON_INTERPRET": "0",
+        # Other tests set HF_HUB_OFFLINE=1 for this process; the notebooks push to the local Hub.
+        "HF_HUB_OFFLINE": "0",
     }
 
 

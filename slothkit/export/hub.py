@@ -100,9 +100,14 @@ def _auth_error_or_none(error: BaseException, repo_id: str | None = None) -> Hub
 
 def resolve_token(token: str | None, api) -> str:
     """The token to push with, checked against the Hub before any work is done."""
-    from huggingface_hub import get_token
+    from huggingface_hub import constants, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError(
+            "cannot push to the Hugging Face Hub: offline mode is on (HF_HUB_OFFLINE is set). "
+            "Unset HF_HUB_OFFLINE (in the environment, before Python starts) to publish."
+        )
     token = token or get_token()
     if not token:
         raise HubAuthError(f"no Hugging Face token found. {LOGIN_HELP}")

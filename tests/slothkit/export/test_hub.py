@@ -128,3 +128,13 @@ def test_pushing_another_export_replaces_the_previous_one(local_hub, make_lora_m
     assert _repo_files(local_hub) == {".gitattributes", "model-Q4_K_M.gguf", *lora.files}
     config = json.loads(local_hub.files(REPO)["adapter_config.json"])
     assert config["r"] == 4
+
+
+def test_offline_mode_is_named_not_crashed(monkeypatch):
+    from huggingface_hub import HfApi, constants
+
+    from slothkit.export.hub import resolve_token
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConnectionError, match="HF_HUB_OFFLINE"):
+        resolve_token("hf_anything", HfApi())
