@@ -33,9 +33,8 @@ import triton.language as tl
 from slothkit_kernels.swiglu import (
     BLOCK_SIZE,
     NUM_WARPS,
-    check_gated_grad,
     check_gated_inputs,
-    check_no_overlap,
+    gated_backward,
 )
 from slothkit_kernels.utils import use_triton, warn_reference_once
 
@@ -176,39 +175,18 @@ def geglu_backward(
     the copy receives the result, so always use the returned tensors.
     """
     _check_approximate(approximate)
-    check_gated_inputs(gate, up, "geglu_backward")
-    check_gated_grad(grad_h, gate, "geglu_backward")
-    grad_h, gate, up = grad_h.contiguous(), gate.contiguous(), up.contiguous()
-    if inplace:
-        check_no_overlap("geglu_backward", grad_h=grad_h, gate=gate, up=up)
-    if not use_triton(gate):
-        warn_reference_once("geglu", gate.device.type)
-        with torch.no_grad():
-            h, de, dg = _geglu_backward_torch(grad_h, gate, up, approximate)
-            if inplace:
-                return grad_h.copy_(h), gate.copy_(de), up.copy_(dg)
-            return h.to(gate.dtype), de.to(gate.dtype), dg.to(gate.dtype)
-    if inplace:
-        h, de, dg = grad_h, gate, up
-    else:
-        h, de, dg = torch.empty_like(gate), torch.empty_like(gate), torch.empty_like(gate)
-    n = gate.numel()
-    grid = (triton.cdiv(n, BLOCK_SIZE),)
-    _geglu_backward_kernel[grid](
-        grad_h,
-        gate,
-        up,
-        h,
-        de,
-        dg,
-        n,
-        APPROXIMATE_TANH=approximate == "tanh",
-        BLOCK_SIZE=BLOCK_SIZE,
-        num_warps=NUM_WARPS,
-    )
-    if inplace:
-        torch.autograd.graph.increment_version([h, de, dg])
-    return h, de, dg
+
+    def launch(grad_h, gate, up, h, de, dg, n):
+        grid = (triton.cdiv(n, BLOCK_SIZE),)
+        _geglu_backward_kernel[grid](
+            grad_h, gate, up, h, de, dg, n,
+            APPROXIMATE_TANH=approximate == "tanh", BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
+        )
+
+    def torch_backward(grad_h, gate, up):
+        return _geglu_backward_torch(grad_h, gate, up, approximate)
+
+    return gated_backward("geglu", grad_h, gate, up, inplace, torch_backward, launch)
 
 
 class GeGLUFunction(torch.autograd.Function):

@@ -171,16 +171,33 @@ def swiglu_backward(
     bumped so a saved-tensor reuse fails loudly).  A non-contiguous input is first
     copied, and then the copy receives the result: always use the returned tensors.
     """
-    check_gated_inputs(gate, up, "swiglu_backward")
-    check_gated_grad(grad_h, gate, "swiglu_backward")
+    def launch(grad_h, gate, up, h, de, dg, n):
+        grid = (triton.cdiv(n, BLOCK_SIZE),)
+        _swiglu_backward_kernel[grid](
+            grad_h, gate, up, h, de, dg, n, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS
+        )
+
+    return gated_backward("swiglu", grad_h, gate, up, inplace, _swiglu_backward_torch, launch)
+
+
+def gated_backward(op: str, grad_h, gate, up, inplace: bool, torch_backward, launch):
+    """What every gated activation's backward shares around its kernel: checks,
+    contiguity, output buffers (new, or the inputs' own when ``inplace``), the torch
+    fallback, and the version bump that makes reuse of overwritten tensors fail loudly.
+
+    torch_backward(grad_h, gate, up) -> (h, de, dg) in fp32;
+    launch(grad_h, gate, up, h, de, dg, n) runs the Triton kernel over n elements.
+    """
+    check_gated_inputs(gate, up, f"{op}_backward")
+    check_gated_grad(grad_h, gate, f"{op}_backward")
     # A non-contiguous input is copied here, and the copy receives its result.
     grad_h, gate, up = grad_h.contiguous(), gate.contiguous(), up.contiguous()
     if inplace:
-        check_no_overlap("swiglu_backward", grad_h=grad_h, gate=gate, up=up)
+        check_no_overlap(f"{op}_backward", grad_h=grad_h, gate=gate, up=up)
     if not use_triton(gate):
-        warn_reference_once("swiglu", gate.device.type)
+        warn_reference_once(op, gate.device.type)
         with torch.no_grad():
-            h, de, dg = _swiglu_backward_torch(grad_h, gate, up)
+            h, de, dg = torch_backward(grad_h, gate, up)
             if inplace:
                 return grad_h.copy_(h), gate.copy_(de), up.copy_(dg)
             return h.to(gate.dtype), de.to(gate.dtype), dg.to(gate.dtype)
@@ -189,10 +206,7 @@ def swiglu_backward(
     else:
         h, de, dg = torch.empty_like(gate), torch.empty_like(gate), torch.empty_like(gate)
     n = gate.numel()
-    grid = (triton.cdiv(n, BLOCK_SIZE),)
-    _swiglu_backward_kernel[grid](
-        grad_h, gate, up, h, de, dg, n, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS
-    )
+    launch(grad_h, gate, up, h, de, dg, n)
     if inplace:
         torch.autograd.graph.increment_version([h, de, dg])
     return h, de, dg
