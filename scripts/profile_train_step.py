@@ -8,13 +8,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from slothkit.bench.train_worker import build_model, prepare, quantize_to_nf4
+from slothkit.bench.train_worker import build_model, prepare
 
 
 def main(model_name="llama-3-8b", mode="lora", batch=2, seq=2048, impl="slothkit"):
-    model = build_model(model_name, torch.bfloat16, "cuda", 0)
-    if mode == "qlora":
-        model = quantize_to_nf4(model, torch.bfloat16)
+    model = build_model(model_name, torch.bfloat16, "cuda", 0, quantize_nf4=mode == "qlora")
     model = prepare(impl, model, 16)
     ids = torch.randint(0, model.config.vocab_size, (int(batch), int(seq)), device="cuda")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -32,7 +30,7 @@ def main(model_name="llama-3-8b", mode="lora", batch=2, seq=2048, impl="slothkit
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 
 if __name__ == "__main__":

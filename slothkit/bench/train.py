@@ -9,6 +9,7 @@ as such, with its error; the others still run.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -34,6 +35,8 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     ]
     if getattr(args, "memory_gib", None):
         command += ["--memory-gib", str(args.memory_gib)]
+    if not getattr(args, "autocast", True):
+        command.append("--no-autocast")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in completed.stdout.splitlines():
@@ -135,7 +138,8 @@ def run_train_bench(args) -> dict:
             results[impl].append(run_worker(impl, args))
     rows = summarise(results, args, peak)
     record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
-              "dtype": args.dtype, "memory_gib": args.memory_gib, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+              "dtype": args.dtype, "autocast": args.autocast, "memory_gib": args.memory_gib,
+              "batch": args.batch, "seq": args.seq, "steps": args.steps,
               "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
               "matmul_peak_tflops": peak, "rows": rows, "raw": results}
     print(format_table(rows))
@@ -162,6 +166,10 @@ def add_arguments(parser) -> None:
                         help="comma-separated: slothkit, hf, liger, unsloth")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)")
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+                        help="run each step under torch.autocast, as Trainer/TRL with bf16=True or "
+                             "fp16=True do (default). --no-autocast: plain PEFT then computes its "
+                             "fp32 adapters in fp32, the slower path of a hand-written loop")
     parser.add_argument("--t4", action="store_true",
                         help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16")
     parser.add_argument("--output", help="write the JSON record here")

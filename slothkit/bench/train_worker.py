@@ -25,8 +25,14 @@ RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int):
-    """The named shape with random weights, built directly on the device."""
+def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, quantize_nf4: bool = False):
+    """The named shape with random weights, built directly on the device.
+
+    quantize_nf4: replace the seven projections by bitsandbytes NF4 layers as they are
+    built, one at a time, so that the 16-bit model never exists whole: a QLoRA run under
+    a memory cap smaller than the 16-bit weights (the --t4 stand-in) can still start.
+    The weights are the same either way (one generator, parameters in the same order).
+    """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -34,46 +40,59 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int):
 
     config = shape_by_name(shape_name).config()
 
-    # Parameters on the meta device (no memory, no init time); buffers real, since
-    # to_empty() leaves them as garbage: rotary inv_freq, Gemma's embed_scale.
+    # Parameters on the meta device (no memory, no init time), made real one module at a
+    # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                # Neutral norm: 1, or 0 where the norm scales by (1 + w).
-                param.fill_(0.0 if config.model_type == "gemma" else 1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+        built = {}  # id of the meta parameter -> its real one, so tied weights stay one
+        for module_name, module in list(model.named_modules()):
+            for param_name, meta in list(module.named_parameters(recurse=False)):
+                if id(meta) not in built:
+                    param = torch.nn.Parameter(torch.empty_like(meta, device=device),
+                                               requires_grad=meta.requires_grad)
+                    name = f"{module_name}.{param_name}" if module_name else param_name
+                    if name.endswith("norm.weight") or "layernorm" in name:
+                        # Neutral norm: 1, or 0 where the norm scales by (1 + w).
+                        param.fill_(0.0 if config.model_type == "gemma" else 1.0)
+                    else:
+                        param.normal_(0.0, 0.02, generator=generator)
+                    built[id(meta)] = param
+                module._parameters[param_name] = built[id(meta)]
+            if quantize_nf4 and _is_projection(module_name, module):
+                _replace_with_nf4(model, module_name, module, dtype)
+    model.to(device)  # moves the buffers; the parameters are there already
     model.tie_weights()
     return model
 
 
-def quantize_to_nf4(model, compute_dtype: torch.dtype):
-    """Replace the decoder's projections with bitsandbytes NF4 (double-quantised) layers."""
+def _is_projection(name: str, module) -> bool:
+    return name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear)
+
+
+def _replace_with_nf4(model, name: str, module, compute_dtype: torch.dtype) -> None:
+    """Swap one projection for a bitsandbytes NF4 (double-quantised) layer."""
     import bitsandbytes as bnb
 
+    quantized = bnb.nn.Linear4bit(
+        module.in_features, module.out_features, bias=module.bias is not None,
+        compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+        quant_storage=torch.uint8, device="meta",
+    )
+    quantized.weight = bnb.nn.Params4bit(
+        module.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4",
+        quant_storage=torch.uint8,
+    ).to(module.weight.device)
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), leaf, quantized)
+
+
+def quantize_to_nf4(model, compute_dtype: torch.dtype):
+    """Replace the decoder's projections with bitsandbytes NF4 (double-quantised) layers."""
     for name, module in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in LORA_TARGETS or not isinstance(module, torch.nn.Linear):
-            continue
-        quantized = bnb.nn.Linear4bit(
-            module.in_features, module.out_features, bias=module.bias is not None,
-            compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-            quant_storage=torch.uint8, device="meta",
-        )
-        weight = module.weight.data
-        quantized.weight = bnb.nn.Params4bit(
-            weight, requires_grad=False, compress_statistics=True, quant_type="nf4",
-            quant_storage=torch.uint8,
-        ).to(module.weight.device)
-        parent = model.get_submodule(name.rsplit(".", 1)[0])
-        setattr(parent, leaf, quantized)
+        if _is_projection(name, module):
+            _replace_with_nf4(model, name, module, compute_dtype)
     return model
 
 
@@ -156,6 +175,9 @@ def run(args) -> dict:
         if importlib.util.find_spec("unsloth") is None:
             raise ImportError("No module named 'unsloth'")
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+        if args.model.startswith("gemma"):
+            # Unsloth's per-block torch.compile crashes in inductor on Gemma (shared/GPU.md).
+            os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -164,12 +186,10 @@ def run(args) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
 
-    model = build_model(args.model, dtype, device, args.seed)
-    if args.impl == "unsloth":
-        model, loaded = load_with_unsloth(model, args, dtype)
+    if args.impl == "unsloth":  # Unsloth quantises while loading from disk itself
+        model, loaded = load_with_unsloth(build_model(args.model, dtype, device, args.seed), args, dtype)
     else:
-        if args.mode == "qlora":
-            model = quantize_to_nf4(model, dtype)
+        model = build_model(args.model, dtype, device, args.seed, quantize_nf4=args.mode == "qlora")
         if device == "cuda":
             torch.cuda.synchronize()
             loaded = torch.cuda.memory_allocated()
@@ -192,7 +212,7 @@ def run(args) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        with torch.autocast(device, dtype=dtype, enabled=args.autocast and dtype != torch.float32):
             loss = model(input_ids=input_ids, labels=input_ids).loss
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -238,6 +258,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-gib", type=float, default=None)
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
     try:
         result = run(args)

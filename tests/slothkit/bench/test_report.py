@@ -1,11 +1,15 @@
 """The README's benchmark table is the one generated from the committed records."""
 
-from slothkit.bench.report import BEGIN, END, ROOT, load_records, readme_with_table, render
+import json
+
+from slothkit.bench.report import (
+    BEGIN, END, ROOT, load_records, readme_table, readme_with_table, render, render_context,
+)
 
 
 def test_readme_table_matches_the_records():
     readme = (ROOT / "README.md").read_text()
-    expected = readme_with_table(readme, render(load_records()))
+    expected = readme_with_table(readme, readme_table())
     assert readme == expected, "README's table is stale: run python -m slothkit.bench.report --write"
 
 
@@ -15,3 +19,28 @@ def test_every_record_row_is_rendered():
     assert records, "no benchmark records committed under results/bench/"
     assert table.count("\n") - 1 == sum(len(r["rows"]) for r in records)
     assert BEGIN not in table and END not in table
+
+
+def _record(tmp_path, name, **fields):
+    base = {"accelerator": {"name": "GPU X"}, "model": "llama-3-8b", "mode": "qlora", "dtype": "bf16"}
+    (tmp_path / name).write_text(json.dumps({**base, **fields}))
+
+
+def test_settings_and_context_records_are_shown(tmp_path):
+    row = {"impl": "hf", "status": "ok", "tokens_per_s": 1234.0, "vs_hf": 1.0,
+           "peak_allocated_gib": 3.0, "training_gib": 1.0, "final_loss": 2.5}
+    _record(tmp_path, "a.json", kind="train", batch=2, seq=64, autocast=False, memory_gib=15.0,
+            rows=[row])
+    _record(tmp_path, "b.json", kind="context", memory_gib=24.0, rows=[
+        {"impl": "slothkit", "status": "ok", "longest_seq": 65536, "first_failing_seq": 73728},
+        {"impl": "hf", "longest_seq": None, "first_failing_seq": 4096},
+        {"impl": "unsloth", "status": "skipped", "error": "not importable"},
+    ])
+    table = readme_table(tmp_path)
+    assert "qlora (bf16, no autocast, 15 GiB cap)" in table and "| 1,234 |" in table
+    context = render_context(load_records(tmp_path, "context"))
+    lines = context.splitlines()[2:]
+    assert "| 65,536 | 73,728 |" in lines[0]
+    assert "| nothing fits | - |" in lines[1]
+    assert "| skipped | - |" in lines[2]
+    assert context in table

@@ -67,3 +67,45 @@ def test_real_shape_without_gpu_says_so():
 def test_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="known: slothkit, hf, liger, unsloth"):
         main(["bench", "train", "--model", "tiny-llama", "--impl", "deepspeed"])
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-autocast"], False)])
+def test_autocast_switch_reaches_every_worker_and_the_record(tmp_path, monkeypatch, flag, expected):
+    import subprocess
+
+    from slothkit.bench import train
+
+    commands = []
+
+    real_run = subprocess.run
+
+    def fake_run(command, **kwargs):
+        if "slothkit.bench.train_worker" not in command:  # e.g. platform's own uname -p
+            return real_run(command, **kwargs)
+        commands.append(command)
+        result = {"status": "ok", "step_s": 1.0, "tokens_per_s": 1.0, "losses": [1.0], "final_loss": 1.0}
+        return subprocess.CompletedProcess(command, 0, train.RESULT_TAG + json.dumps(result) + "\n", "")
+
+    monkeypatch.setattr(train.subprocess, "run", fake_run)
+    output = tmp_path / "record.json"
+    assert main(["bench", "train", "--model", "tiny-llama", "--impl", "slothkit,hf",
+                 "--output", str(output), *flag]) == 0
+    assert len(commands) == 2, commands
+    assert all(("--no-autocast" in command) is (not expected) for command in commands)
+    assert json.loads(output.read_text())["autocast"] is expected
+
+
+def test_quantising_while_building_gives_the_same_nf4_weights():
+    # The --t4 runs build QLoRA models layer by layer under a 15 GiB cap; they must train
+    # exactly the weights that quantising the whole 16-bit model gives.
+    from slothkit.bench.train_worker import quantize_to_nf4
+
+    whole = quantize_to_nf4(build_model("tiny-llama", torch.float32, "cpu", seed=3), torch.float32)
+    streamed = build_model("tiny-llama", torch.float32, "cpu", seed=3, quantize_nf4=True)
+    whole_state, streamed_state = whole.state_dict(), streamed.state_dict()
+    assert whole_state.keys() == streamed_state.keys()
+    assert any("quant_state" in key for key in whole_state)
+    for key, value in whole_state.items():
+        assert torch.equal(value, streamed_state[key]), key
+    ids = torch.randint(0, whole.config.vocab_size, (1, 16))
+    torch.testing.assert_close(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Several `slothkit bench` runs in one call on the GPU machine, each with its own log and
+# JSON record under $OUT, and a short table of every record last.
+#
+#   bash scripts/gpu_bench.sh "train --model gemma-7b --mode lora --impl slothkit,hf,liger" \
+#                             "context --model llama-3-8b --impl slothkit" ...
+#
+# Each argument is one `slothkit bench` command line without --output; the record is
+# written to $OUT/<n>-<kind>-<model>-<mode>.json.  A job that fails does not stop the rest.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+
+n=0
+for job in "$@"; do
+    n=$((n + 1))
+    read -r -a words <<< "$job"
+    kind=${words[0]}
+    model=$(sed -n 's/.*--model \([^ ]*\).*/\1/p' <<< "$job"); model=${model:-llama-3-8b}
+    mode=$(sed -n 's/.*--mode \([^ ]*\).*/\1/p' <<< "$job"); mode=${mode:-lora}
+    tag=$(sed -n 's/.*--tag \([^ ]*\).*/\1/p' <<< "$job")
+    job=$(sed 's/ --tag [^ ]*//' <<< "$job")
+    name="$n-$kind-$model-$mode${tag:+-$tag}"
+    echo "== [$n/$#] slothkit bench $job  ($(date +%T))"
+    start=$SECONDS
+    python3 -m slothkit.cli bench $job --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    echo "   exit $? after $((SECONDS - start)) s"
+    grep -E "^\|" "$OUT/$name.log" | head -n 12
+    grep -E "longest|skipped|error" "$OUT/$name.log" | head -n 6
+done
+echo "== done $(date +%T)"

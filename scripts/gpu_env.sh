@@ -1,0 +1,23 @@
+# Sourced by the GPU-machine scripts: install the carried wheels and put slothkit on
+# the path.  The GPU image has no registry, so packages travel as wheels under .whl/
+# (git-ignored), in subfolders so that one call carries only what it needs
+# (one call carries at most 64 MiB):
+#   .whl/base     bitsandbytes, liger-kernel, dill, multiprocess, xxhash
+#   .whl/trl116   trl 1.16 and datasets 5.2 (what slothkit's TRL tests use)
+#   .whl/unsloth  unsloth + unsloth_zoo (studio/ stripped), trl 1.15, datasets 4.8.5
+#   .whl/gguf     gguf, llama-cpp-python (the export timing)
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+site=/tmp/site; mkdir -p "$site"
+wheels=$(ls .whl/*.whl .whl/*/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" $wheels 2>&1 | grep -v "^WARNING\|already exists" | tail -n 5
+fi
+# slothkit_kernels / slothkit_templates are kernels/ and templates/ under other names
+# (see pyproject.toml).
+ln -sfn "$PWD/kernels" "$site/slothkit_kernels"
+ln -sfn "$PWD/templates" "$site/slothkit_templates"
+export PYTHONPATH="$site:$PWD"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
