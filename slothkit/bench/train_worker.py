@@ -163,6 +163,8 @@ def load_with_unsloth(model, args, dtype):
         unsloth_model, r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, bias="none",
         target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth", random_state=args.seed,
     )
+    # from_pretrained leaves eval mode, in which checkpointing is skipped: train as users do.
+    unsloth_model.train()
     return unsloth_model, loaded
 
 
