@@ -46,7 +46,13 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        built = {}  # id of the meta parameter -> its real one, so tied weights stay one
+        # Tied weights (Gemma's embeddings and head) are one meta parameter in two modules:
+        # remember the real tensor made for those only, so that a quantised projection's
+        # 16-bit weight is freed as soon as it is replaced.
+        seen, tied = set(), set()
+        for _, meta in model.named_parameters(remove_duplicate=False):
+            (tied if id(meta) in seen else seen).add(id(meta))
+        built = {}  # id of a tied meta parameter -> its real one
         for module_name, module in list(model.named_modules()):
             for param_name, meta in list(module.named_parameters(recurse=False)):
                 if id(meta) not in built:
@@ -58,8 +64,11 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
                         param.fill_(0.0 if config.model_type == "gemma" else 1.0)
                     else:
                         param.normal_(0.0, 0.02, generator=generator)
-                    built[id(meta)] = param
-                module._parameters[param_name] = built[id(meta)]
+                    if id(meta) in tied:
+                        built[id(meta)] = param
+                else:
+                    param = built[id(meta)]
+                module._parameters[param_name] = param
             if quantize_nf4 and _is_projection(module_name, module):
                 _replace_with_nf4(model, module_name, module, dtype)
     model.to(device)  # moves the buffers; the parameters are there already
