@@ -100,6 +100,7 @@ def main() -> None:
     f16 = write_gguf(model, out / "model.F16.gguf", tokenizer, "f16")
     figures["slothkit_f16_s"] = time.perf_counter() - start
 
+    (out / "gguf-timing.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -114,6 +115,8 @@ def main() -> None:
     figures["slothkit_error"] = relative_errors(saved, originals)
     figures["llama_cpp_error"] = relative_errors(reference, originals)
 
+    (out / "gguf-timing.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    print(json.dumps(figures, indent=1, default=str), flush=True)
     if not args.no_verify:
         from slothkit.export.gguf_verify import verify_gguf
 

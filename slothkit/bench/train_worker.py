@@ -95,6 +95,7 @@ def _replace_with_nf4(model, name: str, module, compute_dtype: torch.dtype) -> N
     ).to(module.weight.device)
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name), leaf, quantized)
+    module._parameters.clear()  # callers hold the old module (a named_modules() list): free its weight
 
 
 def quantize_to_nf4(model, compute_dtype: torch.dtype):
