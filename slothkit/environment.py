@@ -29,6 +29,11 @@ def package_versions(names=REPORTED_PACKAGES) -> dict[str, str | None]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    if "slothkit" in versions and versions["slothkit"] is None:
+        # Run from a source tree on the path (as on the GPU machine), not installed.
+        from slothkit import __version__
+
+        versions["slothkit"] = f"{__version__} (source tree)"
     return versions
 
 
