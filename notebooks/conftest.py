@@ -47,7 +47,6 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "SLOTHKIT_GGUF_QUANTS": "q8_0",
         "SLOTHKIT_HUB_REPO": f"local-user/{stem}",
         "SLOTHKIT_HUB_TOKEN": hub.token,
-        "MPLBACKEND": "Agg",
         # tests/conftest.py turns the Triton interpreter on for the kernel tests; in a
         # notebook kernel it would make every step crawl, and the kernels' CPU path
         # (their torch references) is what a notebook on a CPU runs anyway.

@@ -22,7 +22,10 @@
 # Ollama Modelfile), optionally pushed to the Hugging Face Hub. The defaults fit
 # a free Colab or Kaggle T4.
 
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
+# %% [markdown]
+# ## 1. Install what is missing (never replaces Colab's torch or ipywidgets)
+
+# %%
 import importlib.util
 import os
 import subprocess
@@ -35,7 +38,10 @@ from slothkit.notebook import prepare_runtime
 
 runtime = prepare_runtime()
 
-# %% Config
+# %% [markdown]
+# ## 2. Config
+
+# %%
 MODEL_NAME = "unsloth/llama-3-8b-Instruct-bnb-4bit"  # @param {type:"string"}
 LOAD_IN_4BIT = True  # @param {type:"boolean"}
 MAX_SEQ_LENGTH = 2048  # @param {type:"integer"}
@@ -59,12 +65,18 @@ from slothkit.notebook import NotebookConfig
 config = NotebookConfig.from_cell(globals())
 config.show()
 
-# %% Hardware and memory plan
+# %% [markdown]
+# ## 3. Hardware and memory plan
+
+# %%
 from slothkit.notebook.hardware import hardware_report
 
 config = hardware_report(config)
 
-# %% Load the model, set its chat template, add LoRA adapters
+# %% [markdown]
+# ## 4. Load the model, set its chat template, add LoRA adapters
+
+# %%
 from slothkit import FastModel
 from slothkit.data import get_chat_template
 
@@ -76,7 +88,10 @@ model = FastModel.get_peft_model(
     model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
 )
 
-# %% Data: conversations (ShareGPT or role/content), rendered with the chat template
+# %% [markdown]
+# ## 5. Data: conversations (ShareGPT or role/content), rendered with the chat template
+
+# %%
 from slothkit.data import apply_chat_template, standardize_sharegpt
 from slothkit.notebook.training import load_configured_dataset
 
@@ -84,20 +99,29 @@ dataset = apply_chat_template(standardize_sharegpt(load_configured_dataset(confi
 print(dataset)
 print(dataset[0]["text"])
 
-# %% Train on the assistant replies only
+# %% [markdown]
+# ## 6. Train on the assistant replies only
+
+# %%
 from slothkit.notebook.training import train
 
 result = train(model, tokenizer, dataset, config, responses_only=True)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %% Chat with it (streamed)
+# %% [markdown]
+# ## 7. Chat with it (streamed)
+
+# %%
 from slothkit.notebook.inference import generate_chat
 
 FastModel.for_inference(model)
 for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
     generate_chat(model, tokenizer, message, max_new_tokens=48)
 
-# %% Save and publish (each behind its Config flag)
+# %% [markdown]
+# ## 8. Save and publish (each behind its Config flag)
+
+# %%
 from slothkit.notebook.saving import save_all
 
 saved = save_all(model, tokenizer, config)

@@ -24,7 +24,10 @@
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
 
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
+# %% [markdown]
+# ## 1. Install what is missing (never replaces Colab's torch or ipywidgets)
+
+# %%
 import importlib.util
 import os
 import subprocess
@@ -37,7 +40,10 @@ from slothkit.notebook import prepare_runtime
 
 runtime = prepare_runtime()
 
-# %% Config
+# %% [markdown]
+# ## 2. Config
+
+# %%
 MODEL_NAME = "unsloth/llama-3-8b-Instruct-bnb-4bit"  # @param {type:"string"}
 LOAD_IN_4BIT = True  # @param {type:"boolean"}
 MAX_SEQ_LENGTH = 2048  # @param {type:"integer"}
@@ -60,12 +66,18 @@ from slothkit.notebook import NotebookConfig
 config = NotebookConfig.from_cell(globals())
 config.show()
 
-# %% Hardware and memory plan
+# %% [markdown]
+# ## 3. Hardware and memory plan
+
+# %%
 from slothkit.notebook.hardware import hardware_report
 
 config = hardware_report(config)
 
-# %% Load the model and add LoRA adapters
+# %% [markdown]
+# ## 4. Load the model and add LoRA adapters
+
+# %%
 from slothkit import FastModel
 
 model, tokenizer = FastModel.from_pretrained(
@@ -75,7 +87,10 @@ model = FastModel.get_peft_model(
     model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
 )
 
-# %% Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
+# %% [markdown]
+# ## 5. Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
+
+# %%
 from slothkit.data import format_alpaca
 from slothkit.notebook.training import load_configured_dataset
 
@@ -83,20 +98,29 @@ dataset = format_alpaca(load_configured_dataset(config.dataset), tokenizer)
 print(dataset)
 print(dataset[0]["text"])
 
-# %% Train
+# %% [markdown]
+# ## 6. Train
+
+# %%
 from slothkit.notebook.training import train
 
 result = train(model, tokenizer, dataset, config)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %% Try it: streamed generation on a few prompts
+# %% [markdown]
+# ## 7. Try it: streamed generation on a few prompts
+
+# %%
 from slothkit.notebook.inference import generate_alpaca
 
 FastModel.for_inference(model)
 for instruction in ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]:
     generate_alpaca(model, tokenizer, instruction, max_new_tokens=48)
 
-# %% Save and publish (each behind its Config flag)
+# %% [markdown]
+# ## 8. Save and publish (each behind its Config flag)
+
+# %%
 from slothkit.notebook.saving import save_all
 
 saved = save_all(model, tokenizer, config)

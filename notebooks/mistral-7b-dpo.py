@@ -23,7 +23,10 @@
 # merged 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub. The
 # defaults fit a free Colab or Kaggle T4.
 
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
+# %% [markdown]
+# ## 1. Install what is missing (never replaces Colab's torch or ipywidgets)
+
+# %%
 import importlib.util
 import os
 import subprocess
@@ -36,7 +39,10 @@ from slothkit.notebook import prepare_runtime
 
 runtime = prepare_runtime()
 
-# %% Config
+# %% [markdown]
+# ## 2. Config
+
+# %%
 MODEL_NAME = "unsloth/mistral-7b-instruct-v0.3-bnb-4bit"  # @param {type:"string"}
 LOAD_IN_4BIT = True  # @param {type:"boolean"}
 MAX_SEQ_LENGTH = 2048  # @param {type:"integer"}
@@ -60,12 +66,18 @@ from slothkit.notebook import NotebookConfig
 config = NotebookConfig.from_cell(globals())
 config.show()
 
-# %% Hardware and memory plan
+# %% [markdown]
+# ## 3. Hardware and memory plan
+
+# %%
 from slothkit.notebook.hardware import hardware_report
 
 config = hardware_report(config)
 
-# %% Load the model, set its chat template, add LoRA adapters
+# %% [markdown]
+# ## 4. Load the model, set its chat template, add LoRA adapters
+
+# %%
 from slothkit import FastModel
 from slothkit.data import get_chat_template
 
@@ -77,27 +89,39 @@ model = FastModel.get_peft_model(
     model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
 )
 
-# %% Data: prompt / chosen / rejected records (conversational or plain text)
+# %% [markdown]
+# ## 5. Data: prompt / chosen / rejected records (conversational or plain text)
+
+# %%
 from slothkit.notebook.training import load_configured_dataset
 
 dataset = load_configured_dataset(config.dataset)
 print(dataset)
 print(dataset[0])
 
-# %% Train with DPO
+# %% [markdown]
+# ## 6. Train with DPO
+
+# %%
 from slothkit.notebook.training import train
 
 result = train(model, tokenizer, dataset, config, method="dpo")
 assert result.loss_went_down, f"the DPO loss did not go down: {result.losses}"
 
-# %% Chat with it (streamed)
+# %% [markdown]
+# ## 7. Chat with it (streamed)
+
+# %%
 from slothkit.notebook.inference import generate_chat
 
 FastModel.for_inference(model)
 for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
     generate_chat(model, tokenizer, message, max_new_tokens=48)
 
-# %% Save and publish (each behind its Config flag)
+# %% [markdown]
+# ## 8. Save and publish (each behind its Config flag)
+
+# %%
 from slothkit.notebook.saving import save_all
 
 saved = save_all(model, tokenizer, config)

@@ -7,10 +7,37 @@ import sys
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from slothkit.demo import run_demo
+    if args.quick:
+        from slothkit.demo import run_demo
 
-    result = run_demo(output_dir=args.output_dir, steps=args.steps, arch=args.arch)
-    return 0 if result["losses"][-1] < result["losses"][0] else 1
+        arch = args.arch or "llama"
+        result = run_demo(output_dir=args.output_dir, steps=args.steps or 8, arch=arch)
+        return 0 if result["losses"][-1] < result["losses"][0] else 1
+
+    from slothkit.notebook.execute import run_notebook_demo
+    from slothkit.notebook.render import model_data
+
+    model = args.model
+    if args.arch:  # --arch picks the first model of that architecture
+        model = next(name for name, data in model_data().items() if data["tiny_arch"] == args.arch)
+    if model not in model_data():
+        print(f"slothkit demo: unknown model {model!r}; valid models: {', '.join(model_data())}",
+              file=sys.stderr)
+        return 2
+    print(f"rendering the {args.template} notebook for {model} and running it on a tiny offline "
+          f"{model_data()[model]['tiny_arch']} model (about a minute on a CPU) ...", flush=True)
+    try:
+        result = run_notebook_demo(model, args.template, args.output_dir, steps=args.steps or 16,
+                                   html=args.html, overwrite=args.force)
+    except FileExistsError as error:
+        print(f"slothkit demo: {error}", file=sys.stderr)
+        return 2
+    loss = result["loss"]
+    print(f"ran {result['cells']} cells in {result['seconds']:.0f} s"
+          + (f"; training loss {loss[0]:.4f} -> {loss[1]:.4f}" if loss else ""))
+    for name, path in result["artefacts"].items():
+        print(f"  {name:14s} {path}")
+    return 0 if loss and loss[1] < loss[0] else 1
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -98,11 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
-        "demo", help="LoRA-train a tiny offline model for a few steps (no download, no GPU needed)"
+        "demo",
+        help="render a fine-tuning notebook and run it on a tiny offline model (no download, no GPU)",
+        description="Render a notebook from a template (as `slothkit new-notebook` does) and execute "
+                    "it top to bottom on a tiny random model of the same architecture and the "
+                    "example data shipped with slothkit: it trains, then writes the LoRA adapter, "
+                    "the merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
     )
-    demo.add_argument("--output-dir", default="slothkit-demo-output", help="where the adapter is saved")
-    demo.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
-    demo.add_argument("--arch", choices=["llama", "mistral", "gemma"], default="llama")
+    demo.add_argument("--model", default="llama-3-8b", help="whose notebook (see `slothkit list`)")
+    demo.add_argument("--template", default="finetune", help="finetune, conversational or dpo")
+    demo.add_argument("--output-dir", default="slothkit-demo",
+                      help="where the notebook and what it saves go (default slothkit-demo)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default 16; 8 with --quick)")
+    demo.add_argument("--arch", choices=["llama", "mistral", "gemma"], default=None,
+                      help="pick the model by architecture instead")
+    demo.add_argument("--html", action="store_true", help="also write the executed notebook as HTML")
+    demo.add_argument("--force", action="store_true", help="replace a notebook left by an earlier demo")
+    demo.add_argument("--quick", action="store_true",
+                      help="no notebook: a plain training loop that saves the adapter (seconds)")
     demo.set_defaults(func=_cmd_demo)
 
     listing = sub.add_parser("list", help="the models and notebook templates, with their defaults")

@@ -75,9 +75,26 @@ def render_notebook(template: str, model: str, overrides: dict | None = None):
     import jupytext
 
     notebook = jupytext.reads(render_text(template, model, overrides), fmt="py:percent")
+    notebook.cells = _with_step_headings(notebook.cells)
     for index, cell in enumerate(notebook.cells):
         cell.id = f"{template}-{index:02d}"  # stable ids: re-rendering changes nothing
     return notebook
+
+
+def _with_step_headings(cells: list) -> list:
+    """A numbered markdown heading before every titled code cell (``# %% Title`` in the
+    template), so the steps show as sections in Jupyter, Colab's table of contents and
+    the HTML export; the title moves from the cell's metadata into the heading."""
+    import nbformat
+
+    result, step = [], 0
+    for cell in cells:
+        title = cell.metadata.pop("title", None) if cell.cell_type == "code" else None
+        if title:
+            step += 1
+            result.append(nbformat.v4.new_markdown_cell(f"## {step}. {title}"))
+        result.append(cell)
+    return result
 
 
 def write_notebook(template: str, model: str, output: str | Path, overrides=None,

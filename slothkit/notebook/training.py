@@ -88,10 +88,11 @@ def train(model, tokenizer, dataset, config, responses_only: bool = False, metho
 
 
 def plot_losses(losses: list[float]) -> None:
-    """A loss curve inline (matplotlib), or nothing when matplotlib is missing."""
+    """A loss curve inline (matplotlib); a one-line note instead when matplotlib is missing."""
     try:
         import matplotlib.pyplot as plt
     except ImportError:
+        print("(no loss plot: matplotlib is not installed; pip install matplotlib)")
         return
     figure, axes = plt.subplots(figsize=(6, 3))
     axes.plot(range(1, len(losses) + 1), losses, marker=".")

@@ -21,7 +21,7 @@ def test_unknown_command_exits_with_usage(capsys):
 def test_demo_trains_and_saves_adapter(tmp_path, capsys):
     from peft import PeftConfig
 
-    assert main(["demo", "--output-dir", str(tmp_path), "--steps", "6"]) == 0
+    assert main(["demo", "--quick", "--output-dir", str(tmp_path), "--steps", "6"]) == 0
     out = capsys.readouterr().out
     assert "adapter saved" in out
     adapter = tmp_path / "lora-adapter"
@@ -30,3 +30,39 @@ def test_demo_trains_and_saves_adapter(tmp_path, capsys):
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
     }
     assert (adapter / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, capsys):
+    # The README's main command: a notebook rendered from a template and executed on the
+    # tiny offline model of its architecture, ending in the three exports.
+    import gguf
+    import nbformat
+    from peft import PeftConfig
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out), "--steps", "8", "--html"]) == 0
+    printed = capsys.readouterr().out
+    assert "training loss" in printed
+    outputs = out / "outputs"
+    assert PeftConfig.from_pretrained(outputs / "lora").peft_type == "LORA"
+    merged = AutoModelForCausalLM.from_pretrained(outputs / "merged-16bit")
+    assert merged.config.model_type == "llama"
+    (gguf_file,) = (outputs / "gguf").glob("*.gguf")
+    reader = gguf.GGUFReader(gguf_file)
+    field = reader.fields["general.architecture"]
+    assert bytes(field.parts[field.data[0]]).decode() == "llama"
+    assert any(t.name == "blk.0.ffn_down.weight" for t in reader.tensors)
+    notebook = nbformat.read(out / "llama-3-8b-finetune.ipynb", as_version=4)
+    code_cells = [c for c in notebook.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code_cells), "a cell did not run"
+    assert not any(o.get("output_type") == "error" for c in code_cells for o in c.outputs)
+    (train_cell,) = [c for c in code_cells if "train(model, tokenizer" in c.source]
+    plots = [o for o in train_cell.outputs if "image/png" in o.get("data", {})]
+    assert len(plots) == 1, "the training cell shows no loss plot"
+    html = (out / "llama-3-8b-finetune.html").read_text()
+    assert plots[0]["data"]["image/png"].strip()[:200] in html
+    assert html.count('class="jp-Cell ') >= len(notebook.cells)
+    # A second run refuses to overwrite the rendered notebook unless --force.
+    assert main(["demo", "--output-dir", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
