@@ -49,6 +49,16 @@ Two references:
   quality tolerances above could let a subtle fault through. Costs a second copy of the
   weights in memory; the tests use it.
 
+Depth matters on random weights: every layer's rounding reaches the logits and nothing
+averages it out. Measured with scripts/time_gguf_export.py (results/export/): on a random
+TinyLlama-1.1B shape (22 layers) q4_k_m gives 0.442 for slothkit's file and 0.444 for
+llama.cpp's own quantiser's file of the same weights (both just within 0.45), and 0.059 /
+0.058 on reference="gguf_weights" (within 0.06); on a random Llama-3-8B shape (32 layers)
+slothkit's file gives 0.86, beyond 0.45, while its stored tensors' errors equal llama.cpp's
+to four digits (0.0713). A random deep model is thus the wrong thing to verify Q4 files
+of; a trained one, whose logits are dominated by a few large directions, is the case the
+tolerances are for.
+
 Prompts must fit Mistral's sliding window (llama.cpp's llama graph attends to everything):
 prompt and greedy tokens are kept within it.
 """
@@ -188,7 +198,9 @@ def verify_gguf(
     if report.logit_error > tolerance:
         raise GGUFVerificationError(
             f"{path}: next-token logits differ from the Hugging Face model by {report.logit_error:.4f} "
-            f"(rms / std), above the {tolerance} allowed for {method}"
+            f"(rms / std), above the {tolerance} allowed for {method}. A higher-"
+            f"precision type (q8_0, q6_k) keeps closer to the model; verify=False writes the file "
+            f"without this check (an untrained, random model fails it at 4 bits whoever quantises)"
         )
     if report.worst_greedy_gap > GREEDY_MARGIN * tolerance:
         raise GGUFVerificationError(
