@@ -220,56 +220,75 @@ def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection, lead_shape=None
     """
     dtype = x2d.dtype
     bias = None if proj.bias is None else proj.bias.to(dtype)
-    if lead_shape is None:
-        y = F.linear(x2d, _base_weight(proj.weight, dtype), bias)  # (N, out)
-        shaped = y
+    if proj.lora_a is None:
+        xa = None
+        if lead_shape is None:
+            return F.linear(x2d, _base_weight(proj.weight, dtype), bias), None
     else:
-        shaped = torch.empty((*lead_shape, proj.out_features), dtype=dtype, device=x2d.device)
-        y = shaped.view(-1, proj.out_features)  # (N, out), same storage
-        torch.mm(x2d, _base_weight(proj.weight, dtype).t(), out=y)
-        if bias is not None:
-            y.add_(bias)
-    xa = None
-    if proj.lora_a is not None:
         xa = x2d @ proj.lora_a.to(dtype).t()  # (N, r)
-        y.addmm_(xa, proj.lora_b.to(dtype).t(), alpha=proj.scaling)
+    lead = x2d.shape[:1] if lead_shape is None else lead_shape
+    shaped = torch.empty((*lead, proj.out_features), dtype=dtype, device=x2d.device)
+    y = shaped.view(-1, proj.out_features)  # (N, out), same storage
+    w = _base_weight(proj.weight, dtype)
+    if xa is None:
+        torch.mm(x2d, w.t(), out=y)
+    else:
+        # The rank-r term first, then the base GEMM accumulates onto it (beta = 1): the GEMM
+        # reads it in its epilogue while it is compute-bound, where adding it afterwards
+        # would be a separate memory-bound read and write of the whole (N, out) output.
+        torch.mm(xa * proj.scaling, proj.lora_b.to(dtype).t(), out=y)
+        y.addmm_(x2d, w.t())
+    del w
+    if bias is not None:
+        y.add_(bias)
     return shaped, xa
 
 
-def _projection_backward(
-    dy: torch.Tensor,
-    x2d: torch.Tensor | None,
-    xa: torch.Tensor | None,
-    proj: LoRAProjection,
-    need_x: bool,
-    need_a: bool,
-    need_b: bool,
-    dx: torch.Tensor | None = None,
-):
-    """Gradients of one projection; dX is added into ``dx`` when given.
+def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: bool, need_b: bool):
+    """The adapter's share of one projection's backward.
 
-    Returns (dX or None, dA or None, dB or None).
+    Returns (s dY B or None, dA or None, dB or None); s dY B (N, r) is what dX needs from
+    the adapter: dX = dY W + (s dY B) A.
     """
+    if proj.lora_a is None:
+        return None, None, None
     dtype = dy.dtype
-    d_a = d_b = None
-    dyb_s = None
-    has_adapter = proj.lora_a is not None
-    if has_adapter and (need_x or need_a):
+    d_a = d_b = dyb_s = None
+    if need_x or need_a:
         dyb_s = (dy @ proj.lora_b.to(dtype)).mul_(proj.scaling)  # s dY B: (N, r)
-    if has_adapter and need_a:
+    if need_a:
         d_a = (dyb_s.t() @ x2d).to(proj.lora_a.dtype)  # (r, in)
-    if has_adapter and need_b:
+    if need_b:
         d_b = (dy.t() @ (xa * proj.scaling)).to(proj.lora_b.dtype)  # (out, r)
-    if need_x:
-        w = _base_weight(proj.weight, dtype)
+    return dyb_s, d_a, d_b
+
+
+def _input_gradient(terms, adapter_terms, release=False):
+    """dX = sum_i dY_i W_i + sum_i (s_i dY_i B_i) A_i over projections of one input.
+
+    terms: (dY_i, projection_i); adapter_terms: (s dY B, A) of those with an adapter.
+    The rank-r terms go first, as one GEMM over their concatenated ranks (one write of
+    dX), then every base GEMM accumulates onto dX with beta = 1, reading it in its
+    epilogue; adding the rank-r terms afterwards would cost a memory-bound read and
+    write of dX per projection. release: drop each dY_i (the caller's list) once used.
+    """
+    dx = None
+    if adapter_terms:
+        dtype = adapter_terms[0][0].dtype
+        left = torch.cat([t for t, _ in adapter_terms], dim=1)  # (N, sum of ranks)
+        right = torch.cat([a.to(dtype) for _, a in adapter_terms])  # (sum of ranks, in)
+        dx = left @ right  # (N, in)
+    for i in range(len(terms)):
+        dy, proj = terms[i]
+        if release:
+            terms[i] = None
+        w = _base_weight(proj.weight, dy.dtype)
         if dx is None:
             dx = dy @ w  # (N, in)
         else:
             dx.addmm_(dy, w)
-        del w
-        if has_adapter:
-            dx.addmm_(dyb_s, proj.lora_a.to(dtype))
-    return dx, d_a, d_b
+        del w, dy
+    return dx
 
 
 def _save_projections(ctx, x, projs, products, *extra) -> None:
@@ -332,13 +351,18 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         x2d = x.reshape(-1, x.shape[-1])
         dx = None
-        adapter_grads = []
+        adapter_grads, terms, adapter_terms = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             for i, ((proj, xa), dy) in enumerate(zip(_load_projections(ctx, saved), grads)):
                 need_a, need_b = _adapter_needs(ctx, 1, i)
                 dy = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # (N, out_i)
-                dx, d_a, d_b = _projection_backward(dy, x2d, xa, proj, need_x, need_a, need_b, dx)
+                dyb_s, d_a, d_b = _adapter_backward(dy, xa, x2d, proj, need_x, need_a, need_b)
                 adapter_grads += [None, d_a, d_b, None, None]
+                terms.append((dy, proj))
+                if dyb_s is not None and need_x:
+                    adapter_terms.append((dyb_s, proj.lora_a))
+            if need_x:
+                dx = _input_gradient(terms, adapter_terms, release=True)
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, *adapter_grads)
@@ -407,9 +431,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
 
             h = None
             if need_dh:
-                dh = dy @ _base_weight(down.weight, dtype)  # (N, intermediate)
-                if has_adapter:
-                    dh.addmm_(dyb_s, down.lora_a.to(dtype))
+                dh = _input_gradient([(dy, down)], [(dyb_s, down.lora_a)] if has_adapter else [])
                 # h goes into dh's buffer, de into e's, dg into g's.
                 h, de, dg = act_backward(dh, e, g, inplace=True)
                 del dh, e, g
@@ -420,10 +442,16 @@ class _LoRAMLPFunction(torch.autograd.Function):
             del h
 
             if need_dh:
-                dx, *d_gate = _projection_backward(de, x2d, xa_g, gate, need_x, need_ga, need_gb)
-                del de
-                dx, *d_up = _projection_backward(dg, x2d, xa_u, up, need_x, need_ua, need_ub, dx)
-                del dg
+                dyb_g, *d_gate = _adapter_backward(de, xa_g, x2d, gate, need_x, need_ga, need_gb)
+                dyb_u, *d_up = _adapter_backward(dg, xa_u, x2d, up, need_x, need_ua, need_ub)
+                if need_x:
+                    adapter_terms = [(t, p.lora_a) for t, p in ((dyb_g, gate), (dyb_u, up))
+                                     if t is not None]
+                    terms = [(de, gate), (dg, up)]
+                    del de, dg  # _input_gradient frees each once its GEMM is queued
+                    dx = _input_gradient(terms, adapter_terms, release=True)
+                else:
+                    del de, dg
         if dx is not None:
             dx = dx.view(x.shape)
         return (
