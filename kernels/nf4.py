@@ -303,7 +303,8 @@ def dequantize_nf4(weight: NF4Weight, out: torch.Tensor | None = None) -> torch.
     ``out``, if given, must be a contiguous tensor of that shape, dtype and device;
     it is filled and returned, so a buffer can be reused across layers.
     """
-    _check_weight(weight)
+    if getattr(weight, "launch_cache", None) is None:  # checked once per record
+        _check_weight(weight)
     if out is not None:
         _check_out(out, weight)
     if not use_triton(weight.packed):
@@ -322,19 +323,20 @@ def dequantize_nf4(weight: NF4Weight, out: torch.Tensor | None = None) -> torch.
     flat_out = out.view(-1)
     pair_dtype = torch.int64 if weight.dtype == torch.float32 else torch.int32
     out_pairs = flat_out[: 2 * n_pairs].view(pair_dtype)  # (n_pairs,) element pairs
-    # Unused pointers still need a tensor; the kernel never reads them when not nested.
-    absmax = weight.absmax.reshape(-1).contiguous()
-    nested_absmax = weight.nested_absmax.reshape(-1).contiguous() if nested else absmax
-    nested_code = weight.nested_code.reshape(-1).contiguous() if nested else absmax
-    offset = _offset_tensor(weight.offset, device) if nested else absmax
+    if weight.launch_cache is None:
+        # Unused pointers still need a tensor; the kernel never reads them when not nested.
+        absmax = weight.absmax.reshape(-1).contiguous()
+        weight.launch_cache = (
+            weight.packed.reshape(-1).contiguous(),
+            absmax,
+            weight.code.reshape(-1).float().contiguous(),
+            weight.nested_absmax.reshape(-1).contiguous() if nested else absmax,
+            weight.nested_code.reshape(-1).contiguous() if nested else absmax,
+            _offset_tensor(weight.offset, device) if nested else absmax,
+        )
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _dequantize_nf4_kernel[grid](
-        weight.packed.reshape(-1).contiguous(),
-        absmax,
-        weight.code.reshape(-1).float().contiguous(),
-        nested_absmax,
-        nested_code,
-        offset,
+        *weight.launch_cache,
         out_pairs,
         flat_out,
         (numel + 1) // 2,

@@ -21,7 +21,7 @@ Layout (bitsandbytes' "nf4" with optional double quantisation, as of 0.50):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class NF4Weight:
     nested_code: torch.Tensor | None = None  # fp32, 256-entry table for absmax codes
     nested_blocksize: int | None = None  # absmax codes per nested scale
     offset: torch.Tensor | float | None = None  # added to every dequantised absmax
+    # Checked, flattened kernel arguments, filled by the first dequantize_nf4 call: a
+    # record describes frozen tensors, so the checks need not run at every call.
+    launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def is_nested(self) -> bool:

@@ -157,6 +157,26 @@ def test_linear4bit(nested, dtype, device):
     assert_bit_equal(dequantize_nf4_reference(weight), expected, "reference")
 
 
+def test_repeated_calls_reuse_the_checked_arguments(device, monkeypatch):
+    # A record is checked and its arguments flattened once; later calls give the same bits
+    # without running the checks again.
+    torch.manual_seed(5)
+    layer = bnb.nn.Linear4bit(256, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    param = layer.to(torch.bfloat16).to(device).weight
+    weight = NF4Weight.from_bitsandbytes(param.data, param.quant_state)
+    expected = bnb_dequantize(param.data, param.quant_state)
+    assert_bit_equal(dequantize_nf4(weight), expected, "first call")
+    if weight.launch_cache is None:
+        pytest.skip("the torch reference ran (no Triton here): nothing is cached")
+    checks = []
+    monkeypatch.setattr(nf4_module, "_check_weight", lambda w: checks.append(w))
+    assert_bit_equal(dequantize_nf4(weight), expected, "second call")
+    assert checks == []
+    fresh = NF4Weight.from_bitsandbytes(param.data, param.quant_state)
+    dequantize_nf4(fresh)
+    assert checks == [fresh], "a new record is checked"
+
+
 def test_params4bit_blocksize_128_bf16_storage(device):
     """A Params4bit with another quant_storage (FSDP-QLoRA stores bf16) holds the same bytes."""
     torch.manual_seed(5)

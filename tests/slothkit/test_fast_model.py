@@ -177,3 +177,19 @@ def test_lora_dropout_falls_back_with_one_warning(device):
     assert torch.isfinite(loss)
     messages = [str(w.message) for w in caught if "plain PEFT path" in str(w.message)]
     assert messages and all("lora_dropout" in m for m in messages)
+
+
+def test_nf4_weight_record_is_kept_per_parameter():
+    # The fused path describes a 4-bit weight once (slothkit.lora_projection.base_weight)
+    # and rebuilds the record only when the weight is replaced.
+    import bitsandbytes as bnb
+
+    from slothkit.lora_projection import base_weight
+
+    layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4").to("cpu")
+    first = base_weight(layer)
+    assert base_weight(layer) is first
+    layer.weight = bnb.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4").to("cpu")
+    second = base_weight(layer)
+    assert second is not first and second.packed.data_ptr() == layer.weight.data_ptr()
