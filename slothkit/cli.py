@@ -32,6 +32,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except FileExistsError as error:
         print(f"slothkit demo: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # NotebookCellError, or an export that did not appear
+        print(f"slothkit demo: {error}", file=sys.stderr)
+        return 1
     loss = result["loss"]
     print(f"ran {result['cells']} cells in {result['seconds']:.0f} s"
           + (f"; training loss {loss[0]:.4f} -> {loss[1]:.4f}" if loss else ""))

@@ -22,7 +22,9 @@ DEFAULT_TEMPLATE = "finetune"
 
 
 def demo_environment(model: str, output_dir: Path, steps: int) -> dict[str, str]:
-    """The SLOTHKIT_* overrides that point a rendered notebook at the offline default."""
+    """The SLOTHKIT_* overrides that point a rendered notebook at the offline default.
+    The dataset is left to the template: each one's default is the example data shipped
+    with slothkit for its workflow (instructions, chats, preference pairs)."""
     from slothkit.notebook.render import model_data
     from slothkit.testing import tiny_model_path
 
@@ -33,7 +35,6 @@ def demo_environment(model: str, output_dir: Path, steps: int) -> dict[str, str]
         "SLOTHKIT_LOAD_IN_4BIT": "0",
         "SLOTHKIT_MAX_STEPS": str(steps),
         "SLOTHKIT_LEARNING_RATE": "0.002",
-        "SLOTHKIT_DATASET": "example:alpaca",
         "SLOTHKIT_OUTPUT_DIR": str(output_dir / "outputs"),
         "SLOTHKIT_SAVE_LORA": "1",
         "SLOTHKIT_SAVE_MERGED": "1",
@@ -61,12 +62,18 @@ def _environment(overrides: dict[str, str]):
                 os.environ[key] = value
 
 
+class NotebookCellError(RuntimeError):
+    """A cell of the demo notebook raised; the message names the cell and the error, and
+    the executed notebook (written back to its path) holds the full traceback."""
+
+
 def execute_notebook(path: Path, environment: dict[str, str], timeout: int = 1800):
     """Run every cell of the notebook at `path` in a fresh kernel; return the executed
-    notebook (also written back to `path`).  A failing cell raises nbclient's
-    CellExecutionError, which names the cell and shows its traceback."""
+    notebook (also written back to `path`, a failed run with its outputs up to the
+    failure). A failing cell raises NotebookCellError."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
 
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
@@ -77,9 +84,25 @@ def execute_notebook(path: Path, environment: dict[str, str], timeout: int = 180
     with _environment(environment):
         try:
             client.execute()
+        except CellExecutionError as error:
+            raise NotebookCellError(_describe_failure(notebook, error, path)) from None
         finally:
             nbformat.write(notebook, path)  # a failed run keeps its outputs up to the failure
     return notebook
+
+
+def _describe_failure(notebook, error, path: Path) -> str:
+    """'step N (heading) failed: Type: message', from the first cell with an error output."""
+    heading = None
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("## "):
+            heading = cell.source[3:].strip()
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "error":
+                where = f"step {heading}" if heading else "a cell"
+                return (f"{where} failed: {output.get('ename')}: {output.get('evalue')} "
+                        f"(full traceback in {path})")
+    return f"a cell failed: {getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
 
 
 def write_html(path: Path) -> Path:

@@ -66,3 +66,18 @@ def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, c
     # A second run refuses to overwrite the rendered notebook unless --force.
     assert main(["demo", "--output-dir", str(out)]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
+    # A cell that raises is reported as its step and error, not as a kernel traceback.
+    from slothkit.notebook import execute
+
+    real = execute.demo_environment
+    monkeypatch.setattr(execute, "demo_environment",
+                        lambda *a: {**real(*a), "SLOTHKIT_DATASET": "example:alpaca"})
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "mistral-7b", "--template", "dpo", "--output-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "failed: ValueError: the training dataset lacks ['chosen', 'rejected']" in err
+    assert "step 6. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
+    assert "\x1b[" not in err  # no terminal colour codes from the kernel's traceback
