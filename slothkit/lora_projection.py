@@ -50,54 +50,58 @@ def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
     return None
 
 
-def why_not_fusable(layer: nn.Module) -> str | None:
-    """None when ``layer`` can run through the fused LoRA functions, else the reason."""
+def describe(layer: nn.Module) -> LoRAProjection | str:
+    """``layer`` as a LoRAProjection for the fused functions, or the reason it cannot be.
+
+    One walk over the layer: this runs for every projection at every call (forward and
+    the recomputed forward), so its cost is Python time per training step.
+    """
     base = getattr(layer, "base_layer", None)
     if base is None:  # not a PEFT LoRA layer: a plain (frozen) linear
-        if base_weight(layer) is None:
+        weight = base_weight(layer)
+        if weight is None:
             return f"{type(layer).__name__} is neither nn.Linear nor an NF4 bitsandbytes Linear4bit"
         if layer.weight.requires_grad and torch.is_grad_enabled():
             return "the base weight is trainable (the fused functions assume a frozen base)"
-        return None
-    if base_weight(base) is None:
+        return LoRAProjection(weight, None, None, 0.0, layer.bias)
+    weight = base_weight(base)
+    if weight is None:
         return f"the base layer {type(base).__name__} is neither nn.Linear nor NF4 Linear4bit"
     if base.weight.requires_grad and torch.is_grad_enabled():
         return "the base weight is trainable (the fused functions assume a frozen base)"
+    bias = base.bias
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
-        return None  # runs as the plain base layer
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
+        return LoRAProjection(weight, None, None, 0.0, bias)  # runs as the plain base layer
+    lora_a = layer.lora_A
+    active = [a for a in layer.active_adapters if a in lora_a]
     if len(active) > 1:
         return f"{len(active)} adapters are active at once"
     if not active:
-        return None
+        return LoRAProjection(weight, None, None, 0.0, bias)
     name = active[0]
     if name in getattr(layer, "lora_variant", {}):
         return "it uses a LoRA variant (e.g. DoRA)"
     dropout = layer.lora_dropout[name]
     if not isinstance(dropout, nn.Identity) and layer.training and dropout.p > 0:
         return f"lora_dropout={dropout.p} (use 0.0 for the fused path)"
-    if layer.lora_B[name].bias is not None:
+    lora_b = layer.lora_B[name]
+    if lora_b.bias is not None:
         return "the LoRA B matrix has a bias (bias='lora_only' or 'all')"
-    return None
+    return LoRAProjection(weight, lora_a[name].weight, lora_b.weight, float(layer.scaling[name]), bias)
+
+
+def why_not_fusable(layer: nn.Module) -> str | None:
+    """None when ``layer`` can run through the fused LoRA functions, else the reason."""
+    described = describe(layer)
+    return described if isinstance(described, str) else None
 
 
 def lora_projection(layer: nn.Module) -> LoRAProjection:
-    """Describe ``layer`` (checked with :func:`why_not_fusable` first) as a LoRAProjection."""
-    base = getattr(layer, "base_layer", None)
-    if base is None:
-        return LoRAProjection(base_weight(layer), None, None, 0.0, layer.bias)
-    bias = base.bias
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False) or not active:
-        return LoRAProjection(base_weight(base), None, None, 0.0, bias)
-    name = active[0]
-    return LoRAProjection(
-        base_weight(base),
-        layer.lora_A[name].weight,
-        layer.lora_B[name].weight,
-        float(layer.scaling[name]),
-        bias,
-    )
+    """Describe ``layer`` as a LoRAProjection; ValueError when it cannot be fused."""
+    described = describe(layer)
+    if isinstance(described, str):
+        raise ValueError(f"{type(layer).__name__} cannot run through the fused functions: {described}")
+    return described
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,9 +115,11 @@ def warn_fallback_once(module_kind: str, reason: str) -> None:
 
 def projections_or_none(kind: str, *layers: nn.Module) -> list[LoRAProjection] | None:
     """All layers as LoRAProjections, or None (after one warning) if any is not fusable."""
+    projections = []
     for layer in layers:
-        reason = why_not_fusable(layer)
-        if reason is not None:
-            warn_fallback_once(kind, reason)
+        described = describe(layer)
+        if isinstance(described, str):
+            warn_fallback_once(kind, described)
             return None
-    return [lora_projection(layer) for layer in layers]
+        projections.append(described)
+    return projections
