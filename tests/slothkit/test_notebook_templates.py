@@ -61,3 +61,20 @@ def test_list_shows_models_templates_and_defaults(capsys):
         assert model in out
     for template in TEMPLATES:
         assert template in out
+
+
+def test_install_cell_says_what_to_do_when_pip_cannot_install_slothkit(monkeypatch):
+    import importlib.util
+    import subprocess
+
+    notebook = render_notebook("finetune", "gemma-7b")
+    (cell,) = [c for c in notebook.cells if c.cell_type == "code" and "SLOTHKIT_PIP_SPEC" in c.source]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "slothkit" else real_find_spec(name, *a))
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 1)
+    monkeypatch.setenv("SLOTHKIT_PIP_SPEC", "/nowhere/slothkit.whl")
+    with pytest.raises(RuntimeError, match="could not install slothkit from '/nowhere/slothkit.whl'"):
+        exec(cell.source, {})
+    assert calls and calls[0][-1] == "/nowhere/slothkit.whl"
