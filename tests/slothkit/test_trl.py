@@ -383,3 +383,24 @@ def test_old_trl_is_refused(monkeypatch):
         require_trl()
     monkeypatch.setattr(trl, "__version__", "1.16.0")
     assert require_trl() is trl
+
+
+def test_out_of_memory_in_training_names_the_settings_to_change(reference_kernels, monkeypatch):
+    from slothkit.trainers import TrainingOutOfMemoryError
+
+    model, tokenizer = _load("slothkit")
+    dataset = apply_chat_template(example_dataset("chat").select(range(4)), tokenizer)
+    args = sft_config(model, max_steps=1, max_length=MAX_SEQ, output_dir="unused-oom", **RUN)
+    trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(model, "forward", out_of_memory)
+    with pytest.raises(TrainingOutOfMemoryError) as excinfo:
+        trainer.train()
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, torch.cuda.OutOfMemoryError)  # still caught as one
+    assert f"per_device_train_batch_size={args.per_device_train_batch_size}" in message
+    assert f"max_length={MAX_SEQ}" in message and "gradient_accumulation_steps" in message
+    assert "load_in_4bit=True" in message and "Tried to allocate 2.00 GiB" in message
