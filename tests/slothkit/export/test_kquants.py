@@ -215,3 +215,14 @@ def test_gpu_encoder_gives_the_cpu_blocks(name):
         return (kquants.DEQUANTIZERS[name](blocks) - x).square().mean().sqrt()
 
     assert error(gpu) <= 1.01 * error(cpu)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_chunking_does_not_change_the_blocks(name, monkeypatch):
+    # Blocks are encoded in chunks sized for the device's cache; every chunk size gives the
+    # same bytes (each super-block is encoded on its own).
+    weight = torch.randn(24, 512, generator=torch.Generator().manual_seed(9)) * 0.05
+    monkeypatch.setitem(kquants._CHUNK_BLOCKS, "cpu", 5)  # 48 blocks: ten chunks, the last short
+    small = kquants.QUANTIZERS[name](weight)
+    monkeypatch.setitem(kquants._CHUNK_BLOCKS, "cpu", 1 << 15)
+    assert torch.equal(small, kquants.QUANTIZERS[name](weight))
