@@ -35,6 +35,8 @@ def _setting(record: dict) -> str:
     parts = [record["dtype"]]
     if not record.get("autocast", True):
         parts.append("no autocast")
+    if record.get("slothkit_checkpointing", "offload") != "offload":
+        parts.append("slothkit checkpointing on GPU")
     if record.get("memory_gib"):
         parts.append(f"{record['memory_gib']:g} GiB cap")
     return ", ".join(parts)

@@ -37,6 +37,8 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
         command += ["--memory-gib", str(args.memory_gib)]
     if not getattr(args, "autocast", True):
         command.append("--no-autocast")
+    if getattr(args, "slothkit_checkpointing", "offload") != "offload":
+        command += ["--slothkit-checkpointing", args.slothkit_checkpointing]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     completed = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in completed.stdout.splitlines():
@@ -138,7 +140,8 @@ def run_train_bench(args) -> dict:
             results[impl].append(run_worker(impl, args))
     rows = summarise(results, args, peak)
     record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
-              "dtype": args.dtype, "autocast": args.autocast, "memory_gib": args.memory_gib,
+              "dtype": args.dtype, "autocast": args.autocast,
+              "slothkit_checkpointing": args.slothkit_checkpointing, "memory_gib": args.memory_gib,
               "batch": args.batch, "seq": args.seq, "steps": args.steps,
               "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
               "matmul_peak_tflops": peak, "rows": rows, "raw": results}
@@ -170,6 +173,9 @@ def add_arguments(parser) -> None:
                         help="run each step under torch.autocast, as Trainer/TRL with bf16=True or "
                              "fp16=True do (default). --no-autocast: plain PEFT then computes its "
                              "fp32 adapters in fp32, the slower path of a hand-written loop")
+    parser.add_argument("--slothkit-checkpointing", choices=["offload", "on"], default="offload",
+                        help="slothkit's checkpointing: layer inputs offloaded to pinned host memory "
+                             "(default, what FastModel users get) or kept on the GPU (on)")
     parser.add_argument("--t4", action="store_true",
                         help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16")
     parser.add_argument("--output", help="write the JSON record here")

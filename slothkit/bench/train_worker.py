@@ -106,8 +106,11 @@ def quantize_to_nf4(model, compute_dtype: torch.dtype):
     return model
 
 
-def prepare(impl: str, model, rank: int):
-    """Add LoRA and checkpointing the way each implementation's users do."""
+def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
+    """Add LoRA and checkpointing the way each implementation's users do.
+
+    checkpointing: slothkit's use_gradient_checkpointing ("offload", the default its users
+    get, or "on" for plain checkpointing with the layer inputs kept on the GPU)."""
     from peft import LoraConfig, get_peft_model
 
     if impl == "liger":
@@ -128,8 +131,8 @@ def prepare(impl: str, model, rank: int):
         from slothkit.models.decoder import patch_decoder
 
         patch_decoder(model, architecture_for(model.config))
-        return FastModel.get_peft_model(model, r=rank, lora_alpha=rank,
-                                        use_gradient_checkpointing="offload")
+        mode = {"offload": "offload", "on": True}[checkpointing]
+        return FastModel.get_peft_model(model, r=rank, lora_alpha=rank, use_gradient_checkpointing=mode)
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -207,7 +210,7 @@ def run(args) -> dict:
             loaded = torch.cuda.memory_allocated()
         else:
             loaded = 0
-        model = prepare(args.impl, model, args.rank)
+        model = prepare(args.impl, model, args.rank, args.slothkit_checkpointing)
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
@@ -271,6 +274,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-gib", type=float, default=None)
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--slothkit-checkpointing", choices=["offload", "on"], default="offload")
     args = parser.parse_args(argv)
     try:
         result = run(args)

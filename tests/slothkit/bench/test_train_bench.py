@@ -71,6 +71,16 @@ def test_unknown_implementation_is_refused():
 
 @pytest.mark.parametrize("flag, expected", [([], True), (["--no-autocast"], False)])
 def test_autocast_switch_reaches_every_worker_and_the_record(tmp_path, monkeypatch, flag, expected):
+    _check_switch(tmp_path, monkeypatch, flag, None if expected else "--no-autocast", "autocast", expected)
+
+
+@pytest.mark.parametrize("flag, expected", [([], "offload"), (["--slothkit-checkpointing", "on"], "on")])
+def test_checkpointing_switch_reaches_every_worker_and_the_record(tmp_path, monkeypatch, flag, expected):
+    _check_switch(tmp_path, monkeypatch, flag, "on" if expected == "on" else None,
+                  "slothkit_checkpointing", expected)
+
+
+def _check_switch(tmp_path, monkeypatch, flag, word, key, expected):
     import subprocess
 
     from slothkit.bench import train
@@ -91,8 +101,8 @@ def test_autocast_switch_reaches_every_worker_and_the_record(tmp_path, monkeypat
     assert main(["bench", "train", "--model", "tiny-llama", "--impl", "slothkit,hf",
                  "--output", str(output), *flag]) == 0
     assert len(commands) == 2, commands
-    assert all(("--no-autocast" in command) is (not expected) for command in commands)
-    assert json.loads(output.read_text())["autocast"] is expected
+    assert all((word in command) is (word is not None) for command in commands)
+    assert json.loads(output.read_text())[key] == expected
 
 
 def test_quantising_while_building_gives_the_same_nf4_weights():
