@@ -263,14 +263,15 @@ def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: b
     return dyb_s, d_a, d_b
 
 
-def _input_gradient(terms, adapter_terms, release=False):
+def _input_gradient(terms, adapter_terms):
     """dX = sum_i dY_i W_i + sum_i (s_i dY_i B_i) A_i over projections of one input.
 
     terms: (dY_i, projection_i); adapter_terms: (s dY B, A) of those with an adapter.
     The rank-r terms go first, as one GEMM over their concatenated ranks (one write of
     dX), then every base GEMM accumulates onto dX with beta = 1, reading it in its
     epilogue; adding the rank-r terms afterwards would cost a memory-bound read and
-    write of dX per projection. release: drop each dY_i (the caller's list) once used.
+    write of dX per projection. Each dY_i is dropped from ``terms`` once its GEMM is
+    queued, so that a caller that holds no other reference frees it there.
     """
     dx = None
     if adapter_terms:
@@ -280,8 +281,7 @@ def _input_gradient(terms, adapter_terms, release=False):
         dx = left @ right  # (N, in)
     for i in range(len(terms)):
         dy, proj = terms[i]
-        if release:
-            terms[i] = None
+        terms[i] = None
         w = _base_weight(proj.weight, dy.dtype)
         if dx is None:
             dx = dy @ w  # (N, in)
@@ -362,7 +362,7 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
                 if dyb_s is not None and need_x:
                     adapter_terms.append((dyb_s, proj.lora_a))
             if need_x:
-                dx = _input_gradient(terms, adapter_terms, release=True)
+                dx = _input_gradient(terms, adapter_terms)
         if dx is not None:
             dx = dx.view(x.shape)
         return (dx, *adapter_grads)
@@ -449,7 +449,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
                                      if t is not None]
                     terms = [(de, gate), (dg, up)]
                     del de, dg  # _input_gradient frees each once its GEMM is queued
-                    dx = _input_gradient(terms, adapter_terms, release=True)
+                    dx = _input_gradient(terms, adapter_terms)
                 else:
                     del de, dg
         if dx is not None:

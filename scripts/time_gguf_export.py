@@ -8,7 +8,7 @@ Builds the named shape with random weights (bf16, on the GPU when there is one),
 3. llama-cpp-python: llama_model_quantize(F16 -> quant) on every CPU core -- time;
 4. the reconstruction error of both files on a few weights, against the original;
 5. slothkit's verification of its own file (llama.cpp logits against the HF model).
-Prints a table and writes the figures as JSON to --out/gguf-timing.json.
+Prints the figures and writes them as JSON to --out/gguf-timing.json.
 """
 
 from __future__ import annotations
@@ -29,6 +29,13 @@ LLAMA_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q8_0": 7, "q4_0": 2}  # 
 
 def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def record(out: Path, figures: dict, show: bool = False) -> None:
+    text = json.dumps(figures, indent=1, default=str)
+    (out / "gguf-timing.json").write_text(text + "\n")
+    if show:
+        print(text, flush=True)
 
 
 def relative_errors(path: Path, originals: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -103,7 +110,7 @@ def main() -> None:
     f16 = write_gguf(model, out / "model.F16.gguf", tokenizer, "f16")
     figures["slothkit_f16_s"] = time.perf_counter() - start
 
-    (out / "gguf-timing.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
+    record(out, figures)  # written after every stage: a run cut short still reports
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -118,8 +125,7 @@ def main() -> None:
     figures["slothkit_error"] = relative_errors(saved, originals)
     figures["llama_cpp_error"] = relative_errors(reference, originals)
 
-    (out / "gguf-timing.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
-    print(json.dumps(figures, indent=1, default=str), flush=True)
+    record(out, figures, show=True)
     if not args.no_verify:
         from slothkit.export.gguf_verify import verify_gguf
 
@@ -142,8 +148,7 @@ def main() -> None:
                 figures[key] = {"passed": False, "error": f"{type(error).__name__}: {error}"}
     figures["host_peak_gib"] = host_peak_gib()
 
-    (out / "gguf-timing.json").write_text(json.dumps(figures, indent=1, default=str) + "\n")
-    print(json.dumps(figures, indent=1, default=str))
+    record(out, figures, show=True)
     for path in out.glob("*.gguf"):
         path.unlink()  # 16 GB of F16: not kept
     for path in (out / "slothkit").glob("*.gguf"):

@@ -182,13 +182,47 @@ def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
 
     trl = require_trl()
     args = sft_config(model) if args is None else args
+
+    def check(dataset, name):
+        check_sft_dataset(dataset, tokenizer, text_field=args.dataset_text_field, name=name)
+
+    return _checked_trainer(trl.SFTTrainer, model, tokenizer, args, check, train_dataset, eval_dataset,
+                            **trainer_kwargs)
+
+
+def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+    """trl.DPOTrainer after checking the data and the setup (with a PeftModel the reference
+    model is the same model with its adapters switched off: no second copy in memory)."""
+    from slothkit.data.validation import check_preference_dataset
+
+    trl = require_trl()
+    args = dpo_config(model) if args is None else args
+    return _checked_trainer(trl.DPOTrainer, model, tokenizer, args, check_preference_dataset,
+                            train_dataset, eval_dataset, **trainer_kwargs)
+
+
+def grpo_trainer(model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+    """trl.GRPOTrainer after checking the prompts and the setup."""
+    from slothkit.data.validation import check_prompt_dataset
+
+    trl = require_trl()
+    args = grpo_config(model) if args is None else args
+    return _checked_trainer(trl.GRPOTrainer, model, tokenizer, args, check_prompt_dataset,
+                            train_dataset, eval_dataset, reward_funcs=reward_funcs, **trainer_kwargs)
+
+
+def _checked_trainer(trainer_class, model, tokenizer, args, check_dataset, train_dataset, eval_dataset,
+                     **trainer_kwargs):
+    """What every constructor here does around TRL's: check the setup and each dataset
+    (check_dataset(dataset, name=...)), build the trainer, give the adapters back the
+    dtype TRL changed, and make its train() explain an out-of-memory error."""
     check_setup(model, tokenizer, args)
     for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
         if dataset is not None:
-            check_sft_dataset(dataset, tokenizer, text_field=args.dataset_text_field, name=name)
+            check_dataset(dataset, name=name)
     adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             processing_class=tokenizer, **trainer_kwargs)
+    trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                            processing_class=tokenizer, **trainer_kwargs)
     _restore_adapter_dtypes(model, adapter_dtypes)
     return explain_out_of_memory(trainer, model)
 
@@ -203,41 +237,6 @@ def _restore_adapter_dtypes(model, dtypes: dict) -> None:
         dtype = dtypes.get(name)
         if dtype is not None and param.dtype != dtype:
             param.data = param.data.to(dtype)
-
-
-def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
-    """trl.DPOTrainer after checking the data and the setup (with a PeftModel the reference
-    model is the same model with its adapters switched off: no second copy in memory)."""
-    from slothkit.data.validation import check_preference_dataset
-
-    trl = require_trl()
-    args = dpo_config(model) if args is None else args
-    check_setup(model, tokenizer, args)
-    for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
-        if dataset is not None:
-            check_preference_dataset(dataset, name=name)
-    adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                             processing_class=tokenizer, **trainer_kwargs)
-    _restore_adapter_dtypes(model, adapter_dtypes)
-    return explain_out_of_memory(trainer, model)
-
-
-def grpo_trainer(model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
-    """trl.GRPOTrainer after checking the prompts and the setup."""
-    from slothkit.data.validation import check_prompt_dataset
-
-    trl = require_trl()
-    args = grpo_config(model) if args is None else args
-    check_setup(model, tokenizer, args)
-    for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
-        if dataset is not None:
-            check_prompt_dataset(dataset, name=name)
-    adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                              eval_dataset=eval_dataset, processing_class=tokenizer, **trainer_kwargs)
-    _restore_adapter_dtypes(model, adapter_dtypes)
-    return explain_out_of_memory(trainer, model)
 
 
 class TrainingOutOfMemoryError(torch.cuda.OutOfMemoryError):

@@ -42,55 +42,54 @@ def _setting(record: dict) -> str:
     return ", ".join(parts)
 
 
-def render(records: list[dict]) -> str:
-    lines = [
-        "| GPU | model | mode | batch x seq | implementation | tokens/s | vs HF + PEFT "
-        "| peak GiB | GiB above weights | final loss | record |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def _table(columns: list[str], records: list[dict], row_cells) -> str:
+    """A markdown table with one line per row of every record: the GPU, then
+    row_cells(record, row), then the record's file."""
+    lines = ["| " + " | ".join(["GPU", *columns, "record"]) + " |", "|" + "---|" * (len(columns) + 2)]
     for record in records:
         gpu = record["accelerator"].get("name", "cpu")
         for row in record["rows"]:
-            if row["status"] != "ok":
-                cells = [row["status"], "-", "-", "-", "-"]
-            else:
-                def cell(key, fmt):  # "-" where the run did not measure it (no HF in the run)
-                    return fmt.format(row[key]) if row.get(key) is not None else "-"
-
-                cells = [cell("tokens_per_s", "{:,.0f}"), cell("vs_hf", "{:.2f}x"),
-                         cell("peak_allocated_gib", "{:.1f}"), cell("training_gib", "{:.1f}"),
-                         cell("final_loss", "{:.4f}")]
-            lines.append(
-                f"| {gpu} | {record['model']} | {record['mode']} ({_setting(record)}) | "
-                f"{record['batch']} x {record['seq']} | {row['impl']} | " + " | ".join(cells)
-                + f" | `results/bench/{record['_file']}` |"
-            )
+            cells = [gpu, *row_cells(record, row), f"`results/bench/{record['_file']}`"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    """The formatted figure, or "-" where the run did not measure it (no HF in the run)."""
+    return fmt.format(row[key]) if row.get(key) is not None else "-"
+
+
+def _train_cells(record: dict, row: dict) -> list[str]:
+    figures = ([row["status"], "-", "-", "-", "-"] if row["status"] != "ok" else
+               [_cell(row, "tokens_per_s", "{:,.0f}"), _cell(row, "vs_hf", "{:.2f}x"),
+                _cell(row, "peak_allocated_gib", "{:.1f}"), _cell(row, "training_gib", "{:.1f}"),
+                _cell(row, "final_loss", "{:.4f}")])
+    return [record["model"], f"{record['mode']} ({_setting(record)})",
+            f"{record['batch']} x {record['seq']}", row["impl"], *figures]
+
+
+def _context_cells(record: dict, row: dict) -> list[str]:
+    if row.get("status", "ok") == "ok" and row.get("longest_seq"):
+        failing = row.get("first_failing_seq")
+        longest, failing = f"{row['longest_seq']:,}", f"{failing:,}" if failing else "none probed"
+    else:
+        longest, failing = row.get("status") or "nothing fits", "-"
+    return [record["model"], f"{record['mode']} ({record['dtype']})", f"{record['memory_gib']:g} GiB",
+            row["impl"], longest, failing]
+
+
+def render(records: list[dict]) -> str:
+    columns = ["model", "mode", "batch x seq", "implementation", "tokens/s", "vs HF + PEFT", "peak GiB",
+               "GiB above weights", "final loss"]
+    return _table(columns, records, _train_cells)
 
 
 def render_context(records: list[dict]) -> str:
     """The `slothkit bench context` records: longest batch-1 sequence that trains one step."""
     if not records:
         return ""
-    lines = [
-        "| GPU | model | mode | memory cap | implementation | longest sequence | first failing "
-        "| record |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for record in records:
-        gpu = record["accelerator"].get("name", "cpu")
-        for row in record["rows"]:
-            if row.get("status", "ok") == "ok" and row.get("longest_seq"):
-                longest, failing = f"{row['longest_seq']:,}", row.get("first_failing_seq")
-                failing = f"{failing:,}" if failing else "none probed"
-            else:
-                longest, failing = row.get("status") or "nothing fits", "-"
-            lines.append(
-                f"| {gpu} | {record['model']} | {record['mode']} ({record['dtype']}) | "
-                f"{record['memory_gib']:g} GiB | {row['impl']} | {longest} | {failing} "
-                f"| `results/bench/{record['_file']}` |"
-            )
-    return "\n".join(lines)
+    columns = ["model", "mode", "memory cap", "implementation", "longest sequence", "first failing"]
+    return _table(columns, records, _context_cells)
 
 
 def readme_table(folder: Path = RESULTS) -> str:
