@@ -5,12 +5,17 @@
 #   bash scripts/gpu_bench.sh "train --model gemma-7b --mode lora --impl slothkit,hf,liger" \
 #                             "context --model llama-3-8b --impl slothkit" ...
 #
-# Each argument is one `slothkit bench` command line without --output; the record is
-# written to $OUT/<n>-<kind>-<model>-<mode>.json.  A job that fails does not stop the rest.
+# Each argument is one `slothkit bench` command line without --output (an optional
+# --tag NAME is added to the file names); the record and log are written as
+# <n>-<kind>-<model>-<mode>[-NAME].json/.log and, after every job, bundled into
+# $OUT/bench-records.tgz: the device tool brings back only a few files per call, and a
+# call cut short at its time limit still returns the jobs that finished.  A job that
+# fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 
+runs=$(mktemp -d)
 n=0
 for job in "$@"; do
     n=$((n + 1))
@@ -23,9 +28,10 @@ for job in "$@"; do
     name="$n-$kind-$model-$mode${tag:+-$tag}"
     echo "== [$n/$#] slothkit bench $job  ($(date +%T))"
     start=$SECONDS
-    python3 -m slothkit.cli bench $job --output "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+    python3 -m slothkit.cli bench $job --output "$runs/$name.json" > "$runs/$name.log" 2>&1
     echo "   exit $? after $((SECONDS - start)) s"
-    grep -E "^\|" "$OUT/$name.log" | head -n 12
-    grep -E "longest|skipped|error" "$OUT/$name.log" | head -n 6
+    grep -E "^\|" "$runs/$name.log" | head -n 12
+    grep -E "longest|skipped|error" "$runs/$name.log" | head -n 6
+    tar czf "$OUT/bench-records.tgz" -C "$runs" .
 done
 echo "== done $(date +%T)"

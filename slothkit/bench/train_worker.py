@@ -156,20 +156,26 @@ def matmul_peak_tflops() -> float:
 def load_with_unsloth(model, args, dtype):
     """Unsloth loads from a checkpoint on disk: save the random model, then load it
     the way Unsloth's notebooks do (its own 4-bit loading, its offloaded checkpointing)."""
+    import shutil
     import tempfile
 
     from unsloth import FastLanguageModel
 
-    folder = tempfile.mkdtemp(prefix="slothkit-bench-unsloth-")
-    model.save_pretrained(folder, safe_serialization=True)
     from slothkit.testing import build_tiny_tokenizer
 
-    build_tiny_tokenizer("bpe", folder)  # Unsloth wants a tokenizer beside the weights
-    del model
-    torch.cuda.empty_cache()
-    unsloth_model, _ = FastLanguageModel.from_pretrained(
-        folder, max_seq_length=args.seq, dtype=dtype, load_in_4bit=args.mode == "qlora",
-    )
+    # The checkpoint (16 GB for an 8B model) is deleted once loaded: a few runs on one
+    # machine would otherwise fill its disk.
+    folder = tempfile.mkdtemp(prefix="slothkit-bench-unsloth-")
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+        build_tiny_tokenizer("bpe", folder)  # Unsloth wants a tokenizer beside the weights
+        del model
+        torch.cuda.empty_cache()
+        unsloth_model, _ = FastLanguageModel.from_pretrained(
+            folder, max_seq_length=args.seq, dtype=dtype, load_in_4bit=args.mode == "qlora",
+        )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
     unsloth_model = FastLanguageModel.get_peft_model(

@@ -1,6 +1,7 @@
 """`slothkit bench train` on CPU at tiny shapes: its logic and record, not its speed."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,40 @@ def test_quantising_while_building_gives_the_same_nf4_weights():
         assert torch.equal(value, streamed_state[key]), key
     ids = torch.randint(0, whole.config.vocab_size, (1, 16))
     torch.testing.assert_close(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)
+
+
+def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
+    """Each Unsloth run saves the random model (16 GB at 8B) for Unsloth to load; left in
+    /tmp, a few runs filled the GPU machine's disk."""
+    import argparse
+    import sys
+    import types
+
+    from slothkit.bench import train_worker
+
+    seen = {}
+
+    class FakeFastLanguageModel:
+        @staticmethod
+        def from_pretrained(folder, **kwargs):
+            seen["folder"] = folder
+            seen["files"] = sorted(p.name for p in Path(folder).iterdir())
+            return torch.nn.Linear(2, 2), None
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            return model
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FakeFastLanguageModel))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    model = build_model("tiny-llama", torch.float32, "cpu", 0)
+    args = argparse.Namespace(seq=64, mode="lora", rank=4, seed=0)
+    train_worker.load_with_unsloth(model, args, torch.float32)
+    assert "model.safetensors" in seen["files"] and "tokenizer.json" in seen["files"]
+    assert not Path(seen["folder"]).exists()
+    assert not list(tmp_path.glob("slothkit-bench-unsloth-*"))
