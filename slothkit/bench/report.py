@@ -78,10 +78,35 @@ def _context_cells(record: dict, row: dict) -> list[str]:
             row["impl"], longest, failing]
 
 
+def is_t4_standin(record: dict) -> bool:
+    """A `bench train --t4` run: fp16 under a 15 GiB cap, a memory check for the planner
+    (two timed steps at batch 1; its speed is not a side-by-side figure)."""
+    return record["dtype"] == "fp16" and record.get("memory_gib") == 15
+
+
 def render(records: list[dict]) -> str:
     columns = ["model", "mode", "batch x seq", "implementation", "tokens/s", "vs HF + PEFT", "peak GiB",
                "GiB above weights", "final loss"]
     return _table(columns, records, _train_cells)
+
+
+def _t4_cells(record: dict, row: dict) -> list[str]:
+    from slothkit.plan import plan
+
+    predicted = plan(record["model"], gpu="t4", seq=record["seq"], batch=record["batch"],
+                     mode=record["mode"], rank=record["rank"])
+    measured = row.get("peak_allocated_gib")
+    error = f"{predicted.total_gib / measured - 1:+.0%}" if measured else "-"
+    return [record["model"], record["mode"], f"{record['batch']} x {record['seq']}", row["impl"],
+            row["status"] if row["status"] != "ok" else f"{measured:.2f}",
+            f"{predicted.total_gib:.2f}", error]
+
+
+def render_t4(records: list[dict]) -> str:
+    """The --t4 runs beside what `slothkit plan --gpu t4` predicts for the same setting."""
+    columns = ["model", "mode", "batch x seq", "implementation", "measured peak GiB",
+               "planner GiB", "planner error"]
+    return _table(columns, records, _t4_cells)
 
 
 def render_context(records: list[dict]) -> str:
@@ -93,7 +118,13 @@ def render_context(records: list[dict]) -> str:
 
 
 def readme_table(folder: Path = RESULTS) -> str:
-    table = render(load_records(folder))
+    train = load_records(folder)
+    table = render([r for r in train if not is_t4_standin(r)])
+    t4 = [r for r in train if is_t4_standin(r)]
+    if t4:
+        table += ("\n\nT4 stand-in (`slothkit bench train --t4`: fp16 under a 15 GiB cap, "
+                  "4-bit, batch 1), measured peak against the memory planner's prediction "
+                  "(`slothkit plan MODEL --gpu t4`):\n\n" + render_t4(t4))
     context = render_context(load_records(folder, "context"))
     return table + ("\n\nLongest batch-1 training sequence under a GPU memory cap "
                     "(`slothkit bench context`):\n\n" + context if context else "")

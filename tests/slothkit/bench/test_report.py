@@ -44,3 +44,19 @@ def test_settings_and_context_records_are_shown(tmp_path):
     assert "| nothing fits | - |" in lines[1]
     assert "| skipped | - |" in lines[2]
     assert context in table
+
+
+def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
+    from slothkit.plan import plan
+
+    row = {"impl": "slothkit", "status": "ok", "tokens_per_s": 5000.0, "peak_allocated_gib": 6.5,
+           "training_gib": 1.2, "final_loss": 2.5}
+    _record(tmp_path, "t4.json", kind="train", dtype="fp16", memory_gib=15.0, batch=1, seq=2048,
+            rank=16, rows=[row])
+    _record(tmp_path, "bf16.json", kind="train", batch=2, seq=2048, rank=16,
+            rows=[{**row, "tokens_per_s": 9876.0}])
+    table = readme_table(tmp_path)
+    speed, t4 = table.split("T4 stand-in", 1)
+    assert "9,876" in speed and "5,000" not in speed
+    predicted = plan("llama-3-8b", gpu="t4", seq=2048, batch=1, mode="qlora", rank=16).total_gib
+    assert f"| 6.50 | {predicted:.2f} | {predicted / 6.5 - 1:+.0%} |" in t4
