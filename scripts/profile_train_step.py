@@ -5,8 +5,11 @@ modes the per-kernel difference between them (where does QLoRA's extra time go?)
     python scripts/profile_train_step.py --model mistral-7b --modes lora,qlora --layers 8
 
 --layers keeps only the first N decoder layers (the cost per layer is what differs
-between modes; fewer layers build and run faster). Times are CUDA time per step in ms
-(CPU time on a machine without a GPU, for a dry run of the script).
+between modes; fewer layers build and run faster). Times are GPU time per step in ms,
+kernels and copies only (CPU time on a machine without a GPU, for a dry run of the
+script). Wall time is measured over the same number of steps without the profiler; a
+wall time above the kernel sum is time the GPU waited (on Python, on launches, on a
+synchronisation), less whatever ran overlapped on the side stream (the offload copies).
 """
 
 from __future__ import annotations
@@ -52,17 +55,26 @@ def kernel_times(step, device: str, steps: int = 2) -> tuple[dict[str, float], f
     """Per-kernel time (ms per step) and wall time per step (ms)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    # Wall time without the profiler, which adds CPU time to every operator.
     sync()
     start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    wall = (time.perf_counter() - start) / steps * 1e3
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         sync()
-    wall = (time.perf_counter() - start) / steps * 1e3
     times = collections.Counter()
     for event in prof.key_averages():
         if device == "cuda":
-            own = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+            # Only the device-side events (kernels, memcpys): an operator such as
+            # aten::addmm_ also reports the time of the kernels it launched as its own
+            # device time, and summing both counted every kernel twice.
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            own = event.self_device_time_total
         else:
             own = event.self_cpu_time_total
         if own:
