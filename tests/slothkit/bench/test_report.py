@@ -3,14 +3,16 @@
 import json
 
 from slothkit.bench.report import (
-    BEGIN, END, ROOT, load_records, readme_table, readme_with_table, render, render_context,
+    BEGIN, END, FULL_TABLE, ROOT, full_table, load_records, readme_table, readme_with_table, render,
+    render_context, render_summary,
 )
 
 
-def test_readme_table_matches_the_records():
-    readme = (ROOT / "README.md").read_text()
-    expected = readme_with_table(readme, readme_table())
-    assert readme == expected, "README's table is stale: run python -m slothkit.bench.report --write"
+def test_readme_and_full_table_match_the_records():
+    for path, table in ((ROOT / "README.md", readme_table()), (FULL_TABLE, full_table())):
+        text = path.read_text()
+        assert text == readme_with_table(text, table), (
+            f"{path.name}'s table is stale: run python -m slothkit.bench.report --write")
 
 
 def test_every_record_row_is_rendered():
@@ -26,6 +28,30 @@ def _record(tmp_path, name, **fields):
     (tmp_path / name).write_text(json.dumps({**base, **fields}))
 
 
+def _ok(impl, tokens):
+    return {"impl": impl, "status": "ok", "tokens_per_s": tokens, "vs_hf": tokens / 1000.0,
+            "peak_allocated_gib": 5.0}
+
+
+def test_summary_shows_the_latest_run_and_an_earlier_fuller_one(tmp_path):
+    setting = {"kind": "train", "batch": 2, "seq": 2048}
+    _record(tmp_path, "a.json", date="2026-01-01T10:00:00", **setting,
+            rows=[_ok("slothkit", 1500.0), _ok("hf", 1000.0), _ok("liger", 1100.0)])
+    _record(tmp_path, "b.json", date="2026-01-01T11:00:00", **setting,
+            rows=[_ok("slothkit", 1600.0), _ok("hf", 1000.0), _ok("liger", 1150.0)])
+    _record(tmp_path, "c.json", date="2026-01-01T12:00:00", **setting,
+            rows=[_ok("slothkit", 1700.0), _ok("hf", 1000.0),
+                  {"impl": "unsloth", "status": "error", "error": "disk full"}])
+    _record(tmp_path, "d.json", date="2026-01-01T09:00:00", **{**setting, "seq": 4096},
+            rows=[_ok("hf", 900.0)])
+    lines = render_summary(load_records(tmp_path)).splitlines()[2:]
+    assert [line.rsplit("|", 2)[-2].strip() for line in lines] == [
+        "`results/bench/b.json`", "`results/bench/c.json`", "`results/bench/d.json`"]
+    assert "| 1,600 (1.60x), 5.0 GiB | 1,000 (1.00x), 5.0 GiB | 1,150 (1.15x), 5.0 GiB | not in this run |" in lines[0]
+    assert "| 1,700 (1.70x), 5.0 GiB |" in lines[1] and lines[1].endswith("| not in this run | error | `results/bench/c.json` |")
+    assert "| 2026-01-01 12:00 |" in lines[1]
+
+
 def test_settings_and_context_records_are_shown(tmp_path):
     row = {"impl": "hf", "status": "ok", "tokens_per_s": 1234.0, "vs_hf": 1.0,
            "peak_allocated_gib": 3.0, "training_gib": 1.0, "final_loss": 2.5}
@@ -37,7 +63,7 @@ def test_settings_and_context_records_are_shown(tmp_path):
         {"impl": "unsloth", "status": "skipped", "error": "not importable"},
     ])
     table = readme_table(tmp_path)
-    assert "qlora (bf16, no autocast, 15 GiB cap)" in table and "| 1,234 |" in table
+    assert "qlora (bf16, no autocast, 15 GiB cap)" in table and "| 1,234 (1.00x), 3.0 GiB |" in table
     context = render_context(load_records(tmp_path, "context"))
     lines = context.splitlines()[2:]
     assert "| 65,536 | 73,728 |" in lines[0]
