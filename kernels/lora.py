@@ -211,6 +211,15 @@ def _check_input(x: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------
 
 
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float, out: torch.Tensor | None = None):
+    """scaling * (a @ b) as one GEMM: the scale rides in the GEMM's alpha, where a
+    separate multiply would be one more launch and one more pass over the product.
+    beta = 0, so whatever ``out`` held is ignored (NaN included)."""
+    if out is None:
+        out = a.new_empty((a.shape[0], b.shape[1]))
+    return out.addmm_(a, b, beta=0, alpha=scaling)
+
+
 def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection, lead_shape=None):
     """Y = X W^T + s (X A^T) B^T + bias; returns (Y, X A^T or None).
 
@@ -236,7 +245,7 @@ def _projection_forward(x2d: torch.Tensor, proj: LoRAProjection, lead_shape=None
         # The rank-r term first, then the base GEMM accumulates onto it (beta = 1): the GEMM
         # reads it in its epilogue while it is compute-bound, where adding it afterwards
         # would be a separate memory-bound read and write of the whole (N, out) output.
-        torch.mm(xa * proj.scaling, proj.lora_b.to(dtype).t(), out=y)
+        _scaled_mm(xa, proj.lora_b.to(dtype).t(), proj.scaling, out=y)
         y.addmm_(x2d, w.t())
     del w
     if bias is not None:
@@ -255,11 +264,11 @@ def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: b
     dtype = dy.dtype
     d_a = d_b = dyb_s = None
     if need_x or need_a:
-        dyb_s = (dy @ proj.lora_b.to(dtype)).mul_(proj.scaling)  # s dY B: (N, r)
+        dyb_s = _scaled_mm(dy, proj.lora_b.to(dtype), proj.scaling)  # s dY B: (N, r)
     if need_a:
         d_a = (dyb_s.t() @ x2d).to(proj.lora_a.dtype)  # (r, in)
     if need_b:
-        d_b = (dy.t() @ (xa * proj.scaling)).to(proj.lora_b.dtype)  # (out, r)
+        d_b = _scaled_mm(dy.t(), xa, proj.scaling).to(proj.lora_b.dtype)  # (out, r)
     return dyb_s, d_a, d_b
 
 
@@ -277,7 +286,7 @@ def _input_gradient(terms, adapter_terms):
     if adapter_terms:
         dtype = adapter_terms[0][0].dtype
         left = torch.cat([t for t, _ in adapter_terms], dim=1)  # (N, sum of ranks)
-        right = torch.cat([a.to(dtype) for _, a in adapter_terms])  # (sum of ranks, in)
+        right = torch.cat([a for _, a in adapter_terms]).to(dtype)  # (sum of ranks, in); one cast
         dx = left @ right  # (N, in)
     for i in range(len(terms)):
         dy, proj = terms[i]
@@ -425,9 +434,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
             has_adapter = down.lora_a is not None
             dyb_s = None
             if has_adapter and (need_dh or need_da):
-                dyb_s = (dy @ down.lora_b.to(dtype)).mul_(s_d)  # s_d dY B_d: (N, r)
+                dyb_s = _scaled_mm(dy, down.lora_b.to(dtype), s_d)  # s_d dY B_d: (N, r)
             if has_adapter and need_db:
-                d_db = (dy.t() @ (ha_d * s_d)).to(down.lora_b.dtype)  # (out, r)
+                d_db = _scaled_mm(dy.t(), ha_d, s_d).to(down.lora_b.dtype)  # (out, r)
 
             h = None
             if need_dh:

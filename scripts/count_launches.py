@@ -1,0 +1,129 @@
+"""Count the device kernels one forward and backward launch, per decoder layer, on a CPU.
+
+When a step is partly bound by the CPU (Python, the dispatcher, Triton's launcher),
+the number of launches per layer is what costs, not their size. This counts them
+without a GPU: the step runs on tiny tensors on the CPU, every torch operator that
+would launch a kernel is counted by a dispatch mode (views, reshapes and allocations
+launch nothing and are not counted), and every Triton kernel is counted by name at its
+launch and not executed (``TRITON_INTERPRET=1`` routes slothkit's kernels to Triton
+rather than to the torch reference; the outputs are then garbage, which does not
+change what is launched). The offloaded-checkpoint copies, which exist only on CUDA,
+are not included (two per layer per step), nor is the optimizer (one fused launch on
+a GPU).
+
+    python scripts/count_launches.py                  # slothkit and HF + PEFT, tiny-llama
+    python scripts/count_launches.py --model tiny-gemma --impl slothkit --top 20
+
+Per layer = (count with 4 layers - count with 2 layers) / 2, so the embedding, the
+loss and the optimizer fall out of it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# Operators that only make views, change metadata or allocate: no kernel on a GPU.
+NO_KERNEL = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "as_strided",
+    "detach", "alias", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
+    "unbind", "chunk", "narrow", "empty", "empty_like", "empty_strided", "new_empty",
+    "new_empty_strided", "lift_fresh", "_to_copy_noop", "unflatten", "flatten", "set_",
+    "_reshape_alias", "view_as", "expand_as", "resize_", "is_same_size", "_has_compatible_shallow_copy_type",
+    "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+}
+
+
+class CountKernels(TorchDispatchMode):
+    def __init__(self, counts: collections.Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in NO_KERNEL:
+            self.counts[f"aten::{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_COUNTER: list[collections.Counter] = []  # where Triton launches are counted, when counting
+
+
+def count_triton_launches() -> None:
+    """Replace the interpreter's launch with a counter: the kernel never runs."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not warmup and _COUNTER:
+            _COUNTER[-1][f"triton::{self.fn.__name__}"] += 1
+
+    InterpretedFunction.run = run
+
+
+def one_step_counts(impl: str, model_name: str, layers: int, seq: int) -> collections.Counter:
+    from slothkit.bench import shapes
+    from slothkit.bench.train_worker import build_model, prepare
+
+    base = shapes.shape_by_name(model_name)
+    name = f"{model_name}-{layers}-layers"
+    shapes.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    # bf16 weights and fp32 adapters, as the benchmark trains on a GPU
+    model = prepare(impl, build_model(name, torch.bfloat16, "cpu", 0), 8)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq))
+
+    def forward_backward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    forward_backward()  # first-call work (lazy state, caches) is not what a step costs
+    optimizer.zero_grad(set_to_none=True)
+    counts = collections.Counter()
+    _COUNTER.append(counts)
+    try:
+        with CountKernels(counts):
+            forward_backward()
+    finally:
+        _COUNTER.pop()
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--impl", default="slothkit,hf")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json", action="store_true", help="also print one JSON line of the totals")
+    args = parser.parse_args()
+    count_triton_launches()
+    totals = {}
+    for impl in args.impl.split(","):
+        two = one_step_counts(impl, args.model, 2, args.seq)
+        four = one_step_counts(impl, args.model, 4, args.seq)
+        per_layer = {k: (four[k] - two[k]) / 2 for k in set(two) | set(four)}
+        total = sum(per_layer.values())
+        totals[impl] = total
+        print(f"\n== {impl} {args.model}: {total:.0f} launches per decoder layer per training step "
+              f"({sum(v for k, v in per_layer.items() if k.startswith('triton::')):.0f} Triton); "
+              f"{sum(two.values()) - 2 * total:.0f} outside the layers")
+        for key, n in sorted(per_layer.items(), key=lambda kv: -kv[1])[: args.top]:
+            if n:
+                print(f"{n:7.1f}  {key}")
+    if args.json:
+        print(json.dumps({"model": args.model, "launches_per_layer": totals}))
+
+
+if __name__ == "__main__":
+    main()
