@@ -19,11 +19,12 @@ from slothkit_kernels.lora import (
     lora_o,
     lora_qkv,
     lora_qkv_reference,
+    lora_qkv_rope,
 )
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference
-from slothkit_kernels.rope import rope, rope_reference
+from slothkit_kernels.rope import rope, rope_reference, rotate
 from slothkit_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
@@ -43,10 +44,12 @@ __all__ = [
     "lora_o",
     "lora_qkv",
     "lora_qkv_reference",
+    "lora_qkv_rope",
     "rms_norm",
     "rms_norm_reference",
     "rope",
     "rope_reference",
+    "rotate",
     "swiglu",
     "swiglu_reference",
 ]

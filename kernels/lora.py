@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from slothkit_kernels.geglu import geglu_backward, geglu_forward, geglu_reference
 from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.rope import rotate
 from slothkit_kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_reference
 from slothkit_kernels.utils import check_float_dtype, check_not_empty
 
@@ -335,14 +336,24 @@ def _adapter_needs(ctx, first: int, i: int) -> tuple[bool, bool]:
 # ----------------------------------------------------------------------------
 
 
+def _heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(B, T, heads * D) -> the (B, heads, T, D) view RoPE rotates."""
+    return y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
 class _LoRAProjectionsFunction(torch.autograd.Function):
     """k projections of one shared input (k = 1 for lora_linear, 3 for lora_qkv).
 
-    apply(x, *fields of projection 1, ..., *fields of projection k).
+    apply(x, rotary, *fields of projection 1, ..., *fields of projection k).
+    rotary: None, or (cos, sin, position_ids, head_dim) to rotate the first two outputs
+    (q and k) in place before returning them; backward applies the transpose rotation to
+    their gradients first. Doing it here rather than through ``rope`` on views of the
+    outputs spares autograd's bookkeeping for a view modified in place (a clone, a zero
+    fill and a copy of each gradient) and rotates both gradients in one launch.
     """
 
     @staticmethod
-    def forward(ctx, x, *flat):
+    def forward(ctx, x, rotary, *flat):
         projs = [LoRAProjection(*flat[i : i + _N_FIELDS]) for i in range(0, len(flat), _N_FIELDS)]
         x2d = x.reshape(-1, x.shape[-1])  # (N, in)
         outs, products = [], []
@@ -351,7 +362,12 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
                 y, xa = _projection_forward(x2d, p, lead_shape=x.shape[:-1])
                 outs.append(y)
                 products.append(xa)
+            if rotary is not None:
+                cos, sin, position_ids, head_dim = rotary
+                rotate(_heads(outs[0], head_dim), _heads(outs[1], head_dim), cos, sin, position_ids)
         _save_projections(ctx, x, projs, products)
+        ctx.rotary = rotary  # cos/sin are inputs that get no gradient: safe to keep on ctx
+        ctx.rotated_shapes = (outs[0].shape, outs[1].shape) if rotary is not None else None
         return tuple(outs)
 
     @staticmethod
@@ -362,8 +378,10 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
         dx = None
         adapter_grads, terms, adapter_terms = [], [], []
         with torch.autocast(x.device.type, enabled=False):
+            if ctx.rotary is not None:
+                grads = _unrotate_gradients(grads, ctx.rotary, ctx.rotated_shapes, x)
             for i, ((proj, xa), dy) in enumerate(zip(_load_projections(ctx, saved), grads)):
-                need_a, need_b = _adapter_needs(ctx, 1, i)
+                need_a, need_b = _adapter_needs(ctx, 2, i)  # fields start after x, rotary
                 dy = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # (N, out_i)
                 dyb_s, d_a, d_b = _adapter_backward(dy, xa, x2d, proj, need_x, need_a, need_b)
                 adapter_grads += [None, d_a, d_b, None, None]
@@ -374,7 +392,23 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
                 dx = _input_gradient(terms, adapter_terms)
         if dx is not None:
             dx = dx.view(x.shape)
-        return (dx, *adapter_grads)
+        return (dx, None, *adapter_grads)
+
+
+def _unrotate_gradients(grads, rotary, shapes, x):
+    """dL/d(q, k before RoPE) = R^T dL/d(q, k after), written to new buffers (autograd may
+    share an incoming gradient with other consumers); v's gradient passes through."""
+    cos, sin, position_ids, head_dim = rotary
+    dtype = x.dtype
+    dq, dk = (torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g
+              for g, shape in zip(grads[:2], shapes))
+    rest = grads[2:]
+    dq, dk = (g.to(dtype) if g.stride(-1) == 1 else g.to(dtype).contiguous() for g in (dq, dk))
+    dq_pre, dk_pre = torch.empty(dq.shape, dtype=dtype, device=dq.device), torch.empty(
+        dk.shape, dtype=dtype, device=dk.device)
+    rotate(_heads(dq, head_dim), _heads(dk, head_dim), cos, sin, position_ids, inverse=True,
+           q_out=_heads(dq_pre, head_dim), k_out=_heads(dk_pre, head_dim))
+    return (dq_pre, dk_pre, *rest)
 
 
 def _activation_launchers(activation: str):
@@ -491,14 +525,14 @@ def _prepare(x: torch.Tensor, checks) -> torch.Tensor:
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     """y = x W^T + s (x A^T) B^T (+ bias) for x of shape (..., in); y: (..., out)."""
     x = _prepare(x, [("proj", proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, *proj.fields())
+    (y,) = _LoRAProjectionsFunction.apply(x, None, *proj.fields())
     return y
 
 
 def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
     """The attention output projection: ``lora_linear`` under its usual name."""
     x = _prepare(x, [("o_proj", o_proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, *o_proj.fields())
+    (y,) = _LoRAProjectionsFunction.apply(x, None, *o_proj.fields())
     return y
 
 
@@ -507,7 +541,36 @@ def lora_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) projections of one input x (..., hidden); x is saved once."""
     x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
-    return _LoRAProjectionsFunction.apply(x, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
+    return _LoRAProjectionsFunction.apply(x, None, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
+
+
+def lora_qkv_rope(
+    x: torch.Tensor,
+    q_proj: LoRAProjection,
+    k_proj: LoRAProjection,
+    v_proj: LoRAProjection,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lora_qkv`` of x (B, T, hidden), then RoPE on q and k, in one autograd Function.
+
+    Returns (q, k, v) of shapes (B, T, heads * head_dim), q and k rotated as ``rope``
+    rotates their (B, heads, T, head_dim) views; cos/sin/position_ids as for ``rope``.
+    Same values as ``lora_qkv`` followed by ``rope``, with less work in backward.
+    """
+    x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
+    if x.dim() != 3:
+        raise ValueError(f"lora_qkv_rope: x must be (B, T, hidden), got shape {tuple(x.shape)}")
+    for name, proj in (("q_proj", q_proj), ("k_proj", k_proj)):
+        if proj.out_features % head_dim:
+            raise ValueError(
+                f"lora_qkv_rope: {name} has out_features={proj.out_features}, not a multiple "
+                f"of head_dim={head_dim}")
+    rotary = (cos.detach(), sin.detach(), position_ids, head_dim)
+    return _LoRAProjectionsFunction.apply(
+        x, rotary, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
 
 
 def lora_mlp(

@@ -411,3 +411,40 @@ def rope(
         if not (torch.is_grad_enabled() and x.requires_grad):
             torch.autograd.graph.increment_version(x)  # as any in-place torch op would
     return q, k
+
+
+def rotate(
+    q_in: torch.Tensor,
+    k_in: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    inverse: bool = False,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation (or, with ``inverse``, its transpose: what backward applies to the
+    gradients) of q_in and k_in into q_out and k_out, outside autograd, in one launch.
+
+    For functions that fuse RoPE into their own forward and backward (such as
+    ``lora_qkv_rope``); everyone else wants ``rope``, which autograd records.  Layouts
+    and tables as ``rope``; the outputs default to the inputs (in place) and may be
+    strided views with a contiguous last dimension.
+    """
+    q_out = q_in if q_out is None else q_out
+    k_out = k_in if k_out is None else k_out
+    for name, x in (("q_in", q_in), ("k_in", k_in), ("q_out", q_out), ("k_out", k_out)):
+        _check_rotatable(name, x)
+    if q_out.shape != q_in.shape or k_out.shape != k_in.shape:
+        raise ValueError("rotate: each output must have its input's shape")
+    cos, sin, position_ids = _normalise_tables(q_in, k_in, cos, sin, position_ids)
+    if not use_triton(q_in):
+        warn_reference_once("rope", q_in.device.type)
+        if inverse:  # the transpose: dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1
+            s1, s2 = sin.chunk(2, dim=-1)
+            sin = -torch.cat((s2, s1), dim=-1)
+        q_rot, k_rot = rope_reference(q_in, k_in, cos, sin, position_ids)
+        return q_out.copy_(q_rot), k_out.copy_(k_rot)
+    _launch(q_in, q_out, k_in, k_out, cos, sin, position_ids, inverse=inverse)
+    return q_out, k_out

@@ -22,7 +22,7 @@ from torch import nn
 from slothkit.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv
+from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
 from slothkit_kernels.rms_norm import rms_norm
 from slothkit_kernels.rope import rope
 
@@ -96,18 +96,18 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         kwargs.pop("past_key_values", None)
 
     batch, seq = hidden_states.shape[:-1]
+    cos, sin = position_embeddings
     projections = projections_or_none("attention q/k/v", self.q_proj, self.k_proj, self.v_proj)
     if projections is None:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-    else:
-        q, k, v = lora_qkv(hidden_states, *projections)
+    else:  # RoPE inside the projections' autograd Function: less work in backward
+        q, k, v = lora_qkv_rope(hidden_states, *projections, cos, sin, self.head_dim)
     # (B, T, heads * D) -> (B, heads, T, D)
     q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
     k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
     v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-
-    cos, sin = position_embeddings
-    q, k = rope(q, k, cos, sin)
+    if projections is None:
+        q, k = rope(q, k, cos, sin)
 
     if cache is not None:
         k, v = _update_cache(cache, k, v, self.layer_idx, kwargs)

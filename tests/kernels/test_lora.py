@@ -28,7 +28,9 @@ from slothkit_kernels.lora import (
     lora_o,
     lora_qkv,
     lora_qkv_reference,
+    lora_qkv_rope,
 )
+from slothkit_kernels.rope import rope
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.testing import relative_error
 
@@ -362,6 +364,62 @@ def test_lora_qkv_retain_graph_backward_twice(device):
     assert torch.equal(g1, g2)
 
 
+HEAD_DIM = 8  # q: 8 heads, k and v: 5 (grouped-query with a ratio that is not a power of 2)
+
+
+def _rotary_tables(kind, batch, seq, device, seed=12):
+    """cos/sin gathered per token (B, T, D), or a table (P, D) and position_ids (B, T)
+    restarting inside a row, as packed sequences have them."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "gathered":
+        cos, sin = (torch.randn(batch, seq, HEAD_DIM, generator=gen).to(device) for _ in range(2))
+        return cos, sin, None
+    cos, sin = (torch.randn(3 * seq, HEAD_DIM, generator=gen).to(device) for _ in range(2))
+    positions = torch.cat([torch.arange(seq - 2), torch.arange(2)]).repeat(batch, 1)
+    return cos, sin, positions.to(device)
+
+
+def _heads(t, batch, seq):
+    return t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tables", ["gathered", "positions"])
+@pytest.mark.parametrize("used", ["all", "v_only", "q_only"])
+def test_lora_qkv_rope_equals_lora_qkv_then_rope(dtype, tables, used, device):
+    """The fused function gives the values and gradients of lora_qkv followed by rope
+    on the (B, heads, T, D) views, with gradients flowing only through what is used."""
+    batch, seq = 2, 7
+    block = _peft_block(dtype, device, seed=13)
+    projs = [_projection(m) for m in (block.q_proj, block.k_proj, block.v_proj)]
+    cos, sin, positions = _rotary_tables(tables, batch, seq, device)
+    x = _x((batch, seq, HIDDEN), dtype, device)
+    params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b)]
+    pick = {"all": slice(0, 3), "v_only": slice(2, 3), "q_only": slice(0, 1)}[used]
+
+    def separate():
+        q, k, v = lora_qkv(x, *projs)
+        q4, k4 = rope(_heads(q, batch, seq), _heads(k, batch, seq), cos, sin, positions)
+        return (q4, k4, _heads(v, batch, seq))[pick]
+
+    def fused():
+        q, k, v = lora_qkv_rope(x, *projs, cos, sin, HEAD_DIM, positions)
+        return tuple(_heads(t, batch, seq) for t in (q, k, v))[pick]
+
+    outs_ref, grads_ref = _run(separate, params)
+    outs, grads = _run(fused, params)
+    for a, b in zip(outs + grads, outs_ref + grads_ref):
+        assert torch.equal(a, b), f"max difference {(a.float() - b.float()).abs().max():.3e}"
+
+
+def test_lora_qkv_rope_bad_head_dim(device):
+    block = _peft_block(torch.float32, device, seed=14)
+    projs = [_projection(m) for m in (block.q_proj, block.k_proj, block.v_proj)]
+    cos, sin, _ = _rotary_tables("gathered", 1, 3, device)
+    with pytest.raises(ValueError, match="multiple of head_dim=16"):
+        lora_qkv_rope(_x((1, 3, HIDDEN), torch.float32, device), *projs, cos, sin, 16)
+
+
 def test_lora_no_grad_inference(device):
     block = _peft_block(torch.bfloat16, device, seed=11)
     projs = [_projection(m) for m in (block.gate_proj, block.up_proj, block.down_proj)]
@@ -628,3 +686,30 @@ def test_lora_qkv_large():
     outs_ref, grads_ref = _run(lambda: lora_qkv_reference(x, *projs), params)
     _compare(outs, outs_ref, LARGE_RTOL, "q, k, v")
     _compare(grads, grads_ref, LARGE_RTOL, "grads")
+
+
+@pytest.mark.cuda
+def test_lora_qkv_rope_large():
+    """Llama-3-8B's attention shapes: the fused function against lora_qkv then rope."""
+    dtype, batch, seq, head_dim = torch.bfloat16, 2, 2048, 128
+    torch.manual_seed(16)
+    projs = [_big_projection(4096, n, 16, dtype)[0] for n in (4096, 1024, 1024)]
+    x = torch.randn(batch, seq, 4096, device="cuda", dtype=dtype).requires_grad_()
+    angles = torch.arange(seq, device="cuda")[:, None] / 10000 ** (
+        torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b)]
+
+    def heads(t):
+        return t.view(batch, seq, -1, head_dim).transpose(1, 2)
+
+    def separate():
+        q, k, v = lora_qkv(x, *projs)
+        return (*rope(heads(q), heads(k), cos, sin), heads(v))
+
+    outs_ref, grads_ref = _run(separate, params)
+    outs, grads = _run(lambda: tuple(heads(t) for t in lora_qkv_rope(x, *projs, cos, sin, head_dim)),
+                       params)
+    for a, b in zip(outs + grads, outs_ref + grads_ref):
+        assert torch.equal(a, b)

@@ -19,7 +19,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from slothkit_kernels import utils
-from slothkit_kernels.rope import rope, rope_reference
+from slothkit_kernels.rope import rope, rope_reference, rotate
+from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hk, T, D): grouped-query heads, odd T, Gemma's D=256, one token, and
@@ -400,3 +401,30 @@ def test_rope_offsets_past_int32(device):
     for a, e in zip((q[:, :, tail], k[:, :, tail]), expected):
         # bf16 results one rounding apart at most (fused multiply-add on the GPU).
         torch.testing.assert_close(a.float(), e.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_and_its_transpose_outside_autograd(dtype, device):
+    """rotate() gives rope_reference's values, and with inverse=True the gradient that
+    autograd gets through rope_reference, for tables whose halves differ (so the
+    transpose is not simply the rotation by -sin), into separate output buffers."""
+    gen = torch.Generator().manual_seed(21)
+    batch, seq, dim = 2, 5, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    q, k = rand(batch, 4, seq, dim), rand(batch, 3, seq, dim)
+    cos, sin = rand(batch, seq, dim), rand(batch, seq, dim)
+    q_ref, k_ref = rope_reference(q.float(), k.float(), cos.float(), sin.float())
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rotate(q, k, cos, sin, q_out=q_out, k_out=k_out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert relative_error(q_out, q_ref) < tol and relative_error(k_out, k_ref) < tol
+
+    gq, gk = rand(*q.shape), rand(*k.shape)
+    qf, kf = q.float().requires_grad_(), k.float().requires_grad_()
+    dq_ref, dk_ref = torch.autograd.grad(
+        rope_reference(qf, kf, cos.float(), sin.float()), (qf, kf), (gq.float(), gk.float()))
+    dq, dk = rotate(gq.clone(), gk.clone(), cos, sin, inverse=True)  # in place
+    assert relative_error(dq, dq_ref) < tol and relative_error(dk, dk_ref) < tol
