@@ -15,7 +15,10 @@ a GPU).
     python scripts/count_launches.py --model tiny-gemma --impl slothkit --top 20
 
 Per layer = (count with 4 layers - count with 2 layers) / 2, so the embedding, the
-loss and the optimizer fall out of it.
+loss and the optimizer fall out of it. ``--time`` also reports the host time per layer
+(the Python, the dispatcher and the CPU's own tiny matmuls; Triton's launcher is not
+run, so add its overhead per Triton launch on a GPU): a layer whose host time is below
+its GPU time keeps the GPU fed.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -69,7 +73,8 @@ def count_triton_launches() -> None:
     InterpretedFunction.run = run
 
 
-def one_step_counts(impl: str, model_name: str, layers: int, seq: int) -> collections.Counter:
+def one_step_counts(impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0):
+    """(launch counts of one forward and backward, fastest host ms of ``timed_steps`` more)."""
     from slothkit.bench import shapes
     from slothkit.bench.train_worker import build_model, prepare
 
@@ -96,7 +101,13 @@ def one_step_counts(impl: str, model_name: str, layers: int, seq: int) -> collec
             forward_backward()
     finally:
         _COUNTER.pop()
-    return counts
+    times = []
+    for _ in range(timed_steps):
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        forward_backward()
+        times.append((time.perf_counter() - start) * 1e3)
+    return counts, (min(times) if times else None)  # noise on a shared host only adds
 
 
 def main() -> None:
@@ -106,18 +117,24 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", action="store_true", help="also print one JSON line of the totals")
+    parser.add_argument("--time", action="store_true",
+                        help="also time the host side per layer (fastest of 15 steps, one thread)")
     args = parser.parse_args()
     count_triton_launches()
+    if args.time:
+        torch.set_num_threads(1)  # one host thread issues a GPU's launches
+    steps = 15 if args.time else 0
     totals = {}
     for impl in args.impl.split(","):
-        two = one_step_counts(impl, args.model, 2, args.seq)
-        four = one_step_counts(impl, args.model, 4, args.seq)
+        two, ms_two = one_step_counts(impl, args.model, 2, args.seq, steps)
+        four, ms_four = one_step_counts(impl, args.model, 4, args.seq, steps)
         per_layer = {k: (four[k] - two[k]) / 2 for k in set(two) | set(four)}
         total = sum(per_layer.values())
         totals[impl] = total
+        host = f"; host {(ms_four - ms_two) / 2:.2f} ms per layer" if args.time else ""
         print(f"\n== {impl} {args.model}: {total:.0f} launches per decoder layer per training step "
               f"({sum(v for k, v in per_layer.items() if k.startswith('triton::')):.0f} Triton); "
-              f"{sum(two.values()) - 2 * total:.0f} outside the layers")
+              f"{sum(two.values()) - 2 * total:.0f} outside the layers{host}")
         for key, n in sorted(per_layer.items(), key=lambda kv: -kv[1])[: args.top]:
             if n:
                 print(f"{n:7.1f}  {key}")
