@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from slothkit.bench.train import IMPLEMENTATIONS, environment, run_worker
+from slothkit.bench.train import check_implementations, environment, run_worker
 
 
 def longest_sequence(impl: str, args, probe=run_worker) -> dict:
@@ -57,9 +57,7 @@ def longest_sequence(impl: str, args, probe=run_worker) -> dict:
 
 def run_context_bench(args) -> dict:
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
-    if unknown:
-        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)}")
+    check_implementations(impls)
     import torch
 
     if not torch.cuda.is_available() and not args.model.startswith("tiny-"):

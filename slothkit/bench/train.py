@@ -26,7 +26,40 @@ from slothkit.bench.train_worker import RESULT_TAG
 IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
 
 
+def split_source_tree(impl: str) -> tuple[str, str | None]:
+    """"slothkit@DIR" -> ("slothkit", DIR): slothkit imported from another source tree
+    (made by scripts/ab_tree.sh REV), to compare two versions in one run; else (impl, None)."""
+    name, _, tree = impl.partition("@")
+    return name, (tree or None)
+
+
+def check_implementations(impls: list[str]) -> None:
+    """Refuse unknown names, and a source tree that does not hold an importable slothkit."""
+    unknown = [i for i in impls if split_source_tree(i)[0] not in IMPLEMENTATIONS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)} "
+                         f"(and slothkit@DIR for a source tree made by scripts/ab_tree.sh)")
+    for impl in impls:
+        name, tree = split_source_tree(impl)
+        if tree is None:
+            continue
+        if name != "slothkit":
+            raise ValueError(f"{impl}: only slothkit can be run from another source tree")
+        missing = [d for d in ("slothkit", "slothkit_kernels") if not (Path(tree) / d).is_dir()]
+        if missing:
+            raise ValueError(f"{impl}: {tree} lacks {', '.join(missing)}/; make it with "
+                             f"`bash scripts/ab_tree.sh REV` (it writes .ab/REV)")
+
+
 def run_worker(impl: str, args, extra_env=None) -> dict:
+    impl, tree = split_source_tree(impl)
+    cwd = None
+    if tree is not None:
+        # The worker, slothkit and its kernels all come from that tree: it goes first on
+        # the path, and is the working directory, which `python -m` puts before everything.
+        cwd = str(Path(tree).resolve())
+        path = os.pathsep.join([cwd] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        extra_env = {**(extra_env or {}), "PYTHONPATH": path}
     command = [
         sys.executable, "-m", "slothkit.bench.train_worker", "--impl", impl,
         "--model", args.model, "--mode", args.mode, "--dtype", args.dtype,
@@ -40,7 +73,7 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     if getattr(args, "slothkit_checkpointing", "offload") != "offload":
         command += ["--slothkit-checkpointing", args.slothkit_checkpointing]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
-    completed = subprocess.run(command, capture_output=True, text=True, env=env)
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
@@ -113,9 +146,7 @@ def format_table(rows: list[dict]) -> str:
 def run_train_bench(args) -> dict:
     apply_t4(args)
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in IMPLEMENTATIONS]
-    if unknown:
-        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)}")
+    check_implementations(impls)
     shape_by_name(args.model)
     import torch
 
@@ -166,7 +197,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="runs per implementation, alternating")
     parser.add_argument("--impl", default="slothkit,hf,liger,unsloth",
-                        help="comma-separated: slothkit, hf, liger, unsloth")
+                        help="comma-separated: slothkit, hf, liger, unsloth; slothkit@DIR runs slothkit "
+                             "from another source tree (scripts/ab_tree.sh REV makes .ab/REV), to "
+                             "compare two versions in one run")
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)")
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,

@@ -70,6 +70,32 @@ def test_unknown_implementation_is_refused():
         main(["bench", "train", "--model", "tiny-llama", "--impl", "deepspeed"])
 
 
+def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
+    """slothkit@DIR imports slothkit, its kernels and the worker from DIR: a tree whose
+    slothkit cannot be imported fails that row only, with DIR's own error."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[3]
+    tree = tmp_path / "old"
+    shutil.copytree(root / "slothkit", tree / "slothkit")
+    shutil.copytree(root / "kernels", tree / "slothkit_kernels")
+    init = tree / "slothkit" / "__init__.py"
+    init.write_text('raise ImportError("this is the other tree")\n' + init.read_text())
+    output = tmp_path / "record.json"
+    main(["bench", "train", "--model", "tiny-llama", "--dtype", "fp32", "--seq", "16", "--steps", "1",
+          "--warmup", "1", "--impl", f"slothkit,slothkit@{tree}", "--output", str(output)])
+    rows = {row["impl"]: row for row in json.loads(output.read_text())["rows"]}
+    assert rows["slothkit"]["status"] == "ok"
+    assert "this is the other tree" in rows[f"slothkit@{tree}"]["error"]
+
+
+def test_source_tree_without_slothkit_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="lacks slothkit, slothkit_kernels/.*ab_tree.sh"):
+        main(["bench", "train", "--model", "tiny-llama", "--impl", f"slothkit@{tmp_path}"])
+    with pytest.raises(ValueError, match="only slothkit can be run from another source tree"):
+        main(["bench", "train", "--model", "tiny-llama", "--impl", f"hf@{tmp_path}"])
+
+
 @pytest.mark.parametrize("flag, expected", [([], True), (["--no-autocast"], False)])
 def test_autocast_switch_reaches_every_worker_and_the_record(tmp_path, monkeypatch, flag, expected):
     _check_switch(tmp_path, monkeypatch, flag, None if expected else "--no-autocast", "autocast", expected)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# An importable copy of slothkit at a git revision, for comparing two versions in one
+# benchmark run (the run-to-run spread on a GPU is larger than many changes' effect):
+#
+#   bash scripts/ab_tree.sh 628f7c6     # writes .ab/628f7c6/{slothkit,slothkit_kernels,slothkit_templates}
+#   slothkit bench train --model llama-3-8b --impl slothkit,slothkit@.ab/628f7c6,hf
+#
+# On the GPU machine, carry .ab/REV (a few hundred KB; .ab/ is git-ignored).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rev=${1:?usage: scripts/ab_tree.sh REV}
+out=.ab/$rev
+rm -rf "$out"
+mkdir -p "$out"
+git archive "$rev" slothkit kernels templates | tar -x -C "$out"
+# The package names pyproject.toml gives kernels/ and templates/.
+mv "$out/kernels" "$out/slothkit_kernels"
+mv "$out/templates" "$out/slothkit_templates"
+echo "$out"
