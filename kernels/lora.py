@@ -77,6 +77,16 @@ class LoRAProjection:
     def fields(self) -> tuple:
         return (self.weight, self.lora_a, self.lora_b, self.scaling, self.bias)
 
+    def fields_in(self, dtype: torch.dtype) -> tuple:
+        """fields() with A and B cast to the compute dtype *before* the autograd Function.
+        Autograd records the casts, so the Function's backward needs none of its own and
+        returns the adapter gradients in ``dtype``, which the casts' backward turns back
+        into the parameters' dtype: the same values as casting inside, fewer launches."""
+        a, b = self.lora_a, self.lora_b
+        if a is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        return (self.weight, a, b, self.scaling, self.bias)
+
 
 _N_FIELDS = 5  # LoRAProjection.fields() as passed to Function.apply
 
@@ -525,14 +535,14 @@ def _prepare(x: torch.Tensor, checks) -> torch.Tensor:
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     """y = x W^T + s (x A^T) B^T (+ bias) for x of shape (..., in); y: (..., out)."""
     x = _prepare(x, [("proj", proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, None, *proj.fields())
+    (y,) = _LoRAProjectionsFunction.apply(x, None, *proj.fields_in(x.dtype))
     return y
 
 
 def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
     """The attention output projection: ``lora_linear`` under its usual name."""
     x = _prepare(x, [("o_proj", o_proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, None, *o_proj.fields())
+    (y,) = _LoRAProjectionsFunction.apply(x, None, *o_proj.fields_in(x.dtype))
     return y
 
 
@@ -541,7 +551,8 @@ def lora_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) projections of one input x (..., hidden); x is saved once."""
     x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
-    return _LoRAProjectionsFunction.apply(x, None, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
+    return _LoRAProjectionsFunction.apply(
+        x, None, *q_proj.fields_in(x.dtype), *k_proj.fields_in(x.dtype), *v_proj.fields_in(x.dtype))
 
 
 def lora_qkv_rope(
@@ -570,7 +581,7 @@ def lora_qkv_rope(
                 f"of head_dim={head_dim}")
     rotary = (cos.detach(), sin.detach(), position_ids, head_dim)
     return _LoRAProjectionsFunction.apply(
-        x, rotary, *q_proj.fields(), *k_proj.fields(), *v_proj.fields())
+        x, rotary, *q_proj.fields_in(x.dtype), *k_proj.fields_in(x.dtype), *v_proj.fields_in(x.dtype))
 
 
 def lora_mlp(
@@ -595,5 +606,6 @@ def lora_mlp(
         )
     _check_projection("down_proj", down_proj, gate_proj.out_features, x, x.dtype)
     return _LoRAMLPFunction.apply(
-        x, activation, *gate_proj.fields(), *up_proj.fields(), *down_proj.fields()
+        x, activation, *gate_proj.fields_in(x.dtype), *up_proj.fields_in(x.dtype),
+        *down_proj.fields_in(x.dtype),
     )

@@ -2,7 +2,7 @@
 
 Part of a training step on a fast GPU is bound by the CPU, which pays for every launch;
 this holds the fused path to well under the plain HF + PEFT path's count in the same
-run (167 against 314 per Llama layer when written), so that a change that adds launches
+run (145 against 314 per Llama layer when written), so that a change that adds launches
 per layer shows up here rather than only as a slower step on the GPU.
 """
 
