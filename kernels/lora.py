@@ -377,7 +377,6 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
                 rotate(_heads(outs[0], head_dim), _heads(outs[1], head_dim), cos, sin, position_ids)
         _save_projections(ctx, x, projs, products)
         ctx.rotary = rotary  # cos/sin are inputs that get no gradient: safe to keep on ctx
-        ctx.rotated_shapes = (outs[0].shape, outs[1].shape) if rotary is not None else None
         return tuple(outs)
 
     @staticmethod
@@ -389,7 +388,7 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
         adapter_grads, terms, adapter_terms = [], [], []
         with torch.autocast(x.device.type, enabled=False):
             if ctx.rotary is not None:
-                grads = _unrotate_gradients(grads, ctx.rotary, ctx.rotated_shapes, x)
+                grads = _unrotate_gradients(grads, ctx.rotary, x.dtype)
             for i, ((proj, xa), dy) in enumerate(zip(_load_projections(ctx, saved), grads)):
                 need_a, need_b = _adapter_needs(ctx, 2, i)  # fields start after x, rotary
                 dy = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # (N, out_i)
@@ -405,20 +404,17 @@ class _LoRAProjectionsFunction(torch.autograd.Function):
         return (dx, None, *adapter_grads)
 
 
-def _unrotate_gradients(grads, rotary, shapes, x):
+def _unrotate_gradients(grads, rotary, dtype):
     """dL/d(q, k before RoPE) = R^T dL/d(q, k after), written to new buffers (autograd may
-    share an incoming gradient with other consumers); v's gradient passes through."""
+    share an incoming gradient with other consumers); v's gradient passes through.
+    Autograd hands unused outputs' gradients over as zeros (materialised), never None."""
     cos, sin, position_ids, head_dim = rotary
-    dtype = x.dtype
-    dq, dk = (torch.zeros(shape, dtype=dtype, device=x.device) if g is None else g
-              for g, shape in zip(grads[:2], shapes))
-    rest = grads[2:]
-    dq, dk = (g.to(dtype) if g.stride(-1) == 1 else g.to(dtype).contiguous() for g in (dq, dk))
-    dq_pre, dk_pre = torch.empty(dq.shape, dtype=dtype, device=dq.device), torch.empty(
-        dk.shape, dtype=dtype, device=dk.device)
+    dq, dk = (g.to(dtype) if g.stride(-1) == 1 else g.to(dtype).contiguous() for g in grads[:2])
+    dq_pre, dk_pre = torch.empty_like(dq, memory_format=torch.contiguous_format), torch.empty_like(
+        dk, memory_format=torch.contiguous_format)
     rotate(_heads(dq, head_dim), _heads(dk, head_dim), cos, sin, position_ids, inverse=True,
-           q_out=_heads(dq_pre, head_dim), k_out=_heads(dk_pre, head_dim))
-    return (dq_pre, dk_pre, *rest)
+           q_out=_heads(dq_pre, head_dim), k_out=_heads(dk_pre, head_dim), check_positions=False)
+    return (dq_pre, dk_pre, *grads[2:])
 
 
 def _activation_launchers(activation: str):

@@ -423,6 +423,7 @@ def rotate(
     inverse: bool = False,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    check_positions: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation (or, with ``inverse``, its transpose: what backward applies to the
     gradients) of q_in and k_in into q_out and k_out, outside autograd, in one launch.
@@ -430,7 +431,8 @@ def rotate(
     For functions that fuse RoPE into their own forward and backward (such as
     ``lora_qkv_rope``); everyone else wants ``rope``, which autograd records.  Layouts
     and tables as ``rope``; the outputs default to the inputs (in place) and may be
-    strided views with a contiguous last dimension.
+    strided views with a contiguous last dimension. check_positions as for ``rope`` (a
+    device sync; a backward whose forward checked them passes False).
     """
     q_out = q_in if q_out is None else q_out
     k_out = k_in if k_out is None else k_out
@@ -439,6 +441,8 @@ def rotate(
     if q_out.shape != q_in.shape or k_out.shape != k_in.shape:
         raise ValueError("rotate: each output must have its input's shape")
     cos, sin, position_ids = _normalise_tables(q_in, k_in, cos, sin, position_ids)
+    if position_ids is not None and check_positions:
+        _check_positions_in_table(position_ids, cos.shape[0])
     if not use_triton(q_in):
         warn_reference_once("rope", q_in.device.type)
         if inverse:  # the transpose: dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1

@@ -713,3 +713,13 @@ def test_lora_qkv_rope_large():
                        params)
     for a, b in zip(outs + grads, outs_ref + grads_ref):
         assert torch.equal(a, b)
+
+
+def test_lora_qkv_rope_refuses_positions_outside_the_table(device):
+    block = _peft_block(torch.float32, device, seed=17)
+    projs = [_projection(m) for m in (block.q_proj, block.k_proj, block.v_proj)]
+    cos, sin, positions = _rotary_tables("positions", 1, 4, device)
+    positions = positions.clone()
+    positions[0, -1] = cos.shape[0]  # one past the last row
+    with pytest.raises(ValueError, match="position_ids range over"):
+        lora_qkv_rope(_x((1, 4, HIDDEN), torch.float32, device), *projs, cos, sin, HEAD_DIM, positions)
