@@ -528,27 +528,30 @@ def _prepare(x: torch.Tensor, checks) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _project(x: torch.Tensor, named: list, rotary=None) -> tuple:
+    """Checked projections of one input x through _LoRAProjectionsFunction.
+
+    named: (name, LoRAProjection) pairs; rotary as for the Function."""
+    x = _prepare(x, [(name, proj, None) for name, proj in named])
+    fields = [f for _, proj in named for f in proj.fields_in(x.dtype)]
+    return _LoRAProjectionsFunction.apply(x, rotary, *fields)
+
+
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     """y = x W^T + s (x A^T) B^T (+ bias) for x of shape (..., in); y: (..., out)."""
-    x = _prepare(x, [("proj", proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, None, *proj.fields_in(x.dtype))
-    return y
+    return _project(x, [("proj", proj)])[0]
 
 
 def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
     """The attention output projection: ``lora_linear`` under its usual name."""
-    x = _prepare(x, [("o_proj", o_proj, None)])
-    (y,) = _LoRAProjectionsFunction.apply(x, None, *o_proj.fields_in(x.dtype))
-    return y
+    return _project(x, [("o_proj", o_proj)])[0]
 
 
 def lora_qkv(
     x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) projections of one input x (..., hidden); x is saved once."""
-    x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
-    return _LoRAProjectionsFunction.apply(
-        x, None, *q_proj.fields_in(x.dtype), *k_proj.fields_in(x.dtype), *v_proj.fields_in(x.dtype))
+    return _project(x, [("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj)])
 
 
 def lora_qkv_rope(
@@ -567,17 +570,16 @@ def lora_qkv_rope(
     rotates their (B, heads, T, head_dim) views; cos/sin/position_ids as for ``rope``.
     Same values as ``lora_qkv`` followed by ``rope``, with less work in backward.
     """
-    x = _prepare(x, [("q_proj", q_proj, None), ("k_proj", k_proj, None), ("v_proj", v_proj, None)])
-    if x.dim() != 3:
+    named = [("q_proj", q_proj), ("k_proj", k_proj), ("v_proj", v_proj)]
+    if isinstance(x, torch.Tensor) and x.dim() != 3:
         raise ValueError(f"lora_qkv_rope: x must be (B, T, hidden), got shape {tuple(x.shape)}")
-    for name, proj in (("q_proj", q_proj), ("k_proj", k_proj)):
-        if proj.out_features % head_dim:
+    for name, proj in named[:2]:
+        if isinstance(proj, LoRAProjection) and proj.out_features % head_dim:
             raise ValueError(
                 f"lora_qkv_rope: {name} has out_features={proj.out_features}, not a multiple "
                 f"of head_dim={head_dim}")
     rotary = (cos.detach(), sin.detach(), position_ids, head_dim)
-    return _LoRAProjectionsFunction.apply(
-        x, rotary, *q_proj.fields_in(x.dtype), *k_proj.fields_in(x.dtype), *v_proj.fields_in(x.dtype))
+    return _project(x, named, rotary)
 
 
 def lora_mlp(

@@ -350,6 +350,27 @@ def _check_positions_in_table(position_ids: torch.Tensor, n_positions: int) -> N
         )
 
 
+def _checked_tables(q, k, cos, sin, position_ids, check_positions: bool):
+    """Check that q and k can be rotated together with these tables, and return the
+    tables in the kernel's layout (shared by ``rope`` and ``rotate``)."""
+    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    if k.dtype != q.dtype:
+        raise TypeError(f"rope: k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    if k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(
+            f"rope: q has shape {tuple(q.shape)} and k {tuple(k.shape)}; batch, tokens and "
+            f"head_dim must match (B, heads, T, D)"
+        )
+    if q.shape[-1] % 2:
+        raise ValueError(f"rope: head_dim {q.shape[-1]} is odd; rotate_half needs an even head_dim")
+    if q.data_ptr() == k.data_ptr():
+        raise ValueError("rope: q and k are the same memory; it would be rotated twice")
+    cos, sin, position_ids = _normalise_tables(q, k, cos, sin, position_ids)
+    if position_ids is not None and check_positions:
+        _check_positions_in_table(position_ids, cos.shape[0])
+    return cos, sin, position_ids
+
+
 def rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -374,21 +395,7 @@ def rope(
     """
     _check_rotatable("q", q)
     _check_rotatable("k", k)
-    check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
-    if k.dtype != q.dtype:
-        raise TypeError(f"rope: k has dtype {k.dtype} but q has {q.dtype}; they must match")
-    if k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-        raise ValueError(
-            f"rope: q has shape {tuple(q.shape)} and k {tuple(k.shape)}; batch, tokens and "
-            f"head_dim must match (B, heads, T, D)"
-        )
-    if q.shape[-1] % 2:
-        raise ValueError(f"rope: head_dim {q.shape[-1]} is odd; rotate_half needs an even head_dim")
-    if q.data_ptr() == k.data_ptr():
-        raise ValueError("rope: q and k are the same memory; it would be rotated twice")
-    cos, sin, position_ids = _normalise_tables(q, k, cos, sin, position_ids)
-    if position_ids is not None and check_positions:
-        _check_positions_in_table(position_ids, cos.shape[0])
+    cos, sin, position_ids = _checked_tables(q, k, cos, sin, position_ids, check_positions)
 
     if not use_triton(q):
         warn_reference_once("rope", q.device.type)
@@ -440,9 +447,7 @@ def rotate(
         _check_rotatable(name, x)
     if q_out.shape != q_in.shape or k_out.shape != k_in.shape:
         raise ValueError("rotate: each output must have its input's shape")
-    cos, sin, position_ids = _normalise_tables(q_in, k_in, cos, sin, position_ids)
-    if position_ids is not None and check_positions:
-        _check_positions_in_table(position_ids, cos.shape[0])
+    cos, sin, position_ids = _checked_tables(q_in, k_in, cos, sin, position_ids, check_positions)
     if not use_triton(q_in):
         warn_reference_once("rope", q_in.device.type)
         if inverse:  # the transpose: dx1 = g1 c1 + g2 s2, dx2 = g2 c2 - g1 s1
