@@ -51,6 +51,19 @@ def check_implementations(impls: list[str]) -> None:
                              f"`bash scripts/ab_tree.sh REV` (it writes .ab/REV)")
 
 
+def tree_first_path(tree: str, pythonpath: str) -> str:
+    """PYTHONPATH for a worker running slothkit from `tree`: the tree first, and without
+    any entry that holds another slothkit source tree.  A source checkout's root has
+    kernels/ (slothkit_kernels under its own name), which transformers imports as Hugging
+    Face's `kernels` package when looking for it; from that checkout it then imports the
+    other slothkit_kernels' names from the tree's and fails."""
+    def other_tree(entry: str) -> bool:
+        return (Path(entry) / "slothkit" / "__init__.py").is_file()
+
+    kept = [entry for entry in pythonpath.split(os.pathsep) if entry and not other_tree(entry)]
+    return os.pathsep.join([tree] + kept)
+
+
 def run_worker(impl: str, args, extra_env=None) -> dict:
     impl, tree = split_source_tree(impl)
     cwd = None
@@ -58,8 +71,7 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
         # The worker, slothkit and its kernels all come from that tree: it goes first on
         # the path, and is the working directory, which `python -m` puts before everything.
         cwd = str(Path(tree).resolve())
-        path = os.pathsep.join([cwd] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-        extra_env = {**(extra_env or {}), "PYTHONPATH": path}
+        extra_env = {**(extra_env or {}), "PYTHONPATH": tree_first_path(cwd, os.environ.get("PYTHONPATH", ""))}
     command = [
         sys.executable, "-m", "slothkit.bench.train_worker", "--impl", impl,
         "--model", args.model, "--mode", args.mode, "--dtype", args.dtype,

@@ -1,6 +1,7 @@
 """`slothkit bench train` on CPU at tiny shapes: its logic and record, not its speed."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,20 @@ def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
     rows = {row["impl"]: row for row in json.loads(output.read_text())["rows"]}
     assert rows["slothkit"]["status"] == "ok"
     assert "this is the other tree" in rows[f"slothkit@{tree}"]["error"]
+
+
+def test_worker_path_for_another_tree_leaves_out_this_checkout(tmp_path):
+    """The GPU scripts put the checkout's root on PYTHONPATH; a worker for another tree
+    must not see it: transformers imports the root's kernels/ as Hugging Face's `kernels`
+    package, which then imports names the other tree's slothkit_kernels lacks."""
+    from slothkit.bench.train import tree_first_path
+
+    root = str(Path(__file__).resolve().parents[3])
+    site = tmp_path / "site"
+    (site / "slothkit_kernels").mkdir(parents=True)
+    tree = str(tmp_path / "old")
+    path = tree_first_path(tree, os.pathsep.join([str(site), root, ""]))
+    assert path.split(os.pathsep) == [tree, str(site)]
 
 
 def test_source_tree_without_slothkit_is_refused(tmp_path):
