@@ -111,9 +111,14 @@ def summarise_records(records: list[dict]) -> list[dict]:
     """Per setting (model, mode, dtype/autocast/cap, batch x seq): the latest run, and
     also the run with the most implementations that worked if that is an earlier one
     (a later run of fewer peers must not hide the full comparison, nor the full
-    comparison hide newer code)."""
+    comparison hide newer code).  Only runs with an HF + PEFT row that worked count: every
+    ratio refers to it, and a run without it (an A/B of two slothkit versions, a
+    checkpointing variant) is a diagnostic, listed with every other row in
+    docs/benchmarks.md."""
     groups: dict[tuple, list[dict]] = {}
     for record in records:
+        if not any(r["impl"] == "hf" and r["status"] == "ok" for r in record["rows"]):
+            continue
         key = (record["model"], record["mode"], _setting(record), record["batch"], record["seq"])
         groups.setdefault(key, []).append(record)
     chosen = []

@@ -44,6 +44,8 @@ def test_summary_shows_the_latest_run_and_an_earlier_fuller_one(tmp_path):
                   {"impl": "unsloth", "status": "error", "error": "disk full"}])
     _record(tmp_path, "d.json", date="2026-01-01T09:00:00", **{**setting, "seq": 4096},
             rows=[_ok("hf", 900.0)])
+    _record(tmp_path, "e.json", date="2026-01-01T13:00:00", **setting,  # no HF: a diagnostic run
+            rows=[_ok("slothkit", 1800.0), {**_ok("slothkit@.ab/old", 1750.0), "vs_hf": None}])
     lines = render_summary(load_records(tmp_path)).splitlines()[2:]
     assert [line.rsplit("|", 2)[-2].strip() for line in lines] == [
         "`results/bench/b.json`", "`results/bench/c.json`", "`results/bench/d.json`"]
@@ -80,7 +82,7 @@ def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
     _record(tmp_path, "t4.json", kind="train", dtype="fp16", memory_gib=15.0, batch=1, seq=2048,
             rank=16, rows=[row])
     _record(tmp_path, "bf16.json", kind="train", batch=2, seq=2048, rank=16,
-            rows=[{**row, "tokens_per_s": 9876.0}])
+            rows=[{**row, "tokens_per_s": 9876.0}, {**row, "impl": "hf", "tokens_per_s": 6000.0}])
     table = readme_table(tmp_path)
     speed, t4 = table.split("T4 stand-in", 1)
     assert "9,876" in speed and "5,000" not in speed
