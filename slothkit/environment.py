@@ -53,6 +53,33 @@ def accelerator() -> dict:
     }
 
 
+def host() -> dict:
+    """The CPU that drives the GPU, and how long it takes per small torch operation.
+
+    Where training is partly bound by the host (Python and launches), the same GPU
+    gives different speeds on hosts of different speed; benchmark records keep this so
+    that such runs can be told apart.  The cost is the median over 5 batches of 2,000
+    adds on a one-element CPU tensor (Python, the dispatcher, no real work)."""
+    import os
+    import time
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    one = torch.zeros(1)
+    batches = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(2000):
+            one.add(1)
+        batches.append((time.perf_counter() - start) / 2000 * 1e6)
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_op_us": round(sorted(batches)[2], 2)}
+
+
 def describe() -> str:
     lines = [f"python {platform.python_version()} on {platform.system()} {platform.machine()}"]
     acc = accelerator()

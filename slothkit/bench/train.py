@@ -104,9 +104,9 @@ def flops_per_token(shape_name: str, seq: int) -> float:
 
 
 def environment() -> dict:
-    from slothkit.environment import accelerator, package_versions
+    from slothkit.environment import accelerator, host, package_versions
 
-    return {"accelerator": accelerator(), "versions": package_versions(),
+    return {"accelerator": accelerator(), "host": host(), "versions": package_versions(),
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "slothkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])}

@@ -55,6 +55,8 @@ def test_tiny_run_writes_a_record(tmp_path, capsys):
     # A peer that is not installed is reported, never faked.
     assert rows["unsloth"]["status"] in ("skipped", "error")
     assert record["versions"]["torch"] and record["command"].startswith("slothkit")
+    # The host's speed, which a partly host-bound step depends on.
+    assert record["host"]["cpu"] and record["host"]["cores"] >= 1 and record["host"]["torch_op_us"] > 0
     table = capsys.readouterr().out
     assert "| slothkit | ok |" in table and "unsloth" in table
 
