@@ -7,9 +7,10 @@
 #
 # Each argument is one `slothkit bench` command line without --output (an optional
 # --tag NAME is added to the file names); the record and log are written as
-# <n>-<kind>-<model>-<mode>[-NAME].json/.log and, after every job, bundled into
-# $OUT/bench-records.tgz: the device tool brings back only a few files per call, and a
-# call cut short at its time limit still returns the jobs that finished.  A job that
+# <n>-<kind>-<model>-<mode>[-NAME].json/.log and bundled into $OUT/bench-records.tgz
+# every 15 s and after every job: the device tool brings back only a few files per
+# call, and a call cut short at its time limit still returns what finished (the record
+# lists the implementations it had not reached under "pending").  A job that
 # fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,15 @@ for job in "$@"; do
     name="$n-$kind-$model-$mode${tag:+-$tag}"
     echo "== [$n/$#] slothkit bench $job  ($(date +%T))"
     start=$SECONDS
-    python3 -m slothkit.cli bench $job --output "$runs/$name.json" > "$runs/$name.log" 2>&1
+    python3 -m slothkit.cli bench $job --output "$runs/$name.json" > "$runs/$name.log" 2>&1 &
+    pid=$!
+    # The record is rewritten after each implementation; bundle it every 15 s, so that a
+    # call killed at its time limit still brings back the implementations that finished.
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 15
+        tar czf "$OUT/bench-records.tgz" -C "$runs" . 2>/dev/null
+    done
+    wait "$pid"
     echo "   exit $? after $((SECONDS - start)) s"
     grep -E "^\|" "$runs/$name.log" | head -n 12
     grep -E "longest|skipped|error" "$runs/$name.log" | head -n 6

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from slothkit.bench.train import check_implementations, environment, run_worker
+from slothkit.bench.train import check_implementations, environment, run_worker, write_record
 
 
 def longest_sequence(impl: str, args, probe=run_worker) -> dict:
@@ -63,19 +63,20 @@ def run_context_bench(args) -> dict:
     if not torch.cuda.is_available() and not args.model.startswith("tiny-"):
         raise SystemExit("no CUDA GPU here: the context test measures GPU memory; on a CPU "
                          "only --model tiny-llama (a check of the harness) runs")
-    rows = [longest_sequence(impl, args) for impl in impls]
+    rows = []
     record = {**environment(), "kind": "context", "model": args.model, "mode": args.mode,
               "dtype": args.dtype, "memory_gib": args.memory_gib, "granularity": args.granularity,
               "rows": rows}
+    for number, impl in enumerate(impls):
+        rows.append(longest_sequence(impl, args))
+        # Written after each implementation: a run cut short keeps what it measured.
+        write_record(args.output, record, pending=impls[number + 1:])
     for row in rows:
         if row.get("status") == "ok":
             print(f"{row['impl']:10s} longest {row['longest_seq']} tokens; "
                   f"first failing {row['first_failing_seq'] or '> --max-seq'}")
         else:
             print(f"{row['impl']:10s} {row.get('status')}: {row.get('error', '')}")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 

@@ -172,29 +172,41 @@ def run_train_bench(args) -> dict:
     if torch.cuda.is_available():
         peak = run_worker("matmul-peak", args).get("tflops")
     results: dict[str, list[dict]] = {impl: [] for impl in impls}
-    total = args.repeats * len(impls)
-    done = 0
-    for repeat in range(args.repeats):
-        order = impls if repeat % 2 == 0 else impls[::-1]  # alternate to share drift
-        for impl in order:
-            done += 1
-            print(f"[{done}/{total}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
-                  file=sys.stderr, flush=True)
-            results[impl].append(run_worker(impl, args))
-    rows = summarise(results, args, peak)
     record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
               "dtype": args.dtype, "autocast": args.autocast,
               "slothkit_checkpointing": args.slothkit_checkpointing, "memory_gib": args.memory_gib,
               "batch": args.batch, "seq": args.seq, "steps": args.steps,
               "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
-              "matmul_peak_tflops": peak, "rows": rows, "raw": results}
-    print(format_table(rows))
+              "matmul_peak_tflops": peak}
+    runs = [(repeat, impl) for repeat in range(args.repeats)
+            for impl in (impls if repeat % 2 == 0 else impls[::-1])]  # alternate to share drift
+    for done, (repeat, impl) in enumerate(runs, 1):
+        print(f"[{done}/{len(runs)}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
+              file=sys.stderr, flush=True)
+        results[impl].append(run_worker(impl, args))
+        # Written after each run: a benchmark cut short keeps what it measured.
+        ran = [i for i in impls if results[i]]
+        record.update(rows=summarise({i: results[i] for i in ran}, args, peak), raw=results)
+        write_record(args.output, record, pending=[f"{i} (repeat {r + 1})" for r, i in runs[done:]])
+    print(format_table(record["rows"]))
     if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"record written to {path}", file=sys.stderr)
+        print(f"record written to {args.output}", file=sys.stderr)
     return record
+
+
+def write_record(output: str | None, record: dict, pending: list[str]) -> None:
+    """Write the record (if an output path was given), with the runs still to come
+    listed under "pending" while there are any."""
+    if not output:
+        return
+    record.pop("pending", None)
+    if pending:
+        record["pending"] = pending
+    path = Path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)  # never a half-written record
 
 
 def add_arguments(parser) -> None:

@@ -200,3 +200,37 @@ def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
     assert "model.safetensors" in seen["files"] and "tokenizer.json" in seen["files"]
     assert not Path(seen["folder"]).exists()
     assert not list(tmp_path.glob("slothkit-bench-unsloth-*"))
+
+
+def test_a_run_cut_short_keeps_the_record_of_what_finished(tmp_path, monkeypatch):
+    """The record is rewritten after each implementation, with what is still to come
+    under "pending": a benchmark killed at a time limit keeps its finished rows."""
+    import slothkit.bench.train as train
+
+    def worker(impl, args, extra_env=None):
+        if impl == "hf":
+            raise KeyboardInterrupt  # the run is killed here
+        return {"status": "ok", "step_s": 0.5, "losses": [2.0], "final_loss": 2.0}
+
+    monkeypatch.setattr(train, "run_worker", worker)
+    output = tmp_path / "record.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "train", "--model", "tiny-llama", "--seq", "16", "--impl", "slothkit,hf",
+              "--repeats", "2", "--output", str(output)])
+    record = json.loads(output.read_text())
+    assert [row["impl"] for row in record["rows"]] == ["slothkit"]
+    assert record["rows"][0]["tokens_per_s"] == pytest.approx(2 * 16 / 0.5)
+    assert record["pending"] == ["hf (repeat 1)", "hf (repeat 2)", "slothkit (repeat 2)"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_finished_run_has_nothing_pending(tmp_path, monkeypatch):
+    import slothkit.bench.context as context
+
+    monkeypatch.setattr(context, "longest_sequence",
+                        lambda impl, args: {"impl": impl, "status": "ok", "longest_seq": 64,
+                                            "first_failing_seq": None, "probes": []})
+    output = tmp_path / "context.json"
+    main(["bench", "context", "--model", "tiny-llama", "--impl", "slothkit,hf", "--output", str(output)])
+    record = json.loads(output.read_text())
+    assert [row["impl"] for row in record["rows"]] == ["slothkit", "hf"] and "pending" not in record
