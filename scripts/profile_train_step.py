@@ -10,6 +10,10 @@ kernels and copies only (CPU time on a machine without a GPU, for a dry run of t
 script). Wall time is measured over the same number of steps without the profiler; a
 wall time above the kernel sum is time the GPU waited (on Python, on launches, on a
 synchronisation), less whatever ran overlapped on the side stream (the offload copies).
+On a GPU it then says where that waiting happens: the host time to issue each phase
+(no profiler), the calls that make the host wait for the GPU (sync debug mode), the
+host-side operator table, and the idle gaps on the compute stream, each charged to the
+kernel that ends it and the phase that launched it (``idle_gaps``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
+import time
 
 import torch
 
@@ -60,9 +62,6 @@ def host() -> dict:
     gives different speeds on hosts of different speed; benchmark records keep this so
     that such runs can be told apart.  The cost is the median over 5 batches of 2,000
     adds on a one-element CPU tensor (Python, the dispatcher, no real work)."""
-    import os
-    import time
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:

@@ -9,9 +9,7 @@ memory cannot leave fragments behind for the next one.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from slothkit.bench.train import check_implementations, environment, run_worker, write_record
 

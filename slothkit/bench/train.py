@@ -185,8 +185,8 @@ def run_train_bench(args) -> dict:
               file=sys.stderr, flush=True)
         results[impl].append(run_worker(impl, args))
         # Written after each run: a benchmark cut short keeps what it measured.
-        ran = [i for i in impls if results[i]]
-        record.update(rows=summarise({i: results[i] for i in ran}, args, peak), raw=results)
+        ran = {impl: runs_of_impl for impl, runs_of_impl in results.items() if runs_of_impl}
+        record.update(rows=summarise(ran, args, peak), raw=results)
         write_record(args.output, record, pending=[f"{i} (repeat {r + 1})" for r, i in runs[done:]])
     print(format_table(record["rows"]))
     if args.output:
