@@ -28,6 +28,10 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
         record = json.loads(path.read_text())
         if record.get("kind") == kind:
             record["_file"] = path.name
+            # A run cut short (at the GPU call's time limit) lists the implementations it
+            # never started under "pending": each gets a row saying so, rather than none.
+            record["rows"] = record["rows"] + [
+                {"impl": impl, "status": "not reached"} for impl in record.get("pending", [])]
             records.append(record)
     return records
 
@@ -171,7 +175,7 @@ def render_context(records: list[dict]) -> str:
     if not records:
         return ""
     columns = ["model", "mode", "memory cap", "implementation", "longest sequence", "first failing"]
-    return _table(columns, records, _context_cells)
+    return _table(columns, sorted(records, key=lambda r: r.get("date", "")), _context_cells)
 
 
 def readme_table(folder: Path = RESULTS) -> str:
