@@ -428,19 +428,26 @@ def _activation_launchers(activation: str):
 
 
 class _LoRAMLPFunction(torch.autograd.Function):
-    """apply(x, activation, *gate fields, *up fields, *down fields)."""
+    """apply(x, activation, backward_only, *gate fields, *up fields, *down fields)."""
 
     @staticmethod
-    def forward(ctx, x, activation, *flat):
+    def forward(ctx, x, activation, backward_only, *flat):
         gate, up, down = (LoRAProjection(*flat[i : i + _N_FIELDS]) for i in (0, 5, 10))
         act_forward, _ = _activation_launchers(activation)
         x2d = x.reshape(-1, x.shape[-1])  # (N, hidden)
         with torch.autocast(x.device.type, enabled=False):
             e, xa_g = _projection_forward(x2d, gate)  # (N, intermediate)
             g, xa_u = _projection_forward(x2d, up)  # (N, intermediate)
-            h = act_forward(e, g)
-            y, ha_d = _projection_forward(h, down, lead_shape=x.shape[:-1])  # (..., out)
-        del h  # recomputed in backward
+            if backward_only:
+                # Backward needs e and g only: h is rebuilt there anyway, and h A_d^T
+                # (for dB_d) is taken from it then, so the activation and the down
+                # projection, a third of the MLP's FLOPs, are not run at all.
+                y = x.new_zeros((*x.shape[:-1], down.out_features))
+                ha_d = None
+            else:
+                h = act_forward(e, g)
+                y, ha_d = _projection_forward(h, down, lead_shape=x.shape[:-1])  # (..., out)
+                del h  # recomputed in backward
         _save_projections(ctx, x, (gate, up, down), (xa_g, xa_u, ha_d), e, g)
         ctx.activation = activation
         ctx.done = False
@@ -457,9 +464,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
         x, e, g, *saved = ctx.saved_tensors
         (gate, xa_g), (up, xa_u), (down, ha_d) = _load_projections(ctx, saved)
         need_x = ctx.needs_input_grad[0]
-        need_ga, need_gb = _adapter_needs(ctx, 2, 0)
-        need_ua, need_ub = _adapter_needs(ctx, 2, 1)
-        need_da, need_db = _adapter_needs(ctx, 2, 2)
+        need_ga, need_gb = _adapter_needs(ctx, 3, 0)
+        need_ua, need_ub = _adapter_needs(ctx, 3, 1)
+        need_da, need_db = _adapter_needs(ctx, 3, 2)
         # dL/dh is needed for anything upstream of the activation.
         need_dh = need_x or need_ga or need_gb or need_ua or need_ub
 
@@ -475,7 +482,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
             dyb_s = None
             if has_adapter and (need_dh or need_da):
                 dyb_s = _scaled_mm(dy, down.lora_b.to(dtype), s_d)  # s_d dY B_d: (N, r)
-            if has_adapter and need_db:
+            # A backward_only forward saved no h A_d^T: it comes from the rebuilt h below.
+            db_from_h = has_adapter and need_db and ha_d is None
+            if has_adapter and need_db and not db_from_h:
                 d_db = _scaled_mm(dy.t(), ha_d, s_d).to(down.lora_b.dtype)  # (out, r)
 
             h = None
@@ -484,10 +493,13 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 # h goes into dh's buffer, de into e's, dg into g's.
                 h, de, dg = act_backward(dh, e, g, inplace=True)
                 del dh, e, g
-            elif has_adapter and need_da:
+            elif has_adapter and (need_da or db_from_h):
                 h = act_forward(e, g)
             if has_adapter and need_da:
                 d_da = (dyb_s.t() @ h).to(down.lora_a.dtype)  # (r, intermediate)
+            if db_from_h:
+                ha_d = h @ down.lora_a.to(dtype).t()  # (N, r)
+                d_db = _scaled_mm(dy.t(), ha_d, s_d).to(down.lora_b.dtype)  # (out, r)
             del h
 
             if need_dh:
@@ -504,7 +516,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
         if dx is not None:
             dx = dx.view(x.shape)
         return (
-            dx, None,
+            dx, None, None,
             None, d_gate[0], d_gate[1], None, None,
             None, d_up[0], d_up[1], None, None,
             None, d_da, d_db, None, None,
@@ -588,11 +600,17 @@ def lora_mlp(
     up_proj: LoRAProjection,
     down_proj: LoRAProjection,
     activation: str = "swiglu",
+    backward_only: bool = False,
 ) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with LoRA on each projection; x: (..., hidden).
 
     activation: "swiglu" (silu, Llama), "geglu_tanh" (tanh GELU, Gemma) or
     "geglu" (exact erf GELU).
+
+    backward_only=True is for the recomputation of gradient checkpointing, where the
+    forward runs again only to rebuild what backward needs and its output is thrown
+    away: the activation and the down projection are skipped, the returned y is zeros,
+    and backward gives the same gradients as after a full forward.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -604,6 +622,6 @@ def lora_mlp(
         )
     _check_projection("down_proj", down_proj, gate_proj.out_features, x, x.dtype)
     return _LoRAMLPFunction.apply(
-        x, activation, *gate_proj.fields_in(x.dtype), *up_proj.fields_in(x.dtype),
+        x, activation, bool(backward_only), *gate_proj.fields_in(x.dtype), *up_proj.fields_in(x.dtype),
         *down_proj.fields_in(x.dtype),
     )

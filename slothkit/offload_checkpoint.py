@@ -14,13 +14,35 @@ autocast state, and ``torch.autograd.backward`` sends the incoming gradient
 through it.  Parameter gradients (the LoRA matrices) accumulate during that
 inner backward, as in reentrant checkpointing, so the model's inputs must
 require grad (``model.enable_input_require_grads()``; FastModel does this).
+
+The re-run's output is never read (only its graph is), so modules may skip work
+whose result feeds only the layer output: ``recomputing()`` says when they are
+inside a re-run.  The fused MLP uses it to skip its down projection.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import torch
+
+_state = threading.local()  # backward may run on autograd's device threads
+
+
+def recomputing() -> bool:
+    """True while a checkpointed layer is re-run in backward to rebuild its graph."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputation():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 class _OffloadedActivation:
@@ -97,7 +119,8 @@ class _Checkpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
-            with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast):
+            with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
+                    _recomputation():
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)

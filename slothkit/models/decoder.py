@@ -21,6 +21,7 @@ from torch import nn
 
 from slothkit.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
+from slothkit.offload_checkpoint import recomputing
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
 from slothkit_kernels.rms_norm import rms_norm
@@ -58,10 +59,17 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = projections_or_none("the MLP", self.gate_proj, self.up_proj, self.down_proj)
     if projections is None:
         return self._slothkit_original_forward(x)
-    return lora_mlp(x, *projections, activation=self._slothkit_activation)
+    # In the backward re-run of an offload-checkpointed layer the MLP output only feeds
+    # the layer output, which nobody reads: skip the down projection (a hook on the MLP
+    # might read it, so not then).
+    backward_only = recomputing() and not (self._forward_hooks or self._forward_pre_hooks)
+    return lora_mlp(x, *projections, activation=self._slothkit_activation,
+                    backward_only=backward_only)
 
 
 def patch_mlp(mlp: nn.Module, activation: str) -> None:
+    """Only for decoder layers whose MLP output goes straight into the residual sum
+    that is the layer's output (Llama, Mistral, Gemma), as ``_mlp_forward`` assumes."""
     mlp._slothkit_activation = activation
     _bind(mlp, _mlp_forward)
 

@@ -324,6 +324,47 @@ def test_lora_mlp_only_down_adapter_without_x_grad(device):
     _compare(grads, grads_peft, PEFT_RTOL[torch.float32], "down A, B grads")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("which", ["x_and_adapters", "adapters_only", "down_adapter_only"])
+def test_lora_mlp_backward_only_gives_the_same_gradients(dtype, activation, which, device):
+    """The recompute form: y is zeros, and for the same output gradient every gradient
+    equals the one after a full forward (h A_d^T then comes from the h rebuilt in
+    backward instead of the forward's)."""
+    targets = ["down_proj"] if which == "down_adapter_only" else ALL_TARGETS
+    block = _peft_block(dtype, device, activation, targets, seed=17)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m) for m in mods]
+    x = _x((2, 7, HIDDEN), dtype, device, seed=18)
+    params = _adapter_params(*mods)
+    if which == "x_and_adapters":
+        params = [x] + params
+    else:
+        x.requires_grad_(False)
+
+    y, grads = _run(lambda: lora_mlp(x, *projs, activation=activation), params)
+    y_skip, grads_skip = _run(
+        lambda: lora_mlp(x, *projs, activation=activation, backward_only=True), params
+    )
+    assert y_skip[0].shape == y[0].shape and y_skip[0].dtype == y[0].dtype
+    assert torch.count_nonzero(y_skip[0]) == 0
+    _compare(grads_skip, grads, REF_RTOL[dtype], f"backward_only grads ({which})")
+
+
+def test_lora_mlp_backward_only_runs_no_down_projection(nf4_stub, device):
+    """With NF4 weights every projection that runs dequantises its weight once: a
+    backward_only forward dequantises gate and up only."""
+    block = _peft_block(torch.float32, device, seed=19)
+    nf4 = _quantize_to_nf4(block)
+    projs = [_projection(m, nf4) for m in (block.gate_proj, block.up_proj, block.down_proj)]
+    x = _x((7, HIDDEN), torch.float32, device)
+    lora_mlp(x, *projs)
+    assert [w.shape for w in nf4_stub] == [p.weight.shape for p in projs]
+    nf4_stub.clear()
+    lora_mlp(x, *projs, backward_only=True)
+    assert [w.shape for w in nf4_stub] == [p.weight.shape for p in projs[:2]]
+
+
 def test_lora_under_autocast(device):
     """fp32 model and input under bf16 autocast: run in bf16, like PEFT under autocast."""
     block = _peft_block(torch.float32, device, seed=8)

@@ -13,6 +13,7 @@ import torch
 
 from slothkit import FastModel
 from slothkit.testing import tiny_model_path
+from slothkit_kernels.lora import lora_mlp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -101,16 +102,32 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_offloaded_checkpointing_gives_same_gradients(arch, device):
+def test_offloaded_checkpointing_gives_same_gradients(arch, device, monkeypatch):
+    from slothkit.models import decoder
+
+    mlp_calls = []  # backward_only of each fused MLP call
+
+    def recording_lora_mlp(*args, backward_only=False, **kwargs):
+        mlp_calls.append(backward_only)
+        return lora_mlp(*args, backward_only=backward_only, **kwargs)
+
+    monkeypatch.setattr(decoder, "lora_mlp", recording_lora_mlp)
     path = tiny_model_path(arch)
     results = []
     for mode in (False, "offload", True):
         model = _fused(path, load_in_4bit=False, checkpointing=mode)
         ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
+        mlp_calls.clear()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append((loss.item(), grads))
+        # The offload re-run in backward skips the MLP's down projection; torch's
+        # checkpoint re-runs the whole layer.
+        layers = model.config.num_hidden_layers
+        expected = {False: [False] * layers, True: [False] * 2 * layers,
+                    "offload": [False] * layers + [True] * layers}[mode]
+        assert mlp_calls == expected, mode
     base_loss, base_grads = results[0]
     for loss, grads in results[1:]:
         assert loss == pytest.approx(base_loss, rel=1e-6)
