@@ -17,7 +17,9 @@ require grad (``model.enable_input_require_grads()``; FastModel does this).
 
 The re-run's output is never read (only its graph is), so modules may skip work
 whose result feeds only the layer output: ``recomputing()`` says when they are
-inside a re-run.  The fused MLP uses it to skip its down projection.
+inside a re-run.  The fused MLP uses it to skip its down projection.  A forward
+hook on the layer (or a global one) could read that output, so with one the re-run
+is not marked and runs in full.
 """
 
 from __future__ import annotations
@@ -37,12 +39,26 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _recomputation():
-    _state.depth = getattr(_state, "depth", 0) + 1
+def _recomputation(marked: bool):
+    depth = getattr(_state, "depth", 0)
+    _state.depth = depth + int(marked)
     try:
         yield
     finally:
-        _state.depth -= 1
+        _state.depth = depth
+
+
+def _output_may_be_read(run_function) -> bool:
+    """Whether a forward hook may see the re-run's output: a global one, or one on the
+    layer that transformers' checkpoint call re-runs (``partial(forward, layer)``, or
+    ``partial(layer.__call__)`` in older versions, which runs the layer's hooks)."""
+    if torch.nn.modules.module._global_forward_hooks:
+        return True
+    func = getattr(run_function, "func", run_function)
+    layer = getattr(func, "__self__", None)
+    if layer is None and getattr(run_function, "args", None):
+        layer = run_function.args[0]
+    return isinstance(layer, torch.nn.Module) and bool(layer._forward_hooks)
 
 
 class _OffloadedActivation:
@@ -120,7 +136,7 @@ class _Checkpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
             with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
-                    _recomputation():
+                    _recomputation(not _output_may_be_read(ctx.run_function)):
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)

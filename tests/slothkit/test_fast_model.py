@@ -101,17 +101,23 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_offloaded_checkpointing_gives_same_gradients(arch, device, monkeypatch):
+@pytest.fixture
+def mlp_calls(monkeypatch):
+    """backward_only of each fused MLP call, in call order."""
     from slothkit.models import decoder
 
-    mlp_calls = []  # backward_only of each fused MLP call
+    calls = []
 
     def recording_lora_mlp(*args, backward_only=False, **kwargs):
-        mlp_calls.append(backward_only)
+        calls.append(backward_only)
         return lora_mlp(*args, backward_only=backward_only, **kwargs)
 
     monkeypatch.setattr(decoder, "lora_mlp", recording_lora_mlp)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_offloaded_checkpointing_gives_same_gradients(arch, device, mlp_calls):
     path = tiny_model_path(arch)
     results = []
     for mode in (False, "offload", True):
@@ -134,6 +140,22 @@ def test_offloaded_checkpointing_gives_same_gradients(arch, device, monkeypatch)
         for name, grad in base_grads.items():
             assert grads[name] is not None, name
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_hooked_layer_is_recomputed_in_full(device, mlp_calls):
+    """A forward hook on a layer may read the re-run's output, so that layer's re-run
+    keeps its down projection; the others still skip it."""
+    model = _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload")
+    ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
+    first = model.get_base_model().model.layers[0]
+    seen = []
+    first.register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    model(input_ids=ids, labels=labels).loss.backward()
+    layers = model.config.num_hidden_layers
+    # Backward re-runs the layers last to first.
+    assert mlp_calls == [False] * layers + [True] * (layers - 1) + [False]
+    for output in seen[1:]:  # where this transformers runs hooks in the re-run too
+        torch.testing.assert_close(output, seen[0], rtol=0, atol=0)
 
 
 def test_importing_slothkit_patches_nothing_and_models_coexist(device):
