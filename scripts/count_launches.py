@@ -13,6 +13,7 @@ a GPU).
 
     python scripts/count_launches.py                  # slothkit and HF + PEFT, tiny-llama
     python scripts/count_launches.py --model tiny-gemma --impl slothkit --top 20
+    python scripts/count_launches.py --impl slothkit --mode qlora    # NF4 projections
 
 Per layer = (count with 4 layers - count with 2 layers) / 2, so the embedding, the
 loss and the optimizer fall out of it. ``--time`` also reports the host time per layer
@@ -73,7 +74,8 @@ def count_triton_launches() -> None:
     InterpretedFunction.run = run
 
 
-def one_step_counts(impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0):
+def one_step_counts(impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0,
+                    mode: str = "lora"):
     """(launch counts of one forward and backward, fastest host ms of ``timed_steps`` more)."""
     from slothkit.bench import shapes
     from slothkit.bench.train_worker import build_model, prepare
@@ -83,7 +85,7 @@ def one_step_counts(impl: str, model_name: str, layers: int, seq: int, timed_ste
     shapes.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
     torch.manual_seed(0)
     # bf16 weights and fp32 adapters, as the benchmark trains on a GPU
-    model = prepare(impl, build_model(name, torch.bfloat16, "cpu", 0), 8)
+    model = prepare(impl, build_model(name, torch.bfloat16, "cpu", 0, quantize_nf4=mode == "qlora"), 8)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     ids = torch.randint(0, model.config.vocab_size, (2, seq))
 
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--impl", default="slothkit,hf")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--mode", choices=["lora", "qlora"], default="lora",
+                        help="qlora: the seven projections in NF4 (bitsandbytes on the CPU)")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", action="store_true", help="also print one JSON line of the totals")
     parser.add_argument("--time", action="store_true",
@@ -126,13 +130,13 @@ def main() -> None:
     steps = 15 if args.time else 0
     totals = {}
     for impl in args.impl.split(","):
-        two, ms_two = one_step_counts(impl, args.model, 2, args.seq, steps)
-        four, ms_four = one_step_counts(impl, args.model, 4, args.seq, steps)
+        two, ms_two = one_step_counts(impl, args.model, 2, args.seq, steps, args.mode)
+        four, ms_four = one_step_counts(impl, args.model, 4, args.seq, steps, args.mode)
         per_layer = {k: (four[k] - two[k]) / 2 for k in set(two) | set(four)}
         total = sum(per_layer.values())
         totals[impl] = total
         host = f"; host {(ms_four - ms_two) / 2:.2f} ms per layer" if args.time else ""
-        print(f"\n== {impl} {args.model}: {total:.0f} launches per decoder layer per training step "
+        print(f"\n== {impl} {args.model} {args.mode}: {total:.0f} launches per decoder layer per training step "
               f"({sum(v for k, v in per_layer.items() if k.startswith('triton::')):.0f} Triton); "
               f"{sum(two.values()) - 2 * total:.0f} outside the layers{host}")
         for key, n in sorted(per_layer.items(), key=lambda kv: -kv[1])[: args.top]:
