@@ -17,9 +17,11 @@ require grad (``model.enable_input_require_grads()``; FastModel does this).
 
 The re-run's output is never read (only its graph is), so modules may skip work
 whose result feeds only the layer output: ``recomputing()`` says when they are
-inside a re-run.  The fused MLP uses it to skip its down projection.  A forward
+inside the re-run of one decoder layer (the checkpointers ``enable_checkpointing``
+installs; a function checkpointed through ``offload_checkpoint`` may be anything,
+and is not marked).  The fused MLP uses it to skip its down projection.  A forward
 hook on the layer (or a global one) could read that output, so with one the re-run
-is not marked and runs in full.
+is not marked either and runs in full.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, checkpointer, run_function, hidden_states, *args):
         ctx.run_function = run_function
+        ctx.marks_recompute = checkpointer.marks_recompute
         ctx.args = args
         ctx.autocast = _autocast_state(hidden_states.device.type)
         ctx.cpu_rng = torch.get_rng_state()
@@ -136,7 +139,7 @@ class _Checkpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
             with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
-                    _recomputation(not _output_may_be_read(ctx.run_function)):
+                    _recomputation(ctx.marks_recompute and not _output_may_be_read(ctx.run_function)):
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
@@ -168,11 +171,14 @@ class OffloadedCheckpointer:
 
     One instance per model: it owns the side stream and links each layer's
     offloaded input to the previous layer's, so backward can prefetch one ahead.
+    marks_recompute: each call runs one decoder layer, so its re-run in backward is
+    marked (``recomputing()``) for the modules inside it.
     """
 
-    def __init__(self):
+    def __init__(self, marks_recompute: bool = False):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
+        self.marks_recompute = marks_recompute
 
     def offload(self, tensor: torch.Tensor) -> _OffloadedActivation:
         stream = self._streams.get(tensor.device)
@@ -208,7 +214,7 @@ def enable_checkpointing(layers, mode) -> None:
             layer.gradient_checkpointing = False
         return
     if mode in ("offload", "unsloth"):
-        func = OffloadedCheckpointer()
+        func = OffloadedCheckpointer(marks_recompute=True)
     else:
         from functools import partial
 

@@ -158,6 +158,31 @@ def test_a_hooked_layer_is_recomputed_in_full(device, mlp_calls):
         torch.testing.assert_close(output, seen[0], rtol=0, atol=0)
 
 
+def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_calls):
+    """offload_checkpoint(fn) may wrap anything, here two fused MLPs in a row, where the
+    first one's output is read in the re-run: it is not marked, so nothing is skipped."""
+    from slothkit.offload_checkpoint import offload_checkpoint
+
+    model = _fused(tiny_model_path("llama"), load_in_4bit=False)
+    mlp = model.get_base_model().model.layers[0].mlp
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, model.config.hidden_size, generator=gen).to(device).requires_grad_()
+    dy = torch.randn(2, 7, model.config.hidden_size, generator=gen).to(device)
+    params = [x] + [p for p in mlp.parameters() if p.requires_grad]
+
+    def grads(fn):  # the checkpoint adds parameter gradients to .grad, as reentrant ones do
+        for p in params:
+            p.grad = None
+        fn(x).backward(dy)
+        return [p.grad.clone() for p in params]
+
+    expected = grads(lambda h: mlp(mlp(h)))
+    got = grads(lambda h: offload_checkpoint(lambda inner: mlp(mlp(inner)), h))
+    assert True not in mlp_calls
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_importing_slothkit_patches_nothing_and_models_coexist(device):
     from transformers import AutoModelForCausalLM
 
