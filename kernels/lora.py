@@ -484,8 +484,6 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 dyb_s = _scaled_mm(dy, down.lora_b.to(dtype), s_d)  # s_d dY B_d: (N, r)
             # A backward_only forward saved no h A_d^T: it comes from the rebuilt h below.
             db_from_h = has_adapter and need_db and ha_d is None
-            if has_adapter and need_db and not db_from_h:
-                d_db = _scaled_mm(dy.t(), ha_d, s_d).to(down.lora_b.dtype)  # (out, r)
 
             h = None
             if need_dh:
@@ -497,8 +495,9 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 h = act_forward(e, g)
             if has_adapter and need_da:
                 d_da = (dyb_s.t() @ h).to(down.lora_a.dtype)  # (r, intermediate)
-            if db_from_h:
-                ha_d = h @ down.lora_a.to(dtype).t()  # (N, r)
+            if has_adapter and need_db:
+                if db_from_h:
+                    ha_d = h @ down.lora_a.to(dtype).t()  # (N, r)
                 d_db = _scaled_mm(dy.t(), ha_d, s_d).to(down.lora_b.dtype)  # (out, r)
             del h
 
