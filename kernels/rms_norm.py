@@ -161,6 +161,12 @@ BACKWARD_PROGRAMS_PER_SM = 1
 BACKWARD_NUM_WARPS = 16
 # Elements per backward tile (BLOCK_ROWS x BLOCK_SIZE).
 BACKWARD_TILE_ELEMENTS = 16384
+# Without dL/dw (a frozen weight, as in every LoRA run) programs keep no partial sums,
+# so there can be many: each takes this many tiles of rows.  Before this existed a
+# frozen weight got one program per row, with BLOCK_ROWS - 1 of its tile's rows masked
+# off: 95 us for 4096 x 4096 on an H200, against about 25 at the copy bandwidth.
+BACKWARD_TILES_PER_PROGRAM_NO_DW = 1
+BACKWARD_NUM_WARPS_NO_DW = 16
 
 
 def _backward_programs(device: torch.device, n_rows: int) -> int:
@@ -201,16 +207,20 @@ class _RMSNormFunction(torch.autograd.Function):
         n_rows, n_cols = x_rows.shape
         dy_rows = _as_rows(dy, n_cols)
         dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if needs_dx else None
-        n_programs = _backward_programs(x_rows.device, n_rows) if needs_dw else n_rows
-        rows_per_program = triton.cdiv(n_rows, n_programs)
+        block_size, num_warps = calculate_settings(n_cols)
+        block_rows = max(1, min(16, BACKWARD_TILE_ELEMENTS // block_size))
+        if needs_dw:
+            n_programs = _backward_programs(x_rows.device, n_rows)
+            rows_per_program = triton.cdiv(n_rows, n_programs)
+            num_warps = BACKWARD_NUM_WARPS or num_warps
+        else:
+            rows_per_program = block_rows * BACKWARD_TILES_PER_PROGRAM_NO_DW
+            num_warps = BACKWARD_NUM_WARPS_NO_DW or num_warps
         n_programs = triton.cdiv(n_rows, rows_per_program)
         dw_partial = (
             torch.empty((n_programs, n_cols), dtype=torch.float32, device=x_rows.device)
             if needs_dw else None
         )
-        block_size, num_warps = calculate_settings(n_cols)
-        num_warps = BACKWARD_NUM_WARPS or num_warps
-        block_rows = max(1, min(16, BACKWARD_TILE_ELEMENTS // block_size))
         _rms_norm_backward_kernel[(n_programs,)](
             dy_rows, x_rows, weight, rstd,
             dx if needs_dx else x_rows,  # placeholders are never written

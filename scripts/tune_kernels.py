@@ -68,6 +68,30 @@ def main(only=None):
                           f"graphed {ms_graph*1e3:7.1f} us {nbytes/ms_graph/1e6/bw*100:5.1f}% copy")
     rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = 1, 16
     rms_mod.BACKWARD_TILE_ELEMENTS = 16384
+
+    # RMSNorm backward with a frozen weight (dx only), as every LoRA run calls it.
+    for rows, h in [(4096, 4096), (16384, 4096), (4096, 3072), (16384, 3072)]:
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(h, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn_like(x)
+        y = rms_mod.rms_norm(x, w)
+        nbytes = 3 * x.numel() * 2  # read x, dy; write dx
+        node = y.grad_fn
+        while "RMSNorm" not in type(node).__name__:
+            node = node.next_functions[0][0]
+        ctx = _SavedContext(node.saved_tensors, (True, False), gemma=False, x_shape=x.shape)
+        for tile in (4096, 8192, 16384):
+            for tiles_per_program in (1, 2, 4):
+                for warps in (4, 8, 16):
+                    rms_mod.BACKWARD_TILE_ELEMENTS = tile
+                    rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW = tiles_per_program
+                    rms_mod.BACKWARD_NUM_WARPS_NO_DW = warps
+                    ms = bench_graph(lambda: rms_mod._RMSNormFunction.backward(ctx, dy))
+                    print(f"rms_norm bwd no-dw {rows}x{h} tile={tile:5d} tiles/program="
+                          f"{tiles_per_program} warps={warps:2d}: {ms*1e3:7.1f} us "
+                          f"{nbytes/ms/1e6/bw*100:5.1f}% copy (graphed)")
+    rms_mod.BACKWARD_TILE_ELEMENTS = 16384
+    rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW, rms_mod.BACKWARD_NUM_WARPS_NO_DW = 1, 16
     if only == "rms_norm":
         return
 

@@ -136,9 +136,12 @@ def test_gemma_output_keeps_input_dtype(device):
     _check(y, y_hf.detach(), scale_y, torch.bfloat16, device, k=1.0, what="y")
 
 
+# (37, 300) and (41, 1000): several programs of 16-row tiles with a frozen weight, the
+# last one partly masked.
+@pytest.mark.parametrize("shape", [(6, 70), (37, 300), (41, 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_only_where_required(dtype, device):
-    x, w, dy = _inputs((6, 70), dtype, device, gemma=False, seed=2)
+def test_gradients_only_where_required(shape, dtype, device):
+    x, w, dy = _inputs(shape, dtype, device, gemma=False, seed=2)
     _, dx_ref, dw_ref = _run(lambda x, w: rms_norm_reference(x, w, 1e-6), x, w, dy)
     _, scale_dx, scale_dw = _scales(x, w, dy, 1e-6, False)
 
@@ -230,6 +233,22 @@ def test_rms_norm_large(shape, gemma, device):
     _check(y, y_hf, scale_y, dtype, device, k=2.0, what="y")
     _check(dx, dx_hf, scale_dx, dtype, device, what="dx")
     _check(dw, module.weight.grad, scale_dw, dtype, device, k=3.0, what="dw")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("shape", [(2, 2048, 4096), (3, 1000, 3072)])
+def test_rms_norm_large_frozen_weight(shape, gemma, device):
+    """dx alone, as LoRA training asks for it: the backward's other launch shape."""
+    dtype = torch.bfloat16
+    x, w, dy = _inputs(shape, dtype, device, gemma, seed=4)
+    xg = x.clone().requires_grad_()
+    rms_norm(xg, w, gemma=gemma).backward(dy.to(dtype))
+    module = _hf_module(shape[-1], 1e-6, gemma, w).requires_grad_(False)
+    x_hf = x.clone().requires_grad_()
+    module(x_hf).backward(dy.to(dtype))
+    _, scale_dx, _ = _scales(x, w, dy, 1e-6, gemma)
+    _check(xg.grad, x_hf.grad, scale_dx, dtype, device, what="dx with a frozen weight")
 
 
 @pytest.mark.cuda
