@@ -6,13 +6,17 @@ kernels/rms_norm.py, kernels/swiglu.py and kernels/rope.py; the numbers go to
 docs/kernel-tuning.md.
 """
 
+import importlib
+
 import torch
 import triton.testing
 
-import slothkit_kernels.geglu as geglu_mod
-import slothkit_kernels.rms_norm as rms_mod
-import slothkit_kernels.rope as rope_mod
-import slothkit_kernels.swiglu as swiglu_mod
+# import_module, not `import slothkit_kernels.rms_norm as ...`: the package exports
+# functions named like their modules, and `import a.b as m` binds the attribute a.b.
+geglu_mod = importlib.import_module("slothkit_kernels.geglu")
+rms_mod = importlib.import_module("slothkit_kernels.rms_norm")
+rope_mod = importlib.import_module("slothkit_kernels.rope")
+swiglu_mod = importlib.import_module("slothkit_kernels.swiglu")
 
 
 def bench(fn):
