@@ -27,10 +27,13 @@ is not marked either and runs in full.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 
 import torch
+
+from slothkit.layer_graphs import LayerGraphs
 
 _state = threading.local()  # backward may run on autograd's device threads
 
@@ -112,8 +115,13 @@ class _Checkpoint(torch.autograd.Function):
         ctx.autocast = _autocast_state(hidden_states.device.type)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
-        with torch.no_grad():
-            output = run_function(hidden_states, *args)
+        ctx.graphs = checkpointer.graphs
+        output = None
+        if ctx.graphs is not None:
+            output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast)
+        if output is None:
+            with torch.no_grad():
+                output = run_function(hidden_states, *args)
         if hidden_states.is_cuda:
             ctx.offloaded = checkpointer.offload(hidden_states)
             ctx.saved_input = None
@@ -132,6 +140,12 @@ class _Checkpoint(torch.autograd.Function):
                 previous.prefetch()  # overlap the next layer's copy with this layer's recompute
         else:
             hidden_states = ctx.saved_input
+        if ctx.graphs is not None and len(grad_outputs) == 1:
+            marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
+            grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,
+                                             grad_outputs[0], lambda: _recomputation(marked))
+            if grad_input is not None:
+                return (None, None, grad_input if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
         hidden_states = hidden_states.detach().requires_grad_(ctx.input_requires_grad)
         devices = [hidden_states.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices):
@@ -175,10 +189,13 @@ class OffloadedCheckpointer:
     marked (``recomputing()``) for the modules inside it.
     """
 
-    def __init__(self, marks_recompute: bool = False):
+    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool = False):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
+        # Replay each layer's forward and backward from CUDA graphs where it can
+        # (slothkit.layer_graphs); elsewhere, and on the CPU, the layers run as before.
+        self.graphs = LayerGraphs() if cuda_graphs else None
 
     def offload(self, tensor: torch.Tensor) -> _OffloadedActivation:
         stream = self._streams.get(tensor.device)
@@ -200,11 +217,22 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
-def enable_checkpointing(layers, mode) -> None:
+def enable_checkpointing(layers, mode, cuda_graphs: bool | None = None) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
     mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
+    cuda_graphs (offload only): replay the layers from CUDA graphs where possible. None:
+    SLOTHKIT_CUDA_GRAPHS=1 or 0 if set, else on for GPUs of compute capability 8.0 and up
+    (A100, H100, RTX 30xx/40xx), which can run a layer faster than the host issues it,
+    and off for T4/V100-class GPUs, which cannot and whose memory is tight (the graphs'
+    memory pool is held between steps).
     """
+    if cuda_graphs is None:
+        setting = os.environ.get("SLOTHKIT_CUDA_GRAPHS")
+        if setting is not None:
+            cuda_graphs = setting != "0"
+        else:
+            cuda_graphs = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     if mode not in (True, False, "offload", "unsloth"):
         raise ValueError(
             f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False"
@@ -214,7 +242,7 @@ def enable_checkpointing(layers, mode) -> None:
             layer.gradient_checkpointing = False
         return
     if mode in ("offload", "unsloth"):
-        func = OffloadedCheckpointer(marks_recompute=True)
+        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs)
     else:
         from functools import partial
 

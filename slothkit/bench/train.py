@@ -126,7 +126,7 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
         if peak_tflops:
             row["mfu"] = row["tokens_per_s"] * per_token / (peak_tflops * 1e12)
         for key in ("peak_allocated_gib", "peak_reserved_gib", "training_gib", "loaded_gib",
-                    "host_rss_gib", "final_loss"):
+                    "host_rss_gib", "final_loss", "cuda_graphs"):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok) if key != "final_loss" else ok[-1][key]
         row["losses"] = ok[-1]["losses"]
@@ -239,7 +239,10 @@ def add_arguments(parser) -> None:
 
 
 def apply_t4(args) -> None:
-    """--t4: what a free Colab/Kaggle T4 offers: 15 GiB and no bf16."""
+    """--t4: what a free Colab/Kaggle T4 offers: 15 GiB, no bf16, and so no layer CUDA
+    graphs in slothkit (off by default below compute capability 8.0; the workers inherit
+    the setting unless SLOTHKIT_CUDA_GRAPHS is set already)."""
     if getattr(args, "t4", False):
         args.dtype = "fp16"
         args.memory_gib = min(args.memory_gib or 15.0, 15.0)
+        os.environ.setdefault("SLOTHKIT_CUDA_GRAPHS", "0")

@@ -136,6 +136,15 @@ def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
+def layer_graphs_of(model):
+    """slothkit's LayerGraphs of a model whose checkpointing has them, else None."""
+    for module in model.modules():
+        graphs = getattr(getattr(module, "_gradient_checkpointing_func", None), "graphs", None)
+        if graphs is not None:
+            return graphs
+    return None
+
+
 def matmul_peak_tflops() -> float:
     """bf16 matmul rate on random data, the MFU denominator (measured, not the datasheet)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -253,6 +262,9 @@ def run(args) -> dict:
         "final_loss": losses[-1],
         "loaded_gib": loaded / 2**30,
     }
+    if args.impl == "slothkit":  # how many layer graphs it replayed (0: none, or graphs off)
+        graphs = layer_graphs_of(model)
+        result["cuda_graphs"] = len(graphs.graphs) if graphs is not None and graphs.enabled else 0
     if device == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -52,6 +52,13 @@ def test_tiny_run_writes_a_record(tmp_path, capsys):
         assert all(torch.isfinite(torch.tensor(rows[impl]["losses"])))
     # Same model, data and LoRA init: the first losses agree.
     assert rows["slothkit"]["losses"][0] == pytest.approx(rows["hf"]["losses"][0], rel=1e-4)
+    # slothkit reports how many layer graphs it replayed: none on a CPU; on a GPU of
+    # compute capability 8.0 or more a forward and a backward graph per layer (3 steps:
+    # the first eager, then captured).
+    on = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    graphs = 2 * SHAPES["tiny-llama"].num_hidden_layers if on else 0
+    assert rows["slothkit"]["cuda_graphs"] == graphs
+    assert "cuda_graphs" not in rows["hf"]
     # A peer that is not installed is reported, never faked.
     assert rows["unsloth"]["status"] in ("skipped", "error")
     assert record["versions"]["torch"] and record["command"].startswith("slothkit")
@@ -234,3 +241,19 @@ def test_a_finished_run_has_nothing_pending(tmp_path, monkeypatch):
     main(["bench", "context", "--model", "tiny-llama", "--impl", "slothkit,hf", "--output", str(output)])
     record = json.loads(output.read_text())
     assert [row["impl"] for row in record["rows"]] == ["slothkit", "hf"] and "pending" not in record
+
+
+def test_t4_stand_in_runs_slothkit_as_on_a_t4(monkeypatch):
+    """--t4: fp16, a 15 GiB cap, and no layer CUDA graphs, which a real T4 does not use."""
+    import argparse
+
+    from slothkit.bench.train import apply_t4
+
+    monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
+    args = argparse.Namespace(t4=True, dtype="bf16", memory_gib=None)
+    apply_t4(args)
+    assert (args.dtype, args.memory_gib) == ("fp16", 15.0)
+    assert os.environ["SLOTHKIT_CUDA_GRAPHS"] == "0"
+    monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")  # an explicit setting wins
+    apply_t4(argparse.Namespace(t4=True, dtype="bf16", memory_gib=None))
+    assert os.environ["SLOTHKIT_CUDA_GRAPHS"] == "1"

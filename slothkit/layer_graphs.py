@@ -1,0 +1,293 @@
+"""CUDA graphs for checkpointed decoder layers.
+
+On a fast GPU the host needs about as long to issue one checkpointed layer's work
+(some 150 kernel launches per training step, and the Python around them) as the GPU
+needs to run it, so the GPU waits on the host for part of every step
+(docs/performance-notes.md, "Where the GPU waits").  A CUDA graph captured once
+replays all of a layer's kernels with one call.  Two graphs per layer and input
+signature:
+
+- forward: the layer under ``no_grad``, as the checkpointed forward runs it;
+- backward: the layer re-run with grad (the recompute) and ``torch.autograd.grad`` of
+  its output with respect to its input and its trainable parameters.
+
+Memory: every graph of a model shares one memory pool, and all layers share the same
+static input and output buffers (a layer's graph copies its results into them before
+its own intermediates are released back to the pool), so the graphs together hold about
+what one layer's recompute holds, not one layer's worth per layer.
+
+A graph bakes in the addresses it read and wrote at capture, so:
+- the layer's weights and adapters must stay where they are (optimizers update them in
+  place);
+- everything else the layer reads (hidden states, cos/sin tables, masks) is copied into
+  static buffers before each replay;
+- parameter gradients come out of the graph in static buffers and are added to
+  ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working).
+
+Not captured (the layer then runs as before): CPU tensors; a layer with active dropout
+(the graph would replay the same random mask); parameters with gradient hooks; layer
+arguments other than tensors, None, numbers and strings (a KV cache); a layer whose
+output is not one tensor.  A signature is captured the second time it is seen (the first
+run warms Triton's autotuner and cuBLAS); a model that keeps changing shape replays
+nothing after ``max_signatures`` shapes.  A capture that fails turns graphs off for the
+model, with one warning: training continues without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class _Call:
+    """A layer call split into what a graph can replay: the layer, the tensors it reads
+    besides its input (``leaves``), and how to rebuild the call around static copies."""
+
+    def __init__(self, run_function, args):
+        self.layer = None
+        self.func = None
+        self.bound = ()
+        keywords = {}
+        if isinstance(run_function, functools.partial):
+            self.func, self.bound, keywords = run_function.func, run_function.args, run_function.keywords
+            if self.bound and isinstance(self.bound[0], nn.Module):  # partial(forward, layer, ...)
+                self.layer = self.bound[0]
+            elif isinstance(getattr(self.func, "__self__", None), nn.Module):  # partial(layer.__call__, ...)
+                self.layer = self.func.__self__
+        self.leaves, self.spec = tree_flatten((args, keywords))
+
+    def replayable(self) -> bool:
+        return self.layer is not None and all(
+            isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in self.leaves)
+
+    def signature(self, hidden: torch.Tensor, autocast_dtype) -> tuple:
+        described = tuple(
+            ("tensor", tuple(leaf.shape), leaf.dtype, leaf.requires_grad) if isinstance(leaf, torch.Tensor)
+            else ("value", leaf) for leaf in self.leaves)
+        return tuple(hidden.shape), hidden.dtype, autocast_dtype, described
+
+    def __call__(self, hidden: torch.Tensor, leaves: list):
+        args, keywords = tree_unflatten(leaves, self.spec)
+        return self.func(*self.bound, hidden, *args, **keywords)
+
+
+def _has_active_dropout(layer: nn.Module) -> bool:
+    for module in layer.modules():
+        if isinstance(module, nn.Dropout) and module.p > 0 and module.training:
+            return True
+        if getattr(module, "attention_dropout", 0.0) and module.training:
+            return True
+    return False
+
+
+def _has_grad_hooks(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "_backward_hooks", None)) or bool(
+        getattr(param, "_post_accumulate_grad_hooks", None))
+
+
+class _Statics:
+    """Buffers shared by every layer's graph of one kind and signature."""
+
+    def __init__(self, hidden: torch.Tensor, leaves: list):
+        self.hidden = torch.empty_like(hidden)
+        self.leaves = [torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.sources = [None] * len(leaves)  # the tensors last copied in, to skip repeats
+        self.out = None  # forward: the layer's output; backward: the input's gradient
+        self.grads = None  # backward: the parameters' gradients
+
+    def load(self, hidden: torch.Tensor, leaves: list) -> None:
+        self.hidden.copy_(hidden)
+        for i, leaf in enumerate(leaves):
+            # The same cos/sin tables reach every layer of a step: copy them once.
+            if isinstance(leaf, torch.Tensor) and self.sources[i] is not leaf:
+                self.leaves[i].copy_(leaf)
+                self.sources[i] = leaf
+
+
+class LayerGraphs:
+    """The graphs of one model's checkpointed layers (see the module docstring)."""
+
+    def __init__(self, max_signatures: int = 4):
+        self.enabled = True
+        self.max_signatures = max_signatures
+        self.pool = None
+        self.seen: dict[tuple, int] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.statics: dict[tuple, _Statics] = {}
+        self.signatures: set[tuple] = set()
+        self.eligible_layers: dict[int, bool] = {}
+
+    # -- when a graph may be used ---------------------------------------------------
+
+    # -- the CUDA calls (a test replaces them to check the plumbing on a CPU) ----------
+
+    def _device_ok(self, hidden: torch.Tensor) -> bool:
+        """On a GPU, and not inside someone else's capture already."""
+        return hidden.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+    def _new_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def _sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def _record(self, graph, body) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # thread_local: the backward capture runs on autograd's device thread, and
+        # only this thread's calls must stay out of the graph.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            body()
+
+    def _usable(self, call: _Call, hidden: torch.Tensor) -> bool:
+        if not (self.enabled and call.replayable() and self._device_ok(hidden)):
+            return False
+        key = id(call.layer)
+        if key not in self.eligible_layers:  # dropout and hooks are settled once per layer
+            params = [p for p in call.layer.parameters() if p.requires_grad]
+            self.eligible_layers[key] = not _has_active_dropout(call.layer) and not any(
+                _has_grad_hooks(p) for p in params)
+        return self.eligible_layers[key]
+
+    def _ready(self, kind: str, call: _Call, signature: tuple) -> bool:
+        """True once this layer and signature have run eagerly before (capture now or replay)."""
+        key = (kind, id(call.layer), signature)
+        if key in self.graphs:
+            return True
+        if signature not in self.signatures and len(self.signatures) >= self.max_signatures:
+            return False
+        self.seen[key] = self.seen.get(key, 0) + 1
+        return self.seen[key] >= 2
+
+    def _fail(self, error: Exception) -> None:
+        self.enabled = False
+        self.graphs.clear()
+        self.statics.clear()
+        warnings.warn(f"slothkit: CUDA graphs for the decoder layers are off for this model "
+                      f"({type(error).__name__}: {error}); training goes on without them, "
+                      f"at the slower eager speed", stacklevel=3)
+
+    def _capture(self, key, statics: _Statics, body):
+        graph = self._new_graph()
+        self._sync()
+        try:
+            self._record(graph, body)
+        except Exception as error:  # noqa: BLE001 - anything the capture refused
+            try:
+                self._sync()
+            except RuntimeError:
+                pass  # the capture's own error is the one worth reporting
+            self._fail(error)
+            return None
+        self.graphs[key] = graph
+        self.signatures.add(key[2])
+        return graph
+
+    # -- forward ----------------------------------------------------------------------
+
+    def forward(self, run_function, hidden: torch.Tensor, args, autocast_dtype):
+        """The layer's output under no_grad, replayed from a graph; None when the caller
+        must run the layer itself."""
+        call = _Call(run_function, args)
+        if not self._usable(call, hidden):
+            return None
+        signature = call.signature(hidden, autocast_dtype)
+        if not self._ready("forward", call, signature):
+            return None
+        key = ("forward", id(call.layer), signature)
+        statics = self.statics.get(("forward", signature))
+        if statics is None:
+            statics = self.statics[("forward", signature)] = _Statics(hidden, call.leaves)
+            statics.out = torch.empty_like(hidden)
+        statics.load(hidden, call.leaves)
+        graph = self.graphs.get(key)
+        if graph is None:
+            def body():
+                with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype):
+                    output = call(statics.hidden, statics.leaves)
+                if not isinstance(output, torch.Tensor) or output.shape != statics.out.shape:
+                    raise TypeError("the layer's output is not one tensor shaped like its input")
+                statics.out.copy_(output)
+
+            graph = self._capture(key, statics, body)
+            if graph is None:
+                return None
+        graph.replay()
+        return statics.out.clone()
+
+    # -- recompute and backward -------------------------------------------------------
+
+    def backward(self, run_function, hidden: torch.Tensor, args, autocast_dtype, grad_output,
+                 recompute_context=contextlib.nullcontext):
+        """The gradient of the layer's input, with its parameters' gradients added to
+        their ``.grad``, replayed from a graph; None when the caller must do it itself.
+        The layer is re-run inside ``recompute_context()`` (the checkpointer's marker that
+        lets modules skip work whose output nobody reads)."""
+        call = _Call(run_function, args)
+        if not self._usable(call, hidden) or not isinstance(grad_output, torch.Tensor):
+            return None
+        signature = call.signature(hidden, autocast_dtype)
+        if not self._ready("backward", call, signature):
+            return None
+        params = [p for p in call.layer.parameters() if p.requires_grad]
+        shapes = tuple((tuple(p.shape), p.dtype) for p in params)
+        key = ("backward", id(call.layer), signature)
+        statics = self.statics.get(("backward", signature, shapes))
+        if statics is None:
+            statics = self.statics[("backward", signature, shapes)] = _Statics(hidden, call.leaves)
+            statics.grad_output = torch.empty_like(grad_output)
+            statics.out = torch.empty_like(hidden)
+            statics.grads = [torch.empty_like(p) for p in params]
+        statics.load(hidden, call.leaves)
+        statics.grad_output.copy_(grad_output)
+        graph = self.graphs.get(key)
+        if graph is None:
+            def body():
+                layer_input = statics.hidden.detach().requires_grad_(True)
+                with torch.enable_grad(), _autocast(hidden.device.type, autocast_dtype), \
+                        recompute_context():
+                    output = call(layer_input, statics.leaves)
+                if not isinstance(output, torch.Tensor) or output.shape != statics.grad_output.shape:
+                    raise TypeError("the layer's output is not one tensor shaped like its gradient")
+                grads = torch.autograd.grad(output, [layer_input, *params], statics.grad_output,
+                                            allow_unused=True)
+                statics.out.copy_(grads[0])
+                for buffer, grad in zip(statics.grads, grads[1:]):
+                    if grad is None:
+                        buffer.zero_()
+                    else:
+                        buffer.copy_(grad)
+
+            graph = self._capture(key, statics, body)
+            if graph is None:
+                return None
+        graph.replay()
+        _accumulate(params, statics.grads)
+        return statics.out.clone()
+
+
+def _accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """param.grad += grad, as autograd's accumulation would (a new tensor where None),
+    in one multi-tensor launch each rather than one per parameter."""
+    existing = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
+    if existing:
+        torch._foreach_add_([e[0] for e in existing], [e[1] for e in existing])
+    missing = [(p, g) for p, g in zip(params, grads) if p.grad is None]
+    if missing:
+        # x * 1.0 is x exactly: fresh copies of the static buffers, which the next replay reuses.
+        for (p, _), copy in zip(missing, torch._foreach_mul([g for _, g in missing], 1.0)):
+            p.grad = copy
+
+
+def _autocast(device_type: str, dtype):
+    # No cast cache: a cached cast would outlive the capture it was made in.
+    if dtype is None:
+        return torch.autocast(device_type, enabled=False)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)

@@ -1,0 +1,229 @@
+"""CUDA graphs for checkpointed layers: what may be replayed, and (on a GPU) that
+replaying gives the eager path's losses and gradients."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from slothkit.layer_graphs import LayerGraphs, _Call, _has_active_dropout
+
+
+class _Layer(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, hidden, scale=None, position_embeddings=None):
+        cos, sin = position_embeddings
+        return self.drop(self.proj(hidden)) * scale + cos + sin
+
+
+def _inputs():
+    return torch.randn(2, 3, 4), (torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_call_is_split_into_layer_tensors_and_rebuilt():
+    layer = _Layer()
+    hidden, tables = _inputs()
+    for run_function in (functools.partial(_Layer.forward, layer, scale=2.0, position_embeddings=tables),
+                         functools.partial(layer.__call__, scale=2.0, position_embeddings=tables)):
+        call = _Call(run_function, ())
+        assert call.layer is layer and call.replayable()
+        tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
+        assert len(tensors) == 2  # cos and sin; the scale is a plain value
+        torch.testing.assert_close(call(hidden, call.leaves), run_function(hidden), rtol=0, atol=0)
+        # Rebuilt around other tensors of the same shape, as a replay reads them.
+        fresh = [torch.zeros_like(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in call.leaves]
+        torch.testing.assert_close(call(hidden, fresh), layer.proj(hidden) * 2.0)
+
+
+def test_signature_tells_shapes_and_values_apart():
+    layer = _Layer()
+    hidden, tables = _inputs()
+    a = _Call(functools.partial(layer.__call__, scale=2.0, position_embeddings=tables), ())
+    b = _Call(functools.partial(layer.__call__, scale=3.0, position_embeddings=tables), ())
+    longer = (torch.randn(5, 4), torch.randn(5, 4))
+    c = _Call(functools.partial(layer.__call__, scale=2.0, position_embeddings=longer), ())
+    signatures = {a.signature(hidden, None), b.signature(hidden, None),
+                  c.signature(torch.randn(2, 5, 4), None), a.signature(hidden, torch.bfloat16)}
+    assert len(signatures) == 4
+
+
+def test_what_is_not_replayed():
+    layer = _Layer()
+    hidden, tables = _inputs()
+
+    class Cache:  # a KV cache: state a graph cannot carry between replays
+        pass
+
+    assert not _Call(functools.partial(layer.__call__, position_embeddings=tables, cache=Cache()), ()).replayable()
+    assert not _Call(lambda h: layer(h, 1.0, tables), ()).replayable()  # no layer to key the graph on
+    assert _has_active_dropout(_Layer(dropout=0.1).train())
+    assert not _has_active_dropout(_Layer(dropout=0.1).eval())
+    assert not _has_active_dropout(_Layer(dropout=0.0).train())
+    attention = _Layer().train()
+    attention.attention_dropout = 0.1
+    assert _has_active_dropout(attention)
+    # On the CPU the caller always runs the layer itself.
+    graphs = LayerGraphs()
+    run_function = functools.partial(layer.__call__, scale=1.0, position_embeddings=tables)
+    for _ in range(3):
+        assert graphs.forward(run_function, hidden, (), None) is None
+        assert graphs.backward(run_function, hidden, (), None, torch.ones_like(hidden)) is None
+    assert not graphs.graphs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, monkeypatch):
+    from slothkit import FastModel
+    from slothkit.testing import tiny_model_path
+
+    runs = {}
+    for graphs in ("1", "0"):
+        monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", graphs)  # "1": also on a T4-class GPU
+        model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
+                                             load_in_4bit=load_in_4bit)
+        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=g).cuda()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=2e-3)
+        losses = []
+        for step in range(4):  # step 0 eager, step 1 captures, steps 2-3 replay
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            if step == 3:
+                grads = [p.grad.clone() for p in params]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        checkpointer = next(m._gradient_checkpointing_func for m in model.modules()
+                            if getattr(m, "gradient_checkpointing", False))
+        captured = 0 if checkpointer.graphs is None else len(checkpointer.graphs.graphs)
+        runs[graphs] = losses, grads, captured
+    (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs["1"], runs["0"]
+    layers = model.config.num_hidden_layers
+    assert captured == 2 * layers and none == 0  # a forward and a backward graph per layer
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-6, atol=0)
+    for a, b in zip(graph_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_gradients_are_added_as_autograd_would():
+    from slothkit.layer_graphs import _accumulate
+
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
+    params[1].grad = torch.ones(2, 2)
+    grads = [torch.randn(3), torch.randn(2, 2)]
+    _accumulate(params, grads)
+    torch.testing.assert_close(params[0].grad, grads[0], rtol=0, atol=0)
+    torch.testing.assert_close(params[1].grad, 1 + grads[1], rtol=0, atol=0)
+    grads[0].zero_()  # the static buffer is reused by the next replay: .grad is a copy
+    assert params[0].grad.abs().sum() > 0
+
+
+class _RecordedBody:
+    """A stand-in for a CUDA graph: replay runs the captured body again."""
+
+    def __init__(self, log):
+        self.body, self.log = None, log
+
+    def replay(self):
+        self.log.append("replay")
+        self.body()
+
+
+class _GraphsOnCPU(LayerGraphs):
+    """LayerGraphs with the CUDA calls replaced, to check its plumbing on a CPU: the static
+    buffers, the arguments copied in, the gradients copied out and added to .grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def _device_ok(self, hidden):
+        return True
+
+    def _new_graph(self):
+        return _RecordedBody(self.log)
+
+    def _sync(self):
+        pass
+
+    def _record(self, graph, body):
+        self.log.append("capture")
+        graph.body = body  # a capture runs nothing; the replay that follows does
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, monkeypatch):
+    from slothkit import FastModel
+    from slothkit.models import decoder
+    from slothkit.testing import tiny_model_path
+
+    skipped_down = []  # the re-run inside a replayed graph skips the down projection too
+    lora_mlp = decoder.lora_mlp
+    monkeypatch.setattr(decoder, "lora_mlp", lambda *a, backward_only=False, **k: (
+        skipped_down.append(backward_only), lora_mlp(*a, backward_only=backward_only, **k))[1])
+    runs = {}
+    for graphs in (True, False):
+        skipped_down.clear()
+        model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
+                                             load_in_4bit=False, device_map={"": "cpu"})
+        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+        checkpointer = next(m._gradient_checkpointing_func for m in model.modules()
+                            if getattr(m, "gradient_checkpointing", False))
+        checkpointer.graphs = _GraphsOnCPU() if graphs else None
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=2e-3)
+        losses = []
+        for step in range(4):
+            for micro in (ids, ids.flip(1)):  # gradient accumulation: .grad is added to
+                loss = model(input_ids=micro, labels=micro).loss
+                loss.backward()
+                losses.append(loss.item())
+            if step == 3:
+                grads = [p.grad.clone() for p in params]
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        runs[graphs] = losses, grads, checkpointer.graphs
+        assert skipped_down.count(True) == 8 * model.config.num_hidden_layers, graphs
+    (graph_losses, graph_grads, layer_graphs), (eager_losses, eager_grads, _) = runs[True], runs[False]
+    layers = model.config.num_hidden_layers
+    # The first micro-batch runs eagerly, the second captures (forward and backward of
+    # each layer); from then on every micro-batch replays: 7 of the 8.
+    assert len(layer_graphs.graphs) == 2 * layers
+    assert layer_graphs.log.count("capture") == 2 * layers
+    assert layer_graphs.log.count("replay") == 7 * 2 * layers
+    assert graph_losses == eager_losses
+    for a, b in zip(graph_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
+    from slothkit.offload_checkpoint import enable_checkpointing
+
+    class Layer(nn.Module):
+        gradient_checkpointing = False
+
+    def graphs_for(capability, setting=None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+        if setting is None:
+            monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
+        else:
+            monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", setting)
+        layer = Layer()
+        enable_checkpointing([layer], "offload")
+        return layer._gradient_checkpointing_func.graphs is not None
+
+    assert graphs_for((9, 0)) and graphs_for((8, 0))
+    assert not graphs_for((7, 5)) and not graphs_for(None)  # T4, CPU
+    assert graphs_for((7, 5), "1") and not graphs_for((9, 0), "0")
