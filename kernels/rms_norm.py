@@ -162,11 +162,15 @@ BACKWARD_NUM_WARPS = 16
 # Elements per backward tile (BLOCK_ROWS x BLOCK_SIZE).
 BACKWARD_TILE_ELEMENTS = 16384
 # Without dL/dw (a frozen weight, as in every LoRA run) programs keep no partial sums,
-# so there can be many: each takes this many tiles of rows.  Before this existed a
-# frozen weight got one program per row, with BLOCK_ROWS - 1 of its tile's rows masked
-# off: 95 us for 4096 x 4096 on an H200, against about 25 at the copy bandwidth.
+# so there can be many, each over a few rows.  Before these existed a frozen weight got
+# one program per row inside a 16384-element tile, 3 of its 4 rows masked off: 95 us
+# for 4096 x 4096 on an H200.  Swept there (scripts/tune_kernels.py, CUDA graphs): one
+# tile of 4096 elements per program, 8 warps: 25.3 us (95% of the copy bandwidth) at
+# 4096 x 4096, 93.7 us (103%) at 16384 x 4096, 19.0 us (95%) at 4096 x 3072; 16384-
+# element tiles gave 62-82%.
+BACKWARD_TILE_ELEMENTS_NO_DW = 4096
 BACKWARD_TILES_PER_PROGRAM_NO_DW = 1
-BACKWARD_NUM_WARPS_NO_DW = 16
+BACKWARD_NUM_WARPS_NO_DW = 8
 
 
 def _backward_programs(device: torch.device, n_rows: int) -> int:
@@ -208,7 +212,8 @@ class _RMSNormFunction(torch.autograd.Function):
         dy_rows = _as_rows(dy, n_cols)
         dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if needs_dx else None
         block_size, num_warps = calculate_settings(n_cols)
-        block_rows = max(1, min(16, BACKWARD_TILE_ELEMENTS // block_size))
+        tile = BACKWARD_TILE_ELEMENTS if needs_dw else BACKWARD_TILE_ELEMENTS_NO_DW
+        block_rows = max(1, min(16, tile // block_size))
         if needs_dw:
             n_programs = _backward_programs(x_rows.device, n_rows)
             rows_per_program = triton.cdiv(n_rows, n_programs)

@@ -87,15 +87,15 @@ def main(only=None):
         for tile in (4096, 8192, 16384):
             for tiles_per_program in (1, 2, 4):
                 for warps in (4, 8, 16):
-                    rms_mod.BACKWARD_TILE_ELEMENTS = tile
+                    rms_mod.BACKWARD_TILE_ELEMENTS_NO_DW = tile
                     rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW = tiles_per_program
                     rms_mod.BACKWARD_NUM_WARPS_NO_DW = warps
                     ms = bench_graph(lambda: rms_mod._RMSNormFunction.backward(ctx, dy))
                     print(f"rms_norm bwd no-dw {rows}x{h} tile={tile:5d} tiles/program="
                           f"{tiles_per_program} warps={warps:2d}: {ms*1e3:7.1f} us "
                           f"{nbytes/ms/1e6/bw*100:5.1f}% copy (graphed)")
-    rms_mod.BACKWARD_TILE_ELEMENTS = 16384
-    rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW, rms_mod.BACKWARD_NUM_WARPS_NO_DW = 1, 16
+    rms_mod.BACKWARD_TILE_ELEMENTS_NO_DW = 4096
+    rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW, rms_mod.BACKWARD_NUM_WARPS_NO_DW = 1, 8
     if only == "rms_norm":
         return
 

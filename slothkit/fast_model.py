@@ -157,7 +157,8 @@ class FastModel:
 
         causal_lm, layers = decoder_layers(peft_model)
         causal_lm.config.use_cache = False
-        enable_checkpointing(layers, use_gradient_checkpointing)
+        enable_checkpointing(layers, use_gradient_checkpointing,
+                             quantized=bool(getattr(causal_lm, "is_loaded_in_4bit", False)))
         if use_gradient_checkpointing:
             # Checkpointed layers recompute in backward; their input must require grad.
             causal_lm.enable_input_require_grads()

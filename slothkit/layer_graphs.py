@@ -29,8 +29,11 @@ Not captured (the layer then runs as before): CPU tensors; a layer with active d
 arguments other than tensors, None, numbers and strings (a KV cache); a layer whose
 output is not one tensor.  A signature is captured the second time it is seen (the first
 run warms Triton's autotuner and cuBLAS); a model that keeps changing shape replays
-nothing after ``max_signatures`` shapes.  A capture that fails turns graphs off for the
-model, with one warning: training continues without them.
+nothing after ``max_signatures`` shapes.  Batches of more than ``max_tokens`` tokens run
+eagerly: a layer's GPU time grows with the tokens while the host's does not, so long
+sequences gain nothing, and the pool would hold a long sequence's recompute memory
+beside the allocator's own.  A capture that fails turns graphs off for the model, with
+one warning: training continues without them.
 """
 
 from __future__ import annotations
@@ -114,9 +117,10 @@ class _Statics:
 class LayerGraphs:
     """The graphs of one model's checkpointed layers (see the module docstring)."""
 
-    def __init__(self, max_signatures: int = 4):
+    def __init__(self, max_signatures: int = 4, max_tokens: int = 16384):
         self.enabled = True
         self.max_signatures = max_signatures
+        self.max_tokens = max_tokens
         self.pool = None
         self.seen: dict[tuple, int] = {}
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -148,6 +152,8 @@ class LayerGraphs:
 
     def _usable(self, call: _Call, hidden: torch.Tensor) -> bool:
         if not (self.enabled and call.replayable() and self._device_ok(hidden)):
+            return False
+        if hidden.numel() // max(hidden.shape[-1], 1) > self.max_tokens:
             return False
         key = id(call.layer)
         if key not in self.eligible_layers:  # dropout and hooks are settled once per layer

@@ -142,8 +142,8 @@ class _GraphsOnCPU(LayerGraphs):
     """LayerGraphs with the CUDA calls replaced, to check its plumbing on a CPU: the static
     buffers, the arguments copied in, the gradients copied out and added to .grad."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.log = []
 
     def _device_ok(self, hidden):
@@ -213,7 +213,7 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
     class Layer(nn.Module):
         gradient_checkpointing = False
 
-    def graphs_for(capability, setting=None):
+    def graphs_for(capability, setting=None, quantized=True):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
         if setting is None:
@@ -221,9 +221,39 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
         else:
             monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", setting)
         layer = Layer()
-        enable_checkpointing([layer], "offload")
+        enable_checkpointing([layer], "offload", quantized=quantized)
         return layer._gradient_checkpointing_func.graphs is not None
 
     assert graphs_for((9, 0)) and graphs_for((8, 0))
     assert not graphs_for((7, 5)) and not graphs_for(None)  # T4, CPU
+    assert not graphs_for((9, 0), quantized=False)  # 16-bit LoRA: bound by the GPU
     assert graphs_for((7, 5), "1") and not graphs_for((9, 0), "0")
+    assert graphs_for((9, 0), "1", quantized=False)
+
+
+def test_batches_over_max_tokens_run_eagerly():
+    layer = _Layer()
+    hidden, tables = _inputs()
+    tokens = hidden.numel() // hidden.shape[-1]
+    run_function = functools.partial(layer.__call__, scale=1.0, position_embeddings=tables)
+    for max_tokens, captured in ((tokens - 1, False), (tokens, True)):
+        graphs = _GraphsOnCPU(max_tokens=max_tokens)
+        for _ in range(3):
+            graphs.forward(run_function, hidden, (), None)
+        assert bool(graphs.graphs) == captured, max_tokens
+        assert ("capture" in graphs.log) == captured
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, monkeypatch):
+    from slothkit import FastModel, fast_model
+    from slothkit.testing import tiny_model_path
+
+    asked = []
+    enable = fast_model.enable_checkpointing
+    monkeypatch.setattr(fast_model, "enable_checkpointing", lambda layers, mode, **kw: (
+        asked.append(kw), enable(layers, mode, **kw)))
+    model, _ = FastModel.from_pretrained(str(tiny_model_path("llama")), dtype=torch.float32,
+                                         load_in_4bit=load_in_4bit, device_map={"": "cpu"})
+    FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+    assert asked == [{"quantized": load_in_4bit}]
