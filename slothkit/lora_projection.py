@@ -19,7 +19,7 @@ from slothkit_kernels.lora import LoRAProjection
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
-def _is_bnb_4bit_linear(layer: nn.Module) -> bool:
+def is_bnb_4bit_linear(layer: nn.Module) -> bool:
     weight = getattr(layer, "weight", None)
     return weight is not None and hasattr(weight, "quant_state") and weight.quant_state is not None
 
@@ -33,7 +33,7 @@ def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
     milliseconds of Python per step. A moved or re-quantised weight (another storage or
     quant_state) gets a fresh record.
     """
-    if _is_bnb_4bit_linear(layer):
+    if is_bnb_4bit_linear(layer):
         param = layer.weight
         state = param.quant_state
         if getattr(state, "quant_type", None) != "nf4":

@@ -257,3 +257,19 @@ def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, monkeypatch):
                                          load_in_4bit=load_in_4bit, device_map={"": "cpu"})
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
     assert asked == [{"quantized": load_in_4bit}]
+
+
+def test_a_model_quantised_after_loading_counts_as_4bit(monkeypatch):
+    """The benchmark swaps bitsandbytes NF4 layers into a built model: no
+    is_loaded_in_4bit flag, but 4-bit weights all the same."""
+    from slothkit import FastModel, fast_model
+    from slothkit.bench.train_worker import build_model
+
+    asked = []
+    enable = fast_model.enable_checkpointing
+    monkeypatch.setattr(fast_model, "enable_checkpointing", lambda layers, mode, **kw: (
+        asked.append(kw), enable(layers, mode, **kw)))
+    model = build_model("tiny-llama", torch.float32, "cpu", seed=0, quantize_nf4=True)
+    assert not getattr(model, "is_loaded_in_4bit", False)
+    FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+    assert asked == [{"quantized": True}]
