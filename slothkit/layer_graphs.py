@@ -12,9 +12,14 @@ signature:
   its output with respect to its input and its trainable parameters.
 
 Memory: every graph of a model shares one memory pool, and all layers share the same
-static input and output buffers (a layer's graph copies its results into them before
-its own intermediates are released back to the pool), so the graphs together hold about
-what one layer's recompute holds, not one layer's worth per layer.
+static buffers (a layer's graph copies its results into them before its own
+intermediates are released back to the pool), so the graphs together hold about what
+one layer's recompute holds, not one layer's worth per layer.  The buffers are as few
+as the graphs allow: one for the layer's input, which the forward graph overwrites with
+the layer's output and the backward graph reads again; one for the incoming gradient,
+which the backward graph overwrites with the input's gradient; and the parameters'
+gradients.  After a capture the eager allocator's cached blocks are released: the
+recompute that used them now runs in the pool.
 
 A graph bakes in the addresses it read and wrote at capture, so:
 - the layer's weights and adapters must stay where they are (optimizers update them in
@@ -96,14 +101,17 @@ def _has_grad_hooks(param: torch.Tensor) -> bool:
 
 
 class _Statics:
-    """Buffers shared by every layer's graph of one kind and signature."""
+    """Buffers shared by every layer's forward and backward graphs of one signature
+    (the two never replay at the same time)."""
 
     def __init__(self, hidden: torch.Tensor, leaves: list):
+        # The layer's input; the forward graph leaves the layer's output in it.
         self.hidden = torch.empty_like(hidden)
         self.leaves = [torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.sources = [None] * len(leaves)  # the tensors last copied in, to skip repeats
-        self.out = None  # forward: the layer's output; backward: the input's gradient
-        self.grads = None  # backward: the parameters' gradients
+        # The backward graph's incoming gradient, overwritten by the input's gradient.
+        self.grad_output = None
+        self.grads: dict[tuple, list[torch.Tensor]] = {}  # parameters' gradients, by their shapes
 
     def load(self, hidden: torch.Tensor, leaves: list) -> None:
         self.hidden.copy_(hidden)
@@ -141,6 +149,9 @@ class LayerGraphs:
 
     def _sync(self) -> None:
         torch.cuda.synchronize()
+
+    def _release_cached(self) -> None:
+        torch.cuda.empty_cache()
 
     def _record(self, graph, body) -> None:
         if self.pool is None:
@@ -194,7 +205,16 @@ class LayerGraphs:
             return None
         self.graphs[key] = graph
         self.signatures.add(key[2])
+        # The eager runs before this capture left their intermediates cached; this
+        # layer's work now runs in the pool, so give those blocks back to the device.
+        self._release_cached()
         return graph
+
+    def _statics_for(self, signature: tuple, hidden: torch.Tensor, leaves: list) -> _Statics:
+        statics = self.statics.get(signature)
+        if statics is None:
+            statics = self.statics[signature] = _Statics(hidden, leaves)
+        return statics
 
     # -- forward ----------------------------------------------------------------------
 
@@ -208,25 +228,24 @@ class LayerGraphs:
         if not self._ready("forward", call, signature):
             return None
         key = ("forward", id(call.layer), signature)
-        statics = self.statics.get(("forward", signature))
-        if statics is None:
-            statics = self.statics[("forward", signature)] = _Statics(hidden, call.leaves)
-            statics.out = torch.empty_like(hidden)
+        statics = self._statics_for(signature, hidden, call.leaves)
         statics.load(hidden, call.leaves)
         graph = self.graphs.get(key)
         if graph is None:
             def body():
                 with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype):
                     output = call(statics.hidden, statics.leaves)
-                if not isinstance(output, torch.Tensor) or output.shape != statics.out.shape:
+                if (not isinstance(output, torch.Tensor) or output.shape != statics.hidden.shape
+                        or output.dtype != statics.hidden.dtype):
                     raise TypeError("the layer's output is not one tensor shaped like its input")
-                statics.out.copy_(output)
+                # The input is read by now (stream order): the output takes its place.
+                statics.hidden.copy_(output)
 
             graph = self._capture(key, statics, body)
             if graph is None:
                 return None
         graph.replay()
-        return statics.out.clone()
+        return statics.hidden.clone()
 
     # -- recompute and backward -------------------------------------------------------
 
@@ -245,12 +264,12 @@ class LayerGraphs:
         params = [p for p in call.layer.parameters() if p.requires_grad]
         shapes = tuple((tuple(p.shape), p.dtype) for p in params)
         key = ("backward", id(call.layer), signature)
-        statics = self.statics.get(("backward", signature, shapes))
-        if statics is None:
-            statics = self.statics[("backward", signature, shapes)] = _Statics(hidden, call.leaves)
+        statics = self._statics_for(signature, hidden, call.leaves)
+        if statics.grad_output is None:
             statics.grad_output = torch.empty_like(grad_output)
-            statics.out = torch.empty_like(hidden)
-            statics.grads = [torch.empty_like(p) for p in params]
+        if shapes not in statics.grads:
+            statics.grads[shapes] = [torch.empty_like(p) for p in params]
+        param_grads = statics.grads[shapes]
         statics.load(hidden, call.leaves)
         statics.grad_output.copy_(grad_output)
         graph = self.graphs.get(key)
@@ -260,23 +279,26 @@ class LayerGraphs:
                 with torch.enable_grad(), _autocast(hidden.device.type, autocast_dtype), \
                         recompute_context():
                     output = call(layer_input, statics.leaves)
-                if not isinstance(output, torch.Tensor) or output.shape != statics.grad_output.shape:
-                    raise TypeError("the layer's output is not one tensor shaped like its gradient")
+                if (not isinstance(output, torch.Tensor) or output.shape != statics.grad_output.shape
+                        or output.dtype != statics.hidden.dtype):
+                    raise TypeError("the layer's output is not one tensor shaped like its input")
                 grads = torch.autograd.grad(output, [layer_input, *params], statics.grad_output,
                                             allow_unused=True)
-                statics.out.copy_(grads[0])
-                for buffer, grad in zip(statics.grads, grads[1:]):
+                for buffer, grad in zip(param_grads, grads[1:]):
                     if grad is None:
                         buffer.zero_()
                     else:
                         buffer.copy_(grad)
+                # Backward has read the incoming gradient by now (stream order): the
+                # input's gradient takes its place.
+                statics.grad_output.copy_(grads[0])
 
             graph = self._capture(key, statics, body)
             if graph is None:
                 return None
         graph.replay()
-        _accumulate(params, statics.grads)
-        return statics.out.clone()
+        _accumulate(params, param_grads)
+        return statics.grad_output.clone()
 
 
 def _accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -155,6 +155,9 @@ class _GraphsOnCPU(LayerGraphs):
     def _sync(self):
         pass
 
+    def _release_cached(self):
+        self.log.append("release")
+
     def _record(self, graph, body):
         self.log.append("capture")
         graph.body = body  # a capture runs nothing; the replay that follows does
@@ -201,6 +204,12 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, monkeypatch):
     # each layer); from then on every micro-batch replays: 7 of the 8.
     assert len(layer_graphs.graphs) == 2 * layers
     assert layer_graphs.log.count("capture") == 2 * layers
+    assert layer_graphs.log.count("release") == 2 * layers  # the eager cache, after each capture
+    # Forward and backward graphs of every layer share one set of buffers: the input
+    # (overwritten by the output), the incoming gradient and one per LoRA parameter.
+    (statics,) = layer_graphs.statics.values()
+    (grads,) = statics.grads.values()
+    assert len(grads) == len(params) // layers
     assert layer_graphs.log.count("replay") == 7 * 2 * layers
     assert graph_losses == eager_losses
     for a, b in zip(graph_grads, eager_grads):
