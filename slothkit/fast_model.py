@@ -26,7 +26,7 @@ from slothkit.loading import (
 )
 from slothkit.models import architecture_for, supported_summary
 from slothkit.models.decoder import decoder_layers, patch_decoder
-from slothkit.lora_projection import is_bnb_4bit_linear
+from slothkit.lora_projection import is_4bit_model
 from slothkit.offload_checkpoint import enable_checkpointing
 
 
@@ -158,10 +158,7 @@ class FastModel:
 
         causal_lm, layers = decoder_layers(peft_model)
         causal_lm.config.use_cache = False
-        # 4-bit by its weights, not by transformers' is_loaded_in_4bit flag: a model
-        # quantised after loading (bitsandbytes layers swapped in) has no flag.
-        quantized = any(is_bnb_4bit_linear(m) for m in layers[0].modules()) if layers else False
-        enable_checkpointing(layers, use_gradient_checkpointing, quantized=quantized)
+        enable_checkpointing(layers, use_gradient_checkpointing, quantized=is_4bit_model(causal_lm))
         if use_gradient_checkpointing:
             # Checkpointed layers recompute in backward; their input must require grad.
             causal_lm.enable_input_require_grads()

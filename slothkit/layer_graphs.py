@@ -136,8 +136,6 @@ class LayerGraphs:
         self.signatures: set[tuple] = set()
         self.eligible_layers: dict[int, bool] = {}
 
-    # -- when a graph may be used ---------------------------------------------------
-
     # -- the CUDA calls (a test replaces them to check the plumbing on a CPU) ----------
 
     def _device_ok(self, hidden: torch.Tensor) -> bool:
@@ -160,6 +158,8 @@ class LayerGraphs:
         # only this thread's calls must stay out of the graph.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             body()
+
+    # -- when a graph may be used ---------------------------------------------------
 
     def _usable(self, call: _Call, hidden: torch.Tensor) -> bool:
         if not (self.enabled and call.replayable() and self._device_ok(hidden)):
@@ -191,7 +191,7 @@ class LayerGraphs:
                       f"({type(error).__name__}: {error}); training goes on without them, "
                       f"at the slower eager speed", stacklevel=3)
 
-    def _capture(self, key, statics: _Statics, body):
+    def _capture(self, key, body):
         graph = self._new_graph()
         self._sync()
         try:
@@ -241,7 +241,7 @@ class LayerGraphs:
                 # The input is read by now (stream order): the output takes its place.
                 statics.hidden.copy_(output)
 
-            graph = self._capture(key, statics, body)
+            graph = self._capture(key, body)
             if graph is None:
                 return None
         graph.replay()
@@ -293,7 +293,7 @@ class LayerGraphs:
                 # input's gradient takes its place.
                 statics.grad_output.copy_(grads[0])
 
-            graph = self._capture(key, statics, body)
+            graph = self._capture(key, body)
             if graph is None:
                 return None
         graph.replay()

@@ -24,6 +24,13 @@ def is_bnb_4bit_linear(layer: nn.Module) -> bool:
     return weight is not None and hasattr(weight, "quant_state") and weight.quant_state is not None
 
 
+def is_4bit_model(model: nn.Module) -> bool:
+    """Whether any layer holds bitsandbytes 4-bit weights.  Judged by the weights, not
+    by transformers' ``is_loaded_in_4bit`` flag: a model quantised after loading
+    (bitsandbytes layers swapped in) has no flag."""
+    return any(is_bnb_4bit_linear(module) for module in model.modules())
+
+
 def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
     """The frozen weight of a plain or bitsandbytes-4-bit linear layer, else None.
 

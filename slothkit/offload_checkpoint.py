@@ -140,8 +140,8 @@ class _Checkpoint(torch.autograd.Function):
                 previous.prefetch()  # overlap the next layer's copy with this layer's recompute
         else:
             hidden_states = ctx.saved_input
+        marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
-            marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
             grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,
                                              grad_outputs[0], lambda: _recomputation(marked))
             if grad_input is not None:
@@ -153,7 +153,7 @@ class _Checkpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
             with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
-                    _recomputation(ctx.marks_recompute and not _output_may_be_read(ctx.run_function)):
+                    _recomputation(marked):
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)

@@ -39,6 +39,8 @@ import warnings
 
 import torch
 
+from slothkit.lora_projection import is_4bit_model
+
 # 1.15 gave SFT, DPO and GRPO the fused LM head (see the module docstring); 1.16 stopped it
 # launching its Triton kernel on CPU tensors.
 MIN_TRL_VERSION = "1.16"
@@ -269,7 +271,7 @@ def out_of_memory_advice(args, model, error) -> str:
     batch = getattr(args, "per_device_train_batch_size", None)
     accumulation = getattr(args, "gradient_accumulation_steps", 1)
     seq = getattr(args, "max_length", None) or getattr(causal_lm, "max_seq_length", None) or 2048
-    mode = "qlora" if getattr(causal_lm, "is_loaded_in_4bit", False) else "lora"
+    mode = "qlora" if is_4bit_model(causal_lm) else "lora"
     lines = [
         f"CUDA ran out of memory while training ({mode}, per_device_train_batch_size={batch}, "
         f"max_length={seq}, gradient_accumulation_steps={accumulation}).",
