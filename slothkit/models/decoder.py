@@ -22,6 +22,7 @@ from torch import nn
 from slothkit.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
 from slothkit.offload_checkpoint import recomputing
+from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
 from slothkit_kernels.rms_norm import rms_norm
@@ -165,21 +166,27 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     kwargs.pop("logits_to_keep", None)
     kwargs.pop("return_dict", None)
+    if shift_labels is None:
+        # Position t predicts token t+1; the last position predicts nothing.
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    # Both reads to the host happen before the layers run, not at the loss: a bad label
+    # is reported before the expensive work, and each read waits only for what is queued
+    # at the start of the step, where after the forward it would wait for all of it and
+    # leave the GPU idle while the loss and the first layer's backward are issued.
+    check_labels_in_range(shift_labels, head.weight.shape[0], -100)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = int(num_items_in_batch.item())
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     )
     hidden = outputs.last_hidden_state  # (B, T, H)
-    if shift_labels is None:
-        # Position t predicts token t+1; the last position predicts nothing.
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = int(num_items_in_batch.item())
     loss = fused_linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
         shift_labels.reshape(-1).to(hidden.device),
         softcap=getattr(self.config, "final_logit_softcapping", None),
         num_items_in_batch=num_items_in_batch,
+        check_labels=False,  # checked above
     )
     return CausalLMOutputWithPast(
         loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
