@@ -149,6 +149,8 @@ def patch_attention(attention: nn.Module) -> None:
 
 # --- the language-model head and loss ------------------------------------------
 
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
+
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
     """With labels in training mode, return the loss from the fused linear
@@ -168,12 +170,12 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     kwargs.pop("return_dict", None)
     if shift_labels is None:
         # Position t predicts token t+1; the last position predicts nothing.
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
     # Both reads to the host happen before the layers run, not at the loss: a bad label
     # is reported before the expensive work, and each read waits only for what is queued
     # at the start of the step, where after the forward it would wait for all of it and
     # leave the GPU idle while the loss and the first layer's backward are issued.
-    check_labels_in_range(shift_labels, head.weight.shape[0], -100)
+    check_labels_in_range(shift_labels, head.weight.shape[0], IGNORE_INDEX)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = int(num_items_in_batch.item())
     outputs = self.model(
@@ -184,6 +186,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
         shift_labels.reshape(-1).to(hidden.device),
+        ignore_index=IGNORE_INDEX,
         softcap=getattr(self.config, "final_logit_softcapping", None),
         num_items_in_batch=num_items_in_batch,
         check_labels=False,  # checked above

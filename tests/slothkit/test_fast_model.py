@@ -222,14 +222,14 @@ def test_a_label_outside_the_vocabulary_is_refused_before_the_layers_run(device)
     layers_run = []
     for layer in model.get_base_model().model.layers:
         layer.register_forward_pre_hook(lambda *_: layers_run.append(1))
-    # The labels are shifted by one, so the bad label at position 0 is never a target:
-    # only labels from position 1 on are checked.
     for bad in (vocab, -5):
         labels_with_bad = labels.clone()
         labels_with_bad[1, 5] = bad
         with pytest.raises(ValueError, match=rf"labels must lie in \[0, {vocab}\).*found {bad}"):
             model(input_ids=ids, labels=labels_with_bad)
     assert not layers_run
+    # The labels are shifted by one, so a label at position 0 is never a target: only
+    # labels from position 1 on are checked.
     first_position_only = labels.clone()
     first_position_only[1, 0] = vocab
     assert torch.isfinite(model(input_ids=ids, labels=first_position_only).loss)
