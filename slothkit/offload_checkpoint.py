@@ -229,17 +229,18 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
     cuda_graphs (offload only): replay the layers from CUDA graphs where possible
     (slothkit.layer_graphs): True for both the checkpointed forward and the recompute
     with backward, "forward" for the forward only, False for neither. None:
-    SLOTHKIT_CUDA_GRAPHS (1, 0 or forward) if set; else, on GPUs of compute capability
-    8.0 and up, both for 4-bit (``quantized``) models and the forward only for 16-bit
-    ones; off on older GPUs and the CPU.
-    Measured on an H200 (Llama-3-8B, 2 x 2048 tokens, one run alternating both):
+    SLOTHKIT_CUDA_GRAPHS (1, 0 or forward) if set; else both for 4-bit (``quantized``)
+    models on GPUs of compute capability 8.0 and up, and none for 16-bit models, older
+    GPUs and the CPU.
+    Measured on an H200 (Llama-3-8B and Mistral-7B, 2 x 2048 tokens, same-run A/Bs):
     QLoRA 11,306 tokens/s with both graphs against 10,285 without, since every NF4
-    weight adds dequantisation launches and the host could not keep up in either phase;
-    16-bit LoRA 11,858 with both against 12,021 without: its backward is bound by the
-    GPU's kernels, but its forward waits on the host (26 ms per step idle in the
-    forward of the Mistral-7B LoRA profile), which the forward graphs alone are meant
-    to remove without the backward graphs' buffers (docs/performance-notes.md).  T4/V100-class GPUs run a layer far slower
-    than the host issues it, and their memory is tight.
+    weight adds dequantisation launches and the host could not keep up in either phase.
+    16-bit LoRA: both graphs 11,858 against 12,021 without (its backward is bound by the
+    GPU's kernels); the forward graphs alone remove the forward's host-bound idle time
+    (29 -> 8 ms per step in the Mistral-7B profile) but gain only 0.4% (Llama) and 1.3%
+    (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool,
+    so they are there to ask for, not the default (docs/performance-notes.md). T4/V100-
+    class GPUs run a layer far slower than the host issues it, and their memory is tight.
     """
     if cuda_graphs is None:
         setting = os.environ.get("SLOTHKIT_CUDA_GRAPHS")
@@ -248,7 +249,7 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
                 raise ValueError(f"SLOTHKIT_CUDA_GRAPHS={setting!r}; accepted: 1, 0, forward")
             cuda_graphs = {"0": False, "1": True, "forward": "forward"}[setting]
         elif torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
-            cuda_graphs = True if quantized else "forward"
+            cuda_graphs = bool(quantized)
         else:
             cuda_graphs = False
     if mode not in (True, False, "offload", "unsloth"):
