@@ -11,6 +11,10 @@ signature:
 - backward: the layer re-run with grad (the recompute) and ``torch.autograd.grad`` of
   its output with respect to its input and its trainable parameters.
 
+``phases=("forward",)`` replays the forward only, for models whose backward keeps the
+GPU busy on its own (16-bit LoRA): the backward then runs eagerly, and the graphs need
+no gradient buffers.
+
 Memory: every graph of a model shares one memory pool, and all layers share the same
 static buffers (a layer's graph copies its results into them before its own
 intermediates are released back to the pool), so the graphs together hold about what
@@ -125,8 +129,12 @@ class _Statics:
 class LayerGraphs:
     """The graphs of one model's checkpointed layers (see the module docstring)."""
 
-    def __init__(self, max_signatures: int = 4, max_tokens: int = 16384):
+    def __init__(self, max_signatures: int = 4, max_tokens: int = 16384,
+                 phases: tuple[str, ...] = ("forward", "backward")):
         self.enabled = True
+        # Which of a layer's two calls are replayed: both, or only the checkpointed
+        # forward (the phase where the host lags the GPU when the backward does not).
+        self.phases = phases
         self.max_signatures = max_signatures
         self.max_tokens = max_tokens
         self.pool = None
@@ -221,6 +229,8 @@ class LayerGraphs:
     def forward(self, run_function, hidden: torch.Tensor, args, autocast_dtype):
         """The layer's output under no_grad, replayed from a graph; None when the caller
         must run the layer itself."""
+        if "forward" not in self.phases:
+            return None
         call = _Call(run_function, args)
         if not self._usable(call, hidden):
             return None
@@ -255,6 +265,8 @@ class LayerGraphs:
         their ``.grad``, replayed from a graph; None when the caller must do it itself.
         The layer is re-run inside ``recompute_context()`` (the checkpointer's marker that
         lets modules skip work whose output nobody reads)."""
+        if "backward" not in self.phases:
+            return None
         call = _Call(run_function, args)
         if not self._usable(call, hidden) or not isinstance(grad_output, torch.Tensor):
             return None

@@ -189,13 +189,17 @@ class OffloadedCheckpointer:
     marked (``recomputing()``) for the modules inside it.
     """
 
-    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool = False):
+    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool | str = False):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
-        # Replay each layer's forward and backward from CUDA graphs where it can
-        # (slothkit.layer_graphs); elsewhere, and on the CPU, the layers run as before.
-        self.graphs = LayerGraphs() if cuda_graphs else None
+        # Replay each layer's forward and backward (cuda_graphs="forward": the forward
+        # only) from CUDA graphs where it can (slothkit.layer_graphs); elsewhere, and on
+        # the CPU, the layers run as before.
+        if cuda_graphs == "forward":
+            self.graphs = LayerGraphs(phases=("forward",))
+        else:
+            self.graphs = LayerGraphs() if cuda_graphs else None
 
     def offload(self, tensor: torch.Tensor) -> _OffloadedActivation:
         stream = self._streams.get(tensor.device)
@@ -217,27 +221,37 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
-def enable_checkpointing(layers, mode, cuda_graphs: bool | None = None, quantized: bool = False) -> None:
+def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
+                         quantized: bool = False) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
     mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
     cuda_graphs (offload only): replay the layers from CUDA graphs where possible
-    (slothkit.layer_graphs). None: SLOTHKIT_CUDA_GRAPHS=1 or 0 if set, else on for
-    4-bit (``quantized``) models on GPUs of compute capability 8.0 and up, off otherwise.
-    Measured on an H200 (Llama-3-8B, 2 x 2048 tokens, one run alternating both):
-    QLoRA 11,306 tokens/s with the graphs against 10,285 without, since every NF4
-    weight adds dequantisation launches and the host could not keep up; 16-bit LoRA
-    11,858 against 12,021, bound by the GPU's kernels, so the graphs' memory pool
-    (1.7 GiB more reserved) buys nothing there.  T4/V100-class GPUs run a layer far
-    slower than the host issues it, and their memory is tight.
+    (slothkit.layer_graphs): True for both the checkpointed forward and the recompute
+    with backward, "forward" for the forward only, False for neither. None:
+    SLOTHKIT_CUDA_GRAPHS (1, 0 or forward) if set; else both for 4-bit (``quantized``)
+    models on GPUs of compute capability 8.0 and up, and none for 16-bit models, older
+    GPUs and the CPU.
+    Measured on an H200 (Llama-3-8B and Mistral-7B, 2 x 2048 tokens, same-run A/Bs):
+    QLoRA 11,306 tokens/s with both graphs against 10,285 without, since every NF4
+    weight adds dequantisation launches and the host could not keep up in either phase.
+    16-bit LoRA: both graphs 11,858 against 12,021 without (its backward is bound by the
+    GPU's kernels); the forward graphs alone remove the forward's host-bound idle time
+    (29 -> 8 ms per step in the Mistral-7B profile) but gain only 0.4% (Llama) and 1.3%
+    (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool,
+    so they are there to ask for, not the default (docs/performance-notes.md). T4/V100-
+    class GPUs run a layer far slower than the host issues it, and their memory is tight.
     """
     if cuda_graphs is None:
         setting = os.environ.get("SLOTHKIT_CUDA_GRAPHS")
         if setting is not None:
-            cuda_graphs = setting != "0"
+            if setting not in ("0", "1", "forward"):
+                raise ValueError(f"SLOTHKIT_CUDA_GRAPHS={setting!r}; accepted: 1, 0, forward")
+            cuda_graphs = {"0": False, "1": True, "forward": "forward"}[setting]
+        elif torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+            cuda_graphs = bool(quantized)
         else:
-            cuda_graphs = (quantized and torch.cuda.is_available()
-                           and torch.cuda.get_device_capability() >= (8, 0))
+            cuda_graphs = False
     if mode not in (True, False, "offload", "unsloth"):
         raise ValueError(
             f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False"

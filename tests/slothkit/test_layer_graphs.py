@@ -77,15 +77,16 @@ def test_what_is_not_replayed():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("setting", ["1", "forward"])
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, monkeypatch):
+def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monkeypatch):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
     runs = {}
-    for graphs in ("1", "0"):
-        monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", graphs)  # "1": also on a T4-class GPU
+    for graphs in (setting, "0"):
+        monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", graphs)  # set: also on a T4-class GPU
         model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
                                              load_in_4bit=load_in_4bit)
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
@@ -106,9 +107,10 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, monkeypatch):
                             if getattr(m, "gradient_checkpointing", False))
         captured = 0 if checkpointer.graphs is None else len(checkpointer.graphs.graphs)
         runs[graphs] = losses, grads, captured
-    (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs["1"], runs["0"]
+    (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs[setting], runs["0"]
     layers = model.config.num_hidden_layers
-    assert captured == 2 * layers and none == 0  # a forward and a backward graph per layer
+    # A forward and (setting "1") a backward graph per layer.
+    assert captured == (2 if setting == "1" else 1) * layers and none == 0
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-6, atol=0)
     for a, b in zip(graph_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -163,8 +165,9 @@ class _GraphsOnCPU(LayerGraphs):
         graph.body = body  # a capture runs nothing; the replay that follows does
 
 
+@pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, monkeypatch):
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, monkeypatch):
     from slothkit import FastModel
     from slothkit.models import decoder
     from slothkit.testing import tiny_model_path
@@ -181,7 +184,7 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, monkeypatch):
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
         checkpointer = next(m._gradient_checkpointing_func for m in model.modules()
                             if getattr(m, "gradient_checkpointing", False))
-        checkpointer.graphs = _GraphsOnCPU() if graphs else None
+        checkpointer.graphs = _GraphsOnCPU(phases=phases) if graphs else None
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -200,17 +203,23 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, monkeypatch):
         assert skipped_down.count(True) == 8 * model.config.num_hidden_layers, graphs
     (graph_losses, graph_grads, layer_graphs), (eager_losses, eager_grads, _) = runs[True], runs[False]
     layers = model.config.num_hidden_layers
-    # The first micro-batch runs eagerly, the second captures (forward and backward of
-    # each layer); from then on every micro-batch replays: 7 of the 8.
-    assert len(layer_graphs.graphs) == 2 * layers
-    assert layer_graphs.log.count("capture") == 2 * layers
-    assert layer_graphs.log.count("release") == 2 * layers  # the eager cache, after each capture
-    # Forward and backward graphs of every layer share one set of buffers: the input
-    # (overwritten by the output), the incoming gradient and one per LoRA parameter.
+    # The first micro-batch runs eagerly, the second captures (forward and, unless only
+    # the forward is graphed, backward of each layer); from then on every micro-batch
+    # replays: 7 of the 8.
+    graphs_per_layer = len(phases)
+    assert sorted({key[0] for key in layer_graphs.graphs}) == sorted(phases)
+    assert len(layer_graphs.graphs) == graphs_per_layer * layers
+    assert layer_graphs.log.count("capture") == graphs_per_layer * layers
+    assert layer_graphs.log.count("release") == graphs_per_layer * layers  # after each capture
+    # The graphs of every layer share one set of buffers: the input (overwritten by the
+    # output) and, with backward graphs, the incoming gradient and one per LoRA parameter.
     (statics,) = layer_graphs.statics.values()
-    (grads,) = statics.grads.values()
-    assert len(grads) == len(params) // layers
-    assert layer_graphs.log.count("replay") == 7 * 2 * layers
+    if "backward" in phases:
+        (grads,) = statics.grads.values()
+        assert len(grads) == len(params) // layers
+    else:
+        assert statics.grad_output is None and not statics.grads
+    assert layer_graphs.log.count("replay") == 7 * graphs_per_layer * layers
     assert graph_losses == eager_losses
     for a, b in zip(graph_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -223,6 +232,7 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
         gradient_checkpointing = False
 
     def graphs_for(capability, setting=None, quantized=True):
+        """The phases replayed from graphs, () for none."""
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
         if setting is None:
@@ -231,13 +241,21 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
             monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", setting)
         layer = Layer()
         enable_checkpointing([layer], "offload", quantized=quantized)
-        return layer._gradient_checkpointing_func.graphs is not None
+        graphs = layer._gradient_checkpointing_func.graphs
+        return () if graphs is None else graphs.phases
 
-    assert graphs_for((9, 0)) and graphs_for((8, 0))
-    assert not graphs_for((7, 5)) and not graphs_for(None)  # T4, CPU
-    assert not graphs_for((9, 0), quantized=False)  # 16-bit LoRA: bound by the GPU
-    assert graphs_for((7, 5), "1") and not graphs_for((9, 0), "0")
-    assert graphs_for((9, 0), "1", quantized=False)
+    both, forward = ("forward", "backward"), ("forward",)
+    assert graphs_for((9, 0)) == both and graphs_for((8, 0)) == both
+    assert graphs_for((7, 5)) == () and graphs_for(None) == ()  # T4, CPU
+    # 16-bit LoRA: eager unless asked (the forward graphs' gain is small, their pool is not).
+    assert graphs_for((9, 0), quantized=False) == ()
+    assert graphs_for((9, 0), "forward", quantized=False) == forward
+    assert graphs_for((7, 5), quantized=False) == ()
+    assert graphs_for((7, 5), "1") == both and graphs_for((9, 0), "0") == ()
+    assert graphs_for((9, 0), "1", quantized=False) == both
+    assert graphs_for((9, 0), "forward") == forward
+    with pytest.raises(ValueError, match="SLOTHKIT_CUDA_GRAPHS"):
+        graphs_for((9, 0), "yes")
 
 
 def test_batches_over_max_tokens_run_eagerly():
