@@ -37,6 +37,10 @@ Fused blocks:
       gate and up projections as above with dY := de and dg, their dX summed.
   Because e and g are overwritten, the block's backward can run only once (no
   ``retain_graph=True`` double backward); a second attempt raises.
+* ``lora_o_residual``: Y = R + X Wo'^T, the residual sum after attention.  Given
+  that sum already (a checkpointed forward kept it), it returns it as it is and
+  runs no GEMM; backward is still the sum's: dR = dY, dX, dA, dB as above, with
+  X A^T recomputed there (N x r, cheap) for dB.
 
 The functions here are torch matmuls and run on any device; the Triton kernels
 they call (the fused activations, NF4 dequantisation) dispatch by themselves.
@@ -442,7 +446,8 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 # Backward needs e and g only: h is rebuilt there anyway, and h A_d^T
                 # (for dB_d) is taken from it then, so the activation and the down
                 # projection, a third of the MLP's FLOPs, are not run at all.
-                y = x.new_zeros((*x.shape[:-1], down.out_features))
+                # Zeros as one broadcast element: no memset of an (N, out) buffer.
+                y = x.new_zeros(()).expand(*x.shape[:-1], down.out_features)
                 ha_d = None
             else:
                 h = act_forward(e, g)
@@ -522,6 +527,35 @@ class _LoRAMLPFunction(torch.autograd.Function):
         )  # fmt: skip
 
 
+class _KnownLoRASumFunction(torch.autograd.Function):
+    """apply(known, residual, x, *projection fields): returns ``known``, which must equal
+    residual + x W'^T; backward is that sum's."""
+
+    @staticmethod
+    def forward(ctx, known, residual, x, *fields):
+        _save_projections(ctx, x, [LoRAProjection(*fields)], [None])
+        return known.view_as(known)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *saved = ctx.saved_tensors
+        ((proj, _),) = _load_projections(ctx, saved)
+        need_residual, need_x = ctx.needs_input_grad[1:3]
+        need_a, need_b = _adapter_needs(ctx, 3, 0)  # fields start after known, residual, x
+        x2d = x.reshape(-1, x.shape[-1])
+        dx = d_a = d_b = None
+        with torch.autocast(x.device.type, enabled=False):
+            dy2d = dy.reshape(-1, dy.shape[-1]).to(x.dtype)  # (N, out)
+            xa = None
+            if proj.lora_a is not None and need_b:
+                xa = x2d @ proj.lora_a.t()  # (N, r): not saved, since no forward GEMM ran
+            dyb_s, d_a, d_b = _adapter_backward(dy2d, xa, x2d, proj, need_x, need_a, need_b)
+            if need_x:
+                adapter_terms = [(dyb_s, proj.lora_a)] if dyb_s is not None else []
+                dx = _input_gradient([(dy2d, proj)], adapter_terms).view(x.shape)
+        return (None, dy if need_residual else None, dx, None, d_a, d_b, None, None)
+
+
 # ----------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------
@@ -556,6 +590,29 @@ def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
 def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
     """The attention output projection: ``lora_linear`` under its usual name."""
     return _project(x, [("o_proj", o_proj)])[0]
+
+
+def lora_o_residual(
+    x: torch.Tensor, o_proj: LoRAProjection, residual: torch.Tensor,
+    known_sum: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + lora_o(x, o_proj): the residual stream after attention.
+
+    known_sum: that sum, computed before from the same x, residual and weights (the
+    forward of gradient checkpointing can keep it for the recomputation).  It is then
+    returned as it is and no GEMM runs; backward is the sum's all the same (gradients
+    for residual, x, A and B), so a recompute that needs the sum only to go on with the
+    layer spends nothing on the output projection.
+    """
+    if known_sum is None:
+        return residual + lora_o(x, o_proj)
+    x = _prepare(x, [("o_proj", o_proj, None)])
+    if known_sum.shape != residual.shape or known_sum.shape[:-1] != x.shape[:-1]:
+        raise ValueError(
+            f"lora_o_residual: known_sum has shape {tuple(known_sum.shape)}, residual "
+            f"{tuple(residual.shape)} and x {tuple(x.shape)}; the sum is shaped like the "
+            f"residual, with x's leading dimensions")
+    return _KnownLoRASumFunction.apply(known_sum.detach(), residual, x, *o_proj.fields_in(x.dtype))
 
 
 def lora_qkv(
@@ -608,8 +665,8 @@ def lora_mlp(
 
     backward_only=True is for the recomputation of gradient checkpointing, where the
     forward runs again only to rebuild what backward needs and its output is thrown
-    away: the activation and the down projection are skipped, the returned y is zeros,
-    and backward gives the same gradients as after a full forward.
+    away: the activation and the down projection are skipped, the returned y is zeros
+    (a broadcast view of one element, not a filled buffer), and backward gives the same gradients as after a full forward.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

@@ -19,9 +19,18 @@ The re-run's output is never read (only its graph is), so modules may skip work
 whose result feeds only the layer output: ``recomputing()`` says when they are
 inside the re-run of one decoder layer (the checkpointers ``enable_checkpointing``
 installs; a function checkpointed through ``offload_checkpoint`` may be anything,
-and is not marked).  The fused MLP uses it to skip its down projection.  A forward
-hook on the layer (or a global one) could read that output, so with one the re-run
-is not marked either and runs in full.
+and is not marked).  The fused MLP uses it to skip its down projection, and the
+decoder layer its last residual sum (``unread_sum``).  A forward hook on the layer
+(or a global one) could read that output, so with one the re-run is not marked
+either and runs in full.
+
+Kept intermediates.  A layer may also hand an intermediate of its forward to the
+re-run, so as not to compute it twice: ``keep(name, tensor)`` in the forward, and
+``kept(name)`` in the marked re-run, which returns it (None everywhere else).  The
+decoder layer keeps the residual sum after attention, so its re-run skips the output
+projection.  A kept tensor travels like the layer input (to pinned host memory and
+back, prefetched one layer ahead), so it costs host memory and copy bandwidth; a
+checkpointer collects them only when built with ``keeps=True``.
 """
 
 from __future__ import annotations
@@ -44,13 +53,58 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _recomputation(marked: bool):
-    depth = getattr(_state, "depth", 0)
+def _recomputation(marked: bool, kept_tensors: dict | None = None):
+    depth, previous = getattr(_state, "depth", 0), getattr(_state, "kept", None)
     _state.depth = depth + int(marked)
+    _state.kept = kept_tensors if marked else None
     try:
         yield
     finally:
-        _state.depth = depth
+        _state.depth, _state.kept = depth, previous
+
+
+@contextlib.contextmanager
+def _collecting(collector: dict | None):
+    previous = getattr(_state, "collector", None)
+    _state.collector = collector
+    try:
+        yield
+    finally:
+        _state.collector = previous
+
+
+def keep(name: str, tensor: torch.Tensor) -> None:
+    """Offer an intermediate of a checkpointed layer's forward to its re-run (module
+    docstring).  Does nothing unless a checkpointer that keeps is running the layer."""
+    collector = getattr(_state, "collector", None)
+    if collector is not None:
+        collector[name] = tensor.detach()
+
+
+def kept(name: str) -> torch.Tensor | None:
+    """In a marked re-run, the tensor the forward offered under ``name``; else None."""
+    kept_tensors = getattr(_state, "kept", None)
+    return None if kept_tensors is None else kept_tensors.get(name)
+
+
+class _UnreadSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.shapes = a.shape, b.shape
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        # One uninitialised element, broadcast: the value is never read.
+        return a.new_empty((), dtype=torch.result_type(a, b)).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.sum_to_size(shape) if grad.shape != shape else grad for shape in ctx.shapes)
+
+
+def unread_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b as the autograd graph sees it, for a marked re-run's layer output, which is
+    never read: backward passes the gradient to both, but no add runs and no output
+    buffer is filled (its values are undefined)."""
+    return _UnreadSum.apply(a, b)
 
 
 def _output_may_be_read(run_function) -> bool:
@@ -67,43 +121,47 @@ def _output_may_be_read(run_function) -> bool:
 
 
 class _OffloadedActivation:
-    """One layer input: its host copy, and the device copy once prefetched."""
+    """One layer's saved tensors (its input, then what it kept): their host copies, and
+    the device copies once prefetched."""
 
-    def __init__(self, tensor: torch.Tensor, stream: torch.cuda.Stream):
-        self.device = tensor.device
-        self.dtype = tensor.dtype
+    def __init__(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream):
+        self.device = tensors[0].device
         self.stream = stream
-        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        self.previous = None  # weakref to the input of the layer run before this one
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        self.previous = None  # weakref to the activation of the layer run before this one
         self.prefetched = None
         self.ready = torch.cuda.Event()
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.host.copy_(tensor, non_blocking=True)
+            for host, tensor in zip(self.host, tensors):
+                host.copy_(tensor, non_blocking=True)
             self.ready.record(stream)
-        # The caching allocator must not hand this block to anyone else until the copy is done.
-        tensor.record_stream(stream)
+        # The caching allocator must not hand these blocks to anyone else until the copies are done.
+        for tensor in tensors:
+            tensor.record_stream(stream)
 
     def prefetch(self) -> None:
-        """Start the host-to-device copy on the side stream, if not started yet."""
+        """Start the host-to-device copies on the side stream, if not started yet."""
         if self.prefetched is not None or self.host is None:
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.ready)
-            self.prefetched = torch.empty(self.host.shape, dtype=self.dtype, device=self.device)
-            self.prefetched.copy_(self.host, non_blocking=True)
+            self.prefetched = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in self.host]
+            for device_copy, host in zip(self.prefetched, self.host):
+                device_copy.copy_(host, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
-    def fetch(self) -> torch.Tensor:
+    def fetch(self) -> list[torch.Tensor]:
         self.prefetch()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
-        tensor = self.prefetched
-        tensor.record_stream(current)
+        tensors = self.prefetched
+        for tensor in tensors:
+            tensor.record_stream(current)
         self.prefetched = None
-        self.host = None  # release the pinned buffer once consumed
-        return tensor
+        self.host = None  # release the pinned buffers once consumed
+        return tensors
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -119,15 +177,20 @@ class _Checkpoint(torch.autograd.Function):
         output = None
         if ctx.graphs is not None:
             output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast)
+        # Kept tensors are for a marked re-run only (a graph's forward keeps nothing).
+        collector = {} if output is None and checkpointer.keeps and checkpointer.marks_recompute \
+            and not _output_may_be_read(run_function) else None
         if output is None:
-            with torch.no_grad():
+            with torch.no_grad(), _collecting(collector):
                 output = run_function(hidden_states, *args)
+        ctx.kept_names = list(collector or ())
+        kept_tensors = [collector[name] for name in ctx.kept_names]
         if hidden_states.is_cuda:
-            ctx.offloaded = checkpointer.offload(hidden_states)
-            ctx.saved_input = None
-        else:  # nothing to offload to: keep it where it is
+            ctx.offloaded = checkpointer.offload(hidden_states, *kept_tensors)
+            ctx.saved = None
+        else:  # nothing to offload to: keep them where they are
             ctx.offloaded = None
-            ctx.saved_input = hidden_states.detach()
+            ctx.saved = [hidden_states.detach(), *kept_tensors]
         ctx.input_requires_grad = hidden_states.requires_grad
         return output
 
@@ -135,11 +198,12 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         if ctx.offloaded is not None:
             previous = ctx.offloaded.previous() if ctx.offloaded.previous is not None else None
-            hidden_states = ctx.offloaded.fetch()
+            hidden_states, *kept_tensors = ctx.offloaded.fetch()
             if previous is not None:
                 previous.prefetch()  # overlap the next layer's copy with this layer's recompute
         else:
-            hidden_states = ctx.saved_input
+            hidden_states, *kept_tensors = ctx.saved
+        kept_tensors = dict(zip(ctx.kept_names, kept_tensors))
         marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
             grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,
@@ -153,7 +217,7 @@ class _Checkpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
             with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
-                    _recomputation(marked):
+                    _recomputation(marked, kept_tensors):
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
@@ -189,10 +253,13 @@ class OffloadedCheckpointer:
     marked (``recomputing()``) for the modules inside it.
     """
 
-    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool | str = False):
+    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool | str = False,
+                 keeps: bool = False):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
+        # Collect what the layers offer with keep() for their re-runs (marked ones only).
+        self.keeps = keeps
         # Replay each layer's forward and backward (cuda_graphs="forward": the forward
         # only) from CUDA graphs where it can (slothkit.layer_graphs); elsewhere, and on
         # the CPU, the layers run as before.
@@ -201,11 +268,11 @@ class OffloadedCheckpointer:
         else:
             self.graphs = LayerGraphs() if cuda_graphs else None
 
-    def offload(self, tensor: torch.Tensor) -> _OffloadedActivation:
+    def offload(self, tensor: torch.Tensor, *kept_tensors: torch.Tensor) -> _OffloadedActivation:
         stream = self._streams.get(tensor.device)
         if stream is None:
             stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
-        activation = _OffloadedActivation(tensor, stream)
+        activation = _OffloadedActivation([tensor, *kept_tensors], stream)
         last = self._last() if self._last is not None else None
         if last is not None and last.host is not None:
             activation.previous = weakref.ref(last)
@@ -221,8 +288,17 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
+def _setting(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}; accepted: 1, 0")
+    return value == "1"
+
+
 def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
-                         quantized: bool = False) -> None:
+                         quantized: bool = False, keeps: bool | None = None) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
     mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
@@ -241,7 +317,15 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
     (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool,
     so they are there to ask for, not the default (docs/performance-notes.md). T4/V100-
     class GPUs run a layer far slower than the host issues it, and their memory is tight.
+    keeps (offload only): let the layers keep intermediates for their re-runs (the residual
+    sum after attention, so the re-run skips o_proj: one more B x T x hidden tensor per
+    layer in pinned host memory, copied each way). None: SLOTHKIT_KEEP_SUMS (1 or 0) if
+    set; else on for GPUs of compute capability 8.0 and up, off for older ones (whose
+    hosts, Colab's and Kaggle's, have little memory to pin) and the CPU.
     """
+    if keeps is None:
+        fast_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+        keeps = _setting("SLOTHKIT_KEEP_SUMS", fast_gpu)
     if cuda_graphs is None:
         setting = os.environ.get("SLOTHKIT_CUDA_GRAPHS")
         if setting is not None:
@@ -261,7 +345,7 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
             layer.gradient_checkpointing = False
         return
     if mode in ("offload", "unsloth"):
-        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs)
+        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs, keeps=keeps)
     else:
         from functools import partial
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from slothkit.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
+from slothkit.models.decoder_layer import decoder_layer_forward
 from slothkit.offload_checkpoint import recomputing
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -96,7 +97,9 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
     return cache.update(key, value, layer_idx)
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+def attention_values(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """The patched attention's output before its output projection: (B, T, heads * D),
+    and the attention weights (None from SDPA and flash)."""
     # transformers renamed `past_key_values` to `cache`; accept both.
     cache = kwargs.pop("cache", None)
     if cache is None:
@@ -136,7 +139,12 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         **extra,
         **kwargs,
     )
-    attn_output = attn_output.reshape(batch, seq, -1)  # (B, T, heads * D)
+    return attn_output.reshape(batch, seq, -1), attn_weights  # (B, T, heads * D)
+
+
+def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    attn_output, attn_weights = attention_values(self, hidden_states, position_embeddings,
+                                                 attention_mask, **kwargs)
     out_projection = projections_or_none("attention o_proj", self.o_proj)
     if out_projection is None:
         return self.o_proj(attn_output), attn_weights
@@ -145,6 +153,17 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 def patch_attention(attention: nn.Module) -> None:
     _bind(attention, _attention_forward)
+    # The decoder layer's forward calls this to apply o_proj with the residual sum itself.
+    attention._slothkit_values = types.MethodType(attention_values, attention)
+
+
+# --- the decoder layer -----------------------------------------------------------
+
+
+def patch_decoder_layer(layer: nn.Module) -> None:
+    """Only for layers whose forward is the two residual sums ``decoder_layer_forward``
+    computes (Llama, Mistral, Gemma), with these four submodules patched."""
+    _bind(layer, decoder_layer_forward)
 
 
 # --- the language-model head and loss ------------------------------------------
@@ -221,6 +240,7 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
         patch_rms_norm(layer.post_attention_layernorm, arch.norm_adds_one)
         patch_attention(layer.self_attn)
         patch_mlp(layer.mlp, activation)
+        patch_decoder_layer(layer)
     patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
     patch_causal_lm(causal_lm)
     setattr(causal_lm, PATCHED_MARK, arch.name)
@@ -234,6 +254,7 @@ def unpatch_decoder(model: nn.Module) -> nn.Module:
         original = module.__dict__.pop("_slothkit_original_forward", None)
         if original is not None:
             module.__dict__.pop("forward", None)
+            module.__dict__.pop("_slothkit_values", None)
     if hasattr(causal_lm, PATCHED_MARK):
         delattr(causal_lm, PATCHED_MARK)
     return model

@@ -26,6 +26,7 @@ from slothkit_kernels.lora import (
     lora_mlp,
     lora_mlp_reference,
     lora_o,
+    lora_o_residual,
     lora_qkv,
     lora_qkv_reference,
     lora_qkv_rope,
@@ -363,6 +364,59 @@ def test_lora_mlp_backward_only_runs_no_down_projection(nf4_stub, device):
     nf4_stub.clear()
     lora_mlp(x, *projs, backward_only=True)
     assert [w.shape for w in nf4_stub] == [p.weight.shape for p in projs[:2]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", ["all", "adapters_only", "no_adapter"])
+def test_lora_o_residual_with_a_known_sum_gives_the_same_gradients(dtype, which, device):
+    """Given the sum it would compute, lora_o_residual returns it as it is and its
+    gradients (residual, x, A, B) equal those of the computed sum for the same output
+    gradient; dB then comes from an x A^T recomputed in backward."""
+    targets = ["q_proj"] if which == "no_adapter" else ALL_TARGETS
+    block = _peft_block(dtype, device, targets=targets, seed=21)
+    proj = _projection(block.o_proj)
+    x = _x((2, 7, Q_OUT), dtype, device, seed=22)
+    residual = _x((2, 7, HIDDEN), dtype, device, seed=23)
+    params = _adapter_params(block.o_proj)
+    if which != "adapters_only":
+        params = [x, residual] + params
+    else:
+        x.requires_grad_(False)
+        residual.requires_grad_(False)
+
+    y, grads = _run(lambda: lora_o_residual(x, proj, residual), params)
+    with torch.no_grad():
+        y_ref = residual + lora_linear_reference(x, proj)
+    _compare(y, [y_ref], REF_RTOL[dtype], "sum")
+    # A different tensor with the same values: nothing is computed from x in forward.
+    known = y[0].clone()
+    y_known, grads_known = _run(lambda: lora_o_residual(x, proj, residual, known_sum=known), params)
+    assert torch.equal(y_known[0], known)
+    _compare(grads_known, grads, REF_RTOL[dtype], f"known-sum grads ({which})")
+
+
+def test_lora_o_residual_with_a_known_sum_runs_no_projection(nf4_stub, device):
+    """NF4 weights are dequantised once per GEMM that runs: none in a known-sum forward,
+    once (for dx) in its backward."""
+    block = _peft_block(torch.float32, device, seed=24)
+    nf4 = _quantize_to_nf4(block)
+    proj = _projection(block.o_proj, nf4)
+    x = _x((7, Q_OUT), torch.float32, device)
+    residual = _x((7, HIDDEN), torch.float32, device, seed=25)
+    known = lora_o_residual(x, proj, residual).detach()
+    nf4_stub.clear()
+    y = lora_o_residual(x, proj, residual, known_sum=known)
+    assert nf4_stub == []
+    y.sum().backward()
+    assert len(nf4_stub) == 1
+
+
+def test_lora_o_residual_refuses_a_known_sum_of_another_shape(device):
+    block = _peft_block(torch.float32, device, seed=26)
+    x = _x((2, 7, Q_OUT), torch.float32, device)
+    residual = _x((2, 7, HIDDEN), torch.float32, device)
+    with pytest.raises(ValueError, match="known_sum has shape"):
+        lora_o_residual(x, _projection(block.o_proj), residual, known_sum=residual[:, :5])
 
 
 def test_lora_under_autocast(device):

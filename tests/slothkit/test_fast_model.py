@@ -116,24 +116,50 @@ def mlp_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def known_sums(monkeypatch):
+    """For each fused o_proj residual sum, in call order: whether it was given the sum
+    the checkpointed forward kept (and so ran no projection)."""
+    from slothkit.models import decoder_layer
+    from slothkit_kernels.lora import lora_o_residual
+
+    calls = []
+
+    def recording(x, o_proj, residual, known_sum=None):
+        calls.append(known_sum is not None)
+        return lora_o_residual(x, o_proj, residual, known_sum=known_sum)
+
+    monkeypatch.setattr(decoder_layer, "lora_o_residual", recording)
+    return calls
+
+
+@pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_offloaded_checkpointing_gives_same_gradients(arch, device, mlp_calls):
+def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums,
+                                                      monkeypatch):
+    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", keeps)
     path = tiny_model_path(arch)
     results = []
     for mode in (False, "offload", True):
         model = _fused(path, load_in_4bit=False, checkpointing=mode)
         ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
         mlp_calls.clear()
+        known_sums.clear()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results.append((loss.item(), grads))
-        # The offload re-run in backward skips the MLP's down projection; torch's
-        # checkpoint re-runs the whole layer.
+        # The offload re-run in backward skips the MLP's down projection, and with kept
+        # sums the output projection; torch's checkpoint re-runs the whole layer.
         layers = model.config.num_hidden_layers
         expected = {False: [False] * layers, True: [False] * 2 * layers,
                     "offload": [False] * layers + [True] * layers}[mode]
         assert mlp_calls == expected, mode
+        if mode == "offload" and keeps == "1":
+            expected = [False] * layers + [True] * layers
+        else:
+            expected = [False] * len(expected)
+        assert known_sums == expected, mode
     base_loss, base_grads = results[0]
     for loss, grads in results[1:]:
         assert loss == pytest.approx(base_loss, rel=1e-6)
@@ -181,6 +207,21 @@ def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_ca
     assert True not in mlp_calls
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_unread_sum_sends_the_gradient_to_both_terms():
+    from slothkit.offload_checkpoint import unread_sum
+
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randn(2, 3, 4, generator=gen, requires_grad=True)
+    b = torch.randn(3, 1, generator=gen, requires_grad=True)  # broadcast, as a + b allows
+    grad = torch.randn(2, 3, 4, generator=gen)
+    out = unread_sum(a, b)
+    assert out.shape == (2, 3, 4) and out.dtype == a.dtype
+    got = torch.autograd.grad(out, [a, b], grad)
+    expected = torch.autograd.grad(a + b, [a, b], grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
 
 
 def test_importing_slothkit_patches_nothing_and_models_coexist(device):
