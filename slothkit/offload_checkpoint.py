@@ -178,7 +178,7 @@ class _Checkpoint(torch.autograd.Function):
         if ctx.graphs is not None:
             output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast)
         # Kept tensors are for a marked re-run only (a graph's forward keeps nothing).
-        collector = {} if output is None and checkpointer.keeps and checkpointer.marks_recompute \
+        collector = {} if output is None and checkpointer.keeps_for(hidden_states) \
             and not _output_may_be_read(run_function) else None
         if output is None:
             with torch.no_grad(), _collecting(collector):
@@ -254,12 +254,16 @@ class OffloadedCheckpointer:
     """
 
     def __init__(self, marks_recompute: bool = False, cuda_graphs: bool | str = False,
-                 keeps: bool = False):
+                 keeps: bool = False, keep_max_tokens: int = 16384):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
-        # Collect what the layers offer with keep() for their re-runs (marked ones only).
+        # Collect what the layers offer with keep() for their re-runs (marked ones only),
+        # for batches of up to keep_max_tokens tokens: in longer ones attention dominates
+        # the re-run, while the kept tensors' host memory and in-flight device copies grow
+        # with the tokens (and would shorten the longest sequence that fits).
         self.keeps = keeps
+        self.keep_max_tokens = keep_max_tokens
         # Replay each layer's forward and backward (cuda_graphs="forward": the forward
         # only) from CUDA graphs where it can (slothkit.layer_graphs); elsewhere, and on
         # the CPU, the layers run as before.
@@ -267,6 +271,10 @@ class OffloadedCheckpointer:
             self.graphs = LayerGraphs(phases=("forward",))
         else:
             self.graphs = LayerGraphs() if cuda_graphs else None
+
+    def keeps_for(self, hidden_states: torch.Tensor) -> bool:
+        tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        return self.keeps and self.marks_recompute and tokens <= self.keep_max_tokens
 
     def offload(self, tensor: torch.Tensor, *kept_tensors: torch.Tensor) -> _OffloadedActivation:
         stream = self._streams.get(tensor.device)

@@ -209,6 +209,21 @@ def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_ca
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_long_batches_keep_nothing(device, known_sums, monkeypatch):
+    """Above the checkpointer's token bound the layers keep nothing and the re-run
+    computes the sum itself."""
+    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "1")
+    model = _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload")
+    ids, labels = (t.to(device) for t in _batch(model.config.vocab_size, batch=2, seq=12))
+    checkpointer = model.get_base_model().model.layers[0]._gradient_checkpointing_func
+    layers = model.config.num_hidden_layers
+    for bound, kept_in_rerun in ((24, True), (23, False)):  # the batch has 2 x 12 tokens
+        checkpointer.keep_max_tokens = bound
+        known_sums.clear()
+        model(input_ids=ids, labels=labels).loss.backward()
+        assert known_sums == [False] * layers + [kept_in_rerun] * layers, bound
+
+
 def test_unread_sum_sends_the_gradient_to_both_terms():
     from slothkit.offload_checkpoint import unread_sum
 
