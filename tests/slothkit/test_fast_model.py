@@ -224,21 +224,6 @@ def test_long_batches_keep_nothing(device, known_sums, monkeypatch):
         assert known_sums == [False] * layers + [kept_in_rerun] * layers, bound
 
 
-def test_unread_sum_sends_the_gradient_to_both_terms():
-    from slothkit.offload_checkpoint import unread_sum
-
-    gen = torch.Generator().manual_seed(7)
-    a = torch.randn(2, 3, 4, generator=gen, requires_grad=True)
-    b = torch.randn(3, 1, generator=gen, requires_grad=True)  # broadcast, as a + b allows
-    grad = torch.randn(2, 3, 4, generator=gen)
-    out = unread_sum(a, b)
-    assert out.shape == (2, 3, 4) and out.dtype == a.dtype
-    got = torch.autograd.grad(out, [a, b], grad)
-    expected = torch.autograd.grad(a + b, [a, b], grad)
-    for g, e in zip(got, expected):
-        torch.testing.assert_close(g, e, rtol=0, atol=1e-6)
-
-
 def test_importing_slothkit_patches_nothing_and_models_coexist(device):
     from transformers import AutoModelForCausalLM
 
