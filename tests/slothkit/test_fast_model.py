@@ -224,6 +224,27 @@ def test_long_batches_keep_nothing(device, known_sums, monkeypatch):
         assert known_sums == [False] * layers + [kept_in_rerun] * layers, bound
 
 
+def test_attentions_and_hidden_states_are_returned_when_asked(device):
+    """transformers records them with hooks on the attention modules and layers; the
+    patched layer then calls the attention module as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_path("llama")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                 device_map={"": device})
+    fused, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False,
+                                         attn_implementation="eager", device_map={"": device})
+    ids, _ = _batch(plain.config.vocab_size)
+    with torch.no_grad():
+        expected = plain(ids.to(device), output_attentions=True, output_hidden_states=True)
+        got = fused(ids.to(device), output_attentions=True, output_hidden_states=True)
+    assert len(got.attentions) == len(expected.attentions) == plain.config.num_hidden_layers
+    for name in ("attentions", "hidden_states"):
+        for a, b in zip(getattr(got, name), getattr(expected, name)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-5)
+
+
 def test_importing_slothkit_patches_nothing_and_models_coexist(device):
     from transformers import AutoModelForCausalLM
 
