@@ -198,12 +198,12 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         if ctx.offloaded is not None:
             previous = ctx.offloaded.previous() if ctx.offloaded.previous is not None else None
-            hidden_states, *kept_tensors = ctx.offloaded.fetch()
+            hidden_states, *kept_values = ctx.offloaded.fetch()
             if previous is not None:
                 previous.prefetch()  # overlap the next layer's copy with this layer's recompute
         else:
-            hidden_states, *kept_tensors = ctx.saved
-        kept_tensors = dict(zip(ctx.kept_names, kept_tensors))
+            hidden_states, *kept_values = ctx.saved
+        kept_tensors = dict(zip(ctx.kept_names, kept_values))
         marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
             grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,

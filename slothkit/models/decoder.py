@@ -21,7 +21,7 @@ from torch import nn
 
 from slothkit.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
-from slothkit.models.decoder_layer import decoder_layer_forward
+from slothkit.models.decoder_layer import checkpoints_in_forward, decoder_layer_forward
 from slothkit.offload_checkpoint import recomputing
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -163,6 +163,7 @@ def patch_attention(attention: nn.Module) -> None:
 def patch_decoder_layer(layer: nn.Module) -> None:
     """Only for layers whose forward is the two residual sums ``decoder_layer_forward``
     computes (Llama, Mistral, Gemma), with these four submodules patched."""
+    layer._slothkit_checkpoints_forward = checkpoints_in_forward(layer)
     _bind(layer, decoder_layer_forward)
 
 
@@ -255,6 +256,7 @@ def unpatch_decoder(model: nn.Module) -> nn.Module:
         if original is not None:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_slothkit_values", None)
+            module.__dict__.pop("_slothkit_checkpoints_forward", None)
     if hasattr(causal_lm, PATCHED_MARK):
         delattr(causal_lm, PATCHED_MARK)
     return model

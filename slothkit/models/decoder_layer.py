@@ -42,9 +42,10 @@ from slothkit_kernels.lora import lora_o_residual
 ATTENTION_SUM = "attention_sum"  # the name h is kept under
 
 
-def _checkpoints_in_forward(layer: nn.Module) -> bool:
+def checkpoints_in_forward(layer: nn.Module) -> bool:
     """Whether transformers checkpoints this layer by wrapping its class's forward (which
-    an instance forward bypasses) rather than in ``__call__``."""
+    an instance forward bypasses) rather than in ``__call__``.  Settled once, when the
+    layer is patched: ``decoder_layer_forward`` reads ``_slothkit_checkpoints_forward``."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # no such base class: the model's loop does the checkpointing
@@ -76,8 +77,8 @@ def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
 
 
 def decoder_layer_forward(self, *args, **kwargs):
-    if (self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-            and _checkpoints_in_forward(self)):
+    if (self._slothkit_checkpoints_forward and self.gradient_checkpointing and self.training
+            and torch.is_grad_enabled()):
         body = functools.partial(_layer_body, self, **_without_cache(self, kwargs))
         return self._gradient_checkpointing_func(body, *args)
     return _layer_body(self, *args, **kwargs)
