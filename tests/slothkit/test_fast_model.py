@@ -13,7 +13,6 @@ import torch
 
 from slothkit import FastModel
 from slothkit.testing import tiny_model_path
-from slothkit_kernels.lora import lora_mlp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -99,38 +98,6 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
         a = plain.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
         b = fused.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(a, b)
-
-
-@pytest.fixture
-def mlp_calls(monkeypatch):
-    """backward_only of each fused MLP call, in call order."""
-    from slothkit.models import decoder
-
-    calls = []
-
-    def recording_lora_mlp(*args, backward_only=False, **kwargs):
-        calls.append(backward_only)
-        return lora_mlp(*args, backward_only=backward_only, **kwargs)
-
-    monkeypatch.setattr(decoder, "lora_mlp", recording_lora_mlp)
-    return calls
-
-
-@pytest.fixture
-def known_sums(monkeypatch):
-    """For each fused o_proj residual sum, in call order: whether it was given the sum
-    the checkpointed forward kept (and so ran no projection)."""
-    from slothkit.models import decoder_layer
-    from slothkit_kernels.lora import lora_o_residual
-
-    calls = []
-
-    def recording(x, o_proj, residual, known_sum=None):
-        calls.append(known_sum is not None)
-        return lora_o_residual(x, o_proj, residual, known_sum=known_sum)
-
-    monkeypatch.setattr(decoder_layer, "lora_o_residual", recording)
-    return calls
 
 
 @pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])

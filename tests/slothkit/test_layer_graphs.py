@@ -167,15 +167,11 @@ class _GraphsOnCPU(LayerGraphs):
 
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, monkeypatch):
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, mlp_calls):
     from slothkit import FastModel
-    from slothkit.models import decoder
     from slothkit.testing import tiny_model_path
 
-    skipped_down = []  # the re-run inside a replayed graph skips the down projection too
-    lora_mlp = decoder.lora_mlp
-    monkeypatch.setattr(decoder, "lora_mlp", lambda *a, backward_only=False, **k: (
-        skipped_down.append(backward_only), lora_mlp(*a, backward_only=backward_only, **k))[1])
+    skipped_down = mlp_calls  # the re-run inside a replayed graph skips the down projection too
     runs = {}
     for graphs in (True, False):
         skipped_down.clear()
