@@ -31,7 +31,11 @@ A graph bakes in the addresses it read and wrote at capture, so:
 - everything else the layer reads (hidden states, cos/sin tables, masks) is copied into
   static buffers before each replay;
 - parameter gradients come out of the graph in static buffers and are added to
-  ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working).
+  ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working);
+- tensors the layer keeps for its re-run (``offload_checkpoint.keep``) are copied into
+  static buffers by the forward graph and handed out as copies after the replay; the
+  backward graph's re-run reads them from the same buffers, copied in before the replay.
+  A graph with kept tensors is a different graph from one without.
 
 Not captured (the layer then runs as before): CPU tensors; a layer with active dropout
 (the graph would replay the same random mask); parameters with gradient hooks; layer
@@ -116,6 +120,18 @@ class _Statics:
         # The backward graph's incoming gradient, overwritten by the input's gradient.
         self.grad_output = None
         self.grads: dict[tuple, list[torch.Tensor]] = {}  # parameters' gradients, by their shapes
+        # What the layers keep for their re-runs, by name: written by the forward graphs,
+        # read by the backward graphs (created in the first capture that keeps it).
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def store_kept(self, tensors: dict) -> None:
+        for name, tensor in tensors.items():
+            buffer = self.kept.get(name)
+            if buffer is None:
+                buffer = self.kept[name] = torch.empty_like(tensor)
+            elif buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                raise TypeError(f"the layers keep {name!r} in different shapes or dtypes")
+            buffer.copy_(tensor)
 
     def load(self, hidden: torch.Tensor, leaves: list) -> None:
         self.hidden.copy_(hidden)
@@ -143,6 +159,7 @@ class LayerGraphs:
         self.statics: dict[tuple, _Statics] = {}
         self.signatures: set[tuple] = set()
         self.eligible_layers: dict[int, bool] = {}
+        self.kept_names: dict[tuple, tuple] = {}  # forward graph key -> names it keeps
 
     # -- the CUDA calls (a test replaces them to check the plumbing on a CPU) ----------
 
@@ -226,9 +243,12 @@ class LayerGraphs:
 
     # -- forward ----------------------------------------------------------------------
 
-    def forward(self, run_function, hidden: torch.Tensor, args, autocast_dtype):
+    def forward(self, run_function, hidden: torch.Tensor, args, autocast_dtype,
+                collector: dict | None = None, collecting=None):
         """The layer's output under no_grad, replayed from a graph; None when the caller
-        must run the layer itself."""
+        must run the layer itself.  With a ``collector`` (a dict, and ``collecting(d)``
+        the context in which the layer's keep() calls fill d), what the layer keeps is
+        added to it as fresh copies."""
         if "forward" not in self.phases:
             return None
         call = _Call(run_function, args)
@@ -237,17 +257,22 @@ class LayerGraphs:
         signature = call.signature(hidden, autocast_dtype)
         if not self._ready("forward", call, signature):
             return None
-        key = ("forward", id(call.layer), signature)
+        keeps = collector is not None
+        key = ("forward", id(call.layer), signature, keeps)
         statics = self._statics_for(signature, hidden, call.leaves)
         statics.load(hidden, call.leaves)
         graph = self.graphs.get(key)
         if graph is None:
             def body():
-                with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype):
+                kept = {}
+                with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype), \
+                        (collecting(kept) if keeps else contextlib.nullcontext()):
                     output = call(statics.hidden, statics.leaves)
                 if (not isinstance(output, torch.Tensor) or output.shape != statics.hidden.shape
                         or output.dtype != statics.hidden.dtype):
                     raise TypeError("the layer's output is not one tensor shaped like its input")
+                statics.store_kept(kept)
+                self.kept_names[key] = tuple(kept)
                 # The input is read by now (stream order): the output takes its place.
                 statics.hidden.copy_(output)
 
@@ -255,16 +280,22 @@ class LayerGraphs:
             if graph is None:
                 return None
         graph.replay()
+        if keeps:
+            # Copies: the next layer's replay overwrites the buffers while these are
+            # still being offloaded.
+            collector.update((name, statics.kept[name].clone()) for name in self.kept_names[key])
         return statics.hidden.clone()
 
     # -- recompute and backward -------------------------------------------------------
 
     def backward(self, run_function, hidden: torch.Tensor, args, autocast_dtype, grad_output,
-                 recompute_context=contextlib.nullcontext):
+                 recompute_context=lambda kept: contextlib.nullcontext(), kept: dict | None = None):
         """The gradient of the layer's input, with its parameters' gradients added to
         their ``.grad``, replayed from a graph; None when the caller must do it itself.
-        The layer is re-run inside ``recompute_context()`` (the checkpointer's marker that
-        lets modules skip work whose output nobody reads)."""
+        The layer is re-run inside ``recompute_context(kept)`` (the checkpointer's marker
+        that lets modules skip work whose output nobody reads, and hands them ``kept``,
+        what the layer kept in its forward, here read from the static buffers; the dict
+        is emptied once they are copied in, so that the caller's copies are freed)."""
         if "backward" not in self.phases:
             return None
         call = _Call(run_function, args)
@@ -275,7 +306,9 @@ class LayerGraphs:
             return None
         params = [p for p in call.layer.parameters() if p.requires_grad]
         shapes = tuple((tuple(p.shape), p.dtype) for p in params)
-        key = ("backward", id(call.layer), signature)
+        kept = {} if kept is None else kept
+        kept_names = tuple(sorted(kept))
+        key = ("backward", id(call.layer), signature, kept_names)
         statics = self._statics_for(signature, hidden, call.leaves)
         if statics.grad_output is None:
             statics.grad_output = torch.empty_like(grad_output)
@@ -284,12 +317,14 @@ class LayerGraphs:
         param_grads = statics.grads[shapes]
         statics.load(hidden, call.leaves)
         statics.grad_output.copy_(grad_output)
+        statics.store_kept(kept)
+        kept.clear()  # the caller's device copies, no longer needed: freed before the replay
         graph = self.graphs.get(key)
         if graph is None:
             def body():
                 layer_input = statics.hidden.detach().requires_grad_(True)
                 with torch.enable_grad(), _autocast(hidden.device.type, autocast_dtype), \
-                        recompute_context():
+                        recompute_context({name: statics.kept[name] for name in kept_names}):
                     output = call(layer_input, statics.leaves)
                 if (not isinstance(output, torch.Tensor) or output.shape != statics.grad_output.shape
                         or output.dtype != statics.hidden.dtype):

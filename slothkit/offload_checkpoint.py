@@ -174,12 +174,13 @@ class _Checkpoint(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
         ctx.graphs = checkpointer.graphs
+        # Kept tensors are for a marked re-run only.
+        collector = {} if checkpointer.keeps_for(hidden_states) \
+            and not _output_may_be_read(run_function) else None
         output = None
         if ctx.graphs is not None:
-            output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast)
-        # Kept tensors are for a marked re-run only (a graph's forward keeps nothing).
-        collector = {} if output is None and checkpointer.keeps_for(hidden_states) \
-            and not _output_may_be_read(run_function) else None
+            output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast,
+                                        collector, _collecting)
         if output is None:
             with torch.no_grad(), _collecting(collector):
                 output = run_function(hidden_states, *args)
@@ -207,7 +208,8 @@ class _Checkpoint(torch.autograd.Function):
         marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
             grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,
-                                             grad_outputs[0], lambda: _recomputation(marked))
+                                             grad_outputs[0], lambda kept: _recomputation(marked, kept),
+                                             kept_tensors if marked else None)
             if grad_input is not None:
                 return (None, None, grad_input if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
         hidden_states = hidden_states.detach().requires_grad_(ctx.input_requires_grad)

@@ -165,16 +165,21 @@ class _GraphsOnCPU(LayerGraphs):
         graph.body = body  # a capture runs nothing; the replay that follows does
 
 
+@pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, mlp_calls):
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, mlp_calls, known_sums,
+                                                        monkeypatch):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
+    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", keeps)
     skipped_down = mlp_calls  # the re-run inside a replayed graph skips the down projection too
+    # known_sums: and, where the layers keep, each re-run gets the forward's residual sum
     runs = {}
     for graphs in (True, False):
         skipped_down.clear()
+        known_sums.clear()
         model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
                                              load_in_4bit=False, device_map={"": "cpu"})
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
@@ -197,6 +202,8 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, mlp_calls
             optimizer.zero_grad(set_to_none=True)
         runs[graphs] = losses, grads, checkpointer.graphs
         assert skipped_down.count(True) == 8 * model.config.num_hidden_layers, graphs
+        # Every re-run (8 micro-batches) of every layer, replayed or not.
+        assert known_sums.count(True) == (8 * model.config.num_hidden_layers if keeps == "1" else 0)
     (graph_losses, graph_grads, layer_graphs), (eager_losses, eager_grads, _) = runs[True], runs[False]
     layers = model.config.num_hidden_layers
     # The first micro-batch runs eagerly, the second captures (forward and, unless only
@@ -210,6 +217,7 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, mlp_calls
     # The graphs of every layer share one set of buffers: the input (overwritten by the
     # output) and, with backward graphs, the incoming gradient and one per LoRA parameter.
     (statics,) = layer_graphs.statics.values()
+    assert list(statics.kept) == (["attention_sum"] if keeps == "1" else [])
     if "backward" in phases:
         (grads,) = statics.grads.values()
         assert len(grads) == len(params) // layers
