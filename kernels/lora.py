@@ -666,7 +666,8 @@ def lora_mlp(
     backward_only=True is for the recomputation of gradient checkpointing, where the
     forward runs again only to rebuild what backward needs and its output is thrown
     away: the activation and the down projection are skipped, the returned y is zeros
-    (a broadcast view of one element, not a filled buffer), and backward gives the same gradients as after a full forward.
+    (a broadcast view of one element, not a filled buffer), and backward gives the same
+    gradients as after a full forward.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")

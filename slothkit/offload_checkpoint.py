@@ -298,13 +298,15 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
-def _setting(name: str, default: bool) -> bool:
+def _setting(name: str, values: dict, default):
+    """The value an environment variable selects from ``values`` (by its accepted
+    spellings), or ``default`` when it is not set."""
     value = os.environ.get(name)
     if value is None:
         return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}; accepted: 1, 0")
-    return value == "1"
+    if value not in values:
+        raise ValueError(f"{name}={value!r}; accepted: {', '.join(values)}")
+    return values[value]
 
 
 def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
@@ -333,19 +335,12 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
     set; else on for GPUs of compute capability 8.0 and up, off for older ones (whose
     hosts, Colab's and Kaggle's, have little memory to pin) and the CPU.
     """
+    fast_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     if keeps is None:
-        fast_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-        keeps = _setting("SLOTHKIT_KEEP_SUMS", fast_gpu)
+        keeps = _setting("SLOTHKIT_KEEP_SUMS", {"1": True, "0": False}, fast_gpu)
     if cuda_graphs is None:
-        setting = os.environ.get("SLOTHKIT_CUDA_GRAPHS")
-        if setting is not None:
-            if setting not in ("0", "1", "forward"):
-                raise ValueError(f"SLOTHKIT_CUDA_GRAPHS={setting!r}; accepted: 1, 0, forward")
-            cuda_graphs = {"0": False, "1": True, "forward": "forward"}[setting]
-        elif torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
-            cuda_graphs = bool(quantized)
-        else:
-            cuda_graphs = False
+        cuda_graphs = _setting("SLOTHKIT_CUDA_GRAPHS", {"1": True, "0": False, "forward": "forward"},
+                               fast_gpu and bool(quantized))
     if mode not in (True, False, "offload", "unsloth"):
         raise ValueError(
             f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False"
