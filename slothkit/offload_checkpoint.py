@@ -197,21 +197,27 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
+        previous = None
         if ctx.offloaded is not None:
             previous = ctx.offloaded.previous() if ctx.offloaded.previous is not None else None
-            hidden_states, *kept_values = ctx.offloaded.fetch()
-            if previous is not None:
-                previous.prefetch()  # overlap the next layer's copy with this layer's recompute
+            saved = ctx.offloaded.fetch()  # [input, *kept]
         else:
-            hidden_states, *kept_values = ctx.saved
-        kept_tensors = dict(zip(ctx.kept_names, kept_values))
+            saved = list(ctx.saved)
+        # The next layer's copy overlaps this layer's recompute; a replayed layer frees
+        # its fetched tensors (copied into the graph's buffers) before it is allocated.
+        prefetch = previous.prefetch if previous is not None else None
         marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
-            grad_input = ctx.graphs.backward(ctx.run_function, hidden_states, ctx.args, ctx.autocast,
+            grad_input = ctx.graphs.backward(ctx.run_function, saved, ctx.args, ctx.autocast,
                                              grad_outputs[0], lambda kept: _recomputation(marked, kept),
-                                             kept_tensors if marked else None)
+                                             ctx.kept_names if marked else None, before_replay=prefetch)
             if grad_input is not None:
                 return (None, None, grad_input if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
+        if prefetch is not None:
+            prefetch()  # a second call does nothing
+        hidden_states, *kept_values = saved
+        del saved
+        kept_tensors = dict(zip(ctx.kept_names, kept_values))
         hidden_states = hidden_states.detach().requires_grad_(ctx.input_requires_grad)
         devices = [hidden_states.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices):

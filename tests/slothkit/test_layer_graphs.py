@@ -72,7 +72,7 @@ def test_what_is_not_replayed():
     run_function = functools.partial(layer.__call__, scale=1.0, position_embeddings=tables)
     for _ in range(3):
         assert graphs.forward(run_function, hidden, (), None) is None
-        assert graphs.backward(run_function, hidden, (), None, torch.ones_like(hidden)) is None
+        assert graphs.backward(run_function, [hidden], (), None, torch.ones_like(hidden)) is None
     assert not graphs.graphs
 
 
@@ -227,6 +227,46 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, ml
     assert graph_losses == eager_losses
     for a, b in zip(graph_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _FailingCapture(_GraphsOnCPU):
+    def _record(self, graph, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("capture", ["works", "fails"])
+def test_backward_frees_the_callers_copies_before_the_prefetch(capture):
+    """The layer's input and kept tensors, once in the static buffers, are dropped from
+    the caller's list before before_replay (the next layer's prefetch) runs; a capture
+    that fails gives them back, from the buffers, for the eager re-run."""
+    layer = _Layer()
+    hidden, tables = _inputs()
+    kept = torch.randn(2, 3, 4)
+    run_function = functools.partial(layer.__call__, scale=2.0, position_embeddings=tables)
+    graphs = (_GraphsOnCPU if capture == "works" else _FailingCapture)(phases=("backward",))
+    grad_output = torch.randn(2, 3, 4)
+    saved = [hidden.clone(), kept.clone()]
+    # The first sighting runs eagerly: the list stays as it was, and no hook runs.
+    assert graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
+                           before_replay=lambda: pytest.fail("no replay")) is None
+    assert len(saved) == 2
+    seen = []
+    if capture == "fails":
+        with pytest.warns(UserWarning, match="CUDA graphs for the decoder layers are off"):
+            result = graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
+                                     before_replay=lambda: seen.append(list(saved)))
+        assert result is None and not graphs.enabled
+        assert seen == [[]]
+        torch.testing.assert_close(saved, [hidden, kept], rtol=0, atol=0)
+        return
+    grad = graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
+                           before_replay=lambda: seen.append(list(saved)))
+    assert seen == [[]] and saved == []
+    # d(2 (x W^T + b) + cos + sin) / dx = 2 dY W
+    torch.testing.assert_close(grad, 2 * grad_output @ layer.proj.weight)
+    torch.testing.assert_close(layer.proj.weight.grad, 2 * grad_output.reshape(-1, 4).t() @ hidden.reshape(-1, 4))
+    (statics,) = graphs.statics.values()
+    torch.testing.assert_close(statics.kept["sum"], kept, rtol=0, atol=0)
 
 
 def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
