@@ -45,6 +45,13 @@ Under the Triton interpreter fp32 -> bf16 casts truncate, so there (only) the
 kernel rounds to bf16 with integer arithmetic; on the GPU it uses the native
 round-to-nearest-even conversion.
 
+A column slab ``columns=(start, stop)`` dequantises ``w[:, start:stop]`` only, into a
+dense (rows, stop - start) tensor: blocks run along rows, so when the row length and
+both bounds are multiples of the block size every row's slab is whole blocks, and
+output block ``b`` is source block ``(b // slab_blocks) * row_blocks + first_block +
+b % slab_blocks``.  Backward uses it to dequantise a large weight a slab at a time
+(kernels/lora.py, ``_input_gradient``).
+
 There is no backward: the packed codes are frozen and not differentiable.
 """
 
@@ -138,7 +145,10 @@ def _dequantize_nf4_kernel(
     OUT,  # pointer to the output's elements, written only for the last one of an odd count
     n_bytes,  # packed bytes, ceil(numel / 2)
     n_pairs,  # complete output pairs, numel // 2
-    n_blocks,  # quantisation blocks, ceil(numel / BLOCKSIZE)
+    n_blocks,  # quantisation blocks written, ceil(numel / BLOCKSIZE) of the output
+    row_blocks,  # with COLUMN_SLAB: blocks per row of the whole weight
+    slab_blocks,  # with COLUMN_SLAB: blocks per row of the slab
+    first_block,  # with COLUMN_SLAB: the slab's first block within a row
     BLOCKSIZE: tl.constexpr,  # weight elements per block scale (a power of two)
     BLOCKS_PER_PROGRAM: tl.constexpr,  # quantisation blocks handled by one program
     NESTED: tl.constexpr,  # whether the block scales are double-quantised
@@ -146,12 +156,17 @@ def _dequantize_nf4_kernel(
     ODD_NUMEL: tl.constexpr,  # whether the last byte holds a single code
     STORE_PAIRS: tl.constexpr,  # output pairs per 16-byte store: 4 (fp16/bf16) or 2 (fp32)
     SOFTWARE_BF16_ROUNDING: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter)
+    COLUMN_SLAB: tl.constexpr,  # whether the output is a column slab of the weight
 ):
     HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per block
     DTYPE: tl.constexpr = OUT.dtype.element_ty
     pid = tl.program_id(0).to(tl.int64)
-    blocks = pid * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)  # int64
-    block_mask = blocks < n_blocks
+    out_blocks = pid * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)  # int64
+    block_mask = out_blocks < n_blocks
+    if COLUMN_SLAB:  # the source block of each output block (see the module docstring)
+        blocks = (out_blocks // slab_blocks) * row_blocks + first_block + out_blocks % slab_blocks
+    else:
+        blocks = out_blocks
 
     if NESTED:
         q = tl.load(ABSMAX + blocks, mask=block_mask, other=0).to(tl.int32)
@@ -168,11 +183,16 @@ def _dequantize_nf4_kernel(
     # Byte i of the tile holds output elements 2i (high nibble) and 2i + 1 (low
     # nibble); both are written as one 2-element word at pair index i, so loads
     # and stores share one layout and both vectorise.
-    byte_offsets = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BLOCKS, HALF)
+    byte_offsets = out_blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (BLOCKS, HALF)
     # Hint the load to STORE_PAIRS bytes per thread: the 16-byte stores of the
     # pairs then use the load's layout, with no shuffle through shared memory.
     byte_offsets = tl.max_contiguous(byte_offsets, [1, STORE_PAIRS])
-    packed = tl.load(PACKED + byte_offsets, mask=byte_offsets < n_bytes, other=0)
+    if COLUMN_SLAB:  # read from the source blocks, write densely
+        source_offsets = blocks[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        source_offsets = tl.max_contiguous(source_offsets, [1, STORE_PAIRS])
+        packed = tl.load(PACKED + source_offsets, mask=block_mask[:, None], other=0)
+    else:
+        packed = tl.load(PACKED + byte_offsets, mask=byte_offsets < n_bytes, other=0)
     high = tl.load(CODE + (packed >> 4).to(tl.int32)).to(tl.float32) * scale[:, None]
     low = tl.load(CODE + (packed & 0xF).to(tl.int32)).to(tl.float32) * scale[:, None]
 
@@ -276,13 +296,13 @@ def _check_nested(weight: NF4Weight, n_blocks: int) -> None:
         )
 
 
-def _check_out(out: torch.Tensor, weight: NF4Weight) -> None:
+def _check_out(out: torch.Tensor, weight: NF4Weight, shape: torch.Size) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a tensor, got {type(out).__name__}")
-    if out.shape != weight.shape or out.dtype != weight.dtype:
+    if out.shape != shape or out.dtype != weight.dtype:
         raise ValueError(
             f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected shape "
-            f"{tuple(weight.shape)} and dtype {weight.dtype}"
+            f"{tuple(shape)} and dtype {weight.dtype}"
         )
     if out.device != weight.device:
         raise ValueError(f"out is on {out.device} but weight is on {weight.device}")
@@ -293,28 +313,56 @@ def _check_out(out: torch.Tensor, weight: NF4Weight) -> None:
         raise ValueError(f"out starts at storage offset {out.storage_offset()}; it must be even")
 
 
+def _check_columns(weight: NF4Weight, columns) -> None:
+    cols = math.prod(weight.shape[1:])
+    if len(weight.shape) != 2 or cols % weight.blocksize:
+        raise ValueError(
+            f"a column slab needs a 2-D weight whose rows are whole blocks; this one has "
+            f"shape {tuple(weight.shape)} and blocks of {weight.blocksize}"
+        )
+    start, stop = columns
+    if not (0 <= start < stop <= cols) or start % weight.blocksize or stop % weight.blocksize:
+        raise ValueError(
+            f"columns={tuple(columns)} must satisfy 0 <= start < stop <= {cols} with both "
+            f"multiples of the block size {weight.blocksize}"
+        )
+
+
 # --------------------------------------------------------------------------- public
 
 
-def dequantize_nf4(weight: NF4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_nf4(
+    weight: NF4Weight, out: torch.Tensor | None = None, columns: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Dequantise an NF4 weight to a tensor of ``weight.shape`` and ``weight.dtype``.
 
     Bit-identical to ``bitsandbytes.functional.dequantize_4bit(packed, quant_state)``.
     ``out``, if given, must be a contiguous tensor of that shape, dtype and device;
     it is filled and returned, so a buffer can be reused across layers.
+    ``columns=(start, stop)`` dequantises the column slab ``w[:, start:stop]`` only, as
+    a contiguous (rows, stop - start) tensor; the row length and both bounds must be
+    multiples of ``weight.blocksize`` (see ``slab_columns``).
     """
     if getattr(weight, "launch_cache", None) is None:  # checked once per record
         _check_weight(weight)
+    rows, cols = weight.shape[0], math.prod(weight.shape[1:])
+    if columns is not None:
+        _check_columns(weight, columns)
+        if columns == (0, cols):
+            columns = None
+    shape = weight.shape if columns is None else torch.Size((rows, columns[1] - columns[0]))
     if out is not None:
-        _check_out(out, weight)
+        _check_out(out, weight, shape)
     if not use_triton(weight.packed):
         warn_reference_once("dequantize_nf4", weight.device.type)
         result = dequantize_nf4_reference(weight)
+        if columns is not None:
+            result = result.reshape(rows, cols)[:, columns[0] : columns[1]].contiguous()
         return result if out is None else out.copy_(result)
 
     device = weight.device
     if out is None:
-        out = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+        out = torch.empty(shape, dtype=weight.dtype, device=device)
     numel = out.numel()
     n_pairs = numel // 2
     n_blocks = -(-numel // weight.blocksize)
@@ -342,6 +390,9 @@ def dequantize_nf4(weight: NF4Weight, out: torch.Tensor | None = None) -> torch.
         (numel + 1) // 2,
         n_pairs,
         n_blocks,
+        cols // weight.blocksize,
+        0 if columns is None else (columns[1] - columns[0]) // weight.blocksize,
+        0 if columns is None else columns[0] // weight.blocksize,
         BLOCKSIZE=weight.blocksize,
         BLOCKS_PER_PROGRAM=blocks_per_program,
         NESTED=nested,
@@ -349,9 +400,24 @@ def dequantize_nf4(weight: NF4Weight, out: torch.Tensor | None = None) -> torch.
         ODD_NUMEL=numel % 2 == 1,
         STORE_PAIRS=16 // pair_dtype.itemsize,
         SOFTWARE_BF16_ROUNDING=weight.dtype == torch.bfloat16 and interpreter_enabled(),
+        COLUMN_SLAB=columns is not None,
         num_warps=8,
         # bitsandbytes rounds the nested product before adding the offset; an FMA
         # would round once and change the last bit of some scales.
         enable_fp_fusion=False,
     )
     return out
+
+
+def slab_columns(weight: NF4Weight, max_bytes: int) -> list[tuple[int, int]] | None:
+    """Column ranges that split ``weight`` into slabs of at most about ``max_bytes`` once
+    dequantised (equal widths, multiples of the block size), or None where one piece is
+    small enough or the rows are not whole blocks (then dequantise it whole)."""
+    rows, cols = weight.shape[0], math.prod(weight.shape[1:])
+    size = rows * cols * weight.dtype.itemsize
+    if size <= max_bytes or len(weight.shape) != 2 or cols % weight.blocksize:
+        return None
+    blocks = cols // weight.blocksize
+    pieces = min(blocks, -(-size // max_bytes))
+    width = -(-blocks // pieces) * weight.blocksize
+    return [(start, min(start + width, cols)) for start in range(0, cols, width)]
