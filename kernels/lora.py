@@ -14,7 +14,11 @@ Backward, given dY (N, out):
     dB = s dY^T (X A^T)                             (out, r)
 
 X A^T (N, r) is tiny, so it is saved from the forward pass instead of being
-recomputed.  Only the gradients autograd asks for are computed
+recomputed.  In dX = dY W a large NF4 W is dequantised a column slab at a time
+(``NF4_SLAB_BYTES``): dX[:, c] = dY W[:, c] writes disjoint columns of dX, so the
+slabs cost no extra traffic over dX, and the transient 16-bit copy of W, which sits at
+the top of a QLoRA step's memory (the MLP's dL/dh = dY W_down beside e and g), shrinks
+to a slab.  Only the gradients autograd asks for are computed
 (``ctx.needs_input_grad``): the first layer's input often needs none.
 
 Precision.  PEFT keeps A and B in fp32 while the base runs in bf16/fp16; here the
@@ -287,6 +291,32 @@ def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: b
     return dyb_s, d_a, d_b
 
 
+# The most a backward GEMM's dequantised NF4 weight may take at once (see the module
+# docstring): Llama-3-8B's and Mistral-7B's 112 MiB MLP weights go in four slabs.
+NF4_SLAB_BYTES = 32 * 2**20
+
+
+def _add_base_term(dx, dy, weight):
+    """dx + dY W, or dY W when dx is None; an NF4 W of more than NF4_SLAB_BYTES is
+    dequantised and multiplied one column slab at a time."""
+    slabs = None
+    if isinstance(weight, NF4Weight) and weight.dtype == dy.dtype:
+        slabs = weight.column_slabs(NF4_SLAB_BYTES)
+    if slabs is None:
+        w = _base_weight(weight, dy.dtype)
+        return dy @ w if dx is None else dx.addmm_(dy, w)
+    from slothkit_kernels.nf4 import dequantize_nf4
+
+    beta = 1
+    if dx is None:
+        dx, beta = dy.new_empty((dy.shape[0], weight.shape[1])), 0  # beta = 0: never read
+    for start, stop in slabs:
+        w = dequantize_nf4(weight, columns=(start, stop))  # (out, stop - start)
+        dx[:, start:stop].addmm_(dy, w, beta=beta)  # a strided slab: cuBLAS writes it in place
+        del w
+    return dx
+
+
 def _input_gradient(terms, adapter_terms):
     """dX = sum_i dY_i W_i + sum_i (s_i dY_i B_i) A_i over projections of one input.
 
@@ -306,12 +336,8 @@ def _input_gradient(terms, adapter_terms):
     for i in range(len(terms)):
         dy, proj = terms[i]
         terms[i] = None
-        w = _base_weight(proj.weight, dy.dtype)
-        if dx is None:
-            dx = dy @ w  # (N, in)
-        else:
-            dx.addmm_(dy, w)
-        del w, dy
+        dx = _add_base_term(dx, dy, proj.weight)
+        del dy
     return dx
 
 

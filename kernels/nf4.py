@@ -341,7 +341,7 @@ def dequantize_nf4(
     it is filled and returned, so a buffer can be reused across layers.
     ``columns=(start, stop)`` dequantises the column slab ``w[:, start:stop]`` only, as
     a contiguous (rows, stop - start) tensor; the row length and both bounds must be
-    multiples of ``weight.blocksize`` (see ``slab_columns``).
+    multiples of ``weight.blocksize`` (``NF4Weight.column_slabs`` picks such ranges).
     """
     if getattr(weight, "launch_cache", None) is None:  # checked once per record
         _check_weight(weight)
@@ -408,16 +408,3 @@ def dequantize_nf4(
     )
     return out
 
-
-def slab_columns(weight: NF4Weight, max_bytes: int) -> list[tuple[int, int]] | None:
-    """Column ranges that split ``weight`` into slabs of at most about ``max_bytes`` once
-    dequantised (equal widths, multiples of the block size), or None where one piece is
-    small enough or the rows are not whole blocks (then dequantise it whole)."""
-    rows, cols = weight.shape[0], math.prod(weight.shape[1:])
-    size = rows * cols * weight.dtype.itemsize
-    if size <= max_bytes or len(weight.shape) != 2 or cols % weight.blocksize:
-        return None
-    blocks = cols // weight.blocksize
-    pieces = min(blocks, -(-size // max_bytes))
-    width = -(-blocks // pieces) * weight.blocksize
-    return [(start, min(start + width, cols)) for start in range(0, cols, width)]

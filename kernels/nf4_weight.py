@@ -42,6 +42,22 @@ class NF4Weight:
     # record describes frozen tensors, so the checks need not run at every call.
     launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
+    def column_slabs(self, max_bytes: int) -> list[tuple[int, int]] | None:
+        """Column ranges that split the weight into slabs of at most about ``max_bytes``
+        once dequantised (equal widths, whole blocks; ``dequantize_nf4(columns=...)``), or
+        None where it is small enough to dequantise whole, or its rows are not whole
+        blocks (then a slab would cut blocks)."""
+        if len(self.shape) != 2:
+            return None
+        rows, cols = self.shape
+        size = rows * cols * self.dtype.itemsize
+        if size <= max_bytes or cols % self.blocksize:
+            return None
+        blocks = cols // self.blocksize
+        pieces = min(blocks, -(-size // max_bytes))
+        width = -(-blocks // pieces) * self.blocksize
+        return [(start, min(start + width, cols)) for start in range(0, cols, width)]
+
     @property
     def is_nested(self) -> bool:
         return self.nested_absmax is not None

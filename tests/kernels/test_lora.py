@@ -648,6 +648,58 @@ def test_lora_qkv_o_nf4(dtype, device):
     _check_qkv_o_nf4(dtype, device)
 
 
+@needs_nf4_kernel
+@pytest.mark.parametrize("adapters", [True, False], ids=["adapters", "frozen"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkeypatch):
+    """With the slab bound below a weight's size, backward dequantises it a column slab
+    at a time (forward still whole), and every gradient equals the whole-weight run's;
+    also where no adapter term comes first (frozen projections: dX starts empty)."""
+    import slothkit_kernels.lora as lora_module
+    import slothkit_kernels.nf4 as nf4_module
+
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    hidden, inter = 128, 192  # rows of whole 64-element blocks
+    gen = torch.Generator().manual_seed(21)
+    projs = []
+    for in_f, out_f in ((hidden, inter), (hidden, inter), (inter, hidden)):
+        weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
+        packed, state = bnb_functional.quantize_4bit(weight, quant_type="nf4",
+                                                     compress_statistics=True, blocksize=64)
+        state.to(device)
+        a = (torch.randn(RANK, in_f, generator=gen) / in_f**0.5).to(device).requires_grad_()
+        b = (torch.randn(out_f, RANK, generator=gen) / RANK**0.5).to(device).requires_grad_()
+        if not adapters:
+            a = b = None
+        projs.append(LoRAProjection(NF4Weight.from_bitsandbytes(packed.to(device), state), a, b, 2.0))
+    x = _x((2, 5, hidden), dtype, device)
+    params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b) if t is not None]
+
+    columns = []
+    real = nf4_module.dequantize_nf4
+
+    def counting(weight, out=None, **kwargs):
+        columns.append((tuple(weight.shape), kwargs.get("columns")))
+        return real(weight, out, **kwargs)
+
+    monkeypatch.setattr(nf4_module, "dequantize_nf4", counting)
+    whole = _run(lambda: lora_mlp(x, *projs), params)
+    assert [c for _, c in columns] == [None] * 6  # gate, up, down in forward and in backward
+    columns.clear()
+    # 128 x 192 x itemsize bytes per weight: a bound of a third gives three 64-column
+    # slabs of the gate/up weights (192 wide) and two of down's (128 wide).
+    monkeypatch.setattr(lora_module, "NF4_SLAB_BYTES", hidden * inter * dtype.itemsize // 3)
+    slabbed = _run(lambda: lora_mlp(x, *projs), params)
+    assert columns == [((inter, hidden), None), ((inter, hidden), None), ((hidden, inter), None),
+                       ((hidden, inter), (0, 64)), ((hidden, inter), (64, 128)),
+                       ((hidden, inter), (128, 192)),  # dL/dh = dY W_down
+                       ((inter, hidden), (0, 64)), ((inter, hidden), (64, 128)),  # dX: gate
+                       ((inter, hidden), (0, 64)), ((inter, hidden), (64, 128))]  # and up
+    # Each element of a slab's product is the same dot product as the whole GEMM's.
+    _compare(slabbed[0], whole[0], REF_RTOL[dtype] / 10, "y")
+    _compare(slabbed[1], whole[1], REF_RTOL[dtype] / 10, "grads in slabs vs whole")
+
+
 # ----------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------

@@ -322,7 +322,7 @@ def test_column_slabs_are_the_columns_of_the_whole(shape, blocksize, dtype, nest
     out = torch.full((shape[0], blocksize), float("nan"), dtype=dtype, device=device)
     assert dequantize_nf4(weight, out=out, columns=(0, blocksize)) is out
     assert_bit_equal(out, whole[:, :blocksize].contiguous(), "out")
-    pieces = nf4_module.slab_columns(weight, max_bytes=whole.numel() * whole.element_size() // 3)
+    pieces = weight.column_slabs(max_bytes=whole.numel() * whole.element_size() // 3)
     assert len(pieces) == 3 and pieces[0][0] == 0 and pieces[-1][1] == cols
     assert all(a[1] == b[0] and a[0] % blocksize == 0 for a, b in zip(pieces, pieces[1:]))
     assert_bit_equal(torch.cat([dequantize_nf4(weight, columns=c) for c in pieces], dim=1),
@@ -334,7 +334,7 @@ def test_column_slabs_refuse_what_is_not_whole_blocks():
     weight = NF4Weight.from_bitsandbytes(packed, state)  # rows of 1.5 blocks
     with pytest.raises(ValueError, match="whole blocks"):
         dequantize_nf4(weight, columns=(0, 64))
-    assert nf4_module.slab_columns(weight, max_bytes=64) is None  # dequantised whole
+    assert weight.column_slabs(max_bytes=64) is None  # dequantised whole
     _, packed, state = quantize((6, 256), torch.float16, True, 64, "cpu")
     weight = NF4Weight.from_bitsandbytes(packed, state)
     for columns in [(0, 32), (32, 128), (0, 320), (128, 128)]:
@@ -342,8 +342,8 @@ def test_column_slabs_refuse_what_is_not_whole_blocks():
             dequantize_nf4(weight, columns=columns)
     with pytest.raises(ValueError, match="shape"):
         dequantize_nf4(weight, out=torch.empty(6, 256, dtype=torch.float16), columns=(0, 64))
-    assert nf4_module.slab_columns(weight, max_bytes=6 * 256 * 2) is None  # small enough
-    assert nf4_module.slab_columns(weight, max_bytes=1) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert weight.column_slabs(max_bytes=6 * 256 * 2) is None  # small enough
+    assert weight.column_slabs(max_bytes=1) == [(0, 64), (64, 128), (128, 192), (192, 256)]
 
 
 @pytest.mark.cuda
