@@ -14,11 +14,11 @@ Backward, given dY (N, out):
     dB = s dY^T (X A^T)                             (out, r)
 
 X A^T (N, r) is tiny, so it is saved from the forward pass instead of being
-recomputed.  In dX = dY W a large NF4 W is dequantised a column slab at a time
-(``NF4_SLAB_BYTES``): dX[:, c] = dY W[:, c] writes disjoint columns of dX, so the
-slabs cost no extra traffic over dX, and the transient 16-bit copy of W, which sits at
-the top of a QLoRA step's memory (the MLP's dL/dh = dY W_down beside e and g), shrinks
-to a slab.  Only the gradients autograd asks for are computed
+recomputed.  In dX = dY W a large NF4 W wider than tall is dequantised a column
+slab at a time (``NF4_SLAB_BYTES``): dX[:, c] = dY W[:, c] writes disjoint columns of
+dX, so the slabs cost no extra traffic over dX, and the transient 16-bit copy of W,
+which sits at the top of a QLoRA step's memory (the MLP's dL/dh = dY W_down beside e
+and g), shrinks to a slab.  Only the gradients autograd asks for are computed
 (``ctx.needs_input_grad``): the first layer's input often needs none.
 
 Precision.  PEFT keeps A and B in fp32 while the base runs in bf16/fp16; here the
@@ -292,19 +292,29 @@ def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: b
 
 
 # The most a backward GEMM's dequantised NF4 weight may take at once (see the module
-# docstring): Llama-3-8B's and Mistral-7B's 112 MiB MLP weights go in four slabs.
+# docstring): Llama-3-8B's and Mistral-7B's 112 MiB down-projection weights go in four.
 NF4_SLAB_BYTES = 32 * 2**20
 
 
-def _add_base_term(dx, dy, weight):
-    """dx + dY W, or dY W when dx is None; an NF4 W of more than NF4_SLAB_BYTES is
-    dequantised and multiplied one column slab at a time."""
-    slabs = None
-    if isinstance(weight, NF4Weight) and weight.dtype == dy.dtype:
-        slabs = weight.column_slabs(NF4_SLAB_BYTES)
-    if slabs is None:
-        w = _base_weight(weight, dy.dtype)
-        return dy @ w if dx is None else dx.addmm_(dy, w)
+def _backward_slabs(weight, dtype: torch.dtype) -> list[tuple[int, int]] | None:
+    """The column slabs dX = dY W runs in, or None to dequantise W whole.
+
+    Only a weight wider than tall (in > out) is split.  A slab's GEMM is
+    (N, out) x (out, width): for a tall weight (Llama-3-8B's gate and up, 14336 x 4096)
+    32 MiB slabs are 1024 columns against a K of 14336, narrow outputs that run slower
+    than the whole GEMM (scripts/slab_gemm_timing.py; docs/performance-notes.md,
+    "Eleventh session"), and the tall weight's dX is the narrow side of the layer, so
+    its transient copy is not at the top of the step's memory."""
+    if not isinstance(weight, NF4Weight) or weight.dtype != dtype or len(weight.shape) != 2:
+        return None
+    out_features, in_features = weight.shape
+    if in_features <= out_features:
+        return None
+    return weight.column_slabs(NF4_SLAB_BYTES)
+
+
+def _add_in_slabs(dx, dy, weight: NF4Weight, slabs: list[tuple[int, int]]):
+    """dx + dY W (or dY W when dx is None), W dequantised one column slab at a time."""
     from slothkit_kernels.nf4 import dequantize_nf4
 
     beta = 1
@@ -315,6 +325,15 @@ def _add_base_term(dx, dy, weight):
         dx[:, start:stop].addmm_(dy, w, beta=beta)  # a strided slab: cuBLAS writes it in place
         del w
     return dx
+
+
+def _add_base_term(dx, dy, weight):
+    """dx + dY W, or dY W when dx is None (in slabs where ``_backward_slabs`` says)."""
+    slabs = _backward_slabs(weight, dy.dtype)
+    if slabs is not None:
+        return _add_in_slabs(dx, dy, weight, slabs)
+    w = _base_weight(weight, dy.dtype)
+    return dy @ w if dx is None else dx.addmm_(dy, w)
 
 
 def _input_gradient(terms, adapter_terms):
