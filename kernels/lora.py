@@ -292,8 +292,11 @@ def _adapter_backward(dy, xa, x2d, proj: LoRAProjection, need_x: bool, need_a: b
 
 
 # The most a backward GEMM's dequantised NF4 weight may take at once (see the module
-# docstring): Llama-3-8B's and Mistral-7B's 112 MiB down-projection weights go in four.
-NF4_SLAB_BYTES = 32 * 2**20
+# docstring): Llama-3-8B's and Mistral-7B's 112 MiB down-projection weights go in two.
+# Measured on an H200 (scripts/slab_gemm_timing.py, 4096 tokens, bf16), dequantise + GEMM
+# of the (4096, 14336) weight: whole 0.746 ms, two slabs 0.778, four 0.900.  Two slabs
+# take 56 MB off the QLoRA peak for about 1 ms per Llama-3-8B step.
+NF4_SLAB_BYTES = 64 * 2**20
 
 
 def _backward_slabs(weight, dtype: torch.dtype) -> list[tuple[int, int]] | None:
@@ -301,10 +304,9 @@ def _backward_slabs(weight, dtype: torch.dtype) -> list[tuple[int, int]] | None:
 
     Only a weight wider than tall (in > out) is split.  A slab's GEMM is
     (N, out) x (out, width): for a tall weight (Llama-3-8B's gate and up, 14336 x 4096)
-    32 MiB slabs are 1024 columns against a K of 14336, narrow outputs that run slower
-    than the whole GEMM (scripts/slab_gemm_timing.py; docs/performance-notes.md,
-    "Eleventh session"), and the tall weight's dX is the narrow side of the layer, so
-    its transient copy is not at the top of the step's memory."""
+    the slabs are narrow outputs against a long K, slower than the whole GEMM (0.747 ms
+    whole, 0.897 in two slabs on an H200), and a tall weight's dX is the narrow side of
+    the layer, so its transient copy is not at the top of the step's memory."""
     if not isinstance(weight, NF4Weight) or weight.dtype != dtype or len(weight.shape) != 2:
         return None
     out_features, in_features = weight.shape
