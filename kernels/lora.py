@@ -307,12 +307,11 @@ def _backward_slabs(weight, dtype: torch.dtype) -> list[tuple[int, int]] | None:
     the slabs are narrow outputs against a long K, slower than the whole GEMM (0.747 ms
     whole, 0.897 in two slabs on an H200), and a tall weight's dX is the narrow side of
     the layer, so its transient copy is not at the top of the step's memory."""
-    if not isinstance(weight, NF4Weight) or weight.dtype != dtype or len(weight.shape) != 2:
+    if not isinstance(weight, NF4Weight) or weight.dtype != dtype:
         return None
-    out_features, in_features = weight.shape
-    if in_features <= out_features:
+    if weight.shape[-1] <= weight.shape[0]:  # tall (or 1-D): whole
         return None
-    return weight.column_slabs(NF4_SLAB_BYTES)
+    return weight.column_slabs(NF4_SLAB_BYTES)  # None for what is not 2-D whole-block rows
 
 
 def _add_in_slabs(dx, dy, weight: NF4Weight, slabs: list[tuple[int, int]]):

@@ -407,4 +407,3 @@ def dequantize_nf4(
         enable_fp_fusion=False,
     )
     return out
-

@@ -44,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = torch.bfloat16
     shapes = [(4096, 14336), (14336, 4096), (3072, 24576), (24576, 3072)]
-    print(f"| W (out, in) | bound MiB | slabs | largest slab MiB | ms (median of 50) |")
+    print("| W (out, in) | bound MiB | slabs | largest slab MiB | ms (median of 50) |")
     print("| --- | --- | --- | --- | --- |")
     for out_f, in_f in shapes:
         dense = torch.randn(out_f, in_f, device="cuda", dtype=dtype) / in_f**0.5
@@ -64,6 +64,7 @@ def main() -> None:
             ms = median_ms(run)
             print(f"| ({out_f}, {in_f}) | {bound or 'whole'} | {len(slabs)} | "
                   f"{out_f * widest * 2 / 2**20:.0f} | {ms:.3f} |")
+
 
 if __name__ == "__main__":
     main()
