@@ -42,7 +42,7 @@ def build(model_name: str, mode: str, layers: int | None, device: str, dtype):
     return prepare("slothkit", model, 16)
 
 
-def step_fn(model, ids, device, dtype):
+def step_fn(model, ids, device, dtype, autocast=True):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                                   fused=device == "cuda")
 
@@ -50,7 +50,7 @@ def step_fn(model, ids, device, dtype):
         # The phases are marked for idle_gaps, which charges each gap to one of them;
         # host_times, when given, collects how long the host spent issuing each phase.
         start = time.perf_counter()
-        with record_function("phase: forward and loss"), torch.autocast(device, dtype=dtype):
+        with record_function("phase: forward and loss"), torch.autocast(device, dtype=dtype, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
         forward = time.perf_counter()
         with record_function("phase: backward (with the recomputed forward)"):
@@ -217,6 +217,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-autocast profiles the step as `slothkit bench train --no-autocast` runs it")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -225,7 +227,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         model = build(args.model, mode, args.layers, device, dtype)
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=device)
-        step = step_fn(model, ids, device, dtype)
+        step = step_fn(model, ids, device, dtype, args.autocast)
         for _ in range(2):  # warm-up: compilation, allocator
             step()
         results[mode] = kernel_times(step, device)
