@@ -74,8 +74,15 @@ from .utils import (
 # Block sizes bitsandbytes accepts for 4-bit quantisation.
 VALID_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# Weight elements dequantised by one program (a whole number of blocks).
-ELEMENTS_PER_PROGRAM = 8192
+# Weight elements dequantised by one program (a whole number of blocks), and the warps
+# that share them: 64 elements per thread.  Swept on an H200 (scripts/tune_nf4.py,
+# results/kernels/h200-2026-12-01-nf4-launch-sweep.txt), a graphed dequantisation of a
+# 14336 x 4096 bf16 weight takes 39.9 us at (4096, 2 warps), 40.2 at (8192, 4) and
+# 49.2 at the earlier (8192, 8): 89% of the time of a plain fill of the output, which
+# is the bound (2.5 bytes moved per element, 2 of them written).  The same setting is
+# fastest or within 0.2 us of it on every weight shape of the benchmark models.
+ELEMENTS_PER_PROGRAM = 4096
+NUM_WARPS = 2
 
 
 # --------------------------------------------------------------------------- reference
@@ -401,7 +408,7 @@ def dequantize_nf4(
         STORE_PAIRS=16 // pair_dtype.itemsize,
         SOFTWARE_BF16_ROUNDING=weight.dtype == torch.bfloat16 and interpreter_enabled(),
         COLUMN_SLAB=columns is not None,
-        num_warps=8,
+        num_warps=NUM_WARPS,
         # bitsandbytes rounds the nested product before adding the offset; an FMA
         # would round once and change the last bit of some scales.
         enable_fp_fusion=False,
