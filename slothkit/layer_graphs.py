@@ -35,6 +35,12 @@ A graph bakes in the addresses it read and wrote at capture, so:
   static buffers before each replay;
 - parameter gradients come out of the graph in static buffers and are added to
   ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working);
+- a layer's input is usually the previous layer's output, cloned out of the same input
+  buffer, and its incoming gradient the later layer's input gradient, cloned out of the
+  same gradient buffer: while that tensor is unchanged (same object, same version
+  counter, which every in-place write bumps) the buffer still holds its values and the
+  copy back in is skipped.  Two copies of the hidden states per layer and step (on
+  Llama-3-8B, 2 x 33.5 MB each) that the graphs would otherwise add;
 - tensors the layer keeps for its re-run (``offload_checkpoint.keep``) are copied into
   static buffers by the forward graph and handed out as copies after the replay; the
   backward graph's re-run reads them from the same buffers, copied in before the replay.
@@ -57,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -126,6 +133,26 @@ class _Statics:
         # What the layers keep for their re-runs, by name: written by the forward graphs,
         # read by the backward graphs (created in the first capture that keeps it).
         self.kept: dict[str, torch.Tensor] = {}
+        # Which tensor's values hidden and grad_output hold now (see _holding).
+        self.hidden_holds = None
+        self.grad_output_holds = None
+
+    def load_grad_output(self, grad_output: torch.Tensor) -> None:
+        if not _holds(self.grad_output_holds, grad_output):
+            self.grad_output.copy_(grad_output)
+            self.grad_output_holds = _holding(grad_output)
+
+    def hidden_out(self) -> torch.Tensor:
+        """A copy of what the forward graph left in hidden (the layer's output)."""
+        output = self.hidden.clone()
+        self.hidden_holds = _holding(output)
+        return output
+
+    def grad_output_out(self) -> torch.Tensor:
+        """A copy of what the backward graph left in grad_output (the input's gradient)."""
+        grad_input = self.grad_output.clone()
+        self.grad_output_holds = _holding(grad_input)
+        return grad_input
 
     def store_kept(self, tensors: dict) -> None:
         for name, tensor in tensors.items():
@@ -137,7 +164,9 @@ class _Statics:
             buffer.copy_(tensor)
 
     def load(self, hidden: torch.Tensor, leaves: list) -> None:
-        self.hidden.copy_(hidden)
+        if not _holds(self.hidden_holds, hidden):
+            self.hidden.copy_(hidden)
+            self.hidden_holds = _holding(hidden)
         for i, leaf in enumerate(leaves):
             # The same cos/sin tables reach every layer of a step: copy them once.
             if isinstance(leaf, torch.Tensor) and self.sources[i] is not leaf:
@@ -289,7 +318,7 @@ class LayerGraphs:
             # Copies: the next layer's replay overwrites the buffers while these are
             # still being offloaded.
             collector.update((name, statics.kept[name].clone()) for name in self.kept_names[key])
-        return statics.hidden.clone()
+        return statics.hidden_out()
 
     # -- recompute and backward -------------------------------------------------------
 
@@ -329,7 +358,7 @@ class LayerGraphs:
             statics.grads[shapes] = [torch.empty_like(p) for p in params]
         param_grads = statics.grads[shapes]
         statics.load(hidden, call.leaves)
-        statics.grad_output.copy_(grad_output)
+        statics.load_grad_output(grad_output)
         statics.store_kept(kept)
         del hidden, kept
         saved.clear()  # the caller's device copies, no longer needed: freed here
@@ -365,7 +394,22 @@ class LayerGraphs:
                 return None
         graph.replay()
         _accumulate(params, param_grads)
-        return statics.grad_output.clone()
+        return statics.grad_output_out()
+
+
+def _holding(tensor: torch.Tensor) -> tuple | None:
+    """A record that a static buffer holds ``tensor``'s values: a weak reference (the
+    record must not keep a layer's output alive) and its version counter.  None for an
+    inference-mode tensor, which has no version counter: its copy is never skipped."""
+    if tensor.is_inference():
+        return None
+    return weakref.ref(tensor), tensor._version
+
+
+def _holds(record: tuple | None, tensor: torch.Tensor) -> bool:
+    """Whether the buffer behind ``record`` still holds ``tensor``'s values: the same
+    object, not written in place since (a write through a view bumps the same counter)."""
+    return record is not None and record[0]() is tensor and record[1] == tensor._version
 
 
 def _accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

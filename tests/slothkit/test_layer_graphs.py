@@ -229,6 +229,55 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, ml
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("written", ["unchanged", "in place", "through a view"])
+def test_a_chained_output_is_not_copied_back_unless_written_since(written):
+    """Layer i's output, cloned out of the input buffer, is layer i+1's input: the buffer
+    still holds it, so the copy in is skipped, unless the tensor was written in place
+    since; likewise for the gradient buffer in backward."""
+    layers = [_Layer(), _Layer()]
+    hidden, tables = _inputs()
+    runs = [functools.partial(layer.__call__, scale=2.0, position_embeddings=tables) for layer in layers]
+    graphs = _GraphsOnCPU()
+    for _ in range(2):  # eager, then capture: each layer replays from here on
+        for run_function in runs:
+            graphs.forward(run_function, hidden, (), None)
+            graphs.backward(run_function, [hidden.clone()], (), None, torch.ones_like(hidden))
+    (statics,) = graphs.statics.values()
+    copies = []
+    load = statics.hidden.copy_
+    statics.hidden.copy_ = lambda source: (copies.append("hidden"), load(source))[1]
+
+    def write(tensor):
+        if written == "in place":
+            tensor.mul_(3.0)
+        elif written == "through a view":
+            tensor[0, 0].fill_(7.0)
+
+    first = graphs.forward(runs[0], hidden, (), None)
+    write(first)
+    second = graphs.forward(runs[1], first, (), None)
+    # Each replay copies the layer's output into the buffer (2); the copies in are the
+    # first layer's input, and the second's only if it was written.
+    assert len(copies) == 2 + (1 if written == "unchanged" else 2)
+    with torch.no_grad():
+        torch.testing.assert_close(second, layers[1](first, 2.0, tables), rtol=0, atol=0)
+
+    # Backward, last layer first: the later layer's input gradient is the earlier's
+    # incoming gradient.
+    grad_output = torch.randn_like(hidden)
+    copies.clear()
+    load_grad = statics.grad_output.copy_
+    statics.grad_output.copy_ = lambda source: (copies.append("grad"), load_grad(source))[1]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    grad_first = graphs.backward(runs[1], [first.clone()], (), None, grad_output)
+    write(grad_first)
+    grad_hidden = graphs.backward(runs[0], [hidden.clone()], (), None, grad_first)
+    assert copies.count("grad") == 2 + (1 if written == "unchanged" else 2)  # as in the forward
+    # d(2 (x W^T + b) + cos + sin)/dx = 2 dY W
+    torch.testing.assert_close(grad_hidden, 2 * grad_first @ layers[0].proj.weight, rtol=0, atol=0)
+
+
 class _FailingCapture(_GraphsOnCPU):
     def _record(self, graph, body):
         raise RuntimeError("operation not permitted when stream is capturing")
