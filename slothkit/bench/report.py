@@ -108,7 +108,9 @@ def _impl_cell(record: dict, impl: str) -> str:
 
 
 def _ok_rows(record: dict) -> int:
-    return sum(r["status"] == "ok" for r in record["rows"])
+    """Implementations that worked; extra source trees of slothkit (``slothkit@DIR``, an
+    A/B inside a comparison run) are not more implementations."""
+    return sum(r["status"] == "ok" and "@" not in r["impl"] for r in record["rows"])
 
 
 def summarise_records(records: list[dict]) -> list[dict]:

@@ -44,6 +44,10 @@ def test_summary_shows_the_latest_run_and_an_earlier_fuller_one(tmp_path):
                   {"impl": "unsloth", "status": "error", "error": "disk full"}])
     _record(tmp_path, "d.json", date="2026-01-01T09:00:00", **{**setting, "seq": 4096},
             rows=[_ok("hf", 900.0)])
+    # An A/B inside a comparison run: more rows than b.json, but two implementations.
+    _record(tmp_path, "a2.json", date="2026-01-01T10:30:00", **setting,
+            rows=[_ok("hf", 1000.0), _ok("slothkit", 1550.0), _ok("slothkit@.ab/x", 1500.0),
+                  _ok("slothkit@.ab/y", 1450.0)])
     _record(tmp_path, "e.json", date="2026-01-01T13:00:00", **setting,  # no HF: a diagnostic run
             rows=[_ok("slothkit", 1800.0), {**_ok("slothkit@.ab/old", 1750.0), "vs_hf": None}])
     lines = render_summary(load_records(tmp_path)).splitlines()[2:]
