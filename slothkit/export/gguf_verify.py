@@ -65,6 +65,7 @@ prompt and greedy tokens are kept within it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -122,6 +123,39 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+@contextlib.contextmanager
+def _plain_cpu_kernels():
+    """While a Llama is built inside, llama.cpp loads the model without its extra CPU
+    buffer types (weights repacked for AMX or for wider SIMD kernels): the plain CPU
+    kernels that any build has.
+
+    Why: on Intel CPUs with AMX under Linux, ggml asks the kernel for the AMX tile-data
+    permission on the thread that loads the model only, and its worker threads then die
+    of SIGILL on their first tile instruction (ggml-org/llama.cpp#26954; seen with
+    llama-cpp-python 0.3.36 on a Xeon with AMX, Q8_0 files), which kills the whole
+    Python process mid-export.  The verifier measures numbers, not speed, so the plain
+    kernels are what it wants anyway.  llama-cpp-python's ``Llama`` takes no argument for
+    this (llama.cpp's ``use_extra_bufts``), so the defaults it starts from are adjusted
+    for the duration of the call; versions without the field are left as they are."""
+    from llama_cpp import llama_cpp as bindings
+
+    make_defaults = bindings.llama_model_default_params
+    if not any(name == "use_extra_bufts" for name, *_ in make_defaults().__class__._fields_):
+        yield
+        return
+
+    def without_extra_buffers():
+        params = make_defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = make_defaults
+
+
 def verify_gguf(
     path: str | os.PathLike,
     model,
@@ -161,13 +195,14 @@ def verify_gguf(
         tolerance = max(tolerance, BF16_REFERENCE_FLOOR)
     window = _attention_window(model)
 
-    llm = llama_cpp.Llama(
-        model_path=str(pathlib.Path(path)),
-        n_ctx=min(512, window),
-        logits_all=True,
-        verbose=False,
-        seed=0,
-    )
+    with _plain_cpu_kernels():
+        llm = llama_cpp.Llama(
+            model_path=str(pathlib.Path(path)),
+            n_ctx=min(512, window),
+            logits_all=True,
+            verbose=False,
+            seed=0,
+        )
     errors, exact, gaps, generated = [], 0, [], 0
     try:
         for prompt in prompts:

@@ -230,6 +230,23 @@ def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
 
 
 @needs_llama_cpp
+def test_the_verifier_loads_without_llama_cpps_extra_cpu_buffers():
+    """The extra buffer types (AMX among them) are off while the verifier builds its Llama,
+    and llama.cpp's defaults are as they were afterwards, also after an error."""
+    from llama_cpp import llama_cpp as bindings
+
+    from slothkit.export.gguf_verify import _plain_cpu_kernels
+
+    assert bindings.llama_model_default_params().use_extra_bufts
+    with _plain_cpu_kernels():
+        assert not bindings.llama_model_default_params().use_extra_bufts
+    assert bindings.llama_model_default_params().use_extra_bufts
+    with pytest.raises(RuntimeError), _plain_cpu_kernels():
+        raise RuntimeError("a load that fails")
+    assert bindings.llama_model_default_params().use_extra_bufts
+
+
+@needs_llama_cpp
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_llama_cpp_logits_and_greedy_tokens_match_hf(arch, method, exported):
