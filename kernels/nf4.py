@@ -75,7 +75,7 @@ from .utils import (
 VALID_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # Weight elements dequantised by one program (a whole number of blocks), and the warps
-# that share them: 64 elements per thread.  Swept on an H200 (scripts/tune_nf4.py,
+# that share them: 64 elements per thread.  Swept on an H200 (scripts/tune_kernels.py nf4,
 # results/kernels/h200-2026-12-01-nf4-launch-sweep.txt), a graphed dequantisation of a
 # 14336 x 4096 bf16 weight takes 39.9 us at (4096, 2 warps), 40.2 at (8192, 4) and
 # 49.2 at the earlier (8192, 8): 89% of the time of a plain fill of the output, which

@@ -1,9 +1,18 @@
-"""Sweep launch settings of the memory-bound backward kernels on the GPU.
+"""Sweep launch settings of the memory-bound kernels on the GPU.
 
 Prints, per setting, the median time and the share of the device-to-device copy
 bandwidth (bytes read + written, measured here).  Used to pick the constants in
 kernels/rms_norm.py, kernels/swiglu.py and kernels/rope.py; the numbers go to
 docs/kernel-tuning.md.
+
+    python scripts/tune_kernels.py            # everything but nf4
+    python scripts/tune_kernels.py rms_norm   # the RMSNorm backward only
+    python scripts/tune_kernels.py nf4        # the NF4 dequantisation (kernels/nf4.py) only
+
+The NF4 sweep times one dequantisation replayed from a CUDA graph, as training runs it,
+per (ELEMENTS_PER_PROGRAM, NUM_WARPS), against a plain fill of the bf16 output: the
+kernel reads 0.5 byte and writes 2 per element, so the fill is its bound.  It needs
+bitsandbytes (to quantise the weights).
 """
 
 import importlib
@@ -17,6 +26,15 @@ geglu_mod = importlib.import_module("slothkit_kernels.geglu")
 rms_mod = importlib.import_module("slothkit_kernels.rms_norm")
 rope_mod = importlib.import_module("slothkit_kernels.rope")
 swiglu_mod = importlib.import_module("slothkit_kernels.swiglu")
+nf4_mod = importlib.import_module("slothkit_kernels.nf4")
+
+NF4_SHAPES = {  # (out, in) of the largest and the most frequent weights
+    "llama/mistral gate, up": (14336, 4096),
+    "llama/mistral down": (4096, 14336),
+    "llama q, o": (4096, 4096),
+    "llama k, v": (1024, 4096),
+    "gemma gate, up": (24576, 3072),
+}
 
 
 def bench(fn):
@@ -44,7 +62,35 @@ def copy_bandwidth():
     return 2 * a.numel() / ms / 1e6  # GB/s
 
 
+def tune_nf4():
+    from slothkit_kernels.bench_cases import _nf4_inputs
+
+    chosen = nf4_mod.ELEMENTS_PER_PROGRAM, nf4_mod.NUM_WARPS
+    for name, shape in NF4_SHAPES.items():
+        weight = _nf4_inputs(*shape, torch.bfloat16, "cuda")["weight"]
+        out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        src = torch.empty_like(out)
+        nbytes = out.numel() * 2.5  # 0.5 byte in, 2 bytes out
+        fill_ms = bench_graph(lambda: out.fill_(1.0))
+        copy_ms = bench_graph(lambda: out.copy_(src))
+        print(f"{name} {shape}: fill {fill_ms * 1e3:.1f} us ({out.numel() * 2 / fill_ms / 1e6:.0f} GB/s), "
+              f"copy {copy_ms * 1e3:.1f} us ({out.numel() * 4 / copy_ms / 1e6:.0f} GB/s)")
+        reference = nf4_mod.dequantize_nf4(weight)
+        for elements in (2048, 4096, 8192, 16384, 32768):
+            for warps in (2, 4, 8, 16):
+                nf4_mod.ELEMENTS_PER_PROGRAM, nf4_mod.NUM_WARPS = elements, warps
+                assert torch.equal(nf4_mod.dequantize_nf4(weight, out=out), reference), (elements, warps)
+                ms = bench_graph(lambda: nf4_mod.dequantize_nf4(weight, out=out))
+                mark = "  (the kernel's setting)" if (elements, warps) == chosen else ""
+                print(f"  elements={elements:5d} warps={warps:2d}: {ms * 1e3:6.1f} us "
+                      f"{nbytes / ms / 1e6:6.0f} GB/s, {fill_ms / ms * 100:5.1f}% of the fill's time{mark}")
+        nf4_mod.ELEMENTS_PER_PROGRAM, nf4_mod.NUM_WARPS = chosen
+
+
 def main(only=None):
+    if only == "nf4":
+        tune_nf4()
+        return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s")
 
