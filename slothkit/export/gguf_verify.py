@@ -139,10 +139,10 @@ def _plain_cpu_kernels():
     for the duration of the call; versions without the field are left as they are."""
     from llama_cpp import llama_cpp as bindings
 
-    make_defaults = bindings.llama_model_default_params
-    if not any(name == "use_extra_bufts" for name, *_ in make_defaults().__class__._fields_):
+    if not hasattr(bindings.llama_model_params, "use_extra_bufts"):
         yield
         return
+    make_defaults = bindings.llama_model_default_params
 
     def without_extra_buffers():
         params = make_defaults()
