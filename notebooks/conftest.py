@@ -22,7 +22,7 @@ def _model_key(stem: str) -> str:
 
 def _hub():
     if "hub" not in _state:
-        from slothkit.testing_hub import LocalHub
+        from slothkit.testing.local_hub import LocalHub
 
         _state["hub"] = LocalHub().start()
         _state["outputs"] = tempfile.TemporaryDirectory(prefix="slothkit-notebooks-")

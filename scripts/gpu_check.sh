@@ -16,7 +16,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 -m slothkit_kernels.bench --cuda-graph --json "$OUT/kernels.json" --markdown "$OUT/kernels.md" 2>&1 \
+    python3 -m slothkit.bench.kernels --cuda-graph --json "$OUT/kernels.json" --markdown "$OUT/kernels.md" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 60
 fi
 echo "== summary =="

@@ -127,7 +127,7 @@ def main() -> None:
 
     record(out, figures, show=True)
     if not args.no_verify:
-        from slothkit.export.gguf_verify import verify_gguf
+        from slothkit.export.gguf.verify import verify_gguf
 
         start = time.perf_counter()
         try:

@@ -63,7 +63,7 @@ def copy_bandwidth():
 
 
 def tune_nf4():
-    from slothkit_kernels.bench_cases import _nf4_inputs
+    from slothkit.bench.kernel_cases import _nf4_inputs
 
     chosen = nf4_mod.ELEMENTS_PER_PROGRAM, nf4_mod.NUM_WARPS
     for name, shape in NF4_SHAPES.items():

@@ -51,7 +51,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from slothkit_kernels import bench
+    from slothkit.bench import kernels as bench
 
     return bench.main(args.bench_args)
 

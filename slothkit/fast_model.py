@@ -5,7 +5,7 @@
 
 ``get_peft_model`` returns a real ``peft.PeftModel``: it trains with the
 Hugging Face Trainer and TRL, and ``save_pretrained`` writes a standard adapter.
-The speed-ups are applied to the loaded instance only (slothkit.models.decoder).
+The speed-ups are applied to the loaded instance only (slothkit.engine.decoder).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from slothkit.loading import (
+from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
     linear_module_leaves,
@@ -25,9 +25,9 @@ from slothkit.loading import (
     resolve_checkpoint,
 )
 from slothkit.models import architecture_for, supported_summary
-from slothkit.models.decoder import decoder_layers, patch_decoder
-from slothkit.lora_projection import is_4bit_model
-from slothkit.offload_checkpoint import enable_checkpointing
+from slothkit.engine.decoder import decoder_layers, patch_decoder
+from slothkit.engine.lora_projection import is_4bit_model
+from slothkit.engine.offload_checkpoint import enable_checkpointing
 
 
 @functools.lru_cache(maxsize=None)

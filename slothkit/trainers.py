@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from slothkit.lora_projection import is_4bit_model
+from slothkit.engine.lora_projection import is_4bit_model
 
 # 1.15 gave SFT, DPO and GRPO the fused LM head (see the module docstring); 1.16 stopped it
 # launching its Triton kernel on CPU tensors.

@@ -128,7 +128,7 @@ def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
     if impl == "slothkit":
         from slothkit import FastModel
         from slothkit.models import architecture_for
-        from slothkit.models.decoder import patch_decoder
+        from slothkit.engine.decoder import patch_decoder
 
         patch_decoder(model, architecture_for(model.config))
         mode = {"offload": "offload", "on": True}[checkpointing]

@@ -61,7 +61,7 @@ def resolve_tokenizer(model: nn.Module, tokenizer):
 def _check_dtype(dtype):
     if dtype is None or dtype in DTYPES:
         return dtype
-    from slothkit.loading import pick_dtype
+    from slothkit.engine.loading import pick_dtype
 
     return pick_dtype(dtype)  # names such as "bfloat16"; raises naming the accepted ones
 

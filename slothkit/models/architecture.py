@@ -1,6 +1,6 @@
 """What differs between the supported decoder architectures, as data.
 
-The decoder glue (slothkit.models.decoder) is written once; each architecture
+The decoder glue (slothkit.engine.decoder) is written once; each architecture
 file only fills in one of these records.
 """
 

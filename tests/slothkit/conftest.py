@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture
 def mlp_calls(monkeypatch):
     """backward_only of each fused MLP call, in call order."""
-    from slothkit.models import decoder
+    from slothkit.engine import decoder
     from slothkit_kernels.lora import lora_mlp
 
     calls = []
@@ -23,7 +23,7 @@ def mlp_calls(monkeypatch):
 def known_sums(monkeypatch):
     """For each fused o_proj residual sum, in call order: whether it was given the sum
     the checkpointed forward kept (and so ran no projection)."""
-    from slothkit.models import decoder_layer
+    from slothkit.engine import decoder_layer
     from slothkit_kernels.lora import lora_o_residual
 
     calls = []

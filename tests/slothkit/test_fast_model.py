@@ -154,7 +154,7 @@ def test_a_hooked_layer_is_recomputed_in_full(device, mlp_calls):
 def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_calls):
     """offload_checkpoint(fn) may wrap anything, here two fused MLPs in a row, where the
     first one's output is read in the re-run: it is not marked, so nothing is skipped."""
-    from slothkit.offload_checkpoint import offload_checkpoint
+    from slothkit.engine.offload_checkpoint import offload_checkpoint
 
     model = _fused(tiny_model_path("llama"), load_in_4bit=False)
     mlp = model.get_base_model().model.layers[0].mlp
@@ -278,7 +278,7 @@ def test_checkpoint_without_tokenizer_is_refused(tmp_path):
 
 
 def test_lora_dropout_falls_back_with_one_warning(device):
-    from slothkit.lora_projection import warn_fallback_once
+    from slothkit.engine.lora_projection import warn_fallback_once
 
     warn_fallback_once.cache_clear()
     path = tiny_model_path("llama")
@@ -294,11 +294,11 @@ def test_lora_dropout_falls_back_with_one_warning(device):
 
 
 def test_nf4_weight_record_is_kept_per_parameter():
-    # The fused path describes a 4-bit weight once (slothkit.lora_projection.base_weight)
+    # The fused path describes a 4-bit weight once (slothkit.engine.lora_projection.base_weight)
     # and rebuilds the record only when the weight is replaced.
     import bitsandbytes as bnb
 
-    from slothkit.lora_projection import base_weight
+    from slothkit.engine.lora_projection import base_weight
 
     layer = bnb.nn.Linear4bit(128, 64, bias=False, compute_dtype=torch.float32, quant_type="nf4")
     layer.weight = bnb.nn.Params4bit(torch.randn(64, 128), requires_grad=False, quant_type="nf4").to("cpu")

@@ -249,7 +249,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(reference_kernels, monkeyp
     """2 x batch 1 with accumulation must train exactly like batch 2: the summed token
     losses are divided by the reply tokens of the whole accumulated batch.  The plain
     Trainer goes through slothkit's fused loss, which must receive num_items_in_batch."""
-    from slothkit.models import decoder
+    from slothkit.engine import decoder
 
     seen = []
     fused = decoder.fused_linear_cross_entropy

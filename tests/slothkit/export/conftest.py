@@ -75,7 +75,7 @@ def local_hub(monkeypatch, tmp_path):
     """A LocalHub on 127.0.0.1 with huggingface_hub pointed at it; no ambient token is used."""
     from huggingface_hub import constants
 
-    from slothkit.testing_hub import LocalHub
+    from slothkit.testing.local_hub import LocalHub
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)

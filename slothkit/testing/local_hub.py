@@ -673,7 +673,7 @@ def _interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m slothkit.testing_hub`: serve until interrupted, for a notebook run by hand or
+    """`python -m slothkit.testing.local_hub`: serve until interrupted, for a notebook run by hand or
     a test harness in another process. Prints the client environment as one JSON line."""
     import argparse
     import signal

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slothkit.export import gguf_verify
+from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.atomic import DirectoryNotEmptyError
 from slothkit.export.gguf import (
     QUANTIZATION_METHODS,
@@ -25,7 +25,7 @@ from slothkit.export.gguf import (
     unpermute_rotary_rows,
     write_gguf,
 )
-from slothkit.export.gguf_verify import GGUFVerificationError, verify_gguf
+from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
@@ -235,7 +235,7 @@ def test_the_verifier_loads_without_llama_cpps_extra_cpu_buffers():
     and llama.cpp's defaults are as they were afterwards, also after an error."""
     from llama_cpp import llama_cpp as bindings
 
-    from slothkit.export.gguf_verify import _plain_cpu_kernels
+    from slothkit.export.gguf.verify import _plain_cpu_kernels
 
     assert bindings.llama_model_default_params().use_extra_bufts
     with _plain_cpu_kernels():

@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 
-from slothkit_kernels import bench
-from slothkit_kernels.bench_cases import OPS, build_cases
+from slothkit.bench import kernels as bench
+from slothkit.bench.kernel_cases import OPS, build_cases
 
 ENV_KEYS = {"date", "command", "device", "gpu", "driver", "cuda", "python", "torch", "triton",
             "transformers", "bitsandbytes", "triton_interpreter", "copy_gb_per_s", "complete",
@@ -80,7 +80,7 @@ def test_record_and_table_are_complete(tiny_run):
     assert set(record) == ENV_KEYS
     assert record["device"] == "cpu" and record["torch"] == torch.__version__
     assert record["complete"] is True and "Incomplete" not in markdown
-    assert record["command"].startswith("python -m slothkit_kernels.bench --cpu-tiny")
+    assert record["command"].startswith("python -m slothkit.bench.kernels --cpu-tiny")
     assert positive_finite(record["copy_gb_per_s"])
     rows = record["rows"]
     assert {r["op"] for r in rows} == set(OPS)
@@ -222,7 +222,7 @@ def test_without_cuda_it_says_so(capsys):
 
 def test_module_runs_from_the_command_line():
     result = subprocess.run(
-        [sys.executable, "-m", "slothkit_kernels.bench", "--cpu-tiny", "--ops", "geglu",
+        [sys.executable, "-m", "slothkit.bench.kernels", "--cpu-tiny", "--ops", "geglu",
          "--no-compile"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -33,7 +33,7 @@ float32 as in C. Sums run in a different order than ggml's sequential loops (and
 is computed from the sums instead of a second pass), so where two grids fit almost equally well
 a sub-block can pick the other one: most blocks come out byte-identical to llama.cpp's (about
 98% for Q4_K and 96% for Q6_K, 80-85% for Q5_K on Gaussian data) and the reconstruction error
-of a tensor is the same to within 0.1% (tests/slothkit/export/test_kquants.py).
+of a tensor is the same to within 0.1% (tests/slothkit/export/gguf/test_kquants.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
 
-from slothkit.testing_hub import LocalHub, git_blob_oid
+from slothkit.testing.local_hub import LocalHub, git_blob_oid
 
 REPO = "local-user/scratch"
 
@@ -106,7 +106,7 @@ def test_the_server_runs_as_its_own_process(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the tests run offline otherwise
-    process = subprocess.Popen([sys.executable, "-m", "slothkit.testing_hub", "--root", str(tmp_path)],
+    process = subprocess.Popen([sys.executable, "-m", "slothkit.testing.local_hub", "--root", str(tmp_path)],
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         env = json.loads(process.stdout.readline())

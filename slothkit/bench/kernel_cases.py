@@ -1,4 +1,4 @@
-"""What slothkit_kernels.bench measures: shapes, inputs, implementations and byte counts.
+"""What slothkit.bench.kernels measures: shapes, inputs, implementations and byte counts.
 
 One builder per op returns its :class:`Case` objects.  Building a case allocates
 nothing: inputs are made on demand by ``make_inputs`` (fresh and seeded, so every

@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from slothkit.layer_graphs import LayerGraphs
+from slothkit.engine.layer_graphs import LayerGraphs
 
 _state = threading.local()  # backward may run on autograd's device threads
 
@@ -273,7 +273,7 @@ class OffloadedCheckpointer:
         self.keeps = keeps
         self.keep_max_tokens = keep_max_tokens
         # Replay each layer's forward and backward (cuda_graphs="forward": the forward
-        # only) from CUDA graphs where it can (slothkit.layer_graphs); elsewhere, and on
+        # only) from CUDA graphs where it can (slothkit.engine.layer_graphs); elsewhere, and on
         # the CPU, the layers run as before.
         if cuda_graphs == "forward":
             self.graphs = LayerGraphs(phases=("forward",))
@@ -321,7 +321,7 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
 
     mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
     cuda_graphs (offload only): replay the layers from CUDA graphs where possible
-    (slothkit.layer_graphs): True for both the checkpointed forward and the recompute
+    (slothkit.engine.layer_graphs): True for both the checkpointed forward and the recompute
     with backward, "forward" for the forward only, False for neither. None:
     SLOTHKIT_CUDA_GRAPHS (1, 0 or forward) if set; else both for 4-bit (``quantized``)
     models on GPUs of compute capability 8.0 and up, and none for 16-bit models, older

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from slothkit.layer_graphs import LayerGraphs, _Call, _has_active_dropout
+from slothkit.engine.layer_graphs import LayerGraphs, _Call, _has_active_dropout
 
 
 class _Layer(nn.Module):
@@ -117,7 +117,7 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monk
 
 
 def test_gradients_are_added_as_autograd_would():
-    from slothkit.layer_graphs import _accumulate
+    from slothkit.engine.layer_graphs import _accumulate
 
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
     params[1].grad = torch.ones(2, 2)
@@ -319,7 +319,7 @@ def test_backward_frees_the_callers_copies_before_the_prefetch(capture):
 
 
 def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
-    from slothkit.offload_checkpoint import enable_checkpointing
+    from slothkit.engine.offload_checkpoint import enable_checkpointing
 
     class Layer(nn.Module):
         gradient_checkpointing = False

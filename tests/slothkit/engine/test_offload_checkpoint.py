@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from slothkit.offload_checkpoint import enable_checkpointing, keep, kept, unread_sum
+from slothkit.engine.offload_checkpoint import enable_checkpointing, keep, kept, unread_sum
 
 
 def test_unread_sum_sends_the_gradient_to_both_terms():

@@ -27,9 +27,9 @@ key/value length (head_dim), rope dimension count and base, RMS epsilon, Mistral
 window (`llama.attention.sliding_window`; llama.cpp's llama graph does not apply it, as with
 its own converter, so the GGUF matches HF up to the window length), rope scaling (linear as
 metadata; "llama3" as the rope_freqs tensor of per-frequency divisors, as the converter
-writes it), file type and quantization version; the tokenizer as described in gguf_tokenizer.
+writes it), file type and quantization version; the tokenizer as described in slothkit.export.gguf.tokenizer.
 
-Which tensor gets which type: gguf_tensor_types. K-quants are encoded in torch on the GPU when
+Which tensor gets which type: slothkit.export.gguf.tensor_types. K-quants are encoded in torch on the GPU when
 there is one (kquants), everything else with the `gguf` package.
 """
 
@@ -48,10 +48,10 @@ import torch
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quant_shape_to_byte_shape
 
-from slothkit.export import gguf_tensor_types as types
+from slothkit.export.gguf import tensor_types as types
 from slothkit.export.atomic import atomic_directory, check_target
-from slothkit.export.gguf_tokenizer import gguf_vocab
-from slothkit.export.modelfile import write_modelfile
+from slothkit.export.gguf.tokenizer import gguf_vocab
+from slothkit.export.gguf.modelfile import write_modelfile
 
 T = GGMLQuantizationType
 QUANTIZATION_METHODS = tuple(types.QUANTIZATION_METHODS)
@@ -110,7 +110,7 @@ def save_pretrained_gguf(
     quantization_method: one of QUANTIZATION_METHODS ("f16", "bf16", "q8_0", "q4_0", "q4_k_m",
         "q5_k_m", "q6_k"; "f32" too) or a list of them.
     verify: load each file with llama-cpp-python and compare its logits and greedy tokens with
-        the HF model (slothkit.export.gguf_verify); None: when llama-cpp-python is installed.
+        the HF model (slothkit.export.gguf.verify); None: when llama-cpp-python is installed.
     overwrite: replace a non-empty save_directory (atomically); refused otherwise.
     Returns the written paths: the GGUF files in the order asked, then the Modelfiles. With
     one method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
@@ -121,7 +121,7 @@ def save_pretrained_gguf(
     _check_plain_model(model)
     target = check_target(save_directory, overwrite)
     if verify is None:
-        from slothkit.export.gguf_verify import llama_cpp_available
+        from slothkit.export.gguf.verify import llama_cpp_available
 
         verify = llama_cpp_available()
 
@@ -132,7 +132,7 @@ def save_pretrained_gguf(
             path = staging / f"{stem}.{method.label}.gguf"
             write_gguf(model, path, tokenizer, method.name, layout=layout)
             if verify:
-                from slothkit.export.gguf_verify import verify_gguf
+                from slothkit.export.gguf.verify import verify_gguf
 
                 verify_gguf(path, model, tokenizer, method.name)
             written.append(path.name)
@@ -244,7 +244,7 @@ def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tens
     """Read a file written by write_gguf back into `model`'s parameter names: every tensor
     dequantised (gguf.quants.dequantize), un-permuted, Gemma's norm offset removed, in the
     model's dtype and on its device. The weights llama.cpp computes with, in HF's layout
-    (gguf_verify runs the HF model on them). Tied weights appear once, as in the file."""
+    (slothkit.export.gguf.verify runs the HF model on them). Tied weights appear once, as in the file."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

@@ -26,7 +26,7 @@ not even a multiple of 32 (Q4_0, Q5_0, Q5_1, Q8_0 blocks). The converter's own t
 fall back to F16 the same way.
 
 Encoding: F32/F16 by cast, BF16/Q8_0/Q4_0/Q5_0/Q5_1 by `gguf.quants.quantize` (numpy, bit-exact
-with ggml's reference), Q4_K/Q5_K/Q6_K by slothkit.export.kquants (torch, on the GPU if given one).
+with ggml's reference), Q4_K/Q5_K/Q6_K by slothkit.export.gguf.kquants (torch, on the GPU if given one).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 from gguf import quants as gguf_quants
 
-from slothkit.export import kquants
+from slothkit.export.gguf import kquants
 
 T = GGMLQuantizationType
 

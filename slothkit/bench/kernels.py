@@ -1,10 +1,10 @@
 """Per-kernel benchmark of slothkit_kernels against torch eager and torch.compile.
 
-    python -m slothkit_kernels.bench                   # every op, bf16, every shape
-    python -m slothkit_kernels.bench --ops rms_norm,rope --quick --json b.json --markdown b.md
-    python -m slothkit_kernels.bench --cpu-tiny        # no GPU: check the harness on tiny shapes
+    python -m slothkit.bench.kernels                   # every op, bf16, every shape
+    python -m slothkit.bench.kernels --ops rms_norm,rope --quick --json b.json --markdown b.md
+    python -m slothkit.bench.kernels --cpu-tiny        # no GPU: check the harness on tiny shapes
 
-The cases (shapes, inputs, byte and FLOP counts) live in bench_cases.py.  For every
+The cases (shapes, inputs, byte and FLOP counts) live in kernel_cases.py.  For every
 case, pass (forward; forward+backward) and implementation (slothkit's kernel, the
 op's plain-torch reference run eagerly, that reference under torch.compile, and
 baselines such as bitsandbytes) one row records:
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from slothkit_kernels.bench_cases import OPS, Case, build_cases
+from slothkit.bench.kernel_cases import OPS, Case, build_cases
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -314,7 +314,7 @@ def environment(device: torch.device, argv: list[str], copy_gb_per_s: float) -> 
     cuda = device.type == "cuda"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m slothkit_kernels.bench " + shlex.join(argv),
+        "command": "python -m slothkit.bench.kernels " + shlex.join(argv),
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if cuda else "none (CPU harness check)",
         "driver": _driver_version() if cuda else None,
@@ -413,7 +413,7 @@ def write_reports(args: argparse.Namespace, env: dict, notes: dict, rows: list[R
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m slothkit_kernels.bench",
+    parser = argparse.ArgumentParser(prog="python -m slothkit.bench.kernels",
                                      description="Time slothkit_kernels against torch eager "
                                                  "and torch.compile.")
     parser.add_argument("--ops", nargs="+", default=[], help=f"subset of: {', '.join(OPS)}")
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
-        print("No CUDA device: slothkit_kernels.bench times GPU kernels and has nothing to "
+        print("No CUDA device: slothkit.bench.kernels times GPU kernels and has nothing to "
               "measure here.\nRun it on a GPU machine, or pass --cpu-tiny to check the harness "
               "on tiny CPU shapes (its numbers mean nothing).", file=sys.stderr)
         return 1

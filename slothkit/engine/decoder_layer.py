@@ -7,7 +7,7 @@ transformers' layer forward is two residual sums:
     y = h + mlp(norm2(h))                      the layer output
 
 This forward computes the same, through the patched modules, with two differences in
-the marked re-run of a checkpointed layer (``slothkit.offload_checkpoint``), whose
+the marked re-run of a checkpointed layer (``slothkit.engine.offload_checkpoint``), whose
 output nobody reads:
 
 - h is the one the checkpointed forward kept (``keep``/``kept``), so the output
@@ -35,8 +35,8 @@ import warnings
 import torch
 from torch import nn
 
-from slothkit.lora_projection import projections_or_none
-from slothkit.offload_checkpoint import keep, kept, recomputing, unread_sum
+from slothkit.engine.lora_projection import projections_or_none
+from slothkit.engine.offload_checkpoint import keep, kept, recomputing, unread_sum
 from slothkit_kernels.lora import lora_o_residual
 
 ATTENTION_SUM = "attention_sum"  # the name h is kept under

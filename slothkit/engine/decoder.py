@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.lora_projection import projections_or_none
+from slothkit.engine.lora_projection import projections_or_none
 from slothkit.models.architecture import Architecture
-from slothkit.models.decoder_layer import checkpoints_in_forward, decoder_layer_forward
-from slothkit.offload_checkpoint import recomputing
+from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
+from slothkit.engine.offload_checkpoint import recomputing
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope

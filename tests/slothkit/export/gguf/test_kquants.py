@@ -1,4 +1,4 @@
-"""K-quant encoders (slothkit.export.kquants) and the per-tensor type choice, against the `gguf`
+"""K-quant encoders (slothkit.export.gguf.kquants) and the per-tensor type choice, against the `gguf`
 package's decoder and llama.cpp's own quantiser (llama-cpp-python's llama_model_quantize)."""
 
 import ctypes
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slothkit.export import kquants
+from slothkit.export.gguf import kquants
 from slothkit.export.gguf import write_gguf
-from slothkit.export.gguf_tensor_types import (
+from slothkit.export.gguf.tensor_types import (
     quantization_method,
     tensor_type,
     use_more_bits,

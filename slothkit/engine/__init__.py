@@ -1,0 +1,9 @@
+"""The fused training path's internals: what FastModel puts together.
+
+- loading: checks and choices made before a model is loaded (dtype, bitsandbytes, targets).
+- lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record.
+- decoder, decoder_layer: the decoder glue, written once for every architecture record
+  in slothkit.models, patched onto the model instance.
+- offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory.
+- layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing.
+"""

@@ -1,0 +1,25 @@
+"""GGUF export, written by slothkit itself: no llama.cpp checkout, compiler or binary needed.
+
+    from slothkit.export.gguf import save_pretrained_gguf, push_to_hub_gguf
+    paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
+
+- writer: the file's tensors and metadata (save_pretrained_gguf, push_to_hub_gguf, write_gguf).
+- tensor_types: which GGML type each tensor gets for a quantization method, and its encoding.
+- kquants: the K-quant encoders and decoders (Q4_K, Q5_K, Q6_K).
+- tokenizer: the vocabulary and pre-tokenizer metadata llama.cpp reads.
+- modelfile: Ollama's Modelfile for an exported file.
+- verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
+"""
+
+from slothkit.export.gguf.writer import push_to_hub_gguf, save_pretrained_gguf, write_gguf
+
+__all__ = ["push_to_hub_gguf", "save_pretrained_gguf", "verify_gguf", "write_gguf"]
+
+
+def __getattr__(name):
+    # verify imports llama-cpp-python's loader helpers; load it only when asked for.
+    if name == "verify_gguf":
+        from slothkit.export.gguf.verify import verify_gguf
+
+        return verify_gguf
+    raise AttributeError(f"module 'slothkit.export.gguf' has no attribute {name!r}")

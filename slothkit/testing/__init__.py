@@ -1,0 +1,37 @@
+"""Test fixtures that slothkit ships: tiny offline checkpoints and a local Hub server.
+
+from slothkit.testing import tiny_model_path
+path = tiny_model_path("gemma")          # a folder AutoModelForCausalLM loads offline
+
+from slothkit.testing import LocalHub    # speaks the Hub's HTTP protocol on localhost
+"""
+
+from slothkit.testing.tiny_models import (
+    ARCHITECTURES,
+    CORPUS,
+    LARGE_VOCAB_SIZE,
+    TOKENIZER_FLAVOURS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_model_path,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "CORPUS",
+    "LARGE_VOCAB_SIZE",
+    "TOKENIZER_FLAVOURS",
+    "LocalHub",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "tiny_model_path",
+]
+
+
+def __getattr__(name):
+    # The Hub server pulls in http.server and huggingface_hub; load it on first use.
+    if name == "LocalHub":
+        from slothkit.testing.local_hub import LocalHub
+
+        return LocalHub
+    raise AttributeError(f"module 'slothkit.testing' has no attribute {name!r}")
