@@ -242,9 +242,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if num_items_in_batch is not None:
         if reduction != "mean":
-            raise ValueError(
-                "num_items_in_batch replaces the mean's normaliser; leave reduction at 'mean'"
-            )
+            raise ValueError("num_items_in_batch replaces the mean's normaliser; leave reduction at 'mean'")
         if not isinstance(num_items_in_batch, torch.Tensor) and not num_items_in_batch > 0:
             raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch!r}")
     if check_labels:

@@ -46,9 +46,7 @@ def _check_approximate(approximate: str) -> None:
         raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
 
 
-def geglu_reference(
-    gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh"
-) -> torch.Tensor:
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """gelu(gate, approximate) * up in plain torch (fp32 inside), differentiable."""
     h = torch.nn.functional.gelu(gate.float(), approximate=approximate) * up.float()
     return h.to(gate.dtype)
@@ -179,8 +177,16 @@ def geglu_backward(
     def launch(grad_h, gate, up, h, de, dg, n):
         grid = (triton.cdiv(n, BLOCK_SIZE),)
         _geglu_backward_kernel[grid](
-            grad_h, gate, up, h, de, dg, n,
-            APPROXIMATE_TANH=approximate == "tanh", BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
+            grad_h,
+            gate,
+            up,
+            h,
+            de,
+            dg,
+            n,
+            APPROXIMATE_TANH=approximate == "tanh",
+            BLOCK_SIZE=BLOCK_SIZE,
+            num_warps=NUM_WARPS,
         )
 
     def torch_backward(grad_h, gate, up):

@@ -116,9 +116,7 @@ def _base_weight(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.
 def lora_linear_reference(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     """Same math as ``lora_linear`` through autograd (W of an NF4 weight dequantised)."""
     dtype = x.dtype
-    y = F.linear(
-        x, _base_weight(proj.weight, dtype), None if proj.bias is None else proj.bias.to(dtype)
-    )
+    y = F.linear(x, _base_weight(proj.weight, dtype), None if proj.bias is None else proj.bias.to(dtype))
     if proj.lora_a is not None:
         xa = F.linear(x, proj.lora_a.to(dtype))
         y = y + proj.scaling * F.linear(xa, proj.lora_b.to(dtype))
@@ -158,18 +156,13 @@ def _check_projection(
         raise TypeError(f"{name} must be a LoRAProjection, got {type(proj).__name__}")
     w = proj.weight
     if not isinstance(w, (torch.Tensor, NF4Weight)):
-        raise TypeError(
-            f"{name}.weight must be a torch.Tensor or NF4Weight, got {type(w).__name__}"
-        )
+        raise TypeError(f"{name}.weight must be a torch.Tensor or NF4Weight, got {type(w).__name__}")
     if len(w.shape) != 2:
-        raise ValueError(
-            f"{name}.weight must be (out_features, in_features), got shape {tuple(w.shape)}"
-        )
+        raise ValueError(f"{name}.weight must be (out_features, in_features), got shape {tuple(w.shape)}")
     out_features = w.shape[0]
     if w.shape[1] != in_features:
         raise ValueError(
-            f"{name}.weight has in_features={w.shape[1]} but its input has last dimension "
-            f"{in_features}"
+            f"{name}.weight has in_features={w.shape[1]} but its input has last dimension {in_features}"
         )
     if w.device != x.device:
         raise ValueError(f"{name}.weight is on {w.device} but the input is on {x.device}")
@@ -187,9 +180,7 @@ def _check_projection(
             )
     if proj.bias is not None:
         if proj.bias.shape != (out_features,):
-            raise ValueError(
-                f"{name}.bias has shape {tuple(proj.bias.shape)}, expected ({out_features},)"
-            )
+            raise ValueError(f"{name}.bias has shape {tuple(proj.bias.shape)}, expected ({out_features},)")
         if proj.bias.requires_grad and torch.is_grad_enabled():
             raise ValueError(
                 f"{name}.bias requires grad, but the base bias is frozen here; "
@@ -208,8 +199,7 @@ def _check_projection(
         raise ValueError(f"{name}.lora_b must be ({out_features}, r), got shape {tuple(b.shape)}")
     if a.shape[0] != b.shape[1]:
         raise ValueError(
-            f"{name}: rank mismatch, lora_a has r={a.shape[0]} rows but lora_b has "
-            f"r={b.shape[1]} columns"
+            f"{name}: rank mismatch, lora_a has r={a.shape[0]} rows but lora_b has r={b.shape[1]} columns"
         )
     for part, t in (("lora_a", a), ("lora_b", b)):
         if t.device != x.device:
@@ -460,10 +450,21 @@ def _unrotate_gradients(grads, rotary, dtype):
     Autograd hands unused outputs' gradients over as zeros (materialised), never None."""
     cos, sin, position_ids, head_dim = rotary
     dq, dk = (g.to(dtype) if g.stride(-1) == 1 else g.to(dtype).contiguous() for g in grads[:2])
-    dq_pre, dk_pre = torch.empty_like(dq, memory_format=torch.contiguous_format), torch.empty_like(
-        dk, memory_format=torch.contiguous_format)
-    rotate(_heads(dq, head_dim), _heads(dk, head_dim), cos, sin, position_ids, inverse=True,
-           q_out=_heads(dq_pre, head_dim), k_out=_heads(dk_pre, head_dim), check_positions=False)
+    dq_pre, dk_pre = (
+        torch.empty_like(dq, memory_format=torch.contiguous_format),
+        torch.empty_like(dk, memory_format=torch.contiguous_format),
+    )
+    rotate(
+        _heads(dq, head_dim),
+        _heads(dk, head_dim),
+        cos,
+        sin,
+        position_ids,
+        inverse=True,
+        q_out=_heads(dq_pre, head_dim),
+        k_out=_heads(dk_pre, head_dim),
+        check_positions=False,
+    )
     return (dq_pre, dk_pre, *grads[2:])
 
 
@@ -556,8 +557,7 @@ class _LoRAMLPFunction(torch.autograd.Function):
                 dyb_g, *d_gate = _adapter_backward(de, xa_g, x2d, gate, need_x, need_ga, need_gb)
                 dyb_u, *d_up = _adapter_backward(dg, xa_u, x2d, up, need_x, need_ua, need_ub)
                 if need_x:
-                    adapter_terms = [(t, p.lora_a) for t, p in ((dyb_g, gate), (dyb_u, up))
-                                     if t is not None]
+                    adapter_terms = [(t, p.lora_a) for t, p in ((dyb_g, gate), (dyb_u, up)) if t is not None]
                     terms = [(de, gate), (dg, up)]
                     del de, dg  # _input_gradient frees each once its GEMM is queued
                     dx = _input_gradient(terms, adapter_terms)
@@ -639,7 +639,9 @@ def lora_o(x: torch.Tensor, o_proj: LoRAProjection) -> torch.Tensor:
 
 
 def lora_o_residual(
-    x: torch.Tensor, o_proj: LoRAProjection, residual: torch.Tensor,
+    x: torch.Tensor,
+    o_proj: LoRAProjection,
+    residual: torch.Tensor,
     known_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """residual + lora_o(x, o_proj): the residual stream after attention.
@@ -657,7 +659,8 @@ def lora_o_residual(
         raise ValueError(
             f"lora_o_residual: known_sum has shape {tuple(known_sum.shape)}, residual "
             f"{tuple(residual.shape)} and x {tuple(x.shape)}; the sum is shaped like the "
-            f"residual, with x's leading dimensions")
+            f"residual, with x's leading dimensions"
+        )
     return _KnownLoRASumFunction.apply(known_sum.detach(), residual, x, *o_proj.fields_in(x.dtype))
 
 
@@ -691,7 +694,8 @@ def lora_qkv_rope(
         if isinstance(proj, LoRAProjection) and proj.out_features % head_dim:
             raise ValueError(
                 f"lora_qkv_rope: {name} has out_features={proj.out_features}, not a multiple "
-                f"of head_dim={head_dim}")
+                f"of head_dim={head_dim}"
+            )
     rotary = (cos.detach(), sin.detach(), position_ids, head_dim)
     return _project(x, named, rotary)
 
@@ -725,6 +729,10 @@ def lora_mlp(
         )
     _check_projection("down_proj", down_proj, gate_proj.out_features, x, x.dtype)
     return _LoRAMLPFunction.apply(
-        x, activation, bool(backward_only), *gate_proj.fields_in(x.dtype), *up_proj.fields_in(x.dtype),
+        x,
+        activation,
+        bool(backward_only),
+        *gate_proj.fields_in(x.dtype),
+        *up_proj.fields_in(x.dtype),
         *down_proj.fields_in(x.dtype),
     )

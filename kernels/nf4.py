@@ -178,9 +178,9 @@ def _dequantize_nf4_kernel(
     if NESTED:
         q = tl.load(ABSMAX + blocks, mask=block_mask, other=0).to(tl.int32)
         level = tl.load(NESTED_CODE + q).to(tl.float32)
-        nested_scale = tl.load(
-            NESTED_ABSMAX + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0
-        ).to(tl.float32)
+        nested_scale = tl.load(NESTED_ABSMAX + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0).to(
+            tl.float32
+        )
         offset = tl.load(OFFSET).to(tl.float32)
         # Rounded after the product and after the sum (no FMA: see the launch).
         scale = level * nested_scale + offset
@@ -292,9 +292,7 @@ def _check_nested(weight: NF4Weight, n_blocks: int) -> None:
         raise ValueError("weight.offset is required with double quantisation")
     nested_blocksize = weight.nested_blocksize
     if not isinstance(nested_blocksize, int) or nested_blocksize <= 0:
-        raise ValueError(
-            f"weight.nested_blocksize must be a positive int, got {nested_blocksize!r}"
-        )
+        raise ValueError(f"weight.nested_blocksize must be a positive int, got {nested_blocksize!r}")
     n_nested = -(-n_blocks // nested_blocksize)
     if weight.nested_absmax.numel() != n_nested:
         raise ValueError(

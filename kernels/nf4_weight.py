@@ -67,12 +67,10 @@ class NF4Weight:
         return self.packed.device
 
     @classmethod
-    def from_bitsandbytes(cls, packed: torch.Tensor, quant_state) -> "NF4Weight":
+    def from_bitsandbytes(cls, packed: torch.Tensor, quant_state) -> NF4Weight:
         """Wrap a bitsandbytes 4-bit weight (``param.data``, ``param.quant_state``)."""
         if getattr(quant_state, "quant_type", "nf4") != "nf4":
-            raise ValueError(
-                f"only NF4 weights are supported, got quant_type={quant_state.quant_type!r}"
-            )
+            raise ValueError(f"only NF4 weights are supported, got quant_type={quant_state.quant_type!r}")
         if getattr(quant_state, "packing_format_for_cpu", False):
             raise ValueError(
                 "this weight was repacked for bitsandbytes' CPU kernels "

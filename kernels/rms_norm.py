@@ -195,9 +195,16 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block_size, num_warps = calculate_settings(n_cols)
         _rms_norm_forward_kernel[(n_rows,)](
-            x_rows, weight, y, rstd,
-            x_rows.stride(0), n_cols, eps,
-            GEMMA=gemma, BLOCK_SIZE=block_size, num_warps=num_warps,
+            x_rows,
+            weight,
+            y,
+            rstd,
+            x_rows.stride(0),
+            n_cols,
+            eps,
+            GEMMA=gemma,
+            BLOCK_SIZE=block_size,
+            num_warps=num_warps,
         )
         ctx.save_for_backward(x_rows, weight, rstd)
         ctx.gemma = gemma
@@ -223,17 +230,26 @@ class _RMSNormFunction(torch.autograd.Function):
             num_warps = BACKWARD_NUM_WARPS_NO_DW or num_warps
         n_programs = triton.cdiv(n_rows, rows_per_program)
         dw_partial = (
-            torch.empty((n_programs, n_cols), dtype=torch.float32, device=x_rows.device)
-            if needs_dw else None
+            torch.empty((n_programs, n_cols), dtype=torch.float32, device=x_rows.device) if needs_dw else None
         )
         _rms_norm_backward_kernel[(n_programs,)](
-            dy_rows, x_rows, weight, rstd,
+            dy_rows,
+            x_rows,
+            weight,
+            rstd,
             dx if needs_dx else x_rows,  # placeholders are never written
             dw_partial if needs_dw else rstd,
-            dy_rows.stride(0), x_rows.stride(0),
-            n_rows, n_cols, rows_per_program,
-            GEMMA=ctx.gemma, COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw,
-            BLOCK_SIZE=block_size, BLOCK_ROWS=block_rows, num_warps=num_warps,
+            dy_rows.stride(0),
+            x_rows.stride(0),
+            n_rows,
+            n_cols,
+            rows_per_program,
+            GEMMA=ctx.gemma,
+            COMPUTE_DX=needs_dx,
+            COMPUTE_DW=needs_dw,
+            BLOCK_SIZE=block_size,
+            BLOCK_ROWS=block_rows,
+            num_warps=num_warps,
         )
         dx = dx.view(ctx.x_shape) if needs_dx else None
         dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
@@ -256,9 +272,7 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
         raise ValueError(f"rms_norm: eps must be a non-negative number, got {eps!r}")
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False
-) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension of x (any leading dims), differentiable.
 
     gemma=False: LlamaRMSNorm, output dtype promote_types(x.dtype, weight.dtype).

@@ -110,12 +110,8 @@ def _rotate_heads(
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
         # Each product is rounded to the storage dtype, as in the eager torch code.
-        out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) + (x2 * sin_a[None, :]).to(dtype).to(
-            tl.float32
-        )
-        out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin_b[None, :]).to(dtype).to(
-            tl.float32
-        )
+        out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) + (x2 * sin_a[None, :]).to(dtype).to(tl.float32)
+        out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin_b[None, :]).to(dtype).to(tl.float32)
         tl.store(dst, out1.to(dtype), mask=mask)
         tl.store(dst + HALF_DIM, out2.to(dtype), mask=mask)
 
@@ -129,10 +125,18 @@ def _rope_kernel(
     COS,  # pointer to cos, (Bc, T, D) gathered, or a (max_positions, D) table; contiguous
     SIN,  # pointer to sin, same shape and strides as COS
     POS,  # pointer to position_ids (B or 1, T) ints (unused unless HAS_POSITIONS)
-    q_in_stride_b, q_in_stride_h, q_in_stride_t,  # strides of Q_IN (elements)
-    q_out_stride_b, q_out_stride_h, q_out_stride_t,  # strides of Q_OUT
-    k_in_stride_b, k_in_stride_h, k_in_stride_t,  # strides of K_IN
-    k_out_stride_b, k_out_stride_h, k_out_stride_t,  # strides of K_OUT
+    q_in_stride_b,
+    q_in_stride_h,
+    q_in_stride_t,  # strides of Q_IN (elements)
+    q_out_stride_b,
+    q_out_stride_h,
+    q_out_stride_t,  # strides of Q_OUT
+    k_in_stride_b,
+    k_in_stride_h,
+    k_in_stride_t,  # strides of K_IN
+    k_out_stride_b,
+    k_out_stride_h,
+    k_out_stride_t,  # strides of K_OUT
     cos_stride_b,  # elements between batch rows of COS (0 when shared; unused with positions)
     cos_stride_t,  # elements between token rows of COS (table rows with positions)
     pos_stride_b,  # elements between batch rows of POS (0 when shared)
@@ -173,14 +177,30 @@ def _rope_kernel(
     _rotate_heads(
         Q_IN + b * q_in_stride_b + t * q_in_stride_t,
         Q_OUT + b * q_out_stride_b + t * q_out_stride_t,
-        q_in_stride_h, q_out_stride_h, n_q_heads,
-        cos1, cos2, sin_a, sin_b, HALF_DIM, BLOCK_H, BLOCK_HALF,
+        q_in_stride_h,
+        q_out_stride_h,
+        n_q_heads,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
     )
     _rotate_heads(
         K_IN + b * k_in_stride_b + t * k_in_stride_t,
         K_OUT + b * k_out_stride_b + t * k_out_stride_t,
-        k_in_stride_h, k_out_stride_h, n_k_heads,
-        cos1, cos2, sin_a, sin_b, HALF_DIM, BLOCK_H, BLOCK_HALF,
+        k_in_stride_h,
+        k_out_stride_h,
+        n_k_heads,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
     )
 
 
@@ -203,15 +223,38 @@ def _launch(q_in, q_out, k_in, k_out, cos, sin, position_ids, inverse: bool) -> 
         pos_stride_b = 0 if pos.shape[0] == 1 else pos.stride(0)
         pos_stride_t = pos.stride(1)
     _rope_kernel[(batch * seq_len,)](
-        q_in, q_out, k_in, k_out, cos, sin, pos,
-        q_in.stride(0), q_in.stride(1), q_in.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_in.stride(0), k_in.stride(1), k_in.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        cos_stride_b, cos_stride_t, pos_stride_b, pos_stride_t,
-        seq_len, n_q_heads, n_k_heads,
-        HALF_DIM=head_dim // 2, HAS_POSITIONS=position_ids is not None, INVERSE=inverse,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=NUM_WARPS,
+        q_in,
+        q_out,
+        k_in,
+        k_out,
+        cos,
+        sin,
+        pos,
+        q_in.stride(0),
+        q_in.stride(1),
+        q_in.stride(2),
+        q_out.stride(0),
+        q_out.stride(1),
+        q_out.stride(2),
+        k_in.stride(0),
+        k_in.stride(1),
+        k_in.stride(2),
+        k_out.stride(0),
+        k_out.stride(1),
+        k_out.stride(2),
+        cos_stride_b,
+        cos_stride_t,
+        pos_stride_b,
+        pos_stride_t,
+        seq_len,
+        n_q_heads,
+        n_k_heads,
+        HALF_DIM=head_dim // 2,
+        HAS_POSITIONS=position_ids is not None,
+        INVERSE=inverse,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=NUM_WARPS,
     )
 
 
@@ -310,9 +353,7 @@ def _normalise_tables(q, k, cos, sin, position_ids):
                 f"(B, T, D), (1, T, D) or (T, D) with B={batch}, T={seq_len}, D={head_dim}"
             )
         if cos.shape[1] != seq_len:
-            raise ValueError(
-                f"rope: cos/sin cover {cos.shape[1]} tokens but q and k have T={seq_len}"
-            )
+            raise ValueError(f"rope: cos/sin cover {cos.shape[1]} tokens but q and k have T={seq_len}")
         if cos.shape[0] not in (1, batch):
             raise ValueError(
                 f"rope: cos/sin have batch size {cos.shape[0]} but q and k have B={batch}; "
@@ -327,12 +368,16 @@ def _normalise_tables(q, k, cos, sin, position_ids):
             f"rope: with position_ids, cos/sin must be a (max_positions, D) table; "
             f"got shape {tuple(cos.shape)}"
         )
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or (
-        position_ids.dtype == torch.bool
+    if (
+        position_ids.dtype.is_floating_point
+        or position_ids.dtype.is_complex
+        or (position_ids.dtype == torch.bool)
     ):
         raise TypeError(f"rope: position_ids has dtype {position_ids.dtype}; expected an integer dtype")
-    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or (
-        position_ids.shape[0] not in (1, batch)
+    if (
+        position_ids.dim() != 2
+        or position_ids.shape[1] != seq_len
+        or (position_ids.shape[0] not in (1, batch))
     ):
         raise ValueError(
             f"rope: position_ids has shape {tuple(position_ids.shape)}; expected "

@@ -101,8 +101,7 @@ def check_gated_inputs(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
     check_same_device(gate=gate, up=up)
     if up.shape != gate.shape:
         raise ValueError(
-            f"{op}: up has shape {tuple(up.shape)} but gate has {tuple(gate.shape)}; "
-            f"they must match"
+            f"{op}: up has shape {tuple(up.shape)} but gate has {tuple(gate.shape)}; they must match"
         )
     if up.dtype != gate.dtype:
         raise TypeError(f"{op}: up has dtype {up.dtype} but gate has {gate.dtype}; they must match")
@@ -111,9 +110,7 @@ def check_gated_inputs(gate: torch.Tensor, up: torch.Tensor, op: str) -> None:
 def check_gated_grad(grad_h: torch.Tensor, gate: torch.Tensor, op: str) -> None:
     check_same_device(grad_h=grad_h, gate=gate)
     if grad_h.shape != gate.shape:
-        raise ValueError(
-            f"{op}: grad_h has shape {tuple(grad_h.shape)} but gate has {tuple(gate.shape)}"
-        )
+        raise ValueError(f"{op}: grad_h has shape {tuple(grad_h.shape)} but gate has {tuple(gate.shape)}")
     if grad_h.dtype != gate.dtype:
         raise TypeError(f"{op}: grad_h has dtype {grad_h.dtype} but gate has {gate.dtype}")
 
@@ -171,6 +168,7 @@ def swiglu_backward(
     bumped so a saved-tensor reuse fails loudly).  A non-contiguous input is first
     copied, and then the copy receives the result: always use the returned tensors.
     """
+
     def launch(grad_h, gate, up, h, de, dg, n):
         grid = (triton.cdiv(n, BLOCK_SIZE),)
         _swiglu_backward_kernel[grid](

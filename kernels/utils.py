@@ -46,7 +46,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_reference_once(op_name: str, device_type: str) -> None:
     warnings.warn(
         f"slothkit_kernels.{op_name}: no Triton backend for device '{device_type}' "
@@ -76,9 +76,7 @@ def calculate_settings(n: int) -> tuple[int, int]:
 
 def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in SUPPORTED_FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {tensor.dtype}; supported: float32, float16, bfloat16"
-        )
+        raise TypeError(f"{name} has dtype {tensor.dtype}; supported: float32, float16, bfloat16")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:

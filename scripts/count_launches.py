@@ -39,12 +39,47 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # Operators that only make views, change metadata or allocate: no kernel on a GPU.
 NO_KERNEL = {
-    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "as_strided",
-    "detach", "alias", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
-    "unbind", "chunk", "narrow", "empty", "empty_like", "empty_strided", "new_empty",
-    "new_empty_strided", "lift_fresh", "_to_copy_noop", "unflatten", "flatten", "set_",
-    "_reshape_alias", "view_as", "expand_as", "resize_", "is_same_size", "_has_compatible_shallow_copy_type",
-    "promote_types", "result_type", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "as_strided",
+    "detach",
+    "alias",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "unbind",
+    "chunk",
+    "narrow",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "_to_copy_noop",
+    "unflatten",
+    "flatten",
+    "set_",
+    "_reshape_alias",
+    "view_as",
+    "expand_as",
+    "resize_",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "promote_types",
+    "result_type",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "sym_storage_offset",
 }
 
 
@@ -74,8 +109,9 @@ def count_triton_launches() -> None:
     InterpretedFunction.run = run
 
 
-def one_step_counts(impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0,
-                    mode: str = "lora"):
+def one_step_counts(
+    impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0, mode: str = "lora"
+):
     """(launch counts of one forward and backward, fastest host ms of ``timed_steps`` more)."""
     from slothkit.bench import shapes
     from slothkit.bench.train_worker import build_model, prepare
@@ -117,12 +153,19 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-llama")
     parser.add_argument("--impl", default="slothkit,hf")
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--mode", choices=["lora", "qlora"], default="lora",
-                        help="qlora: the seven projections in NF4 (bitsandbytes on the CPU)")
+    parser.add_argument(
+        "--mode",
+        choices=["lora", "qlora"],
+        default="lora",
+        help="qlora: the seven projections in NF4 (bitsandbytes on the CPU)",
+    )
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", action="store_true", help="also print one JSON line of the totals")
-    parser.add_argument("--time", action="store_true",
-                        help="also time the host side per layer (fastest of 15 steps, one thread)")
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="also time the host side per layer (fastest of 15 steps, one thread)",
+    )
     args = parser.parse_args()
     count_triton_launches()
     if args.time:
@@ -136,9 +179,11 @@ def main() -> None:
         total = sum(per_layer.values())
         totals[impl] = total
         host = f"; host {(ms_four - ms_two) / 2:.2f} ms per layer" if args.time else ""
-        print(f"\n== {impl} {args.model} {args.mode}: {total:.0f} launches per decoder layer per training step "
-              f"({sum(v for k, v in per_layer.items() if k.startswith('triton::')):.0f} Triton); "
-              f"{sum(two.values()) - 2 * total:.0f} outside the layers{host}")
+        print(
+            f"\n== {impl} {args.model} {args.mode}: {total:.0f} launches per decoder layer per training step "
+            f"({sum(v for k, v in per_layer.items() if k.startswith('triton::')):.0f} Triton); "
+            f"{sum(two.values()) - 2 * total:.0f} outside the layers{host}"
+        )
         for key, n in sorted(per_layer.items(), key=lambda kv: -kv[1])[: args.top]:
             if n:
                 print(f"{n:7.1f}  {key}")

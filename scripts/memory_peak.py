@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
     model = prepare("slothkit", model, 16)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(1)).cuda()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                  fused=True)
+    ids = torch.randint(
+        0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)
+    ).cuda()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -111,18 +111,24 @@ def main(argv=None) -> int:
     events = snapshot["device_traces"][0]
     peak, index, ranked, at_peak = peak_breakdown(events)
     gib = 2**30
-    print(f"{args.model} {args.mode} {args.batch}x{args.seq}: loaded {loaded / gib:.3f} GiB, "
-          f"adapters + model prepare {(before - loaded) / gib:.3f} GiB")
+    print(
+        f"{args.model} {args.mode} {args.batch}x{args.seq}: loaded {loaded / gib:.3f} GiB, "
+        f"adapters + model prepare {(before - loaded) / gib:.3f} GiB"
+    )
     for step, (forward, whole) in enumerate(step_peaks, 1):
-        print(f"step {step}: peak above loaded, forward+loss {(forward - loaded) / gib:.3f} GiB, "
-              f"whole step {(whole - loaded) / gib:.3f} GiB")
-    print(f"trace: {len(events)} events; replayed peak above loaded "
-          f"{(before - loaded + peak) / gib:.3f} GiB at event {index}, allocated by {at_peak}")
+        print(
+            f"step {step}: peak above loaded, forward+loss {(forward - loaded) / gib:.3f} GiB, "
+            f"whole step {(whole - loaded) / gib:.3f} GiB"
+        )
+    print(
+        f"trace: {len(events)} events; replayed peak above loaded "
+        f"{(before - loaded + peak) / gib:.3f} GiB at event {index}, allocated by {at_peak}"
+    )
     print(f"{'MiB':>9} {'blocks':>6}  owner")
     print(f"{(before - loaded) / 2**20:9.1f} {'':>6}  before recording (adapters, buffers made by prepare)")
     for who, size, count in ranked[: args.top]:
         print(f"{size / 2**20:9.1f} {count:6d}  {who}")
-    rest = sum(size for _, size, _ in ranked[args.top:])
+    rest = sum(size for _, size, _ in ranked[args.top :])
     print(f"{rest / 2**20:9.1f} {'':>6}  the rest ({max(0, len(ranked) - args.top)} owners)")
     return 0
 

@@ -43,14 +43,18 @@ def build(model_name: str, mode: str, layers: int | None, device: str, dtype):
 
 
 def step_fn(model, ids, device, dtype, autocast=True):
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                                  fused=device == "cuda")
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=device == "cuda"
+    )
 
     def step(host_times=None):
         # The phases are marked for idle_gaps, which charges each gap to one of them;
         # host_times, when given, collects how long the host spent issuing each phase.
         start = time.perf_counter()
-        with record_function("phase: forward and loss"), torch.autocast(device, dtype=dtype, enabled=autocast):
+        with (
+            record_function("phase: forward and loss"),
+            torch.autocast(device, dtype=dtype, enabled=autocast),
+        ):
             loss = model(input_ids=ids, labels=ids).loss
         forward = time.perf_counter()
         with record_function("phase: backward (with the recomputed forward)"):
@@ -77,17 +81,24 @@ def idle_gaps(prof, steps: int, top: int = 12) -> list[str]:
     else, e.g. an event from the copy stream)."""
     events = list(prof.profiler.kineto_results.events())
     # Device events, less the phase markers' copies on the GPU timeline.
-    device = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA
-              and not e.name().startswith("phase: ")]
+    device = [
+        e
+        for e in events
+        if e.device_type() == torch.autograd.DeviceType.CUDA and not e.name().startswith("phase: ")
+    ]
     if not device:
         return ["(no device events: run on a GPU)"]
     cpu = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
     # The runtime call behind each kernel, memset and memcpy (cudaLaunchKernel,
     # cudaMemsetAsync, ...), matched by correlation id: when the host issued it.
-    launches = {e.correlation_id(): e.start_ns() for e in cpu
-                if e.correlation_id() and e.name().startswith("cu")}
-    phases = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase: "):])
-                    for e in cpu if e.name().startswith("phase: "))
+    launches = {
+        e.correlation_id(): e.start_ns() for e in cpu if e.correlation_id() and e.name().startswith("cu")
+    }
+    phases = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[len("phase: ") :])
+        for e in cpu
+        if e.name().startswith("phase: ")
+    )
 
     def phase_of(launched):
         for start, stop, name in phases:
@@ -106,8 +117,7 @@ def idle_gaps(prof, steps: int, top: int = 12) -> list[str]:
         gap = e.start_ns() - end
         if gap > 5_000:
             launched = launches.get(e.correlation_id())
-            kind = ("launch unknown" if launched is None else
-                    "host late" if launched > end else "queued")
+            kind = "launch unknown" if launched is None else "host late" if launched > end else "queued"
             by_kernel[(kind, e.name()[:80])] += gap
             kinds[kind] += gap
             by_phase[phase_of(launched)] += gap
@@ -117,16 +127,32 @@ def idle_gaps(prof, steps: int, top: int = 12) -> list[str]:
     # memory, which does too): any one of them empties the launch queue.
     blocking = collections.Counter()
     for e in cpu:
-        if "ynchronize" in e.name() or e.name() in ("cudaMemcpy", "cudaHostAlloc", "cudaFreeHost", "cudaFree", "cudaMalloc"):
+        if "ynchronize" in e.name() or e.name() in (
+            "cudaMemcpy",
+            "cudaHostAlloc",
+            "cudaFreeHost",
+            "cudaFree",
+            "cudaMalloc",
+        ):
             blocking[(phase_of(e.start_ns()), e.name())] += 1
     per_step = lambda ns: ns / 1e6 / steps  # noqa: E731
-    lines = [f"idle on the compute stream (stream {compute}): {per_step(sum(kinds.values())):.1f} ms/step; "
-             + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in kinds.most_common())
-             + "; by gap size: " + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in sizes.most_common()),
-             "  by phase (of the launch that ends the gap): "
-             + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in by_phase.most_common())]
-    lines.append("  blocking runtime calls per step: " + (", ".join(
-        f"{name} x{count / steps:g} ({phase})" for (phase, name), count in blocking.most_common()) or "none"))
+    lines = [
+        f"idle on the compute stream (stream {compute}): {per_step(sum(kinds.values())):.1f} ms/step; "
+        + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in kinds.most_common())
+        + "; by gap size: "
+        + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in sizes.most_common()),
+        "  by phase (of the launch that ends the gap): "
+        + ", ".join(f"{k} {per_step(v):.1f} ms" for k, v in by_phase.most_common()),
+    ]
+    lines.append(
+        "  blocking runtime calls per step: "
+        + (
+            ", ".join(
+                f"{name} x{count / steps:g} ({phase})" for (phase, name), count in blocking.most_common()
+            )
+            or "none"
+        )
+    )
     for (kind, name), ns in by_kernel.most_common(top):
         lines.append(f"{per_step(ns):9.2f} ms  before {name}  ({kind})")
     return lines
@@ -144,8 +170,11 @@ def synchronizing_calls(step) -> list[str]:
 
     def record(message, category, filename, lineno, file=None, line=None):
         torch_dir = str(Path(torch.__file__).parent)
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if not f.filename.startswith(torch_dir) and "warnings" not in f.filename]
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if not f.filename.startswith(torch_dir) and "warnings" not in f.filename
+        ]
         sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
 
     previous = torch.cuda.get_sync_debug_mode()
@@ -159,7 +188,8 @@ def synchronizing_calls(step) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     return [f"synchronizing call x{n} per step: {site}" for site, n in sites.most_common()] or [
-        "synchronizing calls per step: none"]
+        "synchronizing calls per step: none"
+    ]
 
 
 def kernel_times(step, device: str, steps: int = 2) -> tuple[dict[str, float], float, list[str]]:
@@ -177,9 +207,11 @@ def kernel_times(step, device: str, steps: int = 2) -> tuple[dict[str, float], f
     wall = (time.perf_counter() - start) / steps * 1e3
     # If issuing the work takes as long as running it, the host is the bottleneck: the
     # final wait for the GPU is then short.
-    host_line = ("host time to issue each phase (no profiler), ms/step: "
-                 + ", ".join(f"{k} {v / steps * 1e3:.1f}" for k, v in host.items())
-                 + f"; then waited {(time.perf_counter() - issued) * 1e3:.1f} ms for the GPU at the end")
+    host_line = (
+        "host time to issue each phase (no profiler), ms/step: "
+        + ", ".join(f"{k} {v / steps * 1e3:.1f}" for k, v in host.items())
+        + f"; then waited {(time.perf_counter() - issued) * 1e3:.1f} ms for the GPU at the end"
+    )
     with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
@@ -200,7 +232,9 @@ def kernel_times(step, device: str, steps: int = 2) -> tuple[dict[str, float], f
     gaps = [host_line]
     if device == "cuda":
         # Host side: the operators (and autograd Functions) that cost the most CPU time.
-        gaps.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        gaps.append(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+        )
         gaps += synchronizing_calls(step)
         try:
             gaps += idle_gaps(prof, steps)
@@ -217,8 +251,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
-                        help="--no-autocast profiles the step as `slothkit bench train --no-autocast` runs it")
+    parser.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-autocast profiles the step as `slothkit bench train --no-autocast` runs it",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -232,8 +270,10 @@ def main() -> None:
             step()
         results[mode] = kernel_times(step, device)
         times, wall, gaps = results[mode]
-        print(f"\n== {args.model} {mode}, {args.layers or 'all'} layers, {args.batch}x{args.seq}: "
-              f"wall {wall:.1f} ms/step, kernels {sum(times.values()):.1f} ms/step")
+        print(
+            f"\n== {args.model} {mode}, {args.layers or 'all'} layers, {args.batch}x{args.seq}: "
+            f"wall {wall:.1f} ms/step, kernels {sum(times.values()):.1f} ms/step"
+        )
         for name, ms in sorted(times.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"{ms:9.2f} ms  {name[:100]}")
         for line in gaps:
@@ -244,8 +284,10 @@ def main() -> None:
 
     if len(results) == 2:
         (a, (ta, wa, _)), (b, (tb, wb, _)) = results.items()
-        print(f"\n== {b} minus {a}: wall {wb - wa:+.1f} ms/step, kernels "
-              f"{sum(tb.values()) - sum(ta.values()):+.1f} ms/step; largest differences:")
+        print(
+            f"\n== {b} minus {a}: wall {wb - wa:+.1f} ms/step, kernels "
+            f"{sum(tb.values()) - sum(ta.values()):+.1f} ms/step; largest differences:"
+        )
         names = set(ta) | set(tb)
         deltas = sorted(((tb.get(n, 0.0) - ta.get(n, 0.0), n) for n in names), key=lambda d: -abs(d[0]))
         for delta, name in deltas[: args.top]:

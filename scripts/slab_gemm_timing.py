@@ -62,8 +62,10 @@ def main() -> None:
             else:
                 run = lambda: lora._add_in_slabs(None, dy, weight, slabs)  # noqa: E731
             ms = median_ms(run)
-            print(f"| ({out_f}, {in_f}) | {bound or 'whole'} | {len(slabs)} | "
-                  f"{out_f * widest * 2 / 2**20:.0f} | {ms:.3f} |")
+            print(
+                f"| ({out_f}, {in_f}) | {bound or 'whole'} | {len(slabs)} | "
+                f"{out_f * widest * 2 / 2**20:.0f} | {ms:.3f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def relative_errors(path: Path, originals: dict[str, torch.Tensor]) -> dict[str,
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             original = originals[tensor.name].float().numpy().reshape(values.shape)
             errors[f"{tensor.name} ({tensor.tensor_type.name})"] = float(
-                np.sqrt(np.mean((values - original) ** 2)) / np.sqrt(np.mean(original**2)))
+                np.sqrt(np.mean((values - original) ** 2)) / np.sqrt(np.mean(original**2))
+            )
     return errors
 
 
@@ -58,9 +59,12 @@ def main() -> None:
     parser.add_argument("--quant", default="q4_k_m")
     parser.add_argument("--out", default="/tmp/gguf-timing")
     parser.add_argument("--no-verify", action="store_true")
-    parser.add_argument("--verify-reference", action="store_true",
-                        help="also verify llama.cpp's own file the same way (is a failure the "
-                             "quantisation type's, on these weights, or slothkit's file's?)")
+    parser.add_argument(
+        "--verify-reference",
+        action="store_true",
+        help="also verify llama.cpp's own file the same way (is a failure the "
+        "quantisation type's, on these weights, or slothkit's file's?)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,8 +76,7 @@ def main() -> None:
     from slothkit.export.gguf import save_pretrained_gguf, write_gguf
     from slothkit.testing import build_tiny_tokenizer
 
-    figures: dict = {"model": args.model, "quant": args.quant, "device": device,
-                     "cpu_count": os.cpu_count()}
+    figures: dict = {"model": args.model, "quant": args.quant, "device": device, "cpu_count": os.cpu_count()}
     if device == "cuda":
         figures["gpu"] = torch.cuda.get_device_name()
     start = time.perf_counter()
@@ -88,18 +91,23 @@ def main() -> None:
     # so only tensors that go in unchanged are compared).
     layer = model.model.layers[len(model.model.layers) // 2]
     index = len(model.model.layers) // 2
-    originals = {f"blk.{index}.ffn_down.weight": layer.mlp.down_proj.weight.detach().cpu(),
-                 f"blk.{index}.ffn_up.weight": layer.mlp.up_proj.weight.detach().cpu(),
-                 f"blk.{index}.attn_v.weight": layer.self_attn.v_proj.weight.detach().cpu(),
-                 f"blk.{index}.attn_output.weight": layer.self_attn.o_proj.weight.detach().cpu()}
+    originals = {
+        f"blk.{index}.ffn_down.weight": layer.mlp.down_proj.weight.detach().cpu(),
+        f"blk.{index}.ffn_up.weight": layer.mlp.up_proj.weight.detach().cpu(),
+        f"blk.{index}.attn_v.weight": layer.self_attn.v_proj.weight.detach().cpu(),
+        f"blk.{index}.attn_output.weight": layer.self_attn.o_proj.weight.detach().cpu(),
+    }
 
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    (saved,) = [p for p in save_pretrained_gguf(model, out / "slothkit", tokenizer, args.quant,
-                                                  verify=False) if p.suffix == ".gguf"]
+    (saved,) = [
+        p
+        for p in save_pretrained_gguf(model, out / "slothkit", tokenizer, args.quant, verify=False)
+        if p.suffix == ".gguf"
+    ]
     figures["slothkit_export_s"] = time.perf_counter() - start
     figures["slothkit_file_gib"] = saved.stat().st_size / 2**30
     if device == "cuda":
@@ -138,8 +146,10 @@ def main() -> None:
         figures["verify_s"] = time.perf_counter() - start
         checks = [("verify_gguf_weights", saved, "gguf_weights")]
         if args.verify_reference:
-            checks += [("verify_llama_cpp_file", reference, "model"),
-                       ("verify_llama_cpp_file_gguf_weights", reference, "gguf_weights")]
+            checks += [
+                ("verify_llama_cpp_file", reference, "model"),
+                ("verify_llama_cpp_file_gguf_weights", reference, "gguf_weights"),
+            ]
         for key, path, against in checks:
             try:
                 report = verify_gguf(path, model, tokenizer, args.quant, reference=against)

@@ -73,8 +73,10 @@ def tune_nf4():
         nbytes = out.numel() * 2.5  # 0.5 byte in, 2 bytes out
         fill_ms = bench_graph(lambda: out.fill_(1.0))
         copy_ms = bench_graph(lambda: out.copy_(src))
-        print(f"{name} {shape}: fill {fill_ms * 1e3:.1f} us ({out.numel() * 2 / fill_ms / 1e6:.0f} GB/s), "
-              f"copy {copy_ms * 1e3:.1f} us ({out.numel() * 4 / copy_ms / 1e6:.0f} GB/s)")
+        print(
+            f"{name} {shape}: fill {fill_ms * 1e3:.1f} us ({out.numel() * 2 / fill_ms / 1e6:.0f} GB/s), "
+            f"copy {copy_ms * 1e3:.1f} us ({out.numel() * 4 / copy_ms / 1e6:.0f} GB/s)"
+        )
         reference = nf4_mod.dequantize_nf4(weight)
         for elements in (2048, 4096, 8192, 16384, 32768):
             for warps in (2, 4, 8, 16):
@@ -82,8 +84,10 @@ def tune_nf4():
                 assert torch.equal(nf4_mod.dequantize_nf4(weight, out=out), reference), (elements, warps)
                 ms = bench_graph(lambda: nf4_mod.dequantize_nf4(weight, out=out))
                 mark = "  (the kernel's setting)" if (elements, warps) == chosen else ""
-                print(f"  elements={elements:5d} warps={warps:2d}: {ms * 1e3:6.1f} us "
-                      f"{nbytes / ms / 1e6:6.0f} GB/s, {fill_ms / ms * 100:5.1f}% of the fill's time{mark}")
+                print(
+                    f"  elements={elements:5d} warps={warps:2d}: {ms * 1e3:6.1f} us "
+                    f"{nbytes / ms / 1e6:6.0f} GB/s, {fill_ms / ms * 100:5.1f}% of the fill's time{mark}"
+                )
         nf4_mod.ELEMENTS_PER_PROGRAM, nf4_mod.NUM_WARPS = chosen
 
 
@@ -110,12 +114,13 @@ def main(only=None):
                     node = y.grad_fn
                     while "RMSNorm" not in type(node).__name__:
                         node = node.next_functions[0][0]
-                    ctx = _SavedContext(node.saved_tensors, (True, True), gemma=False,
-                                        x_shape=x.shape)
+                    ctx = _SavedContext(node.saved_tensors, (True, True), gemma=False, x_shape=x.shape)
                     ms_graph = bench_graph(lambda: rms_mod._RMSNormFunction.backward(ctx, dy))
-                    print(f"rms_norm bwd {rows}x{h} tile={tile:5d} per_sm={per_sm:2d} "
-                          f"warps={warps:2d}: {ms*1e3:7.1f} us {nbytes/ms/1e6/bw*100:5.1f}% copy; "
-                          f"graphed {ms_graph*1e3:7.1f} us {nbytes/ms_graph/1e6/bw*100:5.1f}% copy")
+                    print(
+                        f"rms_norm bwd {rows}x{h} tile={tile:5d} per_sm={per_sm:2d} "
+                        f"warps={warps:2d}: {ms * 1e3:7.1f} us {nbytes / ms / 1e6 / bw * 100:5.1f}% copy; "
+                        f"graphed {ms_graph * 1e3:7.1f} us {nbytes / ms_graph / 1e6 / bw * 100:5.1f}% copy"
+                    )
     rms_mod.BACKWARD_PROGRAMS_PER_SM, rms_mod.BACKWARD_NUM_WARPS = 1, 16
     rms_mod.BACKWARD_TILE_ELEMENTS = 16384
 
@@ -137,9 +142,11 @@ def main(only=None):
                     rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW = tiles_per_program
                     rms_mod.BACKWARD_NUM_WARPS_NO_DW = warps
                     ms = bench_graph(lambda: rms_mod._RMSNormFunction.backward(ctx, dy))
-                    print(f"rms_norm bwd no-dw {rows}x{h} tile={tile:5d} tiles/program="
-                          f"{tiles_per_program} warps={warps:2d}: {ms*1e3:7.1f} us "
-                          f"{nbytes/ms/1e6/bw*100:5.1f}% copy (graphed)")
+                    print(
+                        f"rms_norm bwd no-dw {rows}x{h} tile={tile:5d} tiles/program="
+                        f"{tiles_per_program} warps={warps:2d}: {ms * 1e3:7.1f} us "
+                        f"{nbytes / ms / 1e6 / bw * 100:5.1f}% copy (graphed)"
+                    )
     rms_mod.BACKWARD_TILE_ELEMENTS_NO_DW = 4096
     rms_mod.BACKWARD_TILES_PER_PROGRAM_NO_DW, rms_mod.BACKWARD_NUM_WARPS_NO_DW = 1, 8
     if only == "rms_norm":
@@ -148,14 +155,18 @@ def main(only=None):
     # SwiGLU / GeGLU backward: read dh, e, g; write h, de, dg.
     n = 16384 * 14336
     dh, e, g = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for name, mod, fn in (("swiglu", swiglu_mod, lambda: swiglu_mod.swiglu_backward(dh, e, g)),
-                          ("geglu", geglu_mod, lambda: geglu_mod.geglu_backward(dh, e, g))):
+    for name, mod, fn in (
+        ("swiglu", swiglu_mod, lambda: swiglu_mod.swiglu_backward(dh, e, g)),
+        ("geglu", geglu_mod, lambda: geglu_mod.geglu_backward(dh, e, g)),
+    ):
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
                 mod.BLOCK_SIZE, mod.NUM_WARPS = block, warps
                 ms = bench(fn)
-                print(f"{name} bwd block={block:5d} warps={warps:2d}: {ms*1e3:7.1f} us "
-                      f"{6*n*2/ms/1e6/bw*100:5.1f}% copy")
+                print(
+                    f"{name} bwd block={block:5d} warps={warps:2d}: {ms * 1e3:7.1f} us "
+                    f"{6 * n * 2 / ms / 1e6 / bw * 100:5.1f}% copy"
+                )
         mod.BLOCK_SIZE, mod.NUM_WARPS = 1024, 4
 
     # RoPE backward on one gradient (q-shaped), as autograd calls it.
@@ -170,8 +181,10 @@ def main(only=None):
         for warps in (2, 4, 8):
             rope_mod.MAX_TILE, rope_mod.NUM_WARPS = tile, warps
             ms = bench(lambda: rope_mod._launch(grad, out, None, None, cos, sin, None, inverse=True))
-            print(f"rope bwd q tile={tile:5d} warps={warps}: {ms*1e3:7.1f} us "
-                  f"{2*grad.numel()*2/ms/1e6/bw*100:5.1f}% copy")
+            print(
+                f"rope bwd q tile={tile:5d} warps={warps}: {ms * 1e3:7.1f} us "
+                f"{2 * grad.numel() * 2 / ms / 1e6 / bw * 100:5.1f}% copy"
+            )
 
 
 if __name__ == "__main__":

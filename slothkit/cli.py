@@ -21,14 +21,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.arch:  # --arch picks the first model of that architecture
         model = next(name for name, data in model_data().items() if data["tiny_arch"] == args.arch)
     if model not in model_data():
-        print(f"slothkit demo: unknown model {model!r}; valid models: {', '.join(model_data())}",
-              file=sys.stderr)
+        print(
+            f"slothkit demo: unknown model {model!r}; valid models: {', '.join(model_data())}",
+            file=sys.stderr,
+        )
         return 2
-    print(f"rendering the {args.template} notebook for {model} and running it on a tiny offline "
-          f"{model_data()[model]['tiny_arch']} model (about a minute on a CPU) ...", flush=True)
+    print(
+        f"rendering the {args.template} notebook for {model} and running it on a tiny offline "
+        f"{model_data()[model]['tiny_arch']} model (about a minute on a CPU) ...",
+        flush=True,
+    )
     try:
-        result = run_notebook_demo(model, args.template, args.output_dir, steps=args.steps or 16,
-                                   html=args.html, overwrite=args.force)
+        result = run_notebook_demo(
+            model,
+            args.template,
+            args.output_dir,
+            steps=args.steps or 16,
+            html=args.html,
+            overwrite=args.force,
+        )
     except FileExistsError as error:
         print(f"slothkit demo: {error}", file=sys.stderr)
         return 2
@@ -36,8 +47,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"slothkit demo: {error}", file=sys.stderr)
         return 1
     loss = result["loss"]
-    print(f"ran {result['cells']} cells in {result['seconds']:.0f} s"
-          + (f"; training loss {loss[0]:.4f} -> {loss[1]:.4f}" if loss else ""))
+    print(
+        f"ran {result['cells']} cells in {result['seconds']:.0f} s"
+        + (f"; training loss {loss[0]:.4f} -> {loss[1]:.4f}" if loss else "")
+    )
     for name, path in result["artefacts"].items():
         print(f"  {name:14s} {path}")
     return 0 if loss and loss[1] < loss[0] else 1
@@ -82,8 +95,10 @@ def _cmd_new_notebook(args: argparse.Namespace) -> int:
 
     models = model_data()
     if args.model not in models:
-        print(f"slothkit new-notebook: unknown model {args.model!r}; valid models: "
-              f"{', '.join(models)}", file=sys.stderr)
+        print(
+            f"slothkit new-notebook: unknown model {args.model!r}; valid models: {', '.join(models)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         overrides = parse_overrides(args.set, models[args.model].keys())
@@ -99,8 +114,7 @@ def _cmd_new_notebook(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from slothkit.plan import plan
 
-    result = plan(args.model, gpu=args.gpu, seq=args.seq, batch=args.batch, mode=args.mode,
-                  rank=args.rank)
+    result = plan(args.model, gpu=args.gpu, seq=args.seq, batch=args.batch, mode=args.mode, rank=args.rank)
     print(result.report())
     return 0 if result.fits is not False else 1
 
@@ -109,9 +123,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from slothkit.export import export_adapter
 
     try:
-        result = export_adapter(args.adapter_dir, args.to, quant=args.quant, push=args.push,
-                                output=args.output, token=args.token, overwrite=args.overwrite,
-                                base_model=args.base_model)
+        result = export_adapter(
+            args.adapter_dir,
+            args.to,
+            quant=args.quant,
+            push=args.push,
+            output=args.output,
+            token=args.token,
+            overwrite=args.overwrite,
+            base_model=args.base_model,
+        )
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"slothkit export: {error}", file=sys.stderr)
         return 2
@@ -122,30 +143,38 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs."
-    )
+    parser = argparse.ArgumentParser(prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
         "demo",
         help="render a fine-tuning notebook and run it on a tiny offline model (no download, no GPU)",
         description="Render a notebook from a template (as `slothkit new-notebook` does) and execute "
-                    "it top to bottom on a tiny random model of the same architecture and the "
-                    "example data shipped with slothkit: it trains, then writes the LoRA adapter, "
-                    "the merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
+        "it top to bottom on a tiny random model of the same architecture and the "
+        "example data shipped with slothkit: it trains, then writes the LoRA adapter, "
+        "the merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
     )
     demo.add_argument("--model", default="llama-3-8b", help="whose notebook (see `slothkit list`)")
     demo.add_argument("--template", default="finetune", help="finetune, conversational or dpo")
-    demo.add_argument("--output-dir", default="slothkit-demo",
-                      help="where the notebook and what it saves go (default slothkit-demo)")
+    demo.add_argument(
+        "--output-dir",
+        default="slothkit-demo",
+        help="where the notebook and what it saves go (default slothkit-demo)",
+    )
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 16; 8 with --quick)")
-    demo.add_argument("--arch", choices=["llama", "mistral", "gemma"], default=None,
-                      help="pick the model by architecture instead")
+    demo.add_argument(
+        "--arch",
+        choices=["llama", "mistral", "gemma"],
+        default=None,
+        help="pick the model by architecture instead",
+    )
     demo.add_argument("--html", action="store_true", help="also write the executed notebook as HTML")
     demo.add_argument("--force", action="store_true", help="replace a notebook left by an earlier demo")
-    demo.add_argument("--quick", action="store_true",
-                      help="no notebook: a plain training loop that saves the adapter (seconds)")
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help="no notebook: a plain training loop that saves the adapter (seconds)",
+    )
     demo.set_defaults(func=_cmd_demo)
 
     listing = sub.add_parser("list", help="the models and notebook templates, with their defaults")
@@ -157,14 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
         "new-notebook",
         help="write a ready-to-run notebook for a model (see `slothkit list`)",
         description="Render a notebook template for MODEL into OUTPUT.ipynb and its paired "
-                    "OUTPUT.py (jupytext percent format).",
+        "OUTPUT.py (jupytext percent format).",
     )
     notebook.add_argument("model", help="a model from `slothkit list`, e.g. gemma-7b")
     notebook.add_argument("-o", "--output", help="path without extension (default MODEL-TEMPLATE)")
-    notebook.add_argument("--template", default="finetune", choices=list(TEMPLATES),
-                          help="which workflow (default finetune)")
-    notebook.add_argument("--set", action="append", metavar="KEY=VALUE",
-                          help="override a model default, e.g. --set max_seq_length=4096")
+    notebook.add_argument(
+        "--template", default="finetune", choices=list(TEMPLATES), help="which workflow (default finetune)"
+    )
+    notebook.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a model default, e.g. --set max_seq_length=4096",
+    )
     notebook.add_argument("--force", action="store_true", help="overwrite an existing notebook")
     notebook.set_defaults(func=_cmd_new_notebook)
 

@@ -26,8 +26,13 @@ DEMO_TEXTS = [
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def run_demo(output_dir: str | Path = "slothkit-demo-output", steps: int = 8, arch: str = "llama",
-             learning_rate: float = 5e-3, seed: int = 3407) -> dict:
+def run_demo(
+    output_dir: str | Path = "slothkit-demo-output",
+    steps: int = 8,
+    arch: str = "llama",
+    learning_rate: float = 5e-3,
+    seed: int = 3407,
+) -> dict:
     from slothkit import FastModel
     from slothkit.testing import build_tiny_model
 
@@ -37,8 +42,14 @@ def run_demo(output_dir: str | Path = "slothkit-demo-output", steps: int = 8, ar
 
     checkpoint = build_tiny_model(arch, output_dir / "tiny-base", seed=seed)
     model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
-    model = FastModel.get_peft_model(model, r=16, lora_alpha=16, target_modules=LORA_TARGETS,
-                                     use_gradient_checkpointing=False, random_state=seed)
+    model = FastModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=16,
+        target_modules=LORA_TARGETS,
+        use_gradient_checkpointing=False,
+        random_state=seed,
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     print(f"tiny {arch} on {device}: {total:,} parameters, {trainable:,} trainable (LoRA r=16)")

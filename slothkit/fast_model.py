@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
@@ -24,13 +25,12 @@ from slothkit.engine.loading import (
     require_bitsandbytes,
     resolve_checkpoint,
 )
-from slothkit.models import architecture_for, supported_summary
-from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.lora_projection import is_4bit_model
 from slothkit.engine.offload_checkpoint import enable_checkpointing
+from slothkit.models import architecture_for, supported_summary
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_unsupported(model_type: str) -> None:
     warnings.warn(
         f"slothkit has no fused path for model_type {model_type!r}; it will train through the "

@@ -29,8 +29,16 @@ from dataclasses import dataclass
 from slothkit.bench.shapes import Shape, shape_by_name
 
 GIB = 2**30
-GPU_MEMORY_GIB = {"t4": 15.0, "l4": 22.5, "a10": 22.5, "v100": 16.0, "a100": 40.0,
-                  "a100-80": 80.0, "h100": 80.0, "h200": 141.0}
+GPU_MEMORY_GIB = {
+    "t4": 15.0,
+    "l4": 22.5,
+    "a10": 22.5,
+    "v100": 16.0,
+    "a100": 40.0,
+    "a100-80": 80.0,
+    "h100": 80.0,
+    "h200": 141.0,
+}
 NO_BF16 = {"t4", "v100"}
 CONTEXT_OVERHEAD_GIB = 0.5
 SLACK = 0.04
@@ -60,8 +68,11 @@ class MemoryPlan:
             f"  LoRA + Adam  {self.lora_gib:6.2f} GiB",
             f"  activations  {self.activations_gib:6.2f} GiB",
             f"  predicted peak {self.total_gib:.2f} GiB"
-            + (f" of {self.gpu_gib:.1f} GiB: {'fits' if self.fits else 'does NOT fit'}"
-               if self.gpu_gib else ""),
+            + (
+                f" of {self.gpu_gib:.1f} GiB: {'fits' if self.fits else 'does NOT fit'}"
+                if self.gpu_gib
+                else ""
+            ),
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -75,7 +86,8 @@ def weights_bytes(shape: Shape, mode: str) -> float:
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     projections = shape.num_hidden_layers * (
-        h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i)
+        h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i
+    )
     embeddings = shape.vocab_size * h
     tied = shape.model_type == "gemma"
     head = 0 if tied else shape.vocab_size * h
@@ -97,7 +109,9 @@ def activation_bytes(shape: Shape, tokens: int, checkpointing: str = "offload") 
     h, i = shape.hidden_size, shape.intermediate_size
     per_token = 2 * (6 * h + 4 * i + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d)
     per_token += 2 * h  # the fused loss's d_hidden
-    logits_chunk = 2 * shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
+    logits_chunk = (
+        2 * shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
+    )
     total = tokens * per_token + logits_chunk
     if checkpointing != "offload":
         total += shape.num_hidden_layers * tokens * 2 * h
@@ -110,14 +124,28 @@ def shape_from_config(config) -> Shape:
     head_dim = getattr(config, "head_dim", None)
     if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
         extra["head_dim"] = head_dim
-    return Shape(config.model_type, config.hidden_size, config.intermediate_size,
-                 config.num_hidden_layers, config.num_attention_heads,
-                 getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                 config.vocab_size, getattr(config, "max_position_embeddings", 0), extra)
+    return Shape(
+        config.model_type,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        config.vocab_size,
+        getattr(config, "max_position_embeddings", 0),
+        extra,
+    )
 
 
-def plan(model: str | Shape, gpu: str = "auto", seq: int = 2048, batch: int = 2, mode: str = "qlora",
-         rank: int = 16, target_batch: int = 8) -> MemoryPlan:
+def plan(
+    model: str | Shape,
+    gpu: str = "auto",
+    seq: int = 2048,
+    batch: int = 2,
+    mode: str = "qlora",
+    rank: int = 16,
+    target_batch: int = 8,
+) -> MemoryPlan:
     """Predict the peak and adjust batch (then seq) to fit the GPU; keep the effective
     batch near target_batch through gradient accumulation.  model: a shape name or a Shape."""
     shape = model if isinstance(model, Shape) else shape_by_name(model)
@@ -143,15 +171,26 @@ def plan(model: str | Shape, gpu: str = "auto", seq: int = 2048, batch: int = 2,
             seq //= 2
             notes.append(f"max_seq_length lowered to {seq} to fit {gpu_gib:.0f} GiB")
         if total(batch, seq) > gpu_gib:
-            notes.append(f"the weights alone do not fit in {gpu_gib:.0f} GiB"
-                         + ("; try load_in_4bit=True (qlora)" if mode == "lora" else ""))
+            notes.append(
+                f"the weights alone do not fit in {gpu_gib:.0f} GiB"
+                + ("; try load_in_4bit=True (qlora)" if mode == "lora" else "")
+            )
     grad_accum = max(1, target_batch // batch)
     peak = total(batch, seq)
     return MemoryPlan(
-        model=model, mode=mode, seq=seq, batch=batch, grad_accum=grad_accum, dtype=dtype,
-        weights_gib=weights_bytes(shape, mode) / GIB, lora_gib=lora_bytes(shape, rank) / GIB,
-        activations_gib=activation_bytes(shape, batch * seq) / GIB, total_gib=peak,
-        gpu_gib=gpu_gib, fits=None if gpu_gib is None else peak <= gpu_gib, notes=notes,
+        model=model,
+        mode=mode,
+        seq=seq,
+        batch=batch,
+        grad_accum=grad_accum,
+        dtype=dtype,
+        weights_gib=weights_bytes(shape, mode) / GIB,
+        lora_gib=lora_bytes(shape, rank) / GIB,
+        activations_gib=activation_bytes(shape, batch * seq) / GIB,
+        total_gib=peak,
+        gpu_gib=gpu_gib,
+        fits=None if gpu_gib is None else peak <= gpu_gib,
+        notes=notes,
     )
 
 

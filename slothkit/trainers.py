@@ -63,7 +63,9 @@ LEARNING_RATES = {"sft": 2e-4, "dpo": 5e-6, "grpo": 5e-6}  # LoRA rates; full fi
 def require_trl():
     """Import trl, checking that it is recent enough for slothkit's fused model."""
     if importlib.util.find_spec("trl") is None:
-        raise ImportError(f"slothkit's trainers need TRL >= {MIN_TRL_VERSION}: pip install 'trl>={MIN_TRL_VERSION}'")
+        raise ImportError(
+            f"slothkit's trainers need TRL >= {MIN_TRL_VERSION}: pip install 'trl>={MIN_TRL_VERSION}'"
+        )
     import trl
     from packaging.version import Version
 
@@ -160,7 +162,9 @@ def check_setup(model, tokenizer, args) -> None:
             f"the tokenizer has {len(tokenizer)} ids but the model's embeddings {rows} rows; call "
             "get_chat_template(..., model=model) before FastModel.get_peft_model so that they grow together"
         )
-    patched = getattr(causal_lm, "_slothkit_architecture", None) is not None or hasattr(model, "_slothkit_tokenizer")
+    patched = getattr(causal_lm, "_slothkit_architecture", None) is not None or hasattr(
+        model, "_slothkit_tokenizer"
+    )
     if patched and getattr(args, "gradient_checkpointing", False):
         warnings.warn(
             "gradient_checkpointing=True in the training arguments would replace the checkpointing "
@@ -169,7 +173,9 @@ def check_setup(model, tokenizer, args) -> None:
         )
         args.gradient_checkpointing = False
     if getattr(args, "bf16", False) and not _bf16_available():
-        raise ValueError("bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)")
+        raise ValueError(
+            "bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)"
+        )
 
 
 def _bf16_available() -> bool:
@@ -188,8 +194,9 @@ def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
     def check(dataset, name):
         check_sft_dataset(dataset, tokenizer, text_field=args.dataset_text_field, name=name)
 
-    return _checked_trainer(trl.SFTTrainer, model, tokenizer, args, check, train_dataset, eval_dataset,
-                            **trainer_kwargs)
+    return _checked_trainer(
+        trl.SFTTrainer, model, tokenizer, args, check, train_dataset, eval_dataset, **trainer_kwargs
+    )
 
 
 def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
@@ -199,22 +206,42 @@ def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
 
     trl = require_trl()
     args = dpo_config(model) if args is None else args
-    return _checked_trainer(trl.DPOTrainer, model, tokenizer, args, check_preference_dataset,
-                            train_dataset, eval_dataset, **trainer_kwargs)
+    return _checked_trainer(
+        trl.DPOTrainer,
+        model,
+        tokenizer,
+        args,
+        check_preference_dataset,
+        train_dataset,
+        eval_dataset,
+        **trainer_kwargs,
+    )
 
 
-def grpo_trainer(model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
+def grpo_trainer(
+    model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs
+):
     """trl.GRPOTrainer after checking the prompts and the setup."""
     from slothkit.data.validation import check_prompt_dataset
 
     trl = require_trl()
     args = grpo_config(model) if args is None else args
-    return _checked_trainer(trl.GRPOTrainer, model, tokenizer, args, check_prompt_dataset,
-                            train_dataset, eval_dataset, reward_funcs=reward_funcs, **trainer_kwargs)
+    return _checked_trainer(
+        trl.GRPOTrainer,
+        model,
+        tokenizer,
+        args,
+        check_prompt_dataset,
+        train_dataset,
+        eval_dataset,
+        reward_funcs=reward_funcs,
+        **trainer_kwargs,
+    )
 
 
-def _checked_trainer(trainer_class, model, tokenizer, args, check_dataset, train_dataset, eval_dataset,
-                     **trainer_kwargs):
+def _checked_trainer(
+    trainer_class, model, tokenizer, args, check_dataset, train_dataset, eval_dataset, **trainer_kwargs
+):
     """What every constructor here does around TRL's: check the setup and each dataset
     (check_dataset(dataset, name=...)), build the trainer, give the adapters back the
     dtype TRL changed, and make its train() explain an out-of-memory error."""
@@ -223,8 +250,14 @@ def _checked_trainer(trainer_class, model, tokenizer, args, check_dataset, train
         if dataset is not None:
             check_dataset(dataset, name=name)
     adapter_dtypes = {name: p.dtype for name, p in model.named_parameters() if p.requires_grad}
-    trainer = trainer_class(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                            processing_class=tokenizer, **trainer_kwargs)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        **trainer_kwargs,
+    )
     _restore_adapter_dtypes(model, adapter_dtypes)
     return explain_out_of_memory(trainer, model)
 
@@ -277,7 +310,9 @@ def out_of_memory_advice(args, model, error) -> str:
         f"max_length={seq}, gradient_accumulation_steps={accumulation}).",
     ]
     try:
-        suggested = plan(shape_from_config(causal_lm.config), gpu="auto", seq=seq, batch=batch or 1, mode=mode)
+        suggested = plan(
+            shape_from_config(causal_lm.config), gpu="auto", seq=seq, batch=batch or 1, mode=mode
+        )
     except Exception:  # an architecture the planner cannot read: the advice stands alone
         suggested = None
     if suggested is not None and suggested.gpu_gib:

@@ -21,12 +21,18 @@ def longest_sequence(impl: str, args, probe=run_worker) -> dict:
     probes = []
 
     def fits(units: int) -> bool:
-        probe_args = argparse.Namespace(**{**vars(args), "batch": 1, "seq": units * step,
-                                           "steps": 1, "warmup": 0})
+        probe_args = argparse.Namespace(
+            **{**vars(args), "batch": 1, "seq": units * step, "steps": 1, "warmup": 0}
+        )
         result = probe(impl, probe_args)
-        probes.append({"seq": units * step, "status": result.get("status"),
-                       "peak_allocated_gib": result.get("peak_allocated_gib"),
-                       "error": result.get("error")})
+        probes.append(
+            {
+                "seq": units * step,
+                "status": result.get("status"),
+                "peak_allocated_gib": result.get("peak_allocated_gib"),
+                "error": result.get("error"),
+            }
+        )
         print(f"  {impl}: {units * step} tokens -> {result.get('status')}", file=sys.stderr, flush=True)
         if result.get("status") == "ok":
             return True
@@ -37,8 +43,7 @@ def longest_sequence(impl: str, args, probe=run_worker) -> dict:
     first = max(1, args.min_seq // step)
     try:
         if not fits(first):
-            return {"impl": impl, "longest_seq": None, "first_failing_seq": first * step,
-                    "probes": probes}
+            return {"impl": impl, "longest_seq": None, "first_failing_seq": first * step, "probes": probes}
         lo = first
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -49,8 +54,13 @@ def longest_sequence(impl: str, args, probe=run_worker) -> dict:
     except RuntimeError as error:
         return {"impl": impl, "status": "skipped", "error": str(error), "probes": probes}
     failing = hi * step if hi * step <= args.max_seq else None
-    return {"impl": impl, "status": "ok", "longest_seq": lo * step,
-            "first_failing_seq": failing, "probes": probes}
+    return {
+        "impl": impl,
+        "status": "ok",
+        "longest_seq": lo * step,
+        "first_failing_seq": failing,
+        "probes": probes,
+    }
 
 
 def run_context_bench(args) -> dict:
@@ -59,20 +69,31 @@ def run_context_bench(args) -> dict:
     import torch
 
     if not torch.cuda.is_available() and not args.model.startswith("tiny-"):
-        raise SystemExit("no CUDA GPU here: the context test measures GPU memory; on a CPU "
-                         "only --model tiny-llama (a check of the harness) runs")
+        raise SystemExit(
+            "no CUDA GPU here: the context test measures GPU memory; on a CPU "
+            "only --model tiny-llama (a check of the harness) runs"
+        )
     rows = []
-    record = {**environment(), "kind": "context", "model": args.model, "mode": args.mode,
-              "dtype": args.dtype, "memory_gib": args.memory_gib, "granularity": args.granularity,
-              "rows": rows}
+    record = {
+        **environment(),
+        "kind": "context",
+        "model": args.model,
+        "mode": args.mode,
+        "dtype": args.dtype,
+        "memory_gib": args.memory_gib,
+        "granularity": args.granularity,
+        "rows": rows,
+    }
     for number, impl in enumerate(impls):
         rows.append(longest_sequence(impl, args))
         # Written after each implementation: a run cut short keeps what it measured.
-        write_record(args.output, record, pending=impls[number + 1:])
+        write_record(args.output, record, pending=impls[number + 1 :])
     for row in rows:
         if row.get("status") == "ok":
-            print(f"{row['impl']:10s} longest {row['longest_seq']} tokens; "
-                  f"first failing {row['first_failing_seq'] or '> --max-seq'}")
+            print(
+                f"{row['impl']:10s} longest {row['longest_seq']} tokens; "
+                f"first failing {row['first_failing_seq'] or '> --max-seq'}"
+            )
         else:
             print(f"{row['impl']:10s} {row.get('status')}: {row.get('error', '')}")
     return record

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,13 +88,20 @@ def rms_norm_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
 
         s = dtype.itemsize
         fwd = s * (n * d + d + n * d)  # read x, weight; write y
-        cases.append(Case(
-            "rms_norm", f"{n}x{d}", dtype, make,
-            {"eager": _kernel("rms_norm", "rms_norm_reference", bind),
-             "slothkit": _kernel("rms_norm", "rms_norm", bind)},
-            bytes_fwd=fwd,
-            bytes_fwd_bwd=fwd + s * (n * d + n * d + d),  # + read dy; write dx, dweight
-        ))
+        cases.append(
+            Case(
+                "rms_norm",
+                f"{n}x{d}",
+                dtype,
+                make,
+                {
+                    "eager": _kernel("rms_norm", "rms_norm_reference", bind),
+                    "slothkit": _kernel("rms_norm", "rms_norm", bind),
+                },
+                bytes_fwd=fwd,
+                bytes_fwd_bwd=fwd + s * (n * d + n * d + d),  # + read dy; write dx, dweight
+            )
+        )
     return cases
 
 
@@ -110,8 +117,7 @@ def _rope_bind(fn, i):
 
 def rope_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     # (batch, q heads, kv heads, tokens, head dim)
-    sizes = {"full": [(2, 32, 8, 4096, 128)], "quick": [(2, 32, 8, 4096, 128)],
-             "tiny": [(1, 4, 2, 5, 16)]}
+    sizes = {"full": [(2, 32, 8, 4096, 128)], "quick": [(2, 32, 8, 4096, 128)], "tiny": [(1, 4, 2, 5, 16)]}
     cases = []
     for b, hq, hk, t, d in sizes[shapes]:
 
@@ -120,23 +126,32 @@ def rope_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
             inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device) / d))
             angles = torch.arange(t, device=device)[:, None] * inv_freq[None, :]
             angles = torch.cat([angles, angles], dim=-1).expand(b, t, d)  # (B, T, D)
-            return {"q": _randn((b, hq, t, d), device, dtype, grad),
-                    "k": _randn((b, hk, t, d), device, dtype, grad),
-                    "cos": angles.cos().to(dtype).contiguous(),
-                    "sin": angles.sin().to(dtype).contiguous()}
+            return {
+                "q": _randn((b, hq, t, d), device, dtype, grad),
+                "k": _randn((b, hk, t, d), device, dtype, grad),
+                "cos": angles.cos().to(dtype).contiguous(),
+                "sin": angles.sin().to(dtype).contiguous(),
+            }
 
         s = dtype.itemsize
         qk = b * (hq + hk) * t * d
         fwd = s * (qk + 2 * b * t * d + qk)  # read q, k, cos, sin; write q, k
-        cases.append(Case(
-            "rope", f"B{b} Hq{hq} Hkv{hk} T{t} D{d}", dtype, make,
-            {"eager": _kernel("rope", "rope_reference", _rope_bind),
-             "slothkit": _kernel("rope", "rope", _rope_bind)},
-            bytes_fwd=fwd,
-            # + read dq, dk; write their grads; + the clone of q, k (read + write)
-            bytes_fwd_bwd=fwd + s * 2 * qk + s * 2 * qk,
-            note="fwd+bwd includes a clone of q, k (in-place op on leaf tensors), counted in bytes",
-        ))
+        cases.append(
+            Case(
+                "rope",
+                f"B{b} Hq{hq} Hkv{hk} T{t} D{d}",
+                dtype,
+                make,
+                {
+                    "eager": _kernel("rope", "rope_reference", _rope_bind),
+                    "slothkit": _kernel("rope", "rope", _rope_bind),
+                },
+                bytes_fwd=fwd,
+                # + read dq, dk; write their grads; + the clone of q, k (read + write)
+                bytes_fwd_bwd=fwd + s * 2 * qk + s * 2 * qk,
+                note="fwd+bwd includes a clone of q, k (in-place op on leaf tensors), counted in bytes",
+            )
+        )
     return cases
 
 
@@ -154,16 +169,20 @@ def _gated_cases(op: str, shapes: str, dtype: torch.dtype) -> list[Case]:
 
         def make(device, grad, n=n, f=f):
             torch.manual_seed(0)
-            return {"gate": _randn((n, f), device, dtype, grad),
-                    "up": _randn((n, f), device, dtype, grad)}
+            return {"gate": _randn((n, f), device, dtype, grad), "up": _randn((n, f), device, dtype, grad)}
 
         s = dtype.itemsize
-        cases.append(Case(
-            op, f"{n}x{f}", dtype, make,
-            {"eager": _kernel(op, f"{op}_reference", bind), "slothkit": _kernel(op, op, bind)},
-            bytes_fwd=s * 3 * n * f,  # read gate, up; write h
-            bytes_fwd_bwd=s * 6 * n * f,  # + read dh; write dgate, dup
-        ))
+        cases.append(
+            Case(
+                op,
+                f"{n}x{f}",
+                dtype,
+                make,
+                {"eager": _kernel(op, f"{op}_reference", bind), "slothkit": _kernel(op, op, bind)},
+                bytes_fwd=s * 3 * n * f,  # read gate, up; write h
+                bytes_fwd_bwd=s * 6 * n * f,  # + read dh; write dgate, dup
+            )
+        )
     return cases
 
 
@@ -180,8 +199,11 @@ def geglu_cases(shapes, dtype):
 
 def cross_entropy_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     # (rows, vocab, softcap): Llama-3 and Gemma vocabularies; Gemma-2 caps logits at 30
-    sizes = {"full": [(8192, 128256, None), (8192, 256000, None), (8192, 256000, 30.0)],
-             "quick": [(8192, 128256, None)], "tiny": [(4, 97, None), (3, 300, 30.0)]}
+    sizes = {
+        "full": [(8192, 128256, None), (8192, 256000, None), (8192, 256000, 30.0)],
+        "quick": [(8192, 128256, None)],
+        "tiny": [(4, 97, None), (3, 300, 30.0)],
+    }
     cases = []
     for n, v, cap in sizes[shapes]:
 
@@ -190,18 +212,24 @@ def cross_entropy_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
 
         def make(device, grad, n=n, v=v):
             torch.manual_seed(0)
-            return {"logits": _randn((n, v), device, dtype, grad, scale=2.0),
-                    "labels": _labels(n, v, device)}
+            return {"logits": _randn((n, v), device, dtype, grad, scale=2.0), "labels": _labels(n, v, device)}
 
         s = dtype.itemsize
         fwd = s * n * v + 8 * n + 4  # read logits, int64 labels; write the loss
-        cases.append(Case(
-            "cross_entropy", f"{n}x{v}" + (f" softcap {cap:g}" if cap else ""), dtype, make,
-            {"eager": _kernel("cross_entropy", "cross_entropy_reference", bind),
-             "slothkit": _kernel("cross_entropy", "cross_entropy", bind)},
-            bytes_fwd=fwd,
-            bytes_fwd_bwd=fwd + s * n * v,  # + write dlogits
-        ))
+        cases.append(
+            Case(
+                "cross_entropy",
+                f"{n}x{v}" + (f" softcap {cap:g}" if cap else ""),
+                dtype,
+                make,
+                {
+                    "eager": _kernel("cross_entropy", "cross_entropy_reference", bind),
+                    "slothkit": _kernel("cross_entropy", "cross_entropy", bind),
+                },
+                bytes_fwd=fwd,
+                bytes_fwd_bwd=fwd + s * n * v,  # + write dlogits
+            )
+        )
     return cases
 
 
@@ -219,8 +247,11 @@ def _linear_ce_torch_fp32(i: Inputs) -> torch.Tensor:
 
 def fused_linear_cross_entropy_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     # (tokens, vocab, hidden): Gemma-7B-like head, Llama-3-8B head
-    sizes = {"full": [(8192, 256000, 3072), (8192, 128256, 4096)],
-             "quick": [(8192, 256000, 3072)], "tiny": [(6, 50, 16)]}
+    sizes = {
+        "full": [(8192, 256000, 3072), (8192, 128256, 4096)],
+        "quick": [(8192, 256000, 3072)],
+        "tiny": [(6, 50, 16)],
+    }
 
     def bind(fn, i):
         return fn(i["hidden"], i["lm_weight"], i["labels"])
@@ -230,23 +261,32 @@ def fused_linear_cross_entropy_cases(shapes: str, dtype: torch.dtype) -> list[Ca
 
         def make(device, grad, n=n, v=v, h=h):
             torch.manual_seed(0)
-            return {"hidden": _randn((n, h), device, dtype, grad),
-                    "lm_weight": _randn((v, h), device, dtype, scale=h ** -0.5),  # frozen
-                    "labels": _labels(n, v, device)}
+            return {
+                "hidden": _randn((n, h), device, dtype, grad),
+                "lm_weight": _randn((v, h), device, dtype, scale=h**-0.5),  # frozen
+                "labels": _labels(n, v, device),
+            }
 
         s = dtype.itemsize
         fwd = s * (n * h + v * h) + 8 * n + 4  # read hidden, weight, labels; write the loss
-        cases.append(Case(
-            "fused_linear_cross_entropy", f"{n} tok x {v} vocab x {h} hidden", dtype, make,
-            {"eager": _plain(_linear_ce_torch),
-             "eager-fp32": _plain(_linear_ce_torch_fp32),
-             "slothkit": _kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy", bind)},
-            bytes_fwd=fwd,
-            bytes_fwd_bwd=fwd + s * n * h,  # + write dhidden (the weight is frozen)
-            flops_fwd=2 * n * h * v,  # logits
-            flops_fwd_bwd=4 * n * h * v,  # + dhidden = dlogits @ W
-            note="eager = F.cross_entropy(hidden @ W.T); eager-fp32 upcasts logits as HF does",
-        ))
+        cases.append(
+            Case(
+                "fused_linear_cross_entropy",
+                f"{n} tok x {v} vocab x {h} hidden",
+                dtype,
+                make,
+                {
+                    "eager": _plain(_linear_ce_torch),
+                    "eager-fp32": _plain(_linear_ce_torch_fp32),
+                    "slothkit": _kernel("fused_linear_cross_entropy", "fused_linear_cross_entropy", bind),
+                },
+                bytes_fwd=fwd,
+                bytes_fwd_bwd=fwd + s * n * h,  # + write dhidden (the weight is frozen)
+                flops_fwd=2 * n * h * v,  # logits
+                flops_fwd_bwd=4 * n * h * v,  # + dhidden = dlogits @ W
+                note="eager = F.cross_entropy(hidden @ W.T); eager-fp32 upcasts logits as HF does",
+            )
+        )
     return cases
 
 
@@ -285,20 +325,28 @@ def nf4_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     for rows, cols in sizes[shapes]:
         n = rows * cols
         blocks = n // NF4_BLOCKSIZE
-        stored = (n // 2  # packed 4-bit codes
-                  + blocks  # uint8 absmax codes
-                  + 4 * math.ceil(blocks / NF4_NESTED_BLOCKSIZE)  # fp32 nested scales
-                  + 4 * (16 + 256))  # the two code tables
-        cases.append(Case(
-            "nf4", f"dequant {rows}x{cols}", dtype,
-            lambda device, grad, rows=rows, cols=cols: _nf4_inputs(rows, cols, dtype, device),
-            {"eager": _kernel("nf4", "dequantize_nf4_reference", bind),
-             "slothkit": _kernel("nf4", "dequantize_nf4", bind),
-             "bitsandbytes": _bitsandbytes_dequant},
-            bytes_fwd=stored + dtype.itemsize * n,  # read the NF4 record; write the weight
-            bytes_fwd_bwd=None,
-            note="double-quantised, blocksize 64",
-        ))
+        stored = (
+            n // 2  # packed 4-bit codes
+            + blocks  # uint8 absmax codes
+            + 4 * math.ceil(blocks / NF4_NESTED_BLOCKSIZE)  # fp32 nested scales
+            + 4 * (16 + 256)
+        )  # the two code tables
+        cases.append(
+            Case(
+                "nf4",
+                f"dequant {rows}x{cols}",
+                dtype,
+                lambda device, grad, rows=rows, cols=cols: _nf4_inputs(rows, cols, dtype, device),
+                {
+                    "eager": _kernel("nf4", "dequantize_nf4_reference", bind),
+                    "slothkit": _kernel("nf4", "dequantize_nf4", bind),
+                    "bitsandbytes": _bitsandbytes_dequant,
+                },
+                bytes_fwd=stored + dtype.itemsize * n,  # read the NF4 record; write the weight
+                bytes_fwd_bwd=None,
+                note="double-quantised, blocksize 64",
+            )
+        )
     return cases
 
 
@@ -322,8 +370,10 @@ def _lora_mlp_kernel() -> Impl:
     module = importlib.import_module("slothkit_kernels.lora")
 
     def run(i: Inputs):
-        proj = {p: module.LoRAProjection(i[f"{p}_weight"], i[f"{p}_a"], i[f"{p}_b"], LORA_SCALING)
-                for p in PROJECTIONS}
+        proj = {
+            p: module.LoRAProjection(i[f"{p}_weight"], i[f"{p}_a"], i[f"{p}_b"], LORA_SCALING)
+            for p in PROJECTIONS
+        }
         return module.lora_mlp(i["x"], proj["gate"], proj["up"], proj["down"], activation="swiglu")
 
     return run
@@ -341,8 +391,8 @@ def lora_mlp_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
             torch.manual_seed(0)
             inputs = {"x": _randn((1, t, h), device, dtype, grad)}
             for p, (d_in, d_out) in dims.items():
-                inputs[f"{p}_weight"] = _randn((d_out, d_in), device, dtype, scale=d_in ** -0.5)
-                inputs[f"{p}_a"] = _randn((r, d_in), device, dtype, grad, scale=d_in ** -0.5)
+                inputs[f"{p}_weight"] = _randn((d_out, d_in), device, dtype, scale=d_in**-0.5)
+                inputs[f"{p}_a"] = _randn((r, d_in), device, dtype, grad, scale=d_in**-0.5)
                 inputs[f"{p}_b"] = _randn((d_out, r), device, dtype, grad, scale=0.01)
             return inputs
 
@@ -350,17 +400,22 @@ def lora_mlp_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
         adapters = 3 * r * (h + f)  # A and B of the three projections
         fwd = s * (t * h + 3 * h * f + adapters + t * h)  # read x, weights, adapters; write y
         base, lora = 6 * t * h * f, 6 * t * r * (h + f)  # forward matmul FLOPs
-        cases.append(Case(
-            "lora_mlp", f"{t} tok {h}->{f} r{r}", dtype, make,
-            {"eager": _plain(_lora_mlp_torch), "slothkit": _lora_mlp_kernel},
-            bytes_fwd=fwd,
-            bytes_fwd_bwd=fwd + s * (2 * t * h + adapters),  # + read dy; write dx, adapter grads
-            flops_fwd=base + lora,
-            # frozen weights: backward needs only dx through them (1x);
-            # adapters need dx, dA and dB (2x)
-            flops_fwd_bwd=2 * base + 3 * lora,
-            note="frozen base weights, SwiGLU, scaling 2",
-        ))
+        cases.append(
+            Case(
+                "lora_mlp",
+                f"{t} tok {h}->{f} r{r}",
+                dtype,
+                make,
+                {"eager": _plain(_lora_mlp_torch), "slothkit": _lora_mlp_kernel},
+                bytes_fwd=fwd,
+                bytes_fwd_bwd=fwd + s * (2 * t * h + adapters),  # + read dy; write dx, adapter grads
+                flops_fwd=base + lora,
+                # frozen weights: backward needs only dx through them (1x);
+                # adapters need dx, dA and dB (2x)
+                flops_fwd_bwd=2 * base + 3 * lora,
+                note="frozen base weights, SwiGLU, scaling 2",
+            )
+        )
     return cases
 
 

@@ -90,8 +90,15 @@ def time_ms(fn: Callable[[], Any], grad_tensors: list[torch.Tensor], settings: S
     if settings.device.type == "cuda":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=settings.warmup_ms, rep=settings.rep_ms,
-                              grad_to_none=grad_tensors, return_mode="median"))
+        return float(
+            do_bench(
+                fn,
+                warmup=settings.warmup_ms,
+                rep=settings.rep_ms,
+                grad_to_none=grad_tensors,
+                return_mode="median",
+            )
+        )
     times = []
     for _ in range(CPU_REPEATS):
         for t in grad_tensors:
@@ -195,8 +202,9 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _measure(row: Row, impl, inputs: dict, settings: Settings,
-             reference: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+def _measure(
+    row: Row, impl, inputs: dict, settings: Settings, reference: list[torch.Tensor] | None
+) -> list[torch.Tensor] | None:
     """Fill row's numbers.  Eager's result (outputs, or input grads) is returned, as
     a copy, because later calls may overwrite it (in-place ops); other rows' is not."""
     trained = {n: t for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad}
@@ -230,8 +238,9 @@ def _measure(row: Row, impl, inputs: dict, settings: Settings,
     return result
 
 
-def bench_impl(case: Case, mode: str, name: str, loader, settings: Settings,
-               reference: list[torch.Tensor] | None) -> tuple[Row, list[torch.Tensor] | None]:
+def bench_impl(
+    case: Case, mode: str, name: str, loader, settings: Settings, reference: list[torch.Tensor] | None
+) -> tuple[Row, list[torch.Tensor] | None]:
     """Measure one implementation; returns its row and its result (for comparisons)."""
     row = Row(case.op, case.shape, DTYPE_NAMES[case.dtype], mode, name)
     result = None
@@ -260,8 +269,7 @@ def _implementations(case: Case, settings: Settings) -> dict[str, Callable]:
 
         def compiled():
             torch._dynamo.reset()  # each case compiles afresh, far from the recompile limit
-            return torch.compile(case.impls["eager"](), backend=settings.compile_backend,
-                                 dynamic=False)
+            return torch.compile(case.impls["eager"](), backend=settings.compile_backend, dynamic=False)
 
         impls["compile"] = compiled
     impls.update(case.impls)
@@ -281,9 +289,11 @@ def bench_case(case: Case, mode: str, copy_gb_per_s: float, settings: Settings) 
             row.pct_copy_bw = 100.0 * row.gb_per_s / copy_gb_per_s
             row.tflop_per_s = flops / row.ms / 1e9 if flops else None
         rows.append(row)
-        print(f"  {case.op} {case.shape} {row.dtype} {mode} {name}: "
-              + (f"{row.ms:.3f} ms" if row.status == "ok" else f"{row.status} ({row.error})"),
-              flush=True)
+        print(
+            f"  {case.op} {case.shape} {row.dtype} {mode} {name}: "
+            + (f"{row.ms:.3f} ms" if row.status == "ok" else f"{row.status} ({row.error})"),
+            flush=True,
+        )
     eager = next((r for r in rows if r.impl == "eager" and r.status == "ok"), None)
     for row in rows:
         if eager is not None and row.status == "ok":
@@ -303,8 +313,13 @@ def _version(package: str) -> str | None:
 
 def _driver_version() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return out.strip().splitlines()[0] if out.strip() else None
@@ -329,8 +344,21 @@ def environment(device: torch.device, argv: list[str], copy_gb_per_s: float) -> 
     }
 
 
-COLUMNS = ("kernel", "shape", "dtype", "pass", "impl", "ms", "GB/s", "% copy BW", "TFLOP/s",
-           "vs eager", "peak MiB", "rel err", "note")
+COLUMNS = (
+    "kernel",
+    "shape",
+    "dtype",
+    "pass",
+    "impl",
+    "ms",
+    "GB/s",
+    "% copy BW",
+    "TFLOP/s",
+    "vs eager",
+    "peak MiB",
+    "rel err",
+    "note",
+)
 
 
 def _cells(row: Row) -> list[str]:
@@ -342,17 +370,27 @@ def _cells(row: Row) -> list[str]:
         note = row.timing
     if len(note) > 90:
         note = note[:87] + "..."
-    return [row.op, row.shape, row.dtype, row.mode, row.impl, num(row.ms, ".3f"),
-            num(row.gb_per_s, ".1f"), num(row.pct_copy_bw, ".1f"), num(row.tflop_per_s, ".1f"),
-            num(row.speedup_vs_eager, ".2f"), num(row.peak_mib, ".1f"), num(row.rel_err, ".1e"),
-            note]
+    return [
+        row.op,
+        row.shape,
+        row.dtype,
+        row.mode,
+        row.impl,
+        num(row.ms, ".3f"),
+        num(row.gb_per_s, ".1f"),
+        num(row.pct_copy_bw, ".1f"),
+        num(row.tflop_per_s, ".1f"),
+        num(row.speedup_vs_eager, ".2f"),
+        num(row.peak_mib, ".1f"),
+        num(row.rel_err, ".1e"),
+        note,
+    ]
 
 
 def text_table(rows: list[Row]) -> str:
     table = [list(COLUMNS)] + [_cells(r) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-             for line in table]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -379,8 +417,9 @@ def markdown_report(env: dict, rows: list[Row], notes: dict[str, str]) -> str:
         "" if env["complete"] else "\n**Incomplete: written before the last case finished.**\n",
         markdown_table(rows),
         "",
-        "timing: replays of a CUDA graph of each call (--cuda-graph), except rows whose note says"
-        " otherwise" if "--cuda-graph" in env["command"] else "timing: triton.testing.do_bench of each call, Python and launch overhead included",
+        "timing: replays of a CUDA graph of each call (--cuda-graph), except rows whose note says otherwise"
+        if "--cuda-graph" in env["command"]
+        else "timing: triton.testing.do_bench of each call, Python and launch overhead included",
         "",
         "ms: median per call; GB/s: least bytes the op must move (inputs read once, outputs",
         "written once) / time; vs eager: eager ms / ms; peak MiB: memory beyond the inputs;",
@@ -405,37 +444,48 @@ def _list_arg(values: list[str], allowed, what: str, parser) -> list[str]:
 def write_reports(args: argparse.Namespace, env: dict, notes: dict, rows: list[Row]) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**env, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]}, f,
-                      indent=1, allow_nan=False)
+            json.dump(
+                {**env, "notes": notes, "rows": [dataclasses.asdict(r) for r in rows]},
+                f,
+                indent=1,
+                allow_nan=False,
+            )
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown_report(env, rows, notes))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m slothkit.bench.kernels",
-                                     description="Time slothkit_kernels against torch eager "
-                                                 "and torch.compile.")
+    parser = argparse.ArgumentParser(
+        prog="python -m slothkit.bench.kernels",
+        description="Time slothkit_kernels against torch eager and torch.compile.",
+    )
     parser.add_argument("--ops", nargs="+", default=[], help=f"subset of: {', '.join(OPS)}")
-    parser.add_argument("--dtype", nargs="+", default=[],
-                        help="bf16, fp16, fp32 (default bf16; fp32 with --cpu-tiny)")
+    parser.add_argument(
+        "--dtype", nargs="+", default=[], help="bf16, fp16, fp32 (default bf16; fp32 with --cpu-tiny)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer, smaller shapes")
     parser.add_argument("--json", metavar="PATH", help="write the full record as JSON")
     parser.add_argument("--markdown", metavar="PATH", help="write the table as Markdown")
-    parser.add_argument("--cpu-tiny", action="store_true",
-                        help="tiny shapes on the CPU (Triton interpreter or reference): checks "
-                             "the harness, the numbers mean nothing")
+    parser.add_argument(
+        "--cpu-tiny",
+        action="store_true",
+        help="tiny shapes on the CPU (Triton interpreter or reference): checks "
+        "the harness, the numbers mean nothing",
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench timing budget")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="time replays of a captured CUDA graph of each call, so Python and "
-                             "launch overhead stay out of the figures (falls back per row)")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time replays of a captured CUDA graph of each call, so Python and "
+        "launch overhead stay out of the figures (falls back per row)",
+    )
     args = parser.parse_args(argv)
     args.ops = _list_arg(args.ops, OPS, "op", parser) or list(OPS)
-    args.dtype = _list_arg(args.dtype, DTYPES, "dtype", parser) or (
-        ["fp32"] if args.cpu_tiny else ["bf16"])
+    args.dtype = _list_arg(args.dtype, DTYPES, "dtype", parser) or (["fp32"] if args.cpu_tiny else ["bf16"])
     for path in (args.json, args.markdown):  # refuse now rather than after a long run
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             parser.error(f"cannot write {path}: its folder does not exist")
@@ -450,12 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
-        print("No CUDA device: slothkit.bench.kernels times GPU kernels and has nothing to "
-              "measure here.\nRun it on a GPU machine, or pass --cpu-tiny to check the harness "
-              "on tiny CPU shapes (its numbers mean nothing).", file=sys.stderr)
+        print(
+            "No CUDA device: slothkit.bench.kernels times GPU kernels and has nothing to "
+            "measure here.\nRun it on a GPU machine, or pass --cpu-tiny to check the harness "
+            "on tiny CPU shapes (its numbers mean nothing).",
+            file=sys.stderr,
+        )
         return 1
-    settings = Settings(device, compile=not args.no_compile, compile_backend=args.compile_backend,
-                        warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cuda_graph=args.cuda_graph)
+    settings = Settings(
+        device,
+        compile=not args.no_compile,
+        compile_backend=args.compile_backend,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        cuda_graph=args.cuda_graph,
+    )
     shapes = "tiny" if args.cpu_tiny else "quick" if args.quick else "full"
     cases = build_cases(args.ops, [DTYPES[d] for d in args.dtype], shapes)
 
@@ -470,8 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         # Rewritten after every case, so a run cut short still leaves its rows.
         write_reports(args, {**env, "complete": case is cases[-1]}, notes, rows)
     print()
-    print(f"{env['gpu']}, copy {copy_gb_per_s:.1f} GB/s, torch {env['torch']}, "
-          f"triton {env['triton']}")
+    print(f"{env['gpu']}, copy {copy_gb_per_s:.1f} GB/s, torch {env['torch']}, triton {env['triton']}")
     print(text_table(rows))
     return 0
 

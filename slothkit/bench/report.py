@@ -31,7 +31,8 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
             # A run cut short (at the GPU call's time limit) lists the implementations it
             # never started under "pending": each gets a row saying so, rather than none.
             record["rows"] = record["rows"] + [
-                {"impl": impl, "status": "not reached"} for impl in record.get("pending", [])]
+                {"impl": impl, "status": "not reached"} for impl in record.get("pending", [])
+            ]
             records.append(record)
     return records
 
@@ -67,12 +68,24 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 def _train_cells(record: dict, row: dict) -> list[str]:
-    figures = ([row["status"], "-", "-", "-", "-"] if row["status"] != "ok" else
-               [_cell(row, "tokens_per_s", "{:,.0f}"), _cell(row, "vs_hf", "{:.2f}x"),
-                _cell(row, "peak_allocated_gib", "{:.1f}"), _cell(row, "training_gib", "{:.1f}"),
-                _cell(row, "final_loss", "{:.4f}")])
-    return [record["model"], f"{record['mode']} ({_setting(record)})",
-            f"{record['batch']} x {record['seq']}", row["impl"], *figures]
+    figures = (
+        [row["status"], "-", "-", "-", "-"]
+        if row["status"] != "ok"
+        else [
+            _cell(row, "tokens_per_s", "{:,.0f}"),
+            _cell(row, "vs_hf", "{:.2f}x"),
+            _cell(row, "peak_allocated_gib", "{:.1f}"),
+            _cell(row, "training_gib", "{:.1f}"),
+            _cell(row, "final_loss", "{:.4f}"),
+        ]
+    )
+    return [
+        record["model"],
+        f"{record['mode']} ({_setting(record)})",
+        f"{record['batch']} x {record['seq']}",
+        row["impl"],
+        *figures,
+    ]
 
 
 def _context_cells(record: dict, row: dict) -> list[str]:
@@ -81,8 +94,14 @@ def _context_cells(record: dict, row: dict) -> list[str]:
         longest, failing = f"{row['longest_seq']:,}", f"{failing:,}" if failing else "none probed"
     else:
         longest, failing = row.get("status") or "nothing fits", "-"
-    return [record["model"], f"{record['mode']} ({record['dtype']})", f"{record['memory_gib']:g} GiB",
-            row["impl"], longest, failing]
+    return [
+        record["model"],
+        f"{record['mode']} ({record['dtype']})",
+        f"{record['memory_gib']:g} GiB",
+        row["impl"],
+        longest,
+        failing,
+    ]
 
 
 def is_t4_standin(record: dict) -> bool:
@@ -92,8 +111,17 @@ def is_t4_standin(record: dict) -> bool:
 
 
 def render(records: list[dict]) -> str:
-    columns = ["model", "mode", "batch x seq", "implementation", "tokens/s", "vs HF + PEFT", "peak GiB",
-               "GiB above weights", "final loss"]
+    columns = [
+        "model",
+        "mode",
+        "batch x seq",
+        "implementation",
+        "tokens/s",
+        "vs HF + PEFT",
+        "peak GiB",
+        "GiB above weights",
+        "final loss",
+    ]
     return _table(columns, records, _train_cells)
 
 
@@ -141,14 +169,25 @@ def render_summary(records: list[dict]) -> str:
     in the same run), peak allocated GiB."""
     impls = ["slothkit", "hf", "liger", "unsloth"]
     names = {"slothkit": "slothkit", "hf": "HF + PEFT", "liger": "HF + Liger", "unsloth": "Unsloth"}
-    lines = ["| " + " | ".join(["GPU", "run (UTC)", "model", "mode", "batch x seq",
-                                *(names[i] for i in impls), "record"]) + " |",
-             "|" + "---|" * (len(impls) + 6)]
+    lines = [
+        "| "
+        + " | ".join(
+            ["GPU", "run (UTC)", "model", "mode", "batch x seq", *(names[i] for i in impls), "record"]
+        )
+        + " |",
+        "|" + "---|" * (len(impls) + 6),
+    ]
     for record in summarise_records(records):
         when = record.get("date", "")[:16].replace("T", " ") or "-"
-        cells = [record["accelerator"].get("name", "cpu"), when, record["model"],
-                 f"{record['mode']} ({_setting(record)})", f"{record['batch']} x {record['seq']}",
-                 *(_impl_cell(record, impl) for impl in impls), f"`results/bench/{record['_file']}`"]
+        cells = [
+            record["accelerator"].get("name", "cpu"),
+            when,
+            record["model"],
+            f"{record['mode']} ({_setting(record)})",
+            f"{record['batch']} x {record['seq']}",
+            *(_impl_cell(record, impl) for impl in impls),
+            f"`results/bench/{record['_file']}`",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -156,19 +195,38 @@ def render_summary(records: list[dict]) -> str:
 def _t4_cells(record: dict, row: dict) -> list[str]:
     from slothkit.plan import plan
 
-    predicted = plan(record["model"], gpu="t4", seq=record["seq"], batch=record["batch"],
-                     mode=record["mode"], rank=record["rank"])
+    predicted = plan(
+        record["model"],
+        gpu="t4",
+        seq=record["seq"],
+        batch=record["batch"],
+        mode=record["mode"],
+        rank=record["rank"],
+    )
     measured = row.get("peak_allocated_gib")
     error = f"{predicted.total_gib / measured - 1:+.0%}" if measured else "-"
-    return [record["model"], record["mode"], f"{record['batch']} x {record['seq']}", row["impl"],
-            row["status"] if row["status"] != "ok" else f"{measured:.2f}",
-            f"{predicted.total_gib:.2f}", error]
+    return [
+        record["model"],
+        record["mode"],
+        f"{record['batch']} x {record['seq']}",
+        row["impl"],
+        row["status"] if row["status"] != "ok" else f"{measured:.2f}",
+        f"{predicted.total_gib:.2f}",
+        error,
+    ]
 
 
 def render_t4(records: list[dict]) -> str:
     """The --t4 runs beside what `slothkit plan --gpu t4` predicts for the same setting."""
-    columns = ["model", "mode", "batch x seq", "implementation", "measured peak GiB",
-               "planner GiB", "planner error"]
+    columns = [
+        "model",
+        "mode",
+        "batch x seq",
+        "implementation",
+        "measured peak GiB",
+        "planner GiB",
+        "planner error",
+    ]
     return _table(columns, records, _t4_cells)
 
 
@@ -186,12 +244,18 @@ def readme_table(folder: Path = RESULTS) -> str:
     table = render_summary([r for r in train if not is_t4_standin(r)])
     t4 = [r for r in train if is_t4_standin(r)]
     if t4:
-        table += ("\n\nT4 stand-in (`slothkit bench train --t4`: fp16 under a 15 GiB cap, "
-                  "4-bit, batch 1), measured peak against the memory planner's prediction "
-                  "(`slothkit plan MODEL --gpu t4`):\n\n" + render_t4(t4))
+        table += (
+            "\n\nT4 stand-in (`slothkit bench train --t4`: fp16 under a 15 GiB cap, "
+            "4-bit, batch 1), measured peak against the memory planner's prediction "
+            "(`slothkit plan MODEL --gpu t4`):\n\n" + render_t4(t4)
+        )
     context = render_context(load_records(folder, "context"))
-    return table + ("\n\nLongest batch-1 training sequence under a GPU memory cap "
-                    "(`slothkit bench context`):\n\n" + context if context else "")
+    return table + (
+        "\n\nLongest batch-1 training sequence under a GPU memory cap "
+        "(`slothkit bench context`):\n\n" + context
+        if context
+        else ""
+    )
 
 
 def readme_with_table(readme: str, table: str) -> str:

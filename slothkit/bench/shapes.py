@@ -47,18 +47,32 @@ class Shape:
 
 
 _LLAMA3 = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
-_GEMMA = {"head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
-          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+_GEMMA = {
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+}
 
 SHAPES: dict[str, Shape] = {
     "llama-3-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128256, 8192, _LLAMA3),
     "llama-3-70b": Shape("llama", 8192, 28672, 80, 64, 8, 128256, 8192, _LLAMA3),
     "gemma-2b": Shape("gemma", 2048, 16384, 18, 8, 1, 256000, 8192, _GEMMA),
     "gemma-7b": Shape("gemma", 3072, 24576, 28, 16, 16, 256000, 8192, _GEMMA),
-    "mistral-7b": Shape("mistral", 4096, 14336, 32, 32, 8, 32000, 32768,
-                        {"sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
-    "tinyllama-1.1b": Shape("llama", 2048, 5632, 22, 32, 4, 32000, 2048,
-                            {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}),
+    "mistral-7b": Shape(
+        "mistral",
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        32000,
+        32768,
+        {"sliding_window": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-5},
+    ),
+    "tinyllama-1.1b": Shape(
+        "llama", 2048, 5632, 22, 32, 4, 32000, 2048, {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+    ),
     # Tiny shapes: the CPU configuration (tests, machines without a GPU).
     "tiny-llama": Shape("llama", 64, 192, 2, 4, 2, 512, 2048, _LLAMA3),
     "tiny-mistral": Shape("mistral", 64, 192, 2, 4, 2, 512, 2048, {"sliding_window": 32}),

@@ -27,7 +27,7 @@ IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
 
 
 def split_source_tree(impl: str) -> tuple[str, str | None]:
-    """"slothkit@DIR" -> ("slothkit", DIR): slothkit imported from another source tree
+    """ "slothkit@DIR" -> ("slothkit", DIR): slothkit imported from another source tree
     (made by scripts/ab_tree.sh REV), to compare two versions in one run; else (impl, None)."""
     name, _, tree = impl.partition("@")
     return name, (tree or None)
@@ -37,8 +37,10 @@ def check_implementations(impls: list[str]) -> None:
     """Refuse unknown names, and a source tree that does not hold an importable slothkit."""
     unknown = [i for i in impls if split_source_tree(i)[0] not in IMPLEMENTATIONS]
     if unknown:
-        raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)} "
-                         f"(and slothkit@DIR for a source tree made by scripts/ab_tree.sh)")
+        raise ValueError(
+            f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)} "
+            f"(and slothkit@DIR for a source tree made by scripts/ab_tree.sh)"
+        )
     for impl in impls:
         name, tree = split_source_tree(impl)
         if tree is None:
@@ -47,8 +49,10 @@ def check_implementations(impls: list[str]) -> None:
             raise ValueError(f"{impl}: only slothkit can be run from another source tree")
         missing = [d for d in ("slothkit", "slothkit_kernels") if not (Path(tree) / d).is_dir()]
         if missing:
-            raise ValueError(f"{impl}: {tree} lacks {', '.join(missing)}/; make it with "
-                             f"`bash scripts/ab_tree.sh REV` (it writes .ab/REV)")
+            raise ValueError(
+                f"{impl}: {tree} lacks {', '.join(missing)}/; make it with "
+                f"`bash scripts/ab_tree.sh REV` (it writes .ab/REV)"
+            )
 
 
 def tree_first_path(tree: str, pythonpath: str) -> str:
@@ -57,6 +61,7 @@ def tree_first_path(tree: str, pythonpath: str) -> str:
     kernels/ (slothkit_kernels under its own name), which transformers imports as Hugging
     Face's `kernels` package when looking for it; from that checkout it then imports the
     other slothkit_kernels' names from the tree's and fails."""
+
     def other_tree(entry: str) -> bool:
         return (Path(entry) / "slothkit" / "__init__.py").is_file()
 
@@ -71,12 +76,32 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
         # The worker, slothkit and its kernels all come from that tree: it goes first on
         # the path, and is the working directory, which `python -m` puts before everything.
         cwd = str(Path(tree).resolve())
-        extra_env = {**(extra_env or {}), "PYTHONPATH": tree_first_path(cwd, os.environ.get("PYTHONPATH", ""))}
+        extra_env = {
+            **(extra_env or {}),
+            "PYTHONPATH": tree_first_path(cwd, os.environ.get("PYTHONPATH", "")),
+        }
     command = [
-        sys.executable, "-m", "slothkit.bench.train_worker", "--impl", impl,
-        "--model", args.model, "--mode", args.mode, "--dtype", args.dtype,
-        "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--rank", str(args.rank),
+        sys.executable,
+        "-m",
+        "slothkit.bench.train_worker",
+        "--impl",
+        impl,
+        "--model",
+        args.model,
+        "--mode",
+        args.mode,
+        "--dtype",
+        args.dtype,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--rank",
+        str(args.rank),
     ]
     if getattr(args, "memory_gib", None):
         command += ["--memory-gib", str(args.memory_gib)]
@@ -88,7 +113,7 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     for line in completed.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     tail = (completed.stderr or completed.stdout).strip().splitlines()[-3:]
     return {"status": "error", "error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
 
@@ -106,10 +131,14 @@ def flops_per_token(shape_name: str, seq: int) -> float:
 def environment() -> dict:
     from slothkit.environment import accelerator, host, package_versions
 
-    return {"accelerator": accelerator(), "host": host(), "versions": package_versions(),
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "slothkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    return {
+        "accelerator": accelerator(),
+        "host": host(),
+        "versions": package_versions(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "slothkit " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    }
 
 
 def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -> list[dict]:
@@ -125,8 +154,15 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
         row["tokens_per_s"] = args.batch * args.seq / row["step_s"]
         if peak_tflops:
             row["mfu"] = row["tokens_per_s"] * per_token / (peak_tflops * 1e12)
-        for key in ("peak_allocated_gib", "peak_reserved_gib", "training_gib", "loaded_gib",
-                    "host_rss_gib", "final_loss", "cuda_graphs"):
+        for key in (
+            "peak_allocated_gib",
+            "peak_reserved_gib",
+            "training_gib",
+            "loaded_gib",
+            "host_rss_gib",
+            "final_loss",
+            "cuda_graphs",
+        ):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok) if key != "final_loss" else ok[-1][key]
         row["losses"] = ok[-1]["losses"]
@@ -139,19 +175,43 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("impl", "status", "step s", "tokens/s", "vs HF", "MFU", "peak GiB",
-              "reserved", "above weights", "host GiB", "final loss")
+    header = (
+        "impl",
+        "status",
+        "step s",
+        "tokens/s",
+        "vs HF",
+        "MFU",
+        "peak GiB",
+        "reserved",
+        "above weights",
+        "host GiB",
+        "final loss",
+    )
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
-        def f(key, fmt):
+
+        def f(key, fmt, r=r):
             return fmt.format(r[key]) if r.get(key) is not None else "-"
+
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
-        lines.append(" | ".join([
-            r["impl"], status, f("step_s", "{:.3f}"), f("tokens_per_s", "{:,.0f}"),
-            f("vs_hf", "{:.2f}x"), f("mfu", "{:.1%}"), f("peak_allocated_gib", "{:.1f}"),
-            f("peak_reserved_gib", "{:.1f}"), f("training_gib", "{:.1f}"),
-            f("host_rss_gib", "{:.1f}"), f("final_loss", "{:.4f}"),
-        ]))
+        lines.append(
+            " | ".join(
+                [
+                    r["impl"],
+                    status,
+                    f("step_s", "{:.3f}"),
+                    f("tokens_per_s", "{:,.0f}"),
+                    f("vs_hf", "{:.2f}x"),
+                    f("mfu", "{:.1%}"),
+                    f("peak_allocated_gib", "{:.1f}"),
+                    f("peak_reserved_gib", "{:.1f}"),
+                    f("training_gib", "{:.1f}"),
+                    f("host_rss_gib", "{:.1f}"),
+                    f("final_loss", "{:.4f}"),
+                ]
+            )
+        )
     return "\n".join("| " + line + " |" for line in lines)
 
 
@@ -172,17 +232,34 @@ def run_train_bench(args) -> dict:
     if torch.cuda.is_available():
         peak = run_worker("matmul-peak", args).get("tflops")
     results: dict[str, list[dict]] = {impl: [] for impl in impls}
-    record = {**environment(), "kind": "train", "model": args.model, "mode": args.mode,
-              "dtype": args.dtype, "autocast": args.autocast,
-              "slothkit_checkpointing": args.slothkit_checkpointing, "memory_gib": args.memory_gib,
-              "batch": args.batch, "seq": args.seq, "steps": args.steps,
-              "warmup": args.warmup, "rank": args.rank, "repeats": args.repeats,
-              "matmul_peak_tflops": peak}
-    runs = [(repeat, impl) for repeat in range(args.repeats)
-            for impl in (impls if repeat % 2 == 0 else impls[::-1])]  # alternate to share drift
-    for done, (repeat, impl) in enumerate(runs, 1):
-        print(f"[{done}/{len(runs)}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
-              file=sys.stderr, flush=True)
+    record = {
+        **environment(),
+        "kind": "train",
+        "model": args.model,
+        "mode": args.mode,
+        "dtype": args.dtype,
+        "autocast": args.autocast,
+        "slothkit_checkpointing": args.slothkit_checkpointing,
+        "memory_gib": args.memory_gib,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rank": args.rank,
+        "repeats": args.repeats,
+        "matmul_peak_tflops": peak,
+    }
+    runs = [
+        (repeat, impl)
+        for repeat in range(args.repeats)
+        for impl in (impls if repeat % 2 == 0 else impls[::-1])
+    ]  # alternate to share drift
+    for done, (_repeat, impl) in enumerate(runs, 1):
+        print(
+            f"[{done}/{len(runs)}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         results[impl].append(run_worker(impl, args))
         # Written after each run: a benchmark cut short keeps what it measured.
         ran = {impl: runs_of_impl for impl, runs_of_impl in results.items() if runs_of_impl}
@@ -210,8 +287,7 @@ def write_record(output: str | None, record: dict, pending: list[str]) -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="llama-3-8b",
-                        help=f"a known shape ({', '.join(SHAPES)})")
+    parser.add_argument("--model", default="llama-3-8b", help=f"a known shape ({', '.join(SHAPES)})")
     parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--batch", type=int, default=2)
@@ -220,21 +296,37 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="runs per implementation, alternating")
-    parser.add_argument("--impl", default="slothkit,hf,liger,unsloth",
-                        help="comma-separated: slothkit, hf, liger, unsloth; slothkit@DIR runs slothkit "
-                             "from another source tree (scripts/ab_tree.sh REV makes .ab/REV), to "
-                             "compare two versions in one run")
-    parser.add_argument("--memory-gib", type=float, default=None,
-                        help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)")
-    parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
-                        help="run each step under torch.autocast, as Trainer/TRL with bf16=True or "
-                             "fp16=True do (default). --no-autocast: plain PEFT then computes its "
-                             "fp32 adapters in fp32, the slower path of a hand-written loop")
-    parser.add_argument("--slothkit-checkpointing", choices=["offload", "on"], default="offload",
-                        help="slothkit's checkpointing: layer inputs offloaded to pinned host memory "
-                             "(default, what FastModel users get) or kept on the GPU (on)")
-    parser.add_argument("--t4", action="store_true",
-                        help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16")
+    parser.add_argument(
+        "--impl",
+        default="slothkit,hf,liger,unsloth",
+        help="comma-separated: slothkit, hf, liger, unsloth; slothkit@DIR runs slothkit "
+        "from another source tree (scripts/ab_tree.sh REV makes .ab/REV), to "
+        "compare two versions in one run",
+    )
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)",
+    )
+    parser.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each step under torch.autocast, as Trainer/TRL with bf16=True or "
+        "fp16=True do (default). --no-autocast: plain PEFT then computes its "
+        "fp32 adapters in fp32, the slower path of a hand-written loop",
+    )
+    parser.add_argument(
+        "--slothkit-checkpointing",
+        choices=["offload", "on"],
+        default="offload",
+        help="slothkit's checkpointing: layer inputs offloaded to pinned host memory "
+        "(default, what FastModel users get) or kept on the GPU (on)",
+    )
+    parser.add_argument(
+        "--t4", action="store_true", help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16"
+    )
     parser.add_argument("--output", help="write the JSON record here")
 
 

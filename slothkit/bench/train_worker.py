@@ -56,8 +56,9 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
         for module_name, module in list(model.named_modules()):
             for param_name, meta in list(module.named_parameters(recurse=False)):
                 if id(meta) not in built:
-                    param = torch.nn.Parameter(torch.empty_like(meta, device=device),
-                                               requires_grad=meta.requires_grad)
+                    param = torch.nn.Parameter(
+                        torch.empty_like(meta, device=device), requires_grad=meta.requires_grad
+                    )
                     name = f"{module_name}.{param_name}" if module_name else param_name
                     if name.endswith("norm.weight") or "layernorm" in name:
                         # Neutral norm: 1, or 0 where the norm scales by (1 + w).
@@ -85,12 +86,20 @@ def _replace_with_nf4(model, name: str, module, compute_dtype: torch.dtype) -> N
     import bitsandbytes as bnb
 
     quantized = bnb.nn.Linear4bit(
-        module.in_features, module.out_features, bias=module.bias is not None,
-        compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
-        quant_storage=torch.uint8, device="meta",
+        module.in_features,
+        module.out_features,
+        bias=module.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=True,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+        device="meta",
     )
     quantized.weight = bnb.nn.Params4bit(
-        module.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4",
+        module.weight.data,
+        requires_grad=False,
+        compress_statistics=True,
+        quant_type="nf4",
         quant_storage=torch.uint8,
     ).to(module.weight.device)
     parent_name, _, leaf = name.rpartition(".")
@@ -118,8 +127,12 @@ def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
 
         _apply_liger_kernel_to_instance(model=model)
     if impl in ("hf", "liger"):
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+            ),
+        )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
         model.config.use_cache = False
@@ -127,8 +140,8 @@ def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
         return model
     if impl == "slothkit":
         from slothkit import FastModel
-        from slothkit.models import architecture_for
         from slothkit.engine.decoder import patch_decoder
+        from slothkit.models import architecture_for
 
         patch_decoder(model, architecture_for(model.config))
         mode = {"offload": "offload", "on": True}[checkpointing]
@@ -181,15 +194,24 @@ def load_with_unsloth(model, args, dtype):
         del model
         torch.cuda.empty_cache()
         unsloth_model, _ = FastLanguageModel.from_pretrained(
-            folder, max_seq_length=args.seq, dtype=dtype, load_in_4bit=args.mode == "qlora",
+            folder,
+            max_seq_length=args.seq,
+            dtype=dtype,
+            load_in_4bit=args.mode == "qlora",
         )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
     unsloth_model = FastLanguageModel.get_peft_model(
-        unsloth_model, r=args.rank, lora_alpha=args.rank, lora_dropout=0.0, bias="none",
-        target_modules=LORA_TARGETS, use_gradient_checkpointing="unsloth", random_state=args.seed,
+        unsloth_model,
+        r=args.rank,
+        lora_alpha=args.rank,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=LORA_TARGETS,
+        use_gradient_checkpointing="unsloth",
+        random_state=args.seed,
     )
     # from_pretrained leaves eval mode, in which checkpointing is skipped: train as users do.
     unsloth_model.train()
@@ -238,7 +260,7 @@ def run(args) -> dict:
     losses, times = [], []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.warmup + args.steps):
+    for _step in range(args.warmup + args.steps):
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -252,7 +274,7 @@ def run(args) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    timed = times[args.warmup:]
+    timed = times[args.warmup :]
     step_s = statistics.median(timed)
     result = {
         "status": "ok",
@@ -301,8 +323,11 @@ def main(argv=None) -> int:
     except ImportError as error:
         result = {"status": "skipped", "error": f"not importable: {error}"}
     except Exception as error:  # reported in the table; the other implementations still run
-        result = {"status": "error", "error": f"{type(error).__name__}: {error}",
-                  "traceback": traceback.format_exc()}
+        result = {
+            "status": "error",
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(),
+        }
     print(RESULT_TAG + json.dumps(result), flush=True)
     return 0
 

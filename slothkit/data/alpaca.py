@@ -39,8 +39,15 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     return f"{PREAMBLE}\n\n{INSTRUCTION_PART}{instruction}\n\n{RESPONSE_PART}"
 
 
-def format_alpaca(dataset, tokenizer, *, instruction_field: str = "instruction", input_field: str = "input",
-                  output_field: str = "output", text_field: str = "text"):
+def format_alpaca(
+    dataset,
+    tokenizer,
+    *,
+    instruction_field: str = "instruction",
+    input_field: str = "input",
+    output_field: str = "output",
+    text_field: str = "text",
+):
     """Add `text_field` = Alpaca prompt + output + EOS to every record.
 
     The input column is optional (records without one, or with an empty one, use the
@@ -50,12 +57,16 @@ def format_alpaca(dataset, tokenizer, *, instruction_field: str = "instruction",
 
     eos = tokenizer.eos_token
     if not eos:
-        raise ValueError("the tokenizer has no EOS token; Alpaca samples end with EOS so that the model learns to stop")
+        raise ValueError(
+            "the tokenizer has no EOS token; Alpaca samples end with EOS so that the model learns to stop"
+        )
     dataset = as_dataset(dataset)
     columns = dataset.column_names
     missing = [name for name in (instruction_field, output_field) if name not in columns]
     if missing:
-        hint = " (conversations go through slothkit.data.apply_chat_template)" if "messages" in columns else ""
+        hint = (
+            " (conversations go through slothkit.data.apply_chat_template)" if "messages" in columns else ""
+        )
         raise ValueError(f"Alpaca records need the columns {missing}; the dataset has {columns}{hint}")
     if text_field in columns:
         raise ValueError(f"the dataset already has a {text_field!r} column; pass another text_field")

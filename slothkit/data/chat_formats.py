@@ -307,10 +307,14 @@ def check_mapping(mapping: dict | None) -> dict[str, str]:
     if mapping is None:
         return dict(DEFAULT_MAPPING)
     if not isinstance(mapping, dict):
-        raise TypeError(f"mapping must be a dict such as {{'role': 'from', 'content': 'value'}}; got {mapping!r}")
+        raise TypeError(
+            f"mapping must be a dict such as {{'role': 'from', 'content': 'value'}}; got {mapping!r}"
+        )
     unknown = set(mapping) - set(MAPPING_KEYS)
     if unknown:
-        raise ValueError(f"mapping has unknown keys {sorted(unknown)}; accepted keys: {', '.join(MAPPING_KEYS)}")
+        raise ValueError(
+            f"mapping has unknown keys {sorted(unknown)}; accepted keys: {', '.join(MAPPING_KEYS)}"
+        )
     merged = {**DEFAULT_MAPPING, **mapping}
     for key, value in merged.items():
         # The names are written into the template (and its error messages) verbatim.
@@ -367,7 +371,9 @@ _ALTERNATION = r"""    {%- if (message[role_key] == user_role) != (loop.index0 %
     {%- endif -%}"""
 
 
-def template_source(fmt: ChatFormat, *, mapping: dict[str, str], system_message: str | None, use_bos: bool) -> str:
+def template_source(
+    fmt: ChatFormat, *, mapping: dict[str, str], system_message: str | None, use_bos: bool
+) -> str:
     """The full Jinja template of `fmt` for the given field names, default system text and BOS rule."""
     default_system = fmt.default_system if system_message is None else system_message
     fields = {
@@ -389,9 +395,16 @@ def template_source(fmt: ChatFormat, *, mapping: dict[str, str], system_message:
     return prelude + fmt.body.strip() + "\n"
 
 
-_MAPPED_NAME = re.compile(r'\{%- set (role_key|content_key|user_role|assistant_role|system_role) = "([^"]*)" -%\}')
-_MAPPED_KEYS = {"role_key": "role", "content_key": "content", "user_role": "user",
-                "assistant_role": "assistant", "system_role": "system"}
+_MAPPED_NAME = re.compile(
+    r'\{%- set (role_key|content_key|user_role|assistant_role|system_role) = "([^"]*)" -%\}'
+)
+_MAPPED_KEYS = {
+    "role_key": "role",
+    "content_key": "content",
+    "user_role": "user",
+    "assistant_role": "assistant",
+    "system_role": "system",
+}
 
 
 def mapping_of_template(template: str | None) -> dict[str, str] | None:

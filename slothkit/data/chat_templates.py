@@ -121,7 +121,8 @@ def matching_format(tokenizer) -> ChatFormat | None:
     own = tokenizer.chat_template
     if not own:
         raise ValueError(
-            "chat_template='model' but this tokenizer has no chat template; pick one of: " + ", ".join(FORMATS)
+            "chat_template='model' but this tokenizer has no chat template; pick one of: "
+            + ", ".join(FORMATS)
         )
     tagged = format_of_template(own)
     if tagged is not None:
@@ -178,7 +179,9 @@ def _add_missing_tokens(tokenizer, tokens: tuple[str, ...]) -> list[str]:
     vocab = tokenizer.get_vocab()
     missing = [t for t in tokens if t not in vocab]
     if missing:
-        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True)
+        tokenizer.add_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in missing], special_tokens=True
+        )
     return missing
 
 

@@ -35,8 +35,13 @@ def dataset_mapping(tokenizer) -> dict[str, str]:
     return mapping_of_template(tokenizer.chat_template) or dict(DEFAULT_MAPPING)
 
 
-def check_conversation(messages, *, mapping: dict[str, str] = DEFAULT_MAPPING, where: str = "conversation",
-                       need_assistant: bool = True) -> None:
+def check_conversation(
+    messages,
+    *,
+    mapping: dict[str, str] = DEFAULT_MAPPING,
+    where: str = "conversation",
+    need_assistant: bool = True,
+) -> None:
     """Raise ValueError naming what is wrong with one conversation.
 
     Accepted: a non-empty list of dicts, each with a `role` of system (first message only),
@@ -75,7 +80,9 @@ def check_conversation(messages, *, mapping: dict[str, str] = DEFAULT_MAPPING, w
         raise ValueError(f"{where} has no {mapping['assistant']!r} message, so nothing to train on")
 
 
-def conversation_text(tokenizer, messages, *, add_generation_prompt: bool = False, where: str = "conversation") -> str:
+def conversation_text(
+    tokenizer, messages, *, add_generation_prompt: bool = False, where: str = "conversation"
+) -> str:
     """One conversation rendered for a text column (see the module docstring)."""
     from jinja2 import TemplateError
 
@@ -103,7 +110,9 @@ def conversation_text(tokenizer, messages, *, add_generation_prompt: bool = Fals
 def messages_field_of(column_names, messages_field: str | None) -> str:
     if messages_field is not None:
         if messages_field not in column_names:
-            raise ValueError(f"the dataset has no column {messages_field!r}; its columns: {list(column_names)}")
+            raise ValueError(
+                f"the dataset has no column {messages_field!r}; its columns: {list(column_names)}"
+            )
         return messages_field
     for name in MESSAGE_FIELDS:
         if name in column_names:
@@ -115,8 +124,15 @@ def messages_field_of(column_names, messages_field: str | None) -> str:
     )
 
 
-def apply_chat_template(dataset, tokenizer, *, messages_field: str | None = None, text_field: str = "text",
-                        add_generation_prompt: bool = False, keep_messages: bool = False):
+def apply_chat_template(
+    dataset,
+    tokenizer,
+    *,
+    messages_field: str | None = None,
+    text_field: str = "text",
+    add_generation_prompt: bool = False,
+    keep_messages: bool = False,
+):
     """Render every conversation of `dataset` with the tokenizer's chat template into `text_field`.
 
     messages_field: the column holding the conversations (default: "messages", else
@@ -134,8 +150,11 @@ def apply_chat_template(dataset, tokenizer, *, messages_field: str | None = None
 
     def render(record, index):
         where = f"record {index} ({field!r})"
-        return {text_field: conversation_text(tokenizer, record[field], add_generation_prompt=add_generation_prompt,
-                                              where=where)}
+        return {
+            text_field: conversation_text(
+                tokenizer, record[field], add_generation_prompt=add_generation_prompt, where=where
+            )
+        }
 
     remove = [] if keep_messages or field == text_field else [field]
     return dataset.map(render, with_indices=True, remove_columns=remove, desc="Applying the chat template")

@@ -23,22 +23,54 @@ KINDS = {"alpaca": 300, "chat": 300, "preference": 200}
 SEED = 3407
 
 CAPITALS = (
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Norway", "Oslo"), ("Sweden", "Stockholm"),
-    ("Finland", "Helsinki"), ("Denmark", "Copenhagen"), ("Poland", "Warsaw"), ("Austria", "Vienna"),
-    ("Greece", "Athens"), ("Hungary", "Budapest"), ("Czechia", "Prague"), ("Belgium", "Brussels"),
-    ("Netherlands", "Amsterdam"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Ghana", "Accra"),
-    ("Nigeria", "Abuja"), ("Morocco", "Rabat"), ("Japan", "Tokyo"), ("China", "Beijing"),
-    ("India", "New Delhi"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"),
-    ("Canada", "Ottawa"), ("Mexico", "Mexico City"), ("Brazil", "Brasilia"), ("Argentina", "Buenos Aires"),
-    ("Chile", "Santiago"), ("Peru", "Lima"), ("Australia", "Canberra"), ("New Zealand", "Wellington"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"),
+    ("Ireland", "Dublin"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"),
+    ("Poland", "Warsaw"),
+    ("Austria", "Vienna"),
+    ("Greece", "Athens"),
+    ("Hungary", "Budapest"),
+    ("Czechia", "Prague"),
+    ("Belgium", "Brussels"),
+    ("Netherlands", "Amsterdam"),
+    ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"),
+    ("Ghana", "Accra"),
+    ("Nigeria", "Abuja"),
+    ("Morocco", "Rabat"),
+    ("Japan", "Tokyo"),
+    ("China", "Beijing"),
+    ("India", "New Delhi"),
+    ("Thailand", "Bangkok"),
+    ("Vietnam", "Hanoi"),
+    ("Indonesia", "Jakarta"),
+    ("Canada", "Ottawa"),
+    ("Mexico", "Mexico City"),
+    ("Brazil", "Brasilia"),
+    ("Argentina", "Buenos Aires"),
+    ("Chile", "Santiago"),
+    ("Peru", "Lima"),
+    ("Australia", "Canberra"),
+    ("New Zealand", "Wellington"),
 )
 
 # (from unit, to unit, factor): value in `to` = value in `from` * factor
 CONVERSIONS = (
-    ("kilometres", "metres", 1000), ("metres", "centimetres", 100), ("kilograms", "grams", 1000),
-    ("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24),
-    ("litres", "millilitres", 1000), ("weeks", "days", 7),
+    ("kilometres", "metres", 1000),
+    ("metres", "centimetres", 100),
+    ("kilograms", "grams", 1000),
+    ("hours", "minutes", 60),
+    ("minutes", "seconds", 60),
+    ("days", "hours", 24),
+    ("litres", "millilitres", 1000),
+    ("weeks", "days", 7),
 )
 
 SYSTEM_MESSAGES = ("You are a concise assistant.", "Answer in one short sentence.")
@@ -50,22 +82,34 @@ def _question(rng: random.Random) -> tuple[str, str, str, str]:
     if kind == "capital":
         country, capital = rng.choice(CAPITALS)
         wrong = rng.choice([c for _, c in CAPITALS if c != capital])
-        return (f"What is the capital of {country}?", "", f"The capital of {country} is {capital}.",
-                f"The capital of {country} is {wrong}.")
+        return (
+            f"What is the capital of {country}?",
+            "",
+            f"The capital of {country} is {capital}.",
+            f"The capital of {country} is {wrong}.",
+        )
     if kind == "convert":
         source, target, factor = rng.choice(CONVERSIONS)
         amount = rng.randint(2, 12)
         result = amount * factor
-        return (f"Convert {amount} {source} to {target}.", "", f"{amount} {source} is {result} {target}.",
-                f"{amount} {source} is {result + rng.choice((-1, 1)) * factor} {target}.")
+        return (
+            f"Convert {amount} {source} to {target}.",
+            "",
+            f"{amount} {source} is {result} {target}.",
+            f"{amount} {source} is {result + rng.choice((-1, 1)) * factor} {target}.",
+        )
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     if kind == "multiply":
         a, b = a % 13 + 2, b % 13 + 2
     symbol, value = {"add": ("+", a + b), "subtract": ("-", a - b), "multiply": ("*", a * b)}[kind]
     wrong = value + rng.choice((-2, -1, 1, 2, 10))
     if rng.random() < 0.5:  # half of them put the numbers in the input field
-        return ("Compute the expression.", f"{a} {symbol} {b}", f"{a} {symbol} {b} = {value}.",
-                f"{a} {symbol} {b} = {wrong}.")
+        return (
+            "Compute the expression.",
+            f"{a} {symbol} {b}",
+            f"{a} {symbol} {b} = {value}.",
+            f"{a} {symbol} {b} = {wrong}.",
+        )
     return f"What is {a} {symbol} {b}?", "", f"{a} {symbol} {b} = {value}.", f"{a} {symbol} {b} = {wrong}."
 
 
@@ -86,14 +130,21 @@ def build_example_records(kind: str) -> list[dict]:
             continue
         messages = [{"role": "user", "content": _user_text(instruction, extra)}]
         if kind == "preference":
-            records.append({"prompt": messages, "chosen": [{"role": "assistant", "content": answer}],
-                            "rejected": [{"role": "assistant", "content": wrong}]})
+            records.append(
+                {
+                    "prompt": messages,
+                    "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": wrong}],
+                }
+            )
             continue
         messages.append({"role": "assistant", "content": answer})
         if rng.random() < 0.3:  # a second exchange
             instruction, extra, answer, _ = _question(rng)
-            messages += [{"role": "user", "content": _user_text(instruction, extra)},
-                         {"role": "assistant", "content": answer}]
+            messages += [
+                {"role": "user", "content": _user_text(instruction, extra)},
+                {"role": "assistant", "content": answer},
+            ]
         if rng.random() < 0.3:
             messages.insert(0, {"role": "system", "content": rng.choice(SYSTEM_MESSAGES)})
         records.append({"messages": messages})

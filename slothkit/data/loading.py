@@ -28,16 +28,22 @@ def as_dataset(data):
     if isinstance(data, datasets.DatasetDict):
         raise TypeError(f"got a DatasetDict with splits {list(data)}; pass one split, e.g. data['train']")
     if isinstance(data, dict):
-        lengths = {key: len(value) if isinstance(value, (list, tuple)) else None for key, value in data.items()}
+        lengths = {
+            key: len(value) if isinstance(value, (list, tuple)) else None for key, value in data.items()
+        }
         if not data or None in lengths.values() or len(set(lengths.values())) != 1:
-            raise ValueError(f"a dict of records must map column names to lists of one length; got lengths {lengths}")
+            raise ValueError(
+                f"a dict of records must map column names to lists of one length; got lengths {lengths}"
+            )
         return datasets.Dataset.from_dict(data)
     if isinstance(data, (list, tuple)):
         if len(data) == 0:
             raise ValueError("the list of records is empty")
         not_dicts = [i for i, record in enumerate(data) if not isinstance(record, dict)]
         if not_dicts:
-            raise ValueError(f"records must be dicts; record {not_dicts[0]} is {type(data[not_dicts[0]]).__name__}")
+            raise ValueError(
+                f"records must be dicts; record {not_dicts[0]} is {type(data[not_dicts[0]]).__name__}"
+            )
         return datasets.Dataset.from_list(list(data))
     if type(data).__name__ == "DataFrame":
         return datasets.Dataset.from_pandas(data, preserve_index=False)

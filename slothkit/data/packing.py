@@ -30,8 +30,13 @@ class PackingCollator:
     labels and continuing positions) for kernels that like round sizes.
     """
 
-    def __init__(self, max_length: int | None = None, pad_to_multiple_of: int | None = None,
-                 pad_token_id: int = 0, ignore_index: int = -100):
+    def __init__(
+        self,
+        max_length: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        pad_token_id: int = 0,
+        ignore_index: int = -100,
+    ):
         if max_length is not None and max_length <= 1:
             raise ValueError(f"max_length={max_length}; a sample needs at least 2 tokens to train on")
         self.max_length = max_length
@@ -49,9 +54,7 @@ class PackingCollator:
             ids = list(_as_list(feature["input_ids"]))
             sample_labels = list(_as_list(feature.get("labels", ids)))
             if len(sample_labels) != len(ids):
-                raise ValueError(
-                    f"sample {index}: {len(ids)} input_ids but {len(sample_labels)} labels"
-                )
+                raise ValueError(f"sample {index}: {len(ids)} input_ids but {len(sample_labels)} labels")
             if self.max_length is not None:
                 ids, sample_labels = ids[: self.max_length], sample_labels[: self.max_length]
             if not ids:

@@ -56,15 +56,23 @@ def infer_markers(tokenizer) -> tuple[str, str]:
 def probe_markers(tokenizer) -> tuple[str, str]:
     """Markers read off renderings of a two-exchange conversation with placeholder texts."""
     q1, a1, q2, a2 = _PROBE
-    conversation = [{"role": "user", "content": q1}, {"role": "assistant", "content": a1},
-                    {"role": "user", "content": q2}, {"role": "assistant", "content": a2}]
+    conversation = [
+        {"role": "user", "content": q1},
+        {"role": "assistant", "content": a1},
+        {"role": "user", "content": q2},
+        {"role": "assistant", "content": a2},
+    ]
     text = tokenizer.apply_chat_template(conversation, tokenize=False)
     if not all(p in text for p in _PROBE):
-        raise ValueError("cannot find the markers in this chat template; pass instruction_part and response_part")
+        raise ValueError(
+            "cannot find the markers in this chat template; pass instruction_part and response_part"
+        )
     turn_end = text[text.index(a2) + len(a2) :]  # what closes a reply
     between_exchanges = text[text.index(a1) + len(a1) : text.index(q2)]  # a reply's close + a user header
     shared = 0
-    while shared < min(len(turn_end), len(between_exchanges)) and turn_end[shared] == between_exchanges[shared]:
+    while (
+        shared < min(len(turn_end), len(between_exchanges)) and turn_end[shared] == between_exchanges[shared]
+    ):
         shared += 1
     instruction = between_exchanges[shared:]
     prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
@@ -98,7 +106,9 @@ def marker_variants(tokenizer, marker: str, contexts: list[str]) -> list[tuple[i
         start = text.find(marker)
         while start != -1:
             end = start + len(marker)
-            core = [i for i, (s, e) in zip(encoded["input_ids"], offsets) if start <= s and e <= end and e > s]
+            core = [
+                i for i, (s, e) in zip(encoded["input_ids"], offsets) if start <= s and e <= end and e > s
+            ]
             covered = sum(e - s for s, e in offsets if start <= s and e <= end and e > s)
             if core and covered >= least:
                 variants.add(tuple(core))
@@ -272,8 +282,9 @@ def _screen(dataset, masker: ResponseMasker, name: str):
     return dataset
 
 
-def train_on_responses_only(trainer, instruction_part: str | None = None, response_part: str | None = None,
-                            *, tokenizer=None):
+def train_on_responses_only(
+    trainer, instruction_part: str | None = None, response_part: str | None = None, *, tokenizer=None
+):
     """Make `trainer` (TRL SFTTrainer or transformers Trainer) compute the loss on the
     assistant replies only; returns the trainer.
 

@@ -30,7 +30,9 @@ def standardize_message(message, *, where: str = "message", aliases: dict[str, s
         if message.get(role_key) is not None and message.get(content_key) is not None:
             break
     else:
-        raise ValueError(f"{where}: expected keys 'from' and 'value' (or 'role' and 'content'); got {sorted(message)}")
+        raise ValueError(
+            f"{where}: expected keys 'from' and 'value' (or 'role' and 'content'); got {sorted(message)}"
+        )
     speaker = message[role_key]
     role = aliases.get(speaker.lower()) if isinstance(speaker, str) else None
     if role is None:
@@ -49,11 +51,18 @@ def standardize_conversation(messages, *, where: str = "conversation", aliases=N
         raise ValueError(f"{where}: expected a list of messages; got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError(f"{where} is empty")
-    return [standardize_message(m, where=f"{where}, message {i}", aliases=aliases) for i, m in enumerate(messages)]
+    return [
+        standardize_message(m, where=f"{where}, message {i}", aliases=aliases) for i, m in enumerate(messages)
+    ]
 
 
-def standardize_sharegpt(dataset, *, field: str | None = None, output_field: str = "messages",
-                         aliases: dict[str, str] | None = None):
+def standardize_sharegpt(
+    dataset,
+    *,
+    field: str | None = None,
+    output_field: str = "messages",
+    aliases: dict[str, str] | None = None,
+):
     """Rewrite the conversations of `dataset` as {"role", "content"} messages with the roles
     system, user and assistant, in `output_field` (the input column is removed).
 
@@ -67,7 +76,9 @@ def standardize_sharegpt(dataset, *, field: str | None = None, output_field: str
     if field is None:
         field = next((name for name in ("conversations", "messages") if name in columns), None)
         if field is None:
-            raise ValueError(f"no 'conversations' or 'messages' column to standardise; the columns are {columns}")
+            raise ValueError(
+                f"no 'conversations' or 'messages' column to standardise; the columns are {columns}"
+            )
     elif field not in columns:
         raise ValueError(f"the dataset has no column {field!r}; its columns: {columns}")
     if aliases is not None:
@@ -76,10 +87,14 @@ def standardize_sharegpt(dataset, *, field: str | None = None, output_field: str
             raise ValueError(f"aliases must map speaker names to 'system', 'user' or 'assistant'; got {bad}")
 
     def convert(record, index):
-        messages = standardize_conversation(record[field], where=f"record {index} ({field!r})", aliases=aliases)
+        messages = standardize_conversation(
+            record[field], where=f"record {index} ({field!r})", aliases=aliases
+        )
         return {output_field: messages}
 
     remove = [field] if field != output_field else []
     if output_field in columns and output_field != field:
         raise ValueError(f"the dataset already has a {output_field!r} column; pass another output_field")
-    return dataset.map(convert, with_indices=True, remove_columns=remove, desc="Standardising ShareGPT records")
+    return dataset.map(
+        convert, with_indices=True, remove_columns=remove, desc="Standardising ShareGPT records"
+    )

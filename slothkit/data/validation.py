@@ -130,6 +130,8 @@ def check_prompt_dataset(dataset, *, name: str = "training") -> None:
         if _is_conversation(value):
             check_conversation(value, where=where, need_assistant=False)
             if value[-1].get("role") == "assistant":
-                raise ValueError(f"{where} ends with an assistant message; a GRPO prompt ends with the user's turn")
+                raise ValueError(
+                    f"{where} ends with an assistant message; a GRPO prompt ends with the user's turn"
+                )
         else:
             _check_text(value, where)

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.engine.lora_projection import projections_or_none
-from slothkit.models.architecture import Architecture
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
+from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import recomputing
+from slothkit.models.architecture import Architecture
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
@@ -48,7 +48,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
-        eps = getattr(norm, "eps")
+        eps = norm.eps
     norm._slothkit_eps = float(eps)
     norm._slothkit_adds_one = adds_one
     _bind(norm, _rms_norm_forward)
@@ -65,8 +65,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the layer output, which nobody reads: skip the down projection (a hook on the MLP
     # might read it, so not then).
     backward_only = recomputing() and not (self._forward_hooks or self._forward_pre_hooks)
-    return lora_mlp(x, *projections, activation=self._slothkit_activation,
-                    backward_only=backward_only)
+    return lora_mlp(x, *projections, activation=self._slothkit_activation, backward_only=backward_only)
 
 
 def patch_mlp(mlp: nn.Module, activation: str) -> None:
@@ -143,8 +142,9 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-    attn_output, attn_weights = attention_values(self, hidden_states, position_embeddings,
-                                                 attention_mask, **kwargs)
+    attn_output, attn_weights = attention_values(
+        self, hidden_states, position_embeddings, attention_mask, **kwargs
+    )
     out_projection = projections_or_none("attention o_proj", self.o_proj)
     if out_projection is None:
         return self.o_proj(attn_output), attn_weights
@@ -179,8 +179,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     fusable_head = type(head) is nn.Linear and head.bias is None
     if labels is None or not self.training or not fusable_head:
         return self._slothkit_original_forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            labels=labels, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            labels=labels,
+            **kwargs,
         )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

@@ -50,13 +50,18 @@ def checkpoints_in_forward(layer: nn.Module) -> bool:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # no such base class: the model's loop does the checkpointing
         return False
-    return isinstance(layer, GradientCheckpointingLayer) and "__call__" not in vars(GradientCheckpointingLayer)
+    return isinstance(layer, GradientCheckpointingLayer) and "__call__" not in vars(
+        GradientCheckpointingLayer
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_cache_dropped(layer_name: str) -> None:
-    warnings.warn(f"slothkit: a KV cache cannot be used with gradient checkpointing in {layer_name}; "
-                  f"the layers run without one while training", stacklevel=4)
+    warnings.warn(
+        f"slothkit: a KV cache cannot be used with gradient checkpointing in {layer_name}; "
+        f"the layers run without one while training",
+        stacklevel=4,
+    )
 
 
 def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
@@ -77,8 +82,12 @@ def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
 
 
 def decoder_layer_forward(self, *args, **kwargs):
-    if (self._slothkit_checkpoints_forward and self.gradient_checkpointing and self.training
-            and torch.is_grad_enabled()):
+    if (
+        self._slothkit_checkpoints_forward
+        and self.gradient_checkpointing
+        and self.training
+        and torch.is_grad_enabled()
+    ):
         body = functools.partial(_layer_body, self, **_without_cache(self, kwargs))
         return self._gradient_checkpointing_func(body, *args)
     return _layer_body(self, *args, **kwargs)
@@ -104,8 +113,9 @@ def _layer_body(self, hidden_states, attention_mask=None, position_ids=None, **k
     normed = self.input_layernorm(hidden_states)
     hidden = _fused_attention_sum(self, hidden_states, normed, attention_mask, position_ids, kwargs)
     if hidden is None:
-        attn, _ = self.self_attn(hidden_states=normed, attention_mask=attention_mask,
-                                 position_ids=position_ids, **kwargs)
+        attn, _ = self.self_attn(
+            hidden_states=normed, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
         hidden = hidden_states + attn
     mlp_out = self.mlp(self.post_attention_layernorm(hidden))
     if recomputing():  # the re-run's output is never read

@@ -91,12 +91,16 @@ class _Call:
 
     def replayable(self) -> bool:
         return self.layer is not None and all(
-            isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in self.leaves)
+            isinstance(leaf, (torch.Tensor, *_PLAIN)) for leaf in self.leaves
+        )
 
     def signature(self, hidden: torch.Tensor, autocast_dtype) -> tuple:
         described = tuple(
-            ("tensor", tuple(leaf.shape), leaf.dtype, leaf.requires_grad) if isinstance(leaf, torch.Tensor)
-            else ("value", leaf) for leaf in self.leaves)
+            ("tensor", tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else ("value", leaf)
+            for leaf in self.leaves
+        )
         return tuple(hidden.shape), hidden.dtype, autocast_dtype, described
 
     def __call__(self, hidden: torch.Tensor, leaves: list):
@@ -115,7 +119,8 @@ def _has_active_dropout(layer: nn.Module) -> bool:
 
 def _has_grad_hooks(param: torch.Tensor) -> bool:
     return bool(getattr(param, "_backward_hooks", None)) or bool(
-        getattr(param, "_post_accumulate_grad_hooks", None))
+        getattr(param, "_post_accumulate_grad_hooks", None)
+    )
 
 
 class _Statics:
@@ -177,8 +182,12 @@ class _Statics:
 class LayerGraphs:
     """The graphs of one model's checkpointed layers (see the module docstring)."""
 
-    def __init__(self, max_signatures: int = 4, max_tokens: int = 16384,
-                 phases: tuple[str, ...] = ("forward", "backward")):
+    def __init__(
+        self,
+        max_signatures: int = 4,
+        max_tokens: int = 16384,
+        phases: tuple[str, ...] = ("forward", "backward"),
+    ):
         self.enabled = True
         # Which of a layer's two calls are replayed: both, or only the checkpointed
         # forward (the phase where the host lags the GPU when the backward does not).
@@ -227,7 +236,8 @@ class LayerGraphs:
         if key not in self.eligible_layers:  # dropout and hooks are settled once per layer
             params = [p for p in call.layer.parameters() if p.requires_grad]
             self.eligible_layers[key] = not _has_active_dropout(call.layer) and not any(
-                _has_grad_hooks(p) for p in params)
+                _has_grad_hooks(p) for p in params
+            )
         return self.eligible_layers[key]
 
     def _ready(self, kind: str, call: _Call, signature: tuple) -> bool:
@@ -244,9 +254,12 @@ class LayerGraphs:
         self.enabled = False
         self.graphs.clear()
         self.statics.clear()
-        warnings.warn(f"slothkit: CUDA graphs for the decoder layers are off for this model "
-                      f"({type(error).__name__}: {error}); training goes on without them, "
-                      f"at the slower eager speed", stacklevel=3)
+        warnings.warn(
+            f"slothkit: CUDA graphs for the decoder layers are off for this model "
+            f"({type(error).__name__}: {error}); training goes on without them, "
+            f"at the slower eager speed",
+            stacklevel=3,
+        )
 
     def _capture(self, key, body, on_failure=None):
         graph = self._new_graph()
@@ -277,8 +290,15 @@ class LayerGraphs:
 
     # -- forward ----------------------------------------------------------------------
 
-    def forward(self, run_function, hidden: torch.Tensor, args, autocast_dtype,
-                collector: dict | None = None, collecting=None):
+    def forward(
+        self,
+        run_function,
+        hidden: torch.Tensor,
+        args,
+        autocast_dtype,
+        collector: dict | None = None,
+        collecting=None,
+    ):
         """The layer's output under no_grad, replayed from a graph; None when the caller
         must run the layer itself.  With a ``collector`` (a dict, and ``collecting(d)``
         the context in which the layer's keep() calls fill d), what the layer keeps is
@@ -297,13 +317,20 @@ class LayerGraphs:
         statics.load(hidden, call.leaves)
         graph = self.graphs.get(key)
         if graph is None:
+
             def body():
                 kept = {}
-                with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype), \
-                        (collecting(kept) if keeps else contextlib.nullcontext()):
+                with (
+                    torch.no_grad(),
+                    _autocast(hidden.device.type, autocast_dtype),
+                    collecting(kept) if keeps else contextlib.nullcontext(),
+                ):
                     output = call(statics.hidden, statics.leaves)
-                if (not isinstance(output, torch.Tensor) or output.shape != statics.hidden.shape
-                        or output.dtype != statics.hidden.dtype):
+                if (
+                    not isinstance(output, torch.Tensor)
+                    or output.shape != statics.hidden.shape
+                    or output.dtype != statics.hidden.dtype
+                ):
                     raise TypeError("the layer's output is not one tensor shaped like its input")
                 statics.store_kept(kept)
                 self.kept_names[key] = tuple(kept)
@@ -322,9 +349,17 @@ class LayerGraphs:
 
     # -- recompute and backward -------------------------------------------------------
 
-    def backward(self, run_function, saved: list, args, autocast_dtype, grad_output,
-                 recompute_context=lambda kept: contextlib.nullcontext(),
-                 kept_names: tuple | None = None, before_replay=None):
+    def backward(
+        self,
+        run_function,
+        saved: list,
+        args,
+        autocast_dtype,
+        grad_output,
+        recompute_context=lambda kept: contextlib.nullcontext(),
+        kept_names: tuple | None = None,
+        before_replay=None,
+    ):
         """The gradient of the layer's input, with its parameters' gradients added to
         their ``.grad``, replayed from a graph; None when the caller must do it itself.
 
@@ -370,16 +405,24 @@ class LayerGraphs:
 
         graph = self.graphs.get(key)
         if graph is None:
+
             def body():
                 layer_input = statics.hidden.detach().requires_grad_(True)
-                with torch.enable_grad(), _autocast(statics.hidden.device.type, autocast_dtype), \
-                        recompute_context({name: statics.kept[name] for name in kept_names}):
+                with (
+                    torch.enable_grad(),
+                    _autocast(statics.hidden.device.type, autocast_dtype),
+                    recompute_context({name: statics.kept[name] for name in kept_names}),
+                ):
                     output = call(layer_input, statics.leaves)
-                if (not isinstance(output, torch.Tensor) or output.shape != statics.grad_output.shape
-                        or output.dtype != statics.hidden.dtype):
+                if (
+                    not isinstance(output, torch.Tensor)
+                    or output.shape != statics.grad_output.shape
+                    or output.dtype != statics.hidden.dtype
+                ):
                     raise TypeError("the layer's output is not one tensor shaped like its input")
-                grads = torch.autograd.grad(output, [layer_input, *params], statics.grad_output,
-                                            allow_unused=True)
+                grads = torch.autograd.grad(
+                    output, [layer_input, *params], statics.grad_output, allow_unused=True
+                )
                 for buffer, grad in zip(param_grads, grads[1:]):
                     if grad is None:
                         buffer.zero_()

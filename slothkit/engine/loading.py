@@ -14,9 +14,15 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 def pick_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     """None: bf16 where the GPU has it, fp16 on T4/V100-class GPUs, fp32 on CPU."""
     if isinstance(dtype, str):
-        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                 "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
-                 "fp32": torch.float32}
+        names = {
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+            "half": torch.float16,
+            "float32": torch.float32,
+            "fp32": torch.float32,
+        }
         if dtype not in names:
             raise ValueError(f"dtype={dtype!r}; accepted: None, {', '.join(names)} or a torch dtype")
         dtype = names[dtype]
@@ -58,7 +64,9 @@ def resolve_checkpoint(name_or_path: str, token=None, **config_kwargs):
     try:
         return AutoConfig.from_pretrained(name_or_path, token=token, **config_kwargs)
     except (OSError, ValueError) as error:
-        looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+        looks_local = (
+            name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+        )
         where = "no such directory" if looks_local else "not found locally or on the Hugging Face Hub"
         raise FileNotFoundError(
             f"cannot load model {name_or_path!r}: {where}. Check the spelling, that the "

@@ -111,7 +111,7 @@ def lora_projection(layer: nn.Module) -> LoRAProjection:
     return described
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_fallback_once(module_kind: str, reason: str) -> None:
     warnings.warn(
         f"slothkit: {module_kind} runs through the plain PEFT path, not the fused kernels, "

@@ -175,12 +175,14 @@ class _Checkpoint(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
         ctx.graphs = checkpointer.graphs
         # Kept tensors are for a marked re-run only.
-        collector = {} if checkpointer.keeps_for(hidden_states) \
-            and not _output_may_be_read(run_function) else None
+        collector = (
+            {} if checkpointer.keeps_for(hidden_states) and not _output_may_be_read(run_function) else None
+        )
         output = None
         if ctx.graphs is not None:
-            output = ctx.graphs.forward(run_function, hidden_states, args, ctx.autocast,
-                                        collector, _collecting)
+            output = ctx.graphs.forward(
+                run_function, hidden_states, args, ctx.autocast, collector, _collecting
+            )
         if output is None:
             with torch.no_grad(), _collecting(collector):
                 output = run_function(hidden_states, *args)
@@ -208,9 +210,16 @@ class _Checkpoint(torch.autograd.Function):
         prefetch = previous.prefetch if previous is not None else None
         marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
-            grad_input = ctx.graphs.backward(ctx.run_function, saved, ctx.args, ctx.autocast,
-                                             grad_outputs[0], lambda kept: _recomputation(marked, kept),
-                                             ctx.kept_names if marked else None, before_replay=prefetch)
+            grad_input = ctx.graphs.backward(
+                ctx.run_function,
+                saved,
+                ctx.args,
+                ctx.autocast,
+                grad_outputs[0],
+                lambda kept: _recomputation(marked, kept),
+                ctx.kept_names if marked else None,
+                before_replay=prefetch,
+            )
             if grad_input is not None:
                 return (None, None, grad_input if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
         if prefetch is not None:
@@ -224,8 +233,11 @@ class _Checkpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden_states.device)
-            with torch.enable_grad(), _autocast(hidden_states.device.type, ctx.autocast), \
-                    _recomputation(marked, kept_tensors):
+            with (
+                torch.enable_grad(),
+                _autocast(hidden_states.device.type, ctx.autocast),
+                _recomputation(marked, kept_tensors),
+            ):
                 outputs = ctx.run_function(hidden_states, *ctx.args)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
@@ -261,8 +273,13 @@ class OffloadedCheckpointer:
     marked (``recomputing()``) for the modules inside it.
     """
 
-    def __init__(self, marks_recompute: bool = False, cuda_graphs: bool | str = False,
-                 keeps: bool = False, keep_max_tokens: int = 16384):
+    def __init__(
+        self,
+        marks_recompute: bool = False,
+        cuda_graphs: bool | str = False,
+        keeps: bool = False,
+        keep_max_tokens: int = 16384,
+    ):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
@@ -315,8 +332,9 @@ def _setting(name: str, values: dict, default):
     return values[value]
 
 
-def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
-                         quantized: bool = False, keeps: bool | None = None) -> None:
+def enable_checkpointing(
+    layers, mode, cuda_graphs: bool | str | None = None, quantized: bool = False, keeps: bool | None = None
+) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
     mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
@@ -345,12 +363,13 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
     if keeps is None:
         keeps = _setting("SLOTHKIT_KEEP_SUMS", {"1": True, "0": False}, fast_gpu)
     if cuda_graphs is None:
-        cuda_graphs = _setting("SLOTHKIT_CUDA_GRAPHS", {"1": True, "0": False, "forward": "forward"},
-                               fast_gpu and bool(quantized))
-    if mode not in (True, False, "offload", "unsloth"):
-        raise ValueError(
-            f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False"
+        cuda_graphs = _setting(
+            "SLOTHKIT_CUDA_GRAPHS",
+            {"1": True, "0": False, "forward": "forward"},
+            fast_gpu and bool(quantized),
         )
+    if mode not in (True, False, "offload", "unsloth"):
+        raise ValueError(f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False")
     if mode is False:
         for layer in layers:
             layer.gradient_checkpointing = False
@@ -364,7 +383,9 @@ def enable_checkpointing(layers, mode, cuda_graphs: bool | str | None = None,
 
         func = partial(checkpoint, use_reentrant=False)
     for layer in layers:
-        if not hasattr(layer, "_gradient_checkpointing_func") and not hasattr(type(layer), "gradient_checkpointing"):
+        if not hasattr(layer, "_gradient_checkpointing_func") and not hasattr(
+            type(layer), "gradient_checkpointing"
+        ):
             raise TypeError(
                 f"{type(layer).__name__} does not support transformers' gradient checkpointing hooks"
             )

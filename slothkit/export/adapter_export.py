@@ -78,7 +78,11 @@ def training_settings_from(adapter_dir: pathlib.Path) -> dict | None:
     except (OSError, ValueError):
         return None
     facts = {}
-    for key, label in (("global_step", "steps"), ("epoch", "epochs"), ("train_batch_size", "batch size per device")):
+    for key, label in (
+        ("global_step", "steps"),
+        ("epoch", "epochs"),
+        ("train_batch_size", "batch size per device"),
+    ):
         if state.get(key) is not None:
             facts[label] = round(state[key], 4) if isinstance(state[key], float) else state[key]
     history = state.get("log_history") or []
@@ -146,7 +150,11 @@ def export_adapter(
     model, tokenizer = load_adapter_model(folder, base_model)
     settings = training_settings_from(folder)
     with tempfile.TemporaryDirectory(prefix="slothkit-export-") as scratch:
-        target = pathlib.Path(output) if output is not None else pathlib.Path(scratch) / f"{folder.resolve().name}-{to}"
+        target = (
+            pathlib.Path(output)
+            if output is not None
+            else pathlib.Path(scratch) / f"{folder.resolve().name}-{to}"
+        )
         if to == "gguf":
             from slothkit.export.gguf import save_pretrained_gguf
 
@@ -163,4 +171,6 @@ def export_adapter(
                 target, push, token=token, endpoint=endpoint, replace_model_files=to != "gguf",
                 commit_message=f"Upload {to} export of {folder.resolve().name} with slothkit",
             )  # fmt: skip
-    return ExportResult(target=to, output=pathlib.Path(output) if output is not None else None, save=saved, push=pushed)
+    return ExportResult(
+        target=to, output=pathlib.Path(output) if output is not None else None, save=saved, push=pushed
+    )

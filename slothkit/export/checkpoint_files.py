@@ -17,7 +17,12 @@ import torch
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -28,14 +33,18 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), flags=re.IGNORECASE)
     if match is None:
-        raise ValueError(f"max_shard_size={size!r}; expected bytes as an int or a string such as '5GB' or '500MiB'")
+        raise ValueError(
+            f"max_shard_size={size!r}; expected bytes as an int or a string such as '5GB' or '500MiB'"
+        )
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]  # fmt: skip
     return max(1, int(number * scale))
 
 
-def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], directory: pathlib.Path, max_shard_size) -> list[str]:
+def write_sharded(
+    tensors: Iterable[tuple[str, torch.Tensor]], directory: pathlib.Path, max_shard_size
+) -> list[str]:
     """Write (name, tensor) pairs as `model.safetensors`, or as numbered shards with
     `model.safetensors.index.json` once they exceed max_shard_size; return the file names.
 
@@ -106,7 +115,9 @@ class SafetensorsCheckpoint:
         else:
             missing = sorted({f for f in weight_map.values() if not (self.folder / f).is_file()})
             if missing:
-                raise FileNotFoundError(f"{str(self.folder)!r} is missing shards listed in its index: {missing}")
+                raise FileNotFoundError(
+                    f"{str(self.folder)!r} is missing shards listed in its index: {missing}"
+                )
             self._weight_map = weight_map
 
     def _open(self, file: str):

@@ -88,7 +88,9 @@ def is_transient(error: BaseException) -> bool:
 def _auth_error_or_none(error: BaseException, repo_id: str | None = None) -> HubAuthError | None:
     status = next((s for s in map(_status_of, _causes(error)) if s is not None), None)
     if status == 401:
-        return HubAuthError(f"the Hugging Face Hub rejected the token (HTTP 401: invalid or expired). {LOGIN_HELP}")
+        return HubAuthError(
+            f"the Hugging Face Hub rejected the token (HTTP 401: invalid or expired). {LOGIN_HELP}"
+        )
     if status == 403:
         where = f" to {repo_id}" if repo_id else ""
         return HubAuthError(
@@ -120,7 +122,9 @@ def resolve_token(token: str | None, api) -> str:
         raise
     role = ((info.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
-        raise HubAuthError(f"the Hugging Face token of {info.get('name')!r} is read-only; pushing needs write access. {LOGIN_HELP}")
+        raise HubAuthError(
+            f"the Hugging Face token of {info.get('name')!r} is read-only; pushing needs write access. {LOGIN_HELP}"
+        )
     return token
 
 

@@ -336,7 +336,9 @@ class _WeightReader:
     def __init__(self, source: MergeSource, target_dtype: torch.dtype, tied_names: tuple[str, str] | None):
         self.source = source
         self.target_dtype = target_dtype
-        self.checkpoint = SafetensorsCheckpoint(source.checkpoint) if source.kind == "original_checkpoint" else None
+        self.checkpoint = (
+            SafetensorsCheckpoint(source.checkpoint) if source.kind == "original_checkpoint" else None
+        )
         self.tied_names = tied_names  # (input embedding weight, output weight) when tied
 
     def read(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
@@ -369,7 +371,9 @@ class _WeightReader:
         return tensor.shape
 
 
-def merged_tensors(model: nn.Module, source: MergeSource, report: MergeReport) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(
+    model: nn.Module, source: MergeSource, report: MergeReport
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the merged checkpoint, names as transformers saves them."""
     causal_lm = causal_lm_of(model)
     target_dtype = compute_dtype(model)
@@ -377,7 +381,9 @@ def merged_tensors(model: nn.Module, source: MergeSource, report: MergeReport) -
     in_name, out_name = _module_names(causal_lm)
     in_weight = f"{in_name}.weight" if in_name is not None else None
     out_weight = f"{out_name}.weight" if out_name is not None else None
-    reader = _WeightReader(source, target_dtype, (in_weight, out_weight) if tied and in_weight and out_weight else None)
+    reader = _WeightReader(
+        source, target_dtype, (in_weight, out_weight) if tied and in_weight and out_weight else None
+    )
     merged_input_embedding = None
 
     def finish(name: str, value: torch.Tensor, dtype: torch.dtype):

@@ -21,8 +21,8 @@ import types
 
 from torch import nn
 
-from slothkit.export.hub import push_to_hub_merged
 from slothkit.export import merge
+from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, save_pretrained_merged
 
 GGUF_MODULE = "slothkit.export.gguf"

@@ -113,7 +113,9 @@ def render(facts: CardFacts) -> str:
         summary.append(("weights", facts.weights))
     summary.append(("chat template", "included (tokenizer files)" if facts.chat_template else "none"))
     if facts.eos_tokens:
-        summary.append(("stop tokens (generation_config.json)", ", ".join(f"`{t}`" for t in facts.eos_tokens)))
+        summary.append(
+            ("stop tokens (generation_config.json)", ", ".join(f"`{t}`" for t in facts.eos_tokens))
+        )
 
     body = [
         "",

@@ -43,8 +43,12 @@ class SaveResult:
 
 def check_save_method(save_method: str) -> str:
     if save_method not in SAVE_METHODS:
-        hint = " (GGUF files are written by save_pretrained_gguf)" if "gguf" in str(save_method).lower() else ""
-        raise ValueError(f"save_method={save_method!r} is not one of {', '.join(map(repr, SAVE_METHODS))}{hint}")
+        hint = (
+            " (GGUF files are written by save_pretrained_gguf)" if "gguf" in str(save_method).lower() else ""
+        )
+        raise ValueError(
+            f"save_method={save_method!r} is not one of {', '.join(map(repr, SAVE_METHODS))}{hint}"
+        )
     return save_method
 
 
@@ -175,7 +179,9 @@ def save_pretrained_merged(
     dtype = _check_dtype(dtype)
     config = merge.active_lora_config(model)
     if save_method == "lora" and config is None:
-        raise ValueError("save_method='lora' needs a model with LoRA adapters (a peft.PeftModel); this model has none")
+        raise ValueError(
+            "save_method='lora' needs a model with LoRA adapters (a peft.PeftModel); this model has none"
+        )
     source = merge.choose_merge_source(model, base_weights) if save_method != "lora" else None
 
     facts = CardFacts(
@@ -191,12 +197,12 @@ def save_pretrained_merged(
             _, report, saved_dtype = write_merged_checkpoint(model, staging, source, max_shard_size, dtype)
             facts.weights = f"{str(saved_dtype).removeprefix('torch.')} safetensors, not quantised"
         elif save_method == "merged_4bit":
-            _, report, quantization = write_requantized_checkpoint(model, staging, source, max_shard_size, dtype)
+            _, report, quantization = write_requantized_checkpoint(
+                model, staging, source, max_shard_size, dtype
+            )
             double = ", double quantisation" if quantization.bnb_4bit_use_double_quant else ""
             compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
-            facts.weights = (
-                f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
-            )
+            facts.weights = f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
         else:
             model.save_pretrained(str(staging))
             base = "4-bit (bitsandbytes)" if merge.has_4bit_weights(model) else "16-bit"
@@ -238,7 +244,9 @@ def merged_plain_model(model: nn.Module, tokenizer=None, *, base_weights="auto",
 
     source = merge.choose_merge_source(model, base_weights)
     with tempfile.TemporaryDirectory(prefix="slothkit-merged-") as scratch:
-        _, _, saved_dtype = write_merged_checkpoint(model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype))
+        _, _, saved_dtype = write_merged_checkpoint(
+            model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
+        )
         plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
     plain.generation_config = generation_config_with_eos(merge.causal_lm_of(model), tokenizer)
     plain.eval()

@@ -40,7 +40,7 @@ class NotebookConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_cell(cls, namespace: dict, environ=None) -> "NotebookConfig":
+    def from_cell(cls, namespace: dict, environ=None) -> NotebookConfig:
         """Read UPPER_CASE variables of the config cell, then SLOTHKIT_* overrides."""
         environ = os.environ if environ is None else environ
         values = {}
@@ -94,6 +94,7 @@ class NotebookConfig:
     def _setter(self, name):
         def update(change):
             setattr(self, name, change["new"])
+
         return update
 
     def show(self) -> None:

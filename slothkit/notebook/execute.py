@@ -76,11 +76,15 @@ def execute_notebook(path: Path, environment: dict[str, str], timeout: int = 180
     from nbclient.exceptions import CellExecutionError
 
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}},
-                            # A local kernel on loopback: its warning about unencrypted TCP
-                            # is noise here; errors inside cells still show.
-                            extra_arguments=["--IPKernelApp.log_level=ERROR"])
+    client = NotebookClient(
+        notebook,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+        # A local kernel on loopback: its warning about unencrypted TCP
+        # is noise here; errors inside cells still show.
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],
+    )
     with _environment(environment):
         try:
             client.execute()
@@ -100,9 +104,13 @@ def _describe_failure(notebook, error, path: Path) -> str:
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
                 where = f"step {heading}" if heading else "a cell"
-                return (f"{where} failed: {output.get('ename')}: {output.get('evalue')} "
-                        f"(full traceback in {path})")
-    return f"a cell failed: {getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
+                return (
+                    f"{where} failed: {output.get('ename')}: {output.get('evalue')} "
+                    f"(full traceback in {path})"
+                )
+    return (
+        f"a cell failed: {getattr(error, 'ename', type(error).__name__)}: {getattr(error, 'evalue', error)}"
+    )
 
 
 def write_html(path: Path) -> Path:
@@ -118,9 +126,14 @@ def write_html(path: Path) -> Path:
     return html
 
 
-def run_notebook_demo(model: str = DEFAULT_MODEL, template: str = DEFAULT_TEMPLATE,
-                      output_dir: str | Path = "slothkit-demo", steps: int = 16,
-                      html: bool = False, overwrite: bool = False) -> dict:
+def run_notebook_demo(
+    model: str = DEFAULT_MODEL,
+    template: str = DEFAULT_TEMPLATE,
+    output_dir: str | Path = "slothkit-demo",
+    steps: int = 16,
+    html: bool = False,
+    overwrite: bool = False,
+) -> dict:
     """Render `template` for `model`, execute it on the offline default and check that
     the adapter, the merged model and the GGUF file exist.  Returns what was written."""
     import importlib.util
@@ -130,8 +143,9 @@ def run_notebook_demo(model: str = DEFAULT_MODEL, template: str = DEFAULT_TEMPLA
     if html and importlib.util.find_spec("nbconvert") is None:  # say so before the long run
         raise ImportError("writing HTML needs nbconvert: pip install nbconvert")
     output_dir = Path(output_dir)
-    notebook_path, script_path = write_notebook(template, model, output_dir / f"{model}-{template}",
-                                                overwrite=overwrite)
+    notebook_path, script_path = write_notebook(
+        template, model, output_dir / f"{model}-{template}", overwrite=overwrite
+    )
     environment = demo_environment(model, output_dir.resolve(), steps)
     start = time.perf_counter()
     notebook = execute_notebook(notebook_path, environment)
@@ -147,12 +161,18 @@ def run_notebook_demo(model: str = DEFAULT_MODEL, template: str = DEFAULT_TEMPLA
     }
     missing = [name for name, path in artefacts.items() if not path.exists()]
     if missing:
-        raise RuntimeError(f"the notebook ran but did not write: {', '.join(missing)} "
-                           f"(see the executed notebook {notebook_path})")
+        raise RuntimeError(
+            f"the notebook ran but did not write: {', '.join(missing)} "
+            f"(see the executed notebook {notebook_path})"
+        )
     if html:
         artefacts["html"] = write_html(notebook_path)
-    return {"artefacts": artefacts, "seconds": elapsed, "cells": len(notebook.cells),
-            "loss": _logged_loss(notebook)}
+    return {
+        "artefacts": artefacts,
+        "seconds": elapsed,
+        "cells": len(notebook.cells),
+        "loss": _logged_loss(notebook),
+    }
 
 
 def _logged_loss(notebook) -> tuple[float, float] | None:

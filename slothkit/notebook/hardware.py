@@ -23,17 +23,25 @@ def hardware_report(config):
         return config
     props = torch.cuda.get_device_properties(0)
     bf16 = torch.cuda.is_bf16_supported()
-    print(f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
-          f"bf16 {'yes' if bf16 else 'no (fp16 with loss scaling)'}")
+    print(
+        f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
+        f"bf16 {'yes' if bf16 else 'no (fp16 with loss scaling)'}"
+    )
     shape = shape_from_config(AutoConfig.from_pretrained(config.model_name))
-    result = plan(shape, gpu="auto", seq=config.max_seq_length, batch=config.batch_size,
-                  mode="qlora" if config.load_in_4bit else "lora", rank=config.lora_r,
-                  target_batch=config.batch_size * config.grad_accum)
+    result = plan(
+        shape,
+        gpu="auto",
+        seq=config.max_seq_length,
+        batch=config.batch_size,
+        mode="qlora" if config.load_in_4bit else "lora",
+        rank=config.lora_r,
+        target_batch=config.batch_size * config.grad_accum,
+    )
     print(result.report())
     if result.fits is False:
         raise RuntimeError(
-            "this configuration does not fit this GPU even at batch 1; "
-            + "; ".join(result.notes)
+            "this configuration does not fit this GPU even at batch 1; " + "; ".join(result.notes)
         )
-    return dataclasses.replace(config, batch_size=result.batch, grad_accum=result.grad_accum,
-                               max_seq_length=result.seq)
+    return dataclasses.replace(
+        config, batch_size=result.batch, grad_accum=result.grad_accum, max_seq_length=result.seq
+    )

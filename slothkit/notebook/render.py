@@ -67,8 +67,9 @@ def render_text(template: str, model: str, overrides: dict | None = None) -> str
     try:
         return string.Template(template_text(template)).substitute(values_for(model, overrides))
     except KeyError as error:
-        raise ValueError(f"template {template!r} needs a value for {error}, which models.json "
-                         f"does not give for {model!r}") from None
+        raise ValueError(
+            f"template {template!r} needs a value for {error}, which models.json does not give for {model!r}"
+        ) from None
 
 
 def render_notebook(template: str, model: str, overrides: dict | None = None):
@@ -97,8 +98,9 @@ def _with_step_headings(cells: list) -> list:
     return result
 
 
-def write_notebook(template: str, model: str, output: str | Path, overrides=None,
-                   overwrite: bool = False) -> tuple[Path, Path]:
+def write_notebook(
+    template: str, model: str, output: str | Path, overrides=None, overwrite: bool = False
+) -> tuple[Path, Path]:
     """Write OUTPUT.ipynb and its paired OUTPUT.py; refuse to overwrite unless told to."""
     import jupytext
 
@@ -119,9 +121,11 @@ def write_notebook(template: str, model: str, output: str | Path, overrides=None
 def listing() -> str:
     lines = ["models:"]
     for name, data in model_data().items():
-        lines.append(f"  {name:12s} {data['display_name']}: 4-bit {data['model_4bit']}, "
-                     f"chat template {data['chat_template']}, max_seq_length {data['max_seq_length']}, "
-                     f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}")
+        lines.append(
+            f"  {name:12s} {data['display_name']}: 4-bit {data['model_4bit']}, "
+            f"chat template {data['chat_template']}, max_seq_length {data['max_seq_length']}, "
+            f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}"
+        )
     lines.append("templates:")
     for name, description in TEMPLATES.items():
         lines.append(f"  {name:14s} {description}")

@@ -15,24 +15,29 @@ def save_all(model, tokenizer, config) -> dict[str, str]:
         result = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", overwrite=True)
         saved["lora"] = str(result.path)
         if config.hub_repo:
-            push = model.push_to_hub_merged(f"{config.hub_repo}-lora", tokenizer, save_method="lora",
-                                            token=token)
+            push = model.push_to_hub_merged(
+                f"{config.hub_repo}-lora", tokenizer, save_method="lora", token=token
+            )
             saved["lora (hub)"] = str(getattr(push, "url", push))
     if config.save_merged:
-        result = model.save_pretrained_merged(out / "merged-16bit", tokenizer, save_method="merged_16bit",
-                                              overwrite=True)
+        result = model.save_pretrained_merged(
+            out / "merged-16bit", tokenizer, save_method="merged_16bit", overwrite=True
+        )
         saved["merged_16bit"] = str(result.path)
         if config.hub_repo:
-            push = model.push_to_hub_merged(config.hub_repo, tokenizer, save_method="merged_16bit",
-                                            token=token)
+            push = model.push_to_hub_merged(
+                config.hub_repo, tokenizer, save_method="merged_16bit", token=token
+            )
             saved["merged (hub)"] = str(getattr(push, "url", push))
     if config.save_gguf:
-        paths = model.save_pretrained_gguf(out / "gguf", tokenizer,
-                                           quantization_method=config.gguf_quant_list, overwrite=True)
+        paths = model.save_pretrained_gguf(
+            out / "gguf", tokenizer, quantization_method=config.gguf_quant_list, overwrite=True
+        )
         for path in paths if isinstance(paths, (list, tuple)) else [paths]:
             saved[f"gguf {Path(str(path)).name}"] = str(path)
         if config.hub_repo:
-            push = model.push_to_hub_gguf(f"{config.hub_repo}-gguf", tokenizer,
-                                          quantization_method=config.gguf_quant_list, token=token)
+            push = model.push_to_hub_gguf(
+                f"{config.hub_repo}-gguf", tokenizer, quantization_method=config.gguf_quant_list, token=token
+            )
             saved["gguf (hub)"] = str(getattr(push, "url", push))
     return saved

@@ -16,7 +16,7 @@ def load_configured_dataset(source: str):
     from slothkit.data import example_dataset, load_data
 
     if source.startswith(EXAMPLE_PREFIX):
-        return example_dataset(source[len(EXAMPLE_PREFIX):])
+        return example_dataset(source[len(EXAMPLE_PREFIX) :])
     return load_data(source)
 
 
@@ -45,8 +45,9 @@ def _peak_memory_gib() -> float | None:
     return None
 
 
-def train(model, tokenizer, dataset, config, responses_only: bool = False, method: str = "sft",
-          **overrides) -> TrainResult:
+def train(
+    model, tokenizer, dataset, config, responses_only: bool = False, method: str = "sft", **overrides
+) -> TrainResult:
     """SFT (or DPO, method="dpo") for config.max_steps with the config's batch, accumulation
     and learning rate."""
     from slothkit import trainers
@@ -81,8 +82,10 @@ def train(model, tokenizer, dataset, config, responses_only: bool = False, metho
         raise RuntimeError("training logged no loss; check max_steps and logging_steps")
     result = TrainResult(losses[0], losses[-1], seconds, _peak_memory_gib(), losses, trainer)
     peak = f", peak GPU memory {result.peak_memory_gib:.2f} GiB" if result.peak_memory_gib else ""
-    print(f"{len(losses)} steps in {seconds:.1f} s{peak}; loss {result.first_loss:.4f} -> "
-          f"{result.final_loss:.4f}")
+    print(
+        f"{len(losses)} steps in {seconds:.1f} s{peak}; loss {result.first_loss:.4f} -> "
+        f"{result.final_loss:.4f}"
+    )
     plot_losses(losses)
     return result
 

@@ -131,7 +131,9 @@ class LocalHub:
     ):
         """tokens: {token: (user name, "write" or "read")}; default one write token for DEFAULT_USER."""
         self._own_root = root is None
-        self.root = pathlib.Path(root) if root is not None else pathlib.Path(tempfile.mkdtemp(prefix="slothkit-hub-"))
+        self.root = (
+            pathlib.Path(root) if root is not None else pathlib.Path(tempfile.mkdtemp(prefix="slothkit-hub-"))
+        )
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         self.tokens = dict(tokens) if tokens is not None else {DEFAULT_TOKEN: (DEFAULT_USER, "write")}
         self.lfs_threshold = lfs_threshold
@@ -163,7 +165,10 @@ class LocalHub:
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # a free port
         self._server.daemon_threads = True
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="slothkit-local-hub", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="slothkit-local-hub",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -294,7 +299,9 @@ class LocalHub:
             raise HubError(401, "Invalid credentials in Authorization header")
         user, role = self.tokens[token]
         if required == "write" and role != "write":
-            raise HubError(403, f"The token of {user} has the '{role}' role; this operation needs a write token")
+            raise HubError(
+                403, f"The token of {user} has the '{role}' role; this operation needs a write token"
+            )
         return user
 
     def _readable(self, repo_id: str, headers) -> _Repo:
@@ -350,7 +357,10 @@ class LocalHub:
         content = body.get("content") or ""
         match = re.match(r"^---\n(.*?)\n---", content, flags=re.DOTALL)
         if match is None:
-            return 200, {"errors": [], "warnings": [{"message": "empty or missing yaml metadata in repo card"}]}
+            return 200, {
+                "errors": [],
+                "warnings": [{"message": "empty or missing yaml metadata in repo card"}],
+            }
         try:
             import yaml
 
@@ -476,7 +486,9 @@ class LocalHub:
                         del tree[p]
                 else:
                     raise HubError(400, f"unsupported commit operation {key!r}")
-            commit = self._new_commit(repo, head, tree, header.get("summary", ""), header.get("description", ""), user)
+            commit = self._new_commit(
+                repo, head, tree, header.get("summary", ""), header.get("description", ""), user
+            )
             repo.refs[revision] = commit.oid
             return {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{commit.oid}", "commitOid": commit.oid,
                     "pullRequestUrl": None}  # fmt: skip
@@ -571,7 +583,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def _reply(self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"):
+    def _reply(
+        self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"
+    ):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -678,7 +692,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(description="A local stand-in for the Hugging Face Hub (127.0.0.1 only).")
+    parser = argparse.ArgumentParser(
+        description="A local stand-in for the Hugging Face Hub (127.0.0.1 only)."
+    )
     parser.add_argument("--root", help="folder to store repos in (default: a temporary one, removed on exit)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)  # a plain `kill` stops it as Ctrl-C does

@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
 from slothkit_kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from slothkit_kernels.testing import assert_close, relative_error
 from slothkit_kernels.utils import use_triton
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Largest relative error (in norm) of the gradient, which is rounded to the input dtype.
@@ -85,9 +86,7 @@ def test_matches_hf_causal_lm_loss(dtype, device):
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()  # (B, T)
 
     loss, grad = run_with_grad(cross_entropy, logits, shifted)
-    hf_loss, hf_grad = run_with_grad(
-        lambda x, y: ForCausalLMLoss(x, y, vocab_size=vocab), logits, labels
-    )
+    hf_loss, hf_grad = run_with_grad(lambda x, y: ForCausalLMLoss(x, y, vocab_size=vocab), logits, labels)
     assert_close(loss, hf_loss, **LOSS_TOL, msg="loss")
     assert relative_error(grad, hf_grad) < GRAD_RTOL[dtype]
 
@@ -108,7 +107,9 @@ def test_large_vocab_few_rows(device):
 
 @pytest.mark.parametrize("ignore_index", [-100, 3])
 def test_custom_ignore_index(ignore_index, device):
-    logits, labels = make_inputs(7, 300, torch.float32, device, seed=4, ignore_index=ignore_index, n_ignored=3)
+    logits, labels = make_inputs(
+        7, 300, torch.float32, device, seed=4, ignore_index=ignore_index, n_ignored=3
+    )
     loss, grad = run_with_grad(cross_entropy, logits, labels, ignore_index=ignore_index)
     ref = F.cross_entropy(logits.clone().requires_grad_(), labels, ignore_index=ignore_index)
     assert_close(loss, ref.detach(), **LOSS_TOL)

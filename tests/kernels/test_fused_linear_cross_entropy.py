@@ -3,13 +3,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
 from slothkit_kernels.fused_linear_cross_entropy import (
     default_chunk_size,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
 from slothkit_kernels.testing import assert_close, relative_error
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Relative error (in norm) of the gradients against the reference, which rounds
@@ -51,7 +52,10 @@ def torch_baseline(hidden, weight, labels, lm_bias=None, softcap=None, reduction
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap  # as Hugging Face's Gemma 2 does
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction=reduction, ignore_index=ignore_index
+        logits.reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        reduction=reduction,
+        ignore_index=ignore_index,
     ).float()
 
 
@@ -82,9 +86,15 @@ def test_one_row_chunks_and_one_chunk(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_torch_cross_entropy(dtype, softcap, device):
     hidden, weight, _, labels = make_inputs(N, H, V, dtype, device, seed=20)
-    loss, grads = run(fused_linear_cross_entropy, hidden, weight, None, labels, softcap=softcap, chunk_size=16)
+    loss, grads = run(
+        fused_linear_cross_entropy, hidden, weight, None, labels, softcap=softcap, chunk_size=16
+    )
     ref_loss, ref_grads = run(
-        lambda h, w, y, lm_bias: torch_baseline(h, w, y, lm_bias, softcap=softcap), hidden, weight, None, labels
+        lambda h, w, y, lm_bias: torch_baseline(h, w, y, lm_bias, softcap=softcap),
+        hidden,
+        weight,
+        None,
+        labels,
     )
     atol, rtol = TORCH_LOSS_TOL[dtype]
     assert_close(loss, ref_loss, atol=atol, rtol=rtol, msg="loss")
@@ -109,7 +119,9 @@ def test_trainable_weight_and_bias(dtype, reduction, device):
 
     # ... and against F.cross_entropy on the full logits.
     torch_loss, torch_grads = run(
-        lambda h, w, y, lm_bias: torch_baseline(h, w, y, lm_bias, reduction=reduction), *inputs, grads=names,
+        lambda h, w, y, lm_bias: torch_baseline(h, w, y, lm_bias, reduction=reduction),
+        *inputs,
+        grads=names,
         out_scale=0.5,
     )
     atol, rtol = TORCH_LOSS_TOL[dtype]
@@ -156,7 +168,10 @@ def test_num_items_in_batch_matches_hf(num_items, device):
             lambda h, w, y, lm_bias: ForCausalLMLoss(
                 h @ w.t(), y, vocab_size=V, num_items_in_batch=torch.tensor(num_items)
             ),
-            hidden, weight, None, labels,
+            hidden,
+            weight,
+            None,
+            labels,
         )
         assert_close(loss, hf_loss, **LOSS_TOL)
         assert grads["hidden"].shape == (batch, seq, H)
@@ -179,7 +194,9 @@ def test_all_labels_ignored_gives_zero_not_nan(device):
     hidden, weight, _, labels = make_inputs(6, H, 70, torch.float32, device, seed=26)
     labels[:] = -100
     for reduction in ("mean", "sum"):
-        loss, grads = run(fused_linear_cross_entropy, hidden, weight, None, labels, chunk_size=4, reduction=reduction)
+        loss, grads = run(
+            fused_linear_cross_entropy, hidden, weight, None, labels, chunk_size=4, reduction=reduction
+        )
         assert loss == 0
         assert (grads["hidden"] == 0).all()
 
@@ -229,7 +246,9 @@ def test_default_chunk_size():
 
 
 def test_bad_inputs_raise(device):
-    hidden, weight, bias, labels = make_inputs(4, 8, 20, torch.float32, device, seed=30, n_ignored=0, bias=True)
+    hidden, weight, bias, labels = make_inputs(
+        4, 8, 20, torch.float32, device, seed=30, n_ignored=0, bias=True
+    )
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 20\)"):
         fused_linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 20, 3], device=device))
     with pytest.raises(ValueError, match="lm_weight"):

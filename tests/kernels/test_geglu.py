@@ -111,9 +111,7 @@ def test_geglu_non_contiguous(approximate, device):
 def test_geglu_writes_every_element(monkeypatch, device):
     """Outputs are allocated NaN-poisoned: a tail element left unwritten would fail."""
     real_empty_like = torch.empty_like
-    monkeypatch.setattr(
-        torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan"))
-    )
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
     gate, up, grad_h = _inputs((3, 1025), torch.bfloat16, device, seed=8)  # 3075 = 3 * 1024 + 3
     h_gold, de_gold, dg_gold = _gold(gate, up, grad_h, "none")
     assert_close(geglu_forward(gate, up, "none"), h_gold, torch.bfloat16, msg="h")

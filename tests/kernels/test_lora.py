@@ -31,8 +31,8 @@ from slothkit_kernels.lora import (
     lora_qkv_reference,
     lora_qkv_rope,
 )
-from slothkit_kernels.rope import rope
 from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.rope import rope
 from slothkit_kernels.testing import relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -87,9 +87,7 @@ class TinyBlock(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _peft_block(
-    dtype, device, activation="swiglu", targets=ALL_TARGETS, bias=False, rslora=False, seed=0
-):
+def _peft_block(dtype, device, activation="swiglu", targets=ALL_TARGETS, bias=False, rslora=False, seed=0):
     torch.manual_seed(seed)
     block = TinyBlock(activation, bias).to(device, dtype)
     config = LoraConfig(
@@ -215,9 +213,7 @@ def test_lora_mlp_matches_peft(dtype, activation, targets, device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize(
-    "targets", [ALL_TARGETS, ["q_proj", "v_proj"]], ids=["all", "k_without_adapter"]
-)
+@pytest.mark.parametrize("targets", [ALL_TARGETS, ["q_proj", "v_proj"]], ids=["all", "k_without_adapter"])
 def test_lora_qkv_matches_peft(dtype, bias, targets, device):
     block = _peft_block(dtype, device, bias=bias, targets=targets, seed=3)
     q, k, v = block.q_proj, block.k_proj, block.v_proj
@@ -344,9 +340,7 @@ def test_lora_mlp_backward_only_gives_the_same_gradients(dtype, activation, whic
         x.requires_grad_(False)
 
     y, grads = _run(lambda: lora_mlp(x, *projs, activation=activation), params)
-    y_skip, grads_skip = _run(
-        lambda: lora_mlp(x, *projs, activation=activation, backward_only=True), params
-    )
+    y_skip, grads_skip = _run(lambda: lora_mlp(x, *projs, activation=activation, backward_only=True), params)
     assert y_skip[0].shape == y[0].shape and y_skip[0].dtype == y[0].dtype
     assert torch.count_nonzero(y_skip[0]) == 0
     _compare(grads_skip, grads, REF_RTOL[dtype], f"backward_only grads ({which})")
@@ -664,8 +658,9 @@ def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkey
     projs = []
     for in_f, out_f in ((hidden, inter), (hidden, inter), (inter, hidden)):
         weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
-        packed, state = bnb_functional.quantize_4bit(weight, quant_type="nf4",
-                                                     compress_statistics=True, blocksize=64)
+        packed, state = bnb_functional.quantize_4bit(
+            weight, quant_type="nf4", compress_statistics=True, blocksize=64
+        )
         state.to(device)
         a = (torch.randn(RANK, in_f, generator=gen) / in_f**0.5).to(device).requires_grad_()
         b = (torch.randn(out_f, RANK, generator=gen) / RANK**0.5).to(device).requires_grad_()
@@ -691,10 +686,16 @@ def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkey
     # (192 x 128, taller than wide) stay whole.
     monkeypatch.setattr(lora_module, "NF4_SLAB_BYTES", hidden * inter * dtype.itemsize // 3)
     slabbed = _run(lambda: lora_mlp(x, *projs), params)
-    assert columns == [((inter, hidden), None), ((inter, hidden), None), ((hidden, inter), None),
-                       ((hidden, inter), (0, 64)), ((hidden, inter), (64, 128)),
-                       ((hidden, inter), (128, 192)),  # dL/dh = dY W_down
-                       ((inter, hidden), None), ((inter, hidden), None)]  # dX: gate and up
+    assert columns == [
+        ((inter, hidden), None),
+        ((inter, hidden), None),
+        ((hidden, inter), None),
+        ((hidden, inter), (0, 64)),
+        ((hidden, inter), (64, 128)),
+        ((hidden, inter), (128, 192)),  # dL/dh = dY W_down
+        ((inter, hidden), None),
+        ((inter, hidden), None),
+    ]  # dX: gate and up
     # Each element of a slab's product is the same dot product as the whole GEMM's.
     _compare(slabbed[0], whole[0], REF_RTOL[dtype] / 10, "y")
     _compare(slabbed[1], whole[1], REF_RTOL[dtype] / 10, "grads in slabs vs whole")
@@ -801,9 +802,7 @@ def _big_projection(in_f, out_f, r, dtype, nf4=False):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(
-    "nf4", [False, pytest.param(True, marks=needs_nf4_kernel)], ids=["bf16", "nf4"]
-)
+@pytest.mark.parametrize("nf4", [False, pytest.param(True, marks=needs_nf4_kernel)], ids=["bf16", "nf4"])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_lora_mlp_large(nf4, activation):
     dtype = torch.bfloat16
@@ -843,7 +842,8 @@ def test_lora_qkv_rope_large():
     projs = [_big_projection(4096, n, 16, dtype)[0] for n in (4096, 1024, 1024)]
     x = torch.randn(batch, seq, 4096, device="cuda", dtype=dtype).requires_grad_()
     angles = torch.arange(seq, device="cuda")[:, None] / 10000 ** (
-        torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+        torch.arange(0, head_dim, 2, device="cuda") / head_dim
+    )
     angles = torch.cat([angles, angles], dim=-1)[None]
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     params = [x] + [t for p in projs for t in (p.lora_a, p.lora_b)]
@@ -856,8 +856,7 @@ def test_lora_qkv_rope_large():
         return (*rope(heads(q), heads(k), cos, sin), heads(v))
 
     outs_ref, grads_ref = _run(separate, params)
-    outs, grads = _run(lambda: tuple(heads(t) for t in lora_qkv_rope(x, *projs, cos, sin, head_dim)),
-                       params)
+    outs, grads = _run(lambda: tuple(heads(t) for t in lora_qkv_rope(x, *projs, cos, sin, head_dim)), params)
     for a, b in zip(outs + grads, outs_ref + grads_ref):
         assert torch.equal(a, b)
 

@@ -6,9 +6,10 @@ import dataclasses
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
 import pytest
-import slothkit_kernels.nf4 as nf4_module
 import torch
 from bitsandbytes.functional import QuantState
+
+import slothkit_kernels.nf4 as nf4_module
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.utils import warn_reference_once
@@ -53,8 +54,7 @@ def assert_bit_equal(actual, expected, msg=""):
     if not torch.equal(actual, expected):
         diff = (actual.float() - expected.float()).abs()
         raise AssertionError(
-            f"{msg}: {int((diff != 0).sum())} of {diff.numel()} elements differ "
-            f"(max {diff.max().item():.3g})"
+            f"{msg}: {int((diff != 0).sum())} of {diff.numel()} elements differ (max {diff.max().item():.3g})"
         )
 
 
@@ -303,7 +303,6 @@ def test_bad_out(make_out, match):
         dequantize_nf4(_valid_weight(), out=make_out())
 
 
-
 # (12, 1024) with blocks of 64: nested scales in groups of 256 blocks span 16 rows, so
 # slabs start inside a nested group; (40, 384) with 128: three blocks per row.
 @pytest.mark.parametrize("shape, blocksize", [((12, 1024), 64), ((40, 384), 128)], ids=str)
@@ -314,8 +313,12 @@ def test_column_slabs_are_the_columns_of_the_whole(shape, blocksize, dtype, nest
     weight = NF4Weight.from_bitsandbytes(packed, state)
     whole = bnb_dequantize(packed, state)
     cols = shape[1]
-    for start, stop in [(0, blocksize), (blocksize, cols), (cols - blocksize, cols),
-                        (blocksize, 3 * blocksize)]:
+    for start, stop in [
+        (0, blocksize),
+        (blocksize, cols),
+        (cols - blocksize, cols),
+        (blocksize, 3 * blocksize),
+    ]:
         slab = dequantize_nf4(weight, columns=(start, stop))
         assert slab.is_contiguous()
         assert_bit_equal(slab, whole[:, start:stop].contiguous(), f"columns {start}:{stop}")
@@ -325,8 +328,9 @@ def test_column_slabs_are_the_columns_of_the_whole(shape, blocksize, dtype, nest
     pieces = weight.column_slabs(max_bytes=whole.numel() * whole.element_size() // 3)
     assert len(pieces) == 3 and pieces[0][0] == 0 and pieces[-1][1] == cols
     assert all(a[1] == b[0] and a[0] % blocksize == 0 for a, b in zip(pieces, pieces[1:]))
-    assert_bit_equal(torch.cat([dequantize_nf4(weight, columns=c) for c in pieces], dim=1),
-                     whole, "slabs side by side")
+    assert_bit_equal(
+        torch.cat([dequantize_nf4(weight, columns=c) for c in pieces], dim=1), whole, "slabs side by side"
+    )
 
 
 def test_column_slabs_refuse_what_is_not_whole_blocks():

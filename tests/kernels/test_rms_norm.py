@@ -110,7 +110,9 @@ def test_rms_norm_matches_transformers(shape, dtype, gemma, device):
         _check(dw, expected[2], scale_dw, dtype, device, what=f"dw vs {name}")
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+)
 def test_llama_mixed_dtypes_promote_like_transformers(x_dtype, w_dtype, device):
     """LlamaRMSNorm returns weight * x_hat.to(x.dtype) in the promoted dtype."""
     shape = (5, 48)

@@ -58,7 +58,9 @@ def _check(actual, expected, scale, dtype, device, k=2.0, what=""):
 def _rotary(head_dim, dtype, device, position_ids):
     """cos, sin (B, T, D) in dtype, as a Llama attention layer receives them."""
     config = LlamaConfig(
-        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
         max_position_embeddings=256,
     )
     rotary = LlamaRotaryEmbedding(config).to(device)
@@ -343,7 +345,11 @@ def test_bad_inputs_are_refused(device):
         (ValueError, "range over \\[-1", lambda: rope(q, k, table_cos, table_sin, pos - 1)),
         (TypeError, "position_ids has dtype", lambda: rope(q, k, table_cos, table_sin, pos.float())),
         (ValueError, "position_ids has shape", lambda: rope(q, k, table_cos, table_sin, pos[:, :4])),
-        (ValueError, "position_ids has shape", lambda: rope(q, k, table_cos, table_sin, pos.repeat(2, 1)[:3])),
+        (
+            ValueError,
+            "position_ids has shape",
+            lambda: rope(q, k, table_cos, table_sin, pos.repeat(2, 1)[:3]),
+        ),
         (ValueError, "must be a \\(max_positions, D\\) table", lambda: rope(q, k, cos, sin, pos)),
         (ValueError, "without position_ids expected", lambda: rope(q, k, cos[None], sin[None])),
     ]
@@ -425,6 +431,7 @@ def test_rotate_and_its_transpose_outside_autograd(dtype, device):
     gq, gk = rand(*q.shape), rand(*k.shape)
     qf, kf = q.float().requires_grad_(), k.float().requires_grad_()
     dq_ref, dk_ref = torch.autograd.grad(
-        rope_reference(qf, kf, cos.float(), sin.float()), (qf, kf), (gq.float(), gk.float()))
+        rope_reference(qf, kf, cos.float(), sin.float()), (qf, kf), (gq.float(), gk.float())
+    )
     dq, dk = rotate(gq.clone(), gk.clone(), cos, sin, inverse=True)  # in place
     assert relative_error(dq, dq_ref) < tol and relative_error(dk, dk_ref) < tol

@@ -115,9 +115,7 @@ def test_swiglu_non_contiguous(dtype, device):
 def test_swiglu_writes_every_element(monkeypatch, device):
     """Outputs are allocated NaN-poisoned: a tail element left unwritten would fail."""
     real_empty_like = torch.empty_like
-    monkeypatch.setattr(
-        torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan"))
-    )
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
     gate, up, grad_h = _inputs((3, 1025), torch.bfloat16, device, seed=8)  # 3075 = 3 * 1024 + 3
     h_gold, de_gold, dg_gold = _gold(gate, up, grad_h)
     assert_close(swiglu_forward(gate, up), h_gold, torch.bfloat16, msg="h")

@@ -27,7 +27,13 @@ def test_demo_trains_and_saves_adapter(tmp_path, capsys):
     adapter = tmp_path / "lora-adapter"
     config = PeftConfig.from_pretrained(adapter)
     assert set(config.target_modules) == {
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
     }
     assert (adapter / "adapter_model.safetensors").stat().st_size > 0
 
@@ -73,8 +79,9 @@ def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     from slothkit.notebook import execute
 
     real = execute.demo_environment
-    monkeypatch.setattr(execute, "demo_environment",
-                        lambda *a: {**real(*a), "SLOTHKIT_DATASET": "example:alpaca"})
+    monkeypatch.setattr(
+        execute, "demo_environment", lambda *a: {**real(*a), "SLOTHKIT_DATASET": "example:alpaca"}
+    )
     out = tmp_path / "demo"
     assert main(["demo", "--model", "mistral-7b", "--template", "dpo", "--output-dir", str(out)]) == 1
     err = capsys.readouterr().err

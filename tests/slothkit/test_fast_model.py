@@ -34,17 +34,27 @@ def _plain_peft(path, load_in_4bit, device):
 
     quant = None
     if load_in_4bit:
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                   bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 quantization_config=quant,
-                                                 attn_implementation="sdpa",
-                                                 device_map={"": device})
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        quantization_config=quant,
+        attn_implementation="sdpa",
+        device_map={"": device},
+    )
     torch.manual_seed(3407)
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                        "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     model = get_peft_model(model, config)
     model.train()
     return model
@@ -52,8 +62,7 @@ def _plain_peft(path, load_in_4bit, device):
 
 def _fused(path, load_in_4bit, checkpointing=False):
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=load_in_4bit)
-    return FastModel.get_peft_model(model, r=8, lora_alpha=16,
-                                    use_gradient_checkpointing=checkpointing)
+    return FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=checkpointing)
 
 
 def _train(model, ids, labels, steps):
@@ -64,8 +73,7 @@ def _train(model, ids, labels, steps):
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                           if p.requires_grad}
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -84,8 +92,7 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     fused_losses, fused_grads = _train(fused, ids, labels, STEPS)
 
     assert plain_losses[-1] < plain_losses[0]  # the run actually learns
-    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
     assert plain_grads.keys() == fused_grads.keys()
     for name, grad in plain_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -102,8 +109,9 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
 
 @pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums,
-                                                      monkeypatch):
+def test_offloaded_checkpointing_gives_same_gradients(
+    arch, keeps, device, mlp_calls, known_sums, monkeypatch
+):
     monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", keeps)
     path = tiny_model_path(arch)
     results = []
@@ -119,8 +127,11 @@ def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_c
         # The offload re-run in backward skips the MLP's down projection, and with kept
         # sums the output projection; torch's checkpoint re-runs the whole layer.
         layers = model.config.num_hidden_layers
-        expected = {False: [False] * layers, True: [False] * 2 * layers,
-                    "offload": [False] * layers + [True] * layers}[mode]
+        expected = {
+            False: [False] * layers,
+            True: [False] * 2 * layers,
+            "offload": [False] * layers + [True] * layers,
+        }[mode]
         assert mlp_calls == expected, mode
         if mode == "offload" and keeps == "1":
             expected = [False] * layers + [True] * layers
@@ -197,10 +208,16 @@ def test_attentions_and_hidden_states_are_returned_when_asked(device):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_path("llama")
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                                 device_map={"": device})
-    fused, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False,
-                                         attn_implementation="eager", device_map={"": device})
+    plain = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", device_map={"": device}
+    )
+    fused, _ = FastModel.from_pretrained(
+        str(path),
+        dtype=torch.float32,
+        load_in_4bit=False,
+        attn_implementation="eager",
+        device_map={"": device},
+    )
     ids, _ = _batch(plain.config.vocab_size)
     with torch.no_grad():
         expected = plain(ids.to(device), output_attentions=True, output_hidden_states=True)
@@ -222,8 +239,9 @@ def test_importing_slothkit_patches_nothing_and_models_coexist(device):
     assert "forward" not in vars(plain.model.layers[0].mlp)
     ids, _ = (t.to(device) for t in _batch(plain.config.vocab_size))
     with torch.no_grad():
-        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            fused(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_clear_errors_for_bad_input(tmp_path):
@@ -319,11 +337,13 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
 
     path = tiny_model_path(arch)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, attn_implementation="sdpa",
-                                                 device_map={"": device})
+    plain = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float16, attn_implementation="sdpa", device_map={"": device}
+    )
     torch.manual_seed(3407)
-    plain = get_peft_model(plain, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules=targets, task_type="CAUSAL_LM"))
+    plain = get_peft_model(
+        plain, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    )
     plain.train()
     fused, _ = FastModel.from_pretrained(str(path), dtype=torch.float16, load_in_4bit=False)
     fused = FastModel.get_peft_model(fused, r=8, lora_alpha=16, use_gradient_checkpointing=False)

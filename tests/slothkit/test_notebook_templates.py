@@ -44,7 +44,7 @@ def test_every_model_has_a_committed_finetune_notebook():
 def test_new_notebook_refuses_to_overwrite_and_explains_bad_names(tmp_path, capsys):
     out = tmp_path / "nb"
     assert main(["new-notebook", "gemma-7b", "-o", str(out), "--set", "max_seq_length=4096"]) == 0
-    assert 'MAX_SEQ_LENGTH = 4096' in (tmp_path / "nb.py").read_text()
+    assert "MAX_SEQ_LENGTH = 4096" in (tmp_path / "nb.py").read_text()
     assert main(["new-notebook", "gemma-7b", "-o", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     assert main(["new-notebook", "gemma-7b", "-o", str(out), "--force"]) == 0
@@ -70,8 +70,9 @@ def test_install_cell_says_what_to_do_when_pip_cannot_install_slothkit(monkeypat
     notebook = render_notebook("finetune", "gemma-7b")
     (cell,) = [c for c in notebook.cells if c.cell_type == "code" and "SLOTHKIT_PIP_SPEC" in c.source]
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "slothkit" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "slothkit" else real_find_spec(name, *a)
+    )
     calls = []
     monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 1)
     monkeypatch.setenv("SLOTHKIT_PIP_SPEC", "/nowhere/slothkit.whl")

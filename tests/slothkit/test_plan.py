@@ -23,14 +23,21 @@ def _measured():
 MEASURED = list(_measured())
 
 
-@pytest.mark.parametrize("record,row", MEASURED,
-                         ids=[f"{r['model']}-{r['mode']}-{r['batch']}x{r['seq']}" for r, _ in MEASURED])
+@pytest.mark.parametrize(
+    "record,row", MEASURED, ids=[f"{r['model']}-{r['mode']}-{r['batch']}x{r['seq']}" for r, _ in MEASURED]
+)
 def test_prediction_within_15_percent_of_measured_peak(record, row):
     # `bench --t4` runs (fp16 under a 15 GiB cap) are checked as the notebooks use the
     # planner on a T4: it must also say the run fits and pick fp16.
     t4 = record["dtype"] == "fp16" and record.get("memory_gib") == 15
-    predicted = plan(record["model"], gpu="t4" if t4 else "h200", seq=record["seq"],
-                     batch=record["batch"], mode=record["mode"], rank=record["rank"])
+    predicted = plan(
+        record["model"],
+        gpu="t4" if t4 else "h200",
+        seq=record["seq"],
+        batch=record["batch"],
+        mode=record["mode"],
+        rank=record["rank"],
+    )
     # Weights are computed, not fitted: they must match what was allocated after loading.
     assert predicted.weights_gib == pytest.approx(row["loaded_gib"], rel=0.03)
     assert predicted.total_gib == pytest.approx(row["peak_allocated_gib"], rel=0.15)

@@ -42,8 +42,14 @@ from slothkit.trainers import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MAX_SEQ = 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RUN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, warmup_steps=0, save_strategy="no",
-           disable_tqdm=True, dataloader_pin_memory=False)
+RUN = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=1,
+    warmup_steps=0,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_pin_memory=False,
+)
 
 
 @pytest.fixture
@@ -66,8 +72,9 @@ def quiet(monkeypatch, tmp_path):
 def _load(kind, load_in_4bit=False, arch="llama", template="llama-3"):
     path = str(tiny_model_path(arch))
     if kind == "slothkit":
-        model, tokenizer = FastModel.from_pretrained(path, dtype=torch.float32, load_in_4bit=load_in_4bit,
-                                                     max_seq_length=MAX_SEQ)
+        model, tokenizer = FastModel.from_pretrained(
+            path, dtype=torch.float32, load_in_4bit=load_in_4bit, max_seq_length=MAX_SEQ
+        )
         get_chat_template(tokenizer, template, model=model)
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
         assert model.get_base_model()._slothkit_architecture == arch  # the fused path is on
@@ -78,11 +85,20 @@ def _load(kind, load_in_4bit=False, arch="llama", template="llama-3"):
 
     quantization = None
     if load_in_4bit:
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=torch.float32)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
     device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None  # as FastModel does
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, quantization_config=quantization,
-                                                 attn_implementation="sdpa", device_map=device_map)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        quantization_config=quantization,
+        attn_implementation="sdpa",
+        device_map=device_map,
+    )
     model.max_seq_length = MAX_SEQ
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
@@ -94,7 +110,9 @@ def _load(kind, load_in_4bit=False, arch="llama", template="llama-3"):
 
 def _lora_weights(model):
     # the trained adapter only (DPOTrainer adds a frozen copy named "ref")
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n and ".default." in n}
+    return {
+        n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n and ".default." in n
+    }
 
 
 def _history(trainer, *keys):
@@ -119,8 +137,9 @@ def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ):
     model, tokenizer = _load(kind, load_in_4bit)
     initial = _lora_weights(model)
     dataset = apply_chat_template(example_dataset("chat").select(range(records)), tokenizer)
-    args = sft_config(model, max_steps=steps, learning_rate=2e-3, max_length=max_length, output_dir=f"unused-{kind}",
-                      **RUN)
+    args = sft_config(
+        model, max_steps=steps, learning_rate=2e-3, max_length=max_length, output_dir=f"unused-{kind}", **RUN
+    )
     trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
     trainer.train()
     return trainer, model, initial
@@ -143,8 +162,9 @@ def test_sft_runs_on_the_triton_kernels():
         warnings.simplefilter("error", UserWarning)  # neither sample may lose its reply to max_length
         fused, fused_model, initial = _sft("slothkit", steps=1, records=2, max_length=64)
     plain, plain_model, _ = _sft("hf", steps=1, records=2, max_length=64)
-    torch.testing.assert_close(torch.tensor(_history(fused, "loss")), torch.tensor(_history(plain, "loss")),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(_history(fused, "loss")), torch.tensor(_history(plain, "loss")), rtol=1e-4, atol=1e-5
+    )
     _assert_same_lora(fused_model, plain_model, initial)
 
 
@@ -164,7 +184,9 @@ def test_dpo_matches_hf_peft(reference_kernels, load_in_4bit):
     keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
     fused_log, plain_log = torch.tensor(_history(fused, *keys)), torch.tensor(_history(plain, *keys))
     torch.testing.assert_close(fused_log, plain_log, rtol=1e-4, atol=1e-5)
-    assert fused_log[0, 0] == pytest.approx(torch.log(torch.tensor(2.0)).item(), abs=1e-6)  # policy == reference
+    assert fused_log[0, 0] == pytest.approx(
+        torch.log(torch.tensor(2.0)).item(), abs=1e-6
+    )  # policy == reference
     assert fused_log[1, 1:3].abs().min() > 1e-4  # rewards moved away from zero after one step
     _assert_same_lora(fused_model, plain_model, initial)
 
@@ -178,8 +200,16 @@ def _grpo(kind, load_in_4bit):
     model, tokenizer = _load(kind, load_in_4bit)
     initial = _lora_weights(model)
     prompts = example_dataset("preference").select(range(8)).remove_columns(["chosen", "rejected"])
-    args = grpo_config(model, max_steps=2, learning_rate=1e-2, num_generations=2, max_completion_length=6,
-                       beta=0.1, output_dir=f"unused-{kind}", **RUN)
+    args = grpo_config(
+        model,
+        max_steps=2,
+        learning_rate=1e-2,
+        num_generations=2,
+        max_completion_length=6,
+        beta=0.1,
+        output_dir=f"unused-{kind}",
+        **RUN,
+    )
     trainer = grpo_trainer(model, tokenizer, [_digits_reward], prompts, args=args)
     trainer.train()
     return trainer, model, initial
@@ -205,8 +235,10 @@ def _two_samples(tokenizer):
     """Two conversations with replies of different lengths, so that a mean of per-batch
     means differs from the mean over all reply tokens."""
     short = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
-    long = [{"role": "user", "content": "Convert 3 km to m."},
-            {"role": "assistant", "content": "3 kilometres is 3000 metres, since 1 km is 1000 m."}]
+    long = [
+        {"role": "user", "content": "Convert 3 km to m."},
+        {"role": "assistant", "content": "3 kilometres is 3000 metres, since 1 km is 1000 m."},
+    ]
     records = [{"messages": short}, {"messages": long}]
     return apply_chat_template(records, tokenizer)
 
@@ -214,17 +246,31 @@ def _two_samples(tokenizer):
 def _sgd_step(kind_of_trainer, batch, accumulation):
     model, tokenizer = _load("slothkit")
     dataset = _two_samples(tokenizer)
-    common = dict(max_steps=1, learning_rate=0.5, optim="sgd", per_device_train_batch_size=batch,
-                  gradient_accumulation_steps=accumulation, warmup_steps=0, save_strategy="no",
-                  disable_tqdm=True, dataloader_pin_memory=False, output_dir="unused")
+    common = dict(
+        max_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        warmup_steps=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        output_dir="unused",
+    )
     if kind_of_trainer == "sft":
         trainer = sft_trainer(model, tokenizer, dataset, args=sft_config(model, **common))
     else:
         from transformers import Trainer
 
         encoded = dataset.map(lambda r: tokenizer(r["text"]), remove_columns=["text"])
-        trainer = Trainer(model=model, args=training_arguments(model, **common), train_dataset=encoded,
-                          data_collator=_pad_right(tokenizer), processing_class=tokenizer)
+        trainer = Trainer(
+            model=model,
+            args=training_arguments(model, **common),
+            train_dataset=encoded,
+            data_collator=_pad_right(tokenizer),
+            processing_class=tokenizer,
+        )
     trainer = train_on_responses_only(trainer)
     trainer.train()
     return _history(trainer, "loss")[0][0], _lora_weights(model)
@@ -275,8 +321,9 @@ def test_gradient_accumulation_matches_a_bigger_batch(reference_kernels, monkeyp
 
 
 def test_batched_generation_with_left_padding_matches_one_by_one(reference_kernels):
-    model, tokenizer = FastModel.from_pretrained(str(tiny_model_path("llama")), dtype=torch.float32,
-                                                 load_in_4bit=False, max_seq_length=MAX_SEQ)
+    model, tokenizer = FastModel.from_pretrained(
+        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False, max_seq_length=MAX_SEQ
+    )
     get_chat_template(tokenizer, "llama-3", model=model)
     model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
     assert tokenizer.padding_side == "right"
@@ -287,9 +334,17 @@ def test_batched_generation_with_left_padding_matches_one_by_one(reference_kerne
                 param.normal_(0, 0.05, generator=generator)
     FastModel.for_inference(model)
     assert tokenizer.padding_side == "left"
-    questions = ["Name a colour.", "Convert 3 kilometres to metres, please.", "What is the capital of France?"]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in questions]
+    questions = [
+        "Name a colour.",
+        "Convert 3 kilometres to metres, please.",
+        "What is the capital of France?",
+    ]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     assert (batch["attention_mask"][:, -1] == 1).all()  # padded on the left
@@ -329,7 +384,9 @@ def test_setup_checks(reference_kernels):
 
     model, tokenizer = _load("slothkit")
     dataset = apply_chat_template(example_dataset("chat").select(range(2)), tokenizer)
-    args = SFTConfig(output_dir="unused", bf16=False, report_to="none")  # TRL's default turns checkpointing on
+    args = SFTConfig(
+        output_dir="unused", bf16=False, report_to="none"
+    )  # TRL's default turns checkpointing on
     with pytest.warns(UserWarning, match="would replace the checkpointing FastModel.get_peft_model set up"):
         sft_trainer(model, tokenizer, dataset, args=args)
     assert args.gradient_checkpointing is False
@@ -342,8 +399,10 @@ def test_setup_checks(reference_kernels):
     "records, match",
     [
         ([{"question": "a", "answer": "b"}], "SFT needs one of: 'text'"),
-        ([{"messages": [{"role": "bot", "content": "a"}]}],
-         "training record 0 \\('messages'\\), message 0: role 'bot'"),
+        (
+            [{"messages": [{"role": "bot", "content": "a"}]}],
+            "training record 0 \\('messages'\\), message 0: role 'bot'",
+        ),
         ([{"messages": []}], "training record 0 \\('messages'\\) is empty"),
     ],
 )
@@ -352,7 +411,9 @@ def test_bad_data_is_refused_before_trl(reference_kernels, records, match):
 
     model, tokenizer = _load("slothkit")
     with pytest.raises(ValueError, match=match):
-        sft_trainer(model, tokenizer, datasets.Dataset.from_list(records), args=sft_config(model, output_dir="unused"))
+        sft_trainer(
+            model, tokenizer, datasets.Dataset.from_list(records), args=sft_config(model, output_dir="unused")
+        )
 
 
 def test_over_long_samples_are_truncated_or_refused_clearly(reference_kernels):
@@ -360,8 +421,14 @@ def test_over_long_samples_are_truncated_or_refused_clearly(reference_kernels):
     leaves no reply token, the error names the markers and shows what was left."""
     model, tokenizer = _load("slothkit")
     long_reply = " ".join(["The lighthouse keeper climbs the steps at dusk."] * 20)
-    records = [{"messages": [{"role": "user", "content": "Tell me a story."},
-                             {"role": "assistant", "content": long_reply}]}] * 2
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "Tell me a story."},
+                {"role": "assistant", "content": long_reply},
+            ]
+        }
+    ] * 2
     dataset = apply_chat_template(records, tokenizer)
     assert len(tokenizer(dataset[0]["text"])["input_ids"]) > MAX_SEQ
     args = sft_config(model, max_steps=1, max_length=40, output_dir="unused", **RUN)

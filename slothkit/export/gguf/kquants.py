@@ -91,7 +91,9 @@ DEQUANTIZERS = {"Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequan
 
 def _quantize(weight: torch.Tensor, name: str, encode) -> torch.Tensor:
     if weight.shape[-1] % QK_K:
-        raise ValueError(f"{name} needs rows whose length is a multiple of {QK_K}; got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"{name} needs rows whose length is a multiple of {QK_K}; got shape {tuple(weight.shape)}"
+        )
     lead = weight.shape[:-1]
     blocks = weight.detach().reshape(-1, QK_K).float()  # (n_blocks, 256)
     out = torch.empty(blocks.shape[0], BLOCK_BYTES[name], dtype=torch.uint8, device=blocks.device)
@@ -195,7 +197,11 @@ def _super_block_scale_min(x: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     n_blocks = x.shape[0]
     sub = x.reshape(n_blocks * 8, 32)
     scales, mins, levels = _fit_scale_min(sub, nmax, rmin, rdelta, nstep)
-    scales, mins, levels = scales.reshape(n_blocks, 8), mins.reshape(n_blocks, 8), levels.reshape(n_blocks, 8, 32)
+    scales, mins, levels = (
+        scales.reshape(n_blocks, 8),
+        mins.reshape(n_blocks, 8),
+        levels.reshape(n_blocks, 8, 32),
+    )
 
     max_scale = scales.amax(-1).clamp(min=0.0)
     max_min = mins.amax(-1).clamp(min=0.0)
@@ -210,7 +216,9 @@ def _super_block_scale_min(x: torch.Tensor, nmax: int, rmin: float, rdelta: floa
     sub_d = d[:, None] * ls  # (B, 8)
     sub_m = dmin[:, None] * lm
     nonzero = sub_d != 0  # ggml keeps the fitted levels where the stored scale is 0
-    requant = torch.round((x.reshape(n_blocks, 8, 32) + sub_m[..., None]) / torch.where(nonzero, sub_d, 1.0)[..., None])
+    requant = torch.round(
+        (x.reshape(n_blocks, 8, 32) + sub_m[..., None]) / torch.where(nonzero, sub_d, 1.0)[..., None]
+    )
     levels = torch.where(nonzero[..., None], requant.clamp_(0, nmax), levels)
     return d, dmin, ls.to(torch.uint8), lm.to(torch.uint8), levels.to(torch.uint8).reshape(n_blocks, QK_K)
 
@@ -261,7 +269,9 @@ def _split_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _encode_q4_k(x: torch.Tensor) -> torch.Tensor:
     d, dmin, ls, lm, levels = _super_block_scale_min(x, nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
-    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), _pack_scale_min(ls, lm), _low_nibbles(levels)], dim=1)
+    return torch.cat(
+        [_fp16_bytes(d), _fp16_bytes(dmin), _pack_scale_min(ls, lm), _low_nibbles(levels)], dim=1
+    )
 
 
 def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -283,7 +293,9 @@ def _encode_q5_k(x: torch.Tensor) -> torch.Tensor:
     high = (levels >> 4).reshape(-1, 8, 32).to(torch.int32)  # (B, 8 = 2c + h, 32)
     shifts = torch.arange(8, device=x.device, dtype=torch.int32)[None, :, None]
     qh = (high << shifts).sum(1).to(torch.uint8)  # (B, 32)
-    return torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), _pack_scale_min(ls, lm), qh, _low_nibbles(levels)], dim=1)
+    return torch.cat(
+        [_fp16_bytes(d), _fp16_bytes(dmin), _pack_scale_min(ls, lm), qh, _low_nibbles(levels)], dim=1
+    )
 
 
 def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,9 @@ def encoded_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     return n // block * size
 
 
-def encode(weight: torch.Tensor, qtype: GGMLQuantizationType, device: torch.device | str | None = None) -> np.ndarray:
+def encode(
+    weight: torch.Tensor, qtype: GGMLQuantizationType, device: torch.device | str | None = None
+) -> np.ndarray:
     """A float tensor -> the array GGUFWriter stores for `qtype`: float32/float16 with the
     tensor's shape, or uint8 with the last dimension in bytes."""
     if qtype == T.F32:

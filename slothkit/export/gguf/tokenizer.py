@@ -173,7 +173,9 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
 
     duplicates = sorted(t for t, n in collections.Counter(tokens).items() if n > 1)
     if duplicates:
-        raise ValueError(f"llama.cpp needs every token text once; these appear under several ids: {duplicates[:10]}")
+        raise ValueError(
+            f"llama.cpp needs every token text once; these appear under several ids: {duplicates[:10]}"
+        )
 
     probe = tokenizer("a")["input_ids"]
     eos_id = tokenizer.eos_token_id

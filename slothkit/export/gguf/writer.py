@@ -48,10 +48,10 @@ import torch
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quant_shape_to_byte_shape
 
-from slothkit.export.gguf import tensor_types as types
 from slothkit.export.atomic import atomic_directory, check_target
-from slothkit.export.gguf.tokenizer import gguf_vocab
+from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.modelfile import write_modelfile
+from slothkit.export.gguf.tokenizer import gguf_vocab
 
 T = GGMLQuantizationType
 QUANTIZATION_METHODS = tuple(types.QUANTIZATION_METHODS)
@@ -138,7 +138,9 @@ def save_pretrained_gguf(
             written.append(path.name)
         for method in methods:
             modelfile = "Modelfile" if len(methods) == 1 else f"Modelfile.{method.label}"
-            write_modelfile(staging / modelfile, f"{stem}.{method.label}.gguf", tokenizer, _stop_token_ids(model))
+            write_modelfile(
+                staging / modelfile, f"{stem}.{method.label}.gguf", tokenizer, _stop_token_ids(model)
+            )
             written.append(modelfile)
     return [target / name for name in written]
 
@@ -213,9 +215,13 @@ def write_gguf(
         )
         nbytes = types.encoded_nbytes(qtype, shape)
         if qtype in (T.F32, T.F16):
-            writer.add_tensor_info(name, shape, np.float32 if qtype == T.F32 else np.float16, nbytes, raw_dtype=qtype)
+            writer.add_tensor_info(
+                name, shape, np.float32 if qtype == T.F32 else np.float16, nbytes, raw_dtype=qtype
+            )
         else:
-            writer.add_tensor_info(name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype)
+            writer.add_tensor_info(
+                name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype
+            )
         plan.append((produce, qtype))
 
     try:
@@ -437,13 +443,21 @@ def _producer(tensor: torch.Tensor, name: str, layout: _ArchLayout, hp: _HyperPa
 def permute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder each head's rows from half-split (i, i + d/2) to interleaved (2i, 2i + 1) pairs."""
     rows = weight.shape[0]
-    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Inverse of the Q/K row permutation: GGUF's interleaved pairs back to HF's half-split."""
     rows = weight.shape[0]
-    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 # ---------------------------------------------------------------------------------------

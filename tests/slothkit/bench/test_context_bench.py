@@ -8,8 +8,17 @@ from slothkit.bench.context import longest_sequence
 
 
 def _args(**overrides):
-    base = dict(model="tiny-llama", mode="qlora", dtype="bf16", memory_gib=24.0, min_seq=4096,
-                max_seq=131072, granularity=4096, rank=16, impl="hf")
+    base = dict(
+        model="tiny-llama",
+        mode="qlora",
+        dtype="bf16",
+        memory_gib=24.0,
+        min_seq=4096,
+        max_seq=131072,
+        granularity=4096,
+        rank=16,
+        impl="hf",
+    )
     return argparse.Namespace(**{**base, **overrides})
 
 
@@ -43,6 +52,7 @@ def test_nothing_fits():
 
 
 def test_missing_peer_is_skipped_not_faked():
-    row = longest_sequence("unsloth", _args(),
-                           probe=lambda impl, args: {"status": "skipped", "error": "not importable"})
+    row = longest_sequence(
+        "unsloth", _args(), probe=lambda impl, args: {"status": "skipped", "error": "not importable"}
+    )
     assert row["status"] == "skipped" and "not importable" in row["error"]

@@ -20,11 +20,41 @@ import torch
 from slothkit.bench import kernels as bench
 from slothkit.bench.kernel_cases import OPS, build_cases
 
-ENV_KEYS = {"date", "command", "device", "gpu", "driver", "cuda", "python", "torch", "triton",
-            "transformers", "bitsandbytes", "triton_interpreter", "copy_gb_per_s", "complete",
-            "notes", "rows"}
-ROW_KEYS = {"op", "shape", "dtype", "mode", "impl", "status", "ms", "gb_per_s", "pct_copy_bw",
-            "tflop_per_s", "speedup_vs_eager", "peak_mib", "rel_err", "error", "timing"}
+ENV_KEYS = {
+    "date",
+    "command",
+    "device",
+    "gpu",
+    "driver",
+    "cuda",
+    "python",
+    "torch",
+    "triton",
+    "transformers",
+    "bitsandbytes",
+    "triton_interpreter",
+    "copy_gb_per_s",
+    "complete",
+    "notes",
+    "rows",
+}
+ROW_KEYS = {
+    "op",
+    "shape",
+    "dtype",
+    "mode",
+    "impl",
+    "status",
+    "ms",
+    "gb_per_s",
+    "pct_copy_bw",
+    "tflop_per_s",
+    "speedup_vs_eager",
+    "peak_mib",
+    "rel_err",
+    "error",
+    "timing",
+}
 # Largest relative error against eager accepted in fp32.  Loose on purpose: the ops'
 # own tests check their accuracy; a harness that mixes up arguments or results is off
 # by O(1).
@@ -36,8 +66,7 @@ def run_bench(tmp_path, *args):
     json_path, md_path = tmp_path / "bench.json", tmp_path / "bench.md"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        code = bench.main(["--cpu-tiny", *args, "--json", str(json_path),
-                           "--markdown", str(md_path)])
+        code = bench.main(["--cpu-tiny", *args, "--json", str(json_path), "--markdown", str(md_path)])
     return code, json.loads(json_path.read_text()), md_path.read_text(), stdout.getvalue()
 
 
@@ -94,12 +123,30 @@ def test_record_and_table_are_complete(tiny_run):
     assert len(body) == len(rows)
     assert all(len(cells) == len(header) for cells in body)
     assert [cells[:5] for cells in body] == [
-        [r["op"], r["shape"], r["dtype"], r["mode"], r["impl"]] for r in rows]
+        [r["op"], r["shape"], r["dtype"], r["mode"], r["impl"]] for r in rows
+    ]
     assert "device-to-device copy" in markdown and record["command"] in markdown
     # The printed table has the same rows.
     assert stdout.splitlines()[-len(rows) - 2].split() == [
-        "kernel", "shape", "dtype", "pass", "impl", "ms", "GB/s", "%", "copy", "BW", "TFLOP/s",
-        "vs", "eager", "peak", "MiB", "rel", "err", "note"]
+        "kernel",
+        "shape",
+        "dtype",
+        "pass",
+        "impl",
+        "ms",
+        "GB/s",
+        "%",
+        "copy",
+        "BW",
+        "TFLOP/s",
+        "vs",
+        "eager",
+        "peak",
+        "MiB",
+        "rel",
+        "err",
+        "note",
+    ]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -131,13 +178,14 @@ def _install_stand_in_rms_norm(monkeypatch):
 def test_every_impl_and_pass_with_derived_columns(tmp_path, monkeypatch):
     _install_stand_in_rms_norm(monkeypatch)
     code, record, markdown, _ = run_bench(
-        tmp_path, "--ops", "rms_norm", "--dtype", "bf16", "--compile-backend", "eager")
+        tmp_path, "--ops", "rms_norm", "--dtype", "bf16", "--compile-backend", "eager"
+    )
     assert code == 0
     rows = record["rows"]
     (case,) = build_cases(["rms_norm"], [torch.bfloat16], "tiny")
     assert [(r["dtype"], r["mode"], r["impl"]) for r in rows] == [
-        ("bf16", mode, impl) for mode in ("fwd", "fwd+bwd")
-        for impl in ("eager", "compile", "slothkit")]
+        ("bf16", mode, impl) for mode in ("fwd", "fwd+bwd") for impl in ("eager", "compile", "slothkit")
+    ]
     for row in rows:
         check_row(row)
         assert row["status"] == "ok", row
@@ -222,9 +270,11 @@ def test_without_cuda_it_says_so(capsys):
 
 def test_module_runs_from_the_command_line():
     result = subprocess.run(
-        [sys.executable, "-m", "slothkit.bench.kernels", "--cpu-tiny", "--ops", "geglu",
-         "--no-compile"],
-        capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-m", "slothkit.bench.kernels", "--cpu-tiny", "--ops", "geglu", "--no-compile"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "device-to-device copy" in result.stdout

@@ -3,8 +3,17 @@
 import json
 
 from slothkit.bench.report import (
-    BEGIN, END, FULL_TABLE, ROOT, full_table, load_records, readme_table, readme_with_table, render,
-    render_context, render_summary,
+    BEGIN,
+    END,
+    FULL_TABLE,
+    ROOT,
+    full_table,
+    load_records,
+    readme_table,
+    readme_with_table,
+    render,
+    render_context,
+    render_summary,
 )
 
 
@@ -12,7 +21,8 @@ def test_readme_and_full_table_match_the_records():
     for path, table in ((ROOT / "README.md", readme_table()), (FULL_TABLE, full_table())):
         text = path.read_text()
         assert text == readme_with_table(text, table), (
-            f"{path.name}'s table is stale: run python -m slothkit.bench.report --write")
+            f"{path.name}'s table is stale: run python -m slothkit.bench.report --write"
+        )
 
 
 def test_every_record_row_is_rendered():
@@ -29,45 +39,104 @@ def _record(tmp_path, name, **fields):
 
 
 def _ok(impl, tokens):
-    return {"impl": impl, "status": "ok", "tokens_per_s": tokens, "vs_hf": tokens / 1000.0,
-            "peak_allocated_gib": 5.0}
+    return {
+        "impl": impl,
+        "status": "ok",
+        "tokens_per_s": tokens,
+        "vs_hf": tokens / 1000.0,
+        "peak_allocated_gib": 5.0,
+    }
 
 
 def test_summary_shows_the_latest_run_and_an_earlier_fuller_one(tmp_path):
     setting = {"kind": "train", "batch": 2, "seq": 2048}
-    _record(tmp_path, "a.json", date="2026-01-01T10:00:00", **setting,
-            rows=[_ok("slothkit", 1500.0), _ok("hf", 1000.0), _ok("liger", 1100.0)])
-    _record(tmp_path, "b.json", date="2026-01-01T11:00:00", **setting,
-            rows=[_ok("slothkit", 1600.0), _ok("hf", 1000.0), _ok("liger", 1150.0)])
-    _record(tmp_path, "c.json", date="2026-01-01T12:00:00", **setting,
-            rows=[_ok("slothkit", 1700.0), _ok("hf", 1000.0),
-                  {"impl": "unsloth", "status": "error", "error": "disk full"}])
-    _record(tmp_path, "d.json", date="2026-01-01T09:00:00", **{**setting, "seq": 4096},
-            rows=[_ok("hf", 900.0)])
+    _record(
+        tmp_path,
+        "a.json",
+        date="2026-01-01T10:00:00",
+        **setting,
+        rows=[_ok("slothkit", 1500.0), _ok("hf", 1000.0), _ok("liger", 1100.0)],
+    )
+    _record(
+        tmp_path,
+        "b.json",
+        date="2026-01-01T11:00:00",
+        **setting,
+        rows=[_ok("slothkit", 1600.0), _ok("hf", 1000.0), _ok("liger", 1150.0)],
+    )
+    _record(
+        tmp_path,
+        "c.json",
+        date="2026-01-01T12:00:00",
+        **setting,
+        rows=[
+            _ok("slothkit", 1700.0),
+            _ok("hf", 1000.0),
+            {"impl": "unsloth", "status": "error", "error": "disk full"},
+        ],
+    )
+    _record(
+        tmp_path, "d.json", date="2026-01-01T09:00:00", **{**setting, "seq": 4096}, rows=[_ok("hf", 900.0)]
+    )
     # An A/B inside a comparison run: more rows than b.json, but two implementations.
-    _record(tmp_path, "a2.json", date="2026-01-01T10:30:00", **setting,
-            rows=[_ok("hf", 1000.0), _ok("slothkit", 1550.0), _ok("slothkit@.ab/x", 1500.0),
-                  _ok("slothkit@.ab/y", 1450.0)])
-    _record(tmp_path, "e.json", date="2026-01-01T13:00:00", **setting,  # no HF: a diagnostic run
-            rows=[_ok("slothkit", 1800.0), {**_ok("slothkit@.ab/old", 1750.0), "vs_hf": None}])
+    _record(
+        tmp_path,
+        "a2.json",
+        date="2026-01-01T10:30:00",
+        **setting,
+        rows=[
+            _ok("hf", 1000.0),
+            _ok("slothkit", 1550.0),
+            _ok("slothkit@.ab/x", 1500.0),
+            _ok("slothkit@.ab/y", 1450.0),
+        ],
+    )
+    _record(
+        tmp_path,
+        "e.json",
+        date="2026-01-01T13:00:00",
+        **setting,  # no HF: a diagnostic run
+        rows=[_ok("slothkit", 1800.0), {**_ok("slothkit@.ab/old", 1750.0), "vs_hf": None}],
+    )
     lines = render_summary(load_records(tmp_path)).splitlines()[2:]
     assert [line.rsplit("|", 2)[-2].strip() for line in lines] == [
-        "`results/bench/b.json`", "`results/bench/c.json`", "`results/bench/d.json`"]
-    assert "| 1,600 (1.60x), 5.0 GiB | 1,000 (1.00x), 5.0 GiB | 1,150 (1.15x), 5.0 GiB | not in this run |" in lines[0]
-    assert "| 1,700 (1.70x), 5.0 GiB |" in lines[1] and lines[1].endswith("| not in this run | error | `results/bench/c.json` |")
+        "`results/bench/b.json`",
+        "`results/bench/c.json`",
+        "`results/bench/d.json`",
+    ]
+    assert (
+        "| 1,600 (1.60x), 5.0 GiB | 1,000 (1.00x), 5.0 GiB | 1,150 (1.15x), 5.0 GiB | not in this run |"
+        in lines[0]
+    )
+    assert "| 1,700 (1.70x), 5.0 GiB |" in lines[1] and lines[1].endswith(
+        "| not in this run | error | `results/bench/c.json` |"
+    )
     assert "| 2026-01-01 12:00 |" in lines[1]
 
 
 def test_settings_and_context_records_are_shown(tmp_path):
-    row = {"impl": "hf", "status": "ok", "tokens_per_s": 1234.0, "vs_hf": 1.0,
-           "peak_allocated_gib": 3.0, "training_gib": 1.0, "final_loss": 2.5}
-    _record(tmp_path, "a.json", kind="train", batch=2, seq=64, autocast=False, memory_gib=15.0,
-            rows=[row])
-    _record(tmp_path, "b.json", kind="context", memory_gib=24.0, rows=[
-        {"impl": "slothkit", "status": "ok", "longest_seq": 65536, "first_failing_seq": 73728},
-        {"impl": "hf", "longest_seq": None, "first_failing_seq": 4096},
-        {"impl": "unsloth", "status": "skipped", "error": "not importable"},
-    ], pending=["liger"])
+    row = {
+        "impl": "hf",
+        "status": "ok",
+        "tokens_per_s": 1234.0,
+        "vs_hf": 1.0,
+        "peak_allocated_gib": 3.0,
+        "training_gib": 1.0,
+        "final_loss": 2.5,
+    }
+    _record(tmp_path, "a.json", kind="train", batch=2, seq=64, autocast=False, memory_gib=15.0, rows=[row])
+    _record(
+        tmp_path,
+        "b.json",
+        kind="context",
+        memory_gib=24.0,
+        rows=[
+            {"impl": "slothkit", "status": "ok", "longest_seq": 65536, "first_failing_seq": 73728},
+            {"impl": "hf", "longest_seq": None, "first_failing_seq": 4096},
+            {"impl": "unsloth", "status": "skipped", "error": "not importable"},
+        ],
+        pending=["liger"],
+    )
     table = readme_table(tmp_path)
     assert "qlora (bf16, no autocast, 15 GiB cap)" in table and "| 1,234 (1.00x), 3.0 GiB |" in table
     context = render_context(load_records(tmp_path, "context"))
@@ -82,12 +151,34 @@ def test_settings_and_context_records_are_shown(tmp_path):
 def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
     from slothkit.plan import plan
 
-    row = {"impl": "slothkit", "status": "ok", "tokens_per_s": 5000.0, "peak_allocated_gib": 6.5,
-           "training_gib": 1.2, "final_loss": 2.5}
-    _record(tmp_path, "t4.json", kind="train", dtype="fp16", memory_gib=15.0, batch=1, seq=2048,
-            rank=16, rows=[row])
-    _record(tmp_path, "bf16.json", kind="train", batch=2, seq=2048, rank=16,
-            rows=[{**row, "tokens_per_s": 9876.0}, {**row, "impl": "hf", "tokens_per_s": 6000.0}])
+    row = {
+        "impl": "slothkit",
+        "status": "ok",
+        "tokens_per_s": 5000.0,
+        "peak_allocated_gib": 6.5,
+        "training_gib": 1.2,
+        "final_loss": 2.5,
+    }
+    _record(
+        tmp_path,
+        "t4.json",
+        kind="train",
+        dtype="fp16",
+        memory_gib=15.0,
+        batch=1,
+        seq=2048,
+        rank=16,
+        rows=[row],
+    )
+    _record(
+        tmp_path,
+        "bf16.json",
+        kind="train",
+        batch=2,
+        seq=2048,
+        rank=16,
+        rows=[{**row, "tokens_per_s": 9876.0}, {**row, "impl": "hf", "tokens_per_s": 6000.0}],
+    )
     table = readme_table(tmp_path)
     speed, t4 = table.split("T4 stand-in", 1)
     assert "9,876" in speed and "5,000" not in speed

@@ -38,9 +38,26 @@ def test_flops_counted_from_real_shapes():
 
 def test_tiny_run_writes_a_record(tmp_path, capsys):
     output = tmp_path / "record.json"
-    code = main(["bench", "train", "--model", "tiny-llama", "--dtype", "fp32", "--seq", "32",
-                 "--steps", "2", "--warmup", "1", "--impl", "slothkit,hf,unsloth",
-                 "--output", str(output)])
+    code = main(
+        [
+            "bench",
+            "train",
+            "--model",
+            "tiny-llama",
+            "--dtype",
+            "fp32",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--impl",
+            "slothkit,hf,unsloth",
+            "--output",
+            str(output),
+        ]
+    )
     assert code == 0
     record = json.loads(output.read_text())
     rows = {row["impl"]: row for row in record["rows"]}
@@ -92,8 +109,26 @@ def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
     init = tree / "slothkit" / "__init__.py"
     init.write_text('raise ImportError("this is the other tree")\n' + init.read_text())
     output = tmp_path / "record.json"
-    main(["bench", "train", "--model", "tiny-llama", "--dtype", "fp32", "--seq", "16", "--steps", "1",
-          "--warmup", "1", "--impl", f"slothkit,slothkit@{tree}", "--output", str(output)])
+    main(
+        [
+            "bench",
+            "train",
+            "--model",
+            "tiny-llama",
+            "--dtype",
+            "fp32",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--impl",
+            f"slothkit,slothkit@{tree}",
+            "--output",
+            str(output),
+        ]
+    )
     rows = {row["impl"]: row for row in json.loads(output.read_text())["rows"]}
     assert rows["slothkit"]["status"] == "ok"
     assert "this is the other tree" in rows[f"slothkit@{tree}"]["error"]
@@ -127,8 +162,9 @@ def test_autocast_switch_reaches_every_worker_and_the_record(tmp_path, monkeypat
 
 @pytest.mark.parametrize("flag, expected", [([], "offload"), (["--slothkit-checkpointing", "on"], "on")])
 def test_checkpointing_switch_reaches_every_worker_and_the_record(tmp_path, monkeypatch, flag, expected):
-    _check_switch(tmp_path, monkeypatch, flag, "on" if expected == "on" else None,
-                  "slothkit_checkpointing", expected)
+    _check_switch(
+        tmp_path, monkeypatch, flag, "on" if expected == "on" else None, "slothkit_checkpointing", expected
+    )
 
 
 def _check_switch(tmp_path, monkeypatch, flag, word, key, expected):
@@ -149,8 +185,22 @@ def _check_switch(tmp_path, monkeypatch, flag, word, key, expected):
 
     monkeypatch.setattr(train.subprocess, "run", fake_run)
     output = tmp_path / "record.json"
-    assert main(["bench", "train", "--model", "tiny-llama", "--impl", "slothkit,hf",
-                 "--output", str(output), *flag]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--model",
+                "tiny-llama",
+                "--impl",
+                "slothkit,hf",
+                "--output",
+                str(output),
+                *flag,
+            ]
+        )
+        == 0
+    )
     assert len(commands) == 2, commands
     assert all((word in command) is (word is not None) for command in commands)
     assert json.loads(output.read_text())[key] == expected
@@ -194,7 +244,9 @@ def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
         def get_peft_model(model, **kwargs):
             return model
 
-    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FakeFastLanguageModel))
+    monkeypatch.setitem(
+        sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FakeFastLanguageModel)
+    )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
@@ -222,8 +274,22 @@ def test_a_run_cut_short_keeps_the_record_of_what_finished(tmp_path, monkeypatch
     monkeypatch.setattr(train, "run_worker", worker)
     output = tmp_path / "record.json"
     with pytest.raises(KeyboardInterrupt):
-        main(["bench", "train", "--model", "tiny-llama", "--seq", "16", "--impl", "slothkit,hf",
-              "--repeats", "2", "--output", str(output)])
+        main(
+            [
+                "bench",
+                "train",
+                "--model",
+                "tiny-llama",
+                "--seq",
+                "16",
+                "--impl",
+                "slothkit,hf",
+                "--repeats",
+                "2",
+                "--output",
+                str(output),
+            ]
+        )
     record = json.loads(output.read_text())
     assert [row["impl"] for row in record["rows"]] == ["slothkit"]
     assert record["rows"][0]["tokens_per_s"] == pytest.approx(2 * 16 / 0.5)
@@ -234,9 +300,17 @@ def test_a_run_cut_short_keeps_the_record_of_what_finished(tmp_path, monkeypatch
 def test_a_finished_run_has_nothing_pending(tmp_path, monkeypatch):
     import slothkit.bench.context as context
 
-    monkeypatch.setattr(context, "longest_sequence",
-                        lambda impl, args: {"impl": impl, "status": "ok", "longest_seq": 64,
-                                            "first_failing_seq": None, "probes": []})
+    monkeypatch.setattr(
+        context,
+        "longest_sequence",
+        lambda impl, args: {
+            "impl": impl,
+            "status": "ok",
+            "longest_seq": 64,
+            "first_failing_seq": None,
+            "probes": [],
+        },
+    )
     output = tmp_path / "context.json"
     main(["bench", "context", "--model", "tiny-llama", "--impl", "slothkit,hf", "--output", str(output)])
     record = json.loads(output.read_text())

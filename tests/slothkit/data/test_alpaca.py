@@ -56,9 +56,15 @@ def test_input_column_is_optional():
 @pytest.mark.parametrize(
     "records, match",
     [
-        ([{"prompt": "a", "completion": "b"}], "need the columns \\['instruction', 'output'\\]; the dataset has"),
+        (
+            [{"prompt": "a", "completion": "b"}],
+            "need the columns \\['instruction', 'output'\\]; the dataset has",
+        ),
         ([{"instruction": "a", "output": ""}], "record 0: 'output' must be a non-empty string; got ''"),
-        ([{"instruction": "a", "output": "b"}, {"instruction": None, "output": "b"}], "record 1: 'instruction'"),
+        (
+            [{"instruction": "a", "output": "b"}, {"instruction": None, "output": "b"}],
+            "record 1: 'instruction'",
+        ),
         ([{"instruction": "a", "output": "b", "text": "c"}], "already has a 'text' column"),
     ],
 )

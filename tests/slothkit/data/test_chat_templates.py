@@ -20,9 +20,7 @@ VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
 )
-ALPACA_SYSTEM = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-)
+ALPACA_SYSTEM = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 
 TWO_EXCHANGES = [
     {"role": "user", "content": "Hi there"},
@@ -52,14 +50,34 @@ GOLDEN = {
         B + VICUNA_SYSTEM + " USER: Name a colour. ASSISTANT:",
     ),
     "zephyr": (
-        B + "<|user|>\nHi there" + E + "\n<|assistant|>\nHello!" + E + "\n<|user|>\nWhat is 2 + 2?" + E
-        + "\n<|assistant|>\n4" + E + "\n",
-        B + "<|system|>\nBe brief." + E + "\n<|user|>\nName a colour." + E + "\n<|assistant|>\nBlue." + E + "\n",
+        B
+        + "<|user|>\nHi there"
+        + E
+        + "\n<|assistant|>\nHello!"
+        + E
+        + "\n<|user|>\nWhat is 2 + 2?"
+        + E
+        + "\n<|assistant|>\n4"
+        + E
+        + "\n",
+        B
+        + "<|system|>\nBe brief."
+        + E
+        + "\n<|user|>\nName a colour."
+        + E
+        + "\n<|assistant|>\nBlue."
+        + E
+        + "\n",
         B + "<|user|>\nName a colour." + E + "\n<|assistant|>\n",
     ),
     "alpaca": (
-        B + ALPACA_SYSTEM + "\n\n### Instruction:\nHi there\n\n### Response:\nHello!" + E
-        + "\n\n### Instruction:\nWhat is 2 + 2?\n\n### Response:\n4" + E + "\n\n",
+        B
+        + ALPACA_SYSTEM
+        + "\n\n### Instruction:\nHi there\n\n### Response:\nHello!"
+        + E
+        + "\n\n### Instruction:\nWhat is 2 + 2?\n\n### Response:\n4"
+        + E
+        + "\n\n",
         B + "Be brief.\n\n### Instruction:\nName a colour.\n\n### Response:\nBlue." + E + "\n\n",
         B + ALPACA_SYSTEM + "\n\n### Instruction:\nName a colour.\n\n### Response:\n",
     ),
@@ -77,7 +95,8 @@ GOLDEN = {
     "gemma": (
         B + "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
         "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
-        B + "<start_of_turn>user\nBe brief.\n\nName a colour.<end_of_turn>\n<start_of_turn>model\nBlue.<end_of_turn>\n",
+        B
+        + "<start_of_turn>user\nBe brief.\n\nName a colour.<end_of_turn>\n<start_of_turn>model\nBlue.<end_of_turn>\n",
         B + "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n",
     ),
     "mistral": (
@@ -167,7 +186,8 @@ def test_no_bos_when_the_tokenizer_adds_none():
 
 
 @pytest.mark.parametrize(
-    "name, turn_end", [("chatml", "<|im_end|>"), ("llama-3", "<|eot_id|>"), ("gemma", "<end_of_turn>"), ("mistral", E)]
+    "name, turn_end",
+    [("chatml", "<|im_end|>"), ("llama-3", "<|eot_id|>"), ("gemma", "<end_of_turn>"), ("mistral", E)],
 )
 def test_turn_end_becomes_eos_and_generation_stops_there(name, turn_end):
     from transformers import AutoModelForCausalLM
@@ -237,7 +257,7 @@ def test_system_message_default_override_and_escaping():
     assert vicuna.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == (
         B + "USER: Name a colour. ASSISTANT:"
     )
-    assert jinja_string("a\"b") == '"a\\U00000022b"'
+    assert jinja_string('a"b') == '"a\\U00000022b"'
 
 
 @pytest.mark.parametrize("arch, expected", [("llama", "llama-3"), ("mistral", "mistral"), ("gemma", "gemma")])
@@ -254,7 +274,9 @@ def test_model_template_is_recognised_and_gains_generation_marks(arch, expected)
 
 def test_model_template_without_a_match_is_kept():
     tokenizer = _tokenizer()
-    own = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}"
+    own = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}: {{ m['content'] }}<|eot_id|>{% endfor %}"
+    )
     tokenizer.chat_template = own
     tokenizer.eos_token = B
     with pytest.warns(UserWarning, match="pass model="):

@@ -29,7 +29,10 @@ def test_text_column_replaces_messages():
     dataset = apply_chat_template([{"messages": GOOD, "id": 7}], tokenizer)
     assert dataset.column_names == ["id", "text"]
     # No leading BOS (tokenizing adds it), no newline after the last <|im_end|>.
-    assert dataset[0]["text"] == "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>"
+    assert (
+        dataset[0]["text"]
+        == "<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nBlue.<|im_end|>"
+    )
     kept = apply_chat_template([{"messages": GOOD}], tokenizer, keep_messages=True)
     assert kept.column_names == ["messages", "text"]
 
@@ -42,12 +45,16 @@ def test_generation_prompts_keep_their_trailing_text():
 
 def test_sharegpt_column_with_a_mapped_template():
     tokenizer = _tokenizer()
-    tokenizer = get_chat_template(tokenizer, "chatml", mapping={"role": "from", "content": "value",
-                                                                "user": "human", "assistant": "gpt"})
-    records = [{"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]}]
-    assert apply_chat_template(records, tokenizer)[0]["text"] == apply_chat_template(
-        [{"messages": GOOD}], _tokenizer()
-    )[0]["text"]
+    tokenizer = get_chat_template(
+        tokenizer, "chatml", mapping={"role": "from", "content": "value", "user": "human", "assistant": "gpt"}
+    )
+    records = [
+        {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]}
+    ]
+    assert (
+        apply_chat_template(records, tokenizer)[0]["text"]
+        == apply_chat_template([{"messages": GOOD}], _tokenizer())[0]["text"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,13 +62,23 @@ def test_sharegpt_column_with_a_mapped_template():
     [
         ([], "record 0 \\('messages'\\) is empty"),
         ([{"role": "user", "content": "a"}], "has no 'assistant' message, so nothing to train on"),
-        ([{"role": "human", "content": "a"}, GOOD[1]], "message 0: role 'human' is not accepted here; accepted roles: "
-                                                       "'system' \\(first message only\\), 'user', 'assistant'"),
-        ([GOOD[0], {"role": "system", "content": "late"}, GOOD[1]], "message 1: role 'system' is not accepted"),
-        ([{"from": "human", "value": "a"}],
-         "expected keys 'role' and 'content'.*run slothkit.data.standardize_sharegpt"),
-        ([{"role": "user", "content": ["a"]}, {"role": "assistant", "content": ["b"]}],
-         "message 0: 'content' must be a string; got list"),
+        (
+            [{"role": "human", "content": "a"}, GOOD[1]],
+            "message 0: role 'human' is not accepted here; accepted roles: "
+            "'system' \\(first message only\\), 'user', 'assistant'",
+        ),
+        (
+            [GOOD[0], {"role": "system", "content": "late"}, GOOD[1]],
+            "message 1: role 'system' is not accepted",
+        ),
+        (
+            [{"from": "human", "value": "a"}],
+            "expected keys 'role' and 'content'.*run slothkit.data.standardize_sharegpt",
+        ),
+        (
+            [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": ["b"]}],
+            "message 0: 'content' must be a string; got list",
+        ),
     ],
 )
 def test_bad_conversations_are_named(messages, match):
@@ -72,7 +89,9 @@ def test_bad_conversations_are_named(messages, match):
 
 def test_template_errors_name_the_record():
     records = [{"messages": GOOD}, {"messages": [GOOD[0], GOOD[0], GOOD[1]]}]
-    with pytest.raises(ValueError, match="record 1 \\('messages'\\): chat template mistral: turns must alternate"):
+    with pytest.raises(
+        ValueError, match="record 1 \\('messages'\\): chat template mistral: turns must alternate"
+    ):
         apply_chat_template(records, _tokenizer("mistral"))
 
 

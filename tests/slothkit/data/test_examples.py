@@ -21,8 +21,11 @@ def test_kinds_and_their_columns():
     assert chat.column_names == ["messages"]
     assert sorted(preference.column_names) == ["chosen", "prompt", "rejected"]
     roles = [[m["role"] for m in record] for record in chat["messages"]]
-    assert {tuple(r) for r in roles} >= {("user", "assistant"), ("system", "user", "assistant"),
-                                          ("user", "assistant", "user", "assistant")}
+    assert {tuple(r) for r in roles} >= {
+        ("user", "assistant"),
+        ("system", "user", "assistant"),
+        ("user", "assistant", "user", "assistant"),
+    }
     assert sum(bool(x) for x in alpaca["input"]) > 30  # some records use the input field
 
 

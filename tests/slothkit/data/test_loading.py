@@ -17,7 +17,9 @@ def _write(path, kind):
     elif kind == "json":
         path.write_text(json.dumps(RECORDS))
     elif kind == "csv":
-        path.write_text("instruction,output\n" + "".join(f"\"{r['instruction']}\",{r['output']}\n" for r in RECORDS))
+        path.write_text(
+            "instruction,output\n" + "".join(f'"{r["instruction"]}",{r["output"]}\n' for r in RECORDS)
+        )
     else:
         datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
 
@@ -70,7 +72,9 @@ def test_unknown_file_type_and_split(tmp_path):
     path.write_text("hello")
     with pytest.raises(ValueError, match="unknown file type; accepted: .csv, .json, .jsonl, .parquet"):
         load_data(path)
-    with pytest.raises(ValueError, match="split 'validation' not in this DatasetDict; its splits: \\['train'\\]"):
+    with pytest.raises(
+        ValueError, match="split 'validation' not in this DatasetDict; its splits: \\['train'\\]"
+    ):
         load_data(datasets.DatasetDict({"train": as_dataset(RECORDS)}), split="validation")
 
 

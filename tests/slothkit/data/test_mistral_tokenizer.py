@@ -91,7 +91,9 @@ def test_generation_prompt_matches_mistral_common(reference, tokenizer, index):
 
         messages = [SystemMessage(content=system)] + messages
     expected = reference.encode_chat_completion(ChatCompletionRequest(messages=messages)).tokens
-    prompt = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True, return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=True, return_dict=True
+    )
     assert prompt["input_ids"] == expected
 
 

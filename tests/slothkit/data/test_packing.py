@@ -44,5 +44,7 @@ def test_packed_loss_equals_padded_loss(arch, device):
         ids[row, : len(s)] = torch.tensor(s)
         mask[row, : len(s)] = 1
         labels[row, : len(s)] = torch.tensor(s)
-    padded_loss = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)).loss
+    padded_loss = model(
+        input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device)
+    ).loss
     torch.testing.assert_close(packed_loss, padded_loss, rtol=1e-5, atol=1e-6)

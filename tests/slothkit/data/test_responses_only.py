@@ -35,7 +35,10 @@ CONVERSATIONS = [
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "content": "4"},
     ],
-    [{"role": "user", "content": "Convert 3 km to m."}, {"role": "assistant", "content": "3000 metres.\nDone"}],
+    [
+        {"role": "user", "content": "Convert 3 km to m."},
+        {"role": "assistant", "content": "3000 metres.\nDone"},
+    ],
     [
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": " spaced reply "},
@@ -99,7 +102,9 @@ def test_collator_masks_batches_of_the_example_data():
     tokenizer = _tokenizer()
     records = example_dataset("chat").select(range(6))
     texts = apply_chat_template(records, tokenizer)["text"]
-    trainer = train_on_responses_only(_trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)))
+    trainer = train_on_responses_only(
+        _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer))
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(6)])
     for row, record in enumerate(records):
         labels = batch["labels"][row]
@@ -136,12 +141,17 @@ def test_packed_sequences_stop_at_the_next_document():
     # Without BOS or positions the reply would run into the next document's system turn.
     no_bos = torch.cat([first, second[1:]])
     no_bos_positions = torch.cat([torch.arange(len(first)), torch.arange(len(second) - 1)])
-    assert masker.keep_row(no_bos, no_bos_positions).tolist() == torch.cat([first_mask, second_mask[1:]]).tolist()
+    assert (
+        masker.keep_row(no_bos, no_bos_positions).tolist()
+        == torch.cat([first_mask, second_mask[1:]]).tolist()
+    )
 
 
 def test_batch_without_a_reply_raises_a_clear_error():
     tokenizer = _tokenizer()
-    prompt_only = tokenizer.apply_chat_template(CONVERSATIONS[1][:1], tokenize=False, add_generation_prompt=True)
+    prompt_only = tokenizer.apply_chat_template(
+        CONVERSATIONS[1][:1], tokenize=False, add_generation_prompt=True
+    )
     truncated = tokenizer(prompt_only)["input_ids"]
     masker = ResponseMasker(tokenizer, *infer_markers(tokenizer))
     collator = ResponsesOnlyCollator(_pad_collator(tokenizer), masker)
@@ -158,14 +168,18 @@ def test_dataset_screening_drops_or_refuses():
     good = apply_chat_template([{"messages": CONVERSATIONS[1]}], tokenizer)["text"][0]
     bad = "just some text without any marker"
     with pytest.warns(UserWarning, match="1 of 3 samples of the training dataset have no reply tokens"):
-        trainer = train_on_responses_only(_trainer_stub(tokenizer, _tokenized(tokenizer, [good, bad, good]), None))
+        trainer = train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, [good, bad, good]), None)
+        )
     assert len(trainer.train_dataset) == 2
     with pytest.raises(NoTrainableTokensError, match="none of the 2 samples.*just some text"):
         train_on_responses_only(_trainer_stub(tokenizer, _tokenized(tokenizer, [bad, bad]), None))
     # Markers that are not in the template: every sample is refused, naming the markers.
     with pytest.raises(NoTrainableTokensError, match="response_part='### Response:\\\\n'"):
         train_on_responses_only(
-            _trainer_stub(tokenizer, _tokenized(tokenizer, [good]), None), "### Instruction:\n", "### Response:\n"
+            _trainer_stub(tokenizer, _tokenized(tokenizer, [good]), None),
+            "### Instruction:\n",
+            "### Response:\n",
         )
 
 
@@ -175,8 +189,10 @@ def test_alpaca_text_with_explicit_markers():
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("mistral")))
     assert tokenizer.chat_template  # ignored: the markers are given
     records = datasets.Dataset.from_list(
-        [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
-         {"instruction": "Name a colour.", "input": "", "output": "Blue."}]
+        [
+            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+        ]
     )
     texts = format_alpaca(records, tokenizer)["text"]
     trainer = train_on_responses_only(
@@ -210,14 +226,28 @@ def test_agrees_with_trl_assistant_only_loss(monkeypatch, tmp_path):
     tokenizer = _tokenizer("gemma", "chatml")
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("gemma")), dtype=torch.float32)
     records = example_dataset("chat").select(range(8))
-    args = dict(output_dir="unused", report_to="none", per_device_train_batch_size=8, bf16=False,
-                gradient_checkpointing=False, shuffle_dataset=False)
+    args = dict(
+        output_dir="unused",
+        report_to="none",
+        per_device_train_batch_size=8,
+        bf16=False,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        by_template = SFTTrainer(model=model, args=SFTConfig(assistant_only_loss=True, **args),
-                                 train_dataset=records, processing_class=tokenizer)
-        by_markers = SFTTrainer(model=model, args=SFTConfig(**args), processing_class=tokenizer,
-                                train_dataset=apply_chat_template(records, tokenizer))
+        by_template = SFTTrainer(
+            model=model,
+            args=SFTConfig(assistant_only_loss=True, **args),
+            train_dataset=records,
+            processing_class=tokenizer,
+        )
+        by_markers = SFTTrainer(
+            model=model,
+            args=SFTConfig(**args),
+            processing_class=tokenizer,
+            train_dataset=apply_chat_template(records, tokenizer),
+        )
     train_on_responses_only(by_markers)
     template_batch = next(iter(by_template.get_train_dataloader()))
     marker_batch = next(iter(by_markers.get_train_dataloader()))

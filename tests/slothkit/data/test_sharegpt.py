@@ -5,10 +5,23 @@ import pytest
 from slothkit.data import standardize_sharegpt
 
 SHAREGPT = [
-    {"id": 1, "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
-                                {"from": "gpt", "value": "Hello!"}]},
-    {"id": 2, "conversations": [{"from": "Human", "value": "2 + 2?"}, {"from": "bot", "value": "4"},
-                                {"from": "user", "value": "Thanks"}, {"from": "model", "value": "You're welcome."}]},
+    {
+        "id": 1,
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello!"},
+        ],
+    },
+    {
+        "id": 2,
+        "conversations": [
+            {"from": "Human", "value": "2 + 2?"},
+            {"from": "bot", "value": "4"},
+            {"from": "user", "value": "Thanks"},
+            {"from": "model", "value": "You're welcome."},
+        ],
+    },
 ]
 
 
@@ -30,7 +43,9 @@ def test_already_standard_records_pass_through():
 
 
 def test_custom_speaker_names():
-    records = [{"conversations": [{"from": "patient", "value": "It hurts"}, {"from": "doctor", "value": "Where?"}]}]
+    records = [
+        {"conversations": [{"from": "patient", "value": "It hurts"}, {"from": "doctor", "value": "Where?"}]}
+    ]
     dataset = standardize_sharegpt(records, aliases={"patient": "user", "doctor": "assistant"})
     assert [m["role"] for m in dataset[0]["messages"]] == ["user", "assistant"]
     with pytest.raises(ValueError, match="aliases must map speaker names to 'system', 'user' or 'assistant'"):
@@ -40,10 +55,15 @@ def test_custom_speaker_names():
 @pytest.mark.parametrize(
     "conversation, match",
     [
-        ([{"from": "narrator", "value": "x"}], "record 0 \\('conversations'\\), message 0: unknown speaker 'narrator'; "
-                                               "accepted: assistant, bot, chatgpt, gpt, human, model, system, user"),
-        ([{"speaker": "human", "text": "x"}],
-         "message 0: expected keys 'from' and 'value'.*got \\['speaker', 'text'\\]"),
+        (
+            [{"from": "narrator", "value": "x"}],
+            "record 0 \\('conversations'\\), message 0: unknown speaker 'narrator'; "
+            "accepted: assistant, bot, chatgpt, gpt, human, model, system, user",
+        ),
+        (
+            [{"speaker": "human", "text": "x"}],
+            "message 0: expected keys 'from' and 'value'.*got \\['speaker', 'text'\\]",
+        ),
         ([{"from": "human", "value": 3}], "'value' must be a string; got int"),
         ([], "record 0 \\('conversations'\\) is empty"),
         ("hello", "expected a list of messages; got str"),
@@ -58,5 +78,7 @@ def test_bad_records_are_named(conversation, match):
 
 
 def test_missing_column_lists_the_columns():
-    with pytest.raises(ValueError, match="no 'conversations' or 'messages' column.*\\['instruction', 'output'\\]"):
+    with pytest.raises(
+        ValueError, match="no 'conversations' or 'messages' column.*\\['instruction', 'output'\\]"
+    ):
         standardize_sharegpt([{"instruction": "a", "output": "b"}])

@@ -37,8 +37,10 @@ def test_sft_layouts_trl_accepts(records):
 @pytest.mark.parametrize(
     "records, match",
     [
-        ([{"instruction": "a", "output": "b"}], "columns \\['instruction', 'output'\\]; SFT needs one of: 'text'.*"
-                                                "format_alpaca"),
+        (
+            [{"instruction": "a", "output": "b"}],
+            "columns \\['instruction', 'output'\\]; SFT needs one of: 'text'.*format_alpaca",
+        ),
         ([{"text": "fine"}, {"text": "  "}], "training record 1 \\('text'\\) is empty"),
         ([{"messages": []}], "training record 0 \\('messages'\\) is empty"),
         ([{"messages": [{"role": "person", "content": "a"}]}], "role 'person' is not accepted"),

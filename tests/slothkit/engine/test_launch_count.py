@@ -18,8 +18,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_launches.py"
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma"])
 def test_fused_path_launches_well_under_hf_per_layer(model):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--model", model, "--json"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", model, "--json"], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     counts = json.loads(result.stdout.strip().splitlines()[-1])["launches_per_layer"]
     assert counts["hf"] > 100  # the count works at all

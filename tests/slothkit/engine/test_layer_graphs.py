@@ -28,8 +28,10 @@ def _inputs():
 def test_call_is_split_into_layer_tensors_and_rebuilt():
     layer = _Layer()
     hidden, tables = _inputs()
-    for run_function in (functools.partial(_Layer.forward, layer, scale=2.0, position_embeddings=tables),
-                         functools.partial(layer.__call__, scale=2.0, position_embeddings=tables)):
+    for run_function in (
+        functools.partial(_Layer.forward, layer, scale=2.0, position_embeddings=tables),
+        functools.partial(layer.__call__, scale=2.0, position_embeddings=tables),
+    ):
         call = _Call(run_function, ())
         assert call.layer is layer and call.replayable()
         tensors = [leaf for leaf in call.leaves if isinstance(leaf, torch.Tensor)]
@@ -47,8 +49,12 @@ def test_signature_tells_shapes_and_values_apart():
     b = _Call(functools.partial(layer.__call__, scale=3.0, position_embeddings=tables), ())
     longer = (torch.randn(5, 4), torch.randn(5, 4))
     c = _Call(functools.partial(layer.__call__, scale=2.0, position_embeddings=longer), ())
-    signatures = {a.signature(hidden, None), b.signature(hidden, None),
-                  c.signature(torch.randn(2, 5, 4), None), a.signature(hidden, torch.bfloat16)}
+    signatures = {
+        a.signature(hidden, None),
+        b.signature(hidden, None),
+        c.signature(torch.randn(2, 5, 4), None),
+        a.signature(hidden, torch.bfloat16),
+    }
     assert len(signatures) == 4
 
 
@@ -59,7 +65,9 @@ def test_what_is_not_replayed():
     class Cache:  # a KV cache: state a graph cannot carry between replays
         pass
 
-    assert not _Call(functools.partial(layer.__call__, position_embeddings=tables, cache=Cache()), ()).replayable()
+    assert not _Call(
+        functools.partial(layer.__call__, position_embeddings=tables, cache=Cache()), ()
+    ).replayable()
     assert not _Call(lambda h: layer(h, 1.0, tables), ()).replayable()  # no layer to key the graph on
     assert _has_active_dropout(_Layer(dropout=0.1).train())
     assert not _has_active_dropout(_Layer(dropout=0.1).eval())
@@ -87,8 +95,9 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monk
     runs = {}
     for graphs in (setting, "0"):
         monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", graphs)  # set: also on a T4-class GPU
-        model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
-                                             load_in_4bit=load_in_4bit)
+        model, _ = FastModel.from_pretrained(
+            str(tiny_model_path(arch)), dtype=torch.float32, load_in_4bit=load_in_4bit
+        )
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=g).cuda()
@@ -103,8 +112,11 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monk
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        checkpointer = next(m._gradient_checkpointing_func for m in model.modules()
-                            if getattr(m, "gradient_checkpointing", False))
+        checkpointer = next(
+            m._gradient_checkpointing_func
+            for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False)
+        )
         captured = 0 if checkpointer.graphs is None else len(checkpointer.graphs.graphs)
         runs[graphs] = losses, grads, captured
     (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs[setting], runs["0"]
@@ -168,8 +180,9 @@ class _GraphsOnCPU(LayerGraphs):
 @pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, mlp_calls, known_sums,
-                                                        monkeypatch):
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(
+    arch, phases, keeps, mlp_calls, known_sums, monkeypatch
+):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
@@ -180,11 +193,15 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, ml
     for graphs in (True, False):
         skipped_down.clear()
         known_sums.clear()
-        model, _ = FastModel.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32,
-                                             load_in_4bit=False, device_map={"": "cpu"})
+        model, _ = FastModel.from_pretrained(
+            str(tiny_model_path(arch)), dtype=torch.float32, load_in_4bit=False, device_map={"": "cpu"}
+        )
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
-        checkpointer = next(m._gradient_checkpointing_func for m in model.modules()
-                            if getattr(m, "gradient_checkpointing", False))
+        checkpointer = next(
+            m._gradient_checkpointing_func
+            for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False)
+        )
         checkpointer.graphs = _GraphsOnCPU(phases=phases) if graphs else None
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
@@ -296,24 +313,50 @@ def test_backward_frees_the_callers_copies_before_the_prefetch(capture):
     grad_output = torch.randn(2, 3, 4)
     saved = [hidden.clone(), kept.clone()]
     # The first sighting runs eagerly: the list stays as it was, and no hook runs.
-    assert graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
-                           before_replay=lambda: pytest.fail("no replay")) is None
+    assert (
+        graphs.backward(
+            run_function,
+            saved,
+            (),
+            None,
+            grad_output,
+            kept_names=("sum",),
+            before_replay=lambda: pytest.fail("no replay"),
+        )
+        is None
+    )
     assert len(saved) == 2
     seen = []
     if capture == "fails":
         with pytest.warns(UserWarning, match="CUDA graphs for the decoder layers are off"):
-            result = graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
-                                     before_replay=lambda: seen.append(list(saved)))
+            result = graphs.backward(
+                run_function,
+                saved,
+                (),
+                None,
+                grad_output,
+                kept_names=("sum",),
+                before_replay=lambda: seen.append(list(saved)),
+            )
         assert result is None and not graphs.enabled
         assert seen == [[]]
         torch.testing.assert_close(saved, [hidden, kept], rtol=0, atol=0)
         return
-    grad = graphs.backward(run_function, saved, (), None, grad_output, kept_names=("sum",),
-                           before_replay=lambda: seen.append(list(saved)))
+    grad = graphs.backward(
+        run_function,
+        saved,
+        (),
+        None,
+        grad_output,
+        kept_names=("sum",),
+        before_replay=lambda: seen.append(list(saved)),
+    )
     assert seen == [[]] and saved == []
     # d(2 (x W^T + b) + cos + sin) / dx = 2 dY W
     torch.testing.assert_close(grad, 2 * grad_output @ layer.proj.weight)
-    torch.testing.assert_close(layer.proj.weight.grad, 2 * grad_output.reshape(-1, 4).t() @ hidden.reshape(-1, 4))
+    torch.testing.assert_close(
+        layer.proj.weight.grad, 2 * grad_output.reshape(-1, 4).t() @ hidden.reshape(-1, 4)
+    )
     (statics,) = graphs.statics.values()
     torch.testing.assert_close(statics.kept["sum"], kept, rtol=0, atol=0)
 
@@ -371,10 +414,14 @@ def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, monkeypatch):
 
     asked = []
     enable = fast_model.enable_checkpointing
-    monkeypatch.setattr(fast_model, "enable_checkpointing", lambda layers, mode, **kw: (
-        asked.append(kw), enable(layers, mode, **kw)))
-    model, _ = FastModel.from_pretrained(str(tiny_model_path("llama")), dtype=torch.float32,
-                                         load_in_4bit=load_in_4bit, device_map={"": "cpu"})
+    monkeypatch.setattr(
+        fast_model,
+        "enable_checkpointing",
+        lambda layers, mode, **kw: (asked.append(kw), enable(layers, mode, **kw)),
+    )
+    model, _ = FastModel.from_pretrained(
+        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=load_in_4bit, device_map={"": "cpu"}
+    )
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
     assert asked == [{"quantized": load_in_4bit}]
 
@@ -387,8 +434,11 @@ def test_a_model_quantised_after_loading_counts_as_4bit(monkeypatch):
 
     asked = []
     enable = fast_model.enable_checkpointing
-    monkeypatch.setattr(fast_model, "enable_checkpointing", lambda layers, mode, **kw: (
-        asked.append(kw), enable(layers, mode, **kw)))
+    monkeypatch.setattr(
+        fast_model,
+        "enable_checkpointing",
+        lambda layers, mode, **kw: (asked.append(kw), enable(layers, mode, **kw)),
+    )
     model = build_model("tiny-llama", torch.float32, "cpu", seed=0, quantize_nf4=True)
     assert not getattr(model, "is_loaded_in_4bit", False)
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")

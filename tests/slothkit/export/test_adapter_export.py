@@ -33,12 +33,19 @@ def test_export_merges_into_the_original_16bit_base(adapter_dir, input_ids, logi
 
     from peft import PeftModel
 
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), folder)
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), folder
+    )
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert relative_error(logits(merged, input_ids), logits(reference, input_ids)) < SAME
 
     card = (tmp_path / "merged" / "README.md").read_text()
-    for fact in ("| steps | 40 |", "| epochs | 2 |", "| peak learning rate | 0.0002 |", "| last logged training loss | 2.4 |"):
+    for fact in (
+        "| steps | 40 |",
+        "| epochs | 2 |",
+        "| peak learning rate | 0.0002 |",
+        "| last logged training loss | 2.4 |",
+    ):
         assert fact in card, fact
 
 
@@ -97,12 +104,16 @@ def test_export_to_gguf_hands_the_writer_a_merged_model_and_pushes_its_folder(
     folder, _, base_path = adapter_dir
     calls = []
     monkeypatch.setitem(sys.modules, "slothkit.export.gguf", _fake_gguf_module(calls))
-    export_adapter(folder, "gguf", quant="q4_k_m", push="local-user/gguf", token="hf_writer", endpoint=local_hub.endpoint)
+    export_adapter(
+        folder, "gguf", quant="q4_k_m", push="local-user/gguf", token="hf_writer", endpoint=local_hub.endpoint
+    )
     [(model, quant)] = calls
     assert quant == "q4_k_m" and not hasattr(model, "peft_config")  # plain, merged
     from peft import PeftModel
 
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), folder)
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), folder
+    )
     assert relative_error(logits(model, input_ids), logits(reference, input_ids)) < SAME
     assert set(local_hub.files("local-user/gguf")) == {".gitattributes", "model-q4_k_m.gguf"}
 
@@ -133,8 +144,10 @@ def test_attach_export_methods_binds_to_the_instance_only(make_lora_model, monke
 
     from slothkit.testing import tiny_model_path
 
-    plain = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path("llama")),
-                           LoraConfig(r=4, target_modules=["q_proj"]))
+    plain = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_path("llama")),
+        LoraConfig(r=4, target_modules=["q_proj"]),
+    )
     assert "save_pretrained_merged" not in vars(plain)
     assert not hasattr(plain, "save_pretrained_merged")
 

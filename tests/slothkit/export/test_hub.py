@@ -29,7 +29,10 @@ def test_push_download_load_round_trip(arch, save_method, local_hub, make_lora_m
                                 endpoint=local_hub.endpoint, private=True)  # fmt: skip
     assert result.repo_id == REPO and result.save.save_method == save_method
     assert _repo_files(local_hub) == {".gitattributes", *result.files}
-    assert [c["title"] for c in local_hub.commits(REPO)] == [f"Upload {save_method} model with slothkit", "initial commit"]
+    assert [c["title"] for c in local_hub.commits(REPO)] == [
+        f"Upload {save_method} model with slothkit",
+        "initial commit",
+    ]
     # the weights went through the LFS batch API, the small files inline in the commit
     assert ("POST", f"/{REPO}.git/info/lfs/objects/batch") in local_hub.requests
     assert any(method == "PUT" and path.startswith("/lfs-upload/") for method, path in local_hub.requests)
@@ -60,7 +63,11 @@ def test_private_repo_is_hidden_without_a_token(local_hub, make_lora_model):
 
 @pytest.mark.parametrize(
     "token,message",
-    [(None, "no Hugging Face token found"), ("hf_not_a_real_token", "rejected the token"), ("hf_reader", "read-only")],
+    [
+        (None, "no Hugging Face token found"),
+        ("hf_not_a_real_token", "rejected the token"),
+        ("hf_reader", "read-only"),
+    ],
     ids=["missing", "invalid", "read-only"],
 )
 def test_token_problems_say_how_to_log_in(token, message, local_hub, make_lora_model, monkeypatch, tmp_path):
@@ -89,16 +96,22 @@ def test_failed_commit_then_retry_leaves_exactly_the_intended_files(local_hub, m
     saved = save_pretrained_merged(model, tmp_path / "export", tokenizer)
     local_hub.fail_next("POST", r"/commit/", status=500)  # after the LFS uploads, at the commit
     with pytest.raises(Exception, match="500"):
-        push_folder_to_hub(tmp_path / "export", REPO, token="hf_writer", endpoint=local_hub.endpoint, retries=0)
+        push_folder_to_hub(
+            tmp_path / "export", REPO, token="hf_writer", endpoint=local_hub.endpoint, retries=0
+        )
     assert _repo_files(local_hub) == {".gitattributes"}  # nothing partial is visible
     assert len(local_hub.commits(REPO)) == 1
 
     uploads_before = sum(method == "PUT" for method, _ in local_hub.requests)
-    result = push_folder_to_hub(tmp_path / "export", REPO, token="hf_writer", endpoint=local_hub.endpoint, retries=0)
+    result = push_folder_to_hub(
+        tmp_path / "export", REPO, token="hf_writer", endpoint=local_hub.endpoint, retries=0
+    )
     assert _repo_files(local_hub) == {".gitattributes", *saved.files}
     assert len(local_hub.commits(REPO)) == 2
     assert sum(method == "PUT" for method, _ in local_hub.requests) == uploads_before  # blobs were kept
-    assert local_hub.files(REPO)["model.safetensors"] == (tmp_path / "export" / "model.safetensors").read_bytes()
+    assert (
+        local_hub.files(REPO)["model.safetensors"] == (tmp_path / "export" / "model.safetensors").read_bytes()
+    )
 
     # The same push again (say, after a lost reply) makes no second commit.
     again = push_folder_to_hub(tmp_path / "export", REPO, token="hf_writer", endpoint=local_hub.endpoint)
@@ -121,9 +134,13 @@ def test_failed_large_file_upload_is_retried_automatically(local_hub, make_lora_
 def test_pushing_another_export_replaces_the_previous_one(local_hub, make_lora_model, tmp_path):
     model, tokenizer, _ = make_lora_model("llama", seed=23)
     api = HfApi(endpoint=local_hub.endpoint, token="hf_writer")
-    push_to_hub_merged(model, REPO, tokenizer, save_method="merged_16bit", token="hf_writer", endpoint=local_hub.endpoint)
+    push_to_hub_merged(
+        model, REPO, tokenizer, save_method="merged_16bit", token="hf_writer", endpoint=local_hub.endpoint
+    )
     api.upload_file(path_or_fileobj=b"gguf bytes", path_in_repo="model-Q4_K_M.gguf", repo_id=REPO)
-    lora = push_to_hub_merged(model, REPO, tokenizer, save_method="lora", token="hf_writer", endpoint=local_hub.endpoint)
+    lora = push_to_hub_merged(
+        model, REPO, tokenizer, save_method="lora", token="hf_writer", endpoint=local_hub.endpoint
+    )
     # config.json and model.safetensors of the merged export are gone; the unrelated GGUF stays
     assert _repo_files(local_hub) == {".gitattributes", "model-Q4_K_M.gguf", *lora.files}
     config = json.loads(local_hub.files(REPO)["adapter_config.json"])

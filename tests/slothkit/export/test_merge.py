@@ -24,7 +24,9 @@ def _plain_base(path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_merged_16bit_gives_the_lora_models_logits(arch, make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_merged_16bit_gives_the_lora_models_logits(
+    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     model, tokenizer, path = make_lora_model(arch)
     expected = logits(model, input_ids)
     assert relative_error(logits(_plain_base(path), input_ids), expected) > 100 * SAME  # the adapter matters
@@ -44,7 +46,9 @@ def test_merged_16bit_gives_the_lora_models_logits(arch, make_lora_model, input_
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_merge_from_4bit_uses_the_dequantized_weights(arch, make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_merge_from_4bit_uses_the_dequantized_weights(
+    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     # Merged into the dequantised NF4 weights, the checkpoint holds exactly the W the 4-bit
     # LoRA model computes with, so it reproduces that model to fp32 rounding.
     model, tokenizer, _ = make_lora_model(arch, load_in_4bit=True, seed=1)
@@ -62,7 +66,9 @@ def test_merge_from_4bit_uses_the_dequantized_weights(arch, make_lora_model, inp
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_merge_from_4bit_into_the_original_checkpoint(arch, make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_merge_from_4bit_into_the_original_checkpoint(
+    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     # The adapter's base_model_name_or_path is the local fp32 checkpoint, so "auto" merges into
     # it: the result is the fp32 base with the adapter on top, with no NF4 error in W.
     model, tokenizer, path = make_lora_model(arch, load_in_4bit=True, seed=2)
@@ -107,7 +113,9 @@ def test_rslora_scaling_and_embedding_lora(make_lora_model, input_ids, logits, r
     assert relative_error(logits(merged, input_ids), logits(model, input_ids)) < SAME
 
 
-def test_gemma_trained_lm_head_unties_the_embeddings(make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_gemma_trained_lm_head_unties_the_embeddings(
+    make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     # Gemma ties lm_head to the embeddings. A trained lm_head (modules_to_save) differs from
     # them, so the merged checkpoint must store both and say tie_word_embeddings=False.
     model, tokenizer, _ = make_lora_model("gemma", modules_to_save=["lm_head"], seed=4)
@@ -136,7 +144,11 @@ def test_merge_sums_in_fp32_and_rounds_once(make_lora_model):
     assert merged.dtype == torch.bfloat16
 
     weight = layer.base_layer.weight.float()
-    delta = layer.lora_B["default"].weight.float() @ layer.lora_A["default"].weight.float() * layer.scaling["default"]
+    delta = (
+        layer.lora_B["default"].weight.float()
+        @ layer.lora_A["default"].weight.float()
+        * layer.scaling["default"]
+    )
     assert torch.equal(merged, (weight + delta).to(torch.bfloat16))
     rounded_twice = (layer.base_layer.weight + delta.to(torch.bfloat16)).to(torch.bfloat16)
     assert not torch.equal(merged, rounded_twice)

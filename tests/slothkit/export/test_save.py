@@ -21,7 +21,9 @@ def _siblings(path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lora_adapter_reloads_in_plain_peft(arch, make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_lora_adapter_reloads_in_plain_peft(
+    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     from peft import PeftModel
 
     model, tokenizer, path = make_lora_model(arch, seed=10, lora_alpha=16)
@@ -37,7 +39,9 @@ def test_lora_adapter_reloads_in_plain_peft(arch, make_lora_model, input_ids, lo
 
 
 @pytest.mark.parametrize("save_method", ["merged_16bit", "merged_4bit", "lora"])
-def test_every_save_writes_tokenizer_chat_template_generation_config_and_card(save_method, make_lora_model, tmp_path):
+def test_every_save_writes_tokenizer_chat_template_generation_config_and_card(
+    save_method, make_lora_model, tmp_path
+):
     model, tokenizer, path = make_lora_model("llama", seed=11)
     out = tmp_path / "out"
     save_pretrained_merged(model, out, tokenizer, save_method=save_method,
@@ -71,7 +75,9 @@ def test_end_of_turn_token_joins_the_eos_list(arch, make_lora_model, tmp_path):
     assert tokenizer.convert_tokens_to_ids(END_OF_TURN[arch]) in (eos if isinstance(eos, list) else [eos])
 
 
-def test_merged_4bit_loads_back_with_bitsandbytes_on_cpu(make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_merged_4bit_loads_back_with_bitsandbytes_on_cpu(
+    make_lora_model, input_ids, logits, relative_error, tmp_path
+):
     import bitsandbytes.functional as bnbf
 
     model, tokenizer, _ = make_lora_model("mistral", load_in_4bit=True, seed=12)
@@ -134,7 +140,9 @@ def test_non_empty_directory_is_refused_unless_overwrite(make_lora_model, tmp_pa
 
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError])
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
-def test_interrupted_save_leaves_the_old_contents_or_nothing(interruption, existing, make_lora_model, monkeypatch, tmp_path):
+def test_interrupted_save_leaves_the_old_contents_or_nothing(
+    interruption, existing, make_lora_model, monkeypatch, tmp_path
+):
     import safetensors.torch
 
     model, tokenizer, _ = make_lora_model("llama")

@@ -60,7 +60,9 @@ def test_commits_are_all_or_nothing_and_check_the_parent(api, local_hub):
 
     api.create_commit(REPO, [CommitOperationAdd("c.txt", b"c")], commit_message="c")
     with pytest.raises(HfHubHTTPError, match="412"):
-        api.create_commit(REPO, [CommitOperationAdd("d.txt", b"d")], commit_message="d", parent_commit=first.oid)
+        api.create_commit(
+            REPO, [CommitOperationAdd("d.txt", b"d")], commit_message="d", parent_commit=first.oid
+        )
     assert [c.title for c in api.list_repo_commits(REPO)] == ["c", "a", "initial commit"]
     # older revisions stay readable
     assert set(local_hub.files(REPO, revision=first.oid)) == {".gitattributes", "a.txt"}

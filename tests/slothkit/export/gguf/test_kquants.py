@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slothkit.export.gguf import kquants
-from slothkit.export.gguf import write_gguf
+from slothkit.export.gguf import kquants, write_gguf
 from slothkit.export.gguf.tensor_types import (
     quantization_method,
     tensor_type,
@@ -57,7 +56,9 @@ def awkward_blocks(seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", K_TYPES)
 def test_gguf_decodes_our_blocks_as_we_do(name):
-    x = torch.cat([awkward_blocks(1), torch.randn(6, 256, generator=torch.Generator().manual_seed(2))]).reshape(4, -1)
+    x = torch.cat(
+        [awkward_blocks(1), torch.randn(6, 256, generator=torch.Generator().manual_seed(2))]
+    ).reshape(4, -1)
     blocks = kquants.QUANTIZERS[name](x)
     assert blocks.dtype == torch.uint8 and blocks.shape == (4, x.shape[1] // 256 * kquants.BLOCK_BYTES[name])
     ours = kquants.DEQUANTIZERS[name](blocks)
@@ -123,7 +124,9 @@ def _llama_cpp_quantize(source, target, ftype: int, pure: bool):
     params.ftype = ftype
     params.pure = pure  # pure: every quantisable tensor gets the base type, no mix
     params.nthread = 2
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    assert (
+        llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
+    )
     return gguf.GGUFReader(target)
 
 
@@ -133,7 +136,9 @@ def _as_array(tensor) -> np.ndarray:
 
 @needs_llama_cpp
 def test_reconstruction_error_within_5_percent_of_llama_cpp(tmp_path):
-    _, _, source = _model_and_f32_gguf(tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=1)
+    _, _, source = _model_and_f32_gguf(
+        tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=1
+    )
     originals = {t.name: _as_array(t) for t in gguf.GGUFReader(source).tensors}
     for name, ftype in (("Q4_K", 15), ("Q5_K", 17), ("Q6_K", 18)):
         reference = _llama_cpp_quantize(source, tmp_path / f"{name}.gguf", ftype, pure=True)
@@ -162,8 +167,16 @@ def test_reconstruction_error_within_5_percent_of_llama_cpp(tmp_path):
     [
         # untied, 8 layers: the _M mixes give Q6_K to attn_v / ffn_down of layers 0, 3, 6, 7
         ("llama", dict(hidden_size=256, intermediate_size=256, num_layers=8), ("q4_k_m", "q5_k_m")),
-        ("gemma", dict(hidden_size=256, intermediate_size=512), tuple(LLAMA_FTYPE)),  # output tied to token_embd
-        ("llama", dict(hidden_size=288, intermediate_size=576), tuple(LLAMA_FTYPE)),  # rows of 288, 576: fallbacks
+        (
+            "gemma",
+            dict(hidden_size=256, intermediate_size=512),
+            tuple(LLAMA_FTYPE),
+        ),  # output tied to token_embd
+        (
+            "llama",
+            dict(hidden_size=288, intermediate_size=576),
+            tuple(LLAMA_FTYPE),
+        ),  # rows of 288, 576: fallbacks
     ],
     ids=["llama-8-layers", "gemma-tied", "llama-rows-288"],
 )
@@ -198,7 +211,9 @@ def test_use_more_bits_layers_for_32_layers():
     ],
 )
 def test_tensor_type_rules(method, name, shape, expected):
-    got = tensor_type(quantization_method(method), name, shape, layer=3, n_layers=32, output_tied_to_embeddings=False)
+    got = tensor_type(
+        quantization_method(method), name, shape, layer=3, n_layers=32, output_tied_to_embeddings=False
+    )
     assert got == expected
 
 

@@ -56,7 +56,8 @@ def test_template_renders_the_prompt_as_the_hf_chat_template(arch, system):
     # llama.cpp adds BOS itself (the GGUF says add_bos), so the template leaves it out
     assert hf.startswith(tokenizer.bos_token)
     assert (
-        render_go_template(parsed["template"], System=system, Prompt="Plan a garden.") == hf[len(tokenizer.bos_token) :]
+        render_go_template(parsed["template"], System=system, Prompt="Plan a garden.")
+        == hf[len(tokenizer.bos_token) :]
     )
     assert END_OF_TURN[arch] in parsed["stops"] and tokenizer.eos_token in parsed["stops"]
     assert len(parsed["stops"]) == len(set(parsed["stops"]))
@@ -69,7 +70,9 @@ def test_each_known_format_is_recognised_by_its_marker():
         "gemma",
         "chatml",
     ]
-    assert chat_format(None) is GENERIC_FORMAT and chat_format("{{ messages[0]['content'] }}") is GENERIC_FORMAT
+    assert (
+        chat_format(None) is GENERIC_FORMAT and chat_format("{{ messages[0]['content'] }}") is GENERIC_FORMAT
+    )
 
 
 def test_unknown_chat_template_gets_the_generic_one():

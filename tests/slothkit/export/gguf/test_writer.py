@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.atomic import DirectoryNotEmptyError
 from slothkit.export.gguf import (
     QUANTIZATION_METHODS,
@@ -25,6 +24,7 @@ from slothkit.export.gguf import (
     unpermute_rotary_rows,
     write_gguf,
 )
+from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
 from slothkit.testing import CORPUS, tiny_model_path
 
@@ -174,7 +174,9 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
 def _stored(reader, name):
     t = next(t for t in reader.tensors if t.name == name)
     values = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
-    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(tuple(reversed([int(n) for n in t.shape])))
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+        tuple(reversed([int(n) for n in t.shape]))
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -188,8 +190,12 @@ def test_weights_are_transformed_as_llama_cpp_expects(arch, exported):
         assert torch.allclose(_stored(reader, "blk.0.attn_q.weight"), q, rtol=1e-3, atol=1e-4)
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm.float() + 1)
     else:  # Q rows permuted within 4 heads, K rows within 2 KV heads
-        assert torch.allclose(_stored(reader, "blk.0.attn_q.weight"), permute_rotary_rows(q, 4), rtol=1e-3, atol=1e-4)
-        assert torch.allclose(_stored(reader, "blk.0.attn_k.weight"), permute_rotary_rows(k, 2), rtol=1e-3, atol=1e-4)
+        assert torch.allclose(
+            _stored(reader, "blk.0.attn_q.weight"), permute_rotary_rows(q, 4), rtol=1e-3, atol=1e-4
+        )
+        assert torch.allclose(
+            _stored(reader, "blk.0.attn_k.weight"), permute_rotary_rows(k, 2), rtol=1e-3, atol=1e-4
+        )
         assert not torch.allclose(_stored(reader, "blk.0.attn_q.weight"), q, rtol=1e-3, atol=1e-4)
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm)
 
@@ -214,11 +220,16 @@ def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
 
     hf_q, hf_k = rope_half_split((x @ wq.T).view(6, heads, d)), rope_half_split((x @ wk.T).view(6, heads, d))
     pq, pk = permute_rotary_rows(wq, heads), permute_rotary_rows(wk, heads)
-    cpp_q, cpp_k = rope_interleaved((x @ pq.T).view(6, heads, d)), rope_interleaved((x @ pk.T).view(6, heads, d))
+    cpp_q, cpp_k = (
+        rope_interleaved((x @ pq.T).view(6, heads, d)),
+        rope_interleaved((x @ pk.T).view(6, heads, d)),
+    )
     hf_scores = torch.einsum("phd,shd->hps", hf_q, hf_k)
     assert torch.allclose(torch.einsum("phd,shd->hps", cpp_q, cpp_k), hf_scores, atol=1e-4)
     plain = torch.einsum(
-        "phd,shd->hps", rope_interleaved((x @ wq.T).view(6, heads, d)), rope_interleaved((x @ wk.T).view(6, heads, d))
+        "phd,shd->hps",
+        rope_interleaved((x @ wq.T).view(6, heads, d)),
+        rope_interleaved((x @ wk.T).view(6, heads, d)),
     )
     assert not torch.allclose(plain, hf_scores, atol=1e-2)  # without the permutation they differ
     assert torch.equal(unpermute_rotary_rows(pq, heads), wq)
@@ -308,13 +319,17 @@ def test_rope_scaling_is_written_as_llama_cpp_applies_it(rope_type, tmp_path):
     if rope_type == "llama3":
         divisors = _stored(reader, "rope_freqs.weight")
         default = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
-        assert torch.allclose(divisors, default / model.model.rotary_emb.inv_freq.float(), rtol=1e-5)  # HF's own
+        assert torch.allclose(
+            divisors, default / model.model.rotary_emb.inv_freq.float(), rtol=1e-5
+        )  # HF's own
         assert divisors.min() == 1.0 and divisors.max() == 4.0 and ((divisors > 1) & (divisors < 4)).any()
     else:
         assert field(reader, "llama.rope.scaling.type") == "linear"
         assert field(reader, "llama.rope.scaling.factor") == 4.0
     verify_gguf(file, model, tokenizer, "f32", reference="gguf_weights")
-    plain = write_gguf(tiny("llama")[0], tmp_path / "plain.gguf", tokenizer, "f32")  # same weights, plain rope
+    plain = write_gguf(
+        tiny("llama")[0], tmp_path / "plain.gguf", tokenizer, "f32"
+    )  # same weights, plain rope
     with pytest.raises(GGUFVerificationError, match="logits differ"):
         verify_gguf(plain, model, tokenizer, "f32")
 
@@ -347,7 +362,9 @@ def test_llama_cpp_tokenises_plain_text_like_hf(arch, exported):
     llm = _vocab_only(exported(arch, "q8_0"))
     try:
         for text in PLAIN_TEXTS:
-            assert llm.tokenize(text.encode(), add_bos=True, special=False) == tokenizer(text)["input_ids"], text
+            assert llm.tokenize(text.encode(), add_bos=True, special=False) == tokenizer(text)["input_ids"], (
+                text
+            )
             decoded = llm.detokenize(tokenizer(text, add_special_tokens=False)["input_ids"]).decode()
             # llama-cpp-python joins token pieces: the "▁" that starts SentencePiece text stays a space
             assert decoded == (text if arch == "llama" else " " + text)
@@ -428,12 +445,16 @@ def test_token_types_scores_and_merges(arch, exported):
     for token in tokenizer.all_special_tokens:
         expected = gguf.TokenType.UNKNOWN if token == tokenizer.unk_token else gguf.TokenType.CONTROL
         assert types[vocab[token]] == expected, token
-    assert tokens[700] == "[PAD700]" and types[700] == gguf.TokenType.UNUSED  # embedding rows past the tokenizer
+    assert (
+        tokens[700] == "[PAD700]" and types[700] == gguf.TokenType.UNUSED
+    )  # embedding rows past the tokenizer
     assert all(tokens[i] == t for t, i in vocab.items())
     if arch == "llama":  # byte-level BPE: merges and Llama 3's pre-tokenizer
         assert field(reader, "tokenizer.ggml.pre") == "llama-bpe"
         merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-        assert field(reader, "tokenizer.ggml.merges") == [m if isinstance(m, str) else " ".join(m) for m in merges]
+        assert field(reader, "tokenizer.ggml.merges") == [
+            m if isinstance(m, str) else " ".join(m) for m in merges
+        ]
         assert "tokenizer.ggml.scores" not in reader.fields
     else:  # SentencePiece style: bytes, scores in merge order, no merges
         assert types[vocab["<0x41>"]] == gguf.TokenType.BYTE and types[vocab["▁the"]] == gguf.TokenType.NORMAL
@@ -454,7 +475,8 @@ def test_save_writes_one_file_per_method_and_modelfiles(tmp_path):
     model, tokenizer = tiny("gemma")
     paths = save_pretrained_gguf(model, tmp_path / "out", tokenizer, ["q4_k_m", "Q8_0"], verify=False)
     assert paths == [
-        tmp_path / "out" / n for n in ("out.Q4_K_M.gguf", "out.Q8_0.gguf", "Modelfile.Q4_K_M", "Modelfile.Q8_0")
+        tmp_path / "out" / n
+        for n in ("out.Q4_K_M.gguf", "out.Q8_0.gguf", "Modelfile.Q4_K_M", "Modelfile.Q8_0")
     ]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths)
     assert (tmp_path / "out" / "Modelfile.Q8_0").read_text().startswith("FROM ./out.Q8_0.gguf\n")
@@ -492,7 +514,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256))  # fmt: skip
     _, tokenizer = tiny("llama")
-    with pytest.raises(ValueError, match="supports the architectures 'llama', 'mistral', 'gemma'; .* 'qwen2'"):
+    with pytest.raises(
+        ValueError, match="supports the architectures 'llama', 'mistral', 'gemma'; .* 'qwen2'"
+    ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
 
@@ -532,12 +556,23 @@ def test_push_to_hub_gguf(local_hub, tmp_path):
     from slothkit.export.gguf import push_to_hub_gguf
 
     model, tokenizer = tiny("llama")
-    result = push_to_hub_gguf(model, "local-user/tiny-gguf", tokenizer, "q4_k_m", token="hf_writer", verify=False)
-    assert set(local_hub.files("local-user/tiny-gguf")) == {".gitattributes", "tiny-gguf.Q4_K_M.gguf", "Modelfile"}
+    result = push_to_hub_gguf(
+        model, "local-user/tiny-gguf", tokenizer, "q4_k_m", token="hf_writer", verify=False
+    )
+    assert set(local_hub.files("local-user/tiny-gguf")) == {
+        ".gitattributes",
+        "tiny-gguf.Q4_K_M.gguf",
+        "Modelfile",
+    }
     assert sorted(result.files) == ["Modelfile", "tiny-gguf.Q4_K_M.gguf"]
-    pulled = hf_hub_download("local-user/tiny-gguf", "tiny-gguf.Q4_K_M.gguf", token="hf_writer", local_dir=tmp_path)
+    pulled = hf_hub_download(
+        "local-user/tiny-gguf", "tiny-gguf.Q4_K_M.gguf", token="hf_writer", local_dir=tmp_path
+    )
     reader = gguf.GGUFReader(pulled)
-    assert field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q4_K_M) and len(reader.tensors) == 21
+    assert (
+        field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+        and len(reader.tensors) == 21
+    )
 
 
 @needs_llama_cpp
@@ -545,7 +580,9 @@ def test_lora_model_exports_through_the_attached_method(make_lora_model, tmp_pat
     """FastModel's model.save_pretrained_gguf merges the adapters (slothkit.export.merge) and
     hands the plain model to this writer; llama.cpp then reproduces the LoRA model's logits."""
     model, tokenizer, _ = make_lora_model("mistral", seed=3)
-    paths = model.save_pretrained_gguf(tmp_path / "out", tokenizer, quantization_method="q8_0")  # verifies too
+    paths = model.save_pretrained_gguf(
+        tmp_path / "out", tokenizer, quantization_method="q8_0"
+    )  # verifies too
     report = verify_gguf(paths[0], model, tokenizer, "q8_0")  # against the unmerged LoRA model
     assert report.logit_error < gguf_verify.TOLERANCES["q8_0"]
     with model.disable_adapter(), pytest.raises(GGUFVerificationError, match="logits differ"):
