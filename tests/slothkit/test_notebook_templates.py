@@ -63,7 +63,9 @@ def test_list_shows_models_templates_and_defaults(capsys):
         assert template in out
 
 
-def test_install_cell_says_what_to_do_when_pip_cannot_install_slothkit(monkeypatch):
+def _install_cell(monkeypatch, tmp_path, pip_exit_codes):
+    """Run the rendered install cell in tmp_path as if slothkit were not installed, with pip
+    answering from pip_exit_codes (spec -> exit code, 1 when absent); returns the specs tried."""
     import importlib.util
     import subprocess
 
@@ -74,8 +76,44 @@ def test_install_cell_says_what_to_do_when_pip_cannot_install_slothkit(monkeypat
         importlib.util, "find_spec", lambda name, *a: None if name == "slothkit" else real_find_spec(name, *a)
     )
     calls = []
-    monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 1)
+    monkeypatch.setattr(
+        subprocess, "call", lambda command: calls.append(command[-1]) or pip_exit_codes.get(command[-1], 1)
+    )
+    monkeypatch.chdir(tmp_path)
+    return cell.source, calls
+
+
+def test_install_cell_says_what_to_do_when_pip_cannot_install_slothkit(monkeypatch, tmp_path):
+    source, calls = _install_cell(monkeypatch, tmp_path, {})
     monkeypatch.setenv("SLOTHKIT_PIP_SPEC", "/nowhere/slothkit.whl")
-    with pytest.raises(RuntimeError, match="could not install slothkit from '/nowhere/slothkit.whl'"):
-        exec(cell.source, {})
-    assert calls and calls[0][-1] == "/nowhere/slothkit.whl"
+    with pytest.raises(
+        RuntimeError, match="could not install slothkit from '/nowhere/slothkit.whl' or 'slothkit'"
+    ):
+        exec(source, {})
+    assert calls == ["/nowhere/slothkit.whl", "slothkit"]
+
+
+def test_install_cell_tries_the_spec_then_an_uploaded_wheel_then_pypi(monkeypatch, tmp_path):
+    import os
+
+    old = tmp_path / "slothkit-0.0.9-py3-none-any.whl"
+    new = tmp_path / "slothkit-0.1.0-py3-none-any.whl"
+    for age, wheel in ((200, old), (100, new)):
+        wheel.write_bytes(b"")
+        os.utime(wheel, (wheel.stat().st_mtime - age,) * 2)
+    monkeypatch.delenv("SLOTHKIT_PIP_SPEC", raising=False)
+    # After installing, the cell imports slothkit.notebook and installs the notebook's other
+    # packages; run only its install part.
+    source, calls = _install_cell(monkeypatch, tmp_path, {new.name: 0})
+    install_part = source.split("from slothkit.notebook import")[0]
+    exec(install_part, {})
+    assert calls == [new.name], "with no spec set, the newest uploaded wheel comes first"
+
+    source, calls = _install_cell(monkeypatch, tmp_path, {"slothkit": 0})
+    exec(install_part, {})
+    assert calls == [new.name, "slothkit"], "PyPI is tried when the uploaded wheel fails"
+
+    monkeypatch.setenv("SLOTHKIT_PIP_SPEC", "slothkit==0.1.0")
+    source, calls = _install_cell(monkeypatch, tmp_path, {"slothkit==0.1.0": 0})
+    exec(install_part, {})
+    assert calls == ["slothkit==0.1.0"], "SLOTHKIT_PIP_SPEC comes before everything else"
