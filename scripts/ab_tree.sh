@@ -5,7 +5,8 @@
 #   bash scripts/ab_tree.sh 628f7c6     # writes .ab/628f7c6/{slothkit,slothkit_kernels,slothkit_templates}
 #   slothkit bench train --model llama-3-8b --impl slothkit,slothkit@.ab/628f7c6,hf
 #
-# On the GPU machine, carry .ab/REV (a few hundred KB; .ab/ is git-ignored).
+# On a GPU machine, bring .ab/REV along with the checkout (a few hundred KB;
+# .ab/ is git-ignored).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=${1:?usage: scripts/ab_tree.sh REV}

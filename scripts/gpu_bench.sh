@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several `slothkit bench` runs in one call on the GPU machine, each with its own log and
+# Several `slothkit bench` runs in a row on a GPU machine, each with its own log and
 # JSON record under $OUT, and a short table of every record last.
 #
 #   bash scripts/gpu_bench.sh "train --model gemma-7b --mode lora --impl slothkit,hf,liger" \
@@ -8,9 +8,9 @@
 # Each argument is one `slothkit bench` command line without --output (an optional
 # --tag NAME is added to the file names); the record and log are written as
 # <n>-<kind>-<model>-<mode>[-NAME].json/.log and bundled into $OUT/bench-records.tgz
-# every 15 s and after every job: the device tool brings back only a few files per
-# call, and a call cut short at its time limit still returns what finished (the record
-# lists the implementations it had not reached under "pending").  A job that
+# every 15 s and after every job, so that one archive holds every record, and a run cut
+# short at a time limit still returns what finished (the record lists the
+# implementations it had not reached under "pending").  A job that
 # fails does not stop the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ for job in "$@"; do
     python3 -m slothkit.cli bench $job --output "$runs/$name.json" > "$runs/$name.log" 2>&1 &
     pid=$!
     # The record is rewritten after each implementation; bundle it every 15 s, so that a
-    # call killed at its time limit still brings back the implementations that finished.
+    # run killed at a time limit still brings back the implementations that finished.
     while kill -0 "$pid" 2>/dev/null; do
         sleep 15
         tar czf "$OUT/bench-records.tgz" -C "$runs" . 2>/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried wheels, run the whole test
+# On a GPU machine: install the wheels under .whl/, run the whole test
 # suite on CUDA (the cuda-marked tests included), run the kernel benchmark, and
 # print a short table last.  Full logs go under $OUT (or ./gpu-out).
 #

@@ -1,7 +1,7 @@
-# Sourced by the GPU-machine scripts: install the carried wheels and put slothkit on
-# the path.  The GPU image has no registry, so packages travel as wheels under .whl/
-# (git-ignored), in subfolders so that one call carries only what it needs
-# (one call carries at most 64 MiB):
+# Sourced by the GPU-machine scripts: install the wheels under .whl/ and put slothkit on
+# the path.  A GPU machine may reach no registry, so packages travel as wheels under .whl/
+# (git-ignored), in subfolders so that a copy of the checkout carries only what its
+# run needs (docs/gpu-runs.md):
 #   .whl/base     bitsandbytes, liger-kernel, dill, multiprocess, xxhash
 #   .whl/trl116   trl 1.16 and datasets 5.2 (what slothkit's TRL tests use)
 #   .whl/unsloth  unsloth + unsloth_zoo (studio/ stripped), trl 1.15, datasets 4.8.5

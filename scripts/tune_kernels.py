@@ -3,7 +3,7 @@
 Prints, per setting, the median time and the share of the device-to-device copy
 bandwidth (bytes read + written, measured here).  Used to pick the constants in
 kernels/rms_norm.py, kernels/swiglu.py and kernels/rope.py; the numbers go to
-docs/kernel-tuning.md.
+docs/kernel-benchmarks.md.
 
     python scripts/tune_kernels.py            # everything but nf4
     python scripts/tune_kernels.py rms_norm   # the RMSNorm backward only

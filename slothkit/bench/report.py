@@ -28,7 +28,7 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
         record = json.loads(path.read_text())
         if record.get("kind") == kind:
             record["_file"] = path.name
-            # A run cut short (at the GPU call's time limit) lists the implementations it
+            # A run cut short (stopped at a time limit) lists the implementations it
             # never started under "pending": each gets a row saying so, rather than none.
             record["rows"] = record["rows"] + [
                 {"impl": impl, "status": "not reached"} for impl in record.get("pending", [])

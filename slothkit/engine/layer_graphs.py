@@ -3,7 +3,7 @@
 On a fast GPU the host needs about as long to issue one checkpointed layer's work
 (some 150 kernel launches per training step, and the Python around them) as the GPU
 needs to run it, so the GPU waits on the host for part of every step
-(docs/performance-notes.md, "Where the GPU waits").  A CUDA graph captured once
+(docs/performance.md, "Where the time goes").  A CUDA graph captured once
 replays all of a layer's kernels with one call.  Two graphs per layer and input
 signature:
 
@@ -25,8 +25,8 @@ which the backward graph overwrites with the input's gradient; and the parameter
 gradients.  After a capture the eager allocator's cached blocks are released: the
 recompute that used them now runs in the pool.  In backward the checkpointer's fetched
 copies of the layer's input and kept tensors are freed as soon as they are copied into
-the buffers, before the next layer's prefetch is allocated (performance-notes, "Tenth
-session": 64 MB off Mistral-7B QLoRA's peak).
+the buffers, before the next layer's prefetch is allocated (docs/performance.md,
+"Where the memory goes": 64 MB off Mistral-7B QLoRA's peak).
 
 A graph bakes in the addresses it read and wrote at capture, so:
 - the layer's weights and adapters must stay where they are (optimizers update them in

@@ -351,7 +351,7 @@ def enable_checkpointing(
     GPU's kernels); the forward graphs alone remove the forward's host-bound idle time
     (29 -> 8 ms per step in the Mistral-7B profile) but gain only 0.4% (Llama) and 1.3%
     (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool,
-    so they are there to ask for, not the default (docs/performance-notes.md). T4/V100-
+    so they are there to ask for, not the default (docs/performance.md). T4/V100-
     class GPUs run a layer far slower than the host issues it, and their memory is tight.
     keeps (offload only): let the layers keep intermediates for their re-runs (the residual
     sum after attention, so the re-run skips o_proj: one more B x T x hidden tensor per
