@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.export.atomic import DirectoryNotEmptyError
-from slothkit.export.gguf import (
+from slothkit.export.gguf.writer import (
     QUANTIZATION_METHODS,
     hf_weights_from_gguf,
     permute_rotary_rows,
@@ -290,7 +290,7 @@ def test_bf16_model_is_verified_in_bf16(tmp_path):
 def test_a_structural_fault_fails_verification_at_4_bits(arch, fault, tmp_path):
     """A file written with the wrong layout: at Q4, where the quality tolerance is wide, the
     comparison of the file's weights with the model's still catches it."""
-    import slothkit.export.gguf as export_gguf
+    import slothkit.export.gguf.writer as export_gguf
 
     model, tokenizer = tiny(arch)
     wrong = dataclasses.replace(export_gguf.SUPPORTED_ARCHITECTURES[arch], **fault)
