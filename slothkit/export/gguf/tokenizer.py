@@ -5,9 +5,11 @@
     BPE over "▁"-words with byte_fallback, e.g.        "llama": tokens, scores, token types
       Llama 2 / Mistral / Gemma (SentencePiece-style)
 
-"gpt2": llama.cpp runs real BPE (ranked merges) after a pre-tokenizer regex that it knows by
-name (tokenizer.ggml.pre); the regex of tokenizer.json is matched against the ones whose
-names we know, and an unknown one is refused rather than silently tokenised differently.
+"gpt2": llama.cpp runs real BPE (ranked merges) after a pre-tokenizer that it knows by name
+(tokenizer.ggml.pre); slothkit.export.gguf.pre_tokenizer finds the name as llama.cpp's
+converter does (a hash of the ids of a check text), else from the split regexes of
+tokenizer.json, and refuses a tokenizer that neither way knows rather than let llama.cpp
+tokenise differently.
 
 "llama": llama.cpp runs SentencePiece's algorithm, which merges the adjacent pair whose
 *result* has the highest score, leftmost first. A token's score here is minus the rank of the
@@ -44,12 +46,7 @@ import warnings
 
 from gguf import GGUFWriter, TokenType
 
-# Llama 3's split regex (tiktoken cl100k with digits in groups of 1-3)
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-KNOWN_PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe"}  # split regex -> llama.cpp's name for it
+from slothkit.export.gguf.pre_tokenizer import pre_tokenizer_name
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -100,11 +97,19 @@ class GGUFVocab:
 
 
 def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | None = None) -> GGUFVocab:
-    """Read `tokenizer` (a transformers fast tokenizer) into GGUF vocabulary metadata.
+    """Read `tokenizer` into GGUF vocabulary metadata.
 
-    n_embedding_rows: the model's vocabulary size (token_embd rows); the token list is padded to it.
-    stop_token_ids: the ids generation stops at (generation_config.eos_token_id); one that is
-        not the tokenizer's eos becomes tokenizer.ggml.eot_token_id.
+    Args:
+        tokenizer: a transformers fast tokenizer (one with a tokenizer.json).
+        n_embedding_rows: the model's vocabulary size (token_embd rows); the token list is
+            padded to it.
+        stop_token_ids: the ids generation stops at (generation_config.eos_token_id); one that
+            is not the tokenizer's eos becomes tokenizer.ggml.eot_token_id.
+
+    Raises:
+        ValueError: a tokenizer llama.cpp cannot reproduce (not BPE, a byte-level
+            pre-tokenizer llama.cpp does not know, duplicate token texts), or more token ids
+            than embedding rows.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -137,7 +142,8 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
         spec.get("decoder"), "ByteLevel"
     )
     if byte_level:
-        flavour, pre, add_space_prefix = "gpt2", _pre_tokenizer_name(spec["pre_tokenizer"]), None
+        flavour, add_space_prefix = "gpt2", None
+        pre = pre_tokenizer_name(tokenizer, spec.get("pre_tokenizer"))
     elif model.get("byte_fallback"):
         flavour, pre, add_space_prefix = "llama", None, _add_space_prefix(spec)
     else:
@@ -230,17 +236,6 @@ def _components(node) -> list[dict]:
         children = node.get("pretokenizers") or node.get("decoders") or node.get("normalizers") or []
         return [c for child in children for c in _components(child)]
     return [node]
-
-
-def _pre_tokenizer_name(pre_tokenizer) -> str:
-    parts = _components(pre_tokenizer)
-    patterns = [p["pattern"].get("Regex") for p in parts if p["type"] == "Split" and "pattern" in p]
-    if len(patterns) == 1 and patterns[0] in KNOWN_PRE_TOKENIZERS:
-        return KNOWN_PRE_TOKENIZERS[patterns[0]]
-    raise ValueError(
-        f"this byte-level tokenizer splits text with {patterns or 'no Split regex'}; llama.cpp knows "
-        f"pre-tokenizers by name, and slothkit maps Llama 3's regex to {', '.join(KNOWN_PRE_TOKENIZERS.values())!r}"
-    )
 
 
 def _add_space_prefix(spec: dict) -> bool:
