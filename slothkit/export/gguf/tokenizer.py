@@ -9,7 +9,9 @@
 (tokenizer.ggml.pre); slothkit.export.gguf.pre_tokenizer finds the name as llama.cpp's
 converter does (a hash of the ids of a check text), else from the split regexes of
 tokenizer.json, and refuses a tokenizer that neither way knows rather than let llama.cpp
-tokenise differently.
+tokenise differently. Added tokens are CONTROL when special or when they look like control
+tokens ("<|...|>", as ChatML's <|im_start|> and <|im_end|>), else USER_DEFINED, as llama.cpp's
+converter marks them.
 
 "llama": llama.cpp runs SentencePiece's algorithm, which merges the adjacent pair whose
 *result* has the highest score, leftmost first. A token's score here is minus the rank of the
@@ -28,9 +30,10 @@ like HF unless it starts with a space, while text that starts with a space, or f
 special token, gets one more "▁" than in HF, as every Llama 2 / Mistral GGUF made by
 llama.cpp's own converter does.
 
-Special tokens: bos/eos/unk/pad ids, eot (the end of an assistant turn: of the extra ids the
-model's generation_config stops at, a known end-of-turn marker or the only one), add_bos/add_eos as the HF
-tokenizer really does them (checked by encoding a letter), and the chat template.
+Special tokens: bos/eos/unk/pad ids, eot (the end of an assistant turn: of the ids the model's
+generation_config stops at, a known end-of-turn marker, else the only one besides eos),
+add_bos/add_eos as the HF tokenizer really does them (checked by encoding a letter), and the
+chat template.
 The model's embedding may have more rows than the tokenizer has tokens; the rest are written
 as "[PAD<id>]" UNUSED tokens, as llama.cpp's converter does, because llama.cpp requires one
 token per embedding row.
@@ -166,10 +169,14 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
         tokens.append(token)
         scores.append(-float(ranks[token]) if token in ranks and i not in added else 0.0)
         if i in added:
-            if i == unk_id:
+            # SentencePiece's <unk> is UNKNOWN; a byte-level vocabulary's unk is a text marker
+            # (GPT-2's <|endoftext|>), CONTROL like llama.cpp's converter makes it.
+            if i == unk_id and flavour == "llama":
                 types.append(TokenType.UNKNOWN)
+            elif added[i]["special"] or _looks_like_control(token):
+                types.append(TokenType.CONTROL)
             else:
-                types.append(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED)
+                types.append(TokenType.USER_DEFINED)
         elif flavour == "llama" and _BYTE_TOKEN.fullmatch(token):
             types.append(TokenType.BYTE)
         elif i == unk_id:
@@ -185,7 +192,7 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
 
     probe = tokenizer("a")["input_ids"]
     eos_id = tokenizer.eos_token_id
-    eot_id = _end_of_turn_id(tokens, [i for i in (stop_token_ids or []) if i != eos_id])
+    eot_id = _end_of_turn_id(tokens, eos_id, [i for i in (stop_token_ids or []) if i != eos_id])
     template = getattr(tokenizer, "chat_template", None)
     return GGUFVocab(
         model=flavour,
@@ -209,12 +216,13 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
 _END_OF_TURN_TEXTS = ("<|eot_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>")
 
 
-def _end_of_turn_id(tokens: list[str], extra_stop_ids: list[int]) -> int | None:
-    """Which of the extra stop ids closes an assistant turn: one whose text is a known
-    end-of-turn marker, else the only one; None when that is ambiguous (Llama 3.1 also stops on
-    <|eom_id|>; llama.cpp then finds the markers by their text itself)."""
-    for i in extra_stop_ids:
-        if 0 <= i < len(tokens) and tokens[i] in _END_OF_TURN_TEXTS:
+def _end_of_turn_id(tokens: list[str], eos_id: int | None, extra_stop_ids: list[int]) -> int | None:
+    """Which stop id closes an assistant turn: an extra one whose text is a known end-of-turn
+    marker (Llama 3's <|eot_id|> beside eos <|end_of_text|>), else eos if its text is one
+    (ChatML models whose eos is <|im_end|> and who also stop on <|endoftext|>), else the only
+    extra one; None when that is ambiguous (llama.cpp then finds the markers by their text)."""
+    for i in [*extra_stop_ids, eos_id]:
+        if i is not None and 0 <= i < len(tokens) and tokens[i] in _END_OF_TURN_TEXTS:
             return i
     return extra_stop_ids[0] if len(extra_stop_ids) == 1 else None
 
@@ -236,6 +244,18 @@ def _components(node) -> list[dict]:
         children = node.get("pretokenizers") or node.get("decoders") or node.get("normalizers") or []
         return [c for child in children for c in _components(child)]
     return [node]
+
+
+def _looks_like_control(token: str) -> bool:
+    """Added tokens that some tokenizers leave unmarked but that are control tokens (llama.cpp's
+    converter's list): <|...|> (ChatML, Llama 3), DeepSeek's full-width <｜...｜>, Gemma's <unused..>
+    and <mask>, DeepSeek-Coder's <pad>."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
+    )
 
 
 def _add_space_prefix(spec: dict) -> bool:

@@ -8,8 +8,10 @@ tokenizer in test_real_tokenizers.py, and here by registering a hash.
 """
 
 import functools
+import importlib.util
 import json
 
+import gguf
 import pytest
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -28,6 +30,10 @@ from slothkit.testing import CORPUS, tiny_model_path
 
 SIZES = dict(hidden_size=256, intermediate_size=512)  # the tiny Llama of test_writer: 768 embedding rows
 ROWS = 768
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install 'slothkit[gguf]'); it reads the GGUF files",
+)
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -109,6 +115,26 @@ def tiny_llama(stop_ids: list[int]):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path("llama", **SIZES), dtype=torch.float32)
     model.generation_config.eos_token_id = stop_ids
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """exported(style) -> (tokenizer, GGUF path) of the tiny Llama with that tokenizer."""
+    root = tmp_path_factory.mktemp("byte-level")
+
+    @functools.cache
+    def get(style):
+        tokenizer = byte_level_tokenizer(style)
+        vocab = tokenizer.get_vocab()
+        # ChatML models stop at <|im_end|> and <|endoftext|> (Qwen2's generation_config)
+        stops = [vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab]
+        return tokenizer, write_gguf(tiny_llama(stops), root / f"{style}.gguf", tokenizer, "f32")
+
+    return get
+
+
+def field(reader, key):
+    return reader.fields[key].contents() if key in reader.fields else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,3 +251,85 @@ def test_unknown_pre_tokenizer_is_refused_naming_it_and_the_accepted_names(pre, 
     for name in ("'gpt-2': by GPT-2's regex", "'smollm': by each digit alone, then GPT-2's regex",
                  "'llama-bpe': by Llama 3's regex", "'qwen2': by Qwen2's regex", "'tekken'", "'deepseek-llm'"):  # fmt: skip
         assert name in message, name
+
+
+# ---------------------------------------------------------------------------------------
+# The vocabulary metadata, read back
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_written_vocabulary_metadata(style, exported):
+    tokenizer, path = exported(style)
+    reader = gguf.GGUFReader(path)
+    vocab = tokenizer.get_vocab()
+    tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
+    assert field(reader, "tokenizer.ggml.model") == "gpt2" and field(reader, "tokenizer.ggml.pre") == style
+    assert len(tokens) == ROWS and all(tokens[i] == t for t, i in vocab.items())
+    assert all(
+        tokens[i] == f"[PAD{i}]" and types[i] == gguf.TokenType.UNUSED for i in range(len(vocab), ROWS)
+    )
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert field(reader, "tokenizer.ggml.merges") == [
+        m if isinstance(m, str) else " ".join(m) for m in merges
+    ]
+    assert (
+        "tokenizer.ggml.scores" not in reader.fields
+        and "tokenizer.ggml.add_space_prefix" not in reader.fields
+    )
+
+    spec = STYLES[style]
+    expected_types = {t: gguf.TokenType.CONTROL for t in spec["specials"]}  # GPT-2's unk too
+    expected_types["Ġthe"] = gguf.TokenType.NORMAL
+    if style == "qwen2":
+        expected_types.update(
+            {"<|fim_prefix|>": gguf.TokenType.CONTROL, "sloth": gguf.TokenType.USER_DEFINED}
+        )
+    for text, kind in expected_types.items():
+        assert types[vocab[text]] == kind, text
+    normal = [t for t, i in vocab.items() if types[i] == gguf.TokenType.NORMAL]
+    assert len(normal) == len(vocab) - len(spec["specials"]) - len(spec.get("plain_added", []))
+
+    role = {k: vocab[v] for k, v in spec["roles"].items()}
+    assert field(reader, "tokenizer.ggml.bos_token_id") == role.get("bos_token")
+    assert field(reader, "tokenizer.ggml.eos_token_id") == role["eos_token"]
+    assert field(reader, "tokenizer.ggml.unknown_token_id") == role.get("unk_token")
+    assert field(reader, "tokenizer.ggml.padding_token_id") == role.get("pad_token")
+    # ChatML closes a turn with <|im_end|>, also the eos; GPT-2 has no turns: its one stop is eos
+    assert field(reader, "tokenizer.ggml.eot_token_id") == vocab.get("<|im_end|>")
+    # none of these tokenizers adds BOS or EOS, and the file says so (llama.cpp's default differs by name)
+    assert tokenizer("a")["input_ids"] == [vocab["a"]]
+    assert field(reader, "tokenizer.ggml.add_bos_token") is False
+    assert field(reader, "tokenizer.ggml.add_eos_token") is False
+    assert field(reader, "tokenizer.chat_template") == CHATML
+
+
+# ---------------------------------------------------------------------------------------
+# llama.cpp reads the file
+# ---------------------------------------------------------------------------------------
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("style", STYLES)
+def test_llama_cpp_tokenises_like_hf(style, exported):
+    import llama_cpp
+
+    tokenizer, path = exported(style)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    try:
+        for text in TEXTS:
+            hf = tokenizer(text)["input_ids"]
+            assert llm.tokenize(text.encode(), add_bos=True, special=False) == hf, text
+            assert llm.detokenize(hf).decode() == text
+        chat = tokenizer.apply_chat_template(
+            [
+                {"role": "user", "content": "Hi there, 12 sloths?"},
+                {"role": "assistant", "content": "Yes: 12."},
+            ],
+            tokenize=False,
+        )
+        chat += "<|endoftext|>" + ("<|fim_prefix|> sloth" if style == "qwen2" else "")
+        hf = tokenizer(chat, add_special_tokens=False)["input_ids"]
+        assert llm.tokenize(chat.encode(), add_bos=False, special=True) == hf
+    finally:
+        llm.close()
