@@ -7,6 +7,7 @@
 - tensor_types: which GGML type each tensor gets for a quantization method, and its encoding.
 - kquants: the K-quant encoders and decoders (Q4_K, Q5_K, Q6_K).
 - tokenizer: the vocabulary and pre-tokenizer metadata llama.cpp reads.
+- pre_tokenizer: which pre-tokenizer llama.cpp runs for a byte-level tokenizer, named as its converter names it.
 - modelfile: Ollama's Modelfile for an exported file.
 - verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
 """

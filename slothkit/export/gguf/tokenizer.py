@@ -5,9 +5,13 @@
     BPE over "▁"-words with byte_fallback, e.g.        "llama": tokens, scores, token types
       Llama 2 / Mistral / Gemma (SentencePiece-style)
 
-"gpt2": llama.cpp runs real BPE (ranked merges) after a pre-tokenizer regex that it knows by
-name (tokenizer.ggml.pre); the regex of tokenizer.json is matched against the ones whose
-names we know, and an unknown one is refused rather than silently tokenised differently.
+"gpt2": llama.cpp runs real BPE (ranked merges) after a pre-tokenizer that it knows by name
+(tokenizer.ggml.pre); slothkit.export.gguf.pre_tokenizer finds the name as llama.cpp's
+converter does (a hash of the ids of a check text), else from the split regexes of
+tokenizer.json, and refuses a tokenizer that neither way knows rather than let llama.cpp
+tokenise differently. Added tokens are CONTROL when special or when they look like control
+tokens ("<|...|>", as ChatML's <|im_start|> and <|im_end|>), else USER_DEFINED, as llama.cpp's
+converter marks them.
 
 "llama": llama.cpp runs SentencePiece's algorithm, which merges the adjacent pair whose
 *result* has the highest score, leftmost first. A token's score here is minus the rank of the
@@ -26,9 +30,10 @@ like HF unless it starts with a space, while text that starts with a space, or f
 special token, gets one more "▁" than in HF, as every Llama 2 / Mistral GGUF made by
 llama.cpp's own converter does.
 
-Special tokens: bos/eos/unk/pad ids, eot (the end of an assistant turn: of the extra ids the
-model's generation_config stops at, a known end-of-turn marker or the only one), add_bos/add_eos as the HF
-tokenizer really does them (checked by encoding a letter), and the chat template.
+Special tokens: bos/eos/unk/pad ids, eot (the end of an assistant turn: of the ids the model's
+generation_config stops at, a known end-of-turn marker, else the only one besides eos),
+add_bos/add_eos as the HF tokenizer really does them (checked by encoding a letter), and the
+chat template.
 The model's embedding may have more rows than the tokenizer has tokens; the rest are written
 as "[PAD<id>]" UNUSED tokens, as llama.cpp's converter does, because llama.cpp requires one
 token per embedding row.
@@ -44,12 +49,7 @@ import warnings
 
 from gguf import GGUFWriter, TokenType
 
-# Llama 3's split regex (tiktoken cl100k with digits in groups of 1-3)
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-KNOWN_PRE_TOKENIZERS = {_LLAMA3_PATTERN: "llama-bpe"}  # split regex -> llama.cpp's name for it
+from slothkit.export.gguf.pre_tokenizer import pre_tokenizer_name
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -100,11 +100,19 @@ class GGUFVocab:
 
 
 def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | None = None) -> GGUFVocab:
-    """Read `tokenizer` (a transformers fast tokenizer) into GGUF vocabulary metadata.
+    """Read `tokenizer` into GGUF vocabulary metadata.
 
-    n_embedding_rows: the model's vocabulary size (token_embd rows); the token list is padded to it.
-    stop_token_ids: the ids generation stops at (generation_config.eos_token_id); one that is
-        not the tokenizer's eos becomes tokenizer.ggml.eot_token_id.
+    Args:
+        tokenizer: a transformers fast tokenizer (one with a tokenizer.json).
+        n_embedding_rows: the model's vocabulary size (token_embd rows); the token list is
+            padded to it.
+        stop_token_ids: the ids generation stops at (generation_config.eos_token_id); one that
+            is not the tokenizer's eos becomes tokenizer.ggml.eot_token_id.
+
+    Raises:
+        ValueError: a tokenizer llama.cpp cannot reproduce (not BPE, a byte-level
+            pre-tokenizer llama.cpp does not know, duplicate token texts), or more token ids
+            than embedding rows.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -137,7 +145,8 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
         spec.get("decoder"), "ByteLevel"
     )
     if byte_level:
-        flavour, pre, add_space_prefix = "gpt2", _pre_tokenizer_name(spec["pre_tokenizer"]), None
+        flavour, add_space_prefix = "gpt2", None
+        pre = pre_tokenizer_name(tokenizer, spec.get("pre_tokenizer"))
     elif model.get("byte_fallback"):
         flavour, pre, add_space_prefix = "llama", None, _add_space_prefix(spec)
     else:
@@ -160,10 +169,14 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
         tokens.append(token)
         scores.append(-float(ranks[token]) if token in ranks and i not in added else 0.0)
         if i in added:
-            if i == unk_id:
+            # SentencePiece's <unk> is UNKNOWN; a byte-level vocabulary's unk is a text marker
+            # (GPT-2's <|endoftext|>), CONTROL like llama.cpp's converter makes it.
+            if i == unk_id and flavour == "llama":
                 types.append(TokenType.UNKNOWN)
+            elif added[i]["special"] or _looks_like_control(token):
+                types.append(TokenType.CONTROL)
             else:
-                types.append(TokenType.CONTROL if added[i]["special"] else TokenType.USER_DEFINED)
+                types.append(TokenType.USER_DEFINED)
         elif flavour == "llama" and _BYTE_TOKEN.fullmatch(token):
             types.append(TokenType.BYTE)
         elif i == unk_id:
@@ -179,7 +192,7 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
 
     probe = tokenizer("a")["input_ids"]
     eos_id = tokenizer.eos_token_id
-    eot_id = _end_of_turn_id(tokens, [i for i in (stop_token_ids or []) if i != eos_id])
+    eot_id = _end_of_turn_id(tokens, eos_id, [i for i in (stop_token_ids or []) if i != eos_id])
     template = getattr(tokenizer, "chat_template", None)
     return GGUFVocab(
         model=flavour,
@@ -203,12 +216,13 @@ def gguf_vocab(tokenizer, n_embedding_rows: int, stop_token_ids: list[int] | Non
 _END_OF_TURN_TEXTS = ("<|eot_id|>", "<end_of_turn>", "<|im_end|>", "<|end|>")
 
 
-def _end_of_turn_id(tokens: list[str], extra_stop_ids: list[int]) -> int | None:
-    """Which of the extra stop ids closes an assistant turn: one whose text is a known
-    end-of-turn marker, else the only one; None when that is ambiguous (Llama 3.1 also stops on
-    <|eom_id|>; llama.cpp then finds the markers by their text itself)."""
-    for i in extra_stop_ids:
-        if 0 <= i < len(tokens) and tokens[i] in _END_OF_TURN_TEXTS:
+def _end_of_turn_id(tokens: list[str], eos_id: int | None, extra_stop_ids: list[int]) -> int | None:
+    """Which stop id closes an assistant turn: an extra one whose text is a known end-of-turn
+    marker (Llama 3's <|eot_id|> beside eos <|end_of_text|>), else eos if its text is one
+    (ChatML models whose eos is <|im_end|> and who also stop on <|endoftext|>), else the only
+    extra one; None when that is ambiguous (llama.cpp then finds the markers by their text)."""
+    for i in [*extra_stop_ids, eos_id]:
+        if i is not None and 0 <= i < len(tokens) and tokens[i] in _END_OF_TURN_TEXTS:
             return i
     return extra_stop_ids[0] if len(extra_stop_ids) == 1 else None
 
@@ -232,14 +246,15 @@ def _components(node) -> list[dict]:
     return [node]
 
 
-def _pre_tokenizer_name(pre_tokenizer) -> str:
-    parts = _components(pre_tokenizer)
-    patterns = [p["pattern"].get("Regex") for p in parts if p["type"] == "Split" and "pattern" in p]
-    if len(patterns) == 1 and patterns[0] in KNOWN_PRE_TOKENIZERS:
-        return KNOWN_PRE_TOKENIZERS[patterns[0]]
-    raise ValueError(
-        f"this byte-level tokenizer splits text with {patterns or 'no Split regex'}; llama.cpp knows "
-        f"pre-tokenizers by name, and slothkit maps Llama 3's regex to {', '.join(KNOWN_PRE_TOKENIZERS.values())!r}"
+def _looks_like_control(token: str) -> bool:
+    """Added tokens that some tokenizers leave unmarked but that are control tokens (llama.cpp's
+    converter's list): <|...|> (ChatML, Llama 3), DeepSeek's full-width <｜...｜>, Gemma's <unused..>
+    and <mask>, DeepSeek-Coder's <pad>."""
+    return (
+        token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (token.startswith("<|") and token.endswith("|>"))
+        or (token.startswith("<｜") and token.endswith("｜>"))
+        or (token.startswith("<unused") and token.endswith(">"))
     )
 
 

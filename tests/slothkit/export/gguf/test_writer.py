@@ -595,5 +595,5 @@ def test_unknown_byte_level_pre_tokenizer_is_refused(tmp_path):
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}+|\s+|."  # not a known one
     (folder / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="maps Llama 3's regex to 'llama-bpe'"):
+    with pytest.raises(ValueError, match="'llama-bpe': by Llama 3's regex"):
         write_gguf(tiny("llama")[0], tmp_path / "x.gguf", AutoTokenizer.from_pretrained(folder), "q8_0")
