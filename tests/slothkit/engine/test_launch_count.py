@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_launches.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "count_launches.py"
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma"])
