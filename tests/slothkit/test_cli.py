@@ -88,3 +88,9 @@ def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     assert "failed: ValueError: the training dataset lacks ['chosen', 'rejected']" in err
     assert "step 6. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
     assert "\x1b[" not in err  # no terminal colour codes from the kernel's traceback
+
+
+def test_demo_arch_choices_are_the_architecture_records():
+    assert build_parser().parse_args(["demo", "--arch", "mistral"]).arch == "mistral"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--arch", "qwen2"])
