@@ -4,11 +4,18 @@
     paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
 
 - writer: the file's tensors and metadata (save_pretrained_gguf, push_to_hub_gguf, write_gguf).
+- layout: where each Hugging Face weight goes in the file and how it is transformed on the way
+  (Q/K row permutation, norm offset), from the architecture record; and the way back
+  (hf_weights_from_gguf).
 - tensor_types: which GGML type each tensor gets for a quantization method, and its encoding.
 - kquants: the K-quant encoders and decoders (Q4_K, Q5_K, Q6_K).
 - tokenizer: the vocabulary and pre-tokenizer metadata llama.cpp reads.
 - modelfile: Ollama's Modelfile for an exported file.
 - verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
+
+Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
+functions included): layout and tensor_types need neither writer nor verify; verify reads
+files back through layout; writer uses all three.
 """
 
 from slothkit.export.gguf.writer import push_to_hub_gguf, save_pretrained_gguf, write_gguf

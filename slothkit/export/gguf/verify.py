@@ -35,7 +35,7 @@ Two references:
   below BF16_REFERENCE_FLOOR for it.
 
   reference="gguf_weights": two tight checks that hold for every type alike.
-  (a) The file's weights, read back into HF's layout and dequantised (gguf.hf_weights_from_gguf),
+  (a) The file's weights, read back into HF's layout and dequantised (layout.hf_weights_from_gguf),
       equal the model's within the type's rounding: relative rms error per tensor at most
       WEIGHT_TOLERANCES[method] (two to five times what the type gives on Gaussian weights).
   (b) The HF model run on those read-back weights matches llama.cpp within
@@ -73,6 +73,8 @@ import pathlib
 
 import numpy as np
 import torch
+
+from slothkit.export.gguf.layout import architecture_of, hf_weights_from_gguf
 
 TOLERANCES = {
     "f32": 0.01,
@@ -170,7 +172,7 @@ def verify_gguf(
 
     reference: "model" compares with the model as it is, within the method's tolerance
         (TOLERANCES); "gguf_weights" runs the HF model on the file's own weights, dequantised
-        (slothkit.export.gguf.hf_weights_from_gguf), within GGUF_WEIGHTS_TOLERANCE whatever
+        (slothkit.export.gguf.layout.hf_weights_from_gguf), within GGUF_WEIGHTS_TOLERANCE whatever
         the method: this checks the file's structure as tightly for Q4 as for F16, at the cost
         of a second copy of the weights in memory.
     """
@@ -186,8 +188,6 @@ def verify_gguf(
     weights, weight_error = None, None
     tolerance = TOLERANCES[method]
     if reference == "gguf_weights":
-        from slothkit.export.gguf import hf_weights_from_gguf
-
         weights = hf_weights_from_gguf(path, model)
         weight_error = _check_weights(path, weights, model, method)
         tolerance = GGUF_WEIGHTS_TOLERANCE
@@ -297,7 +297,7 @@ def _model_dtype(model) -> torch.dtype:
 
 
 def _attention_window(model) -> int:
-    """Tokens both sides attend to alike: Mistral's sliding window, else a comfortable 512."""
-    config = model.config
-    window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    """Tokens both sides attend to alike: the sliding window where the architecture has one
+    (Mistral), else a comfortable 512."""
+    window = getattr(model.config, "sliding_window", None) if architecture_of(model).sliding_window else None
     return int(window) if window else 512

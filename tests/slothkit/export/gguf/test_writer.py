@@ -16,16 +16,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.export.atomic import DirectoryNotEmptyError
-from slothkit.export.gguf import (
-    QUANTIZATION_METHODS,
-    hf_weights_from_gguf,
-    permute_rotary_rows,
-    save_pretrained_gguf,
-    unpermute_rotary_rows,
-    write_gguf,
-)
+from slothkit.export.gguf import save_pretrained_gguf, write_gguf
 from slothkit.export.gguf import verify as gguf_verify
+from slothkit.export.gguf.layout import hf_weights_from_gguf, permute_rotary_rows
+from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
+from slothkit.models import architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
@@ -200,41 +196,6 @@ def test_weights_are_transformed_as_llama_cpp_expects(arch, exported):
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm)
 
 
-def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
-    """HF rotates pairs (i, i + d/2) of each head; llama.cpp's llama arch pairs (2i, 2i + 1).
-    With Q and K rows permuted, both give the same attention scores at every position pair."""
-    g = torch.Generator().manual_seed(5)
-    heads, d, hidden = 2, 8, 16
-    wq, wk = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
-    x = torch.randn(6, hidden, generator=g)  # 6 positions
-    angles = torch.arange(6.0)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)  # (pos, d/2)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-    def rope_half_split(v):  # (pos, heads, d)
-        a, b = v[..., : d // 2], v[..., d // 2 :]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-    def rope_interleaved(v):
-        a, b = v[..., 0::2], v[..., 1::2]
-        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-
-    hf_q, hf_k = rope_half_split((x @ wq.T).view(6, heads, d)), rope_half_split((x @ wk.T).view(6, heads, d))
-    pq, pk = permute_rotary_rows(wq, heads), permute_rotary_rows(wk, heads)
-    cpp_q, cpp_k = (
-        rope_interleaved((x @ pq.T).view(6, heads, d)),
-        rope_interleaved((x @ pk.T).view(6, heads, d)),
-    )
-    hf_scores = torch.einsum("phd,shd->hps", hf_q, hf_k)
-    assert torch.allclose(torch.einsum("phd,shd->hps", cpp_q, cpp_k), hf_scores, atol=1e-4)
-    plain = torch.einsum(
-        "phd,shd->hps",
-        rope_interleaved((x @ wq.T).view(6, heads, d)),
-        rope_interleaved((x @ wk.T).view(6, heads, d)),
-    )
-    assert not torch.allclose(plain, hf_scores, atol=1e-2)  # without the permutation they differ
-    assert torch.equal(unpermute_rotary_rows(pq, heads), wq)
-
-
 # ---------------------------------------------------------------------------------------
 # llama.cpp runs the files
 # ---------------------------------------------------------------------------------------
@@ -283,18 +244,21 @@ def test_bf16_model_is_verified_in_bf16(tmp_path):
 
 @needs_llama_cpp
 @pytest.mark.parametrize(
-    "arch,fault",
-    [("llama", dict(permute_qk=False)), ("gemma", dict(permute_qk=True)), ("gemma", dict(norm_offset=0.0))],
+    "arch,layout_fault,record_fault",
+    [
+        ("llama", dict(permute_qk=False), {}),
+        ("gemma", dict(permute_qk=True), {}),
+        ("gemma", {}, dict(norm_adds_one=False)),  # no norm offset
+    ],
     ids=["llama-unpermuted", "gemma-permuted", "gemma-no-norm-offset"],
 )
-def test_a_structural_fault_fails_verification_at_4_bits(arch, fault, tmp_path):
+def test_a_structural_fault_fails_verification_at_4_bits(arch, layout_fault, record_fault, tmp_path):
     """A file written with the wrong layout: at Q4, where the quality tolerance is wide, the
     comparison of the file's weights with the model's still catches it."""
-    import slothkit.export.gguf as export_gguf
-
     model, tokenizer = tiny(arch)
-    wrong = dataclasses.replace(export_gguf.SUPPORTED_ARCHITECTURES[arch], **fault)
-    path = write_gguf(model, tmp_path / "wrong.gguf", tokenizer, "q4_k_m", layout=wrong)
+    record = architecture_named(arch)
+    wrong = dataclasses.replace(record, gguf=dataclasses.replace(record.gguf, **layout_fault), **record_fault)
+    path = write_gguf(model, tmp_path / "wrong.gguf", tokenizer, "q4_k_m", arch=wrong)
     with pytest.raises(GGUFVerificationError, match="the file's weights differ from the model's"):
         verify_gguf(path, model, tokenizer, "q4_k_m", reference="gguf_weights")
 
