@@ -123,10 +123,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from slothkit.export import export_adapter
 
     try:
+        quant = None
+        if args.quant is not None:  # parsed here, before the model is loaded
+            from slothkit.export.gguf import quantization_methods
+
+            quant = quantization_methods(args.quant)
         result = export_adapter(
             args.adapter_dir,
             args.to,
-            quant=args.quant,
+            quant=quant,
             push=args.push,
             output=args.output,
             token=args.token,

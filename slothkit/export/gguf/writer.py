@@ -38,11 +38,11 @@ from slothkit.export.atomic import atomic_directory, check_target
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
 from slothkit.export.gguf.modelfile import write_modelfile
+from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_methods
 from slothkit.export.gguf.tokenizer import gguf_vocab
 from slothkit.models import Architecture
 
 T = GGMLQuantizationType
-QUANTIZATION_METHODS = tuple(types.QUANTIZATION_METHODS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -54,22 +54,32 @@ def save_pretrained_gguf(
     model,
     save_directory: str | os.PathLike,
     tokenizer,
-    quantization_method: str | Sequence[str] = "q8_0",
+    quantization_method: str | QuantizationMethod | Sequence[str | QuantizationMethod] = "q8_0",
     verify: bool | None = None,
     overwrite: bool = False,
 ) -> list[pathlib.Path]:
     """Write `model` as one GGUF file per quantisation method, each with an Ollama Modelfile.
 
-    quantization_method: one of QUANTIZATION_METHODS ("f16", "bf16", "q8_0", "q4_0", "q4_k_m",
-        "q5_k_m", "q6_k"; "f32" too) or a list of them.
-    verify: load each file with llama-cpp-python and compare its logits and greedy tokens with
-        the HF model (slothkit.export.gguf.verify); None: when llama-cpp-python is installed.
-    overwrite: replace a non-empty save_directory (atomically); refused otherwise.
-    Returns the written paths: the GGUF files in the order asked, then the Modelfiles. With
-    one method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
     The folder appears only when every file is written (and verified).
+
+    Args:
+        model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
+            (llama, mistral, gemma); slothkit.export.merge turns a LoRA/QLoRA model into one.
+        save_directory: the folder to write; its name is the stem of the file names.
+        tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
+        quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
+            (any case), several as a list or separated by commas ("q4_k_m,q8_0"), or
+            QuantizationMethod values (tensor_types.quantization_methods).
+        verify: load each file with llama-cpp-python and compare its logits and greedy tokens
+            with the model (slothkit.export.gguf.verify); None: when llama-cpp-python is
+            installed.
+        overwrite: replace a non-empty save_directory (atomically); refused otherwise.
+
+    Returns:
+        The written paths: the GGUF files in the order asked, then the Modelfiles. With one
+        method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
     """
-    methods = _methods(quantization_method)
+    methods = quantization_methods(quantization_method)
     arch = architecture_of(model)
     _check_plain_model(model)
     target = check_target(save_directory, overwrite)
@@ -83,11 +93,11 @@ def save_pretrained_gguf(
     with atomic_directory(target, overwrite=overwrite) as staging:
         for method in methods:
             path = staging / f"{stem}.{method.label}.gguf"
-            write_gguf(model, path, tokenizer, method.name, arch=arch)
+            write_gguf(model, path, tokenizer, method, arch=arch)
             if verify:
                 from slothkit.export.gguf.verify import verify_gguf
 
-                verify_gguf(path, model, tokenizer, method.name)
+                verify_gguf(path, model, tokenizer, method)
             written.append(path.name)
         for method in methods:
             modelfile = "Modelfile" if len(methods) == 1 else f"Modelfile.{method.label}"
@@ -102,7 +112,7 @@ def push_to_hub_gguf(
     model,
     repo_id: str,
     tokenizer,
-    quantization_method: str | Sequence[str] = "q8_0",
+    quantization_method: str | QuantizationMethod | Sequence[str | QuantizationMethod] = "q8_0",
     token: str | None = None,
     private: bool = False,
     *,
@@ -111,23 +121,38 @@ def push_to_hub_gguf(
     commit_message: str | None = None,
 ):
     """Write the GGUF files and Modelfile(s) as save_pretrained_gguf does, into a temporary
-    folder, and upload it to `repo_id` in one commit (slothkit.export.hub.push_folder_to_hub:
-    created if missing, retried on transient errors). The token is checked before any work.
-    endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
+    folder, and upload it to `repo_id` in one commit.
+
+    The upload is slothkit.export.hub.push_folder_to_hub: the repo is created if missing and
+    transient errors are retried. The token and the methods are checked before any work.
     Files already in the repo stay (other quantisations, a merged model), except those this
-    push replaces. Returns the hub module's PushResult.
+    push replaces.
+
+    Args:
+        model: as for save_pretrained_gguf.
+        repo_id: the Hub repository, "user/name".
+        tokenizer: as for save_pretrained_gguf.
+        quantization_method: as for save_pretrained_gguf.
+        token: a Hub token with write access; default HF_TOKEN or the saved login.
+        private: create the repository private (when it does not exist yet).
+        verify: as for save_pretrained_gguf.
+        endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
+        commit_message: default "Upload GGUF (<labels>) with slothkit".
+
+    Returns:
+        The hub module's PushResult.
     """
     from huggingface_hub import HfApi
 
     from slothkit.export.hub import push_folder_to_hub, resolve_token
 
-    methods = _methods(quantization_method)  # refuse bad input before any work
+    methods = quantization_methods(quantization_method)  # refuse bad input before any work
     architecture_of(model)
     token = resolve_token(token, HfApi(endpoint=endpoint))
     labels = ", ".join(m.label for m in methods)
     with tempfile.TemporaryDirectory(prefix="slothkit-gguf-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
-        save_pretrained_gguf(model, folder, tokenizer, [m.name for m in methods], verify=verify)
+        save_pretrained_gguf(model, folder, tokenizer, methods, verify=verify)
         return push_folder_to_hub(
             folder,
             repo_id,
@@ -143,16 +168,20 @@ def write_gguf(
     model,
     path: str | os.PathLike,
     tokenizer,
-    quantization_method: str = "q8_0",
+    method: QuantizationMethod,
     *,
     arch: Architecture | None = None,
 ) -> pathlib.Path:
     """Write one GGUF file (no Modelfile, no verification, not atomic); return its path.
 
-    arch: the architecture record whose layout to write; by default the model's own (the
-    tests pass a wrong one on purpose, to see verification catch it).
+    Args:
+        model: as for save_pretrained_gguf.
+        path: the file to write.
+        tokenizer: the model's tokenizer.
+        method: the quantisation, parsed (tensor_types.quantization_method("q8_0")).
+        arch: the architecture record whose layout to write; by default the model's own
+            (the tests pass a wrong one on purpose, to see verification catch it).
     """
-    method = types.quantization_method(quantization_method)
     arch = arch or architecture_of(model)
     _check_plain_model(model)
     hp = _hyperparameters(model.config, arch)
@@ -344,19 +373,6 @@ def _producer(tensor: torch.Tensor, name: str, arch: Architecture, config):
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
-
-
-def _methods(quantization_method) -> list:
-    names = [quantization_method] if isinstance(quantization_method, str) else list(quantization_method)
-    if not names:
-        raise ValueError(
-            f"quantization_method is empty; give one or more of {', '.join(map(repr, QUANTIZATION_METHODS))}"
-        )
-    methods = [types.quantization_method(n) for n in names]
-    labels = [m.label for m in methods]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"quantization_method lists a method twice: {names}")
-    return methods
 
 
 def _check_plain_model(model) -> None:
