@@ -30,10 +30,11 @@ def _hub():
 
 
 def notebook_environment(stem: str) -> dict[str, str]:
+    from slothkit.notebook.render import architecture_of
     from slothkit.testing import tiny_model_path
 
     hub = _hub()
-    arch = MODELS[_model_key(stem)]["tiny_arch"]
+    arch = architecture_of(_model_key(stem)).name
     return {
         **hub.client_env(),
         "SLOTHKIT_NO_INSTALL": "1",

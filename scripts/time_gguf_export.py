@@ -74,7 +74,10 @@ def main() -> None:
 
     from slothkit.bench.train_worker import build_model
     from slothkit.export.gguf import save_pretrained_gguf, write_gguf
+    from slothkit.export.gguf.tensor_types import quantization_method
     from slothkit.testing import build_tiny_tokenizer
+
+    method = quantization_method(args.quant)
 
     figures: dict = {"model": args.model, "quant": args.quant, "device": device, "cpu_count": os.cpu_count()}
     if device == "cuda":
@@ -105,7 +108,7 @@ def main() -> None:
     start = time.perf_counter()
     (saved,) = [
         p
-        for p in save_pretrained_gguf(model, out / "slothkit", tokenizer, args.quant, verify=False)
+        for p in save_pretrained_gguf(model, out / "slothkit", tokenizer, method, verify=False)
         if p.suffix == ".gguf"
     ]
     figures["slothkit_export_s"] = time.perf_counter() - start
@@ -115,7 +118,7 @@ def main() -> None:
     figures["host_peak_gib_after_export"] = host_peak_gib()
 
     start = time.perf_counter()
-    f16 = write_gguf(model, out / "model.F16.gguf", tokenizer, "f16")
+    f16 = write_gguf(model, out / "model.F16.gguf", tokenizer, quantization_method("f16"))
     figures["slothkit_f16_s"] = time.perf_counter() - start
 
     record(out, figures)  # written after every stage: a run cut short still reports
@@ -139,7 +142,7 @@ def main() -> None:
 
         start = time.perf_counter()
         try:
-            report = verify_gguf(saved, model, tokenizer, args.quant)
+            report = verify_gguf(saved, model, tokenizer, method)
             figures["verify"] = {"passed": True, **vars(report)}
         except Exception as error:  # recorded: this script measures, the tests judge
             figures["verify"] = {"passed": False, "error": f"{type(error).__name__}: {error}"}
@@ -152,7 +155,7 @@ def main() -> None:
             ]
         for key, path, against in checks:
             try:
-                report = verify_gguf(path, model, tokenizer, args.quant, reference=against)
+                report = verify_gguf(path, model, tokenizer, method, reference=against)
                 figures[key] = {"passed": True, **vars(report)}
             except Exception as error:
                 figures[key] = {"passed": False, "error": f"{type(error).__name__}: {error}"}

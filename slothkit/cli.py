@@ -15,11 +15,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0 if result["losses"][-1] < result["losses"][0] else 1
 
     from slothkit.notebook.execute import run_notebook_demo
-    from slothkit.notebook.render import model_data
+    from slothkit.notebook.render import architecture_of, model_data
 
     model = args.model
     if args.arch:  # --arch picks the first model of that architecture
-        model = next(name for name, data in model_data().items() if data["tiny_arch"] == args.arch)
+        model = next(name for name in model_data() if architecture_of(name).name == args.arch)
     if model not in model_data():
         print(
             f"slothkit demo: unknown model {model!r}; valid models: {', '.join(model_data())}",
@@ -28,7 +28,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 2
     print(
         f"rendering the {args.template} notebook for {model} and running it on a tiny offline "
-        f"{model_data()[model]['tiny_arch']} model (about a minute on a CPU) ...",
+        f"{architecture_of(model).name} model (about a minute on a CPU) ...",
         flush=True,
     )
     try:
@@ -123,10 +123,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from slothkit.export import export_adapter
 
     try:
+        quant = None
+        if args.quant is not None:  # parsed here, before the model is loaded
+            from slothkit.export.gguf import quantization_methods
+
+            quant = quantization_methods(args.quant)
         result = export_adapter(
             args.adapter_dir,
             args.to,
-            quant=args.quant,
+            quant=quant,
             push=args.push,
             output=args.output,
             token=args.token,
@@ -162,9 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the notebook and what it saves go (default slothkit-demo)",
     )
     demo.add_argument("--steps", type=int, default=None, help="training steps (default 16; 8 with --quick)")
+    from slothkit.models import ARCHITECTURES
+
     demo.add_argument(
         "--arch",
-        choices=["llama", "mistral", "gemma"],
+        choices=[arch.name for arch in ARCHITECTURES],
         default=None,
         help="pick the model by architecture instead",
     )

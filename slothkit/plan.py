@@ -27,6 +27,7 @@ import argparse
 from dataclasses import dataclass
 
 from slothkit.bench.shapes import Shape, shape_by_name
+from slothkit.models import architecture_for
 
 GIB = 2**30
 GPU_MEMORY_GIB = {
@@ -89,8 +90,8 @@ def weights_bytes(shape: Shape, mode: str) -> float:
         h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i
     )
     embeddings = shape.vocab_size * h
-    tied = shape.model_type == "gemma"
-    head = 0 if tied else shape.vocab_size * h
+    arch = architecture_for(shape)
+    head = 0 if arch is not None and arch.tied_embeddings else shape.vocab_size * h
     norms = (2 * shape.num_hidden_layers + 1) * h
     per_projection = 2.0 if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
     return projections * per_projection + 2.0 * (embeddings + head + norms)

@@ -2,5 +2,8 @@
 
 The ``*.py`` files here are jupytext percent-format notebooks with ``${name}``
 placeholders, not modules to import; ``models.json`` holds what differs between
-models.  ``slothkit new-notebook MODEL`` renders them (slothkit.notebook.render).
+the notebooks of each model (Hub ids, display name, chat template, T4 batch sizes).
+Its keys are shapes named by the architecture records (slothkit.models), which say
+everything about the architecture.  ``slothkit new-notebook MODEL`` renders them
+(slothkit.notebook.render).
 """

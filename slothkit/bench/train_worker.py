@@ -37,8 +37,10 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from transformers import AutoModelForCausalLM
 
     from slothkit.bench.shapes import shape_by_name
+    from slothkit.models import architecture_for
 
     config = shape_by_name(shape_name).config()
+    neutral_norm = 0.0 if architecture_for(config).norm_adds_one else 1.0
 
     # Parameters on the meta device (no memory, no init time), made real one module at a
     # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
@@ -62,7 +64,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
                     name = f"{module_name}.{param_name}" if module_name else param_name
                     if name.endswith("norm.weight") or "layernorm" in name:
                         # Neutral norm: 1, or 0 where the norm scales by (1 + w).
-                        param.fill_(0.0 if config.model_type == "gemma" else 1.0)
+                        param.fill_(neutral_norm)
                     else:
                         param.normal_(0.0, 0.02, generator=generator)
                     if id(meta) in tied:

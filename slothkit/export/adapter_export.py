@@ -124,7 +124,8 @@ def export_adapter(
     """Load the adapter on its base and export it.
 
     to: "merged_16bit", "merged_4bit", "lora" or "gguf".
-    quant: GGUF quantisation (e.g. "q4_k_m", "q8_0", "f16"); only with to="gguf".
+    quant: GGUF quantisation(s), as save_pretrained_gguf's quantization_method takes them (e.g.
+        "q4_k_m", "q4_k_m,q8_0", or QuantizationMethod values); only with to="gguf".
     push: a Hub repo id to upload the export to (one commit).
     output: where to write; default ADAPTER_DIR-TO beside the adapter, or a temporary folder
         when pushing only.

@@ -1,12 +1,58 @@
-"""What differs between the supported decoder architectures, as data.
+"""What slothkit knows about a decoder architecture, as one record per family.
 
-The decoder glue (slothkit.engine.decoder) is written once; each architecture
-file only fills in one of these records.
+Each family file (llama.py, mistral.py, gemma.py) fills in one Architecture; the rest of
+slothkit reads what differs between families from it and from nowhere else:
+
+    field             read by
+    model_types       architecture_for: FastModel's loading and patching, the bench, GGUF export
+    causal_lm_class   the tiny fixtures' config.json (slothkit.testing)
+    hidden_act        the tiny fixtures' config
+    activation_keys   activation(): a loaded config's activation, mapped to the fused MLP's;
+                      the tiny fixtures' config
+    norm_adds_one     the RMSNorm patch (slothkit.engine.decoder), GGUF's norm offset, the
+                      neutral norm weight of the fixtures and of the bench's random models
+    tied_embeddings   the tiny fixtures, the planner's weight bytes
+    sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
+    gguf              GGUF export (slothkit.export.gguf: layout, writer)
+    tiny              slothkit.testing.tiny_models
+    shapes            slothkit.bench.shapes (bench, planner), the notebooks' tiny model
+    families          messages
+
+tests/slothkit/models checks every record against transformers' own classes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from slothkit.models.shape import Shape
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How the family's weights go into a GGUF file (slothkit.export.gguf.layout)."""
+
+    arch: str  # llama.cpp's architecture: general.architecture, and the graph llama.cpp runs
+    # HF rotates the two halves of each head, llama.cpp's "llama" graph adjacent pairs; the
+    # Q and K rows are reordered so that both compute the same attention.
+    permute_qk: bool
+    # llama.cpp's graph has no output matrix: the head is always the token embeddings.
+    output_always_tied: bool
+
+
+@dataclass(frozen=True)
+class TinyTraits:
+    """What the tiny random checkpoint of slothkit.testing keeps of the family's real ones."""
+
+    rope_theta: float
+    rms_norm_eps: float
+    head_dim: int | None  # None: hidden_size // num_heads
+    sliding_window: int | None  # default window; None where the family has none
+    tokenizer: str  # default flavour: "bpe" (Llama 3's byte-level BPE) or "sentencepiece"
+    chat_template: str  # Jinja, in the format of the family's instruct models
+    chat_specials: tuple[str, ...]  # special tokens the chat template needs
+    end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
 
 
 @dataclass(frozen=True)
@@ -14,21 +60,29 @@ class Architecture:
     name: str
     # transformers' `config.model_type` values this record covers.
     model_types: tuple[str, ...]
+    # transformers' causal LM class, as config.json's "architectures" names it.
+    causal_lm_class: str
+    # The gated MLP's activation, as transformers' config spells it.
+    hidden_act: str
+    # The config keys that name the activation, in the order transformers' MLP looks at them
+    # (Gemma in transformers 4.x: hidden_activation before hidden_act).
+    activation_keys: tuple[str, ...]
     # RMSNorm scales by (1 + weight) instead of weight (Gemma).
     norm_adds_one: bool
-    # The embedding output is multiplied by sqrt(hidden_size) (Gemma); done by
-    # transformers' model forward, recorded here for export.
-    embedding_scaled: bool
-    # The LM head shares the embedding matrix by default (Gemma).
+    # The LM head shares the embedding matrix by default (config.tie_word_embeddings).
     tied_embeddings: bool
-    # Attention may be limited to a sliding window (Mistral).
+    # Attention may be limited to a sliding window (config.sliding_window).
     sliding_window: bool
+    gguf: GGUFLayout
+    tiny: TinyTraits
+    # Real checkpoints' sizes by name ("llama-3-8b"), and "tiny-<name>" for CPU runs.
+    shapes: Mapping[str, Shape] = field(compare=False)
     # Checkpoints covered, for messages and docs.
     families: tuple[str, ...] = ()
 
     def activation(self, config) -> str:
         """The gated MLP's activation name for slothkit_kernels.lora.lora_mlp."""
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        act = next((getattr(config, k) for k in self.activation_keys if getattr(config, k, None)), None)
         if act in ("silu", "swish"):
             return "swiglu"
         if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):

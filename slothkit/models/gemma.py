@@ -2,16 +2,66 @@
 
 Gemma-7B's attention has head_dim 256 with hidden 3072 (16 heads), so the
 attention width is not the hidden size; its vocabulary has 256,000 entries.
+The embedding scale is applied inside transformers' GemmaModel.forward and
+llama.cpp's gemma graph alike, so nothing in slothkit acts on it.
 """
 
-from slothkit.models.architecture import Architecture
+from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
+from slothkit.models.shape import Shape
+
+# Gemma calls the assistant "model" and has no system role either.
+_CHAT_TEMPLATE = r"""
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
+    {%- set conversation = messages[1:] -%}
+{%- else -%}
+    {%- set system_prefix = '' -%}
+    {%- set conversation = messages -%}
+{%- endif -%}
+{{- bos_token -}}
+{%- for message in conversation -%}
+    {%- if message['role'] not in ['user', 'assistant'] -%}
+        {{- raise_exception('Gemma accepts the roles system (first message only), user and assistant') -}}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
+    {%- set prefix = system_prefix if loop.first else '' -%}
+    {{- '<start_of_turn>' + role + '\n' + prefix + message['content'] | trim + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+""".strip()
+
+_ACT = "gelu_pytorch_tanh"
+# hidden_activation: the name transformers 4.x reads for Gemma's MLP.
+_ACTIVATION_KEYS = ("hidden_activation", "hidden_act")
+_GEMMA = {"head_dim": 256, **{key: _ACT for key in _ACTIVATION_KEYS}, "rms_norm_eps": 1e-6}
 
 GEMMA = Architecture(
     name="gemma",
     model_types=("gemma",),
+    causal_lm_class="GemmaForCausalLM",
+    hidden_act=_ACT,
+    activation_keys=_ACTIVATION_KEYS,
     norm_adds_one=True,
-    embedding_scaled=True,
     tied_embeddings=True,
     sliding_window=False,
+    # llama.cpp's gemma graph rotates half-split pairs as HF does: Q/K rows stay as stored.
+    gguf=GGUFLayout(arch="gemma", permute_qk=False, output_always_tied=True),
+    tiny=TinyTraits(
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        head_dim=256,
+        sliding_window=None,
+        tokenizer="sentencepiece",
+        chat_template=_CHAT_TEMPLATE,
+        chat_specials=("<start_of_turn>", "<end_of_turn>"),
+        end_of_turn="<end_of_turn>",
+    ),
+    shapes={
+        "gemma-2b": Shape("gemma", 2048, 16384, 18, 8, 1, 256000, 8192, _GEMMA),
+        "gemma-7b": Shape("gemma", 3072, 24576, 28, 16, 16, 256000, 8192, _GEMMA),
+        "tiny-gemma": Shape("gemma", 64, 192, 2, 4, 1, 512, 2048, {**_GEMMA, "head_dim": 32}),
+    },
     families=("Gemma 2B", "Gemma 7B"),
 )

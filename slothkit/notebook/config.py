@@ -30,7 +30,7 @@ class NotebookConfig:
     save_lora: bool = True
     save_merged: bool = False
     save_gguf: bool = False
-    gguf_quants: str = "q4_k_m,q8_0"
+    gguf_quants: str = "q4_k_m,q8_0"  # comma-separated; parsed by slothkit.export.gguf.quantization_methods
     output_dir: str = "outputs"
     hub_repo: str = ""
     hub_token: str = ""
@@ -64,10 +64,6 @@ class NotebookConfig:
                 raise ValueError(f"{name.upper()} = {value!r}; expected a positive integer")
         if not self.learning_rate > 0:
             raise ValueError(f"LEARNING_RATE = {self.learning_rate!r}; expected a positive number")
-
-    @property
-    def gguf_quant_list(self) -> list[str]:
-        return [q.strip() for q in self.gguf_quants.split(",") if q.strip()]
 
     def panel(self):
         """An ipywidgets form bound to this config (Jupyter, Kaggle); None if widgets are missing."""

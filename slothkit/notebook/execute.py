@@ -25,13 +25,12 @@ def demo_environment(model: str, output_dir: Path, steps: int) -> dict[str, str]
     """The SLOTHKIT_* overrides that point a rendered notebook at the offline default.
     The dataset is left to the template: each one's default is the example data shipped
     with slothkit for its workflow (instructions, chats, preference pairs)."""
-    from slothkit.notebook.render import model_data
+    from slothkit.notebook.render import architecture_of
     from slothkit.testing import tiny_model_path
 
-    arch = model_data()[model]["tiny_arch"]
     return {
         "SLOTHKIT_NO_INSTALL": "1",  # the packages are here already: this is slothkit's own install
-        "SLOTHKIT_MODEL_NAME": str(tiny_model_path(arch)),
+        "SLOTHKIT_MODEL_NAME": str(tiny_model_path(architecture_of(model).name)),
         "SLOTHKIT_LOAD_IN_4BIT": "0",
         "SLOTHKIT_MAX_STEPS": str(steps),
         "SLOTHKIT_LEARNING_RATE": "0.002",

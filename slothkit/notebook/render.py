@@ -1,9 +1,12 @@
 """Render notebook templates (templates/, the ``slothkit_templates`` package) for a model.
 
 A template is a jupytext percent-format .py file with ``${key}`` placeholders;
-the values come from templates/models.json (what differs between models, as
-data) plus ``--set key=value`` overrides.  Output: an .ipynb and its paired
-percent-format .py, without outputs.
+the values come from templates/models.json (what differs between the models'
+notebooks, as data) plus ``--set key=value`` overrides.  Output: an .ipynb and
+its paired percent-format .py, without outputs.
+
+A model's key in models.json is a shape named by an architecture record
+(slothkit.models): ``architecture_of(model)`` is what the notebook's model is.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ def _package_file(name: str):
 
 def model_data() -> dict[str, dict]:
     return json.loads(_package_file("models.json").read_text())
+
+
+def architecture_of(model: str):
+    """The architecture record (slothkit.models.Architecture) of a notebook model."""
+    from slothkit.models import architecture_of_shape
+
+    models = model_data()
+    if model not in models:
+        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(models)}")
+    return architecture_of_shape(model)
 
 
 INCLUDE = re.compile(r"^# %include (\w+)$", re.MULTILINE)

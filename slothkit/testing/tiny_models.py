@@ -7,7 +7,8 @@ template, special_tokens_map.json), so `AutoModelForCausalLM.from_pretrained(pat
 `AutoTokenizer.from_pretrained(path)` load it with no network.
 
 The models are tiny (hidden 64 by default) but keep the traits of the architecture that
-kernels and patching code must get right:
+kernels and patching code must get right; each architecture record (slothkit.models, its
+`tiny` traits) says which:
 
     arch     attention                 MLP        norm        head   rope theta  tokenizer
     llama    GQA                       SiLU GLU   w * x       own    500000      byte-level BPE
@@ -36,7 +37,10 @@ import tempfile
 
 import torch
 
-ARCHITECTURES = ("llama", "mistral", "gemma")
+from slothkit.models import ARCHITECTURES as _RECORDS
+from slothkit.models import Architecture, architecture_named
+
+ARCHITECTURES = tuple(arch.name for arch in _RECORDS)
 TOKENIZER_FLAVOURS = ("bpe", "sentencepiece")
 LARGE_VOCAB_SIZE = 256_000  # Gemma's real vocabulary
 
@@ -130,134 +134,6 @@ _FLAVOUR_SPECIALS = {
         extra=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     ),
     "sentencepiece": _FlavourSpecials(bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", extra=()),
-}
-
-# Chat templates, one per architecture, in the format of the real instruct models.
-# `end_of_turn` is the token that closes an assistant turn (None: the tokenizer's eos).
-
-_LLAMA_CHAT_TEMPLATE = r"""
-{{- bos_token -}}
-{%- for message in messages -%}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' -}}
-    {{- message['content'] | trim + '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-"""
-
-# Mistral has no system role: a system message is put in front of the first user turn.
-_MISTRAL_CHAT_TEMPLATE = r"""
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
-    {%- set conversation = messages[1:] -%}
-{%- else -%}
-    {%- set system_prefix = '' -%}
-    {%- set conversation = messages -%}
-{%- endif -%}
-{{- bos_token -}}
-{%- for message in conversation -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{- raise_exception('Mistral turns must alternate user, assistant, user, ...') -}}
-    {%- endif -%}
-    {%- if message['role'] == 'user' -%}
-        {%- set prefix = system_prefix if loop.first else '' -%}
-        {{- '[INST] ' + prefix + message['content'] | trim + ' [/INST]' -}}
-    {%- else -%}
-        {{- ' ' + message['content'] | trim + eos_token -}}
-    {%- endif -%}
-{%- endfor -%}
-"""
-
-# Gemma calls the assistant "model" and has no system role either.
-_GEMMA_CHAT_TEMPLATE = r"""
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
-    {%- set conversation = messages[1:] -%}
-{%- else -%}
-    {%- set system_prefix = '' -%}
-    {%- set conversation = messages -%}
-{%- endif -%}
-{{- bos_token -}}
-{%- for message in conversation -%}
-    {%- if message['role'] not in ['user', 'assistant'] -%}
-        {{- raise_exception('Gemma accepts the roles system (first message only), user and assistant') -}}
-    {%- endif -%}
-    {%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
-    {%- set prefix = system_prefix if loop.first else '' -%}
-    {{- '<start_of_turn>' + role + '\n' + prefix + message['content'] | trim + '<end_of_turn>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-"""
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArchSpec:
-    """What differs between the architectures, as data."""
-
-    model_type: str
-    architecture: str  # class name written to config.json
-    tokenizer: str  # default flavour
-    chat_template: str
-    chat_specials: tuple[str, ...]  # special tokens the chat template needs
-    end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
-    hidden_act: str
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    norm_neutral: float  # RMSNorm weight value that leaves the input unscaled
-    head_dim: int | None  # None: hidden_size // num_heads
-    sliding_window: int | None
-
-
-_ARCHS = {
-    "llama": _ArchSpec(
-        model_type="llama",
-        architecture="LlamaForCausalLM",
-        tokenizer="bpe",
-        chat_template=_LLAMA_CHAT_TEMPLATE.strip(),
-        chat_specials=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-        end_of_turn="<|eot_id|>",
-        hidden_act="silu",
-        rope_theta=500_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        norm_neutral=1.0,
-        head_dim=None,
-        sliding_window=None,
-    ),
-    "mistral": _ArchSpec(
-        model_type="mistral",
-        architecture="MistralForCausalLM",
-        tokenizer="sentencepiece",
-        chat_template=_MISTRAL_CHAT_TEMPLATE.strip(),
-        chat_specials=("[INST]", "[/INST]"),
-        end_of_turn=None,
-        hidden_act="silu",
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        norm_neutral=1.0,
-        head_dim=None,
-        sliding_window=32,
-    ),
-    "gemma": _ArchSpec(
-        model_type="gemma",
-        architecture="GemmaForCausalLM",
-        tokenizer="sentencepiece",
-        chat_template=_GEMMA_CHAT_TEMPLATE.strip(),
-        chat_specials=("<start_of_turn>", "<end_of_turn>"),
-        end_of_turn="<end_of_turn>",
-        hidden_act="gelu_pytorch_tanh",
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        norm_neutral=0.0,  # GemmaRMSNorm multiplies by (1 + w)
-        head_dim=256,
-        sliding_window=None,
-    ),
 }
 
 
@@ -355,11 +231,11 @@ class _TokenizerInfo:
 
 
 def _write_tokenizer(flavour: str, arch: str, path: pathlib.Path, model_max_length: int) -> _TokenizerInfo:
-    spec = _ARCHS[arch]
+    tiny = architecture_named(arch).tiny
     specials = _FLAVOUR_SPECIALS[flavour]
-    tokenizer_json = _trained_tokenizer_json(flavour, spec.chat_specials)
+    tokenizer_json = _trained_tokenizer_json(flavour, tiny.chat_specials)
     vocab = _vocab_of(tokenizer_json)
-    extra = _extra_specials(flavour, spec.chat_specials)
+    extra = _extra_specials(flavour, tiny.chat_specials)
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
@@ -376,11 +252,11 @@ def _write_tokenizer(flavour: str, arch: str, path: pathlib.Path, model_max_leng
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": model_max_length,
         "padding_side": "right",
-        "chat_template": spec.chat_template,
+        "chat_template": tiny.chat_template,
     }
     _write_json(path / "tokenizer_config.json", config)
     _write_json(path / "special_tokens_map.json", {**special_map, "additional_special_tokens": list(extra)})
-    end_of_turn = spec.end_of_turn or specials.eos
+    end_of_turn = tiny.end_of_turn or specials.eos
     return _TokenizerInfo(
         size=len(vocab),
         bos_id=vocab[specials.bos],
@@ -408,13 +284,14 @@ def build_tiny_tokenizer(
 
     flavour: "bpe" (Llama 3 style byte-level BPE, no unk) or "sentencepiece" (BPE over "▁"-marked
         words with byte fallback, `<unk> <s> </s> <pad>`).
-    arch: whose chat template (and its special tokens) to include; defaults to "llama" for
-        "bpe" and "mistral" for "sentencepiece".
+    arch: whose chat template (and its special tokens) to include; defaults to the first
+        architecture whose tiny checkpoint uses the flavour ("llama" for "bpe", "mistral" for
+        "sentencepiece").
     Returns the folder; load it with `AutoTokenizer.from_pretrained(path)`.
     """
     _check_choice("flavour", flavour, TOKENIZER_FLAVOURS)
     if arch is None:
-        arch = "llama" if flavour == "bpe" else "mistral"
+        arch = next(record.name for record in _RECORDS if record.tiny.tokenizer == flavour)
     _check_choice("arch", arch, ARCHITECTURES)
     path = pathlib.Path(path) if path is not None else pathlib.Path(tempfile.mkdtemp(prefix="slothkit-tok-"))
     _write_tokenizer(flavour, arch, path, model_max_length)
@@ -468,8 +345,8 @@ def build_tiny_model(
     (1 + w)) plus noise of std 0.1, so confusing `w` with `1 + w` changes the output a lot.
     """
     _check_choice("arch", arch, ARCHITECTURES)
-    spec = _ARCHS[arch]
-    flavour = tokenizer if tokenizer is not None else spec.tokenizer
+    record = architecture_named(arch)
+    flavour = tokenizer if tokenizer is not None else record.tiny.tokenizer
     _check_choice("tokenizer", flavour, TOKENIZER_FLAVOURS)
     if dtype not in _DTYPES:
         raise TypeError(f"dtype must be one of {_DTYPES}; got {dtype!r}")
@@ -486,7 +363,7 @@ def build_tiny_model(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if head_dim is None:
-        head_dim = spec.head_dim
+        head_dim = record.tiny.head_dim
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(
@@ -498,9 +375,10 @@ def build_tiny_model(
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings; got {head_dim}")
     if sliding_window is None:
-        sliding_window = spec.sliding_window
-    elif arch != "mistral":
-        raise ValueError(f"sliding_window applies to mistral only; got it for {arch!r}")
+        sliding_window = record.tiny.sliding_window
+    elif not record.sliding_window:
+        windowed = [a.name for a in _RECORDS if a.sliding_window]
+        raise ValueError(f"sliding_window applies to {', '.join(windowed)} only; got it for {arch!r}")
     else:
         _check_positive("sliding_window", sliding_window)
 
@@ -526,7 +404,7 @@ def build_tiny_model(
     eos = eos_ids[0] if len(eos_ids) == 1 else eos_ids
 
     config = _make_config(
-        spec,
+        record,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -541,7 +419,7 @@ def build_tiny_model(
         pad_token_id=tok.pad_id,
         dtype=dtype,
     )
-    _write_json(path / "config.json", _config_json(config, spec))
+    _write_json(path / "config.json", _config_json(config, record))
     _write_json(
         path / "generation_config.json",
         {"bos_token_id": tok.bos_id, "eos_token_id": eos, "pad_token_id": tok.pad_id, "do_sample": False},
@@ -549,7 +427,7 @@ def build_tiny_model(
 
     from safetensors.torch import save_file
 
-    weights = _random_weights(config, spec, seed)
+    weights = _random_weights(config, record, seed)
     save_file(
         {k: v.to(dtype) for k, v in weights.items()},
         str(path / "model.safetensors"),
@@ -563,30 +441,28 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
 
 
-def _make_config(spec: _ArchSpec, *, dtype: torch.dtype, sliding_window: int | None, **sizes):
+def _make_config(record: Architecture, *, dtype: torch.dtype, sliding_window: int | None, **sizes):
     from transformers import AutoConfig
 
     kwargs = dict(
         sizes,
-        architectures=[spec.architecture],
-        hidden_act=spec.hidden_act,
-        rope_theta=spec.rope_theta,  # transformers 5 moves this into rope_parameters itself
-        rms_norm_eps=spec.rms_norm_eps,
-        tie_word_embeddings=spec.tie_word_embeddings,
+        architectures=[record.causal_lm_class],
+        **{key: record.hidden_act for key in record.activation_keys},  # every name transformers reads
+        rope_theta=record.tiny.rope_theta,  # transformers 5 moves this into rope_parameters itself
+        rms_norm_eps=record.tiny.rms_norm_eps,
+        tie_word_embeddings=record.tied_embeddings,
         initializer_range=0.02,
         attention_dropout=0.0,
         use_cache=True,
     )
-    if spec.model_type == "mistral":
+    if record.sliding_window:
         kwargs["sliding_window"] = sliding_window
-    if spec.model_type == "gemma":
-        kwargs["hidden_activation"] = spec.hidden_act  # the name transformers 4.x reads
     major = int(_transformers_version().split(".")[0])
     kwargs["dtype" if major >= 5 else "torch_dtype"] = str(dtype).removeprefix("torch.")
-    return AutoConfig.for_model(spec.model_type, **kwargs)
+    return AutoConfig.for_model(record.model_types[0], **kwargs)
 
 
-def _config_json(config, spec: _ArchSpec) -> dict:
+def _config_json(config, record: Architecture) -> dict:
     """config.json as a Hub checkpoint has it: the model's fields, without the generic
     PretrainedConfig ones (id2label, return_dict, ...), and explicit about every trait even
     where it equals the class default, since GGUF converters read the file, not the class."""
@@ -601,7 +477,7 @@ def _config_json(config, spec: _ArchSpec) -> dict:
     out = {**config.to_diff_dict(), **{k: full[k] for k in traits if k in full}}
     # transformers 5 keeps rope_theta inside rope_parameters; converters and transformers 4
     # look for it at the top level.
-    out.setdefault("rope_theta", spec.rope_theta)
+    out.setdefault("rope_theta", record.tiny.rope_theta)
     return out
 
 
@@ -611,19 +487,20 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _random_weights(config, spec: _ArchSpec, seed: int) -> dict[str, torch.Tensor]:
+def _random_weights(config, record: Architecture, seed: int) -> dict[str, torch.Tensor]:
     """Fill every parameter of the model that `config` describes, in the model's order."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):  # names and shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     generator = torch.Generator().manual_seed(seed)
+    norm_neutral = 0.0 if record.norm_adds_one else 1.0  # the weight that leaves the input unscaled
     weights = {}
     for name, param in skeleton.named_parameters():
-        if spec.tie_word_embeddings and name == "lm_head.weight":
+        if record.tied_embeddings and name == "lm_head.weight":
             continue  # tied to model.embed_tokens.weight; safetensors stores it once
         if param.ndim == 1:  # RMSNorm weights (the only vectors: no biases here)
-            value = spec.norm_neutral + 0.1 * torch.randn(param.shape, generator=generator)
+            value = norm_neutral + 0.1 * torch.randn(param.shape, generator=generator)
         else:  # Linear (out, in) and Embedding (vocab, hidden) both have the fan-in last
             value = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5
         weights[name] = value

@@ -88,3 +88,30 @@ def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     assert "failed: ValueError: the training dataset lacks ['chosen', 'rejected']" in err
     assert "step 6. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
     assert "\x1b[" not in err  # no terminal colour codes from the kernel's traceback
+
+
+def test_export_parses_quant_once_and_passes_the_methods(tmp_path, capsys, monkeypatch):
+    import types
+
+    import slothkit.export
+
+    seen = {}
+
+    def export_adapter(adapter_dir, to, quant=None, **kwargs):
+        seen["quant"] = quant
+        return types.SimpleNamespace(output=tmp_path / "out", push=None)
+
+    monkeypatch.setattr(slothkit.export, "export_adapter", export_adapter)
+    assert main(["export", str(tmp_path), "--to", "gguf", "--quant", "q4_k_m,Q8_0"]) == 0
+    assert [m.label for m in seen["quant"]] == ["Q4_K_M", "Q8_0"]
+    # A bad name is refused before anything is loaded, naming the accepted ones.
+    seen.clear()
+    assert main(["export", str(tmp_path), "--to", "gguf", "--quant", "q4_k_m,q3_k_s"]) == 2
+    assert "unknown GGUF quantization_method 'q3_k_s'; valid: 'f32', 'f16'" in capsys.readouterr().err
+    assert seen == {}
+
+
+def test_demo_arch_choices_are_the_architecture_records():
+    assert build_parser().parse_args(["demo", "--arch", "mistral"]).arch == "mistral"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--arch", "qwen2"])

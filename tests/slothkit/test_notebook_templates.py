@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from slothkit.bench.shapes import SHAPES
 from slothkit.cli import main
-from slothkit.notebook.render import TEMPLATES, model_data, render_notebook
+from slothkit.notebook.render import TEMPLATES, architecture_of, model_data, render_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -39,6 +40,17 @@ def test_committed_notebook_is_up_to_date(path):
 def test_every_model_has_a_committed_finetune_notebook():
     for model in model_data():
         assert (NOTEBOOKS / f"{model}-finetune.ipynb").is_file(), model
+
+
+def test_each_model_is_a_shape_its_architecture_record_names():
+    """models.json holds notebook data only; what the model is comes from the record."""
+    expected = {"llama-3-8b": "llama", "gemma-2b": "gemma", "gemma-7b": "gemma", "mistral-7b": "mistral"}
+    assert {model: architecture_of(model).name for model in model_data()} == expected
+    for model, data in model_data().items():
+        assert model in architecture_of(model).shapes and model in SHAPES  # bench and plan know it
+        assert "tiny_arch" not in data
+    with pytest.raises(ValueError, match="unknown model 'gemma-9b'; valid models: llama-3-8b"):
+        architecture_of("gemma-9b")
 
 
 def test_new_notebook_refuses_to_overwrite_and_explains_bad_names(tmp_path, capsys):

@@ -4,17 +4,34 @@
     paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
 
 - writer: the file's tensors and metadata (save_pretrained_gguf, push_to_hub_gguf, write_gguf).
-- tensor_types: which GGML type each tensor gets for a quantization method, and its encoding.
+- layout: where each Hugging Face weight goes in the file and how it is transformed on the way
+  (Q/K row permutation, norm offset), from the architecture record; and the way back
+  (hf_weights_from_gguf).
+- tensor_types: the quantization methods (parsed once, where users pass them: quantization_methods),
+  which GGML type each tensor gets for a method, and its encoding.
 - kquants: the K-quant encoders and decoders (Q4_K, Q5_K, Q6_K).
 - tokenizer: the vocabulary and pre-tokenizer metadata llama.cpp reads.
 - pre_tokenizer: which pre-tokenizer llama.cpp runs for a byte-level tokenizer, named as its converter names it.
 - modelfile: Ollama's Modelfile for an exported file.
 - verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
+
+Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
+functions included): layout and tensor_types need neither writer nor verify; verify reads
+files back through layout; writer uses all three.
 """
 
+from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, QuantizationMethod, quantization_methods
 from slothkit.export.gguf.writer import push_to_hub_gguf, save_pretrained_gguf, write_gguf
 
-__all__ = ["push_to_hub_gguf", "save_pretrained_gguf", "verify_gguf", "write_gguf"]
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "QuantizationMethod",
+    "push_to_hub_gguf",
+    "quantization_methods",
+    "save_pretrained_gguf",
+    "verify_gguf",
+    "write_gguf",
+]
 
 
 def __getattr__(name):

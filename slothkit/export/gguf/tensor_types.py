@@ -70,12 +70,49 @@ _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
 def quantization_method(name: str) -> QuantizationMethod:
+    """The method called `name` (any case), refused with the valid names listed."""
     key = name.lower() if isinstance(name, str) else name
     if key not in QUANTIZATION_METHODS:
         raise ValueError(
             f"unknown GGUF quantization_method {name!r}; valid: {', '.join(map(repr, QUANTIZATION_METHODS))}"
         )
     return QUANTIZATION_METHODS[key]
+
+
+def quantization_methods(value) -> tuple[QuantizationMethod, ...]:
+    """What a user passes as quantization_method, parsed once where it enters slothkit
+    (save_pretrained_gguf, push_to_hub_gguf, `slothkit export --quant`, the notebooks'
+    GGUF_QUANTS); everything below takes the QuantizationMethod values.
+
+    Args:
+        value: a method name ("q4_k_m", any case), several separated by commas
+            ("q4_k_m,q8_0"), a QuantizationMethod, or a list of these. Values already
+            parsed come back as they are.
+
+    Returns:
+        The methods, in the order given.
+
+    Raises:
+        ValueError: an unknown name, no method at all, or one method twice; the message lists
+            the valid names.
+    """
+    items = [value] if value is None or isinstance(value, (str, QuantizationMethod)) else list(value)
+    methods = []
+    for item in items:
+        if isinstance(item, QuantizationMethod):
+            methods.append(item)
+        elif isinstance(item, str):
+            methods += [quantization_method(name.strip()) for name in item.split(",") if name.strip()]
+        else:
+            methods.append(quantization_method(item))
+    if not methods:
+        raise ValueError(
+            f"quantization_method is empty; give one or more of {', '.join(map(repr, QUANTIZATION_METHODS))}"
+        )
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"quantization_method lists a method twice: {names}")
+    return tuple(methods)
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:

@@ -35,7 +35,7 @@ Two references:
   below BF16_REFERENCE_FLOOR for it.
 
   reference="gguf_weights": two tight checks that hold for every type alike.
-  (a) The file's weights, read back into HF's layout and dequantised (gguf.hf_weights_from_gguf),
+  (a) The file's weights, read back into HF's layout and dequantised (layout.hf_weights_from_gguf),
       equal the model's within the type's rounding: relative rms error per tensor at most
       WEIGHT_TOLERANCES[method] (two to five times what the type gives on Gaussian weights).
   (b) The HF model run on those read-back weights matches llama.cpp within
@@ -73,6 +73,9 @@ import pathlib
 
 import numpy as np
 import torch
+
+from slothkit.export.gguf.layout import architecture_of, hf_weights_from_gguf
+from slothkit.export.gguf.tensor_types import QuantizationMethod
 
 TOLERANCES = {
     "f32": 0.01,
@@ -160,7 +163,7 @@ def verify_gguf(
     path: str | os.PathLike,
     model,
     tokenizer,
-    quantization_method: str,
+    method: QuantizationMethod,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     greedy_tokens: int = 6,
     reference: str = "model",
@@ -168,28 +171,32 @@ def verify_gguf(
     """Compare the GGUF file at `path` with `model` (see the module docstring); raise
     GGUFVerificationError on a mismatch, return the measurements otherwise.
 
-    reference: "model" compares with the model as it is, within the method's tolerance
-        (TOLERANCES); "gguf_weights" runs the HF model on the file's own weights, dequantised
-        (slothkit.export.gguf.hf_weights_from_gguf), within GGUF_WEIGHTS_TOLERANCE whatever
-        the method: this checks the file's structure as tightly for Q4 as for F16, at the cost
-        of a second copy of the weights in memory.
+    Args:
+        path: the GGUF file.
+        model: the transformers model it was written from (or, for a LoRA model's export, the
+            LoRA model itself: it computes the same function).
+        tokenizer: the model's tokenizer.
+        method: the quantisation the file was written with, parsed
+            (tensor_types.quantization_method("q8_0")); it sets the tolerance.
+        prompts: the texts both sides run.
+        greedy_tokens: how many tokens llama.cpp generates after each prompt.
+        reference: "model" compares with the model as it is, within the method's tolerance
+            (TOLERANCES); "gguf_weights" runs the HF model on the file's own weights,
+            dequantised (layout.hf_weights_from_gguf), within GGUF_WEIGHTS_TOLERANCE whatever
+            the method: this checks the file's structure as tightly for Q4 as for F16, at the
+            cost of a second copy of the weights in memory.
     """
     if not llama_cpp_available():
         raise ImportError("verifying a GGUF file needs llama-cpp-python: pip install 'slothkit[gguf]'")
     import llama_cpp
 
-    method = quantization_method.lower()
-    if method not in TOLERANCES:
-        raise ValueError(f"no tolerance for {quantization_method!r}; known: {', '.join(TOLERANCES)}")
     if reference not in ("model", "gguf_weights"):
         raise ValueError(f"reference must be 'model' or 'gguf_weights'; got {reference!r}")
     weights, weight_error = None, None
-    tolerance = TOLERANCES[method]
+    tolerance = TOLERANCES[method.name]
     if reference == "gguf_weights":
-        from slothkit.export.gguf import hf_weights_from_gguf
-
         weights = hf_weights_from_gguf(path, model)
-        weight_error = _check_weights(path, weights, model, method)
+        weight_error = _check_weights(path, weights, model, method.name)
         tolerance = GGUF_WEIGHTS_TOLERANCE
     if _model_dtype(model) in (torch.bfloat16, torch.float16):
         tolerance = max(tolerance, BF16_REFERENCE_FLOOR)
@@ -229,18 +236,20 @@ def verify_gguf(
     finally:
         llm.close()
 
-    report = VerificationReport(method, tolerance, max(errors), generated, exact, max(gaps), weight_error)
+    report = VerificationReport(
+        method.name, tolerance, max(errors), generated, exact, max(gaps), weight_error
+    )
     if report.logit_error > tolerance:
         raise GGUFVerificationError(
             f"{path}: next-token logits differ from the Hugging Face model by {report.logit_error:.4f} "
-            f"(rms / std), above the {tolerance} allowed for {method}. A higher-"
+            f"(rms / std), above the {tolerance} allowed for {method.name}. A higher-"
             f"precision type (q8_0, q6_k) keeps closer to the model; verify=False writes the file "
             f"without this check (an untrained, random model fails it at 4 bits whoever quantises)"
         )
     if report.worst_greedy_gap > GREEDY_MARGIN * tolerance:
         raise GGUFVerificationError(
             f"{path}: llama.cpp's greedy token is {report.worst_greedy_gap:.3f} logit std below Hugging Face's "
-            f"best, beyond the {GREEDY_MARGIN * tolerance:.3f} that rounding can explain for {method}"
+            f"best, beyond the {GREEDY_MARGIN * tolerance:.3f} that rounding can explain for {method.name}"
         )
     return report
 
@@ -297,7 +306,7 @@ def _model_dtype(model) -> torch.dtype:
 
 
 def _attention_window(model) -> int:
-    """Tokens both sides attend to alike: Mistral's sliding window, else a comfortable 512."""
-    config = model.config
-    window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    """Tokens both sides attend to alike: the sliding window where the architecture has one
+    (Mistral), else a comfortable 512."""
+    window = getattr(model.config, "sliding_window", None) if architecture_of(model).sliding_window else None
     return int(window) if window else 512

@@ -5,22 +5,9 @@
     # out/gguf/gguf.Q4_K_M.gguf, out/gguf/gguf.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
 
 `model` is a plain (merged, 16- or 32-bit) transformers model of a supported architecture;
-slothkit.export.merge turns a LoRA/QLoRA model into one. What the file holds, architecture by
-architecture, matches llama.cpp's convert_hf_to_gguf.py (LlamaModel, GemmaModel):
-
-    HF model_type   GGUF arch   Q/K rows           RMSNorm weights    output
-    llama           llama       permuted (below)   w                  output.weight unless tied
-    mistral         llama       permuted           w                  output.weight unless tied
-    gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
-
-Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
-pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of
-q_proj and k_proj are reordered within each head so that both compute the same attention:
-    rows (head, half, i) -> (head, i, half),  i.e. reshape(n_head, 2, d/2, -1).swapaxes(1, 2).
-Gemma's arch in llama.cpp uses the "neox" (half-split) rotation, so its rows stay as they are.
-
-Gemma computes its norm as x * (1 + w) and llama.cpp's gemma graph as x * w, so 1 is added (in
-float32, then stored as F32: adding 1 in bf16 would round w away).
+slothkit.export.merge turns a LoRA/QLoRA model into one. Where each weight goes and how it is
+transformed on the way (llama.cpp's convert_hf_to_gguf.py, architecture by architecture):
+slothkit.export.gguf.layout, from the model's architecture record (slothkit.models).
 
 Metadata: context length, embedding length, block count, feed-forward length, head counts,
 key/value length (head_dim), rope dimension count and base, RMS epsilon, Mistral's sliding
@@ -39,7 +26,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import re
 import tempfile
 from collections.abc import Iterator, Sequence
 
@@ -50,46 +36,13 @@ from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import atomic_directory, check_target
 from slothkit.export.gguf import tensor_types as types
+from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
 from slothkit.export.gguf.modelfile import write_modelfile
+from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_methods
 from slothkit.export.gguf.tokenizer import gguf_vocab
+from slothkit.models import Architecture
 
 T = GGMLQuantizationType
-QUANTIZATION_METHODS = tuple(types.QUANTIZATION_METHODS)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ArchLayout:
-    """What differs between the supported architectures on their way into GGUF."""
-
-    gguf_arch: str
-    permute_qk: bool  # llama.cpp's llama arch rotates adjacent pairs (see module docstring)
-    norm_offset: float  # added to RMSNorm weights: Gemma's (1 + w)
-    output_always_tied: bool  # the GGUF arch has no separate output matrix
-
-
-SUPPORTED_ARCHITECTURES = {
-    "llama": _ArchLayout("llama", permute_qk=True, norm_offset=0.0, output_always_tied=False),
-    "mistral": _ArchLayout("llama", permute_qk=True, norm_offset=0.0, output_always_tied=False),
-    "gemma": _ArchLayout("gemma", permute_qk=False, norm_offset=1.0, output_always_tied=True),
-}
-
-_TOP_LEVEL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_PER_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -101,23 +54,33 @@ def save_pretrained_gguf(
     model,
     save_directory: str | os.PathLike,
     tokenizer,
-    quantization_method: str | Sequence[str] = "q8_0",
+    quantization_method: str | QuantizationMethod | Sequence[str | QuantizationMethod] = "q8_0",
     verify: bool | None = None,
     overwrite: bool = False,
 ) -> list[pathlib.Path]:
     """Write `model` as one GGUF file per quantisation method, each with an Ollama Modelfile.
 
-    quantization_method: one of QUANTIZATION_METHODS ("f16", "bf16", "q8_0", "q4_0", "q4_k_m",
-        "q5_k_m", "q6_k"; "f32" too) or a list of them.
-    verify: load each file with llama-cpp-python and compare its logits and greedy tokens with
-        the HF model (slothkit.export.gguf.verify); None: when llama-cpp-python is installed.
-    overwrite: replace a non-empty save_directory (atomically); refused otherwise.
-    Returns the written paths: the GGUF files in the order asked, then the Modelfiles. With
-    one method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
     The folder appears only when every file is written (and verified).
+
+    Args:
+        model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
+            (llama, mistral, gemma); slothkit.export.merge turns a LoRA/QLoRA model into one.
+        save_directory: the folder to write; its name is the stem of the file names.
+        tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
+        quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
+            (any case), several as a list or separated by commas ("q4_k_m,q8_0"), or
+            QuantizationMethod values (tensor_types.quantization_methods).
+        verify: load each file with llama-cpp-python and compare its logits and greedy tokens
+            with the model (slothkit.export.gguf.verify); None: when llama-cpp-python is
+            installed.
+        overwrite: replace a non-empty save_directory (atomically); refused otherwise.
+
+    Returns:
+        The written paths: the GGUF files in the order asked, then the Modelfiles. With one
+        method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
     """
-    methods = _methods(quantization_method)
-    layout = architecture_layout(model)
+    methods = quantization_methods(quantization_method)
+    arch = architecture_of(model)
     _check_plain_model(model)
     target = check_target(save_directory, overwrite)
     if verify is None:
@@ -130,11 +93,11 @@ def save_pretrained_gguf(
     with atomic_directory(target, overwrite=overwrite) as staging:
         for method in methods:
             path = staging / f"{stem}.{method.label}.gguf"
-            write_gguf(model, path, tokenizer, method.name, layout=layout)
+            write_gguf(model, path, tokenizer, method, arch=arch)
             if verify:
                 from slothkit.export.gguf.verify import verify_gguf
 
-                verify_gguf(path, model, tokenizer, method.name)
+                verify_gguf(path, model, tokenizer, method)
             written.append(path.name)
         for method in methods:
             modelfile = "Modelfile" if len(methods) == 1 else f"Modelfile.{method.label}"
@@ -149,7 +112,7 @@ def push_to_hub_gguf(
     model,
     repo_id: str,
     tokenizer,
-    quantization_method: str | Sequence[str] = "q8_0",
+    quantization_method: str | QuantizationMethod | Sequence[str | QuantizationMethod] = "q8_0",
     token: str | None = None,
     private: bool = False,
     *,
@@ -158,23 +121,38 @@ def push_to_hub_gguf(
     commit_message: str | None = None,
 ):
     """Write the GGUF files and Modelfile(s) as save_pretrained_gguf does, into a temporary
-    folder, and upload it to `repo_id` in one commit (slothkit.export.hub.push_folder_to_hub:
-    created if missing, retried on transient errors). The token is checked before any work.
-    endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
+    folder, and upload it to `repo_id` in one commit.
+
+    The upload is slothkit.export.hub.push_folder_to_hub: the repo is created if missing and
+    transient errors are retried. The token and the methods are checked before any work.
     Files already in the repo stay (other quantisations, a merged model), except those this
-    push replaces. Returns the hub module's PushResult.
+    push replaces.
+
+    Args:
+        model: as for save_pretrained_gguf.
+        repo_id: the Hub repository, "user/name".
+        tokenizer: as for save_pretrained_gguf.
+        quantization_method: as for save_pretrained_gguf.
+        token: a Hub token with write access; default HF_TOKEN or the saved login.
+        private: create the repository private (when it does not exist yet).
+        verify: as for save_pretrained_gguf.
+        endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
+        commit_message: default "Upload GGUF (<labels>) with slothkit".
+
+    Returns:
+        The hub module's PushResult.
     """
     from huggingface_hub import HfApi
 
     from slothkit.export.hub import push_folder_to_hub, resolve_token
 
-    methods = _methods(quantization_method)  # refuse bad input before any work
-    architecture_layout(model)
+    methods = quantization_methods(quantization_method)  # refuse bad input before any work
+    architecture_of(model)
     token = resolve_token(token, HfApi(endpoint=endpoint))
     labels = ", ".join(m.label for m in methods)
     with tempfile.TemporaryDirectory(prefix="slothkit-gguf-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
-        save_pretrained_gguf(model, folder, tokenizer, [m.name for m in methods], verify=verify)
+        save_pretrained_gguf(model, folder, tokenizer, methods, verify=verify)
         return push_folder_to_hub(
             folder,
             repo_id,
@@ -187,24 +165,33 @@ def push_to_hub_gguf(
 
 
 def write_gguf(
-    model, path: str | os.PathLike, tokenizer, quantization_method: str = "q8_0", *, layout=None
+    model,
+    path: str | os.PathLike,
+    tokenizer,
+    method: QuantizationMethod,
+    *,
+    arch: Architecture | None = None,
 ) -> pathlib.Path:
     """Write one GGUF file (no Modelfile, no verification, not atomic); return its path.
 
-    layout: the architecture's _ArchLayout, by default from model.config.model_type (the tests
-    pass a wrong one on purpose, to see verification catch it).
+    Args:
+        model: as for save_pretrained_gguf.
+        path: the file to write.
+        tokenizer: the model's tokenizer.
+        method: the quantisation, parsed (tensor_types.quantization_method("q8_0")).
+        arch: the architecture record whose layout to write; by default the model's own
+            (the tests pass a wrong one on purpose, to see verification catch it).
     """
-    method = types.quantization_method(quantization_method)
-    layout = layout or architecture_layout(model)
+    arch = arch or architecture_of(model)
     _check_plain_model(model)
-    hp = _hyperparameters(model.config)
-    tensors = list(_gguf_tensors(model, layout, hp))
-    tied = layout.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    hp = _hyperparameters(model.config, arch)
+    tensors = list(_gguf_tensors(model, arch, hp))
+    tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
     device = _quantization_device(model)
 
     path = pathlib.Path(path)
     vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
-    writer = GGUFWriter(path, layout.gguf_arch)
+    writer = GGUFWriter(path, arch.gguf.arch)
     _write_metadata(writer, hp, method, name=_model_name(model, path))
     vocab.write(writer)
 
@@ -235,45 +222,6 @@ def write_gguf(
     return path
 
 
-def architecture_layout(model) -> _ArchLayout:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF export supports the architectures {', '.join(map(repr, SUPPORTED_ARCHITECTURES))}; "
-            f"this model's config.model_type is {model_type!r}"
-        )
-    return SUPPORTED_ARCHITECTURES[model_type]
-
-
-def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tensor]:
-    """Read a file written by write_gguf back into `model`'s parameter names: every tensor
-    dequantised (gguf.quants.dequantize), un-permuted, Gemma's norm offset removed, in the
-    model's dtype and on its device. The weights llama.cpp computes with, in HF's layout
-    (slothkit.export.gguf.verify runs the HF model on them). Tied weights appear once, as in the file."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    layout = architecture_layout(model)
-    hp = _hyperparameters(model.config)
-    stored = {t.name: t for t in GGUFReader(path).tensors}
-    weights = {}
-    for hf_name, param in model.state_dict().items():
-        mapped = gguf_tensor_name(hf_name)
-        if mapped is None or mapped[0] not in stored:
-            continue
-        name = mapped[0]
-        tensor = stored[name]
-        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        value = value.reshape(param.shape)
-        if layout.permute_qk and (".attn_q." in name or ".attn_k." in name):
-            value = unpermute_rotary_rows(value, hp.n_heads if ".attn_q." in name else hp.n_kv_heads)
-        if name.endswith("_norm.weight") and layout.norm_offset:
-            value = value - layout.norm_offset
-        weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
-    return weights
-
-
 # ---------------------------------------------------------------------------------------
 # Hyperparameters and metadata
 # ---------------------------------------------------------------------------------------
@@ -296,8 +244,8 @@ class _HyperParameters:
     sliding_window: int | None
 
 
-def _hyperparameters(config) -> _HyperParameters:
-    n_heads = config.num_attention_heads
+def _hyperparameters(config, arch: Architecture) -> _HyperParameters:
+    n_heads, n_kv_heads = head_counts(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -311,14 +259,14 @@ def _hyperparameters(config) -> _HyperParameters:
         intermediate=config.intermediate_size,
         n_layers=config.num_hidden_layers,
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         rms_eps=config.rms_norm_eps,
         context=config.max_position_embeddings,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10_000.0))),
         rope_type=rope_type,
         rope=rope,
-        sliding_window=getattr(config, "sliding_window", None) if config.model_type == "mistral" else None,
+        sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
     )
 
 
@@ -373,9 +321,9 @@ def _llama3_rope_divisors(hp: _HyperParameters) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _gguf_tensors(model, layout: _ArchLayout, hp: _HyperParameters) -> Iterator[tuple]:
+def _gguf_tensors(model, arch: Architecture, hp: _HyperParameters) -> Iterator[tuple]:
     """(gguf name, () -> tensor, shape, layer or None) for every tensor of the file, in order;
-    the producer applies the permutation / norm offset only when called."""
+    the producer applies the layout's transformation (layout.to_gguf) only when called."""
     state = model.state_dict()
     embed = state.get("model.embed_tokens.weight")
     head = state.get("lm_head.weight")
@@ -384,14 +332,14 @@ def _gguf_tensors(model, layout: _ArchLayout, hp: _HyperParameters) -> Iterator[
         or getattr(model.config, "tie_word_embeddings", False)
         or (embed is not None and head.data_ptr() == embed.data_ptr())
     )
-    if layout.output_always_tied and not head_is_embed and not torch.equal(head, embed):
+    if arch.gguf.output_always_tied and not head_is_embed and not torch.equal(head, embed):
         raise ValueError(
-            f"GGUF's {layout.gguf_arch!r} architecture ties the output layer to the embeddings, but this "
+            f"GGUF's {arch.gguf.arch!r} architecture ties the output layer to the embeddings, but this "
             "model's lm_head differs from embed_tokens; tie them (or train without lm_head) before export"
         )
 
     if hp.rope_type == "llama3":
-        if layout.gguf_arch != "llama":
+        if arch.gguf.arch != "llama":
             raise NotImplementedError("'llama3' rope scaling is supported for the llama architecture only")
         divisors = _llama3_rope_divisors(hp)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
@@ -407,7 +355,7 @@ def _gguf_tensors(model, layout: _ArchLayout, hp: _HyperParameters) -> Iterator[
             unknown.append(hf_name)
             continue
         name, layer = mapped
-        yield name, _producer(tensor, name, layout, hp), tuple(tensor.shape), layer
+        yield name, _producer(tensor, name, arch, model.config), tuple(tensor.shape), layer
     if unknown:
         raise ValueError(
             f"GGUF export does not know where these weights go: {unknown[:8]}"
@@ -415,67 +363,16 @@ def _gguf_tensors(model, layout: _ArchLayout, hp: _HyperParameters) -> Iterator[
         )
 
 
-def gguf_tensor_name(hf_name: str) -> tuple[str, int | None] | None:
-    """The GGUF name of a Hugging Face weight and its layer (None outside the layers), or None
-    when the weight has no place in the file."""
-    if hf_name in _TOP_LEVEL:
-        return _TOP_LEVEL[hf_name], None
-    match = _LAYER_NAME.fullmatch(hf_name)
-    if match is None or match.group(2) not in _PER_LAYER:
-        return None
-    layer = int(match.group(1))
-    return f"blk.{layer}.{_PER_LAYER[match.group(2)]}.{match.group(3)}", layer
-
-
-def _producer(tensor: torch.Tensor, name: str, layout: _ArchLayout, hp: _HyperParameters):
+def _producer(tensor: torch.Tensor, name: str, arch: Architecture, config):
     def produce() -> torch.Tensor:
-        value = tensor.detach()
-        if layout.permute_qk and (".attn_q." in name or ".attn_k." in name):
-            heads = hp.n_heads if ".attn_q." in name else hp.n_kv_heads
-            value = permute_rotary_rows(value, heads)
-        if name.endswith("_norm.weight") and layout.norm_offset:
-            value = value.float() + layout.norm_offset
-        return value
+        return to_gguf(tensor.detach(), name, arch, config)
 
     return produce
-
-
-def permute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder each head's rows from half-split (i, i + d/2) to interleaved (2i, 2i + 1) pairs."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of the Q/K row permutation: GGUF's interleaved pairs back to HF's half-split."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
 
 
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
-
-
-def _methods(quantization_method) -> list:
-    names = [quantization_method] if isinstance(quantization_method, str) else list(quantization_method)
-    if not names:
-        raise ValueError(
-            f"quantization_method is empty; give one or more of {', '.join(map(repr, QUANTIZATION_METHODS))}"
-        )
-    methods = [types.quantization_method(n) for n in names]
-    labels = [m.label for m in methods]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"quantization_method lists a method twice: {names}")
-    return methods
 
 
 def _check_plain_model(model) -> None:

@@ -114,7 +114,8 @@ def _model_and_f32_gguf(tmp_path, arch, **sizes):
         gate = model.model.layers[0].mlp.gate_proj.weight
         gate.view(-1)[torch.randint(0, gate.numel(), (64,), generator=g)] = 30.0
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer, write_gguf(model, tmp_path / f"{arch}.F32.gguf", tokenizer, "f32")
+    source = write_gguf(model, tmp_path / f"{arch}.F32.gguf", tokenizer, quantization_method("f32"))
+    return model, tokenizer, source
 
 
 def _llama_cpp_quantize(source, target, ftype: int, pure: bool):
@@ -184,7 +185,9 @@ def test_tensor_types_match_llama_quantize(tmp_path, arch, sizes, methods):
     model, tokenizer, source = _model_and_f32_gguf(tmp_path, arch, **sizes)
     for method in methods:
         theirs = _llama_cpp_quantize(source, tmp_path / f"ref.{method}.gguf", LLAMA_FTYPE[method], pure=False)
-        ours = gguf.GGUFReader(write_gguf(model, tmp_path / f"ours.{method}.gguf", tokenizer, method))
+        ours = gguf.GGUFReader(
+            write_gguf(model, tmp_path / f"ours.{method}.gguf", tokenizer, quantization_method(method))
+        )
         expected = {t.name: t.tensor_type.name for t in theirs.tensors}
         assert {t.name: t.tensor_type.name for t in ours.tensors} == expected, method
 

@@ -16,16 +16,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.export.atomic import DirectoryNotEmptyError
-from slothkit.export.gguf.writer import (
-    QUANTIZATION_METHODS,
-    hf_weights_from_gguf,
-    permute_rotary_rows,
-    save_pretrained_gguf,
-    unpermute_rotary_rows,
-    write_gguf,
-)
+from slothkit.export.gguf import save_pretrained_gguf, write_gguf
 from slothkit.export.gguf import verify as gguf_verify
+from slothkit.export.gguf.layout import hf_weights_from_gguf, permute_rotary_rows
+from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, quantization_method
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
+from slothkit.models import architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
@@ -93,7 +89,7 @@ def exported(tmp_path_factory):
     @functools.cache
     def get(arch, method):
         model, tokenizer = tiny(arch)
-        return write_gguf(model, root / f"{arch}.{method}.gguf", tokenizer, method)
+        return write_gguf(model, root / f"{arch}.{method}.gguf", tokenizer, quantization_method(method))
 
     return get
 
@@ -200,41 +196,6 @@ def test_weights_are_transformed_as_llama_cpp_expects(arch, exported):
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm)
 
 
-def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
-    """HF rotates pairs (i, i + d/2) of each head; llama.cpp's llama arch pairs (2i, 2i + 1).
-    With Q and K rows permuted, both give the same attention scores at every position pair."""
-    g = torch.Generator().manual_seed(5)
-    heads, d, hidden = 2, 8, 16
-    wq, wk = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
-    x = torch.randn(6, hidden, generator=g)  # 6 positions
-    angles = torch.arange(6.0)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)  # (pos, d/2)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-
-    def rope_half_split(v):  # (pos, heads, d)
-        a, b = v[..., : d // 2], v[..., d // 2 :]
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-
-    def rope_interleaved(v):
-        a, b = v[..., 0::2], v[..., 1::2]
-        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-
-    hf_q, hf_k = rope_half_split((x @ wq.T).view(6, heads, d)), rope_half_split((x @ wk.T).view(6, heads, d))
-    pq, pk = permute_rotary_rows(wq, heads), permute_rotary_rows(wk, heads)
-    cpp_q, cpp_k = (
-        rope_interleaved((x @ pq.T).view(6, heads, d)),
-        rope_interleaved((x @ pk.T).view(6, heads, d)),
-    )
-    hf_scores = torch.einsum("phd,shd->hps", hf_q, hf_k)
-    assert torch.allclose(torch.einsum("phd,shd->hps", cpp_q, cpp_k), hf_scores, atol=1e-4)
-    plain = torch.einsum(
-        "phd,shd->hps",
-        rope_interleaved((x @ wq.T).view(6, heads, d)),
-        rope_interleaved((x @ wk.T).view(6, heads, d)),
-    )
-    assert not torch.allclose(plain, hf_scores, atol=1e-2)  # without the permutation they differ
-    assert torch.equal(unpermute_rotary_rows(pq, heads), wq)
-
-
 # ---------------------------------------------------------------------------------------
 # llama.cpp runs the files
 # ---------------------------------------------------------------------------------------
@@ -264,11 +225,11 @@ def test_llama_cpp_logits_and_greedy_tokens_match_hf(arch, method, exported):
     model, tokenizer = tiny(arch)
     path = exported(arch, method)
     # Structure: HF on the file's own (dequantised) weights vs llama.cpp, one tight tolerance.
-    exact = verify_gguf(path, model, tokenizer, method, reference="gguf_weights")
+    exact = verify_gguf(path, model, tokenizer, quantization_method(method), reference="gguf_weights")
     assert exact.logit_error < gguf_verify.GGUF_WEIGHTS_TOLERANCE and exact.greedy_tokens == 18
     assert exact.weight_error < gguf_verify.WEIGHT_TOLERANCES[method]
     # Quality: the original model vs llama.cpp, within the method's tolerance.
-    report = verify_gguf(path, model, tokenizer, method)
+    report = verify_gguf(path, model, tokenizer, quantization_method(method))
     assert report.logit_error < gguf_verify.TOLERANCES[method]
     assert exact.logit_error <= report.logit_error + 0.01  # rounding of weights is most of the error
 
@@ -276,27 +237,32 @@ def test_llama_cpp_logits_and_greedy_tokens_match_hf(arch, method, exported):
 @needs_llama_cpp
 def test_bf16_model_is_verified_in_bf16(tmp_path):
     model, tokenizer = tiny("llama", torch.bfloat16)
-    path = write_gguf(model, tmp_path / "llama.bf16.gguf", tokenizer, "bf16")
-    report = verify_gguf(path, model, tokenizer, "bf16")
+    bf16 = quantization_method("bf16")
+    path = write_gguf(model, tmp_path / "llama.bf16.gguf", tokenizer, bf16)
+    report = verify_gguf(path, model, tokenizer, bf16)
     assert report.tolerance == gguf_verify.BF16_REFERENCE_FLOOR and report.logit_error < 0.03
 
 
 @needs_llama_cpp
 @pytest.mark.parametrize(
-    "arch,fault",
-    [("llama", dict(permute_qk=False)), ("gemma", dict(permute_qk=True)), ("gemma", dict(norm_offset=0.0))],
+    "arch,layout_fault,record_fault",
+    [
+        ("llama", dict(permute_qk=False), {}),
+        ("gemma", dict(permute_qk=True), {}),
+        ("gemma", {}, dict(norm_adds_one=False)),  # no norm offset
+    ],
     ids=["llama-unpermuted", "gemma-permuted", "gemma-no-norm-offset"],
 )
-def test_a_structural_fault_fails_verification_at_4_bits(arch, fault, tmp_path):
+def test_a_structural_fault_fails_verification_at_4_bits(arch, layout_fault, record_fault, tmp_path):
     """A file written with the wrong layout: at Q4, where the quality tolerance is wide, the
     comparison of the file's weights with the model's still catches it."""
-    import slothkit.export.gguf.writer as export_gguf
-
     model, tokenizer = tiny(arch)
-    wrong = dataclasses.replace(export_gguf.SUPPORTED_ARCHITECTURES[arch], **fault)
-    path = write_gguf(model, tmp_path / "wrong.gguf", tokenizer, "q4_k_m", layout=wrong)
+    record = architecture_named(arch)
+    wrong = dataclasses.replace(record, gguf=dataclasses.replace(record.gguf, **layout_fault), **record_fault)
+    q4_k_m = quantization_method("q4_k_m")
+    path = write_gguf(model, tmp_path / "wrong.gguf", tokenizer, q4_k_m, arch=wrong)
     with pytest.raises(GGUFVerificationError, match="the file's weights differ from the model's"):
-        verify_gguf(path, model, tokenizer, "q4_k_m", reference="gguf_weights")
+        verify_gguf(path, model, tokenizer, q4_k_m, reference="gguf_weights")
 
 
 @needs_llama_cpp
@@ -314,7 +280,8 @@ def test_rope_scaling_is_written_as_llama_cpp_applies_it(rope_type, tmp_path):
         config.rope_scaling = scaling
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    file = write_gguf(model, tmp_path / f"{rope_type}.gguf", tokenizer, "f32")
+    f32 = quantization_method("f32")
+    file = write_gguf(model, tmp_path / f"{rope_type}.gguf", tokenizer, f32)
     reader = gguf.GGUFReader(file)
     if rope_type == "llama3":
         divisors = _stored(reader, "rope_freqs.weight")
@@ -326,12 +293,10 @@ def test_rope_scaling_is_written_as_llama_cpp_applies_it(rope_type, tmp_path):
     else:
         assert field(reader, "llama.rope.scaling.type") == "linear"
         assert field(reader, "llama.rope.scaling.factor") == 4.0
-    verify_gguf(file, model, tokenizer, "f32", reference="gguf_weights")
-    plain = write_gguf(
-        tiny("llama")[0], tmp_path / "plain.gguf", tokenizer, "f32"
-    )  # same weights, plain rope
+    verify_gguf(file, model, tokenizer, f32, reference="gguf_weights")
+    plain = write_gguf(tiny("llama")[0], tmp_path / "plain.gguf", tokenizer, f32)  # same weights, plain rope
     with pytest.raises(GGUFVerificationError, match="logits differ"):
-        verify_gguf(plain, model, tokenizer, "f32")
+        verify_gguf(plain, model, tokenizer, f32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -419,7 +384,7 @@ def test_never_prefixing_tokenizer_matches_exactly_with_special_tokens(tmp_path)
     spec["pre_tokenizer"]["prepend_scheme"] = "never"  # as Gemma's own tokenizer: no dummy prefix
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    path = write_gguf(tiny("gemma")[0], tmp_path / "never.gguf", tokenizer, "q8_0")
+    path = write_gguf(tiny("gemma")[0], tmp_path / "never.gguf", tokenizer, quantization_method("q8_0"))
     assert gguf.GGUFReader(path).fields["tokenizer.ggml.add_space_prefix"].contents() is False
     llm = _vocab_only(path)
     chat = tokenizer.apply_chat_template(
@@ -494,6 +459,8 @@ def test_unknown_method_lists_the_valid_ones(tmp_path):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, ["q8_0", "Q8_0"])
     assert not (tmp_path / "x").exists()
     assert set(QUANTIZATION_METHODS) == {"f32", *METHODS}
+    # The verifier has a tolerance for every method the writer accepts.
+    assert set(gguf_verify.TOLERANCES) == set(gguf_verify.WEIGHT_TOLERANCES) == set(QUANTIZATION_METHODS)
 
 
 def test_non_empty_directory_needs_overwrite(tmp_path):
@@ -583,10 +550,11 @@ def test_lora_model_exports_through_the_attached_method(make_lora_model, tmp_pat
     paths = model.save_pretrained_gguf(
         tmp_path / "out", tokenizer, quantization_method="q8_0"
     )  # verifies too
-    report = verify_gguf(paths[0], model, tokenizer, "q8_0")  # against the unmerged LoRA model
+    q8_0 = quantization_method("q8_0")
+    report = verify_gguf(paths[0], model, tokenizer, q8_0)  # against the unmerged LoRA model
     assert report.logit_error < gguf_verify.TOLERANCES["q8_0"]
     with model.disable_adapter(), pytest.raises(GGUFVerificationError, match="logits differ"):
-        verify_gguf(paths[0], model, tokenizer, "q8_0")  # the file holds the adapters' change
+        verify_gguf(paths[0], model, tokenizer, q8_0)  # the file holds the adapters' change
 
 
 def test_unknown_byte_level_pre_tokenizer_is_refused(tmp_path):
@@ -596,4 +564,9 @@ def test_unknown_byte_level_pre_tokenizer_is_refused(tmp_path):
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}+|\s+|."  # not a known one
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="'llama-bpe': by Llama 3's regex"):
-        write_gguf(tiny("llama")[0], tmp_path / "x.gguf", AutoTokenizer.from_pretrained(folder), "q8_0")
+        write_gguf(
+            tiny("llama")[0],
+            tmp_path / "x.gguf",
+            AutoTokenizer.from_pretrained(folder),
+            quantization_method("q8_0"),
+        )

@@ -1,0 +1,176 @@
+"""Where each Hugging Face weight goes in a GGUF file, and how it is transformed on the way.
+
+The writer applies these rules (to_gguf) and the reader undoes them (hf_weights_from_gguf,
+which slothkit.export.gguf.verify runs the HF model on); both import them from here, so
+that the rules live in one place and neither module imports the other's.
+
+What differs between architectures is the record's GGUF layout (slothkit.models,
+Architecture.gguf) and its norm flavour, matching llama.cpp's convert_hf_to_gguf.py
+(LlamaModel, GemmaModel):
+
+    HF model_type   GGUF arch   Q/K rows           RMSNorm weights    output
+    llama           llama       permuted (below)   w                  output.weight unless tied
+    mistral         llama       permuted           w                  output.weight unless tied
+    gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
+
+Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
+pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of
+q_proj and k_proj are reordered within each head so that both compute the same attention:
+    rows (head, half, i) -> (head, i, half),  i.e. reshape(n_head, 2, d/2, -1).swapaxes(1, 2).
+Gemma's arch in llama.cpp uses the "neox" (half-split) rotation, so its rows stay as they are.
+
+Norm offset: llama.cpp's graphs compute every RMSNorm as x * w, while an architecture whose
+norm adds one (Gemma) computes x * (1 + w); so 1 is added (in float32, then stored as F32:
+adding 1 in bf16 would round w away).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+
+from slothkit.models import ARCHITECTURES, Architecture, architecture_for
+
+_TOP_LEVEL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_PER_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+def architecture_of(model) -> Architecture:
+    """The architecture record of `model`, refused with the supported ones named."""
+    config = getattr(model, "config", None)
+    arch = architecture_for(config)
+    if arch is None:
+        supported = ", ".join(repr(t) for a in ARCHITECTURES for t in a.model_types)
+        raise ValueError(
+            f"GGUF export supports the architectures {supported}; "
+            f"this model's config.model_type is {getattr(config, 'model_type', None)!r}"
+        )
+    return arch
+
+
+def norm_offset(arch: Architecture) -> float:
+    """What is added to RMSNorm weights in the file (see the module docstring)."""
+    return 1.0 if arch.norm_adds_one else 0.0
+
+
+def head_counts(config) -> tuple[int, int]:
+    """(query heads, key/value heads) of a transformers config."""
+    n_heads = config.num_attention_heads
+    return n_heads, getattr(config, "num_key_value_heads", None) or n_heads
+
+
+def gguf_tensor_name(hf_name: str) -> tuple[str, int | None] | None:
+    """The GGUF name of a Hugging Face weight and its layer (None outside the layers), or None
+    when the weight has no place in the file."""
+    if hf_name in _TOP_LEVEL:
+        return _TOP_LEVEL[hf_name], None
+    match = _LAYER_NAME.fullmatch(hf_name)
+    if match is None or match.group(2) not in _PER_LAYER:
+        return None
+    layer = int(match.group(1))
+    return f"blk.{layer}.{_PER_LAYER[match.group(2)]}.{match.group(3)}", layer
+
+
+def _rotary_heads(name: str, arch: Architecture, config) -> int | None:
+    """The head count whose rows are permuted in GGUF tensor `name`, or None: not permuted."""
+    if not arch.gguf.permute_qk:
+        return None
+    n_heads, n_kv_heads = head_counts(config)
+    if ".attn_q." in name:
+        return n_heads
+    if ".attn_k." in name:
+        return n_kv_heads
+    return None
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("_norm.weight")
+
+
+def to_gguf(value: torch.Tensor, name: str, arch: Architecture, config) -> torch.Tensor:
+    """An HF weight as GGUF tensor `name` holds it: Q/K rows permuted, norm offset added."""
+    heads = _rotary_heads(name, arch, config)
+    if heads is not None:
+        value = permute_rotary_rows(value, heads)
+    if _is_norm(name) and norm_offset(arch):
+        value = value.float() + norm_offset(arch)
+    return value
+
+
+def from_gguf(value: torch.Tensor, name: str, arch: Architecture, config) -> torch.Tensor:
+    """Inverse of to_gguf: GGUF tensor `name` back in HF's layout."""
+    heads = _rotary_heads(name, arch, config)
+    if heads is not None:
+        value = unpermute_rotary_rows(value, heads)
+    if _is_norm(name) and norm_offset(arch):
+        value = value - norm_offset(arch)
+    return value
+
+
+def permute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder each head's rows from half-split (i, i + d/2) to interleaved (2i, 2i + 1) pairs."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of the Q/K row permutation: GGUF's interleaved pairs back to HF's half-split."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tensor]:
+    """Read a GGUF file back into `model`'s parameter names.
+
+    Every tensor is dequantised (gguf.quants.dequantize), un-permuted and has the norm offset
+    removed, in the model's dtype and on its device: the weights llama.cpp computes with, in
+    HF's layout (slothkit.export.gguf.verify runs the HF model on them). Tied weights appear
+    once, as in the file.
+
+    Args:
+        path: the GGUF file.
+        model: the transformers model the file was written from; its architecture record
+            says which rules to undo.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    arch = architecture_of(model)
+    stored = {t.name: t for t in GGUFReader(path).tensors}
+    weights = {}
+    for hf_name, param in model.state_dict().items():
+        mapped = gguf_tensor_name(hf_name)
+        if mapped is None or mapped[0] not in stored:
+            continue
+        name = mapped[0]
+        tensor = stored[name]
+        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+        value = from_gguf(value.reshape(param.shape), name, arch, model.config)
+        weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
+    return weights

@@ -1,0 +1,47 @@
+"""A model's size, no weights: what `slothkit bench` builds with random weights and what
+`slothkit plan` predicts memory from.
+
+Each architecture record (slothkit.models) names the real checkpoints' shapes of its
+family; slothkit.bench.shapes collects them by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Shape:
+    model_type: str  # transformers model_type
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    extra: dict = field(default_factory=dict)  # further config fields (rope_theta, head_dim, ...)
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(
+            self.model_type,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings,
+            **self.extra,
+        )
+
+    def matmul_parameters(self) -> int:
+        """Parameters of the projections and LM head: the ones that cost FLOPs per token."""
+        head_dim = self.extra.get("head_dim", self.hidden_size // self.num_attention_heads)
+        q = self.hidden_size * self.num_attention_heads * head_dim
+        kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
+        o = self.num_attention_heads * head_dim * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (q + kv + o + mlp) + self.vocab_size * self.hidden_size

@@ -1,0 +1,100 @@
+"""Where HF weights go in a GGUF file and how they are transformed (slothkit.export.gguf.layout),
+checked without writing a file; test_writer.py checks the files llama.cpp reads."""
+
+import types
+
+import pytest
+import torch
+
+from slothkit.export.gguf.layout import (
+    from_gguf,
+    gguf_tensor_name,
+    permute_rotary_rows,
+    to_gguf,
+    unpermute_rotary_rows,
+)
+from slothkit.models import ARCHITECTURES
+
+
+@pytest.mark.parametrize(
+    "hf_name, expected",
+    [
+        ("model.embed_tokens.weight", ("token_embd.weight", None)),
+        ("model.norm.weight", ("output_norm.weight", None)),
+        ("lm_head.weight", ("output.weight", None)),
+        ("model.layers.0.input_layernorm.weight", ("blk.0.attn_norm.weight", 0)),
+        ("model.layers.11.post_attention_layernorm.weight", ("blk.11.ffn_norm.weight", 11)),
+        ("model.layers.3.self_attn.q_proj.weight", ("blk.3.attn_q.weight", 3)),
+        ("model.layers.3.self_attn.k_proj.bias", ("blk.3.attn_k.bias", 3)),
+        ("model.layers.3.self_attn.o_proj.weight", ("blk.3.attn_output.weight", 3)),
+        ("model.layers.3.mlp.down_proj.weight", ("blk.3.ffn_down.weight", 3)),
+        ("model.layers.3.self_attn.rotary_emb.inv_freq", None),
+        ("model.layers.3.mlp.experts.0.weight", None),
+    ],
+)
+def test_tensor_names(hf_name, expected):
+    assert gguf_tensor_name(hf_name) == expected
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+def test_to_gguf_and_back(arch):
+    """Q/K rows permuted exactly where the record says, norms offset by 1 where the norm adds
+    one, everything else as it is; from_gguf undoes it."""
+    config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    g = torch.Generator().manual_seed(11)
+    head_dim, hidden = 8, 16
+    weights = {
+        "blk.0.attn_q.weight": (torch.randn(4 * head_dim, hidden, generator=g), 4),
+        "blk.0.attn_k.weight": (torch.randn(2 * head_dim, hidden, generator=g), 2),
+        "blk.0.attn_v.weight": (torch.randn(2 * head_dim, hidden, generator=g), None),
+        "blk.0.attn_norm.weight": (torch.randn(hidden, generator=g), None),
+        "output_norm.weight": (torch.randn(hidden, generator=g), None),
+    }
+    for name, (value, heads) in weights.items():
+        stored = to_gguf(value, name, arch, config)
+        if heads is not None and arch.gguf.permute_qk:
+            expected = permute_rotary_rows(value, heads)
+            assert not torch.equal(stored, value)
+        elif name.endswith("_norm.weight") and arch.norm_adds_one:
+            expected = value.float() + 1.0
+        else:
+            expected = value
+        assert torch.equal(stored, expected), name
+        # (w + 1) - 1 in float32 rounds w by up to half the float spacing near 1 + w (2**-21 below 8).
+        atol = 2**-22 if name.endswith("_norm.weight") and arch.norm_adds_one else 0.0
+        torch.testing.assert_close(from_gguf(stored, name, arch, config), value, rtol=0.0, atol=atol)
+
+
+def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
+    """HF rotates pairs (i, i + d/2) of each head; llama.cpp's llama arch pairs (2i, 2i + 1).
+    With Q and K rows permuted, both give the same attention scores at every position pair."""
+    g = torch.Generator().manual_seed(5)
+    heads, d, hidden = 2, 8, 16
+    wq, wk = torch.randn(heads * d, hidden, generator=g), torch.randn(heads * d, hidden, generator=g)
+    x = torch.randn(6, hidden, generator=g)  # 6 positions
+    angles = torch.arange(6.0)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)  # (pos, d/2)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    def rope_half_split(v):  # (pos, heads, d)
+        a, b = v[..., : d // 2], v[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def rope_interleaved(v):
+        a, b = v[..., 0::2], v[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+    hf_q, hf_k = rope_half_split((x @ wq.T).view(6, heads, d)), rope_half_split((x @ wk.T).view(6, heads, d))
+    pq, pk = permute_rotary_rows(wq, heads), permute_rotary_rows(wk, heads)
+    cpp_q, cpp_k = (
+        rope_interleaved((x @ pq.T).view(6, heads, d)),
+        rope_interleaved((x @ pk.T).view(6, heads, d)),
+    )
+    hf_scores = torch.einsum("phd,shd->hps", hf_q, hf_k)
+    assert torch.allclose(torch.einsum("phd,shd->hps", cpp_q, cpp_k), hf_scores, atol=1e-4)
+    plain = torch.einsum(
+        "phd,shd->hps",
+        rope_interleaved((x @ wq.T).view(6, heads, d)),
+        rope_interleaved((x @ wk.T).view(6, heads, d)),
+    )
+    assert not torch.allclose(plain, hf_scores, atol=1e-2)  # without the permutation they differ
+    assert torch.equal(unpermute_rotary_rows(pq, heads), wq)

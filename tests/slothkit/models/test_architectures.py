@@ -1,0 +1,113 @@
+"""The architecture records (slothkit.models) against transformers' and gguf's own classes:
+each fact a record states is what the library that owns it says."""
+
+import gguf
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from slothkit.bench.shapes import SHAPES
+from slothkit.models import (
+    ARCHITECTURES,
+    architecture_for,
+    architecture_named,
+    architecture_of_shape,
+)
+from slothkit.testing import TOKENIZER_FLAVOURS
+
+RECORDS = pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=64,
+)
+
+
+def _activation(config) -> str:
+    """The activation transformers' MLP applies: Gemma's config in transformers 4.x reads
+    hidden_activation first."""
+    return getattr(config, "hidden_activation", None) or config.hidden_act
+
+
+@RECORDS
+def test_record_agrees_with_transformers_config_class(arch):
+    for model_type in arch.model_types:
+        config = AutoConfig.for_model(model_type)  # the class defaults
+        assert _activation(config) == arch.hidden_act
+        assert config.tie_word_embeddings is arch.tied_embeddings
+        assert (getattr(config, "sliding_window", None) is not None) is arch.sliding_window
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == arch.causal_lm_class
+        assert arch.activation(config) in ("swiglu", "geglu", "geglu_tanh")  # the fused MLP runs it
+        assert architecture_for(config) is arch
+
+
+@RECORDS
+def test_norm_flavour_and_tied_head_agree_with_transformers_model(arch):
+    """A zero norm weight zeroes the output of x * w, and leaves x * (1 + w) normalised."""
+    config = AutoConfig.for_model(arch.model_types[0], **TINY)
+    model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == arch.causal_lm_class
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is arch.tied_embeddings
+    norm = model.model.norm
+    with torch.no_grad():
+        norm.weight.zero_()
+        out = norm(torch.randn(3, TINY["hidden_size"], generator=torch.Generator().manual_seed(0)))
+    if arch.norm_adds_one:
+        torch.testing.assert_close(out.square().mean(-1), torch.ones(3), rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@RECORDS
+def test_gguf_layout_agrees_with_gguf_package(arch):
+    """The GGUF architecture exists, and has an output matrix unless the record says the
+    head is always the token embeddings."""
+    by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    assert arch.gguf.arch in by_name
+    has_output = gguf.MODEL_TENSOR.OUTPUT in gguf.MODEL_TENSORS[by_name[arch.gguf.arch]]
+    assert has_output is not arch.gguf.output_always_tied
+
+
+@RECORDS
+def test_named_shapes_build_configs_of_the_family(arch):
+    assert arch.shapes, f"{arch.name} names no shape"
+    assert f"tiny-{arch.name}" in arch.shapes  # the CPU shape of the bench and its tests
+    for name, shape in arch.shapes.items():
+        assert shape.model_type in arch.model_types, name
+        assert architecture_of_shape(name) is arch
+        assert SHAPES[name] is shape
+        config = shape.config()
+        assert architecture_for(config) is arch
+        assert _activation(config) == arch.hidden_act, name
+        assert (getattr(config, "sliding_window", None) is not None) <= arch.sliding_window, name
+
+
+def test_shape_names_are_unique_across_records():
+    names = [name for arch in ARCHITECTURES for name in arch.shapes]
+    assert len(names) == len(set(names)) == len(SHAPES)
+
+
+@RECORDS
+def test_tiny_traits_are_consistent(arch):
+    tiny = arch.tiny
+    assert tiny.tokenizer in TOKENIZER_FLAVOURS
+    assert tiny.end_of_turn is None or tiny.end_of_turn in tiny.chat_specials
+    assert all(token in tiny.chat_template for token in tiny.chat_specials)
+    assert (tiny.sliding_window is not None) <= arch.sliding_window
+
+
+def test_lookups_name_what_is_known():
+    assert architecture_named("gemma").model_types == ("gemma",)
+    with pytest.raises(ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma"):
+        architecture_named("gpt2")
+    assert architecture_of_shape("mistral-7b") is architecture_named("mistral")
+    with pytest.raises(
+        ValueError, match="no architecture names the shape 'llama-9'; named shapes: llama-3-8b"
+    ):
+        architecture_of_shape("llama-9")
+    assert architecture_for(AutoConfig.for_model("qwen2")) is None
