@@ -69,8 +69,11 @@ QUANTIZATION_METHODS = {
 _FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
-def quantization_method(name: str) -> QuantizationMethod:
-    """The method called `name` (any case), refused with the valid names listed."""
+def quantization_method(name: str | QuantizationMethod) -> QuantizationMethod:
+    """The method called `name` (any case), refused with the valid names listed; a method
+    already parsed comes back as it is."""
+    if isinstance(name, QuantizationMethod):
+        return name
     key = name.lower() if isinstance(name, str) else name
     if key not in QUANTIZATION_METHODS:
         raise ValueError(

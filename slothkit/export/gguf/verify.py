@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from slothkit.export.gguf.layout import architecture_of, hf_weights_from_gguf
-from slothkit.export.gguf.tensor_types import QuantizationMethod
+from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_method
 
 TOLERANCES = {
     "f32": 0.01,
@@ -163,7 +163,7 @@ def verify_gguf(
     path: str | os.PathLike,
     model,
     tokenizer,
-    method: QuantizationMethod,
+    method: str | QuantizationMethod,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     greedy_tokens: int = 6,
     reference: str = "model",
@@ -176,8 +176,8 @@ def verify_gguf(
         model: the transformers model it was written from (or, for a LoRA model's export, the
             LoRA model itself: it computes the same function).
         tokenizer: the model's tokenizer.
-        method: the quantisation the file was written with, parsed
-            (tensor_types.quantization_method("q8_0")); it sets the tolerance.
+        method: the quantisation the file was written with, a name ("q8_0") or a parsed
+            QuantizationMethod; it sets the tolerance.
         prompts: the texts both sides run.
         greedy_tokens: how many tokens llama.cpp generates after each prompt.
         reference: "model" compares with the model as it is, within the method's tolerance
@@ -190,6 +190,7 @@ def verify_gguf(
         raise ImportError("verifying a GGUF file needs llama-cpp-python: pip install 'slothkit[gguf]'")
     import llama_cpp
 
+    method = quantization_method(method)
     if reference not in ("model", "gguf_weights"):
         raise ValueError(f"reference must be 'model' or 'gguf_weights'; got {reference!r}")
     weights, weight_error = None, None

@@ -168,7 +168,7 @@ def write_gguf(
     model,
     path: str | os.PathLike,
     tokenizer,
-    method: QuantizationMethod,
+    method: str | QuantizationMethod,
     *,
     arch: Architecture | None = None,
 ) -> pathlib.Path:
@@ -178,10 +178,11 @@ def write_gguf(
         model: as for save_pretrained_gguf.
         path: the file to write.
         tokenizer: the model's tokenizer.
-        method: the quantisation, parsed (tensor_types.quantization_method("q8_0")).
+        method: the quantisation: a name ("q8_0") or a parsed QuantizationMethod.
         arch: the architecture record whose layout to write; by default the model's own
             (the tests pass a wrong one on purpose, to see verification catch it).
     """
+    method = types.quantization_method(method)
     arch = arch or architecture_of(model)
     _check_plain_model(model)
     hp = _hyperparameters(model.config, arch)
