@@ -18,19 +18,25 @@ Two references:
 
   reference="model" (what save_pretrained_gguf runs): the model as it is. The tolerance must
   admit the weight rounding of the type, llama.cpp's own arithmetic, and the HF model's own
-  rounding when it runs in 16 bits. Measured on the tiny random models of the tests, whose
-  errors are large for their size (random weights have no redundancy, every layer's rounding
-  reaches the logits); on trained models they are smaller:
+  rounding when it runs in 16 bits. Measured on the tiny random models of the tests (random
+  weights have no redundancy: every layer's rounding reaches the logits) and on a real one,
+  SmolLM2-135M-Instruct in fp32, beside llama.cpp's own quantiser (llama_model_quantize) fed
+  slothkit's f16 file of the same weights (tests/slothkit/export/gguf/test_real_model_export.py):
 
-      method   measured  tolerance  what rounds
-      f32      0.0005    0.01       F16 KV cache only
-      f16      0.0012    0.02       weights to 11 bits
-      bf16     0.009     0.05       weights to 8 bits (and activations, in llama.cpp's bf16 products)
-      q8_0     0.03      0.10       8-bit weights and activations
-      q6_k     0.08      0.20       6-bit weights
-      q5_k_m   0.15      0.35       5-bit weights, 6-bit on a few
-      q4_k_m   0.30      0.45       4-bit weights, 6-bit on a few
-      q4_0     0.35      0.50       4-bit weights, one fp16 scale per 32
+      method   tiny random  SmolLM2: slothkit  llama.cpp's  tolerance  what rounds
+      f32      0.0005                                       0.01       F16 KV cache only
+      f16      0.0012       0.0073                          0.02       weights to 11 bits
+      bf16     0.009                                        0.05       weights to 8 bits (and activations)
+      q8_0     0.03         0.099              0.104        0.15       8-bit weights and activations
+      q6_k     0.08         0.266              0.260        0.35       6-bit weights, 8-bit activations
+      q5_k_m   0.15         0.429              0.449        0.55       5-bit weights, 6-bit on a few
+      q4_k_m   0.30         0.490              0.487        0.65       4-bit weights, 6-bit on a few
+      q4_0     0.35                                         0.75       4-bit weights, one fp16 scale per 32
+  A real model costs more than its weights' rounding suggests: a few hidden dimensions carry
+  outlier activations, which llama.cpp rounds to 8 bits before every quantised product (even
+  the file's own dequantised weights run in HF give 0.22 against llama.cpp at q4_k_m). The
+  tolerances admit that with room, and still refuse a file whose structure is wrong (rows
+  not permuted, a norm offset missing: errors of 1 or more).
   A model in bf16/fp16 is run in its dtype: its own rounding adds ~0.01, so no tolerance is
   below BF16_REFERENCE_FLOOR for it.
 
@@ -52,12 +58,11 @@ Two references:
 Depth matters on random weights: every layer's rounding reaches the logits and nothing
 averages it out. Measured with scripts/time_gguf_export.py (results/export/): on a random
 TinyLlama-1.1B shape (22 layers) q4_k_m gives 0.442 for slothkit's file and 0.444 for
-llama.cpp's own quantiser's file of the same weights (both just within 0.45), and 0.059 /
+llama.cpp's own quantiser's file of the same weights, and 0.059 /
 0.058 on reference="gguf_weights" (within 0.06); on a random Llama-3-8B shape (32 layers)
-slothkit's file gives 0.86, beyond 0.45, while its stored tensors' errors equal llama.cpp's
+slothkit's file gives 0.86, beyond q4_k_m's tolerance, while its stored tensors' errors equal llama.cpp's
 to four digits (0.0713). A random deep model is thus the wrong thing to verify Q4 files
-of; a trained one, whose logits are dominated by a few large directions, is the case the
-tolerances are for.
+of: a trained one, SmolLM2 above, is the case the tolerances are for.
 
 Prompts must fit Mistral's sliding window (llama.cpp's llama graph attends to everything):
 prompt and greedy tokens are kept within it.
@@ -81,11 +86,11 @@ TOLERANCES = {
     "f32": 0.01,
     "f16": 0.02,
     "bf16": 0.05,
-    "q8_0": 0.10,
-    "q6_k": 0.20,
-    "q5_k_m": 0.35,
-    "q4_k_m": 0.45,
-    "q4_0": 0.50,
+    "q8_0": 0.15,
+    "q6_k": 0.35,
+    "q5_k_m": 0.55,
+    "q4_k_m": 0.65,
+    "q4_0": 0.75,
 }
 GGUF_WEIGHTS_TOLERANCE = 0.06  # llama.cpp's arithmetic alone (see the module docstring)
 WEIGHT_TOLERANCES = {  # relative rms error of a stored tensor; 2-5x what Gaussian weights give
