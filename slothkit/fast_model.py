@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from slothkit.engine.decoder import decoder_layers, patch_decoder
+from slothkit.engine.inspection import is_4bit_model
 from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
@@ -25,7 +26,6 @@ from slothkit.engine.loading import (
     require_bitsandbytes,
     resolve_checkpoint,
 )
-from slothkit.engine.lora_projection import is_4bit_model
 from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.models import architecture_for, supported_summary
 

@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from slothkit.engine.lora_projection import is_4bit_model
+from slothkit.engine.inspection import causal_lm_of, compute_dtype, is_4bit_model
 
 # 1.15 gave SFT, DPO and GRPO the fused LM head (see the module docstring); 1.16 stopped it
 # launching its Triton kernel on CPU tensors.
@@ -79,25 +79,6 @@ def require_trl():
     return trl
 
 
-def _causal_lm(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def compute_dtype(model) -> torch.dtype:
-    """The dtype the model computes in (the NF4 compute dtype for 4-bit models)."""
-    causal_lm = _causal_lm(model)
-    quantization = getattr(causal_lm.config, "quantization_config", None)
-    if quantization is not None:
-        dtype = getattr(quantization, "bnb_4bit_compute_dtype", None)
-        if dtype is None and isinstance(quantization, dict):
-            dtype = quantization.get("bnb_4bit_compute_dtype")
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype.removeprefix("torch."))
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    return causal_lm.get_input_embeddings().weight.dtype
-
-
 def hardware_defaults(model=None) -> dict:
     """bf16 / fp16 / optim for this machine and model."""
     on_gpu = torch.cuda.is_available()
@@ -117,7 +98,7 @@ def hardware_defaults(model=None) -> dict:
 
 def _defaults(kind: str, model) -> dict:
     defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **hardware_defaults(model)}
-    max_seq_length = getattr(_causal_lm(model), "max_seq_length", None) if model is not None else None
+    max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None) if model is not None else None
     if max_seq_length is not None:
         defaults["max_length"] = max_seq_length
     return defaults
@@ -155,7 +136,7 @@ def training_arguments(model=None, **overrides):
 
 def check_setup(model, tokenizer, args) -> None:
     """Catch what would fail (or silently misbehave) deep inside a trainer."""
-    causal_lm = _causal_lm(model)
+    causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
         raise ValueError(
@@ -300,7 +281,7 @@ def explain_out_of_memory(trainer, model):
 def out_of_memory_advice(args, model, error) -> str:
     from slothkit.plan import plan, shape_from_config
 
-    causal_lm = _causal_lm(model)
+    causal_lm = causal_lm_of(model)
     batch = getattr(args, "per_device_train_batch_size", None)
     accumulation = getattr(args, "gradient_accumulation_steps", 1)
     seq = getattr(args, "max_length", None) or getattr(causal_lm, "max_seq_length", None) or 2048

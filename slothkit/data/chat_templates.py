@@ -34,6 +34,7 @@ from slothkit.data.chat_formats import (
     format_of_template,
     template_source,
 )
+from slothkit.engine.inspection import causal_lm_of
 
 # Conversations on which a tokenizer's own template is compared with slothkit's formats.
 _PROBES = (
@@ -208,7 +209,7 @@ def _finish(tokenizer, model, turn_end: str, map_eos_token: bool, added: list[st
 def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
     """Grow `model`'s embeddings to the tokenizer's size when needed and make `turn_end`
     (default: the tokenizer's EOS) the first id generation stops on."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
         if causal_lm is not model:

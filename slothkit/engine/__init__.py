@@ -1,5 +1,6 @@
 """The fused training path's internals: what FastModel puts together.
 
+- inspection: the model inside a PeftModel, whether it is 4-bit, its dtypes.
 - loading: checks and choices made before a model is loaded (dtype, bitsandbytes, targets).
 - lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record.
 - decoder, decoder_layer: the decoder glue, written once for every architecture record

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
+from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import recomputing
 from slothkit.models.architecture import Architecture
@@ -228,7 +229,7 @@ def patch_causal_lm(model: nn.Module) -> None:
 
 def decoder_layers(model: nn.Module):
     """The decoder layers of a *ForCausalLM model (optionally inside a PeftModel)."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = causal_lm_of(model)
     return causal_lm, causal_lm.model.layers
 
 

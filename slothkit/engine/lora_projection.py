@@ -15,20 +15,9 @@ import warnings
 import torch
 from torch import nn
 
+from slothkit.engine.inspection import is_4bit_parameter
 from slothkit_kernels.lora import LoRAProjection
 from slothkit_kernels.nf4_weight import NF4Weight
-
-
-def is_bnb_4bit_linear(layer: nn.Module) -> bool:
-    weight = getattr(layer, "weight", None)
-    return weight is not None and hasattr(weight, "quant_state") and weight.quant_state is not None
-
-
-def is_4bit_model(model: nn.Module) -> bool:
-    """Whether any layer holds bitsandbytes 4-bit weights.  Judged by the weights, not
-    by transformers' ``is_loaded_in_4bit`` flag: a model quantised after loading
-    (bitsandbytes layers swapped in) has no flag."""
-    return any(is_bnb_4bit_linear(module) for module in model.modules())
 
 
 def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
@@ -40,7 +29,7 @@ def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
     milliseconds of Python per step. A moved or re-quantised weight (another storage or
     quant_state) gets a fresh record.
     """
-    if is_bnb_4bit_linear(layer):
+    if is_4bit_parameter(getattr(layer, "weight", None)):
         param = layer.weight
         state = param.quant_state
         if getattr(state, "quant_type", None) != "nf4":

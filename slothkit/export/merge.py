@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from slothkit.engine.inspection import causal_lm_of, is_4bit_model, is_4bit_parameter, weights_dtype
 from slothkit.export.checkpoint_files import SafetensorsCheckpoint, is_unquantized_safetensors_checkpoint
 
 MERGE_SOURCES = ("16bit", "dequantized_4bit", "original_checkpoint")
@@ -75,11 +76,6 @@ class MergeReport:
 # ---------------------------------------------------------------------------------------
 
 
-def causal_lm_of(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PeftModel (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def lora_configs(model: nn.Module) -> dict:
     """{adapter name: LoraConfig} of a PeftModel; {} for a plain model."""
     configs = getattr(model, "peft_config", None) or {}
@@ -102,25 +98,8 @@ def active_lora_config(model: nn.Module):
     return configs.get(active) or next(iter(configs.values()))
 
 
-def is_4bit_parameter(param) -> bool:
-    return type(param).__name__ == "Params4bit"
-
-
 def is_8bit_parameter(param) -> bool:
     return type(param).__name__ == "Int8Params"
-
-
-def has_4bit_weights(model: nn.Module) -> bool:
-    return any(is_4bit_parameter(p) for p in causal_lm_of(model).parameters())
-
-
-def compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the model's unquantised floating-point weights (its embeddings)."""
-    embeddings = causal_lm_of(model).get_input_embeddings()
-    weight = getattr(embeddings, "weight", None)
-    if weight is None and hasattr(embeddings, "get_base_layer"):
-        weight = embeddings.get_base_layer().weight
-    return weight.dtype
 
 
 def dequantize_4bit(param) -> torch.Tensor:
@@ -176,7 +155,7 @@ def choose_merge_source(model: nn.Module, base_weights: str | os.PathLike | None
             "this model has bitsandbytes 8-bit weights; slothkit merges into 16-bit or 4-bit (NF4/FP4) "
             "bases only: load the base with load_in_4bit=True or in 16-bit"
         )
-    quantized = has_4bit_weights(model)
+    quantized = is_4bit_model(model)
     own = MergeSource("dequantized_4bit" if quantized else "16bit")
     if base_weights is None:
         return own
@@ -376,7 +355,7 @@ def merged_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the merged checkpoint, names as transformers saves them."""
     causal_lm = causal_lm_of(model)
-    target_dtype = compute_dtype(model)
+    target_dtype = weights_dtype(model)
     tied = ties_embeddings(causal_lm.config)
     in_name, out_name = _module_names(causal_lm)
     in_weight = f"{in_name}.weight" if in_name is not None else None

@@ -21,7 +21,7 @@ import types
 
 from torch import nn
 
-from slothkit.export import merge
+from slothkit.engine.inspection import is_4bit_model
 from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, save_pretrained_merged
 
@@ -40,7 +40,7 @@ def _gguf_available() -> bool:
 
 def needs_merging(model: nn.Module) -> bool:
     """A LoRA (PEFT) model, or one with 4-bit weights: GGUF writers take a plain 16-bit model."""
-    return hasattr(model, "peft_config") or merge.has_4bit_weights(model)
+    return hasattr(model, "peft_config") or is_4bit_model(model)
 
 
 def _gguf_method(name: str):

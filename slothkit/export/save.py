@@ -20,6 +20,7 @@ import tempfile
 import torch
 from torch import nn
 
+from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_target
 from slothkit.export.checkpoint_files import write_sharded
@@ -88,7 +89,7 @@ def write_merged_checkpoint(
 
     files = write_sharded(cast(merge.merged_tensors(model, source, report)), directory, max_shard_size)
     # The dtype the checkpoint is stored in; mixed only if the base itself was.
-    main_dtype = dtype or (saved_dtypes.pop() if len(saved_dtypes) == 1 else merge.compute_dtype(model))
+    main_dtype = dtype or (saved_dtypes.pop() if len(saved_dtypes) == 1 else weights_dtype(model))
     merge.save_config(model, directory, main_dtype, untie=report.ties_broken)
     return files + ["config.json"], report, main_dtype
 
@@ -105,7 +106,7 @@ def bnb_4bit_config_for(model: nn.Module, compute_dtype: torch.dtype):
         bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_quant_storage=torch.uint8,
     )
-    existing = getattr(merge.causal_lm_of(model).config, "quantization_config", None)
+    existing = getattr(causal_lm_of(model).config, "quantization_config", None)
     if existing is not None:
         existing = existing.to_dict() if hasattr(existing, "to_dict") else dict(existing)
         if existing.get("load_in_4bit"):
@@ -115,7 +116,7 @@ def bnb_4bit_config_for(model: nn.Module, compute_dtype: torch.dtype):
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    return next(merge.causal_lm_of(model).parameters()).device
+    return next(causal_lm_of(model).parameters()).device
 
 
 def write_requantized_checkpoint(
@@ -142,10 +143,10 @@ def write_requantized_checkpoint(
 
 def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
     facts = dict(training_settings or {})
-    max_seq_length = getattr(merge.causal_lm_of(model), "max_seq_length", None)
+    max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None)
     if max_seq_length is not None:
         facts.setdefault("max_seq_length", max_seq_length)
-    if merge.has_4bit_weights(model):
+    if is_4bit_model(model):
         facts.setdefault("base loaded as", "bitsandbytes 4-bit (QLoRA)")
     return facts or None
 
@@ -205,7 +206,7 @@ def save_pretrained_merged(
             facts.weights = f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
         else:
             model.save_pretrained(str(staging))
-            base = "4-bit (bitsandbytes)" if merge.has_4bit_weights(model) else "16-bit"
+            base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
             facts.weights = f"LoRA adapter weights; the base was {base} during training"
         if report is not None:
             facts.merged_into = source.describe()
@@ -215,7 +216,7 @@ def save_pretrained_merged(
                     "(or a trained lm_head) changed one of them."
                 )
         tokenizer.save_pretrained(str(staging))
-        eos = write_generation_config(merge.causal_lm_of(model), tokenizer, staging)
+        eos = write_generation_config(causal_lm_of(model), tokenizer, staging)
         facts.eos_tokens = [str(t) for t in tokenizer.convert_ids_to_tokens(eos)]
         (staging / "README.md").write_text(render(facts), encoding="utf-8")
         all_files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
@@ -248,6 +249,6 @@ def merged_plain_model(model: nn.Module, tokenizer=None, *, base_weights="auto",
             model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
         )
         plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
-    plain.generation_config = generation_config_with_eos(merge.causal_lm_of(model), tokenizer)
+    plain.generation_config = generation_config_with_eos(causal_lm_of(model), tokenizer)
     plain.eval()
     return plain
