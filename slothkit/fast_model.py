@@ -22,6 +22,7 @@ from slothkit.engine.loading import (
     check_max_seq_length,
     linear_module_leaves,
     matching_modules,
+    nf4_settings,
     pick_dtype,
     require_bitsandbytes,
     resolve_checkpoint,
@@ -79,13 +80,7 @@ class FastModel:
         if load_in_4bit or already_quantized:
             require_bitsandbytes()
         if load_in_4bit and not already_quantized:
-            quantization_config = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype,
-                bnb_4bit_quant_storage=torch.uint8,
-            )
+            quantization_config = BitsAndBytesConfig(**nf4_settings(dtype))
         if device_map is None:
             device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
 

@@ -40,6 +40,7 @@ import warnings
 import torch
 
 from slothkit.engine.inspection import causal_lm_of, compute_dtype, is_4bit_model
+from slothkit.engine.loading import pick_dtype
 
 # 1.15 gave SFT, DPO and GRPO the fused LM head (see the module docstring); 1.16 stopped it
 # launching its Triton kernel on CPU tensors.
@@ -82,12 +83,7 @@ def require_trl():
 def hardware_defaults(model=None) -> dict:
     """bf16 / fp16 / optim for this machine and model."""
     on_gpu = torch.cuda.is_available()
-    if model is not None:
-        dtype = compute_dtype(model)
-    elif on_gpu:
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    else:
-        dtype = torch.float32
+    dtype = compute_dtype(model) if model is not None else pick_dtype(None)
     eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
     return {
         "bf16": dtype == torch.bfloat16,

@@ -41,6 +41,18 @@ def pick_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return dtype
 
 
+def nf4_settings(compute_dtype: torch.dtype) -> dict:
+    """QLoRA's bitsandbytes settings, as ``BitsAndBytesConfig`` keywords: NF4 with double
+    quantisation (the absmax constants quantised too), packed two values per uint8."""
+    return dict(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=torch.uint8,
+    )
+
+
 def require_bitsandbytes() -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtype
+from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_target
 from slothkit.export.checkpoint_files import write_sharded
@@ -66,8 +67,6 @@ def resolve_tokenizer(model: nn.Module, tokenizer):
 def _check_dtype(dtype):
     if dtype is None or dtype in DTYPES:
         return dtype
-    from slothkit.engine.loading import pick_dtype
-
     return pick_dtype(dtype)  # names such as "bfloat16"; raises naming the accepted ones
 
 
@@ -99,13 +98,7 @@ def bnb_4bit_config_for(model: nn.Module, compute_dtype: torch.dtype):
     double quantisation (QLoRA's)."""
     from transformers import BitsAndBytesConfig
 
-    settings = dict(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=torch.uint8,
-    )
+    settings = nf4_settings(compute_dtype)
     existing = getattr(causal_lm_of(model).config, "quantization_config", None)
     if existing is not None:
         existing = existing.to_dict() if hasattr(existing, "to_dict") else dict(existing)
