@@ -8,8 +8,8 @@
     trainer = train_on_responses_only(trainer)
 
 Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
-(installing one), sharegpt, conversations, alpaca, responses_only, loading, examples;
-validation holds the checks slothkit.trainers runs before handing data to TRL.
+(installing one), sharegpt, conversations, alpaca, responses_only, loading, examples,
+packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trainers runs before handing data to TRL.
 """
 
 from slothkit.data.alpaca import alpaca_prompt, format_alpaca
@@ -26,6 +26,7 @@ from slothkit.data.conversations import (
 )
 from slothkit.data.examples import example_dataset
 from slothkit.data.loading import as_dataset, load_data
+from slothkit.data.packing import PackingCollator
 from slothkit.data.responses_only import (
     NoTrainableTokensError,
     infer_markers,
@@ -37,6 +38,7 @@ __all__ = [
     "FORMATS",
     "ChatFormat",
     "NoTrainableTokensError",
+    "PackingCollator",
     "alpaca_prompt",
     "apply_chat_template",
     "as_dataset",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from slothkit import FastModel
-from slothkit.data.packing import PackingCollator
+from slothkit.data import PackingCollator
 from slothkit.testing import tiny_model_path
 
 
