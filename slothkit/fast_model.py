@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from slothkit.configuration import environment_defaults
 from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.inspection import is_4bit_model
 from slothkit.engine.loading import (
@@ -119,9 +120,52 @@ class FastModel:
         random_state: int = 3407,
         use_rslora: bool = False,
         modules_to_save=None,
+        cuda_graphs: bool | str | None = None,
+        keep_sums: bool | None = None,
         **lora_kwargs,
     ):
-        """Add LoRA adapters and return a ``peft.PeftModel`` ready to train."""
+        """Add LoRA adapters and set up checkpointing; return a ``peft.PeftModel`` ready
+        to train, with the save and push methods (``save_pretrained_merged``,
+        ``push_to_hub_merged``, and the GGUF ones when installed) attached.
+
+        Args:
+            model: a model from ``FastModel.from_pretrained`` (or any transformers
+                causal LM); not already a PeftModel.
+            r: the LoRA rank, a positive integer (default 16).
+            target_modules: the names of the linear layers to adapt; None (default):
+                all seven projections, q/k/v/o_proj and gate/up/down_proj.
+            lora_alpha: the LoRA scale's numerator: the update is scaled by
+                lora_alpha / r (default 16).
+            lora_dropout: dropout on the adapters' input (default 0.0; above 0 the
+                fused kernels fall back to PEFT's path for those layers).
+            bias: which biases train: "none" (default), "all" or "lora_only".
+            use_gradient_checkpointing: "offload" (default: each layer's input is
+                kept in pinned host memory, slothkit.engine.offload_checkpoint), True
+                (torch's checkpoint, inputs kept on the GPU) or False (none).
+            random_state: the seed of the adapters' initialisation (default 3407).
+            use_rslora: scale by lora_alpha / sqrt(r) instead (default False).
+            modules_to_save: modules trained in full and saved with the adapter, such
+                as ["embed_tokens", "lm_head"] after adding tokens (default None).
+            cuda_graphs: with "offload", replay each decoder layer from CUDA graphs:
+                True for its forward and its recompute with backward, "forward" for the
+                forward only, False for neither.  None (default): the
+                SLOTHKIT_CUDA_GRAPHS environment variable if set, else both for 4-bit
+                models on GPUs of compute capability 8.0 and up, and none for 16-bit
+                models, older GPUs and the CPU (docs/configuration.md).
+            keep_sums: with "offload", keep each layer's residual sum after attention
+                in pinned host memory for its recompute, which then skips o_proj.  None
+                (default): the SLOTHKIT_KEEP_SUMS environment variable if set, else on
+                for GPUs of compute capability 8.0 and up, off for older ones and the
+                CPU.
+            **lora_kwargs: passed on to ``peft.LoraConfig``.
+
+        Returns:
+            The ``peft.PeftModel``, in training mode.
+
+        Raises:
+            ValueError: an argument is not accepted (the message says what is), or a
+                SLOTHKIT_* variable is set to a value it does not accept.
+        """
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if isinstance(model, PeftModel):
@@ -153,7 +197,14 @@ class FastModel:
 
         causal_lm, layers = decoder_layers(peft_model)
         causal_lm.config.use_cache = False
-        enable_checkpointing(layers, use_gradient_checkpointing, quantized=is_4bit_model(causal_lm))
+        defaults = environment_defaults()
+        enable_checkpointing(
+            layers,
+            use_gradient_checkpointing,
+            cuda_graphs=defaults.cuda_graphs if cuda_graphs is None else cuda_graphs,
+            quantized=is_4bit_model(causal_lm),
+            keep_sums=defaults.keep_sums if keep_sums is None else keep_sums,
+        )
         if use_gradient_checkpointing:
             # Checkpointed layers recompute in backward; their input must require grad.
             causal_lm.enable_input_require_grads()

@@ -39,12 +39,15 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
 
 def _setting(record: dict) -> str:
     """How the run was made, beside its mode: dtype, autocast (records before the switch
-    existed ran under autocast), memory cap."""
+    existed ran under autocast), slothkit's switches where set, memory cap."""
     parts = [record["dtype"]]
     if not record.get("autocast", True):
         parts.append("no autocast")
     if record.get("slothkit_checkpointing", "offload") != "offload":
         parts.append("slothkit checkpointing on GPU")
+    for key, what in (("slothkit_cuda_graphs", "CUDA graphs"), ("slothkit_keep_sums", "keep sums")):
+        if record.get(key, "auto") != "auto":
+            parts.append(f"{what} {record[key]}")
     if record.get("memory_gib"):
         parts.append(f"{record['memory_gib']:g} GiB cap")
     return ", ".join(parts)

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from slothkit.bench.shapes import SHAPES, shape_by_name
-from slothkit.bench.train_worker import RESULT_TAG
+from slothkit.bench.train_worker import CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
+from slothkit.configuration import environment_defaults
 
 IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
 
@@ -109,6 +110,10 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
         command.append("--no-autocast")
     if getattr(args, "slothkit_checkpointing", "offload") != "offload":
         command += ["--slothkit-checkpointing", args.slothkit_checkpointing]
+    # Passed only when set, so that a source tree older than these flags still runs.
+    for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--keep-sums", "keep_sums")):
+        if getattr(args, key, "auto") != "auto":
+            command += [flag, getattr(args, key)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     for line in completed.stdout.splitlines():
@@ -216,6 +221,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_train_bench(args) -> dict:
+    apply_environment_defaults(args)
     apply_t4(args)
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     check_implementations(impls)
@@ -240,6 +246,8 @@ def run_train_bench(args) -> dict:
         "dtype": args.dtype,
         "autocast": args.autocast,
         "slothkit_checkpointing": args.slothkit_checkpointing,
+        "slothkit_cuda_graphs": args.cuda_graphs,
+        "slothkit_keep_sums": args.keep_sums,
         "memory_gib": args.memory_gib,
         "batch": args.batch,
         "seq": args.seq,
@@ -325,16 +333,46 @@ def add_arguments(parser) -> None:
         "(default, what FastModel users get) or kept on the GPU (on)",
     )
     parser.add_argument(
+        "--cuda-graphs",
+        choices=list(CUDA_GRAPHS),
+        default="auto",
+        help="slothkit's cuda_graphs: replay each decoder layer's forward and backward (on), "
+        "its forward only (forward), or neither (off); auto (default): "
+        "SLOTHKIT_CUDA_GRAPHS if set, else FastModel's choice for the GPU and mode",
+    )
+    parser.add_argument(
+        "--keep-sums",
+        choices=list(KEEP_SUMS),
+        default="auto",
+        help="slothkit's keep_sums: keep each layer's residual sum after attention for "
+        "its recompute (on) or not (off); auto (default): SLOTHKIT_KEEP_SUMS if set, "
+        "else FastModel's choice for the GPU",
+    )
+    parser.add_argument(
         "--t4", action="store_true", help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16"
     )
     parser.add_argument("--output", help="write the JSON record here")
 
 
+def apply_environment_defaults(args) -> None:
+    """--cuda-graphs and --keep-sums left at auto take the default a SLOTHKIT_* variable
+    sets (slothkit.configuration), so that the record and the workers' arguments say
+    what ran."""
+    defaults = environment_defaults()
+    words = {value: word for word, value in CUDA_GRAPHS.items()}
+    if args.cuda_graphs == "auto":
+        args.cuda_graphs = words[defaults.cuda_graphs]
+    words = {value: word for word, value in KEEP_SUMS.items()}
+    if args.keep_sums == "auto":
+        args.keep_sums = words[defaults.keep_sums]
+
+
 def apply_t4(args) -> None:
     """--t4: what a free Colab/Kaggle T4 offers: 15 GiB, no bf16, and so no layer CUDA
-    graphs in slothkit (off by default below compute capability 8.0; the workers inherit
-    the setting unless SLOTHKIT_CUDA_GRAPHS is set already)."""
+    graphs in slothkit (off by default below compute capability 8.0) unless
+    --cuda-graphs (or SLOTHKIT_CUDA_GRAPHS) asks for them."""
     if getattr(args, "t4", False):
         args.dtype = "fp16"
         args.memory_gib = min(args.memory_gib or 15.0, 15.0)
-        os.environ.setdefault("SLOTHKIT_CUDA_GRAPHS", "0")
+        if args.cuda_graphs == "auto":
+            args.cuda_graphs = "off"

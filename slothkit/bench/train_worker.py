@@ -23,6 +23,9 @@ import torch
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The words of --cuda-graphs and --keep-sums -> FastModel.get_peft_model's keyword values.
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False, "forward": "forward"}
+KEEP_SUMS = {"auto": None, "on": True, "off": False}
 
 
 def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, quantize_nf4: bool = False):
@@ -117,11 +120,26 @@ def quantize_to_nf4(model, compute_dtype: torch.dtype):
     return model
 
 
-def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
+def prepare(
+    impl: str,
+    model,
+    rank: int,
+    checkpointing: str = "offload",
+    cuda_graphs: str = "auto",
+    keep_sums: str = "auto",
+):
     """Add LoRA and checkpointing the way each implementation's users do.
 
-    checkpointing: slothkit's use_gradient_checkpointing ("offload", the default its users
-    get, or "on" for plain checkpointing with the layer inputs kept on the GPU)."""
+    Args:
+        impl: "slothkit", "hf" or "liger".
+        model: the model from ``build_model``.
+        rank: the LoRA rank (alpha is the same).
+        checkpointing: slothkit's use_gradient_checkpointing: "offload" (default, what
+            its users get) or "on" (plain checkpointing, the layer inputs kept on the GPU).
+        cuda_graphs: slothkit's cuda_graphs, as a word of ``CUDA_GRAPHS`` (default
+            "auto": FastModel.get_peft_model chooses).
+        keep_sums: slothkit's keep_sums, as a word of ``KEEP_SUMS`` (default "auto").
+    """
     from peft import LoraConfig, get_peft_model
 
     if impl == "liger":
@@ -147,7 +165,14 @@ def prepare(impl: str, model, rank: int, checkpointing: str = "offload"):
 
         patch_decoder(model, architecture_for(model.config))
         mode = {"offload": "offload", "on": True}[checkpointing]
-        return FastModel.get_peft_model(model, r=rank, lora_alpha=rank, use_gradient_checkpointing=mode)
+        return FastModel.get_peft_model(
+            model,
+            r=rank,
+            lora_alpha=rank,
+            use_gradient_checkpointing=mode,
+            cuda_graphs=CUDA_GRAPHS[cuda_graphs],
+            keep_sums=KEEP_SUMS[keep_sums],
+        )
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -249,7 +274,9 @@ def run(args) -> dict:
             loaded = torch.cuda.memory_allocated()
         else:
             loaded = 0
-        model = prepare(args.impl, model, args.rank, args.slothkit_checkpointing)
+        model = prepare(
+            args.impl, model, args.rank, args.slothkit_checkpointing, args.cuda_graphs, args.keep_sums
+        )
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
@@ -317,6 +344,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-gib", type=float, default=None)
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--slothkit-checkpointing", choices=["offload", "on"], default="offload")
+    parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto")
+    parser.add_argument("--keep-sums", choices=list(KEEP_SUMS), default="auto")
     args = parser.parse_args(argv)
     try:
         result = run(args)

@@ -36,7 +36,6 @@ checkpointer collects them only when built with ``keeps=True``.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import weakref
 
@@ -321,53 +320,61 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
-def _setting(name: str, values: dict, default):
-    """The value an environment variable selects from ``values`` (by its accepted
-    spellings), or ``default`` when it is not set."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if value not in values:
-        raise ValueError(f"{name}={value!r}; accepted: {', '.join(values)}")
-    return values[value]
+CUDA_GRAPHS_CHOICES = (None, True, False, "forward")
+KEEP_SUMS_CHOICES = (None, True, False)
 
 
 def enable_checkpointing(
-    layers, mode, cuda_graphs: bool | str | None = None, quantized: bool = False, keeps: bool | None = None
+    layers,
+    mode,
+    cuda_graphs: bool | str | None = None,
+    quantized: bool = False,
+    keep_sums: bool | None = None,
 ) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
-    mode: "offload" (this module), True (torch's non-reentrant checkpoint), False (off).
-    cuda_graphs (offload only): replay the layers from CUDA graphs where possible
-    (slothkit.engine.layer_graphs): True for both the checkpointed forward and the recompute
-    with backward, "forward" for the forward only, False for neither. None:
-    SLOTHKIT_CUDA_GRAPHS (1, 0 or forward) if set; else both for 4-bit (``quantized``)
-    models on GPUs of compute capability 8.0 and up, and none for 16-bit models, older
-    GPUs and the CPU.
-    Measured on an H200 (Llama-3-8B and Mistral-7B, 2 x 2048 tokens, same-run A/Bs):
-    QLoRA 11,306 tokens/s with both graphs against 10,285 without, since every NF4
-    weight adds dequantisation launches and the host could not keep up in either phase.
-    16-bit LoRA: both graphs 11,858 against 12,021 without (its backward is bound by the
-    GPU's kernels); the forward graphs alone remove the forward's host-bound idle time
-    (29 -> 8 ms per step in the Mistral-7B profile) but gain only 0.4% (Llama) and 1.3%
-    (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool,
-    so they are there to ask for, not the default (docs/performance.md). T4/V100-
-    class GPUs run a layer far slower than the host issues it, and their memory is tight.
-    keeps (offload only): let the layers keep intermediates for their re-runs (the residual
-    sum after attention, so the re-run skips o_proj: one more B x T x hidden tensor per
-    layer in pinned host memory, copied each way). None: SLOTHKIT_KEEP_SUMS (1 or 0) if
-    set; else on for GPUs of compute capability 8.0 and up, off for older ones (whose
-    hosts, Colab's and Kaggle's, have little memory to pin) and the CPU.
+    Measured for the automatic choices, on an H200 (Llama-3-8B and Mistral-7B, 2 x 2048
+    tokens, same-run A/Bs): QLoRA 11,306 tokens/s with both graphs against 10,285
+    without, since every NF4 weight adds dequantisation launches and the host could not
+    keep up in either phase.  16-bit LoRA: both graphs 11,858 against 12,021 without (its
+    backward is bound by the GPU's kernels); the forward graphs alone remove the
+    forward's host-bound idle time (29 -> 8 ms per step in the Mistral-7B profile) but
+    gain only 0.4% (Llama) and 1.3% (Mistral), for 64 MB more allocated and 1 GiB more
+    reserved by the graphs' pool, so they are there to ask for, not the default
+    (docs/performance.md).  T4/V100-class GPUs run a layer far slower than the host
+    issues it, and their memory is tight.
+
+    Args:
+        layers: the decoder layers (each with transformers' ``gradient_checkpointing``
+            hooks).
+        mode: "offload" (this module; "unsloth" is read as "offload"), True (torch's
+            non-reentrant checkpoint) or False (off).
+        cuda_graphs: offload only. Replay the layers from CUDA graphs where possible
+            (slothkit.engine.layer_graphs): True for both the checkpointed forward and
+            the recompute with backward, "forward" for the forward only, False for
+            neither. None (default): both for 4-bit (``quantized``) models on GPUs of
+            compute capability 8.0 and up; none for 16-bit models, older GPUs and the
+            CPU.
+        quantized: whether the model holds 4-bit weights (for the cuda_graphs default).
+        keep_sums: offload only. Let the layers keep the residual sum after attention
+            for their re-runs, which then skip o_proj (one more B x T x hidden tensor per
+            layer in pinned host memory, copied each way). None (default): on for GPUs
+            of compute capability 8.0 and up; off for older ones (whose hosts, Colab's
+            and Kaggle's, have little memory to pin) and the CPU.
+
+    Raises:
+        ValueError: ``mode``, ``cuda_graphs`` or ``keep_sums`` is not one of the
+            accepted values.
     """
+    if cuda_graphs not in CUDA_GRAPHS_CHOICES:
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}; accepted: None (automatic), True, False, 'forward'")
+    if keep_sums not in KEEP_SUMS_CHOICES:
+        raise ValueError(f"keep_sums={keep_sums!r}; accepted: None (automatic), True, False")
     fast_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-    if keeps is None:
-        keeps = _setting("SLOTHKIT_KEEP_SUMS", {"1": True, "0": False}, fast_gpu)
+    if keep_sums is None:
+        keep_sums = fast_gpu
     if cuda_graphs is None:
-        cuda_graphs = _setting(
-            "SLOTHKIT_CUDA_GRAPHS",
-            {"1": True, "0": False, "forward": "forward"},
-            fast_gpu and bool(quantized),
-        )
+        cuda_graphs = fast_gpu and bool(quantized)
     if mode not in (True, False, "offload", "unsloth"):
         raise ValueError(f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False")
     if mode is False:
@@ -375,7 +382,7 @@ def enable_checkpointing(
             layer.gradient_checkpointing = False
         return
     if mode in ("offload", "unsloth"):
-        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs, keeps=keeps)
+        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs, keeps=keep_sums)
     else:
         from functools import partial
 

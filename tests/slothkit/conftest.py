@@ -34,3 +34,20 @@ def known_sums(monkeypatch):
 
     monkeypatch.setattr(decoder_layer, "lora_o_residual", recording)
     return calls
+
+
+@pytest.fixture
+def checkpointing_asked(monkeypatch):
+    """The keyword arguments FastModel.get_peft_model gives enable_checkpointing, one
+    dict per call (the call itself still runs)."""
+    from slothkit import fast_model
+
+    calls = []
+    enable = fast_model.enable_checkpointing
+
+    def recording(layers, mode, **kwargs):
+        calls.append(kwargs)
+        return enable(layers, mode, **kwargs)
+
+    monkeypatch.setattr(fast_model, "enable_checkpointing", recording)
+    return calls

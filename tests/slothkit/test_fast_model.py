@@ -60,9 +60,11 @@ def _plain_peft(path, load_in_4bit, device):
     return model
 
 
-def _fused(path, load_in_4bit, checkpointing=False):
+def _fused(path, load_in_4bit, checkpointing=False, **switches):
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=load_in_4bit)
-    return FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=checkpointing)
+    return FastModel.get_peft_model(
+        model, r=8, lora_alpha=16, use_gradient_checkpointing=checkpointing, **switches
+    )
 
 
 def _train(model, ids, labels, steps):
@@ -107,16 +109,13 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
+@pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_offloaded_checkpointing_gives_same_gradients(
-    arch, keeps, device, mlp_calls, known_sums, monkeypatch
-):
-    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", keeps)
+def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
     path = tiny_model_path(arch)
     results = []
     for mode in (False, "offload", True):
-        model = _fused(path, load_in_4bit=False, checkpointing=mode)
+        model = _fused(path, load_in_4bit=False, checkpointing=mode, keep_sums=keeps)
         ids, labels = (t.to(device) for t in _batch(model.config.vocab_size))
         mlp_calls.clear()
         known_sums.clear()
@@ -133,7 +132,7 @@ def test_offloaded_checkpointing_gives_same_gradients(
             "offload": [False] * layers + [True] * layers,
         }[mode]
         assert mlp_calls == expected, mode
-        if mode == "offload" and keeps == "1":
+        if mode == "offload" and keeps:
             expected = [False] * layers + [True] * layers
         else:
             expected = [False] * len(expected)
@@ -187,11 +186,10 @@ def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_ca
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_long_batches_keep_nothing(device, known_sums, monkeypatch):
+def test_long_batches_keep_nothing(device, known_sums):
     """Above the checkpointer's token bound the layers keep nothing and the re-run
     computes the sum itself."""
-    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "1")
-    model = _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload")
+    model = _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload", keep_sums=True)
     ids, labels = (t.to(device) for t in _batch(model.config.vocab_size, batch=2, seq=12))
     checkpointer = model.get_base_model().model.layers[0]._gradient_checkpointing_func
     layers = model.config.num_hidden_layers
@@ -200,6 +198,72 @@ def test_long_batches_keep_nothing(device, known_sums, monkeypatch):
         known_sums.clear()
         model(input_ids=ids, labels=labels).loss.backward()
         assert known_sums == [False] * layers + [kept_in_rerun] * layers, bound
+
+
+def _switches(model):
+    """(phases replayed from CUDA graphs, whether the layers keep sums) of the
+    checkpointer get_peft_model installed."""
+    checkpointer = model.get_base_model().model.layers[0]._gradient_checkpointing_func
+    return (() if checkpointer.graphs is None else checkpointer.graphs.phases), checkpointer.keeps
+
+
+def test_switches_are_keyword_arguments_that_beat_the_environment(checkpointing_asked, monkeypatch):
+    """cuda_graphs= and keep_sums= reach enable_checkpointing as given; left at None they
+    take the SLOTHKIT_* variable's value, and with neither, the hardware's choice (on a
+    CPU: no graphs, no kept sums)."""
+    asked = checkpointing_asked
+    path = tiny_model_path("llama")
+    both, forward = ("forward", "backward"), ("forward",)
+
+    monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
+    model = _fused(path, load_in_4bit=False, checkpointing="offload")
+    assert asked.pop() == {"cuda_graphs": None, "quantized": False, "keep_sums": None}
+    hardware = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    assert _switches(model) == ((), hardware)
+
+    monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "0")
+    model = _fused(path, load_in_4bit=False, checkpointing="offload", cuda_graphs="forward", keep_sums=True)
+    assert asked.pop() == {"cuda_graphs": "forward", "quantized": False, "keep_sums": True}
+    assert _switches(model) == (forward, True)
+    model = _fused(path, load_in_4bit=False, checkpointing="offload")
+    assert asked.pop() == {"cuda_graphs": False, "quantized": False, "keep_sums": False}
+    assert _switches(model) == ((), False)
+
+    monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "1")
+    model = _fused(path, load_in_4bit=False, checkpointing="offload")
+    assert asked.pop() == {"cuda_graphs": True, "quantized": False, "keep_sums": True}
+    assert _switches(model) == (both, True)
+    model = _fused(path, load_in_4bit=False, checkpointing="offload", cuda_graphs=False, keep_sums=False)
+    assert asked.pop() == {"cuda_graphs": False, "quantized": False, "keep_sums": False}
+    assert _switches(model) == ((), False)
+
+
+@pytest.mark.parametrize(
+    "switches, message",
+    [
+        (
+            {"cuda_graphs": "both"},
+            r"cuda_graphs='both'; accepted: None \(automatic\), True, False, 'forward'",
+        ),
+        ({"keep_sums": "on"}, r"keep_sums='on'; accepted: None \(automatic\), True, False"),
+    ],
+)
+def test_a_wrong_switch_says_what_is_accepted(switches, message):
+    with pytest.raises(ValueError, match=message):
+        _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload", **switches)
+
+
+@pytest.mark.parametrize(
+    "variable, value, accepted",
+    [("SLOTHKIT_CUDA_GRAPHS", "yes", "'1', '0', 'forward'"), ("SLOTHKIT_KEEP_SUMS", "true", "'1', '0'")],
+)
+def test_a_mis_set_variable_names_itself_and_the_accepted_values(monkeypatch, variable, value, accepted):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}='{value}'; accepted: {accepted}, or unset"):
+        _fused(tiny_model_path("llama"), load_in_4bit=False, checkpointing="offload")
 
 
 def test_attentions_and_hidden_states_are_returned_when_asked(device):

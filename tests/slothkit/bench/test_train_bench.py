@@ -167,11 +167,67 @@ def test_checkpointing_switch_reaches_every_worker_and_the_record(tmp_path, monk
     )
 
 
-def _check_switch(tmp_path, monkeypatch, flag, word, key, expected):
+@pytest.mark.parametrize(
+    "flag, key, expected",
+    [
+        ([], "slothkit_cuda_graphs", "auto"),
+        (["--cuda-graphs", "forward"], "slothkit_cuda_graphs", "forward"),
+        (["--cuda-graphs", "off"], "slothkit_cuda_graphs", "off"),
+        ([], "slothkit_keep_sums", "auto"),
+        (["--keep-sums", "on"], "slothkit_keep_sums", "on"),
+        (["--keep-sums", "off"], "slothkit_keep_sums", "off"),
+    ],
+)
+def test_slothkit_switches_reach_every_worker_and_the_record(tmp_path, monkeypatch, flag, key, expected):
+    word = flag[0] if flag else None
+    commands = _check_switch(tmp_path, monkeypatch, flag, word, key, expected)
+    if word is not None:
+        assert all(command[command.index(word) + 1] == expected for command in commands)
+
+
+@pytest.mark.parametrize(
+    "variable, value, key, expected",
+    [
+        ("SLOTHKIT_CUDA_GRAPHS", "forward", "slothkit_cuda_graphs", "forward"),
+        ("SLOTHKIT_KEEP_SUMS", "0", "slothkit_keep_sums", "off"),
+    ],
+)
+def test_a_variable_left_to_auto_is_recorded_and_passed_as_a_flag(
+    tmp_path, monkeypatch, variable, value, key, expected
+):
+    """The variables give the flags their default: the record says what ran, and the
+    workers get it as an argument."""
+    flag = {"slothkit_cuda_graphs": "--cuda-graphs", "slothkit_keep_sums": "--keep-sums"}[key]
+    commands = _check_switch(tmp_path, monkeypatch, [], flag, key, expected, environ={variable: value})
+    assert all(command[command.index(flag) + 1] == expected for command in commands)
+
+
+def test_the_worker_hands_its_switches_to_fast_model(monkeypatch):
+    from slothkit import FastModel
+    from slothkit.bench.train_worker import prepare
+
+    seen = []
+    monkeypatch.setattr(FastModel, "get_peft_model", lambda model, **kwargs: seen.append(kwargs))
+    model = build_model("tiny-llama", torch.float32, "cpu", seed=0)
+    for graphs, sums in (("auto", "auto"), ("on", "off"), ("forward", "on"), ("off", "auto")):
+        prepare("slothkit", model, 4, cuda_graphs=graphs, keep_sums=sums)
+    assert [(kw["cuda_graphs"], kw["keep_sums"]) for kw in seen] == [
+        (None, None),
+        (True, False),
+        ("forward", True),
+        (False, None),
+    ]
+
+
+def _check_switch(tmp_path, monkeypatch, flag, word, key, expected, environ=None):
     import subprocess
 
     from slothkit.bench import train
 
+    for variable in ("SLOTHKIT_CUDA_GRAPHS", "SLOTHKIT_KEEP_SUMS"):
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in (environ or {}).items():
+        monkeypatch.setenv(variable, value)
     commands = []
 
     real_run = subprocess.run
@@ -204,6 +260,7 @@ def _check_switch(tmp_path, monkeypatch, flag, word, key, expected):
     assert len(commands) == 2, commands
     assert all((word in command) is (word is not None) for command in commands)
     assert json.loads(output.read_text())[key] == expected
+    return commands
 
 
 def test_quantising_while_building_gives_the_same_nf4_weights():
@@ -321,13 +378,22 @@ def test_t4_stand_in_runs_slothkit_as_on_a_t4(monkeypatch):
     """--t4: fp16, a 15 GiB cap, and no layer CUDA graphs, which a real T4 does not use."""
     import argparse
 
-    from slothkit.bench.train import apply_t4
+    from slothkit.bench.train import apply_environment_defaults, apply_t4
+
+    def t4_args(cuda_graphs="auto"):
+        args = argparse.Namespace(
+            t4=True, dtype="bf16", memory_gib=None, cuda_graphs=cuda_graphs, keep_sums="auto"
+        )
+        apply_environment_defaults(args)
+        apply_t4(args)
+        return args
 
     monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
-    args = argparse.Namespace(t4=True, dtype="bf16", memory_gib=None)
-    apply_t4(args)
+    args = t4_args()
     assert (args.dtype, args.memory_gib) == ("fp16", 15.0)
-    assert os.environ["SLOTHKIT_CUDA_GRAPHS"] == "0"
-    monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")  # an explicit setting wins
-    apply_t4(argparse.Namespace(t4=True, dtype="bf16", memory_gib=None))
+    assert args.cuda_graphs == "off"
+    assert "SLOTHKIT_CUDA_GRAPHS" not in os.environ  # an argument for the workers, not a variable
+    assert t4_args("on").cuda_graphs == "on"  # an explicit setting wins
+    monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")  # also one made through the variable
+    assert t4_args().cuda_graphs == "on"
     assert os.environ["SLOTHKIT_CUDA_GRAPHS"] == "1"

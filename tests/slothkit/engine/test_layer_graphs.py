@@ -85,20 +85,21 @@ def test_what_is_not_replayed():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("setting", ["1", "forward"])
+@pytest.mark.parametrize("setting", [True, "forward"], ids=["both", "forward"])
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monkeypatch):
+def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
     runs = {}
-    for graphs in (setting, "0"):
-        monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", graphs)  # set: also on a T4-class GPU
+    for graphs in (setting, False):  # asked for: also on a T4-class GPU
         model, _ = FastModel.from_pretrained(
             str(tiny_model_path(arch)), dtype=torch.float32, load_in_4bit=load_in_4bit
         )
-        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+        model = FastModel.get_peft_model(
+            model, r=8, lora_alpha=16, use_gradient_checkpointing="offload", cuda_graphs=graphs
+        )
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (2, 16), generator=g).cuda()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -119,10 +120,10 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting, monk
         )
         captured = 0 if checkpointer.graphs is None else len(checkpointer.graphs.graphs)
         runs[graphs] = losses, grads, captured
-    (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs[setting], runs["0"]
+    (graph_losses, graph_grads, captured), (eager_losses, eager_grads, none) = runs[setting], runs[False]
     layers = model.config.num_hidden_layers
-    # A forward and (setting "1") a backward graph per layer.
-    assert captured == (2 if setting == "1" else 1) * layers and none == 0
+    # A forward and (setting True) a backward graph per layer.
+    assert captured == (2 if setting is True else 1) * layers and none == 0
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-6, atol=0)
     for a, b in zip(graph_grads, eager_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -177,16 +178,13 @@ class _GraphsOnCPU(LayerGraphs):
         graph.body = body  # a capture runs nothing; the replay that follows does
 
 
-@pytest.mark.parametrize("keeps", ["1", "0"], ids=["keeps", "keeps_nothing"])
+@pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
-def test_replay_plumbing_trains_like_eager_layers_on_cpu(
-    arch, phases, keeps, mlp_calls, known_sums, monkeypatch
-):
+def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, mlp_calls, known_sums):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
-    monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", keeps)
     skipped_down = mlp_calls  # the re-run inside a replayed graph skips the down projection too
     # known_sums: and, where the layers keep, each re-run gets the forward's residual sum
     runs = {}
@@ -196,7 +194,9 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(
         model, _ = FastModel.from_pretrained(
             str(tiny_model_path(arch)), dtype=torch.float32, load_in_4bit=False, device_map={"": "cpu"}
         )
-        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
+        model = FastModel.get_peft_model(
+            model, r=8, lora_alpha=16, use_gradient_checkpointing="offload", keep_sums=keeps
+        )
         checkpointer = next(
             m._gradient_checkpointing_func
             for m in model.modules()
@@ -220,7 +220,7 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(
         runs[graphs] = losses, grads, checkpointer.graphs
         assert skipped_down.count(True) == 8 * model.config.num_hidden_layers, graphs
         # Every re-run (8 micro-batches) of every layer, replayed or not.
-        assert known_sums.count(True) == (8 * model.config.num_hidden_layers if keeps == "1" else 0)
+        assert known_sums.count(True) == (8 * model.config.num_hidden_layers if keeps else 0)
     (graph_losses, graph_grads, layer_graphs), (eager_losses, eager_grads, _) = runs[True], runs[False]
     layers = model.config.num_hidden_layers
     # The first micro-batch runs eagerly, the second captures (forward and, unless only
@@ -234,7 +234,7 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(
     # The graphs of every layer share one set of buffers: the input (overwritten by the
     # output) and, with backward graphs, the incoming gradient and one per LoRA parameter.
     (statics,) = layer_graphs.statics.values()
-    assert list(statics.kept) == (["attention_sum"] if keeps == "1" else [])
+    assert list(statics.kept) == (["attention_sum"] if keeps else [])
     if "backward" in phases:
         (grads,) = statics.grads.values()
         assert len(grads) == len(params) // layers
@@ -371,12 +371,8 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
         """The phases replayed from graphs, () for none."""
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-        if setting is None:
-            monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
-        else:
-            monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", setting)
         layer = Layer()
-        enable_checkpointing([layer], "offload", quantized=quantized)
+        enable_checkpointing([layer], "offload", cuda_graphs=setting, quantized=quantized)
         graphs = layer._gradient_checkpointing_func.graphs
         return () if graphs is None else graphs.phases
 
@@ -387,10 +383,10 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
     assert graphs_for((9, 0), quantized=False) == ()
     assert graphs_for((9, 0), "forward", quantized=False) == forward
     assert graphs_for((7, 5), quantized=False) == ()
-    assert graphs_for((7, 5), "1") == both and graphs_for((9, 0), "0") == ()
-    assert graphs_for((9, 0), "1", quantized=False) == both
+    assert graphs_for((7, 5), True) == both and graphs_for((9, 0), False) == ()
+    assert graphs_for((9, 0), True, quantized=False) == both
     assert graphs_for((9, 0), "forward") == forward
-    with pytest.raises(ValueError, match="SLOTHKIT_CUDA_GRAPHS"):
+    with pytest.raises(ValueError, match="cuda_graphs='yes'; accepted: None .*True, False, 'forward'"):
         graphs_for((9, 0), "yes")
 
 
@@ -408,38 +404,28 @@ def test_batches_over_max_tokens_run_eagerly():
 
 
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
-def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, monkeypatch):
-    from slothkit import FastModel, fast_model
+def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, checkpointing_asked, monkeypatch):
+    from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
-    asked = []
-    enable = fast_model.enable_checkpointing
-    monkeypatch.setattr(
-        fast_model,
-        "enable_checkpointing",
-        lambda layers, mode, **kw: (asked.append(kw), enable(layers, mode, **kw)),
-    )
+    monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
     model, _ = FastModel.from_pretrained(
         str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=load_in_4bit, device_map={"": "cpu"}
     )
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
-    assert asked == [{"quantized": load_in_4bit}]
+    assert checkpointing_asked == [{"cuda_graphs": None, "quantized": load_in_4bit, "keep_sums": None}]
 
 
-def test_a_model_quantised_after_loading_counts_as_4bit(monkeypatch):
+def test_a_model_quantised_after_loading_counts_as_4bit(checkpointing_asked, monkeypatch):
     """The benchmark swaps bitsandbytes NF4 layers into a built model: no
     is_loaded_in_4bit flag, but 4-bit weights all the same."""
-    from slothkit import FastModel, fast_model
+    from slothkit import FastModel
     from slothkit.bench.train_worker import build_model
 
-    asked = []
-    enable = fast_model.enable_checkpointing
-    monkeypatch.setattr(
-        fast_model,
-        "enable_checkpointing",
-        lambda layers, mode, **kw: (asked.append(kw), enable(layers, mode, **kw)),
-    )
+    monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
     model = build_model("tiny-llama", torch.float32, "cpu", seed=0, quantize_nf4=True)
     assert not getattr(model, "is_loaded_in_4bit", False)
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
-    assert asked == [{"quantized": True}]
+    assert checkpointing_asked == [{"cuda_graphs": None, "quantized": True, "keep_sums": None}]

@@ -34,17 +34,12 @@ def test_keeping_by_default_only_on_fast_gpus(monkeypatch):
     def keeps_for(capability, setting=None, mode="offload"):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
-        monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "0")
-        if setting is None:
-            monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
-        else:
-            monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", setting)
         layer = Layer()
-        enable_checkpointing([layer], mode)
+        enable_checkpointing([layer], mode, cuda_graphs=False, keep_sums=setting)
         return layer._gradient_checkpointing_func.keeps
 
     assert keeps_for((9, 0)) and keeps_for((8, 0))
     assert not keeps_for((7, 5)) and not keeps_for(None)  # T4, CPU
-    assert keeps_for((7, 5), "1") and not keeps_for((9, 0), "0")
-    with pytest.raises(ValueError, match="SLOTHKIT_KEEP_SUMS"):
+    assert keeps_for((7, 5), True) and not keeps_for((9, 0), False)
+    with pytest.raises(ValueError, match="keep_sums='yes'; accepted: None .*True, False"):
         keeps_for((9, 0), "yes")
