@@ -55,11 +55,39 @@ class FastModel:
         attn_implementation: str = "sdpa",
         **hf_kwargs,
     ):
-        """Load ``model_name`` (a local directory or a Hub id) and its tokenizer.
+        """Load a causal LM and its tokenizer, with the fused kernels patched onto the
+        instance when slothkit knows its architecture (else a warning, and the plain
+        Hugging Face path).
 
-        dtype=None picks bf16 where the GPU supports it, fp16 on T4/V100-class
-        GPUs and fp32 on CPU.  load_in_4bit loads NF4 weights with double
-        quantisation (checkpoints already quantised load as they are).
+        Args:
+            model_name: a local checkpoint directory (config.json, weights and a
+                tokenizer) or a Hugging Face Hub id.
+            max_seq_length: the longest sequence to train on (default 2048); at most
+                the model's ``max_position_embeddings``.  Set on the model and as the
+                tokenizer's ``model_max_length``.
+            dtype: torch.float32, torch.float16, torch.bfloat16 or one of the names
+                "float32"/"fp32", "float16"/"fp16"/"half", "bfloat16"/"bf16".  None
+                (default): bf16 where the GPU supports it, fp16 on T4/V100-class GPUs,
+                fp32 on the CPU.  For a 4-bit model, the dtype it computes in.
+            load_in_4bit: load NF4 weights with double quantisation through
+                bitsandbytes (default True; needs bitsandbytes).  A checkpoint already
+                quantised loads as it is, whatever this says.
+            device_map: passed to transformers; None (default) puts the whole model on
+                the current GPU, or leaves it on the CPU when there is none.
+            token: a Hugging Face token, for gated or private Hub models (default
+                None).
+            attn_implementation: transformers' attention, "sdpa" (default), "eager"
+                or another it accepts.
+            **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained``.
+
+        Returns:
+            ``(model, tokenizer)``: the transformers model and its tokenizer, which pads
+            on the right and has a pad token (its unk or EOS token when it had none).
+
+        Raises:
+            FileNotFoundError: no such checkpoint, or it has no usable tokenizer.
+            ValueError: ``max_seq_length`` or ``dtype`` is not accepted.
+            ImportError: ``load_in_4bit`` without bitsandbytes installed.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -217,7 +245,15 @@ class FastModel:
 
     @staticmethod
     def for_training(model):
-        """Training mode; the tokenizer pads on the right."""
+        """Put the model in training mode, and its tokenizer (when it came from
+        FastModel) back to padding on the right.
+
+        Args:
+            model: a model from ``FastModel.from_pretrained`` or ``get_peft_model``.
+
+        Returns:
+            The same model.
+        """
         model.train()
         tokenizer = getattr(model, "_slothkit_tokenizer", None)
         if tokenizer is not None:
@@ -226,7 +262,16 @@ class FastModel:
 
     @staticmethod
     def for_inference(model):
-        """Evaluation mode with the KV cache on; the tokenizer pads on the left for batched generation."""
+        """Put the model in evaluation mode with the KV cache on, and its tokenizer (when
+        it came from FastModel) to padding on the left, as batched generation wants
+        (``for_training`` goes back to training mode and right padding).
+
+        Args:
+            model: a model from ``FastModel.from_pretrained`` or ``get_peft_model``.
+
+        Returns:
+            The same model.
+        """
         model.eval()
         causal_lm, _ = decoder_layers(model)
         causal_lm.config.use_cache = True

@@ -62,7 +62,15 @@ LEARNING_RATES = {"sft": 2e-4, "dpo": 5e-6, "grpo": 5e-6}  # LoRA rates; full fi
 
 
 def require_trl():
-    """Import trl, checking that it is recent enough for slothkit's fused model."""
+    """Import trl, checking that it is recent enough for slothkit's fused model.
+
+    Returns:
+        The ``trl`` module.
+
+    Raises:
+        ImportError: TRL is missing or older than MIN_TRL_VERSION; the message says why
+            the version matters and how to upgrade.
+    """
     if importlib.util.find_spec("trl") is None:
         raise ImportError(
             f"slothkit's trainers need TRL >= {MIN_TRL_VERSION}: pip install 'trl>={MIN_TRL_VERSION}'"
@@ -81,7 +89,16 @@ def require_trl():
 
 
 def hardware_defaults(model=None) -> dict:
-    """bf16 / fp16 / optim for this machine and model."""
+    """The precision and optimizer settings for this machine and model.
+
+    Args:
+        model: the model to train; None (default): judged by the machine alone (bf16
+            where the GPU has it, fp16 on older GPUs, fp32 on the CPU).
+
+    Returns:
+        {"bf16": ..., "fp16": ...} following the model's compute dtype, and "optim":
+        "adamw_8bit" on a GPU with bitsandbytes installed, else "adamw_torch".
+    """
     on_gpu = torch.cuda.is_available()
     dtype = compute_dtype(model) if model is not None else pick_dtype(None)
     eight_bit = on_gpu and importlib.util.find_spec("bitsandbytes") is not None
@@ -101,20 +118,52 @@ def _defaults(kind: str, model) -> dict:
 
 
 def sft_config(model=None, **overrides):
-    """trl.SFTConfig with slothkit's defaults (module docstring); `overrides` win."""
+    """``trl.SFTConfig`` with slothkit's defaults (module docstring): COMMON_DEFAULTS,
+    learning rate 2e-4, and ``hardware_defaults(model)``.
+
+    Args:
+        model: the model to train, whose compute dtype sets bf16/fp16 and whose
+            ``max_seq_length`` sets max_length; None (default): this machine's best
+            dtype, and TRL's max_length.
+        **overrides: any ``trl.SFTConfig`` field; they win over the defaults.
+
+    Returns:
+        The ``trl.SFTConfig``.
+    """
     trl = require_trl()
     return trl.SFTConfig(**{**_defaults("sft", model), **overrides})
 
 
 def dpo_config(model=None, **overrides):
-    """trl.DPOConfig with slothkit's defaults; `overrides` win."""
+    """``trl.DPOConfig`` with slothkit's defaults: as ``sft_config``, learning rate 5e-6.
+
+    Args:
+        model: the model to train, whose compute dtype sets bf16/fp16 and whose
+            ``max_seq_length`` sets max_length; None (default): this machine's best
+            dtype, and TRL's max_length.
+        **overrides: any ``trl.DPOConfig`` field (beta, ...); they win over the defaults.
+
+    Returns:
+        The ``trl.DPOConfig``.
+    """
     trl = require_trl()
     return trl.DPOConfig(**{**_defaults("dpo", model), **overrides})
 
 
 def grpo_config(model=None, **overrides):
-    """trl.GRPOConfig with slothkit's defaults; `overrides` win.  GRPO has no max_length:
-    the completions are bounded by max_completion_length, the prompts by the data."""
+    """``trl.GRPOConfig`` with slothkit's defaults: as ``sft_config``, learning rate 5e-6,
+    and no max_length (the completions are bounded by max_completion_length, the prompts
+    by the data).
+
+    Args:
+        model: the model to train, whose compute dtype sets bf16/fp16; None (default):
+            this machine's best dtype.
+        **overrides: any ``trl.GRPOConfig`` field (num_generations,
+            max_completion_length, ...); they win over the defaults.
+
+    Returns:
+        The ``trl.GRPOConfig``.
+    """
     trl = require_trl()
     defaults = _defaults("grpo", model)
     defaults.pop("max_length", None)
@@ -122,7 +171,17 @@ def grpo_config(model=None, **overrides):
 
 
 def training_arguments(model=None, **overrides):
-    """transformers.TrainingArguments with the same defaults, for the plain Trainer."""
+    """``transformers.TrainingArguments`` with ``sft_config``'s defaults (without
+    max_length), for the plain transformers Trainer.
+
+    Args:
+        model: the model to train, whose compute dtype sets bf16/fp16; None (default):
+            this machine's best dtype.
+        **overrides: any ``TrainingArguments`` field; they win over the defaults.
+
+    Returns:
+        The ``transformers.TrainingArguments``.
+    """
     from transformers import TrainingArguments
 
     defaults = _defaults("sft", model)
@@ -131,7 +190,21 @@ def training_arguments(model=None, **overrides):
 
 
 def check_setup(model, tokenizer, args) -> None:
-    """Catch what would fail (or silently misbehave) deep inside a trainer."""
+    """Catch what would fail (or silently misbehave) deep inside a trainer: a tokenizer
+    larger than the model's embeddings, bf16 on a machine without it.  Turns off (with a
+    warning) ``args.gradient_checkpointing``, which would replace the checkpointing
+    ``FastModel.get_peft_model`` set up.
+
+    Args:
+        model: the model to train (a PeftModel or a plain model).
+        tokenizer: the tokenizer the data was (or will be) tokenized with.
+        args: the trainer's config (``trl.SFTConfig``, ``TrainingArguments``, ...);
+            may be changed in place.
+
+    Raises:
+        ValueError: the tokenizer has more ids than the embeddings have rows, or
+            bf16=True without bf16 support.
+    """
     causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
@@ -162,7 +235,28 @@ def _bf16_available() -> bool:
 
 
 def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
-    """trl.SFTTrainer after checking the data (slothkit.data.validation) and the setup."""
+    """``trl.SFTTrainer`` after checking the data (slothkit.data.validation) and the setup
+    (``check_setup``); the adapters keep their dtype, and an out-of-memory error in
+    ``train()`` names the settings to change (``explain_out_of_memory``).
+
+    Args:
+        model: the model from ``FastModel.get_peft_model``.
+        tokenizer: its tokenizer (TRL's processing_class).
+        train_dataset: a ``datasets.Dataset`` with a text column
+            (``args.dataset_text_field``), conversations ("messages", or ShareGPT's
+            "conversations"), "prompt" and "completion" columns, or "input_ids"
+            (already tokenized).
+        args: a ``trl.SFTConfig``; None (default): ``sft_config(model)``.
+        eval_dataset: an evaluation dataset of the same kind (default None).
+        **trainer_kwargs: passed to ``trl.SFTTrainer`` (callbacks, data_collator, ...).
+
+    Returns:
+        The ``trl.SFTTrainer``.
+
+    Raises:
+        ValueError: the data or the setup would fail in training; the message says
+            what and where.
+    """
     from slothkit.data.validation import check_sft_dataset
 
     trl = require_trl()
@@ -177,8 +271,25 @@ def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
 
 
 def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, **trainer_kwargs):
-    """trl.DPOTrainer after checking the data and the setup (with a PeftModel the reference
-    model is the same model with its adapters switched off: no second copy in memory)."""
+    """``trl.DPOTrainer`` after checking the data and the setup, as ``sft_trainer``.  With
+    a PeftModel the reference model is the same model with its adapters switched off: no
+    second copy in memory.
+
+    Args:
+        model: the model from ``FastModel.get_peft_model``.
+        tokenizer: its tokenizer (TRL's processing_class).
+        train_dataset: a ``datasets.Dataset`` of preference pairs: "prompt", "chosen"
+            and "rejected" columns (text or conversations).
+        args: a ``trl.DPOConfig``; None (default): ``dpo_config(model)``.
+        eval_dataset: an evaluation dataset of the same kind (default None).
+        **trainer_kwargs: passed to ``trl.DPOTrainer`` (ref_model, callbacks, ...).
+
+    Returns:
+        The ``trl.DPOTrainer``.
+
+    Raises:
+        ValueError: the data or the setup would fail in training.
+    """
     from slothkit.data.validation import check_preference_dataset
 
     trl = require_trl()
@@ -198,7 +309,25 @@ def dpo_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
 def grpo_trainer(
     model, tokenizer, reward_funcs, train_dataset, args=None, eval_dataset=None, **trainer_kwargs
 ):
-    """trl.GRPOTrainer after checking the prompts and the setup."""
+    """``trl.GRPOTrainer`` after checking the prompts and the setup, as ``sft_trainer``.
+
+    Args:
+        model: the model from ``FastModel.get_peft_model``.
+        tokenizer: its tokenizer (TRL's processing_class).
+        reward_funcs: a reward function, a reward model's name, or a list of them, as
+            ``trl.GRPOTrainer`` takes.
+        train_dataset: a ``datasets.Dataset`` with a "prompt" column (text or
+            conversations).
+        args: a ``trl.GRPOConfig``; None (default): ``grpo_config(model)``.
+        eval_dataset: an evaluation dataset of the same kind (default None).
+        **trainer_kwargs: passed to ``trl.GRPOTrainer``.
+
+    Returns:
+        The ``trl.GRPOTrainer``.
+
+    Raises:
+        ValueError: the data or the setup would fail in training.
+    """
     from slothkit.data.validation import check_prompt_dataset
 
     trl = require_trl()
@@ -259,7 +388,16 @@ class TrainingOutOfMemoryError(torch.cuda.OutOfMemoryError):
 def explain_out_of_memory(trainer, model):
     """Make ``trainer.train()`` turn a CUDA out-of-memory error into one that names the
     settings in use and what to change, with the memory planner's figures for this model
-    on this GPU. Patches this trainer instance only."""
+    on this GPU. Patches this trainer instance only.
+
+    Args:
+        trainer: a transformers Trainer or TRL trainer.
+        model: the model it trains.
+
+    Returns:
+        The same trainer, whose ``train()`` raises ``TrainingOutOfMemoryError`` (a
+        ``torch.cuda.OutOfMemoryError``) with that advice.
+    """
     train = trainer.train
 
     def train_and_explain(*args, **kwargs):

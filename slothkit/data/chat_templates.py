@@ -76,20 +76,38 @@ def get_chat_template(
     *,
     model=None,
 ):
-    """Set `tokenizer`'s chat template to the format `chat_template` and return the tokenizer.
+    """Set `tokenizer`'s chat template to a chat format (module docstring: what else
+    changes, and why).
 
-    chat_template: one of chatml, vicuna, zephyr, alpaca, llama-3, gemma, mistral; or
-        "model" for the tokenizer's own template (replaced by slothkit's equivalent when it
-        renders the same text, so that it gains the {% generation %} marks; kept otherwise).
-    mapping: the dataset's names, e.g. {"role": "from", "content": "value", "user": "human",
-        "assistant": "gpt"} to render ShareGPT records directly with
-        slothkit.data.apply_chat_template.  (TRL converts a "conversations" column to
-        role/content itself before rendering: with TRL, keep the default mapping.)
-    map_eos_token: make the end-of-turn token the EOS (see the module docstring).
-    system_message: system text for conversations that have none (vicuna and alpaca have
-        a default one; "" gives none).
-    model: the model (before get_peft_model when the tokenizer must grow) whose
-        embeddings and generation_config follow the tokenizer.
+    Args:
+        tokenizer: a Hugging Face tokenizer; changed in place.
+        chat_template: the format's name: "chatml" (default), "vicuna", "zephyr",
+            "alpaca", "llama-3", "gemma" or "mistral" (aliases "llama3", "llama-3.1",
+            "gemma2"); or "model" (or None) for the tokenizer's own template, replaced by
+            slothkit's equivalent when it renders the same text (so that it gains the
+            ``{% generation %}`` marks) and kept otherwise.
+        mapping: the dataset's key and role names, e.g. {"role": "from", "content":
+            "value", "user": "human", "assistant": "gpt"}, to render ShareGPT records
+            directly with slothkit.data.apply_chat_template.  None (default): "role" and
+            "content" with the roles "system", "user", "assistant".  (TRL converts a
+            "conversations" column to role/content itself before rendering: with TRL,
+            keep the default.)
+        map_eos_token: make the token that closes an assistant turn the tokenizer's EOS,
+            and with ``model`` the first id generation stops at (default True).
+        system_message: system text for conversations that have none; None (default):
+            the format's own (vicuna and alpaca have one, the others none); "" gives none.
+        model: the model whose embeddings grow with the tokenizer when tokens are added
+            and whose generation_config follows the EOS (default None: a warning says
+            when that was needed).  Pass it before ``FastModel.get_peft_model``.
+
+    Returns:
+        The same tokenizer.
+
+    Raises:
+        ValueError: an unknown format name, "model" for a tokenizer without a template,
+            mapping or system_message with the tokenizer's own template kept, or a bad
+            mapping.
+        TypeError: system_message is not a string.
     """
     mapping = check_mapping(mapping)
     if system_message is not None and not isinstance(system_message, str):

@@ -285,17 +285,31 @@ def _screen(dataset, masker: ResponseMasker, name: str):
 def train_on_responses_only(
     trainer, instruction_part: str | None = None, response_part: str | None = None, *, tokenizer=None
 ):
-    """Make `trainer` (TRL SFTTrainer or transformers Trainer) compute the loss on the
-    assistant replies only; returns the trainer.
-
-    instruction_part / response_part: the text opening a user / an assistant turn; by
-        default read from the chat template (slothkit's formats know theirs; other
-        templates are probed).
-    tokenizer: default trainer.processing_class (or trainer.tokenizer).
+    """Make `trainer` compute the loss on the assistant replies only (module docstring).
 
     Tokenized samples with no reply token left are dropped from the datasets (with a
     warning); if none is left, or a batch has none at training time, NoTrainableTokensError
     says so with the markers and a decoded sample.
+
+    Args:
+        trainer: a TRL SFTTrainer or a transformers Trainer, built with its datasets;
+            its datasets and data collator are replaced.
+        instruction_part: the text that opens a user turn, e.g.
+            "<|start_header_id|>user<|end_header_id|>\\n\\n"; None (default): read from
+            the tokenizer's chat template (slothkit's formats know theirs; other templates
+            are probed).
+        response_part: the text that opens an assistant turn; None (default): read from
+            the chat template likewise.
+        tokenizer: the tokenizer that tokenized the data; None (default): the trainer's
+            processing_class (or its tokenizer).
+
+    Returns:
+        The same trainer.
+
+    Raises:
+        ValueError: the trainer has no tokenizer and none was passed, or the markers
+            cannot be read from the chat template.
+        NoTrainableTokensError: no sample has a reply token left.
     """
     if tokenizer is None:
         tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)

@@ -208,10 +208,45 @@ def push_to_hub_merged(
     retry_wait_s: float = 2.0,
     **save_kwargs,
 ) -> PushResult:
-    """Save `model` as `save_pretrained_merged` does, into a temporary folder, and push it.
+    """Save `model` as ``save_pretrained_merged`` does, into a temporary folder, and push
+    that folder to the Hugging Face Hub in one commit (module docstring).
 
-    The token is checked first, so a login problem surfaces before any merging. save_kwargs
-    go to save_pretrained_merged (base_weights, max_shard_size, dtype, training_settings).
+    The token is checked first, so a login problem surfaces before any merging.  Also a
+    method of the models ``FastModel.get_peft_model`` returns:
+    ``model.push_to_hub_merged(repo_id, tokenizer, ...)``.
+
+    Args:
+        model: as for ``save_pretrained_merged``: a ``peft.PeftModel`` with LoRA
+            adapters, or a plain transformers model.
+        repo_id: "user/name" or "org/name"; a bare "name" goes to the token's user.  The
+            repo is created when missing.
+        tokenizer: the tokenizer to save with the model; None (default) takes the one
+            ``FastModel.from_pretrained`` returned.
+        save_method: "merged_16bit" (default), "merged_4bit" or "lora", as for
+            ``save_pretrained_merged``.
+        token: a Hugging Face token with write access; None (default) uses the logged-in
+            one (``huggingface-cli login`` or HF_TOKEN).
+        private: create the repo private (default False); an existing repo keeps its
+            visibility.
+        commit_message: the commit's message; None (default): "Upload <save_method>
+            model with slothkit".
+        endpoint: another Hub's URL; None (default): HF_ENDPOINT or huggingface.co.
+        retries: how many times a transient failure (network, HTTP 5xx, 408, 429) is
+            retried (default 2).
+        retry_wait_s: the pause before the first retry in seconds, doubled at each
+            (default 2.0).
+        **save_kwargs: passed to ``save_pretrained_merged``: base_weights,
+            max_shard_size, dtype, training_settings.
+
+    Returns:
+        A ``PushResult``: the repo id, the commit's id and URL, the files uploaded, and
+        the ``SaveResult`` of the save.
+
+    Raises:
+        HubAuthError: no token, or one that is invalid, read-only or without access to
+            the repo; the message says how to log in.
+        ConnectionError: HF_HUB_OFFLINE is set.
+        ValueError: an unknown save_method, or another error of the save.
     """
     from huggingface_hub import HfApi
 

@@ -156,16 +156,48 @@ def save_pretrained_merged(
     dtype: torch.dtype | str | None = None,
     training_settings: dict | None = None,
 ) -> SaveResult:
-    """Save `model` (a peft.PeftModel with LoRA adapters, or a plain model) to `save_directory`.
+    """Save a fine-tuned model as a folder that plain libraries load (module docstring):
+    the weights, the tokenizer, generation_config.json and a model card.
 
-    save_method: "merged_16bit", "merged_4bit" or "lora" (see the module docstring).
-    overwrite: replace a non-empty save_directory (atomically); without it such a folder is refused.
-    base_weights: for merges from a 4-bit model, where W comes from: "auto" (the original 16-bit
-        checkpoint when the adapter's base_model_name_or_path is one on this machine, else the
-        dequantised 4-bit weights), None (always the model's own, dequantised, weights) or the
-        path of the original 16-bit checkpoint. The result and the model card say which was used.
-    dtype: store merged weights in this dtype (default: the base weights' own dtype).
-    training_settings: recorded in the model card (learning rate, epochs, ...).
+    Also a method of the models ``FastModel.get_peft_model`` returns:
+    ``model.save_pretrained_merged(save_directory, tokenizer, ...)``.
+
+    Args:
+        model: a ``peft.PeftModel`` with LoRA adapters (16-bit or 4-bit base), or a plain
+            transformers model (saved as it is, merged_16bit or merged_4bit).
+        save_directory: the folder to write; created with its parents.  It appears only
+            once complete.
+        tokenizer: the tokenizer to save beside the weights; None (default) takes the one
+            ``FastModel.from_pretrained`` returned with the model, and is an error for a
+            model without one.
+        save_method: "merged_16bit" (default: base and LoRA merged, unquantised
+            safetensors), "merged_4bit" (the same, re-quantised to bitsandbytes 4-bit) or
+            "lora" (the adapter only).
+        overwrite: replace a non-empty ``save_directory`` atomically (default False: such
+            a folder is refused).
+        base_weights: for merges from a 4-bit model, where the base weights W come from:
+            "auto" (default: the original 16-bit checkpoint when the adapter's
+            base_model_name_or_path is one on this machine, else the dequantised 4-bit
+            weights), None (always the model's own, dequantised, weights) or the path of
+            the original 16-bit checkpoint.  The result and the model card say which was
+            used.
+        max_shard_size: the largest safetensors file, as bytes (int) or a string such as
+            "5GB" (default) or "500MiB"; larger checkpoints are sharded with an index.
+        dtype: store the merged weights in this dtype: torch.float16, torch.bfloat16,
+            torch.float32 or a name such as "bf16".  None (default): the base weights' own
+            dtype.  For merged_4bit, the compute dtype of the re-quantised model.
+        training_settings: a dict recorded in the model card (learning rate, epochs, ...);
+            default None.
+
+    Returns:
+        A ``SaveResult``: the folder, the save method, the base model's name, where the
+        merge took W from (``merge_source``, ``merged_into``), the files written, and
+        whether the input and output embeddings had to be untied.
+
+    Raises:
+        ValueError: an unknown save_method or dtype, "lora" for a model without adapters,
+            no tokenizer, or base_weights that is not an unquantised checkpoint.
+        FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
     """
     check_save_method(save_method)
     target = check_target(save_directory, overwrite)
