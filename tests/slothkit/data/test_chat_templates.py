@@ -272,6 +272,33 @@ def test_model_template_is_recognised_and_gains_generation_marks(arch, expected)
     assert "{%- generation -%}" in tokenizer.chat_template
 
 
+def test_model_template_with_its_own_default_system_text_is_recognised():
+    # ChatML as SmolLM2 writes it: a system turn of its own when the conversation has none.
+    tokenizer = _templated("chatml")  # gains <|im_start|> and <|im_end|>
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a patient sloth, 3 toes.<|im_end|>\\n' }}{% endif %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    own = tokenizer.chat_template
+    fmt = matching_format(tokenizer)
+    assert fmt.name == "chatml" and fmt.default_system == "You are a patient sloth, 3 toes."
+    get_chat_template(tokenizer, "model")
+    assert format_of_template(tokenizer.chat_template).name == "chatml"
+    for messages, prompt in ((TWO_EXCHANGES, False), (WITH_SYSTEM, False), (PROMPT, True)):
+        expected = tokenizer.apply_chat_template(
+            messages, chat_template=own, tokenize=False, add_generation_prompt=prompt
+        )
+        assert (
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == expected
+        )
+    # A template whose own system text is not where the format puts one matches nothing.
+    tokenizer.chat_template = own.replace("<|im_start|>system\\n", "<|im_start|>system:")
+    assert matching_format(tokenizer) is None
+
+
 def test_model_template_without_a_match_is_kept():
     tokenizer = _tokenizer()
     own = (

