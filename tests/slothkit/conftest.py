@@ -1,4 +1,5 @@
-"""Fixtures for the tests of slothkit's fused model path."""
+"""Fixtures shared by the slothkit tests: call recorders for the fused path, the real
+models, and a local Hub server."""
 
 import pytest
 
@@ -71,3 +72,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+
+
+@pytest.fixture
+def local_hub(monkeypatch, tmp_path):
+    """A LocalHub on 127.0.0.1 with huggingface_hub pointed at it; no ambient token is used."""
+    from huggingface_hub import constants
+
+    from slothkit.testing.local_hub import LocalHub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub = LocalHub(tokens={"hf_writer": ("local-user", "write"), "hf_reader": ("local-user", "read")})
+    with hub, hub.patched_client():
+        yield hub

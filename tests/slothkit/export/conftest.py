@@ -68,19 +68,3 @@ def relative_error():
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
     return error
-
-
-@pytest.fixture
-def local_hub(monkeypatch, tmp_path):
-    """A LocalHub on 127.0.0.1 with huggingface_hub pointed at it; no ambient token is used."""
-    from huggingface_hub import constants
-
-    from slothkit.testing.local_hub import LocalHub
-
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    hub = LocalHub(tokens={"hf_writer": ("local-user", "write"), "hf_reader": ("local-user", "read")})
-    with hub, hub.patched_client():
-        yield hub
