@@ -33,17 +33,19 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_runs_on(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run on `device`: a CUDA device (ROCm builds of torch
+    call theirs "cuda" too), or the CPU under the Triton interpreter."""
+    device_type = torch.device(device).type
+    return device_type == "cuda" or (device_type == "cpu" and interpreter_enabled())
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the Triton kernel (rather than the torch reference) should run.
 
     All tensors must share a device; mixing is refused by the ops themselves.
     """
-    device = tensors[0].device
-    if device.type == "cuda":
-        return True
-    if device.type == "cpu" and interpreter_enabled():
-        return True
-    return False
+    return triton_runs_on(tensors[0].device)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from slothkit.engine.loading import (
 )
 from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.models import architecture_for, supported_summary
+from slothkit_kernels.utils import triton_runs_on
 
 
 @functools.cache
@@ -39,6 +40,47 @@ def _warn_unsupported(model_type: str) -> None:
         f"plain Hugging Face + PEFT path. Fused architectures: {supported_summary()}.",
         stacklevel=3,
     )
+
+
+@functools.cache
+def _notice_plain_path(device_type: str) -> None:
+    warnings.warn(
+        f"slothkit: Triton cannot run on the {device_type}, so this model trains through the "
+        f"plain Hugging Face + PEFT path, which is faster there than the fused kernels' torch "
+        f"references. fused=True takes slothkit's fused path anyway (what the tests check); "
+        f"TRITON_INTERPRET=1 runs its Triton kernels in the interpreter (slow, for tests).",
+        stacklevel=3,
+    )
+
+
+def _check_fused_argument(fused) -> None:
+    if fused not in (None, True, False):
+        raise ValueError(f"fused={fused!r}; accepted: None (automatic), True or False")
+
+
+def _takes_fused_path(model, arch, fused: bool | None) -> bool:
+    """Whether to patch the fused path onto `model`: always with fused=True (refused for an
+    architecture slothkit has no fused path for), never with fused=False, and with None
+    where slothkit knows the architecture and its Triton kernels can run on the model's
+    device.  Elsewhere (a CPU without the Triton interpreter) the kernels would run their
+    plain-torch references, which compute the same numbers but are slower than the
+    Hugging Face modules they replace, so the model keeps those."""
+    if arch is None:
+        if fused:
+            raise ValueError(
+                f"fused=True, but slothkit has no fused path for model_type "
+                f"{model.config.model_type!r}; fused architectures: {supported_summary()}"
+            )
+        if fused is None:
+            _warn_unsupported(model.config.model_type)
+        return False
+    if fused is not None:
+        return fused
+    device = next(model.parameters()).device
+    if triton_runs_on(device):
+        return True
+    _notice_plain_path(device.type)
+    return False
 
 
 class FastModel:
@@ -53,6 +95,7 @@ class FastModel:
         device_map=None,
         token: str | None = None,
         attn_implementation: str = "sdpa",
+        fused: bool | None = None,
         **hf_kwargs,
     ):
         """Load a causal LM and its tokenizer, with the fused kernels patched onto the
@@ -78,6 +121,12 @@ class FastModel:
                 None).
             attn_implementation: transformers' attention, "sdpa" (default), "eager"
                 or another it accepts.
+            fused: whether to route the model through slothkit's fused kernels.
+                None (default): where slothkit knows the architecture and Triton can
+                run on the model's device (a CUDA GPU, or the CPU under
+                TRITON_INTERPRET=1); elsewhere the plain Hugging Face path, which is
+                faster there, with a one-line notice.  True: always (on a CPU the
+                kernels then run their torch references); False: never.
             **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained``.
 
         Returns:
@@ -91,6 +140,7 @@ class FastModel:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+        _check_fused_argument(fused)
         config = resolve_checkpoint(model_name, token=token)
         check_max_seq_length(config, max_seq_length)
         dtype = pick_dtype(dtype)
@@ -129,9 +179,7 @@ class FastModel:
             tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
 
         arch = architecture_for(model.config)
-        if arch is None:
-            _warn_unsupported(model.config.model_type)
-        else:
+        if _takes_fused_path(model, arch, fused):
             patch_decoder(model, arch)
         model._slothkit_tokenizer = tokenizer
         return model, tokenizer

@@ -308,6 +308,43 @@ def test_importing_slothkit_patches_nothing_and_models_coexist(device):
         )
 
 
+def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhere(monkeypatch):
+    """Automatic: fused on a CUDA device or under the Triton interpreter; on a CPU without
+    it the plain Hugging Face modules stay (they are faster there than the kernels' torch
+    references), said once.  fused=True / False override; a bad value is refused."""
+    from slothkit import fast_model
+
+    path = str(tiny_model_path("llama"))
+
+    def is_fused(model):
+        return "forward" in vars(model.model.layers[0].mlp)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert is_fused(FastModel.from_pretrained(path, dtype=torch.float32, load_in_4bit=False)[0])
+    assert not is_fused(
+        FastModel.from_pretrained(path, dtype=torch.float32, load_in_4bit=False, fused=False)[0]
+    )
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fast_model._notice_plain_path.cache_clear()
+    device_map = {"": "cpu"}
+    with pytest.warns(UserWarning, match="Triton cannot run on the cpu.*plain Hugging Face"):
+        plain, _ = FastModel.from_pretrained(
+            path, dtype=torch.float32, load_in_4bit=False, device_map=device_map
+        )
+    assert not is_fused(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once only
+        FastModel.from_pretrained(path, dtype=torch.float32, load_in_4bit=False, device_map=device_map)
+    forced, _ = FastModel.from_pretrained(
+        path, dtype=torch.float32, load_in_4bit=False, device_map=device_map, fused=True
+    )
+    assert is_fused(forced)
+
+    with pytest.raises(ValueError, match="fused='yes'; accepted: None"):
+        FastModel.from_pretrained(path, load_in_4bit=False, fused="yes")
+
+
 def test_clear_errors_for_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="cannot load model"):
         FastModel.from_pretrained(str(tmp_path / "missing"), load_in_4bit=False)

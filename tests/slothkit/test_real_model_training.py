@@ -51,7 +51,7 @@ def _plain_peft(path, device):
 
 def _fast(path, device):
     model, tokenizer = FastModel.from_pretrained(
-        str(path), dtype=torch.float32, load_in_4bit=False, device_map={"": device}
+        str(path), dtype=torch.float32, load_in_4bit=False, device_map={"": device}, fused=True
     )
     return FastModel.get_peft_model(model, r=8, lora_alpha=16), tokenizer
 

@@ -73,7 +73,7 @@ def _load(kind, load_in_4bit=False, arch="llama", template="llama-3"):
     path = str(tiny_model_path(arch))
     if kind == "slothkit":
         model, tokenizer = FastModel.from_pretrained(
-            path, dtype=torch.float32, load_in_4bit=load_in_4bit, max_seq_length=MAX_SEQ
+            path, dtype=torch.float32, load_in_4bit=load_in_4bit, max_seq_length=MAX_SEQ, fused=True
         )
         get_chat_template(tokenizer, template, model=model)
         model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
@@ -322,7 +322,11 @@ def test_gradient_accumulation_matches_a_bigger_batch(reference_kernels, monkeyp
 
 def test_batched_generation_with_left_padding_matches_one_by_one(reference_kernels):
     model, tokenizer = FastModel.from_pretrained(
-        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False, max_seq_length=MAX_SEQ
+        str(tiny_model_path("llama")),
+        dtype=torch.float32,
+        load_in_4bit=False,
+        max_seq_length=MAX_SEQ,
+        fused=True,
     )
     get_chat_template(tokenizer, "llama-3", model=model)
     model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
