@@ -45,11 +45,10 @@ def _warn_unsupported(model_type: str) -> None:
 @functools.cache
 def _notice_plain_path(device_type: str) -> None:
     warnings.warn(
-        f"slothkit: Triton cannot run on the {device_type}, so this model trains through the "
-        f"plain Hugging Face + PEFT path, which is faster there than the fused kernels' torch "
-        f"references. fused=True takes slothkit's fused path anyway (what the tests check); "
-        f"TRITON_INTERPRET=1 runs its Triton kernels in the interpreter (slow, for tests).",
-        stacklevel=3,
+        f"slothkit: Triton cannot run on the {device_type}, so the model keeps its Hugging Face "
+        f"modules (faster there than the fused kernels' torch references); fused=True asks "
+        f"for slothkit's fused path anyway.",
+        stacklevel=4,  # the caller of FastModel.from_pretrained
     )
 
 
@@ -269,7 +268,11 @@ class FastModel:
             task_type="CAUSAL_LM",
             **lora_kwargs,
         )
-        peft_model = get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # PEFT reads transformers' deprecated ``is_gradient_checkpointing``: a
+            # FutureWarning between two other libraries that no user of slothkit can act on.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+            peft_model = get_peft_model(model, config)
 
         causal_lm, layers = decoder_layers(peft_model)
         causal_lm.config.use_cache = False
@@ -293,8 +296,8 @@ class FastModel:
 
     @staticmethod
     def for_training(model):
-        """Put the model in training mode, and its tokenizer (when it came from
-        FastModel) back to padding on the right.
+        """Put the model in training mode with the KV cache off, and its tokenizer (when
+        it came from FastModel) back to padding on the right.
 
         Args:
             model: a model from ``FastModel.from_pretrained`` or ``get_peft_model``.
@@ -303,6 +306,10 @@ class FastModel:
             The same model.
         """
         model.train()
+        causal_lm, _ = decoder_layers(model)
+        causal_lm.config.use_cache = (
+            False  # a KV cache is of no use in training, and clashes with checkpointing
+        )
         tokenizer = getattr(model, "_slothkit_tokenizer", None)
         if tokenizer is not None:
             tokenizer.padding_side = "right"

@@ -22,8 +22,9 @@ How the trainers meet slothkit's fused model (TRL >= 1.16):
 
 Defaults that differ from TRL's, and why:
 
-* ``gradient_checkpointing=False``: FastModel.get_peft_model already set up checkpointing
-  (offloaded by default); the Trainer's would replace it with plain checkpointing.
+* checkpointing off (``activation_checkpointing=False``, ``gradient_checkpointing`` before
+  transformers 5): FastModel.get_peft_model already set up checkpointing (offloaded by
+  default); the Trainer's would replace it with plain checkpointing.
 * ``bf16`` / ``fp16`` follow the model's compute dtype (TRL's default bf16=True fails on a
   T4 and is slow on a CPU); ``optim="adamw_8bit"`` when bitsandbytes and a GPU are there.
 * ``max_length`` = the model's ``max_seq_length``; longer samples are truncated to it
@@ -34,6 +35,7 @@ Defaults that differ from TRL's, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import warnings
 
@@ -56,7 +58,6 @@ COMMON_DEFAULTS = dict(
     logging_steps=1,
     seed=3407,
     report_to="none",
-    gradient_checkpointing=False,
 )
 LEARNING_RATES = {"sft": 2e-4, "dpo": 5e-6, "grpo": 5e-6}  # LoRA rates; full fine-tuning wants less
 
@@ -109,8 +110,22 @@ def hardware_defaults(model=None) -> dict:
     }
 
 
+def _checkpointing_off(config_class, overrides: dict) -> dict:
+    """Turn the Trainer's own checkpointing off (FastModel.get_peft_model set up slothkit's),
+    under the name this transformers reads: from 5.x ``activation_checkpointing``, with
+    ``gradient_checkpointing`` a deprecated alias that warns whenever it is set, as TRL's
+    configs set it by default.  A user's own choice under either name is kept."""
+    if "gradient_checkpointing" in overrides or "activation_checkpointing" in overrides:
+        return {}
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: False}
+
+
 def _defaults(kind: str, model) -> dict:
     defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **hardware_defaults(model)}
+    # Pinned host memory speeds copies to a GPU; without one torch warns that it is unused.
+    defaults["dataloader_pin_memory"] = torch.cuda.is_available()
     max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None) if model is not None else None
     if max_seq_length is not None:
         defaults["max_length"] = max_seq_length
@@ -131,7 +146,9 @@ def sft_config(model=None, **overrides):
         The ``trl.SFTConfig``.
     """
     trl = require_trl()
-    return trl.SFTConfig(**{**_defaults("sft", model), **overrides})
+    return trl.SFTConfig(
+        **{**_defaults("sft", model), **_checkpointing_off(trl.SFTConfig, overrides), **overrides}
+    )
 
 
 def dpo_config(model=None, **overrides):
@@ -147,7 +164,9 @@ def dpo_config(model=None, **overrides):
         The ``trl.DPOConfig``.
     """
     trl = require_trl()
-    return trl.DPOConfig(**{**_defaults("dpo", model), **overrides})
+    return trl.DPOConfig(
+        **{**_defaults("dpo", model), **_checkpointing_off(trl.DPOConfig, overrides), **overrides}
+    )
 
 
 def grpo_config(model=None, **overrides):
@@ -167,7 +186,7 @@ def grpo_config(model=None, **overrides):
     trl = require_trl()
     defaults = _defaults("grpo", model)
     defaults.pop("max_length", None)
-    return trl.GRPOConfig(**{**defaults, **overrides})
+    return trl.GRPOConfig(**{**defaults, **_checkpointing_off(trl.GRPOConfig, overrides), **overrides})
 
 
 def training_arguments(model=None, **overrides):
@@ -186,7 +205,7 @@ def training_arguments(model=None, **overrides):
 
     defaults = _defaults("sft", model)
     defaults.pop("max_length", None)
-    return TrainingArguments(**{**defaults, **overrides})
+    return TrainingArguments(**{**defaults, **_checkpointing_off(TrainingArguments, overrides), **overrides})
 
 
 def check_setup(model, tokenizer, args) -> None:
@@ -222,6 +241,8 @@ def check_setup(model, tokenizer, args) -> None:
             stacklevel=3,
         )
         args.gradient_checkpointing = False
+        if hasattr(args, "activation_checkpointing"):  # the name transformers 5 reads
+            args.activation_checkpointing = False
     if getattr(args, "bf16", False) and not _bf16_available():
         raise ValueError(
             "bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)"

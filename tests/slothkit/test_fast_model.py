@@ -328,7 +328,9 @@ def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhe
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     fast_model._notice_plain_path.cache_clear()
     device_map = {"": "cpu"}
-    with pytest.warns(UserWarning, match="Triton cannot run on the cpu.*plain Hugging Face"):
+    with pytest.warns(
+        UserWarning, match="Triton cannot run on the cpu, so the model keeps its Hugging Face modules"
+    ):
         plain, _ = FastModel.from_pretrained(
             path, dtype=torch.float32, load_in_4bit=False, device_map=device_map
         )
