@@ -100,7 +100,16 @@ model = FastModel.get_peft_model(
 )
 
 # %% [markdown]
-# ## 5. Data: conversations (ShareGPT or role/content), rendered with the chat template
+# ## 5. How it answers before training
+
+# %%
+from slothkit.notebook.inference import answer_prompts
+
+TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is the capital of France?"]
+before = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+
+# %% [markdown]
+# ## 6. Data: conversations (ShareGPT or role/content), rendered with the chat template
 
 # %%
 from slothkit.data import apply_chat_template, standardize_sharegpt
@@ -111,7 +120,7 @@ print(dataset)
 print(dataset[0]["text"])
 
 # %% [markdown]
-# ## 6. Train on the assistant replies only
+# ## 7. Train on the assistant replies only
 
 # %%
 from slothkit.notebook.training import train
@@ -120,17 +129,17 @@ result = train(model, tokenizer, dataset, config, responses_only=True)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
 # %% [markdown]
-# ## 7. Chat with it (streamed)
+# ## 8. Chat with it: the same messages after training
 
 # %%
-from slothkit.notebook.inference import generate_chat
+from slothkit.notebook.inference import compare_answers
 
-FastModel.for_inference(model)
-for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
-    generate_chat(model, tokenizer, message, max_new_tokens=48)
+# Ask your own the same way: answer_prompts(model, tokenizer, ["..."], kind="chat")
+after = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+compare_answers(before, after)
 
 # %% [markdown]
-# ## 8. Save and publish (each behind its Config flag)
+# ## 9. Save and publish (each behind its Config flag)
 
 # %%
 from slothkit.notebook.saving import save_all

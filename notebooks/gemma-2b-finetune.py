@@ -99,7 +99,16 @@ model = FastModel.get_peft_model(
 )
 
 # %% [markdown]
-# ## 5. Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
+# ## 5. How it answers before training
+
+# %%
+from slothkit.notebook.inference import answer_prompts
+
+TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]
+before = answer_prompts(model, tokenizer, TEST_PROMPTS)
+
+# %% [markdown]
+# ## 6. Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
 
 # %%
 from slothkit.data import format_alpaca
@@ -110,7 +119,7 @@ print(dataset)
 print(dataset[0]["text"])
 
 # %% [markdown]
-# ## 6. Train
+# ## 7. Train
 
 # %%
 from slothkit.notebook.training import train
@@ -119,17 +128,17 @@ result = train(model, tokenizer, dataset, config)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
 # %% [markdown]
-# ## 7. Try it: streamed generation on a few prompts
+# ## 8. Try it: the same prompts after training
 
 # %%
-from slothkit.notebook.inference import generate_alpaca
+from slothkit.notebook.inference import compare_answers
 
-FastModel.for_inference(model)
-for instruction in ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]:
-    generate_alpaca(model, tokenizer, instruction, max_new_tokens=48)
+# Ask your own the same way: answer_prompts(model, tokenizer, ["..."])
+after = answer_prompts(model, tokenizer, TEST_PROMPTS)
+compare_answers(before, after)
 
 # %% [markdown]
-# ## 8. Save and publish (each behind its Config flag)
+# ## 9. Save and publish (each behind its Config flag)
 
 # %%
 from slothkit.notebook.saving import save_all

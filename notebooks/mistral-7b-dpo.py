@@ -101,7 +101,16 @@ model = FastModel.get_peft_model(
 )
 
 # %% [markdown]
-# ## 5. Data: prompt / chosen / rejected records (conversational or plain text)
+# ## 5. How it answers before training
+
+# %%
+from slothkit.notebook.inference import answer_prompts
+
+TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is the capital of France?"]
+before = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+
+# %% [markdown]
+# ## 6. Data: prompt / chosen / rejected records (conversational or plain text)
 
 # %%
 from slothkit.notebook.training import load_configured_dataset
@@ -111,7 +120,7 @@ print(dataset)
 print(dataset[0])
 
 # %% [markdown]
-# ## 6. Train with DPO
+# ## 7. Train with DPO
 
 # %%
 from slothkit.notebook.training import train
@@ -120,17 +129,17 @@ result = train(model, tokenizer, dataset, config, method="dpo")
 assert result.loss_went_down, f"the DPO loss did not go down: {result.losses}"
 
 # %% [markdown]
-# ## 7. Chat with it (streamed)
+# ## 8. Chat with it: the same messages after training
 
 # %%
-from slothkit.notebook.inference import generate_chat
+from slothkit.notebook.inference import compare_answers
 
-FastModel.for_inference(model)
-for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
-    generate_chat(model, tokenizer, message, max_new_tokens=48)
+# Ask your own the same way: answer_prompts(model, tokenizer, ["..."], kind="chat")
+after = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+compare_answers(before, after)
 
 # %% [markdown]
-# ## 8. Save and publish (each behind its Config flag)
+# ## 9. Save and publish (each behind its Config flag)
 
 # %%
 from slothkit.notebook.saving import save_all

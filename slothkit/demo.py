@@ -2,9 +2,9 @@
 
 It needs no download and no GPU, so it proves an install end to end: a tiny
 random checkpoint and tokenizer are built locally (slothkit.testing), loaded
-with FastModel (the fused path), LoRA adapters go on all seven projections, and
-the loss comes from the fused linear cross-entropy, which never builds the full
-logits.  The adapter is saved at the end.
+with FastModel (the fused path on a GPU; on a CPU the Hugging Face modules, which
+are faster there), LoRA adapters go on all seven projections, and the adapter is
+saved at the end.
 """
 
 from __future__ import annotations

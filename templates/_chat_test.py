@@ -1,6 +1,6 @@
-# %% Chat with it (streamed)
-from slothkit.notebook.inference import generate_chat
+# %% Chat with it: the same messages after training
+from slothkit.notebook.inference import compare_answers
 
-FastModel.for_inference(model)
-for message in ["Convert 3 kilometres to metres.", "What is the capital of France?"]:
-    generate_chat(model, tokenizer, message, max_new_tokens=48)
+# Ask your own the same way: answer_prompts(model, tokenizer, ["..."], kind="chat")
+after = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+compare_answers(before, after)

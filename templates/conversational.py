@@ -47,6 +47,8 @@ config.show()
 
 # %include load_chat
 
+# %include chat_before
+
 # %% Data: conversations (ShareGPT or role/content), rendered with the chat template
 from slothkit.data import apply_chat_template, standardize_sharegpt
 from slothkit.notebook.training import load_configured_dataset

@@ -48,6 +48,8 @@ config.show()
 
 # %include load_chat
 
+# %include chat_before
+
 # %% Data: prompt / chosen / rejected records (conversational or plain text)
 from slothkit.notebook.training import load_configured_dataset
 

@@ -56,6 +56,12 @@ model = FastModel.get_peft_model(
     model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="${lora_targets}".split(",")
 )
 
+# %% How it answers before training
+from slothkit.notebook.inference import answer_prompts
+
+TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]
+before = answer_prompts(model, tokenizer, TEST_PROMPTS)
+
 # %% Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
 from slothkit.data import format_alpaca
 from slothkit.notebook.training import load_configured_dataset
@@ -70,11 +76,11 @@ from slothkit.notebook.training import train
 result = train(model, tokenizer, dataset, config)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %% Try it: streamed generation on a few prompts
-from slothkit.notebook.inference import generate_alpaca
+# %% Try it: the same prompts after training
+from slothkit.notebook.inference import compare_answers
 
-FastModel.for_inference(model)
-for instruction in ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]:
-    generate_alpaca(model, tokenizer, instruction, max_new_tokens=48)
+# Ask your own the same way: answer_prompts(model, tokenizer, ["..."])
+after = answer_prompts(model, tokenizer, TEST_PROMPTS)
+compare_answers(before, after)
 
 # %include save

