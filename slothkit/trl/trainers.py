@@ -120,6 +120,38 @@ class SFTTrainer(_SlothkitSetup, trl.SFTTrainer):
         )
         self._build(trl.SFTTrainer, model, args, kwargs)
 
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        # Notebooks render their text column with tokenizer.apply_chat_template(...,
+        # tokenize=False), which writes the BOS; TRL's tokenizing adds another.  One goes,
+        # as slothkit.data.apply_chat_template drops it.
+        dataset = _without_written_bos(dataset, processing_class, args.dataset_text_field)
+        return super()._prepare_dataset(
+            dataset, processing_class, args, packing, formatting_func, dataset_name
+        )
+
+
+def _without_written_bos(dataset, processing_class, field: str):
+    import datasets
+
+    from slothkit.data.chat_templates import adds_bos
+
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    bos = getattr(tokenizer, "bos_token", None)
+    if not (isinstance(dataset, datasets.Dataset) and bos and field in dataset.column_names):
+        return dataset
+    if not any(isinstance(t, str) and t.startswith(bos) for t in dataset[:64][field]) or not adds_bos(
+        tokenizer
+    ):
+        return dataset
+    say_once(
+        f"the {field!r} column starts with the BOS token {bos!r} and tokenizing adds one: slothkit drops the "
+        "written one (render the text with slothkit.data.apply_chat_template, which leaves it out)"
+    )
+    return dataset.map(
+        lambda record: {field: record[field][len(bos) :] if record[field].startswith(bos) else record[field]},
+        desc="Dropping the BOS written in the text",
+    )
+
 
 class DPOTrainer(_SlothkitSetup, trl.DPOTrainer):
     """``trl.DPOTrainer`` that takes the older keywords (module docstring), beta,

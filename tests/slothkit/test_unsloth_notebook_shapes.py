@@ -41,7 +41,16 @@ from slothkit.chat_templates import (  # noqa: E402
 )
 from slothkit.notices import LegacySpellingWarning, say_once  # noqa: E402
 from slothkit.testing import tiny_model_path  # noqa: E402
-from slothkit.trl import DPOTrainer, ORPOConfig, ORPOTrainer, SFTConfig, SFTTrainer, TrainingArguments  # noqa: E402
+from slothkit.trl import (  # noqa: E402
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    ORPOConfig,
+    ORPOTrainer,
+    SFTConfig,
+    SFTTrainer,
+    TrainingArguments,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MAX_SEQ = 128
@@ -271,6 +280,8 @@ def test_sharegpt_conversations_with_chat_template_and_responses_only():
         force_match=True,
         num_proc=1,
     )
+    # One BOS: the one the formatter wrote is dropped, tokenizing adds its own.
+    assert [row["input_ids"].count(tokenizer.bos_token_id) for row in trainer.train_dataset] == [1] * 4
     # The notebooks' check cell: the prompt is masked in the dataset itself.
     for index, record in enumerate(SHAREGPT):
         labels = trainer.train_dataset[index]["labels"]
@@ -524,3 +535,18 @@ def test_translation_refusals_are_one_line():
         TrainingArguments(output_dir="outputs", save_safetensors=False)
     args = TrainingArguments(output_dir="outputs", evaluation_strategy="no", group_by_length=True)
     assert (args.eval_strategy, args.train_sampling_strategy) == ("no", "group_by_length")
+
+
+def test_grpo_refuses_prompts_past_max_prompt_length():
+    # TRL 1.16's GRPO no longer cuts prompts: a longer one is refused before training.
+    model, tokenizer = _load()
+    prompts = Dataset.from_list([{"prompt": "Short."}, {"prompt": "A prompt that is far too long " * 4}])
+    args = GRPOConfig(output_dir="outputs", max_prompt_length=8, report_to="none")
+    with pytest.raises(ValueError, match="prompt 1 has \\d+ tokens, more than max_prompt_length=8"):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=prompts,
+            tokenizer=tokenizer,
+        )
