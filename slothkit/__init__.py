@@ -2,17 +2,33 @@
 
 Importing slothkit changes nothing in other libraries: every speed-up is applied
 to the model instance it is given.
+
+The names older Unsloth notebooks import from their package are here too
+(``is_bfloat16_supported``, ``UnslothTrainer``, ...; the chat template helpers in
+slothkit.chat_templates, the TRL trainers in slothkit.trl).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["FastModel", "FastLanguageModel", "__version__"]
+# name -> the module that defines it; imported on first use so that `import slothkit` (and
+# the CLI) stays light.
+_LAZY = {
+    "FastModel": "slothkit.fast_model",
+    "FastLanguageModel": "slothkit.fast_model",
+    "is_bfloat16_supported": "slothkit.engine.loading",
+    "TrainingArguments": "slothkit.trl",
+    "UnslothTrainer": "slothkit.trl",
+    "UnslothTrainingArguments": "slothkit.trl",
+    "PatchDPOTrainer": "slothkit.trl",
+    "unsloth_train": "slothkit.trl",
+}
+
+__all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name):
-    # Imported on first use so that `import slothkit` (and the CLI) stays light.
-    if name in ("FastModel", "FastLanguageModel"):
-        from slothkit import fast_model
+    if name in _LAZY:
+        import importlib
 
-        return getattr(fast_model, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'slothkit' has no attribute {name!r}")

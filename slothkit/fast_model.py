@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 import torch
 
 from slothkit.configuration import environment_defaults
 from slothkit.engine.decoder import decoder_layers, patch_decoder
-from slothkit.engine.inspection import is_4bit_model
+from slothkit.engine.inspection import causal_lm_of, is_4bit_model
 from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
@@ -29,7 +30,10 @@ from slothkit.engine.loading import (
     resolve_checkpoint,
 )
 from slothkit.engine.offload_checkpoint import enable_checkpointing
+from slothkit.generation import accept_encoding_in_generate
 from slothkit.models import architecture_for, supported_summary
+from slothkit.notices import say_once
+from slothkit.saved_adapter import is_adapter_folder, load_saved_adapter
 from slothkit_kernels.utils import triton_runs_on
 
 
@@ -95,6 +99,9 @@ class FastModel:
         token: str | None = None,
         attn_implementation: str = "sdpa",
         fused: bool | None = None,
+        load_in_8bit: bool = False,
+        full_finetuning: bool = False,
+        fast_inference: bool = False,
         **hf_kwargs,
     ):
         """Load a causal LM and its tokenizer, with the fused kernels patched onto the
@@ -126,7 +133,19 @@ class FastModel:
                 TRITON_INTERPRET=1); elsewhere the plain Hugging Face path, which is
                 faster there, with a one-line notice.  True: always (on a CPU the
                 kernels then run their torch references); False: never.
+            load_in_8bit: False (default); True is refused: slothkit's kernels read 16-bit
+                or 4-bit NF4 weights.
+            full_finetuning: False (default); True is refused: slothkit trains LoRA
+                adapters (get_peft_model).
+            fast_inference: accepted and ignored (said once) until slothkit has a fast
+                decode path; so are the vLLM options that come with it
+                (gpu_memory_utilization, max_lora_rank).
             **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained``.
+
+        A folder holding a saved LoRA adapter (adapter_config.json, no config.json) loads
+        the base model its adapter_config.json names, with these settings, and the adapter
+        onto it, trainable: a ``peft.PeftModel`` as ``get_peft_model`` returns, with the
+        folder's tokenizer when it holds one (slothkit.saved_adapter).
 
         Returns:
             ``(model, tokenizer)``: the transformers model and its tokenizer, which pads
@@ -140,6 +159,19 @@ class FastModel:
         from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
         _check_fused_argument(fused)
+        _check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs)
+        if is_adapter_folder(model_name):
+            return load_saved_adapter(
+                model_name,
+                max_seq_length=max_seq_length,
+                dtype=dtype,
+                load_in_4bit=load_in_4bit,
+                device_map=device_map,
+                token=token,
+                attn_implementation=attn_implementation,
+                fused=fused,
+                **hf_kwargs,
+            )
         config = resolve_checkpoint(model_name, token=token)
         check_max_seq_length(config, max_seq_length)
         dtype = pick_dtype(dtype)
@@ -181,6 +213,7 @@ class FastModel:
         if _takes_fused_path(model, arch, fused):
             patch_decoder(model, arch)
         model._slothkit_tokenizer = tokenizer
+        _link_instances(model, tokenizer)
         return model, tokenizer
 
     @staticmethod
@@ -197,6 +230,7 @@ class FastModel:
         modules_to_save=None,
         cuda_graphs: bool | str | None = None,
         keep_sums: bool | None = None,
+        max_seq_length: int | None = None,
         **lora_kwargs,
     ):
         """Add LoRA adapters and set up checkpointing; return a ``peft.PeftModel`` ready
@@ -232,6 +266,8 @@ class FastModel:
                 (default): the SLOTHKIT_KEEP_SUMS environment variable if set, else on
                 for GPUs of compute capability 8.0 and up, off for older ones and the
                 CPU.
+            max_seq_length: None (default): the one from_pretrained was given; else the new
+                longest sequence to train on, checked and set as from_pretrained does.
             **lora_kwargs: passed on to ``peft.LoraConfig``.
 
         Returns:
@@ -248,6 +284,7 @@ class FastModel:
         if not isinstance(r, int) or r <= 0:
             raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
         target_modules = list(ALL_PROJECTIONS if target_modules is None else target_modules)
+        target_modules, modules_to_save = _embeddings_trained_in_full(target_modules, modules_to_save)
         if not matching_modules(model, target_modules):
             raise ValueError(
                 f"target_modules={target_modules} match no layer of this model; its linear "
@@ -255,6 +292,8 @@ class FastModel:
             )
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias={bias!r}; accepted: 'none', 'all', 'lora_only'")
+        if max_seq_length is not None:
+            _set_max_seq_length(model, max_seq_length)
 
         torch.manual_seed(random_state)
         config = LoraConfig(
@@ -273,26 +312,7 @@ class FastModel:
             # FutureWarning between two other libraries that no user of slothkit can act on.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
             peft_model = get_peft_model(model, config)
-
-        causal_lm, layers = decoder_layers(peft_model)
-        causal_lm.config.use_cache = False
-        defaults = environment_defaults()
-        enable_checkpointing(
-            layers,
-            use_gradient_checkpointing,
-            cuda_graphs=defaults.cuda_graphs if cuda_graphs is None else cuda_graphs,
-            quantized=is_4bit_model(causal_lm),
-            keep_sums=defaults.keep_sums if keep_sums is None else keep_sums,
-        )
-        if use_gradient_checkpointing:
-            # Checkpointed layers recompute in backward; their input must require grad.
-            causal_lm.enable_input_require_grads()
-        peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
-        from slothkit.export import attach_export_methods
-
-        attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
-        FastModel.for_training(peft_model)
-        return peft_model
+        return ready_for_training(peft_model, model, use_gradient_checkpointing, cuda_graphs, keep_sums)
 
     @staticmethod
     def for_training(model):
@@ -337,3 +357,104 @@ class FastModel:
 
 
 FastLanguageModel = FastModel
+
+
+def ready_for_training(
+    peft_model, model, use_gradient_checkpointing="offload", cuda_graphs=None, keep_sums=None
+):
+    """What get_peft_model (and loading a saved adapter) does after PEFT wraps the model:
+    checkpointing, the tokenizer link, the save and push methods, training mode.
+
+    Args:
+        peft_model: the ``peft.PeftModel``.
+        model: the model it wraps, as from_pretrained returned it.
+        use_gradient_checkpointing: as get_peft_model.
+        cuda_graphs: as get_peft_model.
+        keep_sums: as get_peft_model.
+
+    Returns:
+        The same PeftModel, in training mode.
+    """
+    causal_lm, layers = decoder_layers(peft_model)
+    causal_lm.config.use_cache = False
+    defaults = environment_defaults()
+    enable_checkpointing(
+        layers,
+        use_gradient_checkpointing,
+        cuda_graphs=defaults.cuda_graphs if cuda_graphs is None else cuda_graphs,
+        quantized=is_4bit_model(causal_lm),
+        keep_sums=defaults.keep_sums if keep_sums is None else keep_sums,
+    )
+    if use_gradient_checkpointing:
+        # Checkpointed layers recompute in backward; their input must require grad.
+        causal_lm.enable_input_require_grads()
+    peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
+    from slothkit.export import attach_export_methods
+
+    attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
+    accept_encoding_in_generate(peft_model)
+    FastModel.for_training(peft_model)
+    return peft_model
+
+
+# vLLM settings that older notebooks pass with fast_inference=True.
+_FAST_INFERENCE_OPTIONS = ("gpu_memory_utilization", "max_lora_rank", "float8_kv_cache")
+
+
+def _check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs: dict) -> None:
+    """Refuse what slothkit cannot do, in one line each; drop (saying once) the fast
+    inference options it does not use yet."""
+    if load_in_8bit:
+        raise ValueError(
+            "load_in_8bit=True is not supported: slothkit's kernels read 16-bit or 4-bit NF4 weights; "
+            "use load_in_4bit=True (QLoRA) or load_in_4bit=False (16-bit LoRA)"
+        )
+    if full_finetuning:
+        raise ValueError(
+            "full_finetuning=True is not supported: slothkit trains LoRA adapters; load with "
+            "full_finetuning=False and call FastModel.get_peft_model (a high r comes closest)"
+        )
+    given = [name for name in _FAST_INFERENCE_OPTIONS if name in hf_kwargs]
+    for name in given:
+        hf_kwargs.pop(name)
+    if fast_inference or given:
+        say_once(
+            "from_pretrained(fast_inference=True"
+            + "".join(f", {name}=..." for name in given)
+            + ") is ignored: slothkit has no vLLM decode path yet, and generate runs through transformers"
+        )
+
+
+_EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+def _embeddings_trained_in_full(target_modules: list, modules_to_save):
+    """Older notebooks list embed_tokens and lm_head in target_modules for continued
+    pretraining, meaning "train them in full"; PEFT's spelling of that is modules_to_save
+    (an adapter on them would be a low-rank update instead)."""
+    named = [name for name in _EMBEDDING_MODULES if name in target_modules]
+    if not named:
+        return target_modules, modules_to_save
+    say_once(
+        f"get_peft_model(target_modules=[..., {', '.join(map(repr, named))}]) is written "
+        f"modules_to_save={named!r} in PEFT: they are trained in full, not through an adapter"
+    )
+    saved = list(modules_to_save or [])
+    return [m for m in target_modules if m not in named], saved + [m for m in named if m not in saved]
+
+
+def _set_max_seq_length(model, max_seq_length: int) -> None:
+    causal_lm = causal_lm_of(model)
+    check_max_seq_length(causal_lm.config, max_seq_length)
+    causal_lm.max_seq_length = max_seq_length
+    tokenizer = getattr(model, "_slothkit_tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.model_max_length = max_seq_length
+
+
+def _link_instances(model, tokenizer) -> None:
+    """Instance-level glue for code written against transformers 4 and Unsloth: the
+    tokenizer knows its model (so get_chat_template can grow the embeddings without
+    model=), and generate takes apply_chat_template's dict (slothkit.generation)."""
+    tokenizer._slothkit_model = weakref.ref(model)
+    accept_encoding_in_generate(model)

@@ -234,15 +234,19 @@ def check_setup(model, tokenizer, args) -> None:
     patched = getattr(causal_lm, "_slothkit_architecture", None) is not None or hasattr(
         model, "_slothkit_tokenizer"
     )
-    if patched and getattr(args, "gradient_checkpointing", False):
+    # transformers 5's Trainer reads activation_checkpointing; gradient_checkpointing is its
+    # deprecated mirror, which TRL still reads: both are turned off.
+    names = [
+        name for name in ("gradient_checkpointing", "activation_checkpointing") if getattr(args, name, False)
+    ]
+    if patched and names:
         warnings.warn(
-            "gradient_checkpointing=True in the training arguments would replace the checkpointing "
+            f"{names[0]}=True in the training arguments would replace the checkpointing "
             "FastModel.get_peft_model set up; turning it off (choose it with use_gradient_checkpointing=)",
             stacklevel=3,
         )
-        args.gradient_checkpointing = False
-        if hasattr(args, "activation_checkpointing"):  # the name transformers 5 reads
-            args.activation_checkpointing = False
+        for name in names:
+            setattr(args, name, False)
     if getattr(args, "bf16", False) and not _bf16_available():
         raise ValueError(
             "bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)"

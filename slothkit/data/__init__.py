@@ -32,7 +32,7 @@ from slothkit.data.responses_only import (
     infer_markers,
     train_on_responses_only,
 )
-from slothkit.data.sharegpt import standardize_sharegpt
+from slothkit.data.sharegpt import standardize_data_formats, standardize_sharegpt
 
 __all__ = [
     "FORMATS",
@@ -51,6 +51,7 @@ __all__ = [
     "get_chat_template",
     "infer_markers",
     "load_data",
+    "standardize_data_formats",
     "standardize_sharegpt",
     "train_on_responses_only",
 ]

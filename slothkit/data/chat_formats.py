@@ -16,9 +16,17 @@ Each format is written from its authors' public description:
                                                                                          mistral-common "v1" tokenizer;
                                                                                          system text before the first
                                                                                          user text)
+    llama-2   [INST] <<SYS>>\ns\n<</SYS>>\n\nu [/INST] a </s><s>[INST] u [/INST] ...     Meta Llama 2 Chat
+    qwen-2.5  ChatML, with "You are Qwen, created by Alibaba Cloud. You are a helpful      Qwen2.5 Instruct
+              assistant." as the system text of conversations that have none
+    phi-3     <|system|>\ns<|end|>\n<|user|>\nu<|end|>\n<|assistant|>\na<|end|>\n         Microsoft Phi-3 / 3.5 Instruct
+    vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
+                                                                                         layout ("### Human:" /
+                                                                                         "### Assistant:" turns)
 
 Every template starts with the tokenizer's BOS when the tokenizer puts one in front of
-plain text (the model was pre-trained on documents that start with it), and nowhere else.
+plain text (the model was pre-trained on documents that start with it), and nowhere else
+but in llama-2, whose every later exchange opens with BOS too, as Meta's format has it.
 
 Every assistant reply is wrapped in ``{% generation %}...{% endgeneration %}`` so that
 ``apply_chat_template(..., return_assistant_tokens_mask=True)`` (TRL's
@@ -38,7 +46,7 @@ import dataclasses
 import re
 
 TEMPLATE_TAG = "{#- slothkit chat template: "
-_TAG_PATTERN = re.compile(r"^\{#- slothkit chat template: ([a-z0-9-]+) -#\}")
+_TAG_PATTERN = re.compile(r"^\{#- slothkit chat template: ([a-z0-9._-]+) -#\}")
 
 # Keys of `mapping`: the names the dataset uses for these five things.
 MAPPING_KEYS = ("role", "content", "user", "assistant", "system")
@@ -193,6 +201,64 @@ _MISTRAL = r"""
 {%- endfor -%}
 """
 
+# Meta's layout: the system text inside the first [INST], every later exchange opened by
+# BOS (when the tokenizer has one), each reply followed by " " and EOS.
+_LLAMA_2 = r"""
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {%- if not loop.first and bos_token -%}
+            {{- bos_token -}}
+        {%- endif -%}
+        {%- set prefix = '<<SYS>>\n' + system + '\n<</SYS>>\n\n' if loop.first and system else '' -%}
+        {{- '[INST] ' + prefix + message[content_key] | trim + ' [/INST]' -}}
+    {%- else -%}
+        {%- generation -%}
+            {{- ' ' + message[content_key] | trim + ' ' + eos_token -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+"""
+
+_PHI_3 = r"""
+{%- if system is not none -%}
+    {{- '<|system|>\n' + system + '<|end|>\n' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|user|>\n' + message[content_key] + '<|end|>\n' -}}
+    {%- else -%}
+        {{- '<|assistant|>\n' -}}
+        {%- generation -%}
+            {{- message[content_key] + '<|end|>\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+{%- endif -%}
+"""
+
+# FastChat's first Vicuna layout (turns "### Human: " and "### Assistant: ", one per line),
+# with EOS closing each reply so that generation stops there.
+_VICUNA_OLD = r"""
+{%- if system -%}
+    {{- system + '\n' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '### Human: ' + message[content_key] + '\n' -}}
+    {%- else -%}
+        {{- '### Assistant:' -}}
+        {%- generation -%}
+            {{- ' ' + message[content_key] + eos_token + '\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '### Assistant:' -}}
+{%- endif -%}
+"""
+
 FORMATS: dict[str, ChatFormat] = {
     f.name: f
     for f in (
@@ -279,14 +345,87 @@ FORMATS: dict[str, ChatFormat] = {
             alternate=True,
             source="Mistral Instruct v1 (mistral-common's v1 tokenizer)",
         ),
+        ChatFormat(
+            name="llama-2",
+            body=_LLAMA_2,
+            instruction_part="[INST]",
+            response_part="[/INST]",
+            turn_end=None,
+            special_tokens=(),  # plain text in Llama 2's tokenizer
+            default_system=None,
+            alternate=True,
+            source="Meta Llama 2 Chat",
+        ),
+        ChatFormat(
+            name="qwen-2.5",
+            body=_CHATML,
+            instruction_part="<|im_start|>user\n",
+            response_part="<|im_start|>assistant\n",
+            turn_end="<|im_end|>",
+            special_tokens=("<|im_start|>", "<|im_end|>"),
+            default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+            alternate=False,
+            source="Qwen2.5 Instruct (ChatML with Qwen's default system text)",
+        ),
+        ChatFormat(
+            name="phi-3",
+            body=_PHI_3,
+            instruction_part="<|user|>\n",
+            response_part="<|assistant|>\n",
+            turn_end="<|end|>",
+            special_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+            default_system=None,
+            alternate=False,
+            source="Microsoft Phi-3 / Phi-3.5 Instruct",
+        ),
+        ChatFormat(
+            name="vicuna_old",
+            body=_VICUNA_OLD,
+            instruction_part="### Human:",
+            response_part="### Assistant:",
+            turn_end=None,
+            special_tokens=(),
+            default_system=(
+                "A chat between a curious human and an artificial intelligence assistant. "
+                "The assistant gives helpful, detailed, and polite answers to the human's questions."
+            ),
+            alternate=True,
+            source="FastChat's first Vicuna conversation layout",
+        ),
     )
 }
 
-ALIASES = {"llama3": "llama-3", "llama-3.1": "llama-3", "gemma2": "gemma"}
+ALIASES = {
+    "llama3": "llama-3",
+    "llama-3.1": "llama-3",
+    "llama-31": "llama-3",
+    "llama-3.2": "llama-3",
+    "llama-3.3": "llama-3",
+    "gemma2": "gemma",
+    "gemma-2": "gemma",
+    "gemma3": "gemma",
+    "gemma-3": "gemma",
+    "llama": "llama-2",
+    "llama2": "llama-2",
+    "qwen2.5": "qwen-2.5",
+    "qwen-25": "qwen-2.5",
+    "qwen25": "qwen-2.5",
+    "phi3": "phi-3",
+    "phi-3.5": "phi-3",
+    "phi-35": "phi-3",
+}
+
+# Names older notebooks use for formats slothkit does not ship, and what to write instead.
+REFUSED = {
+    "unsloth": "it is Unsloth's own house layout, which slothkit does not reproduce; pick a named format "
+    "such as 'chatml' (for a base model any of them trains; the model then expects that one)",
+}
 
 
 def format_named(name: str) -> ChatFormat:
     key = ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
+    if key in REFUSED:
+        raise ValueError(f"chat template {name!r} is not available: {REFUSED[key]}")
     if key not in FORMATS:
         raise ValueError(
             f"unknown chat template {name!r}; accepted: {', '.join(FORMATS)} "

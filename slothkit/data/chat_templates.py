@@ -83,10 +83,13 @@ def get_chat_template(
     Args:
         tokenizer: a Hugging Face tokenizer; changed in place.
         chat_template: the format's name: "chatml" (default), "vicuna", "zephyr",
-            "alpaca", "llama-3", "gemma" or "mistral" (aliases "llama3", "llama-3.1",
-            "gemma2"); or "model" (or None) for the tokenizer's own template, replaced by
-            slothkit's equivalent when it renders the same text (so that it gains the
-            ``{% generation %}`` marks) and kept otherwise.
+            "alpaca", "llama-3", "gemma", "mistral", "llama-2", "qwen-2.5", "phi-3" or
+            "vicuna_old" (aliases such as "llama-3.1", "gemma-3", "llama" for llama-2,
+            "qwen2.5", "phi-3.5": slothkit.data.chat_formats.ALIASES); or "model" (or
+            None) for the tokenizer's own template, replaced by slothkit's equivalent when
+            it renders the same text (so that it gains the ``{% generation %}`` marks) and
+            kept otherwise; or a ``(jinja_template, eos_token)`` pair, installed as written
+            with that token as the end of a turn.
         mapping: the dataset's key and role names, e.g. {"role": "from", "content":
             "value", "user": "human", "assistant": "gpt"}, to render ShareGPT records
             directly with slothkit.data.apply_chat_template.  None (default): "role" and
@@ -98,21 +101,27 @@ def get_chat_template(
         system_message: system text for conversations that have none; None (default):
             the format's own (vicuna and alpaca have one, the others none); "" gives none.
         model: the model whose embeddings grow with the tokenizer when tokens are added
-            and whose generation_config follows the EOS (default None: a warning says
-            when that was needed).  Pass it before ``FastModel.get_peft_model``.
+            and whose generation_config follows the EOS.  None (default): the model
+            ``FastModel.from_pretrained`` loaded with this tokenizer, if any; when tokens
+            must be added and no model is known, a ValueError asks for model= (without
+            it the new ids could point past the embeddings); an EOS change alone only warns.
 
     Returns:
         The same tokenizer.
 
     Raises:
-        ValueError: an unknown format name, "model" for a tokenizer without a template,
-            mapping or system_message with the tokenizer's own template kept, or a bad
-            mapping.
+        ValueError: an unknown or refused format name, "model" for a tokenizer without a
+            template, mapping or system_message with a template kept as written, a bad
+            mapping, or tokens to add with no model to grow.
         TypeError: system_message is not a string.
     """
     mapping = check_mapping(mapping)
     if system_message is not None and not isinstance(system_message, str):
         raise TypeError(f"system_message must be a string or None; got {type(system_message).__name__}")
+    if model is None:
+        model = linked_model(tokenizer)
+    if isinstance(chat_template, (tuple, list)):
+        return _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_token, model)
 
     if chat_template in (None, "model"):
         fmt = matching_format(tokenizer)
@@ -128,11 +137,52 @@ def get_chat_template(
     else:
         fmt = format_named(chat_template)
 
+    _require_model_for_new_tokens(tokenizer, fmt.special_tokens, model, repr(fmt.name))
     added = _add_missing_tokens(tokenizer, fmt.special_tokens)
     tokenizer.chat_template = template_source(
         fmt, mapping=mapping, system_message=system_message, use_bos=adds_bos(tokenizer)
     )
     _finish(tokenizer, model, fmt.turn_end or tokenizer.eos_token, map_eos_token, added)
+    return tokenizer
+
+
+def linked_model(tokenizer):
+    """The model FastModel.from_pretrained loaded with `tokenizer`, while it exists."""
+    reference = getattr(tokenizer, "_slothkit_model", None)
+    return reference() if reference is not None else None
+
+
+def _require_model_for_new_tokens(tokenizer, tokens, model, what: str) -> None:
+    missing = [t for t in tokens if t not in tokenizer.get_vocab()]
+    if missing and model is None:
+        raise ValueError(
+            f"chat template {what} needs the tokens {missing}, which this tokenizer lacks: pass model= "
+            "(get_chat_template(tokenizer, ..., model=model)) so that the embeddings grow with them"
+        )
+
+
+def _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_token, model):
+    """A ``(jinja_template, eos_token)`` pair, installed as written."""
+    if len(chat_template) != 2 or not all(isinstance(part, str) for part in chat_template):
+        raise ValueError(
+            "a custom chat_template is a pair (jinja_template, eos_token) of strings; got "
+            f"{type(chat_template).__name__} of {len(chat_template)}"
+        )
+    template, eos_token = chat_template
+    if "{%" not in template and "{{" not in template:
+        raise ValueError(
+            "a custom chat_template must be a Jinja template over `messages` ({% for message in messages %}"
+            "...); a prompt with {INPUT}/{OUTPUT}-style placeholders is text to format yourself"
+        )
+    if mapping != DEFAULT_MAPPING or system_message is not None:
+        raise ValueError(
+            "mapping= and system_message= apply to slothkit's named formats; a custom (template, eos_token) "
+            "is installed as written: write the dataset's key names and any system text into the template"
+        )
+    _require_model_for_new_tokens(tokenizer, (eos_token,), model, "(custom)")
+    added = _add_missing_tokens(tokenizer, (eos_token,))
+    tokenizer.chat_template = template
+    _finish(tokenizer, model, eos_token, map_eos_token, added)
     return tokenizer
 
 
@@ -264,13 +314,7 @@ def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
     causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
-        if causal_lm is not model:
-            raise ValueError(
-                f"the tokenizer has {len(tokenizer)} ids but the model's embeddings only {rows} rows, and "
-                "LoRA adapters are already attached; call get_chat_template(..., model=model) before "
-                "FastModel.get_peft_model"
-            )
-        causal_lm.resize_token_embeddings(len(tokenizer))
+        _grow_embeddings(causal_lm, len(tokenizer), after_lora=_has_lora(model, causal_lm))
         warnings.warn(
             f"the embeddings grew from {rows} to {len(tokenizer)} rows; the new rows are untrained, so add "
             "modules_to_save=['embed_tokens', 'lm_head'] to get_peft_model to learn them",
@@ -285,3 +329,31 @@ def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
     generation.eos_token_id = stop_ids[0] if len(stop_ids) == 1 else stop_ids
     if generation.pad_token_id is None and tokenizer.pad_token_id is not None:
         generation.pad_token_id = tokenizer.pad_token_id
+
+
+def _has_lora(model, causal_lm) -> bool:
+    """Whether PEFT wraps `causal_lm` (given as the PeftModel or as the model inside it)."""
+    return causal_lm is not model or any(
+        "lora_" in name for name, _ in causal_lm.named_parameters(recurse=True)
+    )
+
+
+def _grow_embeddings(causal_lm, rows: int, *, after_lora: bool) -> None:
+    """Resize the embeddings (and an untied head) to `rows`.  With LoRA adapters already
+    attached this works only while the embeddings are plain modules (not adapted or in
+    modules_to_save); they stay frozen, as they were."""
+    import torch
+
+    embeddings, head = causal_lm.get_input_embeddings(), causal_lm.get_output_embeddings()
+    if after_lora and not (
+        type(embeddings) is torch.nn.Embedding and (head is None or type(head) is torch.nn.Linear)
+    ):
+        raise ValueError(
+            f"the tokenizer has {rows} ids, more than the model's embeddings, and LoRA adapters already wrap "
+            "the embeddings; call get_chat_template(..., model=model) before FastModel.get_peft_model"
+        )
+    trainable = {name: p.requires_grad for name, p in causal_lm.named_parameters()}
+    causal_lm.resize_token_embeddings(rows)
+    for name, param in causal_lm.named_parameters():
+        if name in trainable:
+            param.requires_grad_(trainable[name])

@@ -75,6 +75,9 @@ def probe_markers(tokenizer) -> tuple[str, str]:
     ):
         shared += 1
     instruction = between_exchanges[shared:]
+    bos = tokenizer.bos_token
+    if bos and instruction.startswith(bos):  # a BOS opening each exchange (llama-2) stops a reply anyway
+        instruction = instruction[len(bos) :]
     prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
     plain = tokenizer.apply_chat_template(conversation[:1], tokenize=False)
     if prompt.startswith(plain) and len(prompt) > len(plain):
@@ -140,7 +143,7 @@ def _template_contexts(tokenizer) -> list[str]:
 class ResponseMasker:
     """Which tokens of a batch belong to assistant replies, found through the markers."""
 
-    def __init__(self, tokenizer, instruction_part: str, response_part: str):
+    def __init__(self, tokenizer, instruction_part: str, response_part: str, *, force_match: bool = True):
         if instruction_part == response_part:
             raise ValueError(f"instruction_part and response_part are both {instruction_part!r}")
         self.tokenizer = tokenizer
@@ -149,6 +152,17 @@ class ResponseMasker:
         contexts = _template_contexts(tokenizer)
         self.instruction_variants = marker_variants(tokenizer, instruction_part, contexts)
         self.response_variants = marker_variants(tokenizer, response_part, contexts)
+        if not force_match:
+            # Also the markers without their surrounding whitespace, which the text may
+            # spell otherwise (a reply then starts at that whitespace).
+            for attribute, marker in (
+                ("instruction_variants", instruction_part),
+                ("response_variants", response_part),
+            ):
+                if marker.strip() and marker.strip() != marker:
+                    loose = marker_variants(tokenizer, marker.strip(), contexts)
+                    merged = set(getattr(self, attribute)) | set(loose)
+                    setattr(self, attribute, sorted(merged, key=len, reverse=True))
         self.bos_id = tokenizer.bos_token_id
 
     def _matches(self, ids: torch.Tensor, variants) -> list[tuple[int, int]]:
@@ -243,26 +257,36 @@ def _unpadded(batch, row: int) -> list[int]:
     return ids.tolist()
 
 
-def trainable_counts(masker: ResponseMasker, dataset) -> list[int]:
-    """Per sample of a tokenized dataset: how many labels stay trainable after masking."""
-    counts = []
-    has_labels = "labels" in dataset.column_names
-    for record in dataset:
-        ids = torch.tensor(record["input_ids"])
-        keep = masker.keep_row(ids)
-        if has_labels:
-            keep &= torch.tensor(record["labels"]) != -100
-        counts.append(int(keep.sum()))
-    return counts
+def masked_labels(masker: ResponseMasker, record) -> list[int]:
+    """The labels of one tokenized sample with every token outside a reply set to -100
+    (the sample's own labels, when it has them, keep their -100s)."""
+    ids = torch.tensor(record["input_ids"])
+    positions = record.get("position_ids")
+    keep = masker.keep_row(ids, None if positions is None else torch.tensor(positions))
+    labels = torch.tensor(record["labels"]) if record.get("labels") is not None else ids
+    return labels.masked_fill(~keep, -100).tolist()
 
 
-def _screen(dataset, masker: ResponseMasker, name: str):
-    """Drop samples with nothing to train on; raise when that is every sample."""
+def _mask_dataset(dataset, masker: ResponseMasker, name: str, num_proc: int | None = None):
+    """Mask a tokenized dataset's "labels" column (TRL's SFTTrainer builds one), so that
+    ``dataset[i]["labels"]`` shows -100 outside the replies; drop samples with nothing to
+    train on; raise when that is every sample.  A dataset without labels gets none (a
+    collator such as transformers' DataCollatorForLanguageModeling could not pad them):
+    the collator masks its batches."""
     import datasets
 
     if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
-        return dataset  # not tokenized yet, or streamed: the collator checks each batch
-    counts = trainable_counts(masker, dataset)
+        return dataset  # not tokenized yet, or streamed: the collator masks each batch
+    if "labels" in dataset.column_names:
+        dataset = dataset.map(
+            lambda record: {"labels": masked_labels(masker, record)},
+            num_proc=num_proc,
+            desc=f"Masking all but the replies in the {name} dataset",
+        )
+        labels_per_sample = dataset["labels"]
+    else:
+        labels_per_sample = [masked_labels(masker, record) for record in dataset]
+    counts = [sum(label != -100 for label in labels) for labels in labels_per_sample]
     empty = [i for i, count in enumerate(counts) if count == 0]
     if len(empty) == len(counts):
         raise NoTrainableTokensError(
@@ -283,13 +307,23 @@ def _screen(dataset, masker: ResponseMasker, name: str):
 
 
 def train_on_responses_only(
-    trainer, instruction_part: str | None = None, response_part: str | None = None, *, tokenizer=None
+    trainer,
+    instruction_part: str | None = None,
+    response_part: str | None = None,
+    force_match: bool = True,
+    *,
+    tokenizer=None,
+    num_proc: int | None = None,
 ):
     """Make `trainer` compute the loss on the assistant replies only (module docstring).
 
-    Tokenized samples with no reply token left are dropped from the datasets (with a
-    warning); if none is left, or a batch has none at training time, NoTrainableTokensError
-    says so with the markers and a decoded sample.
+    A tokenized dataset's "labels" column (TRL's SFTTrainer builds one) is masked
+    (``trainer.train_dataset[i]["labels"]`` shows -100 outside the replies); samples with
+    no reply token left are
+    dropped (with a warning); if none is left, or a batch has none at training time,
+    NoTrainableTokensError says so with the markers and a decoded sample.  The data
+    collator is wrapped to mask each batch the same way, which covers datasets tokenized
+    later, streamed ones and packed batches.
 
     Args:
         trainer: a TRL SFTTrainer or a transformers Trainer, built with its datasets;
@@ -300,8 +334,12 @@ def train_on_responses_only(
             are probed).
         response_part: the text that opens an assistant turn; None (default): read from
             the chat template likewise.
+        force_match: True (default): the markers match as written (in the token
+            sequences they take in context); False: also without their surrounding
+            whitespace.
         tokenizer: the tokenizer that tokenized the data; None (default): the trainer's
             processing_class (or its tokenizer).
+        num_proc: processes for masking the datasets (default None: this one).
 
     Returns:
         The same trainer.
@@ -320,15 +358,16 @@ def train_on_responses_only(
         inferred_instruction, inferred_response = infer_markers(tokenizer)
         instruction_part = inferred_instruction if instruction_part is None else instruction_part
         response_part = inferred_response if response_part is None else response_part
-    masker = ResponseMasker(tokenizer, instruction_part, response_part)
+    masker = ResponseMasker(tokenizer, instruction_part, response_part, force_match=force_match)
     if getattr(trainer, "train_dataset", None) is not None:
-        trainer.train_dataset = _screen(trainer.train_dataset, masker, "training")
+        trainer.train_dataset = _mask_dataset(trainer.train_dataset, masker, "training", num_proc)
     eval_dataset = getattr(trainer, "eval_dataset", None)
     if isinstance(eval_dataset, dict):
         trainer.eval_dataset = {
-            key: _screen(value, masker, f"{key!r} evaluation") for key, value in eval_dataset.items()
+            key: _mask_dataset(value, masker, f"{key!r} evaluation", num_proc)
+            for key, value in eval_dataset.items()
         }
     elif eval_dataset is not None:
-        trainer.eval_dataset = _screen(eval_dataset, masker, "evaluation")
+        trainer.eval_dataset = _mask_dataset(eval_dataset, masker, "evaluation", num_proc)
     trainer.data_collator = ResponsesOnlyCollator(trainer.data_collator, masker)
     return trainer

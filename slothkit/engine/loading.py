@@ -41,6 +41,12 @@ def pick_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return dtype
 
 
+def is_bfloat16_supported() -> bool:
+    """Whether this machine trains in bfloat16 on a GPU: False on the CPU (transformers
+    refuses bf16=True there without use_cpu=True) and on GPUs without bf16 (T4, V100)."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def nf4_settings(compute_dtype: torch.dtype) -> dict:
     """QLoRA's bitsandbytes settings, as ``BitsAndBytesConfig`` keywords: NF4 with double
     quantisation (the absmax constants quantised too), packed two values per uint8."""

@@ -106,6 +106,39 @@ GOLDEN = {
     ),
 }
 
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+VICUNA_OLD_SYSTEM = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
+GOLDEN.update(
+    {
+        "llama-2": (
+            B + "[INST] Hi there [/INST] Hello! " + E + B + "[INST] What is 2 + 2? [/INST] 4 " + E,
+            B + "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nName a colour. [/INST] Blue. " + E,
+            B + "[INST] Name a colour. [/INST]",
+        ),
+        "qwen-2.5": (
+            B + f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n" + GOLDEN["chatml"][0].removeprefix(B),
+            GOLDEN["chatml"][1],
+            B + f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n" + GOLDEN["chatml"][2].removeprefix(B),
+        ),
+        "phi-3": (
+            B + "<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n"
+            "<|user|>\nWhat is 2 + 2?<|end|>\n<|assistant|>\n4<|end|>\n",
+            B
+            + "<|system|>\nBe brief.<|end|>\n<|user|>\nName a colour.<|end|>\n<|assistant|>\nBlue.<|end|>\n",
+            B + "<|user|>\nName a colour.<|end|>\n<|assistant|>\n",
+        ),
+        "vicuna_old": (
+            B + VICUNA_OLD_SYSTEM + "\n### Human: Hi there\n### Assistant: Hello!" + E + "\n"
+            "### Human: What is 2 + 2?\n### Assistant: 4" + E + "\n",
+            B + "Be brief.\n### Human: Name a colour.\n### Assistant: Blue." + E + "\n",
+            B + VICUNA_OLD_SYSTEM + "\n### Human: Name a colour.\n### Assistant:",
+        ),
+    }
+)
+
 # What the assistant masks keep of TWO_EXCHANGES: each reply, its end token and separator.
 KEPT = {
     "chatml": "Hello!<|im_end|>\n4<|im_end|>\n",
@@ -115,6 +148,10 @@ KEPT = {
     "llama-3": "Hello!<|eot_id|>4<|eot_id|>",
     "gemma": "Hello!<end_of_turn>\n4<end_of_turn>\n",
     "mistral": " Hello!" + E + " 4" + E,
+    "llama-2": " Hello! " + E + " 4 " + E,
+    "qwen-2.5": "Hello!<|im_end|>\n4<|im_end|>\n",
+    "phi-3": "Hello!<|end|>\n4<|end|>\n",
+    "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",
 }
 
 
@@ -122,11 +159,18 @@ def _tokenizer(arch="llama", **kwargs):
     return AutoTokenizer.from_pretrained(str(tiny_model_path(arch)), **kwargs)
 
 
+def _model(arch="llama"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path(arch)), dtype=torch.float32)
+
+
 def _templated(name, arch="llama", **kwargs):
+    # A format's tokens are added only with a model whose embeddings follow (covered below).
     tokenizer = _tokenizer(arch)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tokens added without a model: covered below
-        return get_chat_template(tokenizer, name, **kwargs)
+        warnings.simplefilter("ignore")  # the embeddings-grew notice
+        return get_chat_template(tokenizer, name, model=_model(arch), **kwargs)
 
 
 def _ids(encoded):
@@ -230,8 +274,13 @@ def test_missing_tokens_grow_the_embeddings_and_warn():
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)
     for token in FORMATS["llama-3"].special_tokens:
         assert len(tokenizer.tokenize(token)) == 1
-    with pytest.warns(UserWarning, match="pass model="):
-        get_chat_template(_tokenizer("mistral"), "chatml")
+    # Without a model the tokens are refused rather than added past the embeddings.
+    tokenizer = _tokenizer("mistral")
+    with pytest.raises(
+        ValueError, match="needs the tokens \\['<\\|im_start\\|>', '<\\|im_end\\|>'\\].*pass model="
+    ):
+        get_chat_template(tokenizer, "chatml")
+    assert "<|im_start|>" not in tokenizer.get_vocab()
 
 
 def test_mapping_reads_sharegpt_records_directly():
@@ -315,7 +364,8 @@ def test_model_template_without_a_match_is_kept():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"chat_template": "llama-2"}, "unknown chat template 'llama-2'; accepted: chatml, vicuna"),
+        ({"chat_template": "llama-9"}, "unknown chat template 'llama-9'; accepted: chatml, vicuna"),
+        ({"chat_template": "unsloth"}, "'unsloth' is not available: it is Unsloth's own house layout"),
         ({"mapping": {"speaker": "from"}}, "unknown keys \\['speaker'\\]"),
         ({"mapping": {"role": "fr'om"}}, "must be a field or role name"),
         ({"mapping": {"user": "x", "assistant": "x"}}, "the same name"),

@@ -18,10 +18,14 @@ GOOD = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "co
 
 
 def _tokenizer(name="chatml"):
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("llama")))
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_model_path("llama"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)  # grows with the format's tokens
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_chat_template(tokenizer, name)
+        return get_chat_template(tokenizer, name, model=model)
 
 
 def test_text_column_replaces_messages():

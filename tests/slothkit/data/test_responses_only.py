@@ -49,10 +49,14 @@ CONVERSATIONS = [
 
 
 def _tokenizer(arch="llama", name="llama-3"):
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path(arch)))
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_model_path(arch))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)  # grows with the format's tokens
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_chat_template(tokenizer, name)
+        return get_chat_template(tokenizer, name, model=model)
 
 
 def _template_mask(tokenizer, conversation):

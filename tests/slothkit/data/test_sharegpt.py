@@ -26,15 +26,17 @@ SHAREGPT = [
 
 
 def test_converts_keys_and_roles_and_keeps_other_columns():
+    # The column keeps its name, as Unsloth's standardize_sharegpt does.
     dataset = standardize_sharegpt(SHAREGPT)
-    assert dataset.column_names == ["id", "messages"]
-    assert dataset[0]["messages"] == [
+    assert dataset.column_names == ["id", "conversations"]
+    assert dataset[0]["conversations"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
     ]
-    assert [m["role"] for m in dataset[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in dataset[1]["conversations"]] == ["user", "assistant", "user", "assistant"]
     assert dataset[1]["id"] == 2
+    assert standardize_sharegpt(SHAREGPT, output_field="messages").column_names == ["id", "messages"]
 
 
 def test_already_standard_records_pass_through():
@@ -47,7 +49,7 @@ def test_custom_speaker_names():
         {"conversations": [{"from": "patient", "value": "It hurts"}, {"from": "doctor", "value": "Where?"}]}
     ]
     dataset = standardize_sharegpt(records, aliases={"patient": "user", "doctor": "assistant"})
-    assert [m["role"] for m in dataset[0]["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in dataset[0]["conversations"]] == ["user", "assistant"]
     with pytest.raises(ValueError, match="aliases must map speaker names to 'system', 'user' or 'assistant'"):
         standardize_sharegpt(records, aliases={"doctor": "expert"})
 

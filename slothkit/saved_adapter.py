@@ -1,0 +1,77 @@
+"""Load a saved LoRA adapter folder with FastModel.from_pretrained.
+
+    model.save_pretrained("lora_model"); tokenizer.save_pretrained("lora_model")
+    model, tokenizer = FastModel.from_pretrained("lora_model")   # later, or elsewhere
+
+The folder holds adapter_config.json and the adapter's weights (and often the tokenizer),
+not a whole model: its adapter_config.json names the base model
+(``base_model_name_or_path``).  That base loads through FastModel.from_pretrained with the
+same settings, then the adapter onto it as a trainable ``peft.PeftModel``, prepared as
+``FastModel.get_peft_model`` prepares a new one, so that training can go on from it or
+``FastModel.for_inference`` can generate with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def is_adapter_folder(name_or_path) -> bool:
+    """Whether `name_or_path` is a local folder holding a PEFT adapter but no model config."""
+    path = str(name_or_path)
+    return (
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, "adapter_config.json"))
+        and not os.path.isfile(os.path.join(path, "config.json"))
+    )
+
+
+def load_saved_adapter(
+    folder: str, *, max_seq_length: int = 2048, use_gradient_checkpointing="offload", **load_kwargs
+):
+    """The base model named in `folder`'s adapter_config.json with the adapter on it.
+
+    Args:
+        folder: a folder written by ``PeftModel.save_pretrained``.
+        max_seq_length: as ``FastModel.from_pretrained``.
+        use_gradient_checkpointing: as ``FastModel.get_peft_model`` (default "offload").
+        **load_kwargs: ``FastModel.from_pretrained``'s other arguments, for the base model.
+
+    Returns:
+        ``(peft_model, tokenizer)``: the tokenizer saved in the folder when there is one
+        (set up as from_pretrained sets up the base's), else the base model's.
+
+    Raises:
+        FileNotFoundError: adapter_config.json names no base model.
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from slothkit.fast_model import FastModel, _link_instances, ready_for_training
+
+    with open(os.path.join(folder, "adapter_config.json")) as handle:
+        base = json.load(handle).get("base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(
+            f"{folder!r} holds a LoRA adapter whose adapter_config.json names no base model "
+            "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
+            "with peft.PeftModel.from_pretrained(model, folder)"
+        )
+    model, tokenizer = FastModel.from_pretrained(base, max_seq_length=max_seq_length, **load_kwargs)
+    if any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        # The folder's tokenizer carries what training changed (a chat template, new tokens).
+        base_tokenizer, tokenizer = tokenizer, AutoTokenizer.from_pretrained(folder)
+        tokenizer.model_max_length = base_tokenizer.model_max_length
+        tokenizer.padding_side = "right"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+        model._slothkit_tokenizer = tokenizer
+        _link_instances(model, tokenizer)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:  # tokens added in training; the adapter holds their rows
+        model.resize_token_embeddings(len(tokenizer))
+    peft_model = PeftModel.from_pretrained(model, folder, is_trainable=True)
+    return ready_for_training(peft_model, model, use_gradient_checkpointing), tokenizer
