@@ -89,6 +89,8 @@ def run(standin: str, out: Path, checkpoint: Path, hub, steps: int) -> dict:
     log.unlink(missing_ok=True)
     notebook.cells.insert(0, nbformat.v4.new_code_cell(MEASURE.format(standin=standin, log=str(log))))
     environment = {**hub.client_env(), "SLOTHKIT_HUB_TOKEN": hub.token, "HF_HUB_OFFLINE": "0"}
+    if os.environ.get("SLOTHKIT_NO_INSTALL"):  # a machine that reaches no package index
+        environment["SLOTHKIT_NO_INSTALL"] = os.environ["SLOTHKIT_NO_INSTALL"]
     if standin == "t4":  # slothkit's defaults below compute capability 8.0
         environment.update(SLOTHKIT_CUDA_GRAPHS="0", SLOTHKIT_KEEP_SUMS="0")
     saved = {key: os.environ.get(key) for key in environment}
