@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 import torch
 
 from slothkit.configuration import environment_defaults
+from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model
 from slothkit.engine.loading import (
@@ -456,5 +456,5 @@ def _link_instances(model, tokenizer) -> None:
     """Instance-level glue for code written against transformers 4 and Unsloth: the
     tokenizer knows its model (so get_chat_template can grow the embeddings without
     model=), and generate takes apply_chat_template's dict (slothkit.generation)."""
-    tokenizer._slothkit_model = weakref.ref(model)
+    link_model(tokenizer, model)
     accept_encoding_in_generate(model)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 
 from slothkit.data.chat_formats import (
     DEFAULT_MAPPING,
@@ -146,9 +147,24 @@ def get_chat_template(
     return tokenizer
 
 
+# tokenizer -> weak reference to the model FastModel.from_pretrained loaded with it.  Kept
+# here rather than on the tokenizer: datasets.map pickles the tokenizer into its worker
+# processes with dill, which pickles what a weak reference points at, so a reference on
+# the tokenizer would copy the whole model (CUDA tensors and all) into every worker.
+_LINKED_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def link_model(tokenizer, model) -> None:
+    """Remember that `tokenizer` was loaded with `model` (while both exist)."""
+    _LINKED_MODELS[tokenizer] = weakref.ref(model)
+
+
 def linked_model(tokenizer):
     """The model FastModel.from_pretrained loaded with `tokenizer`, while it exists."""
-    reference = getattr(tokenizer, "_slothkit_model", None)
+    try:
+        reference = _LINKED_MODELS.get(tokenizer)
+    except TypeError:  # an unhashable stand-in for a tokenizer
+        return None
     return reference() if reference is not None else None
 
 

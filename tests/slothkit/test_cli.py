@@ -46,6 +46,7 @@ def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, c
     from peft import PeftConfig
     from transformers import AutoModelForCausalLM
 
+    pytest.importorskip("nbconvert", reason="--html needs nbconvert (slothkit[dev])")
     out = tmp_path / "demo"
     assert main(["demo", "--tiny", "--output-dir", str(out), "--steps", "8", "--html"]) == 0
     printed = capsys.readouterr().out

@@ -347,6 +347,26 @@ def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhe
         FastModel.from_pretrained(path, load_in_4bit=False, fused="yes")
 
 
+def test_the_tokenizer_knows_its_model_but_pickles_without_it():
+    """datasets.map with num_proc > 1 (dataset_num_proc in TRL's configs) pickles the
+    tokenizer with dill into worker processes; a model carried along would be copied into
+    each, and CUDA tensors cannot even be loaded in a forked worker."""
+    import dill
+    from transformers import AutoTokenizer
+
+    from slothkit.data.chat_templates import linked_model
+
+    path = str(tiny_model_path("llama"))
+    model, tokenizer = FastModel.from_pretrained(path, dtype=torch.float32, load_in_4bit=False)
+    assert linked_model(tokenizer) is model
+    plain = AutoTokenizer.from_pretrained(path)
+    plain.pad_token = plain.pad_token or plain.eos_token
+    plain.padding_side = "right"
+    plain.model_max_length = tokenizer.model_max_length
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert abs(len(dill.dumps(tokenizer)) - len(dill.dumps(plain))) < weights / 10
+
+
 def test_clear_errors_for_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="cannot load model"):
         FastModel.from_pretrained(str(tmp_path / "missing"), load_in_4bit=False)

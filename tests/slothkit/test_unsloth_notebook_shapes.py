@@ -297,7 +297,7 @@ def test_sharegpt_conversations_with_chat_template_and_responses_only():
     messages = [{"role": "user", "content": "Name a slow animal."}]
     inputs = tokenizer.apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True, return_tensors="pt"
-    )
+    ).to(model.device)  # as the notebooks write .to("cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs = model.generate(input_ids=inputs, max_new_tokens=6, use_cache=True, do_sample=False)
@@ -324,7 +324,7 @@ def test_chatml_on_a_tokenizer_without_its_tokens_grows_the_model_it_came_with()
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert start >= old_rows and start in ids  # a new id, past the old rows
-    logits = model(input_ids=torch.tensor([ids])).logits  # every id has a row
+    logits = model(input_ids=torch.tensor([ids], device=model.device)).logits  # every id has a row
     assert logits.shape == (1, len(ids), len(tokenizer))
 
     plain = FastLanguageModel.from_pretrained(
@@ -472,7 +472,8 @@ def test_load_the_saved_adapter_and_generate(tmp_path):
     with torch.no_grad():  # a trained-looking adapter: lora_B is zero at the start
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                generator = torch.Generator(device=param.device).manual_seed(len(name))
+                param.normal_(0, 0.05, generator=generator)
     model.save_pretrained(str(tmp_path / "lora_model"))
     tokenizer.save_pretrained(str(tmp_path / "lora_model"))
 
@@ -485,7 +486,9 @@ def test_load_the_saved_adapter_and_generate(tmp_path):
     assert any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n)  # trainable, as saved
     FastLanguageModel.for_inference(model)
     FastLanguageModel.for_inference(loaded)
-    inputs = loaded_tokenizer([PROMPT.format("Add the numbers.", "2 and 3", "")], return_tensors="pt")
+    inputs = loaded_tokenizer([PROMPT.format("Add the numbers.", "2 and 3", "")], return_tensors="pt").to(
+        model.device
+    )
     with torch.no_grad():
         assert torch.allclose(loaded(**inputs).logits, model(**inputs).logits, atol=1e-5)
     outputs = loaded.generate(**inputs, max_new_tokens=8, use_cache=True, do_sample=False)
