@@ -331,12 +331,12 @@ def build_tiny_model(
     arch: "llama", "mistral", "gemma" or "gemma3" (see the module docstring for what each keeps).
     path: where to write; a fresh temporary folder (left for the caller) when None.
     intermediate_size: MLP width; default 3 * hidden_size.
-    head_dim: default hidden_size // num_heads, except Gemma's 256.
+    head_dim: default hidden_size // num_heads, except Gemma's and Gemma 3's 256.
     vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
         to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
     sliding_window: Mistral and Gemma 3 only; default 32 (Gemma 3: 16), so sequences longer
         than that hit it.
-    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", Mistral and Gemma: "sentencepiece".
+    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", the others: "sentencepiece".
     seed: the weights are a pure function of the arguments.
 
     When hidden_size, intermediate_size and num_heads * head_dim are multiples of 256 (as with

@@ -68,7 +68,8 @@ def save_pretrained_gguf(
 
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
-            (llama, mistral, gemma); slothkit.export.merge turns a LoRA/QLoRA model into one.
+            (llama, mistral, gemma, gemma3_text); slothkit.export.merge turns a LoRA/QLoRA
+            model into one.
         save_directory: the folder to write; its name is the stem of the file names.
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
         quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
