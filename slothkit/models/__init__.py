@@ -1,22 +1,30 @@
 """Supported architectures: one record per family (slothkit.models.architecture).
 
-architecture_for(model.config)     # by config.model_type; None when unsupported
+architecture_for(model.config)     # the fused path's record by config.model_type; None without one
+record_for(model.config)           # any record by config.model_type (GGUF export); None when unknown
 architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
+
+RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches. Gemma 3
+is a record without a fused path: FastModel trains it through plain Hugging Face + PEFT, and
+slothkit exports it.
 """
 
 from __future__ import annotations
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.gemma import GEMMA
+from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.llama import LLAMA
 from slothkit.models.mistral import MISTRAL
 from slothkit.models.shape import Shape
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA)
+RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, GEMMA3)
+ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 
 __all__ = [
     "ARCHITECTURES",
+    "RECORDS",
     "Architecture",
     "GGUFLayout",
     "Shape",
@@ -24,6 +32,7 @@ __all__ = [
     "architecture_for",
     "architecture_named",
     "architecture_of_shape",
+    "record_for",
     "supported_summary",
 ]
 
@@ -31,27 +40,34 @@ __all__ = [
 def architecture_for(config) -> Architecture | None:
     """The Architecture for a transformers config (or anything with a `model_type`, such as
     a Shape), or None if slothkit has no fused path for it."""
+    arch = record_for(config)
+    return arch if arch is not None and arch.fused else None
+
+
+def record_for(config) -> Architecture | None:
+    """The record for a transformers config, fused path or not (GGUF export), or None if
+    slothkit knows nothing of its model_type."""
     model_type = getattr(config, "model_type", None)
-    for arch in ARCHITECTURES:
+    for arch in RECORDS:
         if model_type in arch.model_types:
             return arch
     return None
 
 
 def architecture_named(name: str) -> Architecture:
-    """The record called `name` ("llama", "mistral", "gemma")."""
-    for arch in ARCHITECTURES:
+    """The record called `name` ("llama", "mistral", "gemma", "gemma3")."""
+    for arch in RECORDS:
         if arch.name == name:
             return arch
-    raise ValueError(f"unknown architecture {name!r}; known: {', '.join(a.name for a in ARCHITECTURES)}")
+    raise ValueError(f"unknown architecture {name!r}; known: {', '.join(a.name for a in RECORDS)}")
 
 
 def architecture_of_shape(shape_name: str) -> Architecture:
     """The record whose named shapes include `shape_name` ("gemma-7b" -> Gemma)."""
-    for arch in ARCHITECTURES:
+    for arch in RECORDS:
         if shape_name in arch.shapes:
             return arch
-    known = ", ".join(name for arch in ARCHITECTURES for name in arch.shapes)
+    known = ", ".join(name for arch in RECORDS for name in arch.shapes)
     raise ValueError(f"no architecture names the shape {shape_name!r}; named shapes: {known}")
 
 

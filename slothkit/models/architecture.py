@@ -1,10 +1,13 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py) fills in one Architecture; the rest of
-slothkit reads what differs between families from it and from nowhere else:
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py) fills in one Architecture; the
+rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
-    model_types       architecture_for: FastModel's loading and patching, the bench, GGUF export
+    model_types       architecture_for (fused records only): FastModel's loading and patching,
+                      the bench, the planner; record_for (every record): GGUF export
+    fused             which lookup finds the record: False for a family that FastModel trains
+                      through plain Hugging Face + PEFT (Gemma 3) and slothkit only exports
     causal_lm_class   the tiny fixtures' config.json (slothkit.testing)
     hidden_act        the tiny fixtures' config
     activation_keys   activation(): a loaded config's activation, mapped to the fused MLP's;
@@ -13,7 +16,7 @@ slothkit reads what differs between families from it and from nowhere else:
                       neutral norm weight of the fixtures and of the bench's random models
     tied_embeddings   the tiny fixtures, the planner's weight bytes
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
-    gguf              GGUF export (slothkit.export.gguf: layout, writer)
+    gguf              GGUF export (slothkit.export.gguf: layout, writer, verify)
     tiny              slothkit.testing.tiny_models
     shapes            slothkit.bench.shapes (bench, planner), the notebooks' tiny model
     families          messages
@@ -39,6 +42,18 @@ class GGUFLayout:
     permute_qk: bool
     # llama.cpp's graph has no output matrix: the head is always the token embeddings.
     output_always_tied: bool
+    # Each layer's RMSNorm weights, by the HF module that holds them, and their GGUF name
+    # (blk.N.<name>.weight). Llama's post_attention_layernorm normalises the FFN input
+    # (ffn_norm); Gemma 3's normalises the attention output and pre_feedforward_layernorm
+    # the FFN input, as in llama.cpp's tensor map for gemma2/gemma3.
+    norms: tuple[tuple[str, str], ...] = (
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "ffn_norm"),
+    )
+    # llama.cpp's graph applies the sliding window, to the layers that the file's
+    # attention.sliding_window_pattern marks, with rope.freq_base_swa as their rope base
+    # (Gemma 3). False: no window, or one llama.cpp ignores (Mistral under the llama graph).
+    windowed_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,8 @@ class TinyTraits:
     chat_template: str  # Jinja, in the format of the family's instruct models
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
+    # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern).
+    config: Mapping[str, object] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -75,6 +92,9 @@ class Architecture:
     sliding_window: bool
     gguf: GGUFLayout
     tiny: TinyTraits
+    # slothkit's fused decoder (slothkit.engine) patches this family. False: FastModel
+    # trains it through plain Hugging Face + PEFT and architecture_for does not find it.
+    fused: bool
     # Real checkpoints' sizes by name ("llama-3-8b"), and "tiny-<name>" for CPU runs.
     shapes: Mapping[str, Shape] = field(compare=False)
     # Checkpoints covered, for messages and docs.

@@ -48,6 +48,7 @@ GEMMA = Architecture(
     sliding_window=False,
     # llama.cpp's gemma graph rotates half-split pairs as HF does: Q/K rows stay as stored.
     gguf=GGUFLayout(arch="gemma", permute_qk=False, output_always_tied=True),
+    fused=True,
     tiny=TinyTraits(
         rope_theta=10_000.0,
         rms_norm_eps=1e-6,

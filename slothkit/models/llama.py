@@ -32,6 +32,7 @@ LLAMA = Architecture(
     tied_embeddings=False,
     sliding_window=False,
     gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    fused=True,
     tiny=TinyTraits(
         rope_theta=500_000.0,
         rms_norm_eps=1e-5,

@@ -41,6 +41,7 @@ MISTRAL = Architecture(
     sliding_window=True,
     # llama.cpp runs Mistral with its llama graph (which ignores the window).
     gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    fused=True,
     tiny=TinyTraits(
         rope_theta=10_000.0,
         rms_norm_eps=1e-5,

@@ -15,6 +15,9 @@ kernels and patching code must get right; each architecture record (slothkit.mod
     mistral  GQA, sliding window (32)  SiLU GLU   w * x       own    10000       SentencePiece-style
     gemma    GQA, head_dim 256         GeGLU      (1 + w) * x tied   10000       SentencePiece-style
              (embeddings scaled by sqrt(hidden) inside GemmaModel)
+    gemma3   as gemma, q/k norms, four  GeGLU      (1 + w) * x tied   1000000 /   SentencePiece-style
+             norms per layer; sliding window (16) on every                    10000 (sliding)
+             second layer, the others global
 
 The tokenizers are trained here, with the `tokenizers` library, on a few paragraphs of
 plain English embedded below; they have a few hundred tokens, so most words split into
@@ -37,7 +40,7 @@ import tempfile
 
 import torch
 
-from slothkit.models import ARCHITECTURES as _RECORDS
+from slothkit.models import RECORDS as _RECORDS
 from slothkit.models import Architecture, architecture_named
 
 ARCHITECTURES = tuple(arch.name for arch in _RECORDS)
@@ -325,14 +328,15 @@ def build_tiny_model(
 ) -> pathlib.Path:
     """Write a random-initialised checkpoint of `arch` with its tokenizer; return the folder.
 
-    arch: "llama", "mistral" or "gemma" (see the module docstring for what each keeps).
+    arch: "llama", "mistral", "gemma" or "gemma3" (see the module docstring for what each keeps).
     path: where to write; a fresh temporary folder (left for the caller) when None.
     intermediate_size: MLP width; default 3 * hidden_size.
-    head_dim: default hidden_size // num_heads, except Gemma's 256.
+    head_dim: default hidden_size // num_heads, except Gemma's and Gemma 3's 256.
     vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
         to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
-    sliding_window: Mistral only; default 32, so sequences longer than that hit it.
-    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", Mistral and Gemma: "sentencepiece".
+    sliding_window: Mistral and Gemma 3 only; default 32 (Gemma 3: 16), so sequences longer
+        than that hit it.
+    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", the others: "sentencepiece".
     seed: the weights are a pure function of the arguments.
 
     When hidden_size, intermediate_size and num_heads * head_dim are multiples of 256 (as with
@@ -454,6 +458,7 @@ def _make_config(record: Architecture, *, dtype: torch.dtype, sliding_window: in
         initializer_range=0.02,
         attention_dropout=0.0,
         use_cache=True,
+        **record.tiny.config,
     )
     if record.sliding_window:
         kwargs["sliding_window"] = sliding_window
@@ -472,7 +477,8 @@ def _config_json(config, record: Architecture) -> dict:
         "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "hidden_act", "hidden_activation", "max_position_embeddings", "rms_norm_eps",
         "tie_word_embeddings", "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id",
-        "rope_parameters", "rope_scaling", "dtype", "torch_dtype",
+        "rope_parameters", "rope_scaling", "layer_types", "query_pre_attn_scalar", "dtype",
+        "torch_dtype",
     )  # fmt: skip
     out = {**config.to_diff_dict(), **{k: full[k] for k in traits if k in full}}
     # transformers 5 keeps rope_theta inside rope_parameters; converters and transformers 4

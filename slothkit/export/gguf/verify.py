@@ -313,6 +313,9 @@ def _model_dtype(model) -> torch.dtype:
 
 def _attention_window(model) -> int:
     """Tokens both sides attend to alike: the sliding window where the architecture has one
-    (Mistral), else a comfortable 512."""
-    window = getattr(model.config, "sliding_window", None) if architecture_of(model).sliding_window else None
+    that llama.cpp ignores (Mistral), else a comfortable 512 (Gemma 3: llama.cpp applies the
+    window itself)."""
+    arch = architecture_of(model)
+    ignored = arch.sliding_window and not arch.gguf.windowed_layers
+    window = getattr(model.config, "sliding_window", None) if ignored else None
     return int(window) if window else 512

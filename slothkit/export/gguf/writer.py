@@ -15,6 +15,9 @@ window (`llama.attention.sliding_window`; llama.cpp's llama graph does not apply
 its own converter, so the GGUF matches HF up to the window length), rope scaling (linear as
 metadata; "llama3" as the rope_freqs tensor of per-frequency divisors, as the converter
 writes it), file type and quantization version; the tokenizer as described in slothkit.export.gguf.tokenizer.
+Gemma 3 (a record with windowed_layers) adds which layers slide and their rope base
+(slothkit.export.gguf.attention), and is refused where llama.cpp would compute another
+attention than HF's.
 
 Which tensor gets which type: slothkit.export.gguf.tensor_types. K-quants are encoded in torch on the GPU when
 there is one (kquants), everything else with the `gguf` package.
@@ -35,6 +38,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScali
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import atomic_directory, check_target
+from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
 from slothkit.export.gguf.modelfile import write_modelfile
@@ -64,7 +68,8 @@ def save_pretrained_gguf(
 
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
-            (llama, mistral, gemma); slothkit.export.merge turns a LoRA/QLoRA model into one.
+            (llama, mistral, gemma, gemma3_text); slothkit.export.merge turns a LoRA/QLoRA
+            model into one.
         save_directory: the folder to write; its name is the stem of the file names.
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
         quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
@@ -243,17 +248,24 @@ class _HyperParameters:
     rope_type: str
     rope: dict
     sliding_window: int | None
+    sliding_layers: tuple[bool, ...] | None  # per layer, True: within the window (windowed_layers)
+    rope_theta_sliding: float | None  # the sliding layers' rope base (windowed_layers)
 
 
 def _hyperparameters(config, arch: Architecture) -> _HyperParameters:
     n_heads, n_kv_heads = head_counts(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope, sliding_rope = attention.rope_parameters(config)
+    rope_type = rope["rope_type"]
     if rope_type not in ("default", "linear", "llama3"):
         raise NotImplementedError(
             f"GGUF export supports the rope types 'default', 'linear' and 'llama3'; this model uses {rope_type!r}"
         )
+    sliding_layers, rope_theta_sliding = None, None
+    if arch.gguf.windowed_layers:
+        attention.check_windowed_attention(config, arch, head_dim, sliding_rope)
+        sliding_layers = attention.sliding_layers(config)
+        rope_theta_sliding = sliding_rope["rope_theta"] if sliding_rope else rope["rope_theta"]
     return _HyperParameters(
         vocab_size=config.vocab_size,
         hidden=config.hidden_size,
@@ -264,10 +276,12 @@ def _hyperparameters(config, arch: Architecture) -> _HyperParameters:
         head_dim=head_dim,
         rms_eps=config.rms_norm_eps,
         context=config.max_position_embeddings,
-        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10_000.0))),
+        rope_theta=rope["rope_theta"],
         rope_type=rope_type,
         rope=rope,
         sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
+        sliding_layers=sliding_layers,
+        rope_theta_sliding=rope_theta_sliding,
     )
 
 
@@ -292,6 +306,9 @@ def _write_metadata(writer: GGUFWriter, hp: _HyperParameters, method, name: str)
         writer.add_rope_scaling_factor(float(hp.rope["factor"]))
     if hp.sliding_window:
         writer.add_sliding_window(int(hp.sliding_window))
+    if hp.sliding_layers is not None:
+        writer.add_sliding_window_pattern(list(hp.sliding_layers))
+        writer.add_rope_freq_base_swa(hp.rope_theta_sliding)
 
 
 def _llama3_rope_divisors(hp: _HyperParameters) -> torch.Tensor:
@@ -351,7 +368,7 @@ def _gguf_tensors(model, arch: Architecture, hp: _HyperParameters) -> Iterator[t
             continue  # buffers recomputed by both sides
         if hf_name == "lm_head.weight" and head_is_embed:
             continue
-        mapped = gguf_tensor_name(hf_name)
+        mapped = gguf_tensor_name(hf_name, arch)
         if mapped is None:
             unknown.append(hf_name)
             continue

@@ -10,13 +10,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from slothkit.bench.shapes import SHAPES
 from slothkit.models import (
     ARCHITECTURES,
+    RECORDS,
     architecture_for,
     architecture_named,
     architecture_of_shape,
+    record_for,
 )
 from slothkit.testing import TOKENIZER_FLAVOURS
 
-RECORDS = pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+EVERY_RECORD = pytest.mark.parametrize("arch", RECORDS, ids=lambda a: a.name)
+FUSED = pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
 TINY = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -34,7 +37,7 @@ def _activation(config) -> str:
     return getattr(config, "hidden_activation", None) or config.hidden_act
 
 
-@RECORDS
+@EVERY_RECORD
 def test_record_agrees_with_transformers_config_class(arch):
     for model_type in arch.model_types:
         config = AutoConfig.for_model(model_type)  # the class defaults
@@ -43,10 +46,11 @@ def test_record_agrees_with_transformers_config_class(arch):
         assert (getattr(config, "sliding_window", None) is not None) is arch.sliding_window
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == arch.causal_lm_class
         assert arch.activation(config) in ("swiglu", "geglu", "geglu_tanh")  # the fused MLP runs it
-        assert architecture_for(config) is arch
+        assert record_for(config) is arch
+        assert (architecture_for(config) is arch) is arch.fused  # FastModel patches fused ones only
 
 
-@RECORDS
+@EVERY_RECORD
 def test_norm_flavour_and_tied_head_agree_with_transformers_model(arch):
     """A zero norm weight zeroes the output of x * w, and leaves x * (1 + w) normalised."""
     config = AutoConfig.for_model(arch.model_types[0], **TINY)
@@ -63,7 +67,7 @@ def test_norm_flavour_and_tied_head_agree_with_transformers_model(arch):
         assert torch.equal(out, torch.zeros_like(out))
 
 
-@RECORDS
+@EVERY_RECORD
 def test_gguf_layout_agrees_with_gguf_package(arch):
     """The GGUF architecture exists, and has an output matrix unless the record says the
     head is always the token embeddings."""
@@ -73,7 +77,7 @@ def test_gguf_layout_agrees_with_gguf_package(arch):
     assert has_output is not arch.gguf.output_always_tied
 
 
-@RECORDS
+@FUSED
 def test_named_shapes_build_configs_of_the_family(arch):
     assert arch.shapes, f"{arch.name} names no shape"
     assert f"tiny-{arch.name}" in arch.shapes  # the CPU shape of the bench and its tests
@@ -92,7 +96,7 @@ def test_shape_names_are_unique_across_records():
     assert len(names) == len(set(names)) == len(SHAPES)
 
 
-@RECORDS
+@EVERY_RECORD
 def test_tiny_traits_are_consistent(arch):
     tiny = arch.tiny
     assert tiny.tokenizer in TOKENIZER_FLAVOURS
@@ -103,7 +107,9 @@ def test_tiny_traits_are_consistent(arch):
 
 def test_lookups_name_what_is_known():
     assert architecture_named("gemma").model_types == ("gemma",)
-    with pytest.raises(ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma"):
+    with pytest.raises(
+        ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma, gemma3$"
+    ):
         architecture_named("gpt2")
     assert architecture_of_shape("mistral-7b") is architecture_named("mistral")
     with pytest.raises(
@@ -111,3 +117,13 @@ def test_lookups_name_what_is_known():
     ):
         architecture_of_shape("llama-9")
     assert architecture_for(AutoConfig.for_model("qwen2")) is None
+    assert record_for(AutoConfig.for_model("qwen2")) is None
+    gemma3 = AutoConfig.for_model("gemma3_text")
+    assert architecture_for(gemma3) is None  # no fused path: FastModel runs plain HF + PEFT
+    assert record_for(gemma3) is architecture_named("gemma3")  # GGUF export knows it
+    assert architecture_named("gemma3") not in ARCHITECTURES
+
+
+def test_records_without_a_fused_path_name_no_bench_shapes():
+    """The bench and the planner build fused models from named shapes."""
+    assert all(arch.fused for arch in RECORDS if arch.shapes)

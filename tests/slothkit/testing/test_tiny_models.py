@@ -1,4 +1,4 @@
-"""Tests for slothkit.testing: the tiny offline Llama, Mistral and Gemma checkpoints."""
+"""Tests for slothkit.testing: the tiny offline Llama, Mistral, Gemma and Gemma 3 checkpoints."""
 
 import os
 
@@ -80,6 +80,7 @@ def test_builds_and_loads_offline(arch, tmp_path, no_network):
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "gemma": "GemmaForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
     }
     assert type(model).__name__ == expected_class[arch]
     assert tokenizer.is_fast
@@ -161,6 +162,26 @@ def test_mistral_sliding_window_is_hit_after_32_tokens():
         diff = (windowed(ids).logits - unwindowed(ids).logits).abs().amax(-1)[0]
     assert diff[:32].max() < 1e-5
     assert diff[32:].min() > 1e-3
+
+
+def test_gemma3_alternates_sliding_and_global_layers():
+    """Layer 0 slides (window 16, rope base 10,000), layer 1 attends globally (1,000,000);
+    the window is hit after 16 tokens. Each head's queries and keys have their own norm."""
+    path, windowed, _ = _load("gemma3")
+    config, raw = windowed.config, _config_json(path)
+    assert raw["layer_types"] == config.layer_types == ["sliding_attention", "full_attention"]
+    assert raw["sliding_window"] == config.sliding_window == 16
+    thetas = {kind: p["rope_theta"] for kind, p in config.rope_parameters.items()}
+    assert thetas == {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
+    assert config.query_pre_attn_scalar == config.head_dim == 256
+    assert windowed.model.layers[0].self_attn.q_norm.weight.shape == (256,)
+
+    _, unwindowed, _ = _load("gemma3", sliding_window=2048)
+    ids = torch.randint(0, 600, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (windowed(ids).logits - unwindowed(ids).logits).abs().amax(-1)[0]
+    assert diff[:16].max() < 1e-5
+    assert diff[16:].min() > 1e-3
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,6 +319,7 @@ EXPECTED_CHAT = {
         "Fine, thanks.<end_of_turn>\n",
     ),
 }
+EXPECTED_CHAT["gemma3"] = EXPECTED_CHAT["gemma"]  # Gemma 3 keeps Gemma's turn format
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -3,8 +3,10 @@ checked without writing a file; test_writer.py checks the files llama.cpp reads.
 
 import types
 
+import gguf
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slothkit.export.gguf.layout import (
     from_gguf,
@@ -13,7 +15,7 @@ from slothkit.export.gguf.layout import (
     to_gguf,
     unpermute_rotary_rows,
 )
-from slothkit.models import ARCHITECTURES
+from slothkit.models import RECORDS, architecture_named
 
 
 @pytest.mark.parametrize(
@@ -33,10 +35,45 @@ from slothkit.models import ARCHITECTURES
     ],
 )
 def test_tensor_names(hf_name, expected):
-    assert gguf_tensor_name(hf_name) == expected
+    assert gguf_tensor_name(hf_name, architecture_named("llama")) == expected
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
+@pytest.mark.parametrize(
+    "hf_name, expected",
+    [
+        ("model.layers.2.input_layernorm.weight", "blk.2.attn_norm.weight"),
+        ("model.layers.2.self_attn.q_norm.weight", "blk.2.attn_q_norm.weight"),
+        ("model.layers.2.self_attn.k_norm.weight", "blk.2.attn_k_norm.weight"),
+        ("model.layers.2.post_attention_layernorm.weight", "blk.2.post_attention_norm.weight"),
+        ("model.layers.2.pre_feedforward_layernorm.weight", "blk.2.ffn_norm.weight"),
+        ("model.layers.2.post_feedforward_layernorm.weight", "blk.2.post_ffw_norm.weight"),
+    ],
+)
+def test_gemma3_norm_names(hf_name, expected):
+    """Gemma 3's post_attention_layernorm normalises the attention output, not the FFN input."""
+    assert gguf_tensor_name(hf_name, architecture_named("gemma3")) == (expected, 2)
+
+
+@pytest.mark.parametrize("arch", RECORDS, ids=lambda a: a.name)
+def test_every_weight_is_named_as_the_gguf_package_names_it(arch):
+    """Each weight of a small model of the family gets the name that gguf-py's tensor map
+    (what llama.cpp's converter uses) gives it for the record's GGUF architecture."""
+    config = AutoConfig.for_model(
+        arch.model_types[0], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    tensor_map = gguf.get_tensor_name_map(by_name[arch.gguf.arch], 2)
+    names = [name for name, _ in model.named_parameters()]
+    assert len(names) == 2 + (0 if arch.tied_embeddings else 1) + 2 * (7 + len(arch.gguf.norms))
+    for hf_name in names:
+        expected = tensor_map.get_name(hf_name.removesuffix(".weight")) + ".weight"
+        assert gguf_tensor_name(hf_name, arch)[0] == expected, hf_name
+
+
+@pytest.mark.parametrize("arch", RECORDS, ids=lambda a: a.name)
 def test_to_gguf_and_back(arch):
     """Q/K rows permuted exactly where the record says, norms offset by 1 where the norm adds
     one, everything else as it is; from_gguf undoes it."""

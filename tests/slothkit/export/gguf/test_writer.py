@@ -482,7 +482,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256))  # fmt: skip
     _, tokenizer = tiny("llama")
     with pytest.raises(
-        ValueError, match="supports the architectures 'llama', 'mistral', 'gemma'; .* 'qwen2'"
+        ValueError, match="supports the architectures 'llama', 'mistral', 'gemma', 'gemma3_text'; .* 'qwen2'"
     ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 

@@ -1,0 +1,63 @@
+"""Gemma 3 (text): Gemma's (1 + w) RMSNorm, GeGLU (tanh) MLP, sqrt(hidden) embedding scale
+and tied head, with four norms per layer, RMSNorm on each head's queries and keys, and
+attention that alternates sliding-window layers (rope base 10,000) with global ones
+(rope base 1,000,000).
+
+The four norms, in transformers' Gemma3DecoderLayer:
+    h = x + post_attention_layernorm(attn(input_layernorm(x)))
+    y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+q_norm and k_norm normalise each head's queries and keys before the rotation. Every one of
+them, like the final norm, scales by (1 + w).
+
+slothkit has no fused path for it (fused=False): FastModel trains it through plain Hugging
+Face + PEFT, and the record serves GGUF export and the tiny test checkpoint. llama.cpp runs
+it as its "gemma3" graph; which layer slides, and the sliding layers' rope base, go into the
+file (slothkit.export.gguf.attention).
+"""
+
+from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
+from slothkit.models.gemma import GEMMA
+
+GEMMA3 = Architecture(
+    name="gemma3",
+    model_types=("gemma3_text",),
+    causal_lm_class="Gemma3ForCausalLM",
+    hidden_act=GEMMA.hidden_act,
+    activation_keys=GEMMA.activation_keys,
+    norm_adds_one=True,
+    tied_embeddings=True,
+    sliding_window=True,
+    gguf=GGUFLayout(
+        arch="gemma3",
+        permute_qk=False,  # half-split ("neox") rotation, as HF's
+        # llama.cpp's gemma3 reads output.weight when the file has one (an untied head), else
+        # the token embeddings; Gemma 3's checkpoints tie them, so none is written.
+        output_always_tied=False,
+        norms=(
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_norm", "attn_q_norm"),
+            ("self_attn.k_norm", "attn_k_norm"),
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("pre_feedforward_layernorm", "ffn_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"),
+        ),
+        windowed_layers=True,
+    ),
+    fused=False,
+    tiny=TinyTraits(
+        rope_theta=1_000_000.0,  # the global layers'; the sliding ones keep the config's 10,000
+        rms_norm_eps=1e-6,
+        head_dim=256,  # as in every Gemma 3, and what query_pre_attn_scalar (256) assumes
+        sliding_window=16,  # short, so that a few sentences hit it
+        tokenizer="sentencepiece",
+        chat_template=GEMMA.tiny.chat_template,  # Gemma 3 keeps Gemma's turn format
+        chat_specials=GEMMA.tiny.chat_specials,
+        end_of_turn=GEMMA.tiny.end_of_turn,
+        # Every second layer global (the real models: every sixth), so that two layers hold
+        # one of each kind.
+        config={"sliding_window_pattern": 2},
+    ),
+    # No named shapes: the bench and the planner measure the fused path.
+    shapes={},
+    families=("Gemma 3 (text)",),
+)
