@@ -14,7 +14,6 @@ Prints the figures and writes them as JSON to --out/gguf-timing.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -23,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-LLAMA_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q8_0": 7, "q4_0": 2}  # llama.h
 
 
 def host_peak_gib() -> float:
@@ -75,6 +72,7 @@ def main() -> None:
     from slothkit.bench.train_worker import build_model
     from slothkit.export.gguf import save_pretrained_gguf, write_gguf
     from slothkit.export.gguf.tensor_types import quantization_method
+    from slothkit.export.gguf.verify import quantize_with_llama_cpp
     from slothkit.testing import build_tiny_tokenizer
 
     method = quantization_method(args.quant)
@@ -122,16 +120,10 @@ def main() -> None:
     figures["slothkit_f16_s"] = time.perf_counter() - start
 
     record(out, figures)  # written after every stage: a run cut short still reports
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPE[args.quant]
-    params.nthread = os.cpu_count()
     reference = out / f"llama-cpp.{args.quant}.gguf"
     start = time.perf_counter()
-    code = llama_cpp.llama_model_quantize(str(f16).encode(), str(reference).encode(), ctypes.byref(params))
+    quantize_with_llama_cpp(f16, reference, args.quant)
     figures["llama_cpp_quantize_s"] = time.perf_counter() - start
-    figures["llama_cpp_quantize_status"] = code
     figures["llama_cpp_file_gib"] = reference.stat().st_size / 2**30
     figures["slothkit_error"] = relative_errors(saved, originals)
     figures["llama_cpp_error"] = relative_errors(reference, originals)

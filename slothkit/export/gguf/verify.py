@@ -131,6 +131,48 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+# llama.h's llama_ftype values (LLAMA_FTYPE_MOSTLY_*) of the types slothkit also writes.
+LLAMA_FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+
+
+def quantize_with_llama_cpp(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    method: str,
+    pure: bool = False,
+    threads: int | None = None,
+) -> pathlib.Path:
+    """llama.cpp's own quantiser (llama_model_quantize) applied to a GGUF file: the reference
+    slothkit's quantised files are measured against.
+
+    Args:
+        source: an F16 or F32 GGUF file.
+        target: where the quantised file goes.
+        method: a key of LLAMA_FTYPES.
+        pure: every quantisable tensor in the base type, without llama.cpp's per-tensor mix
+            (which keeps some tensors at higher precision).
+        threads: quantiser threads; None: every CPU core.
+
+    Returns:
+        `target`.
+
+    Raises:
+        RuntimeError: llama.cpp refused (its status code is in the message).
+    """
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[method]
+    params.pure = pure
+    params.nthread = threads or os.cpu_count() or 1
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
+    if code != 0:
+        raise RuntimeError(f"llama.cpp could not quantise {source} to {method} (status {code})")
+    return pathlib.Path(target)
+
+
 @contextlib.contextmanager
 def _plain_cpu_kernels():
     """While a Llama is built inside, llama.cpp loads the model without its extra CPU

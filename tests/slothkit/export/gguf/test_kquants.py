@@ -1,7 +1,6 @@
 """K-quant encoders (slothkit.export.gguf.kquants) and the per-tensor type choice, against the `gguf`
 package's decoder and llama.cpp's own quantiser (llama-cpp-python's llama_model_quantize)."""
 
-import ctypes
 import importlib.util
 
 import gguf
@@ -16,6 +15,7 @@ from slothkit.export.gguf.tensor_types import (
     tensor_type,
     use_more_bits,
 )
+from slothkit.export.gguf.verify import quantize_with_llama_cpp
 from slothkit.testing import build_tiny_model
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -101,7 +101,7 @@ def test_rows_must_tile_into_super_blocks():
 # Against llama.cpp: the same tensors through llama_model_quantize
 # ---------------------------------------------------------------------------------------
 
-LLAMA_FTYPE = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "q4_0": 2}  # llama.h LLAMA_FTYPE_MOSTLY_*
+K_AND_Q4_0 = ("q4_k_m", "q5_k_m", "q6_k", "q4_0")  # the types whose mix llama.cpp decides per tensor
 
 
 def _model_and_f32_gguf(tmp_path, arch, **sizes):
@@ -118,19 +118,6 @@ def _model_and_f32_gguf(tmp_path, arch, **sizes):
     return model, tokenizer, source
 
 
-def _llama_cpp_quantize(source, target, ftype: int, pure: bool):
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.pure = pure  # pure: every quantisable tensor gets the base type, no mix
-    params.nthread = 2
-    assert (
-        llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) == 0
-    )
-    return gguf.GGUFReader(target)
-
-
 def _as_array(tensor) -> np.ndarray:
     return np.array(tensor.data).reshape(tuple(reversed([int(n) for n in tensor.shape])))
 
@@ -141,8 +128,10 @@ def test_reconstruction_error_within_5_percent_of_llama_cpp(tmp_path):
         tmp_path, "llama", hidden_size=256, intermediate_size=512, num_layers=1
     )
     originals = {t.name: _as_array(t) for t in gguf.GGUFReader(source).tensors}
-    for name, ftype in (("Q4_K", 15), ("Q5_K", 17), ("Q6_K", 18)):
-        reference = _llama_cpp_quantize(source, tmp_path / f"{name}.gguf", ftype, pure=True)
+    for name, method in (("Q4_K", "q4_k_m"), ("Q5_K", "q5_k_m"), ("Q6_K", "q6_k")):
+        reference = gguf.GGUFReader(
+            quantize_with_llama_cpp(source, tmp_path / f"{name}.gguf", method, pure=True)
+        )
         identical = total = 0
         for tensor in reference.tensors:
             if tensor.tensor_type.name != name:
@@ -171,12 +160,12 @@ def test_reconstruction_error_within_5_percent_of_llama_cpp(tmp_path):
         (
             "gemma",
             dict(hidden_size=256, intermediate_size=512),
-            tuple(LLAMA_FTYPE),
+            K_AND_Q4_0,
         ),  # output tied to token_embd
         (
             "llama",
             dict(hidden_size=288, intermediate_size=576),
-            tuple(LLAMA_FTYPE),
+            K_AND_Q4_0,
         ),  # rows of 288, 576: fallbacks
     ],
     ids=["llama-8-layers", "gemma-tied", "llama-rows-288"],
@@ -184,7 +173,7 @@ def test_reconstruction_error_within_5_percent_of_llama_cpp(tmp_path):
 def test_tensor_types_match_llama_quantize(tmp_path, arch, sizes, methods):
     model, tokenizer, source = _model_and_f32_gguf(tmp_path, arch, **sizes)
     for method in methods:
-        theirs = _llama_cpp_quantize(source, tmp_path / f"ref.{method}.gguf", LLAMA_FTYPE[method], pure=False)
+        theirs = gguf.GGUFReader(quantize_with_llama_cpp(source, tmp_path / f"ref.{method}.gguf", method))
         ours = gguf.GGUFReader(
             write_gguf(model, tmp_path / f"ours.{method}.gguf", tokenizer, quantization_method(method))
         )

@@ -13,7 +13,6 @@ One HF model and one export per type serve every test of the module. The measure
 are printed (pytest -s); docs/gguf-export.md records them.
 """
 
-import ctypes
 import math
 
 import pytest
@@ -27,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slothkit.export.gguf import save_pretrained_gguf, verify_gguf
 from slothkit.export.gguf import verify as verify_module
 from slothkit.export.gguf.pre_tokenizer import CHECK_TEXT
+from slothkit.export.gguf.verify import quantize_with_llama_cpp
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,6 @@ PROMPTS = (
     "def add(a, b):\n    return",
 )
 METHODS = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m")
-LLAMA_FTYPE = {"q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # llama.h's llama_ftype
 TEXTS = (
     "The lighthouse on the northern cape was built in 1871 and has been lit every night since.",
     'def fib(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'
@@ -82,16 +81,6 @@ def measured(path, model, tokenizer, method, greedy, monkeypatch):
     the verdict."""
     monkeypatch.setitem(verify_module.TOLERANCES, method, math.inf)
     return [verify_gguf(path, model, tokenizer, method, prompts=(p,), greedy_tokens=greedy) for p in PROMPTS]
-
-
-def llama_cpp_quantized(f16_path, method, out_path):
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPE[method]
-    code = llama_cpp.llama_model_quantize(
-        str(f16_path).encode(), str(out_path).encode(), ctypes.byref(params)
-    )
-    assert code == 0, f"llama.cpp could not quantise {f16_path} to {method}"
-    return out_path
 
 
 def test_metadata(gemma3, exported):
@@ -154,7 +143,7 @@ def test_quantised_file_is_as_faithful_as_llama_cpp_quantiser(
     greedy = 16 if method == "q8_0" else 6
     tolerance = verify_module.TOLERANCES[method]
     ours = measured(exported[method], model, tokenizer, method, greedy, monkeypatch)
-    reference = llama_cpp_quantized(exported["f16"], method, tmp_path / f"llama-cpp.{method}.gguf")
+    reference = quantize_with_llama_cpp(exported["f16"], tmp_path / f"llama-cpp.{method}.gguf", method)
     theirs = measured(reference, model, tokenizer, method, greedy, monkeypatch)
 
     def summary(reports):

@@ -16,7 +16,6 @@ over the std of HF's logits, at every prompt position):
 The measured errors are printed (pytest -s).
 """
 
-import ctypes
 import math
 
 import pytest
@@ -28,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.export.gguf import save_pretrained_gguf, verify_gguf
 from slothkit.export.gguf import verify as verify_module
+from slothkit.export.gguf.verify import quantize_with_llama_cpp
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,6 @@ PROMPTS = (
     "def add(a, b):\n    return",
 )
 METHODS = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m")
-LLAMA_FTYPE = {"q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # llama.h's llama_ftype
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +60,6 @@ def measured(path, model, tokenizer, method, greedy, monkeypatch):
     return verify_gguf(path, model, tokenizer, method, prompts=PROMPTS, greedy_tokens=greedy)
 
 
-def llama_cpp_quantized(f16_path, method, out_path):
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = LLAMA_FTYPE[method]
-    code = llama_cpp.llama_model_quantize(
-        str(f16_path).encode(), str(out_path).encode(), ctypes.byref(params)
-    )
-    assert code == 0, f"llama.cpp could not quantise {f16_path} to {method}"
-    return out_path
-
-
 def test_f16_agrees_with_the_hf_model(smollm2, exported):
     model, tokenizer = smollm2
     report = verify_gguf(exported["f16"], model, tokenizer, "f16", prompts=PROMPTS, greedy_tokens=16)
@@ -86,7 +75,7 @@ def test_quantised_file_is_as_faithful_as_llama_cpp_quantiser(
     model, tokenizer = smollm2
     greedy = 16 if method == "q8_0" else 6
     ours = measured(exported[method], model, tokenizer, method, greedy, monkeypatch)
-    reference = llama_cpp_quantized(exported["f16"], method, tmp_path / f"llama-cpp.{method}.gguf")
+    reference = quantize_with_llama_cpp(exported["f16"], tmp_path / f"llama-cpp.{method}.gguf", method)
     theirs = measured(reference, model, tokenizer, method, greedy, monkeypatch)
     print(
         f"\n{method}: logit error slothkit {ours.logit_error:.4f}, llama.cpp's quantiser "
