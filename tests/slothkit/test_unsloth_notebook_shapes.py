@@ -410,8 +410,13 @@ def test_orpo_with_its_config():
 
 
 def test_text_completion_with_an_embedding_learning_rate():
+    # float32 weights (dtype=None gives bf16 on a GPU): one step's move of 5e-5 must be
+    # measurable, and a bf16 weight of 0.05 only moves in steps of 2e-4.
     model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=str(tiny_model_path("llama")), max_seq_length=MAX_SEQ, dtype=None, load_in_4bit=False
+        model_name=str(tiny_model_path("llama")),
+        max_seq_length=MAX_SEQ,
+        dtype=torch.float32,
+        load_in_4bit=False,
     )
     model = FastLanguageModel.get_peft_model(
         model,

@@ -192,7 +192,11 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, ml
         skipped_down.clear()
         known_sums.clear()
         model, _ = FastModel.from_pretrained(
-            str(tiny_model_path(arch)), dtype=torch.float32, load_in_4bit=False, device_map={"": "cpu"}
+            str(tiny_model_path(arch)),
+            dtype=torch.float32,
+            load_in_4bit=False,
+            device_map={"": "cpu"},
+            fused=True,  # on a GPU machine TRITON_INTERPRET is off: the CPU would keep HF's modules
         )
         model = FastModel.get_peft_model(
             model, r=8, lora_alpha=16, use_gradient_checkpointing="offload", keep_sums=keeps

@@ -17,7 +17,7 @@ def randomize_lora_b(model, seed: int, scale: float = 0.05) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_B" in name or "lora_embedding_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:  # drawn on the CPU: the same on any device
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
 
 
@@ -28,7 +28,10 @@ def make_lora_model():
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
-    def make(arch, load_in_4bit=False, seed=0, dtype=torch.float32, **peft_kwargs):
+    def make(arch, load_in_4bit=False, seed=0, dtype=torch.float32, peft_directly=False, **peft_kwargs):
+        """peft_directly: add the adapters with PEFT's own get_peft_model, which puts LoRA on
+        every module target_modules names, embeddings included (FastModel.get_peft_model
+        trains embed_tokens and lm_head in full when they are named there, as Unsloth does)."""
         path = tiny_model_path(arch)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -36,7 +39,16 @@ def make_lora_model():
             peft_kwargs.setdefault("r", 4)
             peft_kwargs.setdefault("lora_alpha", 8)
             peft_kwargs.setdefault("target_modules", ALL_PROJECTIONS)
-            model = FastModel.get_peft_model(model, use_gradient_checkpointing=False, **peft_kwargs)
+            if peft_directly:
+                from peft import LoraConfig, get_peft_model
+
+                from slothkit.export import attach_export_methods
+
+                torch.manual_seed(3407)
+                model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **peft_kwargs))
+                attach_export_methods(model)
+            else:
+                model = FastModel.get_peft_model(model, use_gradient_checkpointing=False, **peft_kwargs)
         randomize_lora_b(model, seed)
         FastModel.for_inference(model)
         return model, tokenizer, path
@@ -55,7 +67,8 @@ def logits():
     @torch.no_grad()
     def run(model, ids):
         model.eval()
-        return model(input_ids=ids).logits.float()
+        device = next(model.parameters()).device  # a model on the GPU, or loaded back on the CPU
+        return model(input_ids=ids.to(device)).logits.float().cpu()
 
     return run
 

@@ -100,7 +100,9 @@ def test_rslora_scaling_and_embedding_lora(make_lora_model, input_ids, logits, r
     # rsLoRA scales by alpha / sqrt(r) (= 4 here, not alpha / r = 2); LoRA on the embedding
     # stores A as (r, vocab) and B as (dim, r), so its delta is transposed.
     targets = ["q_proj", "v_proj", "down_proj", "embed_tokens"]
-    model, tokenizer, _ = make_lora_model("llama", use_rslora=True, target_modules=targets, seed=3)
+    model, tokenizer, _ = make_lora_model(
+        "llama", use_rslora=True, target_modules=targets, seed=3, peft_directly=True
+    )
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert q_proj.scaling["default"] == pytest.approx(8 / 4**0.5)
 
@@ -121,7 +123,8 @@ def test_gemma_trained_lm_head_unties_the_embeddings(
     model, tokenizer, _ = make_lora_model("gemma", modules_to_save=["lm_head"], seed=4)
     head = model.base_model.model.lm_head.modules_to_save["default"]
     with torch.no_grad():
-        head.weight.add_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.02)
+        noise = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.02
+        head.weight.add_(noise.to(head.weight.device))
     expected = logits(model, input_ids)
 
     result = save_pretrained_merged(model, tmp_path / "m", tokenizer)
