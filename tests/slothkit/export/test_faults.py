@@ -211,3 +211,46 @@ def test_a_read_only_filesystem_is_refused_and_left_as_it_was(make_lora_model, m
     with pytest.raises(OSError, match="Read-only file system"):
         save_pretrained_merged(model, tmp_path / "out", tokenizer, save_method="lora")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+
+
+def test_a_hub_that_stops_answering_mid_push_fails_in_time_and_leaves_the_repo(
+    local_hub, make_lora_model, tmp_path
+):
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=45)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    repo = "local-user/stalled"
+    local_hub.stall_next("POST", r"/commit/", seconds=60, times=2)  # every attempt hangs
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as error:
+        push_folder_to_hub(tmp_path / "export", repo, token="hf_writer", endpoint=local_hub.endpoint,
+                           retries=1, retry_wait_s=0, timeout_s=0.5)  # fmt: skip
+    assert time.monotonic() - start < 20  # it waited forever before
+    message = str(error.value)
+    assert f"after 2 attempts: {local_hub.endpoint}/api/models/{repo}/commit/main" in message
+    assert "ReadTimeout" in message and "the server stopped answering" in message
+    assert set(local_hub.files(repo)) == {".gitattributes"}  # the repo as it was
+    from huggingface_hub import get_session
+
+    assert get_session().timeout.read is None  # the shared client is given back as it was
+
+
+def test_nothing_listening_names_the_url(make_lora_model, tmp_path, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from slothkit.export import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    with pytest.raises(
+        ConnectionError, match=rf"checking the token failed: http://127.0.0.1:{port}/api/whoami"
+    ):
+        push_folder_to_hub(tmp_path / "export", "me/x", token="hf_x", endpoint=f"http://127.0.0.1:{port}",
+                           timeout_s=2)  # fmt: skip
