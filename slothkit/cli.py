@@ -111,7 +111,7 @@ def _cmd_new_notebook(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        overrides = parse_overrides(args.set, models[args.model].keys())
+        overrides = parse_overrides(args.set, models[args.model].keys(), models[args.model])
         output = args.output or f"{args.model}-{args.template}"
         paths = write_notebook(args.template, args.model, output, overrides, overwrite=args.force)
     except (ValueError, FileExistsError) as error:
@@ -148,7 +148,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             base_model=args.base_model,
         )
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+    except FileExistsError as error:  # the library's message names overwrite=True
+        print(f"slothkit export: {error}".replace("pass overwrite=True", "pass --overwrite"), file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, PermissionError) as error:
         print(f"slothkit export: {error}", file=sys.stderr)
         return 2
     print(f"exported to {result.output}")
@@ -159,6 +162,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slothkit", description="Fast LoRA/QLoRA fine-tuning of open LLMs.")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=None,
+        help="print the full traceback of an error (default: SLOTHKIT_DEBUG=1, else one line)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -172,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         "merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
     )
     demo.add_argument("--model", default="llama-3-8b", help="whose notebook (see `slothkit list`)")
-    demo.add_argument("--template", default="finetune", help="finetune, conversational or dpo")
+    from slothkit.notebook.render import TEMPLATES
+
+    demo.add_argument(
+        "--template", default="finetune", choices=list(TEMPLATES), help="finetune, conversational or dpo"
+    )
     demo.add_argument(
         "--output-dir",
         default="slothkit-demo",
@@ -208,8 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = sub.add_parser("list", help="the models and notebook templates, with their defaults")
     listing.set_defaults(func=_cmd_list)
-
-    from slothkit.notebook.render import TEMPLATES
 
     notebook = sub.add_parser(
         "new-notebook",
@@ -285,9 +296,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors in what the user asked for (exit 2); every other exception is a failure while
+# running (exit 1). Both are one line unless --debug or SLOTHKIT_DEBUG=1.
+USAGE_ERRORS = (ValueError, LookupError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run the `slothkit` command line; returns the exit status.
+
+    Args:
+        argv: the arguments; None (default): sys.argv[1:].
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from slothkit.configuration import debug_tracebacks
+
+    try:
+        debug = args.debug if args.debug is not None else debug_tracebacks()
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"slothkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if debug:
+            raise
+        status = 2 if isinstance(error, USAGE_ERRORS) else 1
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"slothkit {args.command}: {message} (--debug shows the traceback)", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

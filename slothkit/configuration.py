@@ -83,3 +83,22 @@ def real_model_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Pa
     environ = os.environ if environ is None else environ
     value = environ.get("SLOTHKIT_CACHE_DIR", "")
     return pathlib.Path(value).expanduser() if value else pathlib.Path.home() / ".cache/slothkit/real-models"
+
+
+def debug_tracebacks(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the command line prints full tracebacks (the default of its --debug flag):
+    SLOTHKIT_DEBUG=1; unset, empty or 0: one line per error.
+
+    Args:
+        environ: the variables to read; None (the default) reads ``os.environ``.
+
+    Raises:
+        ValueError: SLOTHKIT_DEBUG is set to something other than 1 or 0.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get("SLOTHKIT_DEBUG", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"SLOTHKIT_DEBUG={value!r}; accepted: '1' (tracebacks), '0' or unset (one line per error)"
+        )
+    return value == "1"

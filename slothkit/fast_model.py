@@ -240,11 +240,14 @@ class FastModel:
         Args:
             model: a model from ``FastModel.from_pretrained`` (or any transformers
                 causal LM); not already a PeftModel.
-            r: the LoRA rank, a positive integer (default 16).
-            target_modules: the names of the linear layers to adapt; None (default):
-                all seven projections, q/k/v/o_proj and gate/up/down_proj.
-            lora_alpha: the LoRA scale's numerator: the update is scaled by
-                lora_alpha / r (default 16).
+            r: the LoRA rank, a positive integer (default 16) no larger than the
+                smallest in or out width of the adapted layers.
+            target_modules: the names of the linear layers to adapt (each must name
+                some layer), one name, or "all-linear" (PEFT's value: every linear layer
+                but the output head); None (default): all seven projections, q/k/v/o_proj
+                and gate/up/down_proj.
+            lora_alpha: the LoRA scale's numerator, a positive number: the update is
+                scaled by lora_alpha / r (default 16).
             lora_dropout: dropout on the adapters' input (default 0.0; above 0 the
                 fused kernels fall back to PEFT's path for those layers).
             bias: which biases train: "none" (default), "all" or "lora_only".
@@ -283,13 +286,10 @@ class FastModel:
             raise ValueError("this model already has LoRA adapters (it is a PeftModel)")
         if not isinstance(r, int) or r <= 0:
             raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
-        target_modules = list(ALL_PROJECTIONS if target_modules is None else target_modules)
-        target_modules, modules_to_save = _embeddings_trained_in_full(target_modules, modules_to_save)
-        if not matching_modules(model, target_modules):
-            raise ValueError(
-                f"target_modules={target_modules} match no layer of this model; its linear "
-                f"layers are named {linear_module_leaves(model)}"
-            )
+        target_modules = _lora_targets(target_modules)
+        if target_modules != ALL_LINEAR:
+            target_modules, modules_to_save = _embeddings_trained_in_full(target_modules, modules_to_save)
+        _check_lora_shape(model, target_modules, r, lora_alpha)
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias={bias!r}; accepted: 'none', 'all', 'lora_only'")
         if max_seq_length is not None:
@@ -426,6 +426,62 @@ def _check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwa
 
 
 _EMBEDDING_MODULES = ("embed_tokens", "lm_head")
+
+
+ALL_LINEAR = "all-linear"  # PEFT's target_modules value for every linear layer but the head
+
+
+def _lora_targets(target_modules):
+    """target_modules as PEFT takes it: a list of names, or "all-linear" as it is (a string
+    is not split into characters)."""
+    if target_modules is None:
+        return list(ALL_PROJECTIONS)
+    if isinstance(target_modules, str):
+        return ALL_LINEAR if target_modules == ALL_LINEAR else [target_modules]
+    return list(target_modules)
+
+
+def _adapted_linears(model, target_modules) -> list:
+    """The linear layers LoRA will wrap (PEFT leaves the output head out of "all-linear")."""
+    names = set(matching_modules(model, target_modules)) if target_modules != ALL_LINEAR else None
+    head = causal_lm_of(model).get_output_embeddings()
+    return [
+        module
+        for name, module in model.named_modules()
+        if hasattr(module, "in_features") and hasattr(module, "out_features")
+        and (name in names if names is not None else module is not head)
+    ]  # fmt: skip
+
+
+def _check_lora_shape(model, target_modules, r: int, lora_alpha) -> None:
+    """Refuse LoRA settings that would train silently wrong: a target name that matches no
+    layer, an alpha that scales the update to nothing (or flips it), and a rank above
+    min(in, out) of an adapted layer: B @ A then has no more rank than at min(in, out),
+    only more parameters."""
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
+        raise ValueError(
+            f"lora_alpha={lora_alpha!r}; expected a positive number (the update is scaled by lora_alpha / r: "
+            f"0 trains adapters with no effect), e.g. 16, or 2 * r"
+        )
+    if target_modules != ALL_LINEAR:
+        unknown = [name for name in target_modules if not matching_modules(model, [name])]
+        if unknown == list(target_modules):
+            raise ValueError(
+                f"target_modules={target_modules} match no layer of this model; its linear "
+                f"layers are named {linear_module_leaves(model)}"
+            )
+        if unknown:
+            raise ValueError(
+                f"target_modules: {unknown} match no layer of this model (the others do, and only they "
+                f"would be trained); its linear layers are named {linear_module_leaves(model)}"
+            )
+    widths = [min(m.in_features, m.out_features) for m in _adapted_linears(model, target_modules)]
+    if widths and r > min(widths):
+        raise ValueError(
+            f"r={r} exceeds {min(widths)}, the smallest min(in_features, out_features) of the adapted "
+            f"layers: a LoRA update B @ A cannot have a higher rank than that, so the extra parameters "
+            f"add memory and nothing else; use r <= {min(widths)}"
+        )
 
 
 def _embeddings_trained_in_full(target_modules: list, modules_to_save):

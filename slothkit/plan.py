@@ -149,6 +149,9 @@ def plan(
 ) -> MemoryPlan:
     """Predict the peak and adjust batch (then seq) to fit the GPU; keep the effective
     batch near target_batch through gradient accumulation.  model: a shape name or a Shape."""
+    for name, value in (("seq", seq), ("batch", batch), ("rank", rank), ("target_batch", target_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}; expected a positive integer")
     shape = model if isinstance(model, Shape) else shape_by_name(model)
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
@@ -196,6 +199,7 @@ def plan(
 
 
 def _gpu_memory(gpu: str) -> tuple[float | None, str]:
+    gpu = gpu.lower()  # --gpu T4 as well as t4
     if gpu == "auto":
         import torch
 

@@ -209,6 +209,20 @@ class ResponseMasker:
         ]
         return torch.stack(rows)
 
+    def has_instruction(self, ids) -> bool:
+        """Whether the instruction marker occurs in the 1-D `ids`."""
+        return bool(self._matches(torch.as_tensor(ids), self.instruction_variants))
+
+    def warn_missing_instruction(self, where: str, ids) -> None:
+        """The instruction marker occurs nowhere: a reply then runs on to the next response
+        marker, through the user's next turn, which is trained on; say so."""
+        warnings.warn(
+            f"train_on_responses_only: instruction_part={self.instruction_part!r} occurs in no sample of "
+            f"{where}, so each reply runs on through the next user turn and the user's text is trained on. "
+            f"Check the marker against the chat template: {self.describe(ids)}",
+            stacklevel=4,
+        )
+
     def describe(self, ids) -> str:
         """The markers and the decoded sequence, for error messages."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -227,6 +241,7 @@ class ResponsesOnlyCollator:
     def __init__(self, collator, masker: ResponseMasker):
         self.collator = collator
         self.masker = masker
+        self.instruction_checked = False  # the first batch is checked for the instruction marker
 
     def __call__(self, features):
         batch = self.collator(features)
@@ -236,6 +251,10 @@ class ResponsesOnlyCollator:
             labels = input_ids.clone()
             if batch.get("attention_mask") is not None:
                 labels[batch["attention_mask"] == 0] = -100
+        if not self.instruction_checked:
+            self.instruction_checked = True
+            if not any(self.masker.has_instruction(row) for row in input_ids):
+                self.masker.warn_missing_instruction("the first batch", _unpadded(batch, 0))
         keep = self.masker.keep_mask(input_ids, batch.get("position_ids"))
         labels = labels.masked_fill(~keep, -100)
         if not (labels != -100).any():
@@ -294,6 +313,8 @@ def _mask_dataset(dataset, masker: ResponseMasker, name: str, num_proc: int | No
             f"train on. Check that the markers match the chat template: "
             f"{masker.describe(dataset[0]['input_ids'])}"
         )
+    if not any(masker.has_instruction(ids) for ids in dataset["input_ids"]):
+        masker.warn_missing_instruction(f"the {name} dataset", dataset[0]["input_ids"])
     if empty:
         warnings.warn(
             f"train_on_responses_only: {len(empty)} of {len(counts)} samples of the {name} dataset have no reply "

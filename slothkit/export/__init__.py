@@ -13,7 +13,13 @@ GGUF export lives in slothkit.export.gguf.
 
 from slothkit.export.adapter_export import EXPORT_TARGETS, export_adapter
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
-from slothkit.export.hub import HubAuthError, PushResult, push_folder_to_hub, push_to_hub_merged
+from slothkit.export.hub import (
+    HubAuthError,
+    HubConnectionError,
+    PushResult,
+    push_folder_to_hub,
+    push_to_hub_merged,
+)
 from slothkit.export.merge import MergeSource, merged_state_dict
 from slothkit.export.methods import attach_export_methods
 from slothkit.export.save import SAVE_METHODS, SaveResult, save_pretrained_merged
@@ -23,6 +29,7 @@ __all__ = [
     "SAVE_METHODS",
     "DirectoryNotEmptyError",
     "HubAuthError",
+    "HubConnectionError",
     "MergeSource",
     "PushResult",
     "SaveResult",

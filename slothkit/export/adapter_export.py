@@ -19,6 +19,7 @@ import os
 import pathlib
 import tempfile
 
+from slothkit.export.atomic import check_not_an_input, check_target
 from slothkit.export.hub import PushResult, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
 from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
@@ -34,32 +35,56 @@ class ExportResult:
     push: PushResult | None = None
 
 
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+BASE_MODEL_HELP = "pass base_model=PATH (`--base-model PATH` on the command line)"
+
+
 def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
     folder = pathlib.Path(adapter_dir).expanduser()
     config_file = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder; pass the folder of a saved LoRA adapter")
     if not config_file.is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has no adapter_config.json; pass the folder written by model.save_pretrained() "
             f"(or a Trainer checkpoint-N folder) of a LoRA fine-tune"
         )
-    return json.loads(config_file.read_text(encoding="utf-8"))
+    if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        raise FileNotFoundError(
+            f"{str(folder)!r} has adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); "
+            f"the save that wrote it did not finish, or the weights were moved"
+        )
+    try:
+        return json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{str(config_file)!r} is not valid JSON ({error})") from None
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and "\\" not in name
 
 
 def resolve_base_model(adapter_config: dict, base_model: str | None = None) -> pathlib.Path:
     """The local folder of the base the adapter was trained on."""
     name = base_model or adapter_config.get("base_model_name_or_path")
     if not name:
-        raise ValueError("adapter_config.json names no base_model_name_or_path; pass base_model=PATH")
+        raise ValueError(f"adapter_config.json names no base_model_name_or_path; {BASE_MODEL_HELP}")
     local = pathlib.Path(name).expanduser()
     if local.is_dir() and (local / "config.json").is_file():
         return local
     cached = find_original_checkpoint(name)
     if cached is not None:
         return cached
-    raise FileNotFoundError(
-        f"the adapter's base model {name!r} is not a local checkpoint folder nor in the local Hugging Face "
-        f"cache; download it first (e.g. `huggingface-cli download {name}`) or pass base_model=PATH"
-    )
+    if local.is_dir():
+        raise FileNotFoundError(
+            f"the base model folder {name!r} has no config.json, so it is no checkpoint; {BASE_MODEL_HELP}"
+        )
+    if _looks_like_repo_id(name):
+        fetch = f"download it first (e.g. `huggingface-cli download {name}`) or "
+        where = "is not a local checkpoint folder nor in the local Hugging Face cache"
+    else:
+        fetch, where = "", "is not a local checkpoint folder (no such folder on this machine)"
+    raise FileNotFoundError(f"the adapter's base model {name!r} {where}; {fetch}{BASE_MODEL_HELP}")
 
 
 def _has_tokenizer(folder: pathlib.Path) -> bool:
@@ -95,6 +120,31 @@ def training_settings_from(adapter_dir: pathlib.Path) -> dict | None:
     return facts or None
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a Hub repo id that the Hub would refuse, before any work."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(
+            f"--push {repo_id!r} is not a Hub repo id: expected NAME or OWNER/NAME of letters, digits, "
+            f"'-', '_' and '.' ({error})"
+        ) from None
+
+
+def check_writable(output: str | os.PathLike) -> None:
+    """Refuse an output whose nearest existing folder cannot be written, before any work."""
+    path = pathlib.Path(output).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write the output {str(path)!r}: {str(existing)!r} is not writable")
+    if existing == path and not os.access(path.parent, os.W_OK | os.X_OK):
+        # The folder is replaced by a rename in its parent.
+        raise PermissionError(f"cannot write the output {str(path)!r}: {str(path.parent)!r} is not writable")
+
+
 def load_adapter_model(adapter_dir: str | os.PathLike, base_model: str | None = None):
     """(peft model, tokenizer) for an adapter folder, on its unquantised base, in eval mode."""
     from peft import PeftModel
@@ -123,23 +173,56 @@ def export_adapter(
 ) -> ExportResult:
     """Load the adapter on its base and export it.
 
-    to: "merged_16bit", "merged_4bit", "lora" or "gguf".
-    quant: GGUF quantisation(s), as save_pretrained_gguf's quantization_method takes them (e.g.
-        "q4_k_m", "q4_k_m,q8_0", or QuantizationMethod values); only with to="gguf".
-    push: a Hub repo id to upload the export to (one commit).
-    output: where to write; default ADAPTER_DIR-TO beside the adapter, or a temporary folder
-        when pushing only.
-    base_model: override the base named in adapter_config.json.
+    Every argument, the paths, the repo id and the quantisation names are checked before
+    the model is loaded.
+
+    Args:
+        adapter_dir: the folder of a saved LoRA adapter (adapter_config.json and weights).
+        to: "merged_16bit", "merged_4bit", "lora" or "gguf".
+        quant: GGUF quantisation(s), as save_pretrained_gguf's quantization_method takes
+            them (e.g. "q4_k_m", "q4_k_m,q8_0", or QuantizationMethod values); only with
+            to="gguf".
+        push: a Hub repo id to upload the export to (one commit).
+        output: where to write; default ADAPTER_DIR-TO beside the adapter, or a temporary
+            folder when pushing only.  Never the adapter or base model folder, nor a folder
+            inside or around them.
+        token: the Hub token for push; None: the logged-in one.
+        base_model: override the base named in adapter_config.json.
+        overwrite: replace the model files of a non-empty output folder, keeping its other
+            files.
+        endpoint: another Hub's URL for push.
+
+    Returns:
+        An ``ExportResult``.
+
+    Raises:
+        ValueError: an unknown target or quantisation, a bad repo id, an output that
+            overlaps the adapter or base folder.
+        FileNotFoundError: no adapter (or no weights) in adapter_dir, or no local base.
+        FileExistsError: the output is not empty and overwrite is False.
+        PermissionError: the output cannot be written, or the Hub token is unusable.
     """
+    # Every cheap check comes before loading and merging the model.
     if to not in EXPORT_TARGETS:
         raise ValueError(f"--to {to!r} is not one of {', '.join(EXPORT_TARGETS)}")
     if quant is not None and to != "gguf":
         raise ValueError(f"--quant applies to --to gguf only; got --to {to} --quant {quant}")
+    if to == "gguf":
+        from slothkit.export.gguf import quantization_methods
+
+        if quant is not None:
+            quantization_methods(quant)  # raises naming the valid names
+    if push is not None:
+        check_repo_id(push)
     folder = pathlib.Path(adapter_dir).expanduser()
     config = read_adapter_config(folder)
-    resolve_base_model(config, base_model)  # fail before loading anything
+    base_path = resolve_base_model(config, base_model)
     if output is None and push is None:
         output = folder.with_name(f"{folder.resolve().name}-{to}")
+    if output is not None:
+        check_target(output, overwrite)
+        check_not_an_input(output, {"the adapter": folder, "the base model": base_path})
+        check_writable(output)
 
     if push is not None:  # check the token before the slow part
         from huggingface_hub import HfApi
@@ -160,7 +243,8 @@ def export_adapter(
             from slothkit.export.gguf import save_pretrained_gguf
 
             kwargs = {"quantization_method": quant} if quant is not None else {}
-            plain = merged_plain_model(model, tokenizer)  # the GGUF writer takes a merged model
+            # The GGUF writer takes a merged model; its temporary checkpoint goes beside the output.
+            plain = merged_plain_model(model, tokenizer, scratch_dir=target.expanduser().absolute().parent)
             saved = save_pretrained_gguf(plain, str(target), tokenizer, overwrite=overwrite, **kwargs)
         else:
             saved = save_pretrained_merged(

@@ -15,6 +15,19 @@ the old contents, now at the sibling's name, are deleted afterwards. Where that 
 (other systems, old kernels or filesystems without it) the old directory is first renamed
 aside, the new one renamed in, and the old one deleted; only a crash between those two renames
 can leave the target missing, with the old files still in the `.NAME.replaced-XXXX` sibling.
+
+What overwrite replaces: with keep_other_files=True, only the files a save writes
+(SAVED_FILE_PATTERNS: weights, configs, tokenizer, model card, GGUF files) are replaced;
+every other file and folder of the old directory (notes, scripts, checkpoints) is carried
+into the new one as a hard link (a copy where links are not possible) before the swap.
+
+Durability and leftovers: every file and the staging directory are fsync'ed before the
+rename, and the parent after it, so a power cut leaves the old or the new directory, not an
+empty one.  The staging directory gets the permissions of a directory made with the
+process's umask (mkdtemp makes it 0700).  While it is written the staging directory holds an
+exclusive flock, which the kernel drops when the process dies (kill -9 included); the next
+save to the same target removes staging leftovers whose lock it can take, naming each with
+its size, and reports `.NAME.replaced-*` ones (they may hold the only copy of a save).
 """
 
 from __future__ import annotations
@@ -22,16 +35,37 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
+import fnmatch
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: leftovers are reported, not removed
+    fcntl = None
+
+# The files a slothkit save writes: an overwrite replaces these and keeps everything else.
+SAVED_FILE_PATTERNS = (
+    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf",
+    "Modelfile", "Modelfile.*", "adapter_config.json", "config.json", "generation_config.json",
+    "README.md", "chat_template.jinja", "chat_template.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "merges.txt",
+)  # fmt: skip
 
 
 class DirectoryNotEmptyError(FileExistsError):
     """The target directory already holds files and overwrite was not asked for."""
+
+
+class OverlappingPathsError(ValueError):
+    """The output folder is, contains, or lies inside a folder the save reads from."""
 
 
 def is_non_empty_directory(path: pathlib.Path) -> bool:
@@ -54,20 +88,222 @@ def check_target(target: str | os.PathLike, overwrite: bool) -> pathlib.Path:
     return target
 
 
+def check_not_an_input(target: str | os.PathLike, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """Refuse an output folder that is, contains, or lies inside a folder being read.
+
+    Replacing such a folder would delete the input (an adapter exported onto itself, a merge
+    written over its base checkpoint) even before the new files are complete.
+
+    Args:
+        target: the output folder.
+        inputs: {what it is ("the adapter", "the base model"): its folder}; None values and
+            paths that are not existing folders are skipped.
+
+    Raises:
+        OverlappingPathsError: naming the input and how the two overlap.
+    """
+    out = pathlib.Path(target).expanduser().resolve()
+    for label, folder in inputs.items():
+        if folder is None:
+            continue
+        folder = pathlib.Path(folder).expanduser()
+        if not folder.is_dir():
+            continue
+        folder = folder.resolve()
+        if out == folder:
+            how = "is"
+        elif folder in out.parents:
+            how = "is inside"
+        elif out in folder.parents:
+            how = "contains"
+        else:
+            continue
+        raise OverlappingPathsError(
+            f"the output folder {str(out)!r} {how} {label} {str(folder)!r}, which this export reads; "
+            f"writing there could destroy it. Choose an output folder outside {str(folder)!r}"
+        )
+
+
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[pathlib.Path]:
-    """Yield an empty staging directory that becomes `target` when the block completes."""
+def atomic_directory(
+    target: str | os.PathLike, overwrite: bool = False, *, keep_other_files: bool = False
+) -> Iterator[pathlib.Path]:
+    """Yield an empty staging directory that becomes `target` when the block completes.
+
+    Args:
+        target: the directory to write.
+        overwrite: replace a non-empty `target` (refused otherwise).
+        keep_other_files: when replacing, carry over the old directory's files and folders
+            that do not match SAVED_FILE_PATTERNS and that the block did not write.
+    """
     target = check_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(target)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    lock = _lock(staging)
     try:
         yield staging
         # Checked again: another process may have filled the target while we were writing.
         check_target(target, overwrite)
+        if keep_other_files and target.is_dir():
+            _carry_other_files(target, staging)
+        os.chmod(staging, 0o777 & ~_umask())
+        _fsync_tree(staging)
         _move_into_place(staging, target)
+        _fsync_directory(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def is_saved_file(name: str) -> bool:
+    """A file name of the kinds a slothkit save writes (SAVED_FILE_PATTERNS)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in SAVED_FILE_PATTERNS)
+
+
+def _carry_other_files(old: pathlib.Path, staging: pathlib.Path) -> None:
+    for entry in old.iterdir():
+        destination = staging / entry.name
+        if destination.exists() or destination.is_symlink():
+            continue  # written by this save: the new file wins
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry), destination)
+        elif entry.is_dir():
+            shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
+        elif not is_saved_file(entry.name):
+            _link_or_copy(entry, destination)
+
+
+def _link_or_copy(source, destination) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:  # another filesystem, or one without hard links
+        shutil.copy2(source, destination)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # os.umask only reads by setting; restored at once
+    os.umask(mask)
+    return mask
+
+
+def _fsync_tree(root: pathlib.Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_directory(pathlib.Path(folder))
+
+
+def _fsync_directory(folder: pathlib.Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # systems that cannot open a directory (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.EBADF):  # filesystems without directory fsync
+            raise
+    finally:
+        os.close(fd)
+
+
+def _lock(folder: pathlib.Path) -> int | None:
+    """An exclusive flock on `folder`, held until the returned descriptor is closed."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _size(folder: pathlib.Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+    return total
+
+
+def leftovers(target: str | os.PathLike) -> list[pathlib.Path]:
+    """Staging (`.NAME.partial-*`) and set-aside (`.NAME.replaced-*`) folders that saves to
+    `target` left beside it."""
+    target = pathlib.Path(target).expanduser()
+    if not target.parent.is_dir():
+        return []
+    prefixes = (f".{target.name}.partial-", f".{target.name}.replaced-")
+    return sorted(
+        p
+        for p in target.parent.iterdir()
+        if p.name.startswith(prefixes) and p.is_dir() and not p.is_symlink()
+    )
+
+
+def remove_leftovers(target: str | os.PathLike) -> list[tuple[pathlib.Path, int]]:
+    """Remove the staging folders that interrupted saves to `target` left beside it, and
+    warn naming each with its size.  A staging folder whose lock is still held belongs to a
+    save in progress and stays.  A `.NAME.replaced-*` folder may hold the only copy of an
+    earlier save (a crash between two renames, module docstring), and without flock
+    (Windows) a staging folder cannot be told from a live one: those are reported, not
+    removed.
+
+    Args:
+        target: the directory a save is about to write.
+
+    Returns:
+        (folder, bytes) of each leftover removed.
+    """
+    removed, kept = [], []
+    for folder in leftovers(target):
+        size = _size(folder)
+        if ".partial-" in folder.name and fcntl is not None and _unlocked(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append((folder, size))
+        elif ".replaced-" in folder.name or fcntl is None:
+            kept.append((folder, size))
+    if removed:
+        warnings.warn(
+            "removed what interrupted saves left: "
+            + ", ".join(f"{str(folder)!r} ({_megabytes(size)})" for folder, size in removed),
+            stacklevel=3,
+        )
+    if kept:
+        warnings.warn(
+            "interrupted saves left these folders; check them and delete them when done: "
+            + ", ".join(f"{str(folder)!r} ({_megabytes(size)})" for folder, size in kept),
+            stacklevel=3,
+        )
+    return removed
+
+
+def _unlocked(folder: pathlib.Path) -> bool:
+    """True when no living process holds the folder's lock (its save died)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops the lock taken here
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def _move_into_place(staging: pathlib.Path, target: pathlib.Path) -> None:

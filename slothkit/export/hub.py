@@ -12,11 +12,16 @@ file of the export appears in the repo or none does. Retrying after a failure is
   same commit, so the repo holds exactly one model (MODEL_FILE_PATTERNS; other files stay).
 
 Transient failures (connection errors, HTTP 5xx, 408, 429) are retried here a few times with
-a growing pause; authentication problems are reported with how to log in.
+a growing pause; authentication problems are reported with how to log in.  huggingface_hub's
+shared HTTP client waits forever by default, so a server that stops answering mid-upload
+would hang the push: while slothkit pushes, that client gets connect and read timeouts
+(`timeout_s`), and a push that still fails ends in HubConnectionError naming the URL and the
+cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -48,8 +53,72 @@ _NETWORK_ERROR_NAMES = {
 }  # fmt: skip
 
 
+CONNECT_TIMEOUT_S = 10.0
+
+
 class HubAuthError(PermissionError):
     """No usable Hugging Face token: missing, invalid, read-only, or without access to the repo."""
+
+
+class HubConnectionError(ConnectionError):
+    """The Hub did not answer (in time, or at all), or kept failing, after the retries."""
+
+
+def _request_url(error: BaseException) -> str | None:
+    for cause in _causes(error):
+        for holder in (cause, getattr(cause, "response", None)):
+            try:  # httpx raises RuntimeError for an error without a request
+                request = getattr(holder, "request", None)
+            except RuntimeError:
+                request = None
+            url = getattr(request, "url", None)
+            if url is not None:
+                return str(url)
+    return None
+
+
+def _cause_text(error: BaseException) -> str:
+    """The network error behind `error` as 'TypeName: message', or its HTTP status."""
+    causes = list(_causes(error))
+    status = next((s for s in map(_status_of, causes) if s is not None), None)
+    network = [c for c in causes if any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(c).__mro__)]
+    cause = network[0] if network else causes[-1]
+    text = f"{type(cause).__name__}: {cause}".rstrip(": ")
+    if "Timeout" in type(cause).__name__ or isinstance(cause, TimeoutError):
+        text += " (the server stopped answering)"
+    return f"HTTP {status} ({text})" if status is not None else text
+
+
+def connection_error(error: BaseException, what: str, fallback_url: str, attempts: int) -> HubConnectionError:
+    """A HubConnectionError for a Hub request that failed: what was tried, the URL, the cause."""
+    url = _request_url(error) or fallback_url
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    return HubConnectionError(f"{what} failed{tries}: {url}: {_cause_text(error)}")
+
+
+@contextlib.contextmanager
+def hub_timeouts(timeout_s: float | None):
+    """Give huggingface_hub's shared HTTP client connect and read timeouts for the block.
+
+    Its default client has none, so a server that accepts a request and never answers
+    hangs the caller; the client's own timeout is put back afterwards.
+
+    Args:
+        timeout_s: seconds to wait for any read or write (the connect timeout is the
+            smaller of this and CONNECT_TIMEOUT_S); None: no change.
+    """
+    if timeout_s is None:
+        yield
+        return
+    from huggingface_hub import get_session
+
+    client = get_session()
+    previous = client.timeout
+    client.timeout = type(previous)(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+    try:
+        yield
+    finally:
+        client.timeout = previous
 
 
 @dataclasses.dataclass
@@ -119,6 +188,12 @@ def resolve_token(token: str | None, api) -> str:
         auth_error = _auth_error_or_none(error)
         if auth_error is not None:
             raise auth_error from None
+        if is_transient(error):
+            raise connection_error(error, "checking the token", f"{api.endpoint}/api/whoami-v2", 1) from error
+        raise
+    except Exception as error:
+        if is_transient(error):
+            raise connection_error(error, "checking the token", f"{api.endpoint}/api/whoami-v2", 1) from error
         raise
     role = ((info.get("auth") or {}).get("accessToken") or {}).get("role")
     if role == "read":
@@ -144,8 +219,11 @@ def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message:
             auth_error = _auth_error_or_none(error, repo_id)
             if auth_error is not None:
                 raise auth_error from error
-            if attempt == retries or not is_transient(error):
+            if not is_transient(error):
                 raise
+            if attempt == retries:
+                url = f"{api.endpoint}/{repo_id}"
+                raise connection_error(error, f"uploading {folder} to {repo_id}", url, attempt + 1) from error
             time.sleep(retry_wait_s * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -158,6 +236,10 @@ def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, co
         auth_error = _auth_error_or_none(error, repo_id)
         if auth_error is not None:
             raise auth_error from error
+        if is_transient(error):
+            raise connection_error(
+                error, f"creating the repo {repo_id}", f"{api.endpoint}/api/repos/create", 1
+            ) from error
         raise
     repo_id = getattr(repo_url, "repo_id", None) or repo_id  # "name" alone gains the user's namespace
     info = _upload(api, folder, repo_id, token, commit_message, replace_model_files, retries, retry_wait_s)
@@ -176,12 +258,28 @@ def push_folder_to_hub(
     replace_model_files: bool = True,
     retries: int = 2,
     retry_wait_s: float = 2.0,
+    timeout_s: float | None = 60.0,
 ) -> PushResult:
     """Upload a saved folder (any export: merged, adapter, GGUF) to `repo_id` in one commit.
 
-    The repo is created if missing (private as asked; an existing repo keeps its visibility).
-    replace_model_files: delete files of an earlier export (MODEL_FILE_PATTERNS) that this folder lacks.
-    endpoint: another Hub (defaults to HF_ENDPOINT / huggingface.co).
+    Args:
+        folder: the saved folder to upload.
+        repo_id: "user/name", "org/name" or a bare "name" (the token's user).
+        token: a write token; None: the logged-in one.
+        private: create the repo private (an existing repo keeps its visibility).
+        commit_message: the commit's message; None: "Upload FOLDER with slothkit".
+        endpoint: another Hub (defaults to HF_ENDPOINT / huggingface.co).
+        replace_model_files: delete files of an earlier export (MODEL_FILE_PATTERNS) that
+            this folder lacks.
+        retries: how many times a transient failure is retried (default 2).
+        retry_wait_s: the pause before the first retry, doubled at each (default 2.0).
+        timeout_s: seconds to wait for the server to answer a read or accept a write
+            before the attempt counts as failed (default 60); None: wait forever.
+
+    Raises:
+        HubAuthError: no usable token.
+        HubConnectionError: the Hub did not answer, or kept failing, after the retries;
+            the message names the URL and the cause.
     """
     from huggingface_hub import HfApi
 
@@ -189,9 +287,12 @@ def push_folder_to_hub(
     if not folder.is_dir() or not any(folder.iterdir()):
         raise FileNotFoundError(f"{str(folder)!r} is not a non-empty folder; nothing to push")
     api = HfApi(endpoint=endpoint)
-    token = resolve_token(token, api)
-    message = commit_message or f"Upload {folder.name} with slothkit"
-    return _push(api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s)
+    with hub_timeouts(timeout_s):
+        token = resolve_token(token, api)
+        message = commit_message or f"Upload {folder.name} with slothkit"
+        return _push(
+            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s
+        )
 
 
 def push_to_hub_merged(
@@ -206,6 +307,7 @@ def push_to_hub_merged(
     endpoint: str | None = None,
     retries: int = 2,
     retry_wait_s: float = 2.0,
+    timeout_s: float | None = 60.0,
     **save_kwargs,
 ) -> PushResult:
     """Save `model` as ``save_pretrained_merged`` does, into a temporary folder, and push
@@ -235,6 +337,8 @@ def push_to_hub_merged(
             retried (default 2).
         retry_wait_s: the pause before the first retry in seconds, doubled at each
             (default 2.0).
+        timeout_s: seconds to wait for the server to answer a read or accept a write
+            before the attempt counts as failed (default 60); None: wait forever.
         **save_kwargs: passed to ``save_pretrained_merged``: base_weights,
             max_shard_size, dtype, training_settings.
 
@@ -245,18 +349,21 @@ def push_to_hub_merged(
     Raises:
         HubAuthError: no token, or one that is invalid, read-only or without access to
             the repo; the message says how to log in.
-        ConnectionError: HF_HUB_OFFLINE is set.
+        ConnectionError: HF_HUB_OFFLINE is set; HubConnectionError (a ConnectionError):
+            the Hub did not answer, or kept failing, after the retries.
         ValueError: an unknown save_method, or another error of the save.
     """
     from huggingface_hub import HfApi
 
     check_save_method(save_method)
     api = HfApi(endpoint=endpoint)
-    token = resolve_token(token, api)
+    with hub_timeouts(timeout_s):
+        token = resolve_token(token, api)
     with tempfile.TemporaryDirectory(prefix="slothkit-push-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
         saved = save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **save_kwargs)
         message = commit_message or f"Upload {save_method} model with slothkit"
-        result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s)
+        with hub_timeouts(timeout_s):
+            result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s)
     result.save = saved
     return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pathlib
 import sys
 import types
 
@@ -43,6 +44,17 @@ def needs_merging(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") or is_4bit_model(model)
 
 
+def _scratch_dir_for(name: str, args: tuple, kwargs: dict):
+    """Where the temporary merged checkpoint goes: beside the GGUF output folder (on the disk
+    the user chose for it), or the system's temporary folder for a push."""
+    if name != "save_pretrained_gguf":
+        return None
+    directory = args[0] if args else kwargs.get("save_directory")
+    if directory is None:
+        return None
+    return pathlib.Path(directory).expanduser().absolute().parent
+
+
 def _gguf_method(name: str):
     def method(model, *args, **kwargs):
         module = importlib.import_module(GGUF_MODULE)
@@ -52,7 +64,7 @@ def _gguf_method(name: str):
         if needs_merging(model):
             tokenizer = args[1] if len(args) > 1 else kwargs.get("tokenizer")
             tokenizer = tokenizer if tokenizer is not None else getattr(model, "_slothkit_tokenizer", None)
-            model = merged_plain_model(model, tokenizer)  # fp32 merge, see slothkit.export.merge
+            model = merged_plain_model(model, tokenizer, scratch_dir=_scratch_dir_for(name, args, kwargs))
         return function(model, *args, **kwargs)
 
     method.__name__ = name

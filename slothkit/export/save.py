@@ -13,6 +13,7 @@ complete (slothkit.export.atomic); a non-empty one is replaced only with overwri
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pathlib
 import tempfile
@@ -23,7 +24,7 @@ from torch import nn
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtype
 from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
-from slothkit.export.atomic import atomic_directory, check_target
+from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target
 from slothkit.export.checkpoint_files import write_sharded
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
@@ -52,6 +53,20 @@ def check_save_method(save_method: str) -> str:
             f"save_method={save_method!r} is not one of {', '.join(map(repr, SAVE_METHODS))}{hint}"
         )
     return save_method
+
+
+def input_folders(model: nn.Module, base_weights=None) -> dict[str, str | None]:
+    """The local folders a save of `model` reads or came from, which its output must not
+    replace: the base checkpoint (the adapter's base_model_name_or_path and the loaded
+    config's _name_or_path) and base_weights when it is a path."""
+    config = merge.active_lora_config(model)
+    folders = {
+        "the adapter's base model": getattr(config, "base_model_name_or_path", None) if config else None,
+        "the loaded model's checkpoint": getattr(causal_lm_of(model).config, "_name_or_path", None) or None,
+    }
+    if base_weights not in (None, "auto"):
+        folders["base_weights"] = base_weights
+    return folders
 
 
 def resolve_tokenizer(model: nn.Module, tokenizer):
@@ -173,8 +188,10 @@ def save_pretrained_merged(
         save_method: "merged_16bit" (default: base and LoRA merged, unquantised
             safetensors), "merged_4bit" (the same, re-quantised to bitsandbytes 4-bit) or
             "lora" (the adapter only).
-        overwrite: replace a non-empty ``save_directory`` atomically (default False: such
-            a folder is refused).
+        overwrite: replace the model files (weights, configs, tokenizer, model card) of a
+            non-empty ``save_directory`` atomically, keeping every other file and folder
+            in it (default False: such a folder is refused).  A folder that is, contains
+            or lies inside the base checkpoint is always refused.
         base_weights: for merges from a 4-bit model, where the base weights W come from:
             "auto" (default: the original 16-bit checkpoint when the adapter's
             base_model_name_or_path is one on this machine, else the dequantised 4-bit
@@ -198,9 +215,12 @@ def save_pretrained_merged(
         ValueError: an unknown save_method or dtype, "lora" for a model without adapters,
             no tokenizer, or base_weights that is not an unquantised checkpoint.
         FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
+        OverlappingPathsError: ``save_directory`` is, contains or lies inside the base
+            checkpoint the model was loaded from (a ValueError).
     """
     check_save_method(save_method)
     target = check_target(save_directory, overwrite)
+    check_not_an_input(target, input_folders(model, base_weights))
     tokenizer = resolve_tokenizer(model, tokenizer)
     dtype = _check_dtype(dtype)
     config = merge.active_lora_config(model)
@@ -218,7 +238,7 @@ def save_pretrained_merged(
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
     report = None
-    with atomic_directory(target, overwrite) as staging:
+    with atomic_directory(target, overwrite, keep_other_files=True) as staging:
         if save_method == "merged_16bit":
             _, report, saved_dtype = write_merged_checkpoint(model, staging, source, max_shard_size, dtype)
             facts.weights = f"{str(saved_dtype).removeprefix('torch.')} safetensors, not quantised"
@@ -258,21 +278,49 @@ def save_pretrained_merged(
 
 
 @torch.no_grad()
-def merged_plain_model(model: nn.Module, tokenizer=None, *, base_weights="auto", dtype=None) -> nn.Module:
+def merged_plain_model(
+    model: nn.Module, tokenizer=None, *, base_weights="auto", dtype=None, scratch_dir=None
+) -> nn.Module:
     """A plain transformers model (no adapters, not quantised) holding the merged weights, for
     writers that take a model rather than a folder (GGUF). Built by writing the merged
     checkpoint to a temporary folder and loading it back, so it is exactly what
     save_pretrained_merged(..., "merged_16bit") would give; the generation config keeps the
-    EOS list of write_generation_config."""
+    EOS list of write_generation_config.
+
+    Args:
+        model: a ``peft.PeftModel`` with LoRA adapters, or a 4-bit model.
+        tokenizer: the tokenizer, for the EOS list of the generation config.
+        base_weights: where W comes from, as for ``save_pretrained_merged``.
+        dtype: the merged weights' dtype, as for ``save_pretrained_merged``.
+        scratch_dir: the folder the temporary checkpoint (the full merged model) is written
+            under; None (default): the system's temporary folder (TMPDIR).  Callers that
+            write an export pass the export's parent folder, so that the space needed is
+            on the filesystem the user chose.
+
+    Raises:
+        OSError: the scratch folder has no room; the message names it.
+    """
     from transformers import AutoModelForCausalLM
 
     from slothkit.export.generation_config import generation_config_with_eos
 
     source = merge.choose_merge_source(model, base_weights)
-    with tempfile.TemporaryDirectory(prefix="slothkit-merged-") as scratch:
-        _, _, saved_dtype = write_merged_checkpoint(
-            model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
-        )
+    if scratch_dir is not None:
+        pathlib.Path(scratch_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".slothkit-merged-", dir=scratch_dir) as scratch:
+        try:
+            _, _, saved_dtype = write_merged_checkpoint(
+                model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
+            )
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            raise OSError(
+                error.errno,
+                f"no space left in {str(pathlib.Path(scratch).parent)!r} for the temporary merged "
+                f"checkpoint (the full 16-bit model, written before the GGUF files); free space "
+                f"there or write the export to a folder on a larger disk",
+            ) from error
         plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
     plain.generation_config = generation_config_with_eos(causal_lm_of(model), tokenizer)
     plain.eval()

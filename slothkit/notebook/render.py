@@ -54,7 +54,18 @@ def template_text(template: str) -> str:
     return INCLUDE.sub(lambda m: _package_file(f"_{m.group(1)}.py").read_text().rstrip("\n"), text)
 
 
-def parse_overrides(pairs: list[str] | None, valid_keys) -> dict[str, str]:
+def parse_overrides(pairs: list[str] | None, valid_keys, defaults: dict | None = None) -> dict[str, str]:
+    """``--set key=value`` pairs as {key: value}.
+
+    Args:
+        pairs: the KEY=VALUE strings.
+        valid_keys: the keys a model's record has.
+        defaults: the model's record; a key whose default is an integer takes a positive
+            integer only (it is written into the notebook as code).
+
+    Raises:
+        ValueError: a pair without "=", an unknown key, or a value of the wrong kind.
+    """
     overrides = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -62,6 +73,11 @@ def parse_overrides(pairs: list[str] | None, valid_keys) -> dict[str, str]:
             raise ValueError(f"--set {pair!r}: expected key=value")
         if key not in valid_keys:
             raise ValueError(f"--set {key}: unknown key; valid keys: {', '.join(sorted(valid_keys))}")
+        default = (defaults or {}).get(key)
+        if isinstance(default, int) and not isinstance(default, bool):
+            if not value.strip().isdigit() or int(value) <= 0:
+                raise ValueError(f"--set {key}={value}: expected a positive integer such as {default}")
+            value = str(int(value))
         overrides[key] = value
     return overrides
 

@@ -110,7 +110,7 @@ class _Repo:
 class _Failure:
     method: str
     pattern: re.Pattern
-    status: int
+    status: float  # the HTTP status to answer with; for a stall, the seconds to stay silent
     remaining: int
 
 
@@ -140,6 +140,8 @@ class LocalHub:
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for tests
         self._repos: dict[str, _Repo] = {}
         self._failures: list[_Failure] = []
+        self._stalls: list[_Failure] = []  # status holds the seconds to stall
+        self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._secret = secrets.token_bytes(16)
         self._counter = itertools.count()
@@ -174,6 +176,7 @@ class LocalHub:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()  # stalled requests end now
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -216,6 +219,13 @@ class LocalHub:
         """Answer the next `times` requests matching (method, regex on the path) with `status`."""
         with self._lock:
             self._failures.append(_Failure(method.upper(), re.compile(path_pattern), status, times))
+
+    def stall_next(self, method: str, path_pattern: str, seconds: float = 600.0, times: int = 1) -> None:
+        """Stop answering the next `times` requests matching (method, regex on the path): read
+        the request, then send nothing for `seconds` (or until stop()) and close the
+        connection, as a server that hangs mid-upload does."""
+        with self._lock:
+            self._stalls.append(_Failure(method.upper(), re.compile(path_pattern), seconds, times))
 
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         """{path: content} of a revision."""
@@ -539,9 +549,12 @@ class LocalHub:
                 raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
             return commit, entry
 
-    def take_failure(self, method: str, path: str) -> int | None:
+    def take_stall(self, method: str, path: str) -> float | None:
+        return self.take_failure(method, path, self._stalls)
+
+    def take_failure(self, method: str, path: str, failures: list | None = None) -> int | None:
         with self._lock:
-            for failure in self._failures:
+            for failure in self._failures if failures is None else failures:
                 if failure.remaining > 0 and failure.method == method and failure.pattern.search(path):
                     failure.remaining -= 1
                     return failure.status
@@ -611,6 +624,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         hub = self.hub
         with hub._lock:
             hub.requests.append((method, path))
+        stall = hub.take_stall(method, path)
+        if stall is not None:
+            hub._stopping.wait(stall)
+            self.close_connection = True
+            return
         status = hub.take_failure(method, path)
         if status is not None:
             return self._error(HubError(status, f"injected failure for {method} {path}"))

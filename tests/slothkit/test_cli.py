@@ -159,3 +159,77 @@ def test_demo_arch_choices_are_the_architecture_records():
     assert build_parser().parse_args(["demo", "--arch", "mistral"]).arch == "mistral"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--arch", "qwen2"])
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (
+            ["plan", "llama-3-8b", "--gpu", "t4", "--batch", "0"],
+            2,
+            "slothkit plan: batch=0; expected a positive",
+        ),
+        (["plan", "llama-3-8b", "--gpu", "t4", "--seq", "-2048"], 2, "slothkit plan: seq=-2048; expected"),
+        (["plan", "no-such-model", "--gpu", "t4"], 2, "slothkit plan: "),
+        (["plan", "llama-3-8b", "--gpu", "b200"], 2, "slothkit plan: unknown GPU 'b200'; known: auto, t4"),
+    ],
+)
+def test_ordinary_errors_are_one_line_without_a_traceback(argv, status, message, capsys):
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_debug_and_slothkit_debug_show_the_traceback(monkeypatch):
+    with pytest.raises(ValueError, match="batch=0"):
+        main(["--debug", "plan", "llama-3-8b", "--gpu", "t4", "--batch", "0"])
+    monkeypatch.setenv("SLOTHKIT_DEBUG", "1")
+    with pytest.raises(ValueError, match="batch=0"):
+        main(["plan", "llama-3-8b", "--gpu", "t4", "--batch", "0"])
+
+
+def test_a_runtime_failure_exits_1(monkeypatch, capsys):
+    import slothkit.plan
+
+    def disk_gone(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(slothkit.plan, "plan", disk_gone)
+    assert main(["plan", "llama-3-8b"]) == 1
+    assert (
+        capsys.readouterr().err
+        == "slothkit plan: [Errno 28] No space left on device (--debug shows the traceback)\n"
+    )
+
+
+def test_new_notebook_refuses_a_value_of_the_wrong_kind(tmp_path, capsys):
+    output = tmp_path / "nb"
+    assert main(["new-notebook", "llama-3-8b", "-o", str(output), "--set", "max_seq_length=abc"]) == 2
+    assert "--set max_seq_length=abc: expected a positive integer such as 2048" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["new-notebook", "llama-3-8b", "-o", str(output), "--set", "max_seq_length=4096"]) == 0
+    assert "MAX_SEQ_LENGTH = 4096" in output.with_suffix(".py").read_text()
+
+
+def test_demo_refuses_an_unknown_template_before_any_work(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["demo", "--template", "bogus"])
+    assert excinfo.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        '{"base_model_name_or_path": "' + str(tmp_path / "base") + '"}'
+    )
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    assert main(["export", str(adapter), "--to", "merged_16bit", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--base-model" in err and err.count("\n") == 1
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    assert main(["export", str(adapter), "--to", "merged_16bit", "--output", str(tmp_path / "out")]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err

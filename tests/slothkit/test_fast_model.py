@@ -492,3 +492,30 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
     assert all(torch.isfinite(torch.tensor(fused_losses)))
     assert plain_losses[-1] < plain_losses[0] and fused_losses[-1] < fused_losses[0]
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-3, atol=0)
+
+
+def test_lora_settings_that_would_train_silently_wrong_are_refused():
+    model, _ = FastModel.from_pretrained(
+        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False
+    )
+    k_width = model.model.layers[0].self_attn.k_proj.out_features  # the narrowest projection
+    cases = [
+        ({"target_modules": ["q_proj", "v_prj"]}, r"\['v_prj'\] match no layer .*'v_proj'"),
+        ({"lora_alpha": 0}, "lora_alpha=0; expected a positive number"),
+        ({"lora_alpha": -16}, "lora_alpha=-16; expected a positive number"),
+        ({"r": k_width + 1}, f"r={k_width + 1} exceeds {k_width}, the smallest min"),
+        ({"r": 10**6, "target_modules": ["q_proj"]}, "r=1000000 exceeds 64"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            FastModel.get_peft_model(model, use_gradient_checkpointing=False, **kwargs)
+    assert not hasattr(model, "peft_config")  # every refusal came before PEFT touched the model
+
+    # PEFT's own "all-linear" is passed on whole, and r up to the narrowest width is accepted.
+    peft_model = FastModel.get_peft_model(
+        model, r=k_width, target_modules="all-linear", use_gradient_checkpointing=False
+    )
+    config = peft_model.peft_config["default"]
+    assert config.r == k_width
+    wrapped = {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

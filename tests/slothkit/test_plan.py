@@ -68,3 +68,22 @@ def test_bad_input():
         plan("llama-9", gpu="t4")
     with pytest.raises(ValueError, match="mode"):
         plan("llama-3-8b", gpu="t4", mode="full")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seq": 0}, "seq=0; expected a positive integer"),
+        ({"seq": -2048}, "seq=-2048; expected a positive integer"),
+        ({"batch": 0}, "batch=0; expected a positive integer"),  # was ZeroDivisionError
+        ({"batch": -1}, "batch=-1; expected a positive integer"),  # was "fits" at -0.37 GiB
+        ({"rank": 0}, "rank=0; expected a positive integer"),
+    ],
+)
+def test_sizes_that_are_not_positive_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan("llama-3-8b", gpu="t4", **kwargs)
+
+
+def test_gpu_names_are_case_insensitive():
+    assert plan("llama-3-8b", gpu="T4").gpu_gib == plan("llama-3-8b", gpu="t4").gpu_gib == 15.0

@@ -263,3 +263,34 @@ def test_agrees_with_trl_assistant_only_loss(monkeypatch, tmp_path):
         assert got == expected[:-1] and tokenizer.decode(expected[-1:]) == "\n"
         kept = tokenizer.decode(got)
         assert kept.endswith("<|im_end|>") and "<|im_start|>" not in kept
+
+
+def test_an_instruction_marker_that_never_occurs_is_reported():
+    tokenizer = _tokenizer()
+    texts = apply_chat_template([{"messages": c} for c in CONVERSATIONS], tokenizer)["text"]
+    response = infer_markers(tokenizer)[1]
+    with pytest.warns(
+        UserWarning, match=r"instruction_part='### Human:' occurs in no sample of the training"
+    ):
+        trainer = train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+            instruction_part="### Human:",
+            response_part=response,
+        )
+    # Why it matters: the user's second turn of the first conversation would be trained on.
+    labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+    assert "What is 2+2?" in tokenizer.decode(labels[labels != -100])
+
+    # A dataset tokenized later is checked on its first batch.
+    untokenized = _trainer_stub(tokenizer, None, _pad_collator(tokenizer))
+    train_on_responses_only(untokenized, instruction_part="### Human:", response_part=response)
+    features = [{"input_ids": tokenizer(t)["input_ids"]} for t in texts]
+    with pytest.warns(UserWarning, match="occurs in no sample of the first batch"):
+        untokenized.data_collator(features)
+
+    # The right marker gives no such warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer))
+        )

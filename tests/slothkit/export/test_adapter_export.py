@@ -1,6 +1,7 @@
 """export_adapter (the `slothkit export` command's work) and the methods bound onto models."""
 
 import json
+import os
 import sys
 import types
 
@@ -72,6 +73,70 @@ def test_export_rejects_bad_arguments(adapter_dir, tmp_path):
     assert set(EXPORT_TARGETS) == {"merged_16bit", "merged_4bit", "lora", "gguf"}
 
 
+def test_export_refuses_an_output_that_is_or_holds_its_inputs(make_lora_model, tmp_path):
+    import shutil
+
+    model, tokenizer, shared_base = make_lora_model("llama", seed=32)
+    base = tmp_path / "base"  # a copy: the shared tiny model must survive a failure here
+    shutil.copytree(shared_base, base)
+    adapter = tmp_path / "runs" / "adapter"
+    save_pretrained_merged(model, adapter, tokenizer, save_method="lora")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base)}))
+    snapshot = {folder: {p.name: p.read_bytes() for p in folder.iterdir()} for folder in (adapter, base)}
+    for output, message in (
+        (adapter, "is the adapter"),
+        (base, "is the base model"),
+        (base / "merged", "is inside the base model"),
+        (tmp_path / "runs", "contains the adapter"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            export_adapter(adapter, "merged_16bit", output=output, overwrite=True)
+    for folder, files in snapshot.items():
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert not (base / "merged").exists()
+
+
+def test_export_checks_cheap_things_before_loading_the_model(adapter_dir, monkeypatch, tmp_path):
+    from slothkit.export import adapter_export
+
+    folder, _, _ = adapter_dir
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(adapter_export, "load_adapter_model", no_loading)
+    with pytest.raises(ValueError, match="unknown GGUF quantization_method 'q3_k_s'"):
+        export_adapter(folder, "gguf", quant="q4_k_m,q3_k_s", output=tmp_path / "g")
+    with pytest.raises(ValueError, match="is not a Hub repo id"):
+        export_adapter(folder, "lora", push="me/bad name!")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_adapter(folder, "lora", output=folder.parent)
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if not os.access(read_only, os.W_OK):  # root writes anywhere
+            with pytest.raises(PermissionError, match="not writable"):
+                export_adapter(folder, "lora", output=read_only / "out")
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_export_messages_name_the_flags_and_the_real_problem(adapter_dir, tmp_path):
+    folder, _, _ = adapter_dir
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError) as error:
+        export_adapter(folder, "merged_16bit")
+    assert "--base-model" in str(error.value) and "huggingface-cli download" not in str(error.value)
+
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no adapter weights"):
+        export_adapter(folder, "merged_16bit")
+
+
 def test_export_and_push(adapter_dir, local_hub):
     folder, _, _ = adapter_dir
     result = export_adapter(folder, "merged_16bit", push="local-user/exported", token="hf_writer",
@@ -93,7 +158,10 @@ def _fake_gguf_module(calls):
         (pathlib.Path(save_directory) / f"model-{quantization_method}.gguf").write_bytes(b"GGUF")
         return save_directory
 
+    from slothkit.export.gguf.tensor_types import quantization_methods
+
     module.save_pretrained_gguf = save_pretrained_gguf
+    module.quantization_methods = quantization_methods
     module.push_to_hub_gguf = lambda model, repo_id, tokenizer, **kw: calls.append((model, repo_id))
     return module
 

@@ -130,7 +130,9 @@ def test_non_empty_directory_is_refused_unless_overwrite(make_lora_model, tmp_pa
 
     save_pretrained_merged(model, target, tokenizer, overwrite=True)
     names = {p.name for p in target.iterdir()}
-    assert "notes.txt" not in names and "model.safetensors" in names
+    # overwrite replaces slothkit's outputs only: the user's file stays (PEFT's save keeps it too)
+    assert "notes.txt" in names and "model.safetensors" in names
+    assert (target / "notes.txt").read_text() == "keep me"
     assert _siblings(target) == []  # no staging or replaced folder left behind
 
     (tmp_path / "empty").mkdir()  # an empty folder is no data to lose
@@ -196,3 +198,38 @@ def test_atomic_directory_refuses_a_file_target(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"), atomic_directory(tmp_path / "f"):
         pass
+
+
+def test_overwrite_replaces_the_model_files_and_keeps_everything_else(make_lora_model, tmp_path):
+    model, tokenizer, _ = make_lora_model("llama", seed=14)
+    target = tmp_path / "out"
+    merged = save_pretrained_merged(model, target, tokenizer, max_shard_size="200KB")
+    assert "model.safetensors.index.json" in merged.files
+    (target / "notes.md").write_text("what I tried")
+    (target / "scripts").mkdir()
+    (target / "scripts" / "train.py").write_text("print('train')")
+
+    lora = save_pretrained_merged(model, target, tokenizer, save_method="lora", overwrite=True)
+    names = sorted(p.name for p in target.iterdir())
+    assert names == sorted({*lora.files, "notes.md", "scripts"})
+    # Nothing of the merged model is left to be mistaken for part of the adapter's folder.
+    assert "config.json" not in names and "model.safetensors.index.json" not in names
+    assert [n for n in names if n.endswith(".safetensors")] == ["adapter_model.safetensors"]
+    assert (target / "notes.md").read_text() == "what I tried"
+    assert (target / "scripts" / "train.py").read_text() == "print('train')"
+    assert _siblings(target) == []
+
+
+def test_save_refuses_to_replace_the_base_checkpoint_it_was_loaded_from(tmp_path):
+    from slothkit import FastModel
+    from slothkit.testing import build_tiny_model
+
+    base = build_tiny_model("llama", tmp_path / "base")
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    model, tokenizer = FastModel.from_pretrained(str(base), load_in_4bit=False, dtype=torch.float32)
+    model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=False)
+    for target, how in ((base, "is"), (base / "merged", "is inside"), (tmp_path, "contains")):
+        with pytest.raises(ValueError, match=f"{how} the adapter's base model"):
+            save_pretrained_merged(model, target, tokenizer, overwrite=True)
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+    assert not (base / "merged").exists()

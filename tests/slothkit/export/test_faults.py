@@ -1,0 +1,256 @@
+"""Faults while saving: a full disk, a read-only folder, a save killed with SIGKILL, and what
+the folders look like afterwards (permissions, fsync, leftovers)."""
+
+import errno
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from slothkit.export import atomic as atomic_module
+from slothkit.export import save_pretrained_merged
+from slothkit.export.atomic import atomic_directory
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def leftovers(target: pathlib.Path) -> list[pathlib.Path]:
+    """Hidden siblings that saves to `target` work in (`.NAME.partial-*`, `.NAME.replaced-*`)."""
+    return sorted(target.parent.glob(f".{target.name}.partial-*")) + sorted(
+        target.parent.glob(f".{target.name}.replaced-*")
+    )
+
+
+def _tree(folder: pathlib.Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_full_disk_mid_save_keeps_the_previous_save(make_lora_model, monkeypatch, tmp_path):
+    import safetensors.torch
+
+    model, tokenizer, _ = make_lora_model("llama", seed=40)
+    target = tmp_path / "out"
+    save_pretrained_merged(model, target, tokenizer, save_method="lora")
+    (target / "notes.txt").write_text("mine")
+    before = _tree(target)
+
+    def disk_full(tensors, filename, metadata=None):
+        pathlib.Path(filename).write_bytes(b"\0" * 4096)  # what fitted before the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_pretrained_merged(model, target, tokenizer, overwrite=True)
+    assert _tree(target) == before
+    assert leftovers(target) == []
+
+
+def test_no_room_for_the_merged_scratch_copy_names_its_folder(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import save as save_module
+
+    model, tokenizer, _ = make_lora_model("llama", seed=41)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(save_module, "write_sharded", disk_full)
+    scratch = tmp_path / "exports"
+    with pytest.raises(OSError, match=f"no space left in '{scratch}'"):
+        save_module.merged_plain_model(model, tokenizer, scratch_dir=scratch)
+    assert list(scratch.iterdir()) == []  # the scratch copy is gone
+
+
+def test_the_merged_scratch_copy_for_gguf_goes_beside_the_output(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import methods
+
+    model, tokenizer, _ = make_lora_model("llama", seed=42)
+    seen = {}
+    real = methods.merged_plain_model
+
+    def recording(model, tokenizer=None, **kwargs):
+        seen.update(kwargs)
+        return real(model, tokenizer, **kwargs)
+
+    monkeypatch.setattr(methods, "merged_plain_model", recording)
+    monkeypatch.setattr(methods, "_gguf_available", lambda: True)
+    calls = []
+    fake = type(sys)("slothkit.export.gguf")
+    fake.save_pretrained_gguf = lambda model, directory, tokenizer, **kw: calls.append(directory)
+    fake.push_to_hub_gguf = lambda *a, **kw: None
+    monkeypatch.setitem(sys.modules, "slothkit.export.gguf", fake)
+    methods.attach_export_methods(model)
+    model.save_pretrained_gguf(tmp_path / "disk" / "gguf", tokenizer)
+    assert seen["scratch_dir"] == tmp_path / "disk"  # not TMPDIR
+    assert calls == [tmp_path / "disk" / "gguf"]
+
+
+@pytest.mark.skipif(IS_ROOT, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_refused_and_left_as_it_was(make_lora_model, tmp_path):
+    model, tokenizer, _ = make_lora_model("llama", seed=43)
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    (parent / "kept.txt").write_text("x")
+    parent.chmod(0o555)
+    try:
+        with pytest.raises(PermissionError):
+            save_pretrained_merged(model, parent / "out", tokenizer, save_method="lora")
+        assert sorted(p.name for p in parent.iterdir()) == ["kept.txt"]
+    finally:
+        parent.chmod(0o755)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750), (0o077, 0o700)])
+def test_saved_folders_follow_the_umask(umask, mode, tmp_path):
+    previous = os.umask(umask)
+    try:
+        with atomic_directory(tmp_path / "out") as staging:
+            (staging / "weights.bin").write_bytes(b"w")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == mode
+    assert (tmp_path / "out" / "weights.bin").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_files_and_folders_are_fsynced_before_the_rename(monkeypatch, tmp_path):
+    synced, renamed = [], []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def rename(a, b):
+        renamed.append((str(a), str(b), list(synced)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with atomic_directory(tmp_path / "out") as staging:
+        (staging / "a.safetensors").write_bytes(b"a")
+        (staging / "sub").mkdir()
+        (staging / "sub" / "b.json").write_text("{}")
+    [(source, destination, synced_before)] = renamed
+    assert destination == str(tmp_path / "out")
+    assert {f"{source}/a.safetensors", f"{source}/sub/b.json", f"{source}/sub", source} <= set(synced_before)
+    assert synced[-1] == str(tmp_path)  # the parent, so that the rename itself is durable
+
+
+_SLOW_SAVE = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    from slothkit.export.atomic import atomic_directory
+
+    with atomic_directory(sys.argv[1], overwrite=True) as staging:
+        (staging / "model.safetensors").write_bytes(b"\\0" * 3_000_000)
+        pathlib.Path(sys.argv[2]).write_text(str(staging))  # tell the test we are mid-save
+        time.sleep(120)
+    """
+)
+
+
+def _start_slow_save(target: pathlib.Path, ready: pathlib.Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    process = subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(target), str(ready)], env=env)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the saving subprocess did not start (exit code {process.poll()})")
+        time.sleep(0.05)
+    return process
+
+
+def test_a_save_killed_with_sigkill_is_cleaned_up_by_the_next_save(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"previous")
+    process = _start_slow_save(target, tmp_path / "ready")
+    try:
+        [staging] = leftovers(target)
+        # While that save lives, another save leaves its staging folder alone.
+        assert atomic_module.remove_leftovers(target) == []
+        assert staging.is_dir()
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert (target / "model.safetensors").read_bytes() == b"previous"  # the old save survived
+    assert leftovers(target) == [staging]
+
+    with pytest.warns(UserWarning, match=rf"removed what interrupted saves left: '{staging}' \(3.0 MB\)"):
+        with atomic_directory(target, overwrite=True) as new:
+            (new / "model.safetensors").write_bytes(b"new")
+    assert leftovers(target) == []
+    assert (target / "model.safetensors").read_bytes() == b"new"
+
+
+def test_a_set_aside_folder_is_reported_not_removed(tmp_path):
+    # `.NAME.replaced-*` may hold the only copy of a save (a crash between two renames).
+    aside = tmp_path / ".out.replaced-abc"
+    aside.mkdir()
+    (aside / "model.safetensors").write_bytes(b"\0" * 2_000_000)
+    with pytest.warns(UserWarning, match=rf"check them and delete them when done: '{aside}' \(2.0 MB\)"):
+        with atomic_directory(tmp_path / "out") as staging:
+            (staging / "x").write_text("x")
+    assert (aside / "model.safetensors").stat().st_size == 2_000_000
+
+
+def test_a_read_only_filesystem_is_refused_and_left_as_it_was(make_lora_model, monkeypatch, tmp_path):
+    # As root, permissions do not stop writes; a read-only mount does (EROFS), simulated here.
+    model, tokenizer, _ = make_lora_model("llama", seed=44)
+    (tmp_path / "kept.txt").write_text("x")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
+
+    monkeypatch.setattr(atomic_module.tempfile, "mkdtemp", read_only)
+    with pytest.raises(OSError, match="Read-only file system"):
+        save_pretrained_merged(model, tmp_path / "out", tokenizer, save_method="lora")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+
+
+def test_a_hub_that_stops_answering_mid_push_fails_in_time_and_leaves_the_repo(
+    local_hub, make_lora_model, tmp_path
+):
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=45)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    repo = "local-user/stalled"
+    local_hub.stall_next("POST", r"/commit/", seconds=60, times=2)  # every attempt hangs
+    start = time.monotonic()
+    with pytest.raises(ConnectionError) as error:
+        push_folder_to_hub(tmp_path / "export", repo, token="hf_writer", endpoint=local_hub.endpoint,
+                           retries=1, retry_wait_s=0, timeout_s=0.5)  # fmt: skip
+    assert time.monotonic() - start < 20  # it waited forever before
+    message = str(error.value)
+    assert f"after 2 attempts: {local_hub.endpoint}/api/models/{repo}/commit/main" in message
+    assert "ReadTimeout" in message and "the server stopped answering" in message
+    assert set(local_hub.files(repo)) == {".gitattributes"}  # the repo as it was
+    from huggingface_hub import get_session
+
+    assert get_session().timeout.read is None  # the shared client is given back as it was
+
+
+def test_nothing_listening_names_the_url(make_lora_model, tmp_path, monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from slothkit.export import push_folder_to_hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    with pytest.raises(
+        ConnectionError, match=rf"checking the token failed: http://127.0.0.1:{port}/api/whoami"
+    ):
+        push_folder_to_hub(tmp_path / "export", "me/x", token="hf_x", endpoint=f"http://127.0.0.1:{port}",
+                           timeout_s=2)  # fmt: skip
