@@ -126,7 +126,11 @@ def check_not_an_input(target: str | os.PathLike, inputs: dict[str, str | os.Pat
 
 @contextlib.contextmanager
 def atomic_directory(
-    target: str | os.PathLike, overwrite: bool = False, *, keep_other_files: bool = False
+    target: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    keep_other_files: bool = False,
+    keep_unwritten_files: bool = False,
 ) -> Iterator[pathlib.Path]:
     """Yield an empty staging directory that becomes `target` when the block completes.
 
@@ -135,6 +139,9 @@ def atomic_directory(
         overwrite: replace a non-empty `target` (refused otherwise).
         keep_other_files: when replacing, carry over the old directory's files and folders
             that do not match SAVED_FILE_PATTERNS and that the block did not write.
+        keep_unwritten_files: carry over every file and folder the block did not write,
+            saved kinds included: a save that adds files to a folder (GGUF files of
+            another quantisation beside earlier ones).
     """
     target = check_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -145,8 +152,8 @@ def atomic_directory(
         yield staging
         # Checked again: another process may have filled the target while we were writing.
         check_target(target, overwrite)
-        if keep_other_files and target.is_dir():
-            _carry_other_files(target, staging)
+        if (keep_other_files or keep_unwritten_files) and target.is_dir():
+            _carry_other_files(target, staging, saved_kinds_too=keep_unwritten_files)
         os.chmod(staging, 0o777 & ~_umask())
         _fsync_tree(staging)
         _move_into_place(staging, target)
@@ -164,7 +171,7 @@ def is_saved_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in SAVED_FILE_PATTERNS)
 
 
-def _carry_other_files(old: pathlib.Path, staging: pathlib.Path) -> None:
+def _carry_other_files(old: pathlib.Path, staging: pathlib.Path, saved_kinds_too: bool = False) -> None:
     for entry in old.iterdir():
         destination = staging / entry.name
         if destination.exists() or destination.is_symlink():
@@ -173,7 +180,7 @@ def _carry_other_files(old: pathlib.Path, staging: pathlib.Path) -> None:
             os.symlink(os.readlink(entry), destination)
         elif entry.is_dir():
             shutil.copytree(entry, destination, symlinks=True, copy_function=_link_or_copy)
-        elif not is_saved_file(entry.name):
+        elif saved_kinds_too or not is_saved_file(entry.name):
             _link_or_copy(entry, destination)
 
 

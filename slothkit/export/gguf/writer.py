@@ -37,7 +37,7 @@ import torch
 from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quant_shape_to_byte_shape
 
-from slothkit.export.atomic import atomic_directory, check_target
+from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
 from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
@@ -78,39 +78,63 @@ def save_pretrained_gguf(
         verify: load each file with llama-cpp-python and compare its logits and greedy tokens
             with the model (slothkit.export.gguf.verify); None: when llama-cpp-python is
             installed.
-        overwrite: replace a non-empty save_directory (atomically); refused otherwise.
+        overwrite: replace files of the same names from an earlier save; refused
+            otherwise.  Other files in the folder are always kept: a second call with
+            another quantisation adds its files beside the first one's, and GGUF files
+            may go beside a merged model's.
 
     Returns:
         The written paths: the GGUF files in the order asked, then the Modelfiles. With one
-        method the Modelfile is `Modelfile`; with several, `Modelfile.<LABEL>` for each.
+        method into a folder without GGUF files the Modelfile is `Modelfile`; otherwise
+        `Modelfile.<LABEL>` for each.
     """
     methods = quantization_methods(quantization_method)
     arch = architecture_of(model)
     _check_plain_model(model)
-    target = check_target(save_directory, overwrite)
+    target = pathlib.Path(save_directory).expanduser()
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{str(target)!r} exists and is a file; the save target must be a directory")
+    stem = target.name or "model"
+    gguf_names = [f"{stem}.{method.label}.gguf" for method in methods]
+    modelfile_names = _modelfile_names(target, gguf_names, methods)
+    clashes = [name for name in gguf_names + modelfile_names if (target / name).exists()]
+    if clashes and not overwrite:  # before any work
+        raise DirectoryNotEmptyError(
+            f"{str(target)!r} already holds {', '.join(clashes)} from an earlier save; pass "
+            f"overwrite=True to replace them (the folder's other files are kept), or choose a new folder"
+        )
     if verify is None:
         from slothkit.export.gguf.verify import llama_cpp_available
 
         verify = llama_cpp_available()
 
-    stem = target.name or "model"
-    written = []
-    with atomic_directory(target, overwrite=overwrite) as staging:
-        for method in methods:
-            path = staging / f"{stem}.{method.label}.gguf"
-            write_gguf(model, path, tokenizer, method, arch=arch)
+    with atomic_directory(target, overwrite=True, keep_unwritten_files=True) as staging:
+        for method, name in zip(methods, gguf_names):
+            write_gguf(model, staging / name, tokenizer, method, arch=arch)
             if verify:
                 from slothkit.export.gguf.verify import verify_gguf
 
-                verify_gguf(path, model, tokenizer, method)
-            written.append(path.name)
-        for method in methods:
-            modelfile = "Modelfile" if len(methods) == 1 else f"Modelfile.{method.label}"
-            write_modelfile(
-                staging / modelfile, f"{stem}.{method.label}.gguf", tokenizer, _stop_token_ids(model)
-            )
-            written.append(modelfile)
-    return [target / name for name in written]
+                verify_gguf(staging / name, model, tokenizer, method)
+        for name, modelfile in zip(gguf_names, modelfile_names):
+            write_modelfile(staging / modelfile, name, tokenizer, _stop_token_ids(model))
+    return [target / name for name in gguf_names + modelfile_names]
+
+
+def _modelfile_names(target: pathlib.Path, gguf_names: list[str], methods) -> list[str]:
+    """`Modelfile` for a lone GGUF file; `Modelfile.<LABEL>` per file when there are several,
+    in this save or beside earlier GGUF files in the folder (whose `Modelfile` stays theirs,
+    unless it is this file's own from an earlier save)."""
+    if len(methods) == 1:
+        earlier = target.is_dir() and any(
+            p.suffix == ".gguf" and p.name != gguf_names[0] for p in target.iterdir()
+        )
+        modelfile = target / "Modelfile"
+        own = modelfile.is_file() and modelfile.read_text(errors="replace").startswith(
+            f"FROM ./{gguf_names[0]}\n"
+        )
+        if own or not earlier:
+            return ["Modelfile"]
+    return [f"Modelfile.{method.label}" for method in methods]
 
 
 def push_to_hub_gguf(

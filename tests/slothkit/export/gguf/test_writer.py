@@ -463,16 +463,33 @@ def test_unknown_method_lists_the_valid_ones(tmp_path):
     assert set(gguf_verify.TOLERANCES) == set(gguf_verify.WEIGHT_TOLERANCES) == set(QUANTIZATION_METHODS)
 
 
-def test_non_empty_directory_needs_overwrite(tmp_path):
+def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_path):
+    """As notebooks use it: one folder, one save per quantisation, beside other files. A
+    save never deletes what it did not write; replacing its own files needs overwrite."""
     model, tokenizer = tiny("llama")
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("keep me")
-    with pytest.raises(DirectoryNotEmptyError, match="overwrite=True"):
+    save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
+    assert sorted(p.name for p in target.iterdir()) == ["Modelfile", "old.txt", "out.Q8_0.gguf"]
+    first = (target / "out.Q8_0.gguf").read_bytes()
+
+    save_pretrained_gguf(model, target, tokenizer, "f16", verify=False)  # another type: added
+    names = ["Modelfile", "Modelfile.F16", "old.txt", "out.F16.gguf", "out.Q8_0.gguf"]
+    assert sorted(p.name for p in target.iterdir()) == names
+    assert (target / "out.Q8_0.gguf").read_bytes() == first
+    assert "FROM ./out.Q8_0.gguf" in (target / "Modelfile").read_text()
+    assert "FROM ./out.F16.gguf" in (target / "Modelfile.F16").read_text()
+
+    with pytest.raises(DirectoryNotEmptyError, match=r"already holds out\.Q8_0\.gguf.*overwrite=True"):
         save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
-    assert [p.name for p in target.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in target.iterdir()) == names
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2)
     save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False, overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == ["Modelfile", "out.Q8_0.gguf"]
+    assert sorted(p.name for p in target.iterdir()) == names
+    assert (target / "out.Q8_0.gguf").read_bytes() != first
+    assert (target / "old.txt").read_text() == "keep me"
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
