@@ -1,6 +1,7 @@
 """GGUF export (slothkit.export.gguf) of the tiny Llama, Mistral and Gemma in every method: the
 file read back with gguf.GGUFReader, then run by llama.cpp and compared with the HF model."""
 
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -484,9 +485,10 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
     with pytest.raises(DirectoryNotEmptyError, match=r"already holds out\.Q8_0\.gguf.*overwrite=True"):
         save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
     assert sorted(p.name for p in target.iterdir()) == names
+    changed = copy.deepcopy(model)  # tiny() is shared by the module's tests
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(2)
-    save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False, overwrite=True)
+        changed.model.embed_tokens.weight.mul_(2)
+    save_pretrained_gguf(changed, target, tokenizer, "q8_0", verify=False, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == names
     assert (target / "out.Q8_0.gguf").read_bytes() != first
     assert (target / "old.txt").read_text() == "keep me"
