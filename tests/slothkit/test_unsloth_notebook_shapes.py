@@ -107,6 +107,7 @@ def notebook_run(monkeypatch, tmp_path):
     """Run in a fresh folder (outputs/), on the kernels' torch references (the Triton
     interpreter costs seconds a step), with each notice shown afresh."""
     monkeypatch.chdir(tmp_path)
+    interpreter = os.environ.get("TRITON_INTERPRET")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     say_once.cache_clear()
     with warnings.catch_warnings():
@@ -114,6 +115,12 @@ def notebook_run(monkeypatch, tmp_path):
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*pin_memory.*")
         yield
+    # The SFT runs with dataset_num_proc > 1 leave TRITON_INTERPRET=0 behind in os.environ
+    # past monkeypatch's undo; later tests that need the interpreter get it back here.
+    if interpreter is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = interpreter
 
 
 def _load(arch="llama"):
