@@ -325,6 +325,9 @@ class FastModel:
         Returns:
             The same model.
         """
+        from slothkit.inference import disable_fast_decode
+
+        disable_fast_decode(model)  # frees the decode cache and graph
         model.train()
         causal_lm, _ = decoder_layers(model)
         causal_lm.config.use_cache = (
@@ -336,20 +339,31 @@ class FastModel:
         return model
 
     @staticmethod
-    def for_inference(model):
-        """Put the model in evaluation mode with the KV cache on, and its tokenizer (when
-        it came from FastModel) to padding on the left, as batched generation wants
-        (``for_training`` goes back to training mode and right padding).
+    def for_inference(model, fast_decode: bool | None = None):
+        """Put the model in evaluation mode with the KV cache on, its tokenizer (when it
+        came from FastModel) to padding on the left, as batched generation wants, and its
+        ``generate`` on slothkit's fast decode loop (slothkit.inference: a static KV cache
+        and the decode step captured as a CUDA graph; LoRA adapters and 4-bit weights
+        applied as in training, nothing merged).  ``for_training`` goes back to training
+        mode and right padding, and frees the decode cache.
 
         Args:
             model: a model from ``FastModel.from_pretrained`` or ``get_peft_model``.
+            fast_decode: None: the fast loop on a CUDA GPU (compute capability 7.0 or
+                newer) for Llama, Mistral and Gemma, else Hugging Face's generate with a
+                one-line notice; True: the fast loop on a CPU too (no graph: for
+                checking); False: Hugging Face's generate.
 
         Returns:
             The same model.
         """
+        from slothkit.inference import enable_fast_decode
+
         model.eval()
         causal_lm, _ = decoder_layers(model)
         causal_lm.config.use_cache = True
+        accept_encoding_in_generate(model)
+        enable_fast_decode(model, fast_decode)
         tokenizer = getattr(model, "_slothkit_tokenizer", None)
         if tokenizer is not None:
             tokenizer.padding_side = "left"

@@ -1,5 +1,7 @@
-"""``model.generate(input_ids=inputs)`` where ``inputs`` is the dict that
-``tokenizer.apply_chat_template(..., return_tensors="pt")`` returns in transformers 5.
+"""The ``generate`` that FastModel's models carry: the fast decode loop after
+``FastModel.for_inference`` (slothkit.inference), and ``model.generate(input_ids=inputs)``
+where ``inputs`` is the dict that ``tokenizer.apply_chat_template(..., return_tensors="pt")``
+returns in transformers 5.
 
 transformers 4 returned the token ids as a tensor there; 5 returns a BatchEncoding
 (input_ids and attention_mask), which ``generate(input_ids=...)`` cannot take.  The models
@@ -17,7 +19,8 @@ from slothkit.notices import say_once
 
 def accept_encoding_in_generate(model):
     """Give `model` (this instance only) a ``generate`` that also takes a BatchEncoding or
-    dict as ``input_ids`` (or as its first positional argument) and unpacks it.
+    dict as ``input_ids`` (or as its first positional argument) and unpacks it, and that
+    decodes through the fast loop when ``FastModel.for_inference`` turned it on.
 
     Args:
         model: a transformers model or PeftModel; changed in place.
@@ -44,6 +47,11 @@ def accept_encoding_in_generate(model):
             )
             for key, value in encoding.items():
                 kwargs.setdefault(key, value)
+        from slothkit.inference import fast_generate
+
+        sequences = fast_generate(model, args, kwargs)  # None: not on for_inference's fast path
+        if sequences is not None:
+            return sequences
         return generate(*args, **kwargs)
 
     generate_unpacking._slothkit_unpacks_encoding = True

@@ -20,6 +20,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
     tiny              slothkit.testing.tiny_models
     shapes            slothkit.bench.shapes (bench, planner), the notebooks' tiny model
     families          messages
+    embedding_scale   the fast decode step (slothkit.inference), where transformers' embedding
+                      module does not scale by sqrt(hidden) itself
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -99,6 +101,9 @@ class Architecture:
     shapes: Mapping[str, Shape] = field(compare=False)
     # Checkpoints covered, for messages and docs.
     families: tuple[str, ...] = ()
+    # The token embeddings are multiplied by sqrt(hidden size) before the first layer
+    # (Gemma); transformers does it in the model's forward or in its embedding module.
+    embedding_scale: bool = False
 
     def activation(self, config) -> str:
         """The gated MLP's activation name for slothkit_kernels.lora.lora_mlp."""

@@ -2,8 +2,8 @@
 
 Gemma-7B's attention has head_dim 256 with hidden 3072 (16 heads), so the
 attention width is not the hidden size; its vocabulary has 256,000 entries.
-The embedding scale is applied inside transformers' GemmaModel.forward and
-llama.cpp's gemma graph alike, so nothing in slothkit acts on it.
+The embedding scale is applied by transformers (in GemmaModel.forward or its embedding
+module) and by llama.cpp's gemma graph; only slothkit's own decode step applies it.
 """
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
@@ -65,4 +65,5 @@ GEMMA = Architecture(
         "tiny-gemma": Shape("gemma", 64, 192, 2, 4, 1, 512, 2048, {**_GEMMA, "head_dim": 32}),
     },
     families=("Gemma 2B", "Gemma 7B"),
+    embedding_scale=True,
 )

@@ -60,4 +60,5 @@ GEMMA3 = Architecture(
     # No named shapes: the bench and the planner measure the fused path.
     shapes={},
     families=("Gemma 3 (text)",),
+    embedding_scale=True,
 )

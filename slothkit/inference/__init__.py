@@ -1,0 +1,114 @@
+"""Fast generation after ``FastModel.for_inference``.
+
+    enable_fast_decode(model, fast)     # for_inference: attach a FastDecoder (or say why not)
+    disable_fast_decode(model)          # for_training: drop it and free its cache
+    fast_generate(model, args, kwargs)  # generate's glue: the fast loop's output, or None
+
+Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
+sampling.py (generate's settings and logits processors), fast_decoder.py (prefill, the
+captured decode step, the loop).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slothkit.engine.inspection import causal_lm_of
+from slothkit.inference.fast_decoder import FastDecoder
+from slothkit.inference.sampling import generation_config_for, unsupported_settings
+from slothkit.models import architecture_for
+from slothkit.notices import say_once
+
+__all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
+
+DECODER_ATTRIBUTE = "_slothkit_fast_decoder"
+# generate's keywords that are not generation settings and that the fast loop reads.
+_INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
+
+
+def _why_not(causal_lm, fast: bool | None) -> str | None:
+    """Why the fast path cannot take this model, or None when it can."""
+    if architecture_for(causal_lm.config) is None:
+        return f"fast generation covers Llama, Mistral and Gemma, not {causal_lm.config.model_type!r}"
+    device = causal_lm.get_input_embeddings().weight.device
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 7:
+            return "fast generation needs a GPU of compute capability 7.0 (Volta) or newer"
+        return None
+    if fast:
+        return None  # asked for on a CPU: the same loop without the graph (tests, parity)
+    return "fast generation needs a CUDA GPU"
+
+
+def enable_fast_decode(model, fast: bool | None = None) -> bool:
+    """Give the model inside ``model`` a FastDecoder, so that its ``generate`` (with the
+    instance glue of slothkit.generation) decodes through it.
+
+    Args:
+        model: a model from FastModel (a PeftModel or the causal LM itself).
+        fast: None: where it pays (a CUDA GPU, a supported architecture), else Hugging
+            Face's generate with a one-line notice; True: also on a CPU (same numbers,
+            no graph); False: Hugging Face's generate.
+
+    Returns:
+        Whether the fast path is on.
+    """
+    causal_lm = causal_lm_of(model)
+    if fast is False:
+        disable_fast_decode(model)
+        return False
+    reason = _why_not(causal_lm, fast)
+    if reason is not None:
+        disable_fast_decode(model)
+        say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate")
+        return False
+    if getattr(causal_lm, DECODER_ATTRIBUTE, None) is None:
+        arch = architecture_for(causal_lm.config)
+        use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
+        setattr(causal_lm, DECODER_ATTRIBUTE, FastDecoder(causal_lm, arch.embedding_scale, use_graph))
+    return True
+
+
+def disable_fast_decode(model) -> None:
+    """Drop the model's FastDecoder, freeing its cache and graph."""
+    causal_lm = causal_lm_of(model)
+    decoder = causal_lm.__dict__.pop(DECODER_ATTRIBUTE, None)
+    if decoder is not None:
+        decoder.release()
+
+
+def fast_generate(model, args: tuple, kwargs: dict):
+    """``model.generate(*args, **kwargs)`` through the model's FastDecoder, or None when it
+    has none or the call asks for something the fast loop does not do (said once)."""
+    causal_lm = causal_lm_of(model)
+    decoder = getattr(causal_lm, DECODER_ATTRIBUTE, None)
+    if decoder is None or causal_lm.training:
+        return None
+    kwargs = dict(kwargs)
+    if args:
+        if len(args) > 1 or "input_ids" in kwargs:
+            return None
+        kwargs["input_ids"] = args[0]
+    inputs = {name: kwargs.pop(name, None) for name in _INPUTS}
+    input_ids = inputs["input_ids"]
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
+        return _refuse("generate without a (batch, length) input_ids tensor")
+    config, unused = generation_config_for(causal_lm.generation_config, inputs["generation_config"], kwargs)
+    unused = sorted(name for name in unused if name != "token_type_ids" or unused[name] is None)
+    unsupported = unused + unsupported_settings(config)
+    if unsupported:
+        return _refuse(", ".join(unsupported))
+    attention_mask = inputs["attention_mask"]
+    if attention_mask is None and config.pad_token_id is not None:
+        # generate's rule: pad tokens in the prompt mark padding unless pad is also eos.
+        pad = config.pad_token_id
+        eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        if pad not in eos and bool((input_ids == pad).any()):
+            attention_mask = (input_ids != pad).long()
+    return decoder.generate(input_ids, attention_mask, config, streamer=inputs["streamer"])
+
+
+def _refuse(what: str):
+    say_once(f"slothkit: fast generation does not cover {what}; that call runs Hugging Face's generate")
+    return None

@@ -1,0 +1,211 @@
+"""``model.generate`` after ``FastModel.for_inference``: prefill, then one captured CUDA
+graph replayed per new token.
+
+Hugging Face's generate spends most of a small-batch decode step on the host: a few
+hundred kernel launches per token from Python, a cache that grows by concatenation and
+masks rebuilt each step.  Here the prompt runs once through ``ModelStep`` into a
+``StaticKVCache``; the one-token step is then captured as a CUDA graph whose inputs
+(token, RoPE position, cache slot) are tensors updated in place, so a token costs one
+graph launch plus the sampling.  On a CPU (tests) the same step runs eagerly.
+
+The graph reads the weights where they are when it is captured.  Its key is the address of
+every parameter and each LoRA layer's adapter state (active, disabled, merged), checked
+each call, so training, merging or switching adapters in between recaptures it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slothkit.inference.kv_cache import StaticKVCache
+from slothkit.inference.model_step import ModelStep
+from slothkit.inference.sampling import (
+    eos_ids,
+    logits_processors,
+    next_tokens,
+    setting,
+)
+from slothkit.notices import say_once
+
+# Cache lengths are rounded up to a multiple of this, so that prompts of nearby lengths
+# share one cache and one captured graph.
+SLOT_ROUNDING = 256
+
+
+def _weights_key(causal_lm) -> tuple:
+    addresses = tuple(parameter.data_ptr() for parameter in causal_lm.parameters())
+    adapters = tuple(
+        (
+            bool(getattr(module, "disable_adapters", False)),
+            tuple(getattr(module, "merged_adapters", ()) or ()),
+            tuple(getattr(module, "active_adapters", ()) or ()),
+        )
+        for module in causal_lm.modules()
+        if hasattr(module, "lora_A")
+    )
+    return addresses, adapters
+
+
+class _CapturedStep:
+    """The one-token decode step for a fixed batch and cache, as a CUDA graph (or eager on
+    a CPU), with its inputs as static tensors."""
+
+    def __init__(self, step: ModelStep, cache: StaticKVCache, use_graph: bool):
+        device = cache.filled.device
+        self.step, self.cache = step, cache
+        self.token = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph = None
+        self.logits = None
+        if use_graph:
+            self._capture()
+
+    def _run(self) -> torch.Tensor:
+        self.cache.mark(self.slot)
+        return self.step(self.token, self.position, self.cache, self.slot)
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (lazy initialisation, autotuning) before capturing; the
+        # writes land in slot 0, which every prefill rewrites.
+        filled = self.cache.filled.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+        self.cache.filled.copy_(filled)
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
+        self.token.copy_(token.view(-1, 1))
+        self.position.copy_(position.view(-1, 1))
+        self.slot.fill_(slot)
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.logits
+
+
+class FastDecoder:
+    """Greedy and sampled decoding of one causal LM over a static cache.
+
+    Args:
+        causal_lm: the transformers *ForCausalLM (the model inside a PeftModel).
+        embedding_scale: the token embeddings are scaled by sqrt(hidden size) (Gemma).
+        use_graph: capture the decode step as a CUDA graph (a CUDA model); False runs it
+            eagerly (same numbers, host-bound).
+    """
+
+    def __init__(self, causal_lm, embedding_scale: bool, use_graph: bool):
+        self.causal_lm = causal_lm
+        self.step = ModelStep(causal_lm, embedding_scale=embedding_scale)
+        self.use_graph = use_graph
+        self.cache: StaticKVCache | None = None
+        self.captured: _CapturedStep | None = None
+        self._key = None
+
+    def release(self) -> None:
+        """Free the cache and the captured graph (for_training calls this)."""
+        self.cache = self.captured = self._key = None
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the cache (the graph's pool is reported by the bench)."""
+        return 0 if self.cache is None else self.cache.nbytes
+
+    def _prepare(self, batch: int, slots: int, device) -> None:
+        key = _weights_key(self.causal_lm)
+        if self.cache is None or not self.cache.fits(batch, slots, self._kv_dtype(), device):
+            self.release()
+            config = self.causal_lm.config
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            self.cache = StaticKVCache(
+                len(self.step.layers), batch, kv_heads, slots, self.step.head_dim, self._kv_dtype(), device
+            )
+        if self.captured is None or key != self._key:
+            self.captured = None
+            try:
+                self.captured = _CapturedStep(self.step, self.cache, self.use_graph)
+            except RuntimeError as error:  # a layer that cannot be captured: decode eagerly
+                if not self.use_graph:
+                    raise
+                say_once(
+                    f"slothkit: the decode step could not be captured as a CUDA graph ({error}); "
+                    "generating without the graph (slower)"
+                )
+                self.use_graph = False
+                self.captured = _CapturedStep(self.step, self.cache, use_graph=False)
+            self._key = key
+
+    def _kv_dtype(self):
+        # The dtype the attention computes in: that of the embeddings' output (the 16-bit
+        # weights of a 4-bit model).
+        embeddings = self.causal_lm.get_input_embeddings()
+        base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
+        return base.weight.dtype
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, config, streamer=None) -> torch.Tensor:
+        """Decode up to the config's length; returns (B, prompt + new) token ids, rows
+        that finished early padded with the pad token, as generate returns them.
+
+        Args:
+            input_ids: (B, P) prompt tokens, left-padded for a batch.
+            attention_mask: (B, P), 1 for real tokens; None: all real.
+            config: the call's GenerationConfig (sampling.generation_config_for).
+            streamer: a transformers streamer (put / end), or None.
+        """
+        device = self.causal_lm.get_input_embeddings().weight.device
+        input_ids = input_ids.to(device)
+        batch, prompt = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(device)
+        max_new = config.max_new_tokens
+        if max_new is None:
+            max_new = setting(config, "max_length") - prompt
+        if max_new <= 0:
+            return input_ids
+        eos = eos_ids(config)
+        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
+        slots = math.ceil((prompt + max_new) / SLOT_ROUNDING) * SLOT_ROUNDING
+        self._prepare(batch, slots, device)
+        cache = self.cache
+        cache.reset(attention_mask)
+
+        # Positions as generate counts them: real tokens from 0, padding at 0.
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        first = torch.zeros(1, dtype=torch.long, device=device)
+        logits = self.step(input_ids, positions, cache, first, visible=prompt)
+
+        processors = logits_processors(config, prompt, device)
+        do_sample = bool(setting(config, "do_sample"))
+        eos_tensor = torch.tensor(eos, device=device) if eos else None
+        sequences = input_ids
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        position = positions[:, -1]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        for index in range(max_new):
+            token = next_tokens(logits, sequences, processors, do_sample)
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            sequences = torch.cat([sequences, token[:, None]], dim=-1)
+            if streamer is not None:
+                streamer.put(token.cpu())
+            if eos_tensor is not None:
+                unfinished &= ~torch.isin(token, eos_tensor)
+                if not bool(unfinished.any()):
+                    break
+            if index == max_new - 1:
+                break
+            position = position + 1
+            logits = self.captured(token, position, prompt + index)
+        if streamer is not None:
+            streamer.end()
+        return sequences

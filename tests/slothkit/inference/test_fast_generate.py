@@ -1,0 +1,231 @@
+"""The fast decode loop (slothkit.inference) against Hugging Face's generate on the same
+model: greedy tokens identical for 64 new tokens, per-step logits equal, on the tiny fp32
+models of every fused architecture, with and without LoRA adapters, for one prompt and a
+left-padded batch of three.  On a CPU the loop runs without the CUDA graph
+(``for_inference(model, fast_decode=True)``); on a GPU with it."""
+
+import os
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer, TextStreamer
+
+from slothkit import FastModel
+from slothkit.inference import disable_fast_decode, enable_fast_decode
+from slothkit.notices import say_once
+from slothkit.testing import tiny_model_path
+
+ARCHES = ["llama", "mistral", "gemma"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", "Hi"]
+
+
+@pytest.fixture(autouse=True)
+def hf_modules(monkeypatch):
+    # The tiny models on the kernels' torch references: the Triton interpreter would cost
+    # seconds per token and the fused path is not what is compared here.
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+    say_once.cache_clear()
+
+
+def _load(arch, lora: bool):
+    model, tokenizer = FastModel.from_pretrained(
+        str(tiny_model_path(arch)), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
+    )
+    model.to(DEVICE)
+    if lora:
+        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+        torch.manual_seed(0)
+        with torch.no_grad():  # PEFT starts B at zero: give the adapters an effect
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=0.05)
+    return model, tokenizer
+
+
+def _hf_then_fast(model, **kwargs):
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**kwargs)
+    FastModel.for_inference(model, fast_decode=True)
+    got = model.generate(**kwargs)
+    assert _fast_decoder(model).cache is not None, "the fast loop did not run"
+    return expected, got
+
+
+def _fast_decoder(model):
+    return getattr(model, "get_base_model", lambda: model)()._slothkit_fast_decoder
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_tokens_equal_hf_generate(arch, lora):
+    model, tokenizer = _load(arch, lora)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    single = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
+    assert (batch["attention_mask"] == 0).any(), "the batch must be left-padded"
+    for inputs in (single, batch):
+        settings = dict(
+            max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        expected, got = _hf_then_fast(model, **inputs, **settings)
+        assert got.shape == expected.shape
+        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prefill_and_step_logits_equal_the_model_forward(arch):
+    """The decode step's logits at every position of a left-padded batch equal the model's
+    own forward over the whole sequence."""
+    from slothkit.inference.fast_decoder import FastDecoder
+    from slothkit.inference.kv_cache import StaticKVCache
+    from slothkit.models import architecture_for
+
+    model, tokenizer = _load(arch, lora=True)
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
+    torch.manual_seed(1)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    extra = torch.randint(3, vocab, (3, 5), device=DEVICE)
+    ids = torch.cat([batch["input_ids"], extra], dim=1)
+    mask = torch.cat([batch["attention_mask"], torch.ones_like(extra)], dim=1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    causal_lm = model.get_base_model()
+    decoder = FastDecoder(causal_lm, architecture_for(causal_lm.config).embedding_scale, use_graph=False)
+    prompt = batch["input_ids"].shape[1]
+    config = causal_lm.config
+    cache = StaticKVCache(
+        config.num_hidden_layers,
+        3,
+        config.num_key_value_heads,
+        256,
+        decoder.step.head_dim,
+        torch.float32,
+        DEVICE,
+    )
+    cache.reset(batch["attention_mask"])
+    first = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    prefill = decoder.step(
+        batch["input_ids"], positions[:, :prompt], cache, first, last_only=False, visible=prompt
+    )
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(prefill[real], reference[:, :prompt][real], atol=1e-4, rtol=1e-4)
+    for offset in range(extra.shape[1]):
+        slot = torch.tensor([prompt + offset], device=DEVICE)
+        cache.mark(slot)
+        step = decoder.step(
+            ids[:, prompt + offset : prompt + offset + 1], positions[:, prompt + offset, None], cache, slot
+        )
+        torch.testing.assert_close(step, reference[:, prompt + offset], atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_settings_streamers_and_eos():
+    model, tokenizer = _load("llama", lora=True)
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    FastModel.for_inference(model, fast_decode=True)
+
+    # Sampling with the same seed is reproducible and every setting reaches the processors:
+    # top_k=1 is greedy whatever the temperature.
+    torch.manual_seed(7)
+    first = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.9, top_k=20)
+    torch.manual_seed(7)
+    second = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.9, top_k=20)
+    assert torch.equal(first, second)
+    greedy = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    top1 = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=5.0, top_k=1)
+    assert torch.equal(greedy, top1)
+
+    # The repetition penalty changes greedy decoding exactly as in Hugging Face's generate.
+    expected, got = _hf_then_fast(model, **inputs, max_new_tokens=24, repetition_penalty=1.3, do_sample=False)
+    assert torch.equal(got, expected)
+
+    # Stopping at an eos token: the first greedy token made eos stops after one token.
+    stop = int(greedy[0, inputs["input_ids"].shape[1] + 3])
+    expected, got = _hf_then_fast(model, **inputs, max_new_tokens=16, eos_token_id=stop, do_sample=False)
+    assert torch.equal(got, expected)
+    assert int(got[0, -1]) == stop and got.shape[1] <= greedy.shape[1]
+
+    # Streamers get the same text as the returned tokens.
+    FastModel.for_inference(model, fast_decode=True)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    out = model.generate(**inputs, max_new_tokens=12, streamer=streamer)
+    streamed = "".join(streamer)
+    assert streamed == tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=False)
+    model.generate(**inputs, max_new_tokens=4, streamer=TextStreamer(tokenizer))
+
+
+def test_unsupported_settings_fall_back_to_hf_with_one_notice(recwarn):
+    model, tokenizer = _load("llama", lora=False)
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**inputs, max_new_tokens=8, num_beams=2, do_sample=False)
+    FastModel.for_inference(model, fast_decode=True)
+    got = model.generate(**inputs, max_new_tokens=8, num_beams=2, do_sample=False)
+    assert torch.equal(got, expected)
+    notices = [
+        str(w.message) for w in recwarn if "fast generation does not cover num_beams" in str(w.message)
+    ]
+    assert len(notices) == 1
+
+
+def test_for_training_frees_the_cache_and_training_is_unaffected():
+    model, tokenizer = _load("llama", lora=True)
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    FastModel.for_inference(model, fast_decode=True)
+    before = model.generate(**inputs, max_new_tokens=8)
+    decoder = model.get_base_model()._slothkit_fast_decoder
+    assert decoder.nbytes > 0
+
+    FastModel.for_training(model)
+    assert not hasattr(model.get_base_model(), "_slothkit_fast_decoder")
+    assert decoder.nbytes == 0 and decoder.captured is None
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    loss = model(**batch, labels=labels).loss
+    loss.backward()
+    lora = [p for n, p in model.named_parameters() if "lora_A" in n]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lora)
+    with torch.no_grad():
+        for p in lora:
+            p.add_(torch.randn_like(p) * 0.5)
+
+    # The weights changed in place: the next generate sees them (same addresses, so the
+    # captured step stays valid on a GPU and reads the new values).
+    FastModel.for_inference(model, fast_decode=True)
+    after = model.generate(**inputs, max_new_tokens=8)
+    assert _fast_decoder(model).cache is not None
+    FastModel.for_inference(model, fast_decode=False)
+    assert torch.equal(after, model.generate(**inputs, max_new_tokens=8))
+    assert not torch.equal(after, before), "the changed adapters changed nothing"
+
+
+def test_disabled_adapters_are_seen_by_the_fast_loop():
+    model, tokenizer = _load("llama", lora=True)
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    FastModel.for_inference(model, fast_decode=True)
+    with_adapters = model.generate(**inputs, max_new_tokens=16)
+    with model.disable_adapter():
+        without = model.generate(**inputs, max_new_tokens=16)
+        assert _fast_decoder(model).cache is not None
+        FastModel.for_inference(model, fast_decode=False)
+        hf_without = model.generate(**inputs, max_new_tokens=16)
+    assert torch.equal(without, hf_without)
+    FastModel.for_inference(model, fast_decode=True)
+    assert torch.equal(model.generate(**inputs, max_new_tokens=16), with_adapters)
+
+
+def test_cpu_default_keeps_hf_generate_with_one_notice(recwarn):
+    if DEVICE == "cuda":
+        pytest.skip("the CPU default")
+    model, _ = _load("llama", lora=False)
+    assert enable_fast_decode(model, None) is False
+    assert not hasattr(model, "_slothkit_fast_decoder")
+    assert any("fast generation needs a CUDA GPU" in str(w.message) for w in recwarn)
+    disable_fast_decode(model)
