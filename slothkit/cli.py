@@ -86,6 +86,13 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
     return 0 if any(r["status"] == "ok" for r in record["rows"]) else 1
 
 
+def _cmd_bench_generate(args: argparse.Namespace) -> int:
+    from slothkit.bench.generate import run_generate_bench
+
+    record = run_generate_bench(args)
+    return 0 if any(r.get("status") == "ok" for r in record["rows"]) else 1
+
+
 def _cmd_bench_context(args: argparse.Namespace) -> int:
     from slothkit.bench.context import run_context_bench
 
@@ -285,6 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(train)
     train.set_defaults(func=_cmd_bench_train)
+
+    from slothkit.bench import generate
+
+    generate_parser = bench_sub.add_parser(
+        "generate", help="generation tokens/s, time to first token and memory: slothkit vs HF, Unsloth"
+    )
+    generate.add_arguments(generate_parser)
+    generate_parser.set_defaults(func=_cmd_bench_generate)
 
     from slothkit.bench import context
 

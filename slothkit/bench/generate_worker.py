@@ -1,0 +1,186 @@
+"""One implementation's generation run, in its own process
+(``python -m slothkit.bench.generate_worker``).
+
+Every implementation decodes the same thing: the named shape with the same random weights
+(slothkit.bench.train_worker.build_model), LoRA r=16 on the seven projections with the
+same random adapter weights (so that the adapters change the output), the same random
+prompts, greedy, ``min_new_tokens = max_new_tokens`` so that every run makes the same
+number of tokens.  Prints one JSON line prefixed with RESULT_TAG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from slothkit.bench.train_worker import LORA_TARGETS, RESULT_TAG, build_model, load_with_unsloth
+
+# Tokens of each row compared between implementations (the issue's first 32).
+COMPARED_TOKENS = 32
+
+
+def _randomise_adapters(model, seed: int) -> None:
+    """LoRA B starts at zero (the adapters do nothing); give every B the same random
+    values in every implementation (same names, same order, one generator)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if "lora_B" in name:
+                values = torch.randn(parameter.shape, generator=generator) * 0.01
+                parameter.copy_(values.to(parameter.device, parameter.dtype))
+
+
+def prepare(impl: str, args, dtype, device):
+    """The model with LoRA, switched to inference as each implementation's users do."""
+    if impl == "unsloth":
+        from unsloth import FastLanguageModel
+
+        args.seq = args.prompt_len + args.new_tokens
+        model, _ = load_with_unsloth(build_model(args.model, dtype, device, args.seed), args, dtype)
+        _randomise_adapters(model, args.seed + 2)
+        FastLanguageModel.for_inference(model)
+        return model
+    model = build_model(args.model, dtype, device, args.seed, quantize_nf4=args.mode == "qlora")
+    if impl == "hf":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+        )
+        _randomise_adapters(model, args.seed + 2)
+        model.eval()
+        model.config.use_cache = True
+        return model
+    if impl == "slothkit":
+        from slothkit import FastModel
+        from slothkit.engine.decoder import patch_decoder
+        from slothkit.generation import accept_encoding_in_generate
+        from slothkit.models import architecture_for
+
+        patch_decoder(model, architecture_for(model.config))
+        accept_encoding_in_generate(model)
+        model = FastModel.get_peft_model(
+            model, r=args.rank, lora_alpha=args.rank, use_gradient_checkpointing=False
+        )
+        _randomise_adapters(model, args.seed + 2)
+        FastModel.for_inference(model)
+        return model
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _generate(model, input_ids, attention_mask, new_tokens: int):
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def _timed(model, input_ids, attention_mask, new_tokens: int):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = _generate(model, input_ids, attention_mask, new_tokens)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def run(args) -> dict:
+    if args.impl == "unsloth":
+        import importlib.util
+
+        if importlib.util.find_spec("unsloth") is None:
+            raise ImportError("No module named 'unsloth'")
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+        import unsloth  # noqa: F401  (before transformers is used)
+    if not torch.cuda.is_available():
+        raise RuntimeError("the generation benchmark needs a CUDA GPU")
+    device = "cuda"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    torch.manual_seed(args.seed)
+    if args.memory_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
+    model = prepare(args.impl, args, dtype, device)
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=generator).to(device)
+    mask = torch.ones_like(prompts)
+    if args.batch > 1:  # left padding of various lengths, as a batch of real prompts has
+        for row in range(1, args.batch):
+            mask[row, : (row * args.prompt_len) // (2 * args.batch)] = 0
+        prompts = prompts.masked_fill(mask == 0, 0)
+
+    _generate(model, prompts, mask, 8)  # warm-up: compilation, graph capture, autotuning
+    torch.cuda.reset_peak_memory_stats()
+    out, seconds = _timed(model, prompts, mask, args.new_tokens)
+    out2, seconds2 = _timed(model, prompts, mask, args.new_tokens)
+    seconds = min(seconds, seconds2)
+    result = {
+        "status": "ok",
+        "tokens_per_s": args.batch * args.new_tokens / seconds,
+        "seconds": seconds,
+        "first_tokens": out[:, args.prompt_len : args.prompt_len + COMPARED_TOKENS].tolist(),
+        "repeatable": bool(torch.equal(out, out2)),
+        "loaded_gib": loaded / 2**30,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+    }
+    result["generation_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
+    decoder = getattr(getattr(model, "get_base_model", lambda: model)(), "_slothkit_fast_decoder", None)
+    if decoder is not None:
+        result["kv_cache_gib"] = decoder.nbytes / 2**30
+        result["graph_captured"] = decoder.captured is not None and decoder.captured.graph is not None
+    if args.ttft_len and args.batch == 1:
+        long_prompt = torch.randint(3, vocab, (1, args.ttft_len), generator=generator).to(device)
+        long_mask = torch.ones_like(long_prompt)
+        _generate(model, long_prompt, long_mask, 1)
+        result["ttft_s"] = min(_timed(model, long_prompt, long_mask, 1)[1] for _ in range(3))
+        result["ttft_len"] = args.ttft_len
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--ttft-len", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-gib", type=float, default=None)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except torch.cuda.OutOfMemoryError as error:
+        result = {"status": "out of memory", "error": str(error).splitlines()[0]}
+    except ImportError as error:
+        result = {"status": "skipped", "error": f"not importable: {error}"}
+    except Exception as error:  # reported in the table; the other implementations still run
+        result = {
+            "status": "error",
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(),
+        }
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
