@@ -62,10 +62,34 @@ def generation_config_for(model_config: GenerationConfig | None, call_config, kw
     return config, unused
 
 
+# generate's defaults for the settings the fast loop does not implement: at these values
+# (or None or False) they change nothing.  transformers 5.2x keeps the same table in
+# GenerationConfig._get_default_generation_params; older versions in the blank config.
+INERT = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "early_stopping": False,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "diversity_penalty": 0.0,
+    "encoder_repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant",
+    "assistant_confidence_threshold": 0.4,
+    "assistant_lookbehind": 10,
+    "target_lookbehind": 10,
+}
+
+
 def _hf_defaults() -> dict:
     blank = GenerationConfig().to_dict()
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    return {**blank, **(defaults() if callable(defaults) else {})}
+    return {**blank, **(defaults() if callable(defaults) else {}), **INERT}
 
 
 def unsupported_settings(config: GenerationConfig) -> list[str]:
@@ -75,15 +99,11 @@ def unsupported_settings(config: GenerationConfig) -> list[str]:
     defaults = _hf_defaults()
     names = []
     for name, value in config.to_dict().items():
-        if name in SUPPORTED or name in IGNORED or value is None:
+        if name in SUPPORTED or name in IGNORED or value is None or value is False:
             continue
-        if value != defaults.get(name) and value != GenerationConfig().to_dict().get(name):
+        if value != defaults.get(name):
             names.append(name)
-    if (config.num_beams or 1) != 1:
-        names.append("num_beams")
-    if (config.num_return_sequences or 1) != 1:
-        names.append("num_return_sequences")
-    return sorted(set(names))
+    return sorted(names)
 
 
 def setting(config: GenerationConfig, name: str):

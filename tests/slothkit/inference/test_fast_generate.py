@@ -164,6 +164,13 @@ def test_sampling_settings_streamers_and_eos():
 def test_unsupported_settings_fall_back_to_hf_with_one_notice(recwarn):
     model, tokenizer = _load("llama", lora=False)
     inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    # Settings at values that change nothing (as a config built by from_config carries
+    # them) keep the fast path.
+    model.generation_config.output_attentions = False
+    model.generation_config.output_hidden_states = False
+    model.generation_config.no_repeat_ngram_size = 0
+    expected, got = _hf_then_fast(model, **inputs, max_new_tokens=8)
+    assert torch.equal(got, expected)
     FastModel.for_inference(model, fast_decode=False)
     expected = model.generate(**inputs, max_new_tokens=8, num_beams=2, do_sample=False)
     FastModel.for_inference(model, fast_decode=True)
