@@ -182,7 +182,11 @@ class FastDecoder:
         # Positions as generate counts them: real tokens from 0, padding at 0.
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         first = torch.zeros(1, dtype=torch.long, device=device)
-        logits = self.step(input_ids, positions, cache, first, visible=prompt)
+        # Without padding or a window shorter than the prompt, the prefill is plain causal
+        # attention: the flash kernel, as Hugging Face's prefill uses.
+        window = self.step.window
+        causal = bool(attention_mask.all()) and (window is None or window >= prompt)
+        logits = self.step(input_ids, positions, cache, first, visible=prompt, causal=causal)
 
         processors = logits_processors(config, prompt, device)
         do_sample = bool(setting(config, "do_sample"))

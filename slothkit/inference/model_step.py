@@ -94,12 +94,15 @@ class ModelStep:
         first_slot: torch.Tensor,
         last_only: bool = True,
         visible: int | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Logits for ``input_ids`` (B, T) at RoPE ``positions`` (B, T), written into the
         cache at slots first_slot .. first_slot + T - 1 (``first_slot`` a 1-element long
         tensor, so that a captured step reads its current value).  The cache's ``filled``
         marks must already include these slots.  ``visible``: attend over the first
         ``visible`` slots only (a prefill from slot 0 reads T slots, not the whole cache).
+        ``causal``: the T tokens are a prefill from slot 0 with no padding and no window
+        shorter than T, so plain causal attention (the flash kernel, no mask) is exact.
 
         Returns:
             float32 logits (B, V) of the last token, or (B, T, V) with last_only=False.
@@ -111,7 +114,7 @@ class ModelStep:
         cos, sin = self.decoder.rotary_emb(hidden, positions)  # (B, T, D) each
         cos, sin = cos[:, None], sin[:, None]
         visible = cache.slots if visible is None else visible
-        allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens)
+        allowed = None if causal else self.allowed_slots(cache.filled[:, :visible], first_slot, tokens)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
@@ -122,7 +125,12 @@ class ModelStep:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = cache.write(index, slots, k, v)
             keys, values = keys[:, :, :visible], values[:, :, :visible]
-            out = _grouped_attention(q, keys, values, allowed, self.scaling)
+            if causal:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=True
+                )
+            else:
+                out = _grouped_attention(q, keys, values, allowed, self.scaling)
             out = out.transpose(1, 2).reshape(batch, tokens, -1)
             hidden = hidden + attention.o_proj(out)
             hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
