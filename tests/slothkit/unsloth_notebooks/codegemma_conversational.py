@@ -240,11 +240,15 @@ if False:
 if True:
     model.save_pretrained_merged("codegemma_finetune_16bit", tokenizer, save_method="merged_16bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/codegemma_finetune_16bit", tokenizer, save_method="merged_16bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/codegemma_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
+    )
 if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
     model.save_pretrained_merged("codegemma_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/codegemma_finetune_4bit", tokenizer, save_method="merged_4bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/codegemma_finetune_4bit", tokenizer, save_method="merged_4bit", token=""
+    )
 if True:
     model.save_pretrained("codegemma_lora")
     tokenizer.save_pretrained("codegemma_lora")
@@ -260,4 +264,6 @@ if True:
 if True:
     model.save_pretrained_gguf("codegemma_finetune", tokenizer, quantization_method="q4_k_m")
 if False:
-    model.push_to_hub_gguf("HF_USERNAME/codegemma_finetune", tokenizer, quantization_method="q4_k_m", token="")
+    model.push_to_hub_gguf(
+        "HF_USERNAME/codegemma_finetune", tokenizer, quantization_method="q4_k_m", token=""
+    )

@@ -231,11 +231,15 @@ if False:
 if True:
     model.save_pretrained_merged("llama_finetune_16bit", tokenizer, save_method="merged_16bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
+    )
 if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
     model.save_pretrained_merged("llama_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/llama_finetune_4bit", tokenizer, save_method="merged_4bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/llama_finetune_4bit", tokenizer, save_method="merged_4bit", token=""
+    )
 if True:
     model.save_pretrained("llama_lora")
     tokenizer.save_pretrained("llama_lora")
@@ -251,4 +255,6 @@ if True:
 if True:
     model.save_pretrained_gguf("llama_finetune", tokenizer, quantization_method="q4_k_m")
 if False:
-    model.push_to_hub_gguf("HF_USERNAME/llama_finetune", tokenizer, quantization_method=["q4_k_m", "q8_0"], token="")
+    model.push_to_hub_gguf(
+        "HF_USERNAME/llama_finetune", tokenizer, quantization_method=["q4_k_m", "q8_0"], token=""
+    )

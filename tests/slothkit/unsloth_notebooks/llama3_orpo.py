@@ -82,7 +82,12 @@ def format_prompt(sample):
 dataset = Dataset.from_list(
     [
         {"instruction": "Add the numbers.", "input": "12 and 30", "accepted": "42.", "rejected": "1230."},
-        {"instruction": "Name the capital of France.", "input": "", "accepted": "Paris.", "rejected": "Lyon."},
+        {
+            "instruction": "Name the capital of France.",
+            "input": "",
+            "accepted": "Paris.",
+            "rejected": "Lyon.",
+        },
         {"instruction": "Reverse the word.", "input": "sloth", "accepted": "htols", "rejected": "sloth"},
         {"instruction": "What colour is the sky?", "input": "", "accepted": "Blue.", "rejected": "Green."},
         {"instruction": "Give the opposite.", "input": "slow", "accepted": "fast", "rejected": "slower"},
@@ -189,11 +194,15 @@ if False:
 if True:
     model.save_pretrained_merged("llama_finetune_16bit", tokenizer, save_method="merged_16bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
+    )
 if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
     model.save_pretrained_merged("llama_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/llama_finetune_4bit", tokenizer, save_method="merged_4bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/llama_finetune_4bit", tokenizer, save_method="merged_4bit", token=""
+    )
 if True:
     model.save_pretrained("llama_lora")
     tokenizer.save_pretrained("llama_lora")

@@ -67,7 +67,9 @@ from datasets import Dataset
 # Local stand-in for load_dataset("roneneldan/TinyStories", split="train[:2500]").
 dataset = Dataset.from_list(
     [
-        {"text": "Once upon a time, a little sloth named Sam lived in a tall tree. He liked to sleep all day."},
+        {
+            "text": "Once upon a time, a little sloth named Sam lived in a tall tree. He liked to sleep all day."
+        },
         {"text": "Lily found a red ball in the park. She threw it to her dog, and the dog ran after it."},
         {"text": "Tom wanted to fly a kite. The wind was strong, and the kite went up into the sky."},
         {"text": "A small bird sang every morning. One day it sang for the sun, and the sun smiled back."},

@@ -192,11 +192,15 @@ if False:
 if True:
     model.save_pretrained_merged("mistral_v0_finetune_16bit", tokenizer, save_method="merged_16bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/mistral_v0_finetune_16bit", tokenizer, save_method="merged_16bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/mistral_v0_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
+    )
 if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
     model.save_pretrained_merged("mistral_v0_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
-    model.push_to_hub_merged("HF_USERNAME/mistral_v0_finetune_4bit", tokenizer, save_method="merged_4bit", token="")
+    model.push_to_hub_merged(
+        "HF_USERNAME/mistral_v0_finetune_4bit", tokenizer, save_method="merged_4bit", token=""
+    )
 if True:
     model.save_pretrained("mistral_v0_lora")
     tokenizer.save_pretrained("mistral_v0_lora")
@@ -212,6 +216,10 @@ if True:
 if True:
     model.save_pretrained_gguf("mistral_v0_finetune", tokenizer, quantization_method="q4_k_m")
 if False:
-    model.push_to_hub_gguf("HF_USERNAME/mistral_v0_finetune", tokenizer, quantization_method="q4_k_m", token="")
+    model.push_to_hub_gguf(
+        "HF_USERNAME/mistral_v0_finetune", tokenizer, quantization_method="q4_k_m", token=""
+    )
 if False:
-    model.push_to_hub_gguf("HF_USERNAME/mistral_v0_finetune", tokenizer, quantization_method="q5_k_m", token="")
+    model.push_to_hub_gguf(
+        "HF_USERNAME/mistral_v0_finetune", tokenizer, quantization_method="q5_k_m", token=""
+    )

@@ -64,7 +64,9 @@ def as_dpo_text(example, tokenizer):
         prompt = tokenizer.apply_chat_template([system, user], tokenize=False, add_generation_prompt=True)
         whole = tokenizer.apply_chat_template([system, user, reply], tokenize=False)
         if not whole.startswith(prompt):
-            raise ValueError(f"the chat template does not render the prompt as the start of the {key} conversation")
+            raise ValueError(
+                f"the chat template does not render the prompt as the start of the {key} conversation"
+            )
         texts["text_prompt"], texts[f"text_{key}"] = prompt, whole[len(prompt) :]
     return texts
 
@@ -92,7 +94,9 @@ raw_datasets = DatasetDict(
                 pair("How many legs does a spider have?", "Eight.", "Six."),
                 pair("What is 2 + 2?", "4.", "5."),
                 pair("Name a primary colour.", "Red.", "Green."),
-                pair("What is the boiling point of water at sea level?", "100 degrees Celsius.", "50 degrees."),
+                pair(
+                    "What is the boiling point of water at sea level?", "100 degrees Celsius.", "50 degrees."
+                ),
                 pair("Which animal is known for being slow?", "The sloth.", "The cheetah."),
             ]
         ),
