@@ -18,6 +18,10 @@ it checks the setup (``check_setup``: a tokenizer larger than the embeddings, th
 gradient checkpointing over slothkit's), keeps the adapters in the dtype get_peft_model
 gave them, and makes ``train()`` explain a CUDA out-of-memory error.
 
+SFTTrainer trains on the text column when the dataset also holds the ``conversations`` (or
+``messages``) it was rendered from, as TRL did before 1.x; TRL 1.x would render those again
+with the chat template.
+
 ``max_prompt_length`` (dropped by TRL 1.16): DPOTrainer keeps the last max_prompt_length
 tokens of each tokenized prompt (and its BOS), the end next to the answer, as TRL's
 ``truncation_mode="keep_end"`` did for prompts; ORPOTrainer cuts each prompt's text to its
