@@ -22,6 +22,7 @@ from slothkit.engine.inspection import causal_lm_of, is_4bit_model
 from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
+    extend_context,
     linear_module_leaves,
     matching_modules,
     nf4_settings,
@@ -111,8 +112,9 @@ class FastModel:
         Args:
             model_name: a local checkpoint directory (config.json, weights and a
                 tokenizer) or a Hugging Face Hub id.
-            max_seq_length: the longest sequence to train on (default 2048); at most
-                the model's ``max_position_embeddings``.  Set on the model and as the
+            max_seq_length: the longest sequence to train on (default 2048).  Beyond
+                the model's ``max_position_embeddings`` (up to 16 times it) RoPE is
+                scaled linearly to reach it, said once.  Set on the model and as the
                 tokenizer's ``model_max_length``.
             dtype: torch.float32, torch.float16, torch.bfloat16 or one of the names
                 "float32"/"fp32", "float16"/"fp16"/"half", "bfloat16"/"bf16".  None
@@ -173,7 +175,8 @@ class FastModel:
                 **hf_kwargs,
             )
         config = resolve_checkpoint(model_name, token=token)
-        check_max_seq_length(config, max_seq_length)
+        if extend_context(config, max_seq_length):
+            hf_kwargs["config"] = config
         dtype = pick_dtype(dtype)
 
         try:

@@ -93,18 +93,79 @@ def resolve_checkpoint(name_or_path: str, token=None, **config_kwargs):
         ) from None
 
 
-def check_max_seq_length(config, max_seq_length: int) -> None:
+# Linear RoPE scaling (position interpolation, Chen et al. 2023, arXiv:2306.15595) divides
+# every position by factor = max_seq_length / context, so the longest sequence spans the
+# rotation angles the model was trained on; they fine-tuned LLaMA to 16 times its context
+# this way, the most slothkit stretches a model to.
+MAX_ROPE_FACTOR = 16
+
+
+def check_max_seq_length(config, max_seq_length: int, extends: bool = False) -> None:
+    """Refuse a max_seq_length that is not a positive integer or that exceeds the model's
+    context (config.max_position_embeddings); with `extends`, one that exceeds what
+    extend_context can reach.
+
+    Args:
+        config: the model's transformers config.
+        max_seq_length: the longest sequence to train on, or None (no check).
+        extends: whether a longer max_seq_length will extend the context (from_pretrained
+            does, before the model is built; later its RoPE is fixed).
+    """
     if max_seq_length is None:
         return
     if not isinstance(max_seq_length, int) or max_seq_length <= 0:
         raise ValueError(f"max_seq_length={max_seq_length!r}; expected a positive integer")
     context = getattr(config, "max_position_embeddings", None)
-    if context is not None and max_seq_length > context:
+    if context is None or max_seq_length <= context:
+        return
+    if not extends:
         raise ValueError(
             f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens "
-            f"(config.max_position_embeddings). Use max_seq_length <= {context}; slothkit does "
-            f"not silently extend the context with RoPE scaling."
+            f"(config.max_position_embeddings). Use max_seq_length <= {context} here, or pass the "
+            f"longer one to from_pretrained, which extends the context with RoPE scaling."
         )
+    if max_seq_length > MAX_ROPE_FACTOR * context:
+        raise ValueError(
+            f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens "
+            f"(config.max_position_embeddings) more than {MAX_ROPE_FACTOR} times over, the most linear "
+            f"RoPE scaling stretches it; use max_seq_length <= {MAX_ROPE_FACTOR * context}"
+        )
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default" or "rope_theta" not in params:
+        raise ValueError(
+            f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens "
+            f"(config.max_position_embeddings), and its RoPE is not a plain one slothkit can scale "
+            f"(rope_parameters={params}); use max_seq_length <= {context}"
+        )
+
+
+def extend_context(config, max_seq_length: int | None) -> bool:
+    """Scale RoPE linearly on `config` when max_seq_length exceeds its context, as Unsloth
+    does, saying so once; the model built from the config then attends over
+    max_seq_length positions (and its saved config and GGUF files say so).
+
+    Args:
+        config: the model's transformers config, changed in place; checked first
+            (check_max_seq_length with extends=True).
+        max_seq_length: the longest sequence to train on, or None.
+
+    Returns:
+        Whether the config was changed.
+    """
+    from slothkit.notices import say_once
+
+    check_max_seq_length(config, max_seq_length, extends=True)
+    context = getattr(config, "max_position_embeddings", None)
+    if max_seq_length is None or context is None or max_seq_length <= context:
+        return False
+    factor = max_seq_length / context
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
+    config.max_position_embeddings = max_seq_length
+    say_once(
+        f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens: RoPE is "
+        f"scaled linearly by {factor:g} (rope_parameters: rope_type='linear', factor={factor:g}) to reach it"
+    )
+    return True
 
 
 def matching_modules(model, target_modules) -> list[str]:

@@ -18,6 +18,10 @@ it checks the setup (``check_setup``: a tokenizer larger than the embeddings, th
 gradient checkpointing over slothkit's), keeps the adapters in the dtype get_peft_model
 gave them, and makes ``train()`` explain a CUDA out-of-memory error.
 
+SFTTrainer trains on the text column when the dataset also holds the ``conversations`` (or
+``messages``) it was rendered from, as TRL did before 1.x; TRL 1.x would render those again
+with the chat template.
+
 ``max_prompt_length`` (dropped by TRL 1.16): DPOTrainer keeps the last max_prompt_length
 tokens of each tokenized prompt (and its BOS), the end next to the answer, as TRL's
 ``truncation_mode="keep_end"`` did for prompts; ORPOTrainer cuts each prompt's text to its
@@ -124,10 +128,36 @@ class SFTTrainer(_SlothkitSetup, trl.SFTTrainer):
         # Notebooks render their text column with tokenizer.apply_chat_template(...,
         # tokenize=False), which writes the BOS; TRL's tokenizing adds another.  One goes,
         # as slothkit.data.apply_chat_template drops it.
+        dataset = _text_over_conversations(dataset, args.dataset_text_field)
         dataset = _without_written_bos(dataset, processing_class, args.dataset_text_field)
         return super()._prepare_dataset(
             dataset, processing_class, args, packing, formatting_func, dataset_name
         )
+
+
+# The columns TRL 1.x renders with the chat template in preference to the text column.
+_CONVERSATION_COLUMNS = ("messages", "conversations")
+
+
+def _text_over_conversations(dataset, field: str):
+    """A dataset with the text column and a conversation column (the notebooks render
+    "conversations" into "text" and keep both) trains on the text, as TRL did before 1.x:
+    TRL 1.x would render the conversations again with the tokenizer's chat template, which
+    fails when that template reads ShareGPT's keys (mapping=) and ignores what the
+    notebook's formatter wrote."""
+    import datasets
+
+    if not (isinstance(dataset, datasets.Dataset) and field in dataset.column_names):
+        return dataset
+    conversations = [name for name in _CONVERSATION_COLUMNS if name in dataset.column_names]
+    if not conversations or not isinstance(dataset[0][field], str):
+        return dataset
+    say_once(
+        f"the dataset has a {field!r} column and {', '.join(map(repr, conversations))}: slothkit trains on "
+        f"{field!r} (dataset_text_field), as TRL did before 1.x; drop the {field!r} column to have TRL render "
+        "the conversations with the chat template instead"
+    )
+    return dataset.remove_columns(conversations)
 
 
 def _without_written_bos(dataset, processing_class, field: str):

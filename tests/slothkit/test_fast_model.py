@@ -385,6 +385,52 @@ def test_clear_errors_for_bad_input(tmp_path):
         FastModel.get_peft_model(copy.deepcopy(model), use_gradient_checkpointing="sometimes")
 
 
+def test_max_seq_length_beyond_the_context_scales_rope_linearly():
+    """Twice the context: each position p of the extended model turns q and k by the angles
+    the original gives p / 2 (linear RoPE scaling), said once; the refusals say the limits."""
+    from slothkit.notices import LegacySpellingWarning, say_once
+
+    path = str(tiny_model_path("llama"))
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extended, tokenizer = FastModel.from_pretrained(path, max_seq_length=4096, load_in_4bit=False)
+    notices = [str(w.message) for w in caught if issubclass(w.category, LegacySpellingWarning)]
+    assert any(
+        "exceeds this model's context of 2048 tokens: RoPE is scaled linearly by 2" in n for n in notices
+    )
+    assert extended.config.rope_parameters == {"rope_theta": 500000.0, "rope_type": "linear", "factor": 2.0}
+    assert (extended.config.max_position_embeddings, tokenizer.model_max_length) == (4096, 4096)
+    original, _ = FastModel.from_pretrained(path, max_seq_length=2048, load_in_4bit=False)
+    assert original.config.rope_parameters["rope_type"] == "default"
+    x = torch.zeros(1, 4, 8)
+    positions = torch.tensor([[0, 3, 1000, 4095]])
+    cos, sin = extended.model.rotary_emb(x, positions)
+    cos_half, sin_half = original.model.rotary_emb(x, positions.float() / 2)
+    torch.testing.assert_close((cos, sin), (cos_half, sin_half), rtol=0, atol=1e-6)
+    # get_peft_model may not go beyond what from_pretrained built: the RoPE is fixed by then.
+    with pytest.raises(
+        ValueError, match="exceeds this model's context of 4096 .* pass the longer one to from_pretrained"
+    ):
+        FastModel.get_peft_model(extended, max_seq_length=8192)
+    with pytest.raises(ValueError, match="more than 16 times over.*max_seq_length <= 32768"):
+        FastModel.from_pretrained(path, max_seq_length=32769, load_in_4bit=False)
+
+
+def test_a_model_with_scaled_rope_is_not_scaled_again(tmp_path):
+    import shutil
+
+    folder = tmp_path / "scaled"
+    shutil.copytree(tiny_model_path("llama"), folder)
+    config = (folder / "config.json").read_text()
+    assert '"rope_type": "default"' in config
+    (folder / "config.json").write_text(
+        config.replace('"rope_type": "default"', '"rope_type": "linear", "factor": 2.0')
+    )
+    with pytest.raises(ValueError, match="its RoPE is not a plain one slothkit can scale .*'linear'"):
+        FastModel.from_pretrained(str(folder), max_seq_length=4096, load_in_4bit=False)
+
+
 def test_a_label_outside_the_vocabulary_is_refused_before_the_layers_run(device):
     model = _fused(tiny_model_path("llama"), load_in_4bit=False).to(device)
     vocab = model.config.vocab_size

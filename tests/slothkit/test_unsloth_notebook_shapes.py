@@ -1,11 +1,11 @@
-"""Notebooks written for Unsloth run on slothkit with only their imports changed.
+"""Pieces of notebooks written for Unsloth, on slothkit, where a whole notebook does not
+reach them (test_unsloth_notebooks.py runs the notebooks whole).
 
-One test per notebook shape, written here from the calls those notebooks make (their
-text is not copied): Alpaca SFT through ``TrainingArguments`` with ``warmup_ratio`` and
-the SFT options given to the trainer; a ShareGPT conversation with a chat template and
-``train_on_responses_only``; DPO with ``beta``, ``max_length`` and ``max_prompt_length``
-given to the trainer; ORPO; continued pretraining with an embedding learning rate; and
-loading the saved adapter to generate.  Each imports only from ``slothkit``,
+Written here from the calls those notebooks make (their text is not copied): Alpaca SFT
+through ``TrainingArguments`` with ``warmup_ratio`` and the SFT options given to the
+trainer; ChatML on a tokenizer without its tokens; DPO with a ``max_prompt_length`` that
+cuts; ORPO with one that cuts; continued pretraining with an embedding learning rate
+measured on one step; and the refusals.  Each imports only from ``slothkit``,
 ``slothkit.chat_templates`` and ``slothkit.trl`` (plus datasets and transformers, as the
 notebooks do), on the tiny offline models, in fp32, for a few steps.
 
@@ -23,7 +23,6 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from transformers import DataCollatorForSeq2Seq  # noqa: E402
 
 from slothkit import (  # noqa: E402
     FastLanguageModel,
@@ -35,9 +34,6 @@ from slothkit import (  # noqa: E402
 )
 from slothkit.chat_templates import (  # noqa: E402
     get_chat_template,
-    standardize_data_formats,
-    standardize_sharegpt,
-    train_on_responses_only,
 )
 from slothkit.notices import LegacySpellingWarning, say_once  # noqa: E402
 from slothkit.testing import tiny_model_path  # noqa: E402
@@ -74,20 +70,6 @@ ALPACA = [
     {"instruction": "Name the capital of France.", "input": "", "output": "Paris."},
     {"instruction": "Reverse the word.", "input": "sloth", "output": "htols"},
     {"instruction": "What colour is the sky on a clear day?", "input": "", "output": "Blue."},
-]
-
-SHAREGPT = [
-    {
-        "conversations": [
-            {"from": "human", "value": "Name a slow animal."},
-            {"from": "gpt", "value": "The sloth."},
-            {"from": "human", "value": "How slow?"},
-            {"from": "gpt", "value": "About 0.24 km per hour."},
-        ]
-    },
-    {"conversations": [{"from": "human", "value": "What is 7 times 6?"}, {"from": "gpt", "value": "42."}]},
-    {"conversations": [{"from": "human", "value": "Spell cat."}, {"from": "gpt", "value": "C, A, T."}]},
-    {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi!"}]},
 ]
 
 PREFERENCES = [
@@ -231,7 +213,7 @@ def test_alpaca_sft_with_training_arguments_and_warmup_ratio():
     assert args.warmup_steps == 0.5 and args.get_warmup_steps(4) == 2  # ceil(0.5 * 4)
 
     before = _lora(model)
-    stats = trainer.train()
+    stats = unsloth_train(trainer)
     assert stats.global_step == 4
     _assert_trained(model, before, trainer)
     # The learning rate after each step: linear warmup over ceil(0.5 * 4) = 2 steps, then linear decay.
@@ -250,68 +232,6 @@ def test_alpaca_sft_with_training_arguments_and_warmup_ratio():
             args=_training_arguments(),
         )
     assert _notices(caught) == []
-
-
-def test_sharegpt_conversations_with_chat_template_and_responses_only():
-    model, tokenizer = _load()
-    tokenizer = get_chat_template(tokenizer, chat_template="llama-3.1")
-
-    def formatting_prompts_func(examples):
-        convos = examples["conversations"]
-        return {
-            "text": [
-                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=False) for c in convos
-            ]
-        }
-
-    dataset = standardize_sharegpt(Dataset.from_list(SHAREGPT))
-    assert dataset.column_names == ["conversations"]
-    assert dataset[1]["conversations"][0] == {"role": "user", "content": "What is 7 times 6?"}
-    assert standardize_data_formats(Dataset.from_list(SHAREGPT))[1] == dataset[1]
-    dataset = dataset.map(formatting_prompts_func, batched=True)
-    trainer = SFTTrainer(
-        model=model,
-        tokenizer=tokenizer,
-        train_dataset=dataset,
-        dataset_text_field="text",
-        max_seq_length=MAX_SEQ,
-        data_collator=DataCollatorForSeq2Seq(tokenizer=tokenizer),
-        dataset_num_proc=1,
-        packing=False,
-        args=_training_arguments(),
-    )
-    trainer = train_on_responses_only(
-        trainer,
-        instruction_part="<|start_header_id|>user<|end_header_id|>\n\n",
-        response_part="<|start_header_id|>assistant<|end_header_id|>\n\n",
-        force_match=True,
-        num_proc=1,
-    )
-    # One BOS: the one the formatter wrote is dropped, tokenizing adds its own.
-    assert [row["input_ids"].count(tokenizer.bos_token_id) for row in trainer.train_dataset] == [1] * 4
-    # The notebooks' check cell: the prompt is masked in the dataset itself.
-    for index, record in enumerate(SHAREGPT):
-        labels = trainer.train_dataset[index]["labels"]
-        assert labels[0] == -100
-        kept = tokenizer.decode([label for label in labels if label != -100])
-        replies = [m["value"] for m in record["conversations"] if m["from"] == "gpt"]
-        assert kept == "".join(reply + "<|eot_id|>" for reply in replies)
-    before = _lora(model)
-    unsloth_train(trainer)
-    _assert_trained(model, before, trainer)
-
-    FastLanguageModel.for_inference(model)
-    messages = [{"role": "user", "content": "Name a slow animal."}]
-    inputs = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=True, return_tensors="pt"
-    ).to(model.device)  # as the notebooks write .to("cuda")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outputs = model.generate(input_ids=inputs, max_new_tokens=6, use_cache=True, do_sample=False)
-    assert any("is written model.generate(**inputs)" in n for n in _notices(caught))
-    expected = model.generate(**inputs, max_new_tokens=6, use_cache=True, do_sample=False)
-    assert torch.equal(outputs, expected)
-    assert outputs.shape[1] > inputs["input_ids"].shape[1]
 
 
 def test_chatml_on_a_tokenizer_without_its_tokens_grows_the_model_it_came_with():
@@ -477,37 +397,6 @@ def test_text_completion_with_an_embedding_learning_rate():
         assert moved[name] == pytest.approx(embedding_rate, rel=1e-3), name
     for name in adapters:
         assert moved[name] == pytest.approx(rate, rel=1e-3), name
-
-
-def test_load_the_saved_adapter_and_generate(tmp_path):
-    model, tokenizer = _load()
-    with torch.no_grad():  # a trained-looking adapter: lora_B is zero at the start
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                generator = torch.Generator(device=param.device).manual_seed(len(name))
-                param.normal_(0, 0.05, generator=generator)
-    model.save_pretrained(str(tmp_path / "lora_model"))
-    tokenizer.save_pretrained(str(tmp_path / "lora_model"))
-
-    loaded, loaded_tokenizer = FastLanguageModel.from_pretrained(
-        model_name=str(tmp_path / "lora_model"), max_seq_length=MAX_SEQ, dtype=None, load_in_4bit=False
-    )
-    from peft import PeftModel
-
-    assert isinstance(loaded, PeftModel)
-    assert any(p.requires_grad for n, p in loaded.named_parameters() if "lora_" in n)  # trainable, as saved
-    FastLanguageModel.for_inference(model)
-    FastLanguageModel.for_inference(loaded)
-    inputs = loaded_tokenizer([PROMPT.format("Add the numbers.", "2 and 3", "")], return_tensors="pt").to(
-        model.device
-    )
-    with torch.no_grad():
-        assert torch.allclose(loaded(**inputs).logits, model(**inputs).logits, atol=1e-5)
-    outputs = loaded.generate(**inputs, max_new_tokens=8, use_cache=True, do_sample=False)
-    expected = model.generate(**inputs, max_new_tokens=8, use_cache=True, do_sample=False)
-    assert torch.equal(outputs, expected)
-    decoded = loaded_tokenizer.batch_decode(outputs, skip_special_tokens=True)[0]
-    assert decoded.startswith(PROMPT.format("Add the numbers.", "2 and 3", ""))
 
 
 def test_loading_options_refused_or_said_once():

@@ -1,0 +1,311 @@
+"""Unsloth's public notebooks run whole on slothkit with only their imports changed.
+
+Each script in unsloth_notebooks/ makes one notebook's calls in its order with its
+keyword arguments (written in slothkit's own words; the notebooks' text is not copied),
+pointed at a tiny offline model and a few records in memory; its docstring lists every
+other line that differs and why.  Each test runs a script to its end in a fresh folder and
+checks what came out: the loss is finite and the adapters moved, generation decodes, the
+saved adapter reloads to the trained model's logits, the merged model gives the adapted
+model's logits, and the GGUF files parse (and, where llama-cpp-python is installed, were
+verified against the model as they were written).
+"""
+
+import math
+import os
+import runpy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from slothkit.notices import LegacySpellingWarning, say_once  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SCRIPTS = Path(__file__).resolve().parent / "unsloth_notebooks"
+PROBE = "Here is a task, with context where there is some. Answer it.\n\n### Task:\nAdd 2 and 3."
+
+
+@pytest.fixture
+def notebook_folder(monkeypatch, tmp_path):
+    """A fresh folder to run in, on the kernels' torch references (the Triton interpreter
+    costs seconds a step), with each notice shown afresh and recorded."""
+    monkeypatch.chdir(tmp_path)
+    interpreter = os.environ.get("TRITON_INTERPRET")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield tmp_path, caught
+    # Dataset maps with num_proc > 1 leave TRITON_INTERPRET=0 behind in os.environ past
+    # monkeypatch's undo; later tests that need the interpreter get it back here.
+    if interpreter is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = interpreter
+
+
+def _run(name: str, **given) -> dict:
+    """The script's globals after running it to its end."""
+    return runpy.run_path(str(SCRIPTS / f"{name}.py"), init_globals=given, run_name="__main__")
+
+
+def _notices(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, LegacySpellingWarning)]
+
+
+def _assert_trained(trainer):
+    """The loss of every logged step and of the run is finite, and the adapters moved
+    (PEFT starts every lora_B at zero)."""
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    losses.append(trainer.state.log_history[-1]["train_loss"])
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert trainer.state.global_step == trainer.args.max_steps
+    moved = [n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0]
+    assert moved
+
+
+def _logits(model, tokenizer, text=PROBE):
+    model.eval()
+    inputs = tokenizer([text], return_tensors="pt").to(model.device)
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+def _assert_close(actual, expected):
+    # fp32 on the CPU: the same weights by another route (W + BA merged, or reloaded) agree
+    # to rounding, which grows with the logits' size; 16-bit or 4-bit on a GPU: to a few
+    # hundredths of the largest logit.
+    largest = max(1.0, expected.abs().max().item())
+    tolerance = 1e-5 * largest if not torch.cuda.is_available() else 3e-2 * largest
+    assert (actual - expected).abs().max().item() <= tolerance
+
+
+def _assert_reloaded(ns, trainer):
+    """The notebook's reload cell gave a trainable PeftModel with the trained logits."""
+    from peft import PeftModel
+
+    reloaded = ns["model"]
+    assert isinstance(reloaded, PeftModel) and reloaded is not trainer.model
+    assert any(p.requires_grad for n, p in reloaded.named_parameters() if "lora_" in n)
+    _assert_close(_logits(reloaded, ns["tokenizer"]), _logits(trainer.model, ns["tokenizer"]))
+
+
+def _assert_merged(folder, ns):
+    """The merged 16-bit model loads with plain transformers and gives the adapted
+    model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(ns["model"].device)
+    _assert_close(_logits(merged, ns["tokenizer"]), _logits(ns["model"], ns["tokenizer"]))
+    return merged
+
+
+def _assert_gguf(folder, stem, labels=("Q8_0", "F16", "Q4_K_M"), rope_factor=None):
+    """One parsable GGUF file and Modelfile per quantisation, all with the same tensors."""
+    from gguf import GGUFReader
+
+    names = None
+    for label in labels:
+        reader = GGUFReader(str(folder / f"{stem}.{label}.gguf"))
+        tensors = sorted(t.name for t in reader.tensors)
+        assert tensors and (names is None or tensors == names)
+        names = tensors
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        factor = reader.fields.get(f"{arch}.rope.scaling.factor")
+        assert (factor.parts[-1][0] if factor else None) == pytest.approx(rope_factor)
+    modelfiles = {p.name for p in folder.glob("Modelfile*")}
+    assert modelfiles == {"Modelfile"} | {f"Modelfile.{label}" for label in labels[1:]}
+
+
+def _assert_answers_decode(ns):
+    """The last `outputs` an inference cell made decode to its prompt and new text."""
+    outputs = ns["outputs"]
+    (text,) = ns["tokenizer"].batch_decode(outputs, skip_special_tokens=True)
+    (prompt,) = ns["tokenizer"].batch_decode(
+        outputs[:, : ns["inputs"]["input_ids"].shape[1]], skip_special_tokens=True
+    )
+    assert outputs.shape[1] > ns["inputs"]["input_ids"].shape[1] and text.startswith(prompt) and prompt
+
+
+def test_llama3_alpaca(notebook_folder):
+    folder, caught = notebook_folder
+    ns = _run("llama3_alpaca")
+    trainer = ns["trainer"]
+    _assert_trained(trainer)
+    notices = _notices(caught)
+    for expected in (
+        "SFTTrainer(tokenizer=...) is written SFTTrainer(processing_class=...)",
+        "SFTTrainer(max_seq_length=...) is written SFTConfig(max_length=...)",
+        "SFTTrainer(dataset_text_field=...) is written SFTConfig(dataset_text_field=...)",
+        "SFTTrainer(packing=...) is written SFTConfig(packing=...)",
+    ):
+        assert sum(expected in notice for notice in notices) == 1, (expected, notices)
+    assert (trainer.args.max_length, trainer.args.dataset_text_field, trainer.args.packing) == (
+        2048,
+        "text",
+        False,
+    )
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, trainer)
+    # The reloaded model generates what the trained one does.
+    inputs = ns["tokenizer"]([PROBE], return_tensors="pt").to(trainer.model.device)
+    expected = trainer.model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ns["model"].generate(**inputs, max_new_tokens=8, do_sample=False), expected)
+    _assert_merged(folder / "llama_finetune_16bit", ns)
+    _assert_gguf(folder / "llama_finetune", "llama_finetune")
+
+
+def test_llama3_alpaca_older_with_training_arguments(notebook_folder):
+    folder, caught = notebook_folder
+    ns = _run("llama3_alpaca_older")
+    trainer = ns["trainer"]
+    _assert_trained(trainer)
+    assert any(
+        "SFTTrainer(args=TrainingArguments(...)) is written SFTTrainer(args=SFTConfig(...))" in n
+        for n in _notices(caught)
+    )
+    assert (trainer.args.dataset_num_proc, trainer.args.weight_decay, trainer.args.warmup_steps) == (
+        2,
+        0.01,
+        5,
+    )
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, trainer)
+    # Every save went into "model": the LoRA replaced the merged model, the GGUF files joined it.
+    saved = folder / "model"
+    assert (saved / "adapter_config.json").is_file() and not (saved / "config.json").exists()
+    _assert_gguf(saved, "model")
+
+
+def test_mistral_v03_alpaca(notebook_folder):
+    folder, _ = notebook_folder
+    ns = _run("mistral_v03_alpaca")
+    _assert_trained(ns["trainer"])
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, ns["trainer"])
+    _assert_merged(folder / "mistral_v0_finetune_16bit", ns)
+    _assert_gguf(folder / "mistral_v0_finetune", "mistral_v0_finetune")
+
+
+def test_llama32_conversational(notebook_folder):
+    folder, caught = notebook_folder
+    ns = _run("llama32_conversational")
+    tokenizer, trainer, dataset = ns["tokenizer"], ns["trainer"], ns["dataset"]
+    # standardize_sharegpt keeps the column and FineTome's others, in role/content.
+    assert dataset.column_names[:3] == ["conversations", "source", "score"]
+    assert dataset[1]["conversations"][0] == {"role": "user", "content": "What is 7 times 6?"}
+    from slothkit.chat_templates import standardize_data_formats
+
+    raw = ns["Dataset"].from_list([{"conversations": ns["turns"]("What is 7 times 6?", "42.")}])
+    assert standardize_data_formats(raw)[0]["conversations"] == dataset[1]["conversations"]
+    # One BOS a row: the one the formatter wrote is dropped, tokenizing adds its own.
+    assert [row["input_ids"].count(tokenizer.bos_token_id) for row in trainer.train_dataset] == [1] * len(
+        dataset
+    )
+    # The notebook's check cell: the prompt is masked in the trainer's dataset itself.
+    for index, record in enumerate(dataset):
+        labels = trainer.train_dataset[index]["labels"]
+        assert labels[0] == -100
+        kept = tokenizer.decode([label for label in labels if label != -100])
+        replies = [m["content"] for m in record["conversations"] if m["role"] == "assistant"]
+        assert kept == "".join(reply + "<|eot_id|>" for reply in replies)
+    _assert_trained(trainer)
+    assert any("is written model.generate(**inputs)" in n for n in _notices(caught))
+    inputs, model = ns["inputs"], ns["model"]
+    given_as_ids = model.generate(input_ids=inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(given_as_ids, model.generate(**inputs, max_new_tokens=6, do_sample=False))
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, trainer)
+    _assert_merged(folder / "llama_finetune_16bit", ns)
+    _assert_gguf(folder / "llama_finetune", "llama_finetune")
+
+
+def test_codegemma_conversational(notebook_folder):
+    folder, caught = notebook_folder
+    ns = _run("codegemma_conversational")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    notices = _notices(caught)
+    assert any(
+        "exceeds this model's context of 2048 tokens: RoPE is scaled linearly by 2" in n for n in notices
+    )
+    assert any("has a 'text' column and 'conversations': slothkit trains on 'text'" in n for n in notices)
+    # ChatML's markers are single tokens with rows of their own.
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert start >= 640 and ns["model"].get_input_embeddings().weight.shape[0] >= len(tokenizer)
+    assert tokenizer.eos_token == "<|im_end|>"  # map_eos_token=True
+    row = trainer.train_dataset[0]["input_ids"]
+    assert row.count(start) == 2 and tokenizer.decode(row).count("<|im_start|>user\n") == 1
+    _assert_trained(trainer)
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, trainer)
+    merged = _assert_merged(folder / "codegemma_finetune_16bit", ns)
+    assert merged.config.rope_parameters["factor"] == 2.0 and merged.config.max_position_embeddings == 4096
+    _assert_gguf(folder / "codegemma_finetune", "codegemma_finetune", rope_factor=2.0)
+
+
+def test_zephyr_dpo(notebook_folder):
+    _, caught = notebook_folder
+    ns = _run("zephyr_dpo")
+    trainer = ns["dpo_trainer"]
+    assert (trainer.args.beta, trainer.args.max_length, trainer.args.max_prompt_length) == (0.1, 1024, 512)
+    assert trainer.args.warmup_steps == 0.1 and trainer.args.get_warmup_steps(2) == 1  # ceil(0.1 * 2)
+    assert (
+        sum("PatchDPOTrainer() does nothing" in n for n in _notices(caught)) == 1
+    )  # called twice, said once
+    # Each pair is the prompt and its reply, the prompt ending where the reply starts.
+    row = ns["raw_datasets"]["train"][0]
+    assert row["prompt"].endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert row["chosen"] == "Mercury.<|eot_id|>" and row["rejected"] == "Jupiter.<|eot_id|>"
+    _assert_trained(trainer)
+    assert any("rewards/chosen" in entry for entry in trainer.state.log_history)
+
+
+def test_llama3_orpo(notebook_folder):
+    folder, _ = notebook_folder
+    ns = _run("llama3_orpo")
+    trainer = ns["orpo_trainer"]
+    assert (trainer.args.max_length, trainer.args.max_completion_length, trainer._max_prompt_length) == (
+        4096,
+        2048,
+        2048,
+    )
+    _assert_trained(trainer)
+    _assert_answers_decode(ns)
+    _assert_reloaded(ns, trainer)
+    _assert_merged(folder / "llama_finetune_16bit", ns)
+    _assert_gguf(folder / "llama_finetune", "llama_finetune", rope_factor=2.0)
+
+
+def test_mistral_text_completion(notebook_folder):
+    _, caught = notebook_folder
+    ns = _run("mistral_text_completion")
+    trainer = ns["trainer"]
+    assert ns["model"].peft_config["default"].modules_to_save == ["embed_tokens", "lm_head"]
+    assert any("modules_to_save=['embed_tokens', 'lm_head'] in PEFT" in n for n in _notices(caught))
+    assert trainer.args.embedding_learning_rate == 5e-6
+    # The embeddings' group starts at their own rate; the schedule scales both alike.
+    assert sorted({group["initial_lr"] for group in trainer.optimizer.param_groups}) == [5e-6, 5e-5]
+    _assert_trained(trainer)
+    # The embeddings trained in full moved away from the frozen originals.
+    embeddings = ns["model"].get_input_embeddings()
+    assert (embeddings.modules_to_save["default"].weight - embeddings.original_module.weight).abs().max() > 0
+    streamed = "".join(ns["streamed"]).removeprefix(ns["tokenizer"].bos_token).lstrip()
+    assert streamed.startswith("Once upon a time, in a galaxy, far far away,") and len(streamed) > 45
+
+
+@pytest.mark.slow
+def test_zephyr_dpo_on_the_real_checkpoint(notebook_folder, smollm2_path):
+    """The DPO notebook on SmolLM2-135M-Instruct: real weights, a real chat template (the
+    notebooks with save cells cost minutes more on a 2-core CPU for the same calls)."""
+    ns = _run("zephyr_dpo", MODEL=str(smollm2_path))
+    trainer, tokenizer = ns["dpo_trainer"], ns["tokenizer"]
+    assert ns["model"].peft_config["default"].r == 64  # the notebook's rank fits the real model
+    for row in ns["raw_datasets"]["train"]:
+        assert row["prompt"].endswith("<|im_start|>assistant\n") and row["chosen"].endswith("<|im_end|>\n")
+    _assert_trained(trainer)
+    logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
+    assert logged and all(math.isfinite(entry["logps/chosen"]) for entry in logged)
+    assert tokenizer.eos_token == "<|im_end|>"
