@@ -260,7 +260,9 @@ def render_generate(records: list[dict]) -> str:
     header += ["TTFT s slothkit / HF", "record"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for record in sorted(records, key=lambda r: (r["model"], r["mode"], r.get("date", ""))):
-        setting = record["dtype"] + (f", {record['memory_gib']:g} GiB cap" if record.get("memory_gib") else "")
+        setting = record["dtype"] + (
+            f", {record['memory_gib']:g} GiB cap" if record.get("memory_gib") else ""
+        )
         for batch in record["batches"]:
             rows = {r["impl"]: r for r in record["rows"] if r.get("batch") == batch}
             ttft = "-"
@@ -281,7 +283,8 @@ def render_generate(records: list[dict]) -> str:
 
 
 def readme_table(folder: Path = RESULTS) -> str:
-    """README: the side-by-side summary, the T4 stand-in runs, the context runs."""
+    """README: the side-by-side summary, the T4 stand-in runs, the context runs, the
+    generation runs (results/generate/, or `folder` itself when it is not results/bench/)."""
     train = load_records(folder)
     table = render_summary([r for r in train if not is_t4_standin(r)])
     t4 = [r for r in train if is_t4_standin(r)]
@@ -297,7 +300,7 @@ def readme_table(folder: Path = RESULTS) -> str:
             "\n\nLongest batch-1 training sequence under a GPU memory cap "
             "(`slothkit bench context`):\n\n" + context
         )
-    generate = render_generate(load_records(GENERATE_RESULTS, "generate"))
+    generate = render_generate(load_records(GENERATE_RESULTS if folder == RESULTS else folder, "generate"))
     if generate:
         table += (
             "\n\nGeneration after `FastModel.for_inference` (`slothkit bench generate`: LoRA r=16 "

@@ -184,3 +184,18 @@ def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
     assert "9,876" in speed and "5,000" not in speed
     predicted = plan("llama-3-8b", gpu="t4", seq=2048, batch=1, mode="qlora", rank=16).total_gib
     assert f"| 6.50 | {predicted:.2f} | {predicted / 6.5 - 1:+.0%} |" in t4
+
+
+def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp_path):
+    rows = [
+        {"impl": "slothkit", "batch": 1, "status": "ok", "tokens_per_s": 90.5, "vs_hf": 10.0, "ttft_s": 0.11},
+        {"impl": "hf", "batch": 1, "status": "ok", "tokens_per_s": 9.05, "vs_hf": 1.0, "ttft_s": 0.1},
+        {"impl": "slothkit", "batch": 8, "status": "ok", "tokens_per_s": 600.0, "vs_hf": 7.5},
+        {"impl": "hf", "batch": 8, "status": "out of memory"},
+    ]
+    _record(tmp_path, "g.json", kind="generate", batches=[1, 8], rows=rows)
+    table = readme_table(tmp_path)
+    generation = table.split("Generation after", 1)[1]
+    lines = [line for line in generation.splitlines() if line.startswith("| GPU X")]
+    assert "| 1 | 90.5 (10.00x) | 9.1 (1.00x) | not in this run | 0.110 / 0.100 |" in lines[0]
+    assert "| 8 | 600.0 (7.50x) | out of memory | not in this run | - |" in lines[1]
