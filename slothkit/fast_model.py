@@ -51,8 +51,8 @@ def _warn_unsupported(model_type: str) -> None:
 def _notice_plain_path(device_type: str) -> None:
     warnings.warn(
         f"slothkit: Triton cannot run on the {device_type}, so the model keeps its Hugging Face "
-        f"modules (faster there than the fused kernels' torch references); fused=True asks "
-        f"for slothkit's fused path anyway.",
+        f"modules (faster there than the fused kernels' torch references) and generate stays "
+        f"Hugging Face's; fused=True asks for slothkit's fused path anyway.",
         stacklevel=4,  # the caller of FastModel.from_pretrained
     )
 

@@ -27,7 +27,8 @@ _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 
 
 def _why_not(causal_lm, fast: bool | None) -> str | None:
-    """Why the fast path cannot take this model, or None when it can."""
+    """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
+    FastModel.from_pretrained's notice has already named)."""
     if architecture_for(causal_lm.config) is None:
         return f"fast generation covers Llama, Mistral and Gemma, not {causal_lm.config.model_type!r}"
     device = causal_lm.get_input_embeddings().weight.device
@@ -38,7 +39,7 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
         return None
     if fast:
         return None  # asked for on a CPU: the same loop without the graph (tests, parity)
-    return "fast generation needs a CUDA GPU"
+    return ""  # a CPU: from_pretrained's notice already said that generate stays Hugging Face's
 
 
 def enable_fast_decode(model, fast: bool | None = None) -> bool:
@@ -61,7 +62,8 @@ def enable_fast_decode(model, fast: bool | None = None) -> bool:
     reason = _why_not(causal_lm, fast)
     if reason is not None:
         disable_fast_decode(model)
-        say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate")
+        if reason:
+            say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate")
         return False
     if getattr(causal_lm, DECODER_ATTRIBUTE, None) is None:
         arch = architecture_for(causal_lm.config)

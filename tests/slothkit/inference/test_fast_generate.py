@@ -228,11 +228,25 @@ def test_disabled_adapters_are_seen_by_the_fast_loop():
     assert torch.equal(model.generate(**inputs, max_new_tokens=16), with_adapters)
 
 
-def test_cpu_default_keeps_hf_generate_with_one_notice(recwarn):
+def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn):
     if DEVICE == "cuda":
         pytest.skip("the CPU default")
-    model, _ = _load("llama", lora=False)
+    from slothkit.fast_model import _notice_plain_path
+
+    _notice_plain_path.cache_clear()
+    model, _ = FastModel.from_pretrained(
+        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False
+    )
     assert enable_fast_decode(model, None) is False
     assert not hasattr(model, "_slothkit_fast_decoder")
-    assert any("fast generation needs a CUDA GPU" in str(w.message) for w in recwarn)
+    notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
+    assert len(notices) == 1 and "generate stays Hugging Face's" in notices[0], notices
     disable_fast_decode(model)
+
+
+def test_an_architecture_without_the_fast_path_says_so_once(recwarn):
+    model, _ = FastModel.from_pretrained(
+        str(tiny_model_path("gemma3")), dtype=torch.float32, load_in_4bit=False
+    )
+    assert enable_fast_decode(model, True) is False
+    assert any("fast generation covers Llama, Mistral and Gemma, not" in str(w.message) for w in recwarn)
