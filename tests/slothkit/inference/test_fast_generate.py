@@ -4,8 +4,6 @@ models of every fused architecture, with and without LoRA adapters, for one prom
 left-padded batch of three.  On a CPU the loop runs without the CUDA graph
 (``for_inference(model, fast_decode=True)``); on a GPU with it."""
 
-import os
-
 import pytest
 import torch
 from transformers import TextIteratorStreamer, TextStreamer
@@ -21,10 +19,9 @@ PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", 
 
 
 @pytest.fixture(autouse=True)
-def hf_modules(monkeypatch):
-    # The tiny models on the kernels' torch references: the Triton interpreter would cost
-    # seconds per token and the fused path is not what is compared here.
-    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
+def fresh_notices():
+    # The tiny models load with fused=False: the fast loop calls the model's own modules,
+    # and the Triton interpreter would cost seconds per token.
     say_once.cache_clear()
 
 
@@ -228,10 +225,12 @@ def test_disabled_adapters_are_seen_by_the_fast_loop():
     assert torch.equal(model.generate(**inputs, max_new_tokens=16), with_adapters)
 
 
-def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn):
+def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monkeypatch):
     if DEVICE == "cuda":
         pytest.skip("the CPU default")
     from slothkit.fast_model import _notice_plain_path
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a plain CPU: no Triton
 
     _notice_plain_path.cache_clear()
     model, _ = FastModel.from_pretrained(
