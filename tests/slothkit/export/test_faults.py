@@ -254,3 +254,29 @@ def test_nothing_listening_names_the_url(make_lora_model, tmp_path, monkeypatch)
     ):
         push_folder_to_hub(tmp_path / "export", "me/x", token="hf_x", endpoint=f"http://127.0.0.1:{port}",
                            timeout_s=2)  # fmt: skip
+
+
+def test_the_timeouts_hold_for_a_client_built_mid_push(local_hub, make_lora_model, monkeypatch, tmp_path):
+    """huggingface_hub closes its shared client after a connection error and builds a new
+    one from its factory; the requests after that must still time out."""
+    import huggingface_hub
+
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=46)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    create_repo = huggingface_hub.HfApi.create_repo
+
+    def create_repo_then_drop_the_client(self, *args, **kwargs):
+        result = create_repo(self, *args, **kwargs)
+        huggingface_hub.close_session()  # as huggingface_hub does after a ConnectError
+        return result
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo_then_drop_the_client)
+    local_hub.stall_next("POST", r"/commit/", seconds=30)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="ReadTimeout"):
+        push_folder_to_hub(tmp_path / "export", "local-user/rebuilt", token="hf_writer",
+                           endpoint=local_hub.endpoint, retries=0, timeout_s=0.5)  # fmt: skip
+    assert time.monotonic() - start < 15  # the new client waited the full 30 s before
+    assert huggingface_hub.get_session().timeout.read is None  # the factory is given back
