@@ -26,6 +26,7 @@ from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target
 from slothkit.export.checkpoint_files import write_sharded
+from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
 
@@ -101,7 +102,8 @@ def write_merged_checkpoint(
                 saved_dtypes.add(tensor.dtype)
             yield name, tensor
 
-    files = write_sharded(cast(merge.merged_tensors(model, source, report)), directory, max_shard_size)
+    merged = finite_tensors(merge.merged_tensors(model, source, report), "the merged checkpoint", dtype)
+    files = write_sharded(cast(merged), directory, max_shard_size)
     # The dtype the checkpoint is stored in; mixed only if the base itself was.
     main_dtype = dtype or (saved_dtypes.pop() if len(saved_dtypes) == 1 else weights_dtype(model))
     merge.save_config(model, directory, main_dtype, untie=report.ties_broken)
@@ -147,6 +149,14 @@ def write_requantized_checkpoint(
         del quantized
     files = sorted(p.name for p in directory.iterdir())
     return files, report, quantization
+
+
+def _check_adapter_weights(model: nn.Module) -> None:
+    """Refuse an adapter with NaN or Inf weights (slothkit.export.finite) before PEFT writes it."""
+    from peft.utils import get_peft_model_state_dict
+
+    for _ in finite_tensors(get_peft_model_state_dict(model).items(), "the LoRA adapter"):
+        pass
 
 
 def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
@@ -250,6 +260,7 @@ def save_pretrained_merged(
             compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
             facts.weights = f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
         else:
+            _check_adapter_weights(model)
             model.save_pretrained(str(staging))
             base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
             facts.weights = f"LoRA adapter weights; the base was {base} during training"

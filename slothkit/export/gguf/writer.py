@@ -38,6 +38,7 @@ from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScali
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
+from slothkit.export.finite import finite_tensors
 from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
@@ -239,14 +240,17 @@ def write_gguf(
             writer.add_tensor_info(
                 name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype
             )
-        plan.append((produce, qtype))
+        plan.append((name, produce, qtype))
 
     try:
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for produce, qtype in plan:  # one tensor in memory at a time
-            writer.write_tensor_data(types.encode(produce(), qtype, device))
+        qtypes = {name: qtype for name, _, qtype in plan}
+        stored_as = {name: torch.float16 for name, qtype in qtypes.items() if qtype == T.F16}
+        produced = ((name, produce()) for name, produce, _ in plan)  # one tensor in memory at a time
+        for name, tensor in finite_tensors(produced, f"the GGUF file {path.name}", stored_as):
+            writer.write_tensor_data(types.encode(tensor, qtypes[name], device))
     finally:
         writer.close()
     return path

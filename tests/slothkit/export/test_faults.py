@@ -280,3 +280,88 @@ def test_the_timeouts_hold_for_a_client_built_mid_push(local_hub, make_lora_mode
                            endpoint=local_hub.endpoint, retries=0, timeout_s=0.5)  # fmt: skip
     assert time.monotonic() - start < 15  # the new client waited the full 30 s before
     assert huggingface_hub.get_session().timeout.read is None  # the factory is given back
+
+
+def _plain_tiny(arch: str = "llama"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slothkit.testing import tiny_model_path
+
+    path = tiny_model_path(arch)
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "save_method, poison, value, expected",
+    [
+        ("merged_16bit", "lora_B", float("nan"), r"model\.layers\.0\.self_attn\.q_proj\.weight \(NaN\)"),
+        ("merged_16bit", "embed_tokens", float("inf"), r"model\.embed_tokens\.weight \(Inf\)"),
+        ("lora", "lora_B", float("nan"), r"q_proj\.lora_B\.weight \(NaN\)"),
+    ],
+)
+def test_nan_or_inf_weights_are_refused_and_the_previous_save_kept(
+    make_lora_model, tmp_path, save_method, poison, value, expected
+):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+
+    model, tokenizer, _ = make_lora_model("llama", seed=47)
+    target = tmp_path / "out"
+    save_pretrained_merged(model, target, tokenizer, save_method=save_method)
+    before = _tree(target)
+    with torch.no_grad():
+        name, param = next((n, p) for n, p in model.named_parameters() if poison in n)
+        param.view(-1)[3] = value
+    with pytest.raises(
+        NonFiniteWeightsError, match=rf"refusing to write .*: 1 tensor\(s\) .*{expected}.*nothing was written"
+    ):
+        save_pretrained_merged(model, target, tokenizer, save_method=save_method, overwrite=True)
+    assert _tree(target) == before and leftovers(target) == []
+
+
+def test_every_bad_tensor_is_named_and_float16_overflow_is_caught(make_lora_model, tmp_path):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+
+    model, tokenizer, _ = make_lora_model("llama", seed=48)
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.down_proj.base_layer.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError) as error:
+        save_pretrained_merged(model, tmp_path / "nan", tokenizer)
+    message = str(error.value)
+    assert message.count("mlp.down_proj.weight (NaN)") == len(model.base_model.model.model.layers)
+    assert "\n" not in message and not (tmp_path / "nan").exists()
+
+    model, tokenizer, _ = make_lora_model("llama", seed=49)
+    with torch.no_grad():
+        model.base_model.model.model.norm.weight[0] = 1e6  # finite in float32, Inf in float16
+    with pytest.raises(
+        NonFiniteWeightsError, match=r"model\.norm\.weight \(beyond float16's range \(65504\)\).*bfloat16"
+    ):
+        save_pretrained_merged(model, tmp_path / "f16", tokenizer, dtype=torch.float16)
+    save_pretrained_merged(model, tmp_path / "bf16", tokenizer, dtype=torch.bfloat16)  # fits there
+
+
+@pytest.mark.parametrize(
+    "method, value, expected", [("q8_0", float("nan"), "NaN"), ("f16", 1e5, "beyond float16")]
+)
+def test_gguf_export_refuses_nan_inf_and_float16_overflow(tmp_path, method, value, expected):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    target = tmp_path / "gguf"
+    save_pretrained_gguf(model, target, tokenizer, method, verify=False)
+    before = _tree(target)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[2, 5] = value
+    with pytest.raises(
+        NonFiniteWeightsError, match=rf"the GGUF file .*blk\.1\.attn_output\.weight \({expected}"
+    ):
+        save_pretrained_gguf(model, target, tokenizer, method, verify=False, overwrite=True)
+    assert _tree(target) == before and leftovers(target) == []
