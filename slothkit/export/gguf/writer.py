@@ -25,16 +25,18 @@ there is one (kquants), everything else with the `gguf` package.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
 import pathlib
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
@@ -226,11 +228,14 @@ def write_gguf(
     _write_metadata(writer, hp, method, name=_model_name(model, path))
     vocab.write(writer)
 
-    plan = []
+    plan, fallbacks = [], []
     for name, produce, shape, layer in tensors:
-        qtype = types.tensor_type(
+        intended = types.mix_type(
             method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
         )
+        qtype = intended if intended == T.F32 else types.fallback_type(intended, shape[-1])
+        if qtype != intended:
+            fallbacks.append((shape[-1], intended))
         nbytes = types.encoded_nbytes(qtype, shape)
         if qtype in (T.F32, T.F16):
             writer.add_tensor_info(
@@ -241,6 +246,8 @@ def write_gguf(
                 name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype
             )
         plan.append((name, produce, qtype))
+    if fallbacks:
+        _warn_about_fallbacks(path.name, method, fallbacks, [qtype for *_, qtype in plan])
 
     try:
         writer.write_header_to_file(path)
@@ -254,6 +261,30 @@ def write_gguf(
     finally:
         writer.close()
     return path
+
+
+def _warn_about_fallbacks(file_name: str, method, fallbacks: list, qtypes: list) -> None:
+    """Say what a file holds when some weights could not get the type their mix names.
+
+    A K-quant block spans 256 values of a row, the others 32; a row of another length gets
+    llama-quantize's fallback type (tensor_types).  The file keeps the method's label and
+    file type, as llama-quantize's files do (it warns "N of M tensor(s) required fallback
+    quantization"), so the warning says what the file holds instead.
+    """
+    matrices = [q for q in qtypes if q != T.F32]
+    held = collections.Counter(q.name for q in matrices)
+    holding = ", ".join(f"{count} {name}" for name, count in held.most_common())
+    missing = "" if held[method.base.name] else f", no {method.base.name} tensor at all"
+    rows = sorted({row for row, _ in fallbacks})
+    blocks = sorted({GGML_QUANT_SIZES[intended][0] for _, intended in fallbacks})
+    warnings.warn(
+        f"{file_name}: {len(fallbacks)} of {len(matrices)} weight matrices could not take the type "
+        f"{method.label} gives them (rows of {', '.join(map(str, rows))} values are not multiples of "
+        f"{' or '.join(map(str, blocks))}) and fell back: its weight matrices are {holding}{missing}; "
+        f"it is labelled {method.label} all the same, as llama.cpp's llama-quantize labels such files "
+        f"(with a warning that the tensors 'required fallback quantization')",
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------------------------

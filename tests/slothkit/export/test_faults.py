@@ -365,3 +365,29 @@ def test_gguf_export_refuses_nan_inf_and_float16_overflow(tmp_path, method, valu
     ):
         save_pretrained_gguf(model, target, tokenizer, method, verify=False, overwrite=True)
     assert _tree(target) == before and leftovers(target) == []
+
+
+def test_a_k_quant_export_whose_rows_cannot_hold_k_quants_says_what_the_file_holds(tmp_path):
+    import collections
+    import warnings
+
+    import gguf
+
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()  # 64-wide rows: no K-quant block (256) fits
+    with pytest.warns(UserWarning) as caught:
+        [path, _] = save_pretrained_gguf(model, tmp_path / "q4", tokenizer, "q4_k_m", verify=False)
+    [message] = [str(w.message) for w in caught if "fell back" in str(w.message)]
+    reader = gguf.GGUFReader(path)
+    held = collections.Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    assert "Q4_K" not in held  # what the label promises, the file does not hold
+    holding = ", ".join(f"{count} {name}" for name, count in held.most_common())
+    assert f"{sum(held.values())} of {sum(held.values())} weight matrices" in message
+    assert f"its weight matrices are {holding}, no Q4_K tensor at all" in message
+    assert "labelled Q4_K_M all the same, as llama.cpp's llama-quantize" in message and "\n" not in message
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fell back")  # Q8_0's 32-blocks fit: no warning
+        save_pretrained_gguf(model, tmp_path / "q8", tokenizer, "q8_0", verify=False)
