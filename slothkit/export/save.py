@@ -334,5 +334,8 @@ def merged_plain_model(
             ) from error
         plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
     plain.generation_config = generation_config_with_eos(causal_lm_of(model), tokenizer)
+    # Loaded from the scratch folder, it would carry that folder's name; GGUF files and
+    # their general.name are named after the model (the base's name, as the card says).
+    plain.config._name_or_path = merge.base_model_name(model) or ""
     plain.eval()
     return plain

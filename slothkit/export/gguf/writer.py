@@ -2,7 +2,11 @@
 
     from slothkit.export.gguf import save_pretrained_gguf, push_to_hub_gguf
     paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
-    # out/gguf/gguf.Q4_K_M.gguf, out/gguf/gguf.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
+    # out/gguf/Llama-3.2-1B.Q4_K_M.gguf, out/gguf/Llama-3.2-1B.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
+
+Files and general.name (what Ollama and LM Studio show) are named after the model
+(model_name: its config's _name_or_path, for a merged LoRA model the base model's), or after
+the output folder when the model has no name.
 
 `model` is a plain (merged, 16- or 32-bit) transformers model of a supported architecture;
 slothkit.export.merge turns a LoRA/QLoRA model into one. Where each weight goes and how it is
@@ -30,6 +34,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -73,7 +78,8 @@ def save_pretrained_gguf(
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, gemma3_text); slothkit.export.merge turns a LoRA/QLoRA
             model into one.
-        save_directory: the folder to write; its name is the stem of the file names.
+        save_directory: the folder to write; its name is the stem of the file names when the
+            model has none (model_name).
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
         quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
             (any case), several as a list or separated by commas ("q4_k_m,q8_0"), or
@@ -97,7 +103,7 @@ def save_pretrained_gguf(
     target = pathlib.Path(save_directory).expanduser()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{str(target)!r} exists and is a file; the save target must be a directory")
-    stem = target.name or "model"
+    stem = model_name(model, fallback=target.name or "model")
     gguf_names = [f"{stem}.{method.label}.gguf" for method in methods]
     modelfile_names = _modelfile_names(target, gguf_names, methods)
     clashes = [name for name in gguf_names + modelfile_names if (target / name).exists()]
@@ -113,7 +119,7 @@ def save_pretrained_gguf(
 
     with atomic_directory(target, overwrite=True, keep_unwritten_files=True) as staging:
         for method, name in zip(methods, gguf_names):
-            write_gguf(model, staging / name, tokenizer, method, arch=arch)
+            write_gguf(model, staging / name, tokenizer, method, arch=arch, name=stem)
             if verify:
                 from slothkit.export.gguf.verify import verify_gguf
 
@@ -203,6 +209,7 @@ def write_gguf(
     method: str | QuantizationMethod,
     *,
     arch: Architecture | None = None,
+    name: str | None = None,
 ) -> pathlib.Path:
     """Write one GGUF file (no Modelfile, no verification, not atomic); return its path.
 
@@ -213,6 +220,8 @@ def write_gguf(
         method: the quantisation: a name ("q8_0") or a parsed QuantizationMethod.
         arch: the architecture record whose layout to write; by default the model's own
             (the tests pass a wrong one on purpose, to see verification catch it).
+        name: general.name, the name model runners show; None: model_name(model), else
+            the file name up to its first dot.
     """
     method = types.quantization_method(method)
     arch = arch or architecture_of(model)
@@ -225,7 +234,8 @@ def write_gguf(
     path = pathlib.Path(path)
     vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
     writer = GGUFWriter(path, arch.gguf.arch)
-    _write_metadata(writer, hp, method, name=_model_name(model, path))
+    name = name or model_name(model, fallback=path.name.split(".")[0])
+    _write_metadata(writer, hp, method, name=name)
     vocab.write(writer)
 
     plan, fallbacks = [], []
@@ -475,9 +485,30 @@ def _stop_token_ids(model) -> list[int]:
     return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
 
 
-def _model_name(model, path: pathlib.Path) -> str:
-    source = getattr(model.config, "_name_or_path", "") or ""
-    return pathlib.PurePath(source).name or path.stem.split(".")[0]
+# Folder names that tempfile.mkdtemp and slothkit's own scratch folders give: never a model's name.
+_TEMPORARY_NAME = re.compile(r"^(\.|tmp\w{8}$|slothkit-(gguf|export|push|tiny-models)-)")
+
+
+def model_name(model, fallback: str) -> str:
+    """The model's name for GGUF file names and general.name (what Ollama and LM Studio
+    show): the last part of config._name_or_path (a Hub id's name, a local checkpoint
+    folder's name, the repo of a Hugging Face cache snapshot), or `fallback` when that is
+    empty or a temporary folder's name.
+
+    Args:
+        model: the model being exported; slothkit.export.save.merged_plain_model gives
+            the merged model the base model's name.
+        fallback: the name to use otherwise (the output folder's).
+    """
+    source = pathlib.PurePath(getattr(model.config, "_name_or_path", "") or "")
+    name = source.name
+    if source.parent.name == "snapshots" and source.parent.parent.name.startswith("models--"):
+        name = source.parent.parent.name.split("--")[
+            -1
+        ]  # ~/.cache/huggingface/hub/models--org--name/snapshots/SHA
+    if not name or _TEMPORARY_NAME.match(name):
+        return fallback
+    return name
 
 
 def _quantization_device(model) -> torch.device:

@@ -391,3 +391,41 @@ def test_a_k_quant_export_whose_rows_cannot_hold_k_quants_says_what_the_file_hol
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*fell back")  # Q8_0's 32-blocks fit: no warning
         save_pretrained_gguf(model, tmp_path / "q8", tokenizer, "q8_0", verify=False)
+
+
+def _general_name(path) -> str:
+    import gguf
+
+    return gguf.GGUFReader(path).fields["general.name"].contents()
+
+
+def test_gguf_files_and_their_general_name_are_named_after_the_model(make_lora_model, tmp_path):
+    import copy
+
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    # A LoRA model is merged through a scratch folder first: its name must not leak out.
+    model, tokenizer, base = make_lora_model("llama", seed=50)
+    [path, _] = model.save_pretrained_gguf(
+        tmp_path / "gguf", tokenizer, quantization_method="q8_0", verify=False
+    )
+    assert path.name == f"{base.name}.Q8_0.gguf"  # was gguf.Q8_0.gguf
+    assert _general_name(path) == base.name  # was .slothkit-merged-XXXXXXXX
+
+    plain, tokenizer = _plain_tiny()
+    cases = {
+        "HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+        "/root/.cache/huggingface/hub/models--org--Llama-3.2-1B/snapshots/0123abcd": "Llama-3.2-1B",
+        "/data/checkpoints/my-llama/": "my-llama",
+        "": "my-export",  # no name: the output folder's
+        "/tmp/tmpa1b2c3d4": "my-export",  # a temporary folder's name is never used
+        "/work/.slothkit-merged-x8y7": "my-export",
+    }
+    for i, (name_or_path, expected) in enumerate(cases.items()):
+        named = copy.copy(plain)
+        named.config = copy.deepcopy(plain.config)
+        named.config._name_or_path = name_or_path
+        [path, _] = save_pretrained_gguf(
+            named, tmp_path / str(i) / "my-export", tokenizer, "f16", verify=False
+        )
+        assert (path.name, _general_name(path)) == (f"{expected}.F16.gguf", expected), name_or_path
