@@ -26,6 +26,7 @@ from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target
 from slothkit.export.checkpoint_files import write_sharded
+from slothkit.export.disk_space import check_free_space, estimated_save_bytes
 from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
@@ -225,6 +226,8 @@ def save_pretrained_merged(
         ValueError: an unknown save_method or dtype, "lora" for a model without adapters,
             no tokenizer, or base_weights that is not an unquantised checkpoint.
         FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
+        NotEnoughSpaceError: the save's estimated size exceeds the free space of its disk
+            (an OSError), found before any merging.
         OverlappingPathsError: ``save_directory`` is, contains or lies inside the base
             checkpoint the model was loaded from (a ValueError).
     """
@@ -239,6 +242,11 @@ def save_pretrained_merged(
             "save_method='lora' needs a model with LoRA adapters (a peft.PeftModel); this model has none"
         )
     source = merge.choose_merge_source(model, base_weights) if save_method != "lora" else None
+    check_free_space(
+        target,
+        estimated_save_bytes(model, save_method, dtype or weights_dtype(model)),
+        f"the {save_method} save",
+    )
 
     facts = CardFacts(
         save_method=save_method,
@@ -316,13 +324,17 @@ def merged_plain_model(
     from slothkit.export.generation_config import generation_config_with_eos
 
     source = merge.choose_merge_source(model, base_weights)
+    dtype = _check_dtype(dtype)
+    check_free_space(
+        scratch_dir if scratch_dir is not None else tempfile.gettempdir(),
+        estimated_save_bytes(model, "merged_16bit", dtype or weights_dtype(model)),
+        "the temporary merged checkpoint (the full 16-bit model, written before the GGUF files)",
+    )
     if scratch_dir is not None:
         pathlib.Path(scratch_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".slothkit-merged-", dir=scratch_dir) as scratch:
         try:
-            _, _, saved_dtype = write_merged_checkpoint(
-                model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
-            )
+            _, _, saved_dtype = write_merged_checkpoint(model, pathlib.Path(scratch), source, "5GB", dtype)
         except OSError as error:
             if error.errno != errno.ENOSPC:
                 raise

@@ -187,6 +187,13 @@ def _fit_row(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
     return qtype if row % GGML_QUANT_SIZES[qtype][0] == 0 else T.F16
 
 
+def smallest_bytes_per_weight(method: QuantizationMethod) -> float:
+    """The fewest bytes a weight takes in a file of `method`: its base type's (its mix and
+    fallbacks only use larger types). Q4_K: 144 bytes per 256 weights."""
+    block, size = GGML_QUANT_SIZES[method.base]
+    return size / block
+
+
 def encoded_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     block, size = GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))

@@ -30,6 +30,7 @@ there is one (kquants), everything else with the `gguf` package.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -45,6 +46,13 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
+from slothkit.export.disk_space import (
+    NotEnoughSpaceError,
+    check_free_space,
+    free_space,
+    is_disk_full,
+    megabytes,
+)
 from slothkit.export.finite import finite_tensors
 from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
@@ -112,6 +120,7 @@ def save_pretrained_gguf(
             f"{str(target)!r} already holds {', '.join(clashes)} from an earlier save; pass "
             f"overwrite=True to replace them (the folder's other files are kept), or choose a new folder"
         )
+    check_free_space(target, planned_bytes(model, methods, arch), f"the GGUF files ({', '.join(gguf_names)})")
     if verify is None:
         from slothkit.export.gguf.verify import llama_cpp_available
 
@@ -226,54 +235,88 @@ def write_gguf(
     method = types.quantization_method(method)
     arch = arch or architecture_of(model)
     _check_plain_model(model)
-    hp = _hyperparameters(model.config, arch)
-    tensors = list(_gguf_tensors(model, arch, hp))
-    tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    hp, plan = _plan(model, method, arch)
     device = _quantization_device(model)
 
     path = pathlib.Path(path)
     vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
     writer = GGUFWriter(path, arch.gguf.arch)
-    name = name or model_name(model, fallback=path.name.split(".")[0])
-    _write_metadata(writer, hp, method, name=name)
+    _write_metadata(writer, hp, method, name=name or model_name(model, fallback=path.name.split(".")[0]))
     vocab.write(writer)
+    for tensor in plan:
+        nbytes = types.encoded_nbytes(tensor.qtype, tensor.shape)
+        if tensor.qtype in (T.F32, T.F16):
+            dtype = np.float32 if tensor.qtype == T.F32 else np.float16
+            writer.add_tensor_info(tensor.name, tensor.shape, dtype, nbytes, raw_dtype=tensor.qtype)
+        else:
+            byte_shape = quant_shape_to_byte_shape(tensor.shape, tensor.qtype)
+            writer.add_tensor_info(tensor.name, byte_shape, np.uint8, nbytes, raw_dtype=tensor.qtype)
+    fallbacks = [t for t in plan if t.qtype != t.intended]
+    if fallbacks:
+        _warn_about_fallbacks(path.name, method, fallbacks, [t.qtype for t in plan])
 
-    plan, fallbacks = [], []
+    folder, free = free_space(path.parent)
+    try:
+        writer.write_header_to_file(path)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        qtypes = {t.name: t.qtype for t in plan}
+        stored_as = {name: torch.float16 for name, qtype in qtypes.items() if qtype == T.F16}
+        produced = ((t.name, t.produce()) for t in plan)  # one tensor in memory at a time
+        for tensor_name, tensor in finite_tensors(produced, f"the GGUF file {path.name}", stored_as):
+            writer.write_tensor_data(types.encode(tensor, qtypes[tensor_name], device))
+        writer.close()
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # the file is abandoned; its flush may fail again
+            writer.close()
+        if is_disk_full(error):  # numpy's own words are "12288 requested and 8392 written"
+            raise NotEnoughSpaceError(
+                f"no space left in {str(folder)!r} while writing {path.name}: it needs about "
+                f"{megabytes(_file_bytes(plan))} and {megabytes(free)} were free when it was started; "
+                f"free some space or write to a folder on a larger disk",
+            ) from error
+        raise
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedTensor:
+    name: str  # in the file
+    produce: object  # () -> the tensor in GGUF layout, made when written
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType  # the type it is stored in
+    intended: GGMLQuantizationType  # the type the method's mix gives it (qtype unless it fell back)
+
+
+def _plan(
+    model, method: QuantizationMethod, arch: Architecture
+) -> tuple[_HyperParameters, list[_PlannedTensor]]:
+    """The file's tensors in order, with the type each is stored in."""
+    hp = _hyperparameters(model.config, arch)
+    tensors = list(_gguf_tensors(model, arch, hp))
+    tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    plan = []
     for name, produce, shape, layer in tensors:
         intended = types.mix_type(
             method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
         )
         qtype = intended if intended == T.F32 else types.fallback_type(intended, shape[-1])
-        if qtype != intended:
-            fallbacks.append((shape[-1], intended))
-        nbytes = types.encoded_nbytes(qtype, shape)
-        if qtype in (T.F32, T.F16):
-            writer.add_tensor_info(
-                name, shape, np.float32 if qtype == T.F32 else np.float16, nbytes, raw_dtype=qtype
-            )
-        else:
-            writer.add_tensor_info(
-                name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype
-            )
-        plan.append((name, produce, qtype))
-    if fallbacks:
-        _warn_about_fallbacks(path.name, method, fallbacks, [qtype for *_, qtype in plan])
-
-    try:
-        writer.write_header_to_file(path)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        qtypes = {name: qtype for name, _, qtype in plan}
-        stored_as = {name: torch.float16 for name, qtype in qtypes.items() if qtype == T.F16}
-        produced = ((name, produce()) for name, produce, _ in plan)  # one tensor in memory at a time
-        for name, tensor in finite_tensors(produced, f"the GGUF file {path.name}", stored_as):
-            writer.write_tensor_data(types.encode(tensor, qtypes[name], device))
-    finally:
-        writer.close()
-    return path
+        plan.append(_PlannedTensor(name, produce, shape, qtype, intended))
+    return hp, plan
 
 
-def _warn_about_fallbacks(file_name: str, method, fallbacks: list, qtypes: list) -> None:
+def _file_bytes(plan: list[_PlannedTensor]) -> int:
+    """The tensor data of a file (its header and vocabulary are small beside it)."""
+    return sum(types.encoded_nbytes(t.qtype, t.shape) for t in plan)
+
+
+def planned_bytes(model, methods: Sequence[QuantizationMethod], arch: Architecture | None = None) -> int:
+    """What the GGUF files of `methods` take on disk, from the types their tensors get."""
+    arch = arch or architecture_of(model)
+    return sum(_file_bytes(_plan(model, method, arch)[1]) for method in methods)
+
+
+def _warn_about_fallbacks(file_name: str, method, fallbacks: list[_PlannedTensor], qtypes: list) -> None:
     """Say what a file holds when some weights could not get the type their mix names.
 
     A K-quant block spans 256 values of a row, the others 32; a row of another length gets
@@ -285,8 +328,8 @@ def _warn_about_fallbacks(file_name: str, method, fallbacks: list, qtypes: list)
     held = collections.Counter(q.name for q in matrices)
     holding = ", ".join(f"{count} {name}" for name, count in held.most_common())
     missing = "" if held[method.base.name] else f", no {method.base.name} tensor at all"
-    rows = sorted({row for row, _ in fallbacks})
-    blocks = sorted({GGML_QUANT_SIZES[intended][0] for _, intended in fallbacks})
+    rows = sorted({t.shape[-1] for t in fallbacks})
+    blocks = sorted({GGML_QUANT_SIZES[t.intended][0] for t in fallbacks})
     warnings.warn(
         f"{file_name}: {len(fallbacks)} of {len(matrices)} weight matrices could not take the type "
         f"{method.label} gives them (rows of {', '.join(map(str, rows))} values are not multiples of "

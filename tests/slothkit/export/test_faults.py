@@ -429,3 +429,114 @@ def test_gguf_files_and_their_general_name_are_named_after_the_model(make_lora_m
             named, tmp_path / str(i) / "my-export", tokenizer, "f16", verify=False
         )
         assert (path.name, _general_name(path)) == (f"{expected}.F16.gguf", expected), name_or_path
+
+
+def _disk_with_free(monkeypatch, free: int):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
+
+
+def _folder_size(folder: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("save_method", ["merged_16bit", "lora"])
+def test_the_size_estimate_is_a_lower_bound_of_what_a_save_writes(make_lora_model, tmp_path, save_method):
+    import torch
+
+    from slothkit.export.disk_space import estimated_save_bytes, parameter_count
+
+    model, tokenizer, _ = make_lora_model("llama", seed=51)
+    estimate = estimated_save_bytes(model, save_method, torch.float32)
+    save_pretrained_merged(model, tmp_path / "out", tokenizer, save_method=save_method)
+    written = _folder_size(tmp_path / "out")
+    assert 0.5 * written < estimate <= written  # errs low, never refuses a save that fits
+    if (
+        save_method == "merged_16bit"
+    ):  # merged_4bit (bitsandbytes, GPU only): the scratch copy and the 4-bit one
+        assert (
+            estimated_save_bytes(model, "merged_4bit", torch.float32)
+            == estimate + parameter_count(model) // 2
+        )
+
+
+def test_a_save_that_cannot_fit_is_refused_before_any_work(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import save as save_module
+    from slothkit.export.disk_space import NotEnoughSpaceError, estimated_save_bytes, megabytes
+
+    model, tokenizer, _ = make_lora_model("llama", seed=52)
+    monkeypatch.setattr(save_module, "write_merged_checkpoint", lambda *a, **k: pytest.fail("merged anyway"))
+    _disk_with_free(monkeypatch, 100_000)
+    needed = megabytes(estimated_save_bytes(model, "merged_16bit", model.dtype))
+    with pytest.raises(
+        NotEnoughSpaceError,
+        match=rf"^not enough space in '{tmp_path}' for the merged_16bit save: it needs about {needed} and "
+        r"100 kB are free; free some space or write to a folder on a larger disk$",
+    ):
+        save_pretrained_merged(model, tmp_path / "out", tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gguf_export_that_cannot_fit_is_refused_before_writing(monkeypatch, tmp_path):
+    from slothkit.export.disk_space import NotEnoughSpaceError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    [path, _] = save_pretrained_gguf(model, tmp_path / "probe", tokenizer, ["q8_0"], verify=False)
+    size = path.stat().st_size
+    _disk_with_free(monkeypatch, size // 2)
+    with pytest.raises(NotEnoughSpaceError, match=r"for the GGUF files \(.*\.Q8_0\.gguf\): it needs about"):
+        save_pretrained_gguf(model, tmp_path / "out", tokenizer, ["q8_0"], verify=False)
+    assert not (tmp_path / "out").exists()
+    _disk_with_free(monkeypatch, size)  # the estimate (tensor data only) errs low: this fits
+    save_pretrained_gguf(model, tmp_path / "fits", tokenizer, ["q8_0"], verify=False)
+
+
+def test_an_adapter_export_that_cannot_fit_is_refused_before_loading(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import adapter_export
+    from slothkit.export.disk_space import NotEnoughSpaceError, megabytes
+
+    model, tokenizer, base = make_lora_model("llama", seed=53)
+    model.save_pretrained(tmp_path / "adapter")
+    monkeypatch.setattr(adapter_export, "load_adapter_model", lambda *a, **k: pytest.fail("loaded anyway"))
+    _disk_with_free(monkeypatch, 10_000)
+    weights = megabytes((base / "model.safetensors").stat().st_size)  # the merged copy, also GGUF's scratch
+    for to, quant in (("merged_16bit", None), ("gguf", "q4_k_m,q8_0")):
+        with pytest.raises(
+            NotEnoughSpaceError,
+            match=rf"for the {to} export of adapter: it needs about {weights} and 10 kB are free",
+        ):
+            adapter_export.export_adapter(tmp_path / "adapter", to, quant=quant, output=tmp_path / to)
+
+
+def test_a_disk_that_fills_inside_the_gguf_writer_is_named(monkeypatch, tmp_path):
+    import gguf
+
+    from slothkit.export.disk_space import NotEnoughSpaceError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    target = tmp_path / "gguf"
+    save_pretrained_gguf(model, target, tokenizer, "f16", verify=False)
+    before = _tree(target)
+    written = []
+    real = gguf.GGUFWriter.write_tensor_data
+
+    def fills_up(self, tensor, *args, **kwargs):
+        if len(written) == 3:
+            raise OSError("12288 requested and 8392 written")  # numpy's tofile on a full disk
+        written.append(tensor.nbytes)
+        return real(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", fills_up)
+    with pytest.raises(
+        NotEnoughSpaceError,
+        match=rf"no space left in '{tmp_path}/\.gguf\.partial-\w+' while writing .*\.Q8_0\.gguf: it needs "
+        r"about \d+ kB and [\d.]+ [kMG]B were free when it was started",
+    ) as error:
+        save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
+    assert "requested and" not in str(error.value)
+    assert _tree(target) == before and leftovers(target) == []
