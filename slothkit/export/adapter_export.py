@@ -19,6 +19,7 @@ import os
 import pathlib
 import tempfile
 
+from slothkit.engine.loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
 from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
 from slothkit.export.hub import PushResult, push_folder_to_hub
@@ -72,6 +73,7 @@ def resolve_base_model(adapter_config: dict, base_model: str | None = None) -> p
         raise ValueError(f"adapter_config.json names no base_model_name_or_path; {BASE_MODEL_HELP}")
     local = pathlib.Path(name).expanduser()
     if local.is_dir() and (local / "config.json").is_file():
+        check_local_checkpoint(local)
         return local
     cached = find_original_checkpoint(name)
     if cached is not None:
