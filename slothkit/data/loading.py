@@ -53,6 +53,29 @@ def as_dataset(data):
     )
 
 
+def records_as_dataset(data, argument: str):
+    """A trainer's dataset argument, with a plain list of records turned into a Dataset
+    (TRL's trainers take Datasets only, and fail on a list with an AttributeError); other
+    values pass through for the trainer to judge.
+
+    Args:
+        data: what was passed.
+        argument: its name, for the message ("train_dataset").
+
+    Raises:
+        ValueError: a list that is empty or holds something other than dicts.
+    """
+    if not isinstance(data, (list, tuple)):
+        return data
+    try:
+        return as_dataset(data)
+    except ValueError as error:
+        raise ValueError(
+            f"{argument}: {error}; pass a datasets.Dataset, or a list of dicts with one training "
+            f"example each, such as {{'text': '...'}} or {{'messages': [...]}}"
+        ) from None
+
+
 def load_data(source, split: str = "train", **load_kwargs):
     """Load `source` as a datasets.Dataset.
 
