@@ -83,7 +83,9 @@ def _cause_text(error: BaseException) -> str:
     status = next((s for s in map(_status_of, causes) if s is not None), None)
     network = [c for c in causes if any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(c).__mro__)]
     cause = network[0] if network else causes[-1]
-    text = f"{type(cause).__name__}: {cause}".rstrip(": ")
+    # httpx's status errors add a second line (a link to MDN's page on the status): one line.
+    first_line = next(iter(str(cause).strip().splitlines()), "")
+    text = f"{type(cause).__name__}: {first_line}".rstrip(": ")
     if "Timeout" in type(cause).__name__ or isinstance(cause, TimeoutError):
         text += " (the server stopped answering)"
     return f"HTTP {status} ({text})" if status is not None else text

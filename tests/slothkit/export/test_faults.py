@@ -540,3 +540,20 @@ def test_a_disk_that_fills_inside_the_gguf_writer_is_named(monkeypatch, tmp_path
         save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
     assert "requested and" not in str(error.value)
     assert _tree(target) == before and leftovers(target) == []
+
+
+def test_a_hub_answering_500_ends_in_one_line_naming_the_url_and_status(local_hub, make_lora_model, tmp_path):
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=54)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    local_hub.fail_next("POST", r"/commit/", status=500, times=5)
+    with pytest.raises(ConnectionError) as error:
+        push_folder_to_hub(tmp_path / "export", "local-user/failing", token="hf_writer",
+                           endpoint=local_hub.endpoint, retries=1, retry_wait_s=0)  # fmt: skip
+    message = str(error.value)
+    assert (
+        f"after 2 attempts: {local_hub.endpoint}/api/models/local-user/failing/commit/main: HTTP 500"
+        in message
+    )
+    assert "\n" not in message  # httpx's own message has a second line (a link to MDN)
