@@ -136,6 +136,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.fits is not False else 1
 
 
+def _as_flags(message: str) -> str:
+    """The library's advice (Python arguments) in the export command's words (its flags)."""
+    from slothkit.export.adapter_export import BASE_MODEL_HELP
+
+    return message.replace(BASE_MODEL_HELP, "pass --base-model PATH").replace(
+        "pass overwrite=True", "pass --overwrite"
+    )
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from slothkit.export import export_adapter
 
@@ -155,11 +164,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             base_model=args.base_model,
         )
-    except FileExistsError as error:  # the library's message names overwrite=True
-        print(f"slothkit export: {error}".replace("pass overwrite=True", "pass --overwrite"), file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, PermissionError) as error:
-        print(f"slothkit export: {error}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
+        print(f"slothkit export: {_as_flags(str(error))}", file=sys.stderr)
         return 2
     print(f"exported to {result.output}")
     if result.push is not None:

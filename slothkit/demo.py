@@ -40,7 +40,8 @@ def run_demo(
     output_dir = Path(output_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    checkpoint = build_tiny_model(arch, output_dir / "tiny-base", seed=seed)
+    # Absolute: the adapter records where its base is, for an export run from anywhere.
+    checkpoint = build_tiny_model(arch, output_dir.absolute() / "tiny-base", seed=seed)
     model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
     model = FastModel.get_peft_model(
         model,

@@ -267,10 +267,10 @@ def sft_trainer(model, tokenizer, train_dataset, args=None, eval_dataset=None, *
     Args:
         model: the model from ``FastModel.get_peft_model``.
         tokenizer: its tokenizer (TRL's processing_class).
-        train_dataset: a ``datasets.Dataset`` with a text column
-            (``args.dataset_text_field``), conversations ("messages", or ShareGPT's
-            "conversations"), "prompt" and "completion" columns, or "input_ids"
-            (already tokenized).
+        train_dataset: a ``datasets.Dataset`` (or a list of dicts, converted) with a text
+            column (``args.dataset_text_field``), conversations ("messages", or
+            ShareGPT's "conversations"), "prompt" and "completion" columns, or
+            "input_ids" (already tokenized).
         args: a ``trl.SFTConfig``; None (default): ``sft_config(model)``.
         eval_dataset: an evaluation dataset of the same kind (default None).
         **trainer_kwargs: passed to ``trl.SFTTrainer`` (callbacks, data_collator, ...).
@@ -376,7 +376,11 @@ def _checked_trainer(
     """What every constructor here does around TRL's: check the setup and each dataset
     (check_dataset(dataset, name=...)), build the trainer, give the adapters back the
     dtype TRL changed, and make its train() explain an out-of-memory error."""
+    from slothkit.data.loading import records_as_dataset
+
     check_setup(model, tokenizer, args)
+    train_dataset = records_as_dataset(train_dataset, "train_dataset")
+    eval_dataset = records_as_dataset(eval_dataset, "eval_dataset")
     for name, dataset in (("training", train_dataset), ("evaluation", eval_dataset)):
         if dataset is not None:
             check_dataset(dataset, name=name)

@@ -53,6 +53,29 @@ def as_dataset(data):
     )
 
 
+def records_as_dataset(data, argument: str):
+    """A trainer's dataset argument, with a plain list of records turned into a Dataset
+    (TRL's trainers take Datasets only, and fail on a list with an AttributeError); other
+    values pass through for the trainer to judge.
+
+    Args:
+        data: what was passed.
+        argument: its name, for the message ("train_dataset").
+
+    Raises:
+        ValueError: a list that is empty or holds something other than dicts.
+    """
+    if not isinstance(data, (list, tuple)):
+        return data
+    try:
+        return as_dataset(data)
+    except ValueError as error:
+        raise ValueError(
+            f"{argument}: {error}; pass a datasets.Dataset, or a list of dicts with one training "
+            f"example each, such as {{'text': '...'}} or {{'messages': [...]}}"
+        ) from None
+
+
 def load_data(source, split: str = "train", **load_kwargs):
     """Load `source` as a datasets.Dataset.
 
@@ -78,12 +101,43 @@ def load_data(source, split: str = "train", **load_kwargs):
             raise ValueError(
                 f"cannot read {str(path)!r}: unknown file type; accepted: {', '.join(sorted(FILE_BUILDERS))}"
             )
-        return datasets.load_dataset(builder, data_files=str(path), split=split, **load_kwargs)
+        _check_not_empty(path)
+        return _without_stop_iteration(
+            path, lambda: datasets.load_dataset(builder, data_files=str(path), split=split, **load_kwargs)
+        )
     if path.is_dir():
-        return datasets.load_dataset(str(path), split=split, **load_kwargs)
+        return _without_stop_iteration(
+            path, lambda: datasets.load_dataset(str(path), split=split, **load_kwargs)
+        )
     if _extension(path) in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"no such data file or folder: {str(path)!r}")
     return _load_from_hub(str(source), split, load_kwargs)
+
+
+# What a record looks like in each kind of file, for the message about an empty one.
+_RECORD_EXAMPLES = {
+    ".jsonl": 'one JSON object per line, such as {"text": "..."}',
+    ".json": 'a list of JSON objects, or one per line, such as {"text": "..."}',
+    ".csv": "a header row naming the columns, then one record per line",
+    ".parquet": "a table with one record per row",
+}
+
+
+def _check_not_empty(path: pathlib.Path) -> None:
+    size = path.stat().st_size
+    if size == 0 or (size < 4096 and not path.read_bytes().strip()):
+        raise ValueError(
+            f"{str(path)!r} is empty: it holds no records; a {_extension(path)} file holds "
+            f"{_RECORD_EXAMPLES[_extension(path)]}"
+        )
+
+
+def _without_stop_iteration(path: pathlib.Path, load):
+    # datasets' readers let a bare StopIteration out of files without a record.
+    try:
+        return load()
+    except StopIteration:
+        raise ValueError(f"{str(path)!r} holds no records to read (empty files?)") from None
 
 
 def _extension(path: pathlib.Path) -> str:

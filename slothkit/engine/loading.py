@@ -4,7 +4,9 @@ clear messages rather than as errors deep inside transformers or bitsandbytes.""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import pathlib
 
 import torch
 
@@ -67,6 +69,64 @@ def require_bitsandbytes() -> None:
         )
 
 
+def check_local_checkpoint(folder: str | os.PathLike) -> None:
+    """Refuse a local checkpoint folder whose config.json or weight files cannot be read,
+    naming the file, what is wrong with it and what to do, before transformers tries (its
+    own messages say "no such file" for a file that is there but unreadable or damaged).
+
+    Args:
+        folder: a folder holding config.json and weights.
+
+    Raises:
+        ValueError: config.json is not a JSON object; a safetensors file is cut short.
+        PermissionError: a file cannot be read.
+        FileNotFoundError: a weights file is a link to nothing.
+    """
+    folder = pathlib.Path(folder)
+    config = folder / "config.json"
+    try:
+        text = config.read_text(encoding="utf-8")
+        parsed = json.loads(text)
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(
+            f"{str(config)!r} is not valid JSON ({error}); the checkpoint's config is damaged: "
+            f"restore it from where the checkpoint came from"
+        ) from None
+    except OSError as error:
+        raise _unreadable(config, error) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{str(config)!r} holds a JSON {type(parsed).__name__}, not the object a config is")
+    for path in sorted([*folder.glob("*.safetensors"), *folder.glob("*.bin")]):
+        if path.is_symlink() and not path.exists():
+            raise FileNotFoundError(
+                f"the weights file {str(path)!r} is a link to {os.readlink(path)!r}, which does not exist; "
+                f"fetch the checkpoint again"
+            )
+        try:
+            with open(path, "rb") as file:
+                head = file.read(8)
+        except OSError as error:
+            raise _unreadable(path, error) from None
+        # A safetensors file starts with the length of its JSON header (8 bytes, little-endian).
+        if path.suffix == ".safetensors" and (
+            len(head) < 8 or int.from_bytes(head, "little") > path.stat().st_size - 8
+        ):
+            raise ValueError(
+                f"the weights file {str(path)!r} is not a complete safetensors file ({path.stat().st_size} "
+                f"bytes); the download or save that wrote it did not finish: fetch or save it again"
+            )
+
+
+def _unreadable(path: pathlib.Path, error: OSError) -> OSError:
+    reason = error.strerror or str(error)
+    if isinstance(error, PermissionError):
+        return PermissionError(
+            f"cannot read {str(path)!r}: {reason}; make it readable (chmod a+r) or copy the checkpoint "
+            f"to a folder you own"
+        )
+    return OSError(error.errno, f"cannot read {str(path)!r}: {reason}")
+
+
 def resolve_checkpoint(name_or_path: str, token=None, **config_kwargs):
     """Load the config, turning a missing path or unknown Hub id into one clear error."""
     from transformers import AutoConfig
@@ -77,11 +137,14 @@ def resolve_checkpoint(name_or_path: str, token=None, **config_kwargs):
                 f"{name_or_path!r} is a directory but has no config.json: it is not a "
                 f"transformers checkpoint (expected config.json and weights)"
             )
+        check_local_checkpoint(name_or_path)
     elif os.path.exists(name_or_path):
         raise ValueError(f"{name_or_path!r} is a file; pass the checkpoint's directory or a Hub id")
     try:
         return AutoConfig.from_pretrained(name_or_path, token=token, **config_kwargs)
     except (OSError, ValueError) as error:
+        if os.path.isdir(name_or_path):  # there, and readable: transformers refused its config
+            raise ValueError(f"cannot load the config of {name_or_path!r}: {error}") from None
         looks_local = (
             name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
         )

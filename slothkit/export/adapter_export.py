@@ -19,7 +19,9 @@ import os
 import pathlib
 import tempfile
 
+from slothkit.engine.loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
+from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
 from slothkit.export.hub import PushResult, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
 from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
@@ -71,6 +73,7 @@ def resolve_base_model(adapter_config: dict, base_model: str | None = None) -> p
         raise ValueError(f"adapter_config.json names no base_model_name_or_path; {BASE_MODEL_HELP}")
     local = pathlib.Path(name).expanduser()
     if local.is_dir() and (local / "config.json").is_file():
+        check_local_checkpoint(local)
         return local
     cached = find_original_checkpoint(name)
     if cached is not None:
@@ -145,6 +148,32 @@ def check_writable(output: str | os.PathLike) -> None:
         raise PermissionError(f"cannot write the output {str(path)!r}: {str(path.parent)!r} is not writable")
 
 
+def _check_room_for_the_export(adapter: pathlib.Path, base: pathlib.Path, to: str, quant, output) -> None:
+    """Refuse an export that cannot fit on its disk, before the model is loaded.
+
+    The sizes come from the files: the base checkpoint's weights are what a 16-bit merge
+    writes (loaded in their stored dtype); a GGUF export first writes that merged copy beside
+    the output, removes it, then writes the GGUF files (slothkit.export.disk_space).
+    """
+    where = output if output is not None else tempfile.gettempdir()
+    base_bytes = checkpoint_bytes(base)
+    if to == "lora":
+        needed = sum(p.stat().st_size for p in adapter.iterdir() if p.is_file())
+    elif to == "merged_16bit":
+        needed = base_bytes
+    elif to == "merged_4bit":
+        needed = base_bytes + checkpoint_parameter_count(base) // 2
+    else:
+        from slothkit.export.gguf import quantization_methods
+        from slothkit.export.gguf.tensor_types import smallest_bytes_per_weight
+
+        parameters = checkpoint_parameter_count(base)
+        methods = quantization_methods(quant if quant is not None else "q8_0")
+        gguf_bytes = sum(int(parameters * smallest_bytes_per_weight(m)) for m in methods)
+        needed = max(base_bytes, gguf_bytes)
+    check_free_space(where, needed, f"the {to} export of {adapter.name}")
+
+
 def load_adapter_model(adapter_dir: str | os.PathLike, base_model: str | None = None):
     """(peft model, tokenizer) for an adapter folder, on its unquantised base, in eval mode."""
     from peft import PeftModel
@@ -200,6 +229,8 @@ def export_adapter(
             overlaps the adapter or base folder.
         FileNotFoundError: no adapter (or no weights) in adapter_dir, or no local base.
         FileExistsError: the output is not empty and overwrite is False.
+        NotEnoughSpaceError: the export's estimated size exceeds the free space of its
+            disk (an OSError).
         PermissionError: the output cannot be written, or the Hub token is unusable.
     """
     # Every cheap check comes before loading and merging the model.
@@ -223,6 +254,8 @@ def export_adapter(
         check_target(output, overwrite)
         check_not_an_input(output, {"the adapter": folder, "the base model": base_path})
         check_writable(output)
+
+    _check_room_for_the_export(folder, base_path, to, quant, output)
 
     if push is not None:  # check the token before the slow part
         from huggingface_hub import HfApi

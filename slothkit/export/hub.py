@@ -13,10 +13,10 @@ file of the export appears in the repo or none does. Retrying after a failure is
 
 Transient failures (connection errors, HTTP 5xx, 408, 429) are retried here a few times with
 a growing pause; authentication problems are reported with how to log in.  huggingface_hub's
-shared HTTP client waits forever by default, so a server that stops answering mid-upload
-would hang the push: while slothkit pushes, that client gets connect and read timeouts
-(`timeout_s`), and a push that still fails ends in HubConnectionError naming the URL and the
-cause.
+HTTP client waits forever by default, so a server that stops answering mid-upload would
+hang the push: while slothkit pushes, every client huggingface_hub builds gets connect and
+read timeouts (`timeout_s`, hub_timeouts), and a push that still fails ends in
+HubConnectionError naming the URL and the cause.
 """
 
 from __future__ import annotations
@@ -83,7 +83,9 @@ def _cause_text(error: BaseException) -> str:
     status = next((s for s in map(_status_of, causes) if s is not None), None)
     network = [c for c in causes if any(cls.__name__ in _NETWORK_ERROR_NAMES for cls in type(c).__mro__)]
     cause = network[0] if network else causes[-1]
-    text = f"{type(cause).__name__}: {cause}".rstrip(": ")
+    # httpx's status errors add a second line (a link to MDN's page on the status): one line.
+    first_line = next(iter(str(cause).strip().splitlines()), "")
+    text = f"{type(cause).__name__}: {first_line}".rstrip(": ")
     if "Timeout" in type(cause).__name__ or isinstance(cause, TimeoutError):
         text += " (the server stopped answering)"
     return f"HTTP {status} ({text})" if status is not None else text
@@ -98,10 +100,15 @@ def connection_error(error: BaseException, what: str, fallback_url: str, attempt
 
 @contextlib.contextmanager
 def hub_timeouts(timeout_s: float | None):
-    """Give huggingface_hub's shared HTTP client connect and read timeouts for the block.
+    """Give every HTTP client huggingface_hub uses in the block connect and read timeouts.
 
     Its default client has none, so a server that accepts a request and never answers
-    hangs the caller; the client's own timeout is put back afterwards.
+    hangs the caller.  Setting them on the shared client alone is not enough: after a
+    connection error huggingface_hub closes that client and builds a new one from its
+    client factory.  So the factory is wrapped for the block
+    (``huggingface_hub.set_client_factory``, which also drops the current client): each
+    client built in the block, the first one included, gets the timeouts.  The factory
+    is put back afterwards (a user's own factory, proxies and all, is the one wrapped).
 
     Args:
         timeout_s: seconds to wait for any read or write (the connect timeout is the
@@ -110,15 +117,25 @@ def hub_timeouts(timeout_s: float | None):
     if timeout_s is None:
         yield
         return
-    from huggingface_hub import get_session
+    import huggingface_hub
+    from huggingface_hub.utils import _http
 
-    client = get_session()
-    previous = client.timeout
-    client.timeout = type(previous)(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S))
+    # The factory in use has no public getter; the default stands in where it is missing.
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+    timeout = type(huggingface_hub.get_session().timeout)(
+        timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)
+    )
+
+    def factory_with_timeouts():
+        client = factory()
+        client.timeout = timeout
+        return client
+
+    huggingface_hub.set_client_factory(factory_with_timeouts)
     try:
         yield
     finally:
-        client.timeout = previous
+        huggingface_hub.set_client_factory(factory)
 
 
 @dataclasses.dataclass

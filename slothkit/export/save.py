@@ -26,6 +26,8 @@ from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target
 from slothkit.export.checkpoint_files import write_sharded
+from slothkit.export.disk_space import check_free_space, estimated_save_bytes
+from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
 
@@ -101,7 +103,8 @@ def write_merged_checkpoint(
                 saved_dtypes.add(tensor.dtype)
             yield name, tensor
 
-    files = write_sharded(cast(merge.merged_tensors(model, source, report)), directory, max_shard_size)
+    merged = finite_tensors(merge.merged_tensors(model, source, report), "the merged checkpoint", dtype)
+    files = write_sharded(cast(merged), directory, max_shard_size)
     # The dtype the checkpoint is stored in; mixed only if the base itself was.
     main_dtype = dtype or (saved_dtypes.pop() if len(saved_dtypes) == 1 else weights_dtype(model))
     merge.save_config(model, directory, main_dtype, untie=report.ties_broken)
@@ -147,6 +150,14 @@ def write_requantized_checkpoint(
         del quantized
     files = sorted(p.name for p in directory.iterdir())
     return files, report, quantization
+
+
+def _check_adapter_weights(model: nn.Module) -> None:
+    """Refuse an adapter with NaN or Inf weights (slothkit.export.finite) before PEFT writes it."""
+    from peft.utils import get_peft_model_state_dict
+
+    for _ in finite_tensors(get_peft_model_state_dict(model).items(), "the LoRA adapter"):
+        pass
 
 
 def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
@@ -215,6 +226,8 @@ def save_pretrained_merged(
         ValueError: an unknown save_method or dtype, "lora" for a model without adapters,
             no tokenizer, or base_weights that is not an unquantised checkpoint.
         FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
+        NotEnoughSpaceError: the save's estimated size exceeds the free space of its disk
+            (an OSError), found before any merging.
         OverlappingPathsError: ``save_directory`` is, contains or lies inside the base
             checkpoint the model was loaded from (a ValueError).
     """
@@ -229,6 +242,11 @@ def save_pretrained_merged(
             "save_method='lora' needs a model with LoRA adapters (a peft.PeftModel); this model has none"
         )
     source = merge.choose_merge_source(model, base_weights) if save_method != "lora" else None
+    check_free_space(
+        target,
+        estimated_save_bytes(model, save_method, dtype or weights_dtype(model)),
+        f"the {save_method} save",
+    )
 
     facts = CardFacts(
         save_method=save_method,
@@ -250,6 +268,7 @@ def save_pretrained_merged(
             compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
             facts.weights = f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
         else:
+            _check_adapter_weights(model)
             model.save_pretrained(str(staging))
             base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
             facts.weights = f"LoRA adapter weights; the base was {base} during training"
@@ -305,13 +324,17 @@ def merged_plain_model(
     from slothkit.export.generation_config import generation_config_with_eos
 
     source = merge.choose_merge_source(model, base_weights)
+    dtype = _check_dtype(dtype)
+    check_free_space(
+        scratch_dir if scratch_dir is not None else tempfile.gettempdir(),
+        estimated_save_bytes(model, "merged_16bit", dtype or weights_dtype(model)),
+        "the temporary merged checkpoint (the full 16-bit model, written before the GGUF files)",
+    )
     if scratch_dir is not None:
         pathlib.Path(scratch_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".slothkit-merged-", dir=scratch_dir) as scratch:
         try:
-            _, _, saved_dtype = write_merged_checkpoint(
-                model, pathlib.Path(scratch), source, "5GB", _check_dtype(dtype)
-            )
+            _, _, saved_dtype = write_merged_checkpoint(model, pathlib.Path(scratch), source, "5GB", dtype)
         except OSError as error:
             if error.errno != errno.ENOSPC:
                 raise
@@ -323,5 +346,8 @@ def merged_plain_model(
             ) from error
         plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
     plain.generation_config = generation_config_with_eos(causal_lm_of(model), tokenizer)
+    # Loaded from the scratch folder, it would carry that folder's name; GGUF files and
+    # their general.name are named after the model (the base's name, as the card says).
+    plain.config._name_or_path = merge.base_model_name(model) or ""
     plain.eval()
     return plain

@@ -87,8 +87,12 @@ class _SlothkitSetup:
     """Mixin: slothkit's checks and repairs around TRL's constructor (module docstring)."""
 
     def _build(self, trl_class, model, args, kwargs):
+        from slothkit.data.loading import records_as_dataset
         from slothkit.trainers import _restore_adapter_dtypes, check_setup, explain_out_of_memory
 
+        for argument in ("train_dataset", "eval_dataset"):
+            if argument in kwargs:
+                kwargs[argument] = records_as_dataset(kwargs[argument], argument)
         tokenizer = kwargs.get("processing_class")
         is_model = model is not None and not isinstance(model, str)
         if is_model and tokenizer is not None:

@@ -1,5 +1,7 @@
 """The command line: parsing, the environment report, and the embedded demo."""
 
+import shutil
+
 import pytest
 
 from slothkit.cli import build_parser, main
@@ -233,3 +235,23 @@ def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, ca
     (tmp_path / "base" / "config.json").write_text("{}")
     assert main(["export", str(adapter), "--to", "merged_16bit", "--output", str(tmp_path / "out")]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
+
+
+def test_exporting_the_demos_adapter_gives_hints_in_the_commands_words(tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quick", "--output-dir", "demo", "--steps", "2"]) == 0
+    adapter = tmp_path / "demo" / "lora-adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(tmp_path / "demo" / "tiny-base")  # absolute: exports work from any folder
+    capsys.readouterr()
+
+    shutil.rmtree(base)  # the base is gone (another machine, a cleaned folder)
+    monkeypatch.chdir(tmp_path.parent)
+    assert main(["export", str(adapter), "--to", "merged_16bit"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"the adapter's base model '{base}' is not a local checkpoint folder" in err
+    assert err.rstrip().endswith("pass --base-model PATH")
+    assert "huggingface-cli" not in err and "base_model=" not in err

@@ -476,3 +476,28 @@ def test_out_of_memory_in_training_names_the_settings_to_change(reference_kernel
     assert f"per_device_train_batch_size={args.per_device_train_batch_size}" in message
     assert f"max_length={MAX_SEQ}" in message and "gradient_accumulation_steps" in message
     assert "load_in_4bit=True" in message and "Tried to allocate 2.00 GiB" in message
+
+
+def test_a_list_of_records_is_taken_and_a_list_of_anything_else_explained(reference_kernels):
+    import datasets
+
+    from slothkit.trl import SFTTrainer
+
+    model, tokenizer = _load("slothkit")
+    records = [{"text": f"Record {i}: the sloth sleeps."} for i in range(4)]
+    for build in (
+        lambda data: sft_trainer(model, tokenizer, data, args=sft_config(model, output_dir="unused")),
+        lambda data: SFTTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=data,
+            args=sft_config(model, output_dir="unused"),
+        ),
+    ):
+        trainer = build(records)  # was AttributeError: 'list' object has no attribute ...
+        assert isinstance(trainer.train_dataset, datasets.Dataset) and len(trainer.train_dataset) == 4
+        with pytest.raises(
+            ValueError,
+            match=r"train_dataset: records must be dicts; record 0 is str; pass a datasets\.Dataset",
+        ):
+            build([r["text"] for r in records])

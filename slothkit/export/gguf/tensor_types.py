@@ -133,35 +133,65 @@ def tensor_type(
     n_layers: int,
     output_tied_to_embeddings: bool,
 ) -> GGMLQuantizationType:
-    """The GGML type of GGUF tensor `name` (shape in torch order, rows last) under `method`."""
+    """The GGML type of GGUF tensor `name` (shape in torch order, rows last) under `method`:
+    the mix's type (mix_type), or its fallback where the row is not a whole number of its
+    blocks (fallback_type)."""
+    intended = mix_type(
+        method,
+        name,
+        shape,
+        layer=layer,
+        n_layers=n_layers,
+        output_tied_to_embeddings=output_tied_to_embeddings,
+    )
+    return intended if intended == T.F32 else fallback_type(intended, shape[-1])
+
+
+def mix_type(
+    method: QuantizationMethod,
+    name: str,
+    shape: tuple[int, ...],
+    *,
+    layer: int | None,
+    n_layers: int,
+    output_tied_to_embeddings: bool,
+) -> GGMLQuantizationType:
+    """The type `method`'s mix gives tensor `name`, before any fallback for its row length."""
     if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
         return T.F32
-    row = shape[-1]
     if not method.mixed:
-        return _fit_row(method.base, row)
-
-    chosen = method.base
+        return method.base
     is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
     if is_output:
-        if row % 256:
-            return _fit_row(T.Q8_0, row)
-        if method.base != T.Q8_0:
-            chosen = T.Q6_K
-    elif (
+        return T.Q6_K if method.base != T.Q8_0 else method.base
+    if (
         method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
         and name.endswith((".attn_v.weight", ".ffn_down.weight"))
         and layer is not None
         and use_more_bits(layer, n_layers)
     ):
-        chosen = T.Q6_K
-    if row % GGML_QUANT_SIZES[chosen][0]:
-        chosen = _FALLBACK.get(chosen, chosen)
-    return _fit_row(chosen, row)
+        return T.Q6_K
+    return method.base
+
+
+def fallback_type(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
+    """`qtype` when its blocks tile a row of `row` values, else llama-quantize's fallback
+    (module docstring), else F16."""
+    if row % GGML_QUANT_SIZES[qtype][0]:
+        qtype = _FALLBACK.get(qtype, qtype)
+    return _fit_row(qtype, row)
 
 
 def _fit_row(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:
     """F16 when even the fallback cannot tile the row."""
     return qtype if row % GGML_QUANT_SIZES[qtype][0] == 0 else T.F16
+
+
+def smallest_bytes_per_weight(method: QuantizationMethod) -> float:
+    """The fewest bytes a weight takes in a file of `method`: its base type's (its mix and
+    fallbacks only use larger types). Q4_K: 144 bytes per 256 weights."""
+    block, size = GGML_QUANT_SIZES[method.base]
+    return size / block
 
 
 def encoded_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:

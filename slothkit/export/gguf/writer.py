@@ -2,7 +2,11 @@
 
     from slothkit.export.gguf import save_pretrained_gguf, push_to_hub_gguf
     paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
-    # out/gguf/gguf.Q4_K_M.gguf, out/gguf/gguf.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
+    # out/gguf/Llama-3.2-1B.Q4_K_M.gguf, out/gguf/Llama-3.2-1B.Q8_0.gguf, out/gguf/Modelfile.Q4_K_M, ...
+
+Files and general.name (what Ollama and LM Studio show) are named after the model
+(model_name: its config's _name_or_path, for a merged LoRA model the base model's), or after
+the output folder when the model has no name.
 
 `model` is a plain (merged, 16- or 32-bit) transformers model of a supported architecture;
 slothkit.export.merge turns a LoRA/QLoRA model into one. Where each weight goes and how it is
@@ -25,19 +29,31 @@ there is one (kquants), everything else with the `gguf` package.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import math
 import os
 import pathlib
+import re
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
+from slothkit.export.disk_space import (
+    NotEnoughSpaceError,
+    check_free_space,
+    free_space,
+    is_disk_full,
+    megabytes,
+)
+from slothkit.export.finite import finite_tensors
 from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
@@ -70,7 +86,8 @@ def save_pretrained_gguf(
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, gemma3_text); slothkit.export.merge turns a LoRA/QLoRA
             model into one.
-        save_directory: the folder to write; its name is the stem of the file names.
+        save_directory: the folder to write; its name is the stem of the file names when the
+            model has none (model_name).
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
         quantization_method: "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m" or "q6_k"
             (any case), several as a list or separated by commas ("q4_k_m,q8_0"), or
@@ -94,7 +111,7 @@ def save_pretrained_gguf(
     target = pathlib.Path(save_directory).expanduser()
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"{str(target)!r} exists and is a file; the save target must be a directory")
-    stem = target.name or "model"
+    stem = model_name(model, fallback=target.name or "model")
     gguf_names = [f"{stem}.{method.label}.gguf" for method in methods]
     modelfile_names = _modelfile_names(target, gguf_names, methods)
     clashes = [name for name in gguf_names + modelfile_names if (target / name).exists()]
@@ -103,6 +120,7 @@ def save_pretrained_gguf(
             f"{str(target)!r} already holds {', '.join(clashes)} from an earlier save; pass "
             f"overwrite=True to replace them (the folder's other files are kept), or choose a new folder"
         )
+    check_free_space(target, planned_bytes(model, methods, arch), f"the GGUF files ({', '.join(gguf_names)})")
     if verify is None:
         from slothkit.export.gguf.verify import llama_cpp_available
 
@@ -110,7 +128,7 @@ def save_pretrained_gguf(
 
     with atomic_directory(target, overwrite=True, keep_unwritten_files=True) as staging:
         for method, name in zip(methods, gguf_names):
-            write_gguf(model, staging / name, tokenizer, method, arch=arch)
+            write_gguf(model, staging / name, tokenizer, method, arch=arch, name=stem)
             if verify:
                 from slothkit.export.gguf.verify import verify_gguf
 
@@ -200,6 +218,7 @@ def write_gguf(
     method: str | QuantizationMethod,
     *,
     arch: Architecture | None = None,
+    name: str | None = None,
 ) -> pathlib.Path:
     """Write one GGUF file (no Modelfile, no verification, not atomic); return its path.
 
@@ -210,46 +229,115 @@ def write_gguf(
         method: the quantisation: a name ("q8_0") or a parsed QuantizationMethod.
         arch: the architecture record whose layout to write; by default the model's own
             (the tests pass a wrong one on purpose, to see verification catch it).
+        name: general.name, the name model runners show; None: model_name(model), else
+            the file name up to its first dot.
     """
     method = types.quantization_method(method)
     arch = arch or architecture_of(model)
     _check_plain_model(model)
-    hp = _hyperparameters(model.config, arch)
-    tensors = list(_gguf_tensors(model, arch, hp))
-    tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    hp, plan = _plan(model, method, arch)
     device = _quantization_device(model)
 
     path = pathlib.Path(path)
     vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
     writer = GGUFWriter(path, arch.gguf.arch)
-    _write_metadata(writer, hp, method, name=_model_name(model, path))
+    _write_metadata(writer, hp, method, name=name or model_name(model, fallback=path.name.split(".")[0]))
     vocab.write(writer)
-
-    plan = []
-    for name, produce, shape, layer in tensors:
-        qtype = types.tensor_type(
-            method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
-        )
-        nbytes = types.encoded_nbytes(qtype, shape)
-        if qtype in (T.F32, T.F16):
-            writer.add_tensor_info(
-                name, shape, np.float32 if qtype == T.F32 else np.float16, nbytes, raw_dtype=qtype
-            )
+    for tensor in plan:
+        nbytes = types.encoded_nbytes(tensor.qtype, tensor.shape)
+        if tensor.qtype in (T.F32, T.F16):
+            dtype = np.float32 if tensor.qtype == T.F32 else np.float16
+            writer.add_tensor_info(tensor.name, tensor.shape, dtype, nbytes, raw_dtype=tensor.qtype)
         else:
-            writer.add_tensor_info(
-                name, quant_shape_to_byte_shape(shape, qtype), np.uint8, nbytes, raw_dtype=qtype
-            )
-        plan.append((produce, qtype))
+            byte_shape = quant_shape_to_byte_shape(tensor.shape, tensor.qtype)
+            writer.add_tensor_info(tensor.name, byte_shape, np.uint8, nbytes, raw_dtype=tensor.qtype)
+    fallbacks = [t for t in plan if t.qtype != t.intended]
+    if fallbacks:
+        _warn_about_fallbacks(path.name, method, fallbacks, [t.qtype for t in plan])
 
+    folder, free = free_space(path.parent)
     try:
         writer.write_header_to_file(path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for produce, qtype in plan:  # one tensor in memory at a time
-            writer.write_tensor_data(types.encode(produce(), qtype, device))
-    finally:
+        qtypes = {t.name: t.qtype for t in plan}
+        stored_as = {name: torch.float16 for name, qtype in qtypes.items() if qtype == T.F16}
+        produced = ((t.name, t.produce()) for t in plan)  # one tensor in memory at a time
+        for tensor_name, tensor in finite_tensors(produced, f"the GGUF file {path.name}", stored_as):
+            writer.write_tensor_data(types.encode(tensor, qtypes[tensor_name], device))
         writer.close()
+    except BaseException as error:
+        with contextlib.suppress(OSError):  # the file is abandoned; its flush may fail again
+            writer.close()
+        if is_disk_full(error):  # numpy's own words are "12288 requested and 8392 written"
+            raise NotEnoughSpaceError(
+                f"no space left in {str(folder)!r} while writing {path.name}: it needs about "
+                f"{megabytes(_file_bytes(plan))} and {megabytes(free)} were free when it was started; "
+                f"free some space or write to a folder on a larger disk",
+            ) from error
+        raise
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedTensor:
+    name: str  # in the file
+    produce: object  # () -> the tensor in GGUF layout, made when written
+    shape: tuple[int, ...]
+    qtype: GGMLQuantizationType  # the type it is stored in
+    intended: GGMLQuantizationType  # the type the method's mix gives it (qtype unless it fell back)
+
+
+def _plan(
+    model, method: QuantizationMethod, arch: Architecture
+) -> tuple[_HyperParameters, list[_PlannedTensor]]:
+    """The file's tensors in order, with the type each is stored in."""
+    hp = _hyperparameters(model.config, arch)
+    tensors = list(_gguf_tensors(model, arch, hp))
+    tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    plan = []
+    for name, produce, shape, layer in tensors:
+        intended = types.mix_type(
+            method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
+        )
+        qtype = intended if intended == T.F32 else types.fallback_type(intended, shape[-1])
+        plan.append(_PlannedTensor(name, produce, shape, qtype, intended))
+    return hp, plan
+
+
+def _file_bytes(plan: list[_PlannedTensor]) -> int:
+    """The tensor data of a file (its header and vocabulary are small beside it)."""
+    return sum(types.encoded_nbytes(t.qtype, t.shape) for t in plan)
+
+
+def planned_bytes(model, methods: Sequence[QuantizationMethod], arch: Architecture | None = None) -> int:
+    """What the GGUF files of `methods` take on disk, from the types their tensors get."""
+    arch = arch or architecture_of(model)
+    return sum(_file_bytes(_plan(model, method, arch)[1]) for method in methods)
+
+
+def _warn_about_fallbacks(file_name: str, method, fallbacks: list[_PlannedTensor], qtypes: list) -> None:
+    """Say what a file holds when some weights could not get the type their mix names.
+
+    A K-quant block spans 256 values of a row, the others 32; a row of another length gets
+    llama-quantize's fallback type (tensor_types).  The file keeps the method's label and
+    file type, as llama-quantize's files do (it warns "N of M tensor(s) required fallback
+    quantization"), so the warning says what the file holds instead.
+    """
+    matrices = [q for q in qtypes if q != T.F32]
+    held = collections.Counter(q.name for q in matrices)
+    holding = ", ".join(f"{count} {name}" for name, count in held.most_common())
+    missing = "" if held[method.base.name] else f", no {method.base.name} tensor at all"
+    rows = sorted({t.shape[-1] for t in fallbacks})
+    blocks = sorted({GGML_QUANT_SIZES[t.intended][0] for t in fallbacks})
+    warnings.warn(
+        f"{file_name}: {len(fallbacks)} of {len(matrices)} weight matrices could not take the type "
+        f"{method.label} gives them (rows of {', '.join(map(str, rows))} values are not multiples of "
+        f"{' or '.join(map(str, blocks))}) and fell back: its weight matrices are {holding}{missing}; "
+        f"it is labelled {method.label} all the same, as llama.cpp's llama-quantize labels such files "
+        f"(with a warning that the tensors 'required fallback quantization')",
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -440,9 +528,30 @@ def _stop_token_ids(model) -> list[int]:
     return [int(i) for i in ([ids] if isinstance(ids, int) else ids)]
 
 
-def _model_name(model, path: pathlib.Path) -> str:
-    source = getattr(model.config, "_name_or_path", "") or ""
-    return pathlib.PurePath(source).name or path.stem.split(".")[0]
+# Folder names that tempfile.mkdtemp and slothkit's own scratch folders give: never a model's name.
+_TEMPORARY_NAME = re.compile(r"^(\.|tmp\w{8}$|slothkit-(gguf|export|push|tiny-models)-)")
+
+
+def model_name(model, fallback: str) -> str:
+    """The model's name for GGUF file names and general.name (what Ollama and LM Studio
+    show): the last part of config._name_or_path (a Hub id's name, a local checkpoint
+    folder's name, the repo of a Hugging Face cache snapshot), or `fallback` when that is
+    empty or a temporary folder's name.
+
+    Args:
+        model: the model being exported; slothkit.export.save.merged_plain_model gives
+            the merged model the base model's name.
+        fallback: the name to use otherwise (the output folder's).
+    """
+    source = pathlib.PurePath(getattr(model.config, "_name_or_path", "") or "")
+    name = source.name
+    if source.parent.name == "snapshots" and source.parent.parent.name.startswith("models--"):
+        name = source.parent.parent.name.split("--")[
+            -1
+        ]  # ~/.cache/huggingface/hub/models--org--name/snapshots/SHA
+    if not name or _TEMPORARY_NAME.match(name):
+        return fallback
+    return name
 
 
 def _quantization_device(model) -> torch.device:

@@ -100,3 +100,17 @@ def test_hub_failure_offline_is_explained(monkeypatch):
     match = "could not load 'slothkit-test/no-such-dataset'.*HF_HUB_OFFLINE is set"
     with pytest.raises(FileNotFoundError, match=match):
         load_data("slothkit-test/no-such-dataset")
+
+
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        ("empty.jsonl", "", r"is empty: it holds no records; a \.jsonl file holds one JSON object per line"),
+        ("blank.jsonl", "\n\n  \n", r"is empty: .* one JSON object per line"),
+        ("empty.csv", "", r"a \.csv file holds a header row naming the columns"),
+    ],
+)
+def test_an_empty_file_says_it_is_empty(tmp_path, name, content, expected):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=expected):  # was a bare StopIteration
+        load_data(str(tmp_path / name))

@@ -254,3 +254,306 @@ def test_nothing_listening_names_the_url(make_lora_model, tmp_path, monkeypatch)
     ):
         push_folder_to_hub(tmp_path / "export", "me/x", token="hf_x", endpoint=f"http://127.0.0.1:{port}",
                            timeout_s=2)  # fmt: skip
+
+
+def test_the_timeouts_hold_for_a_client_built_mid_push(local_hub, make_lora_model, monkeypatch, tmp_path):
+    """huggingface_hub closes its shared client after a connection error and builds a new
+    one from its factory; the requests after that must still time out."""
+    import huggingface_hub
+
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=46)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    create_repo = huggingface_hub.HfApi.create_repo
+
+    def create_repo_then_drop_the_client(self, *args, **kwargs):
+        result = create_repo(self, *args, **kwargs)
+        huggingface_hub.close_session()  # as huggingface_hub does after a ConnectError
+        return result
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo_then_drop_the_client)
+    local_hub.stall_next("POST", r"/commit/", seconds=30)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="ReadTimeout"):
+        push_folder_to_hub(tmp_path / "export", "local-user/rebuilt", token="hf_writer",
+                           endpoint=local_hub.endpoint, retries=0, timeout_s=0.5)  # fmt: skip
+    assert time.monotonic() - start < 15  # the new client waited the full 30 s before
+    assert huggingface_hub.get_session().timeout.read is None  # the factory is given back
+
+
+def _plain_tiny(arch: str = "llama"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slothkit.testing import tiny_model_path
+
+    path = tiny_model_path(arch)
+    return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize(
+    "save_method, poison, value, expected",
+    [
+        ("merged_16bit", "lora_B", float("nan"), r"model\.layers\.0\.self_attn\.q_proj\.weight \(NaN\)"),
+        ("merged_16bit", "embed_tokens", float("inf"), r"model\.embed_tokens\.weight \(Inf\)"),
+        ("lora", "lora_B", float("nan"), r"q_proj\.lora_B\.weight \(NaN\)"),
+    ],
+)
+def test_nan_or_inf_weights_are_refused_and_the_previous_save_kept(
+    make_lora_model, tmp_path, save_method, poison, value, expected
+):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+
+    model, tokenizer, _ = make_lora_model("llama", seed=47)
+    target = tmp_path / "out"
+    save_pretrained_merged(model, target, tokenizer, save_method=save_method)
+    before = _tree(target)
+    with torch.no_grad():
+        name, param = next((n, p) for n, p in model.named_parameters() if poison in n)
+        param.view(-1)[3] = value
+    with pytest.raises(
+        NonFiniteWeightsError, match=rf"refusing to write .*: 1 tensor\(s\) .*{expected}.*nothing was written"
+    ):
+        save_pretrained_merged(model, target, tokenizer, save_method=save_method, overwrite=True)
+    assert _tree(target) == before and leftovers(target) == []
+
+
+def test_every_bad_tensor_is_named_and_float16_overflow_is_caught(make_lora_model, tmp_path):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+
+    model, tokenizer, _ = make_lora_model("llama", seed=48)
+    with torch.no_grad():
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.down_proj.base_layer.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError) as error:
+        save_pretrained_merged(model, tmp_path / "nan", tokenizer)
+    message = str(error.value)
+    assert message.count("mlp.down_proj.weight (NaN)") == len(model.base_model.model.model.layers)
+    assert "\n" not in message and not (tmp_path / "nan").exists()
+
+    model, tokenizer, _ = make_lora_model("llama", seed=49)
+    with torch.no_grad():
+        model.base_model.model.model.norm.weight[0] = 1e6  # finite in float32, Inf in float16
+    with pytest.raises(
+        NonFiniteWeightsError, match=r"model\.norm\.weight \(beyond float16's range \(65504\)\).*bfloat16"
+    ):
+        save_pretrained_merged(model, tmp_path / "f16", tokenizer, dtype=torch.float16)
+    save_pretrained_merged(model, tmp_path / "bf16", tokenizer, dtype=torch.bfloat16)  # fits there
+
+
+@pytest.mark.parametrize(
+    "method, value, expected", [("q8_0", float("nan"), "NaN"), ("f16", 1e5, "beyond float16")]
+)
+def test_gguf_export_refuses_nan_inf_and_float16_overflow(tmp_path, method, value, expected):
+    import torch
+
+    from slothkit.export.finite import NonFiniteWeightsError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    target = tmp_path / "gguf"
+    save_pretrained_gguf(model, target, tokenizer, method, verify=False)
+    before = _tree(target)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight[2, 5] = value
+    with pytest.raises(
+        NonFiniteWeightsError, match=rf"the GGUF file .*blk\.1\.attn_output\.weight \({expected}"
+    ):
+        save_pretrained_gguf(model, target, tokenizer, method, verify=False, overwrite=True)
+    assert _tree(target) == before and leftovers(target) == []
+
+
+def test_a_k_quant_export_whose_rows_cannot_hold_k_quants_says_what_the_file_holds(tmp_path):
+    import collections
+    import warnings
+
+    import gguf
+
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()  # 64-wide rows: no K-quant block (256) fits
+    with pytest.warns(UserWarning) as caught:
+        [path, _] = save_pretrained_gguf(model, tmp_path / "q4", tokenizer, "q4_k_m", verify=False)
+    [message] = [str(w.message) for w in caught if "fell back" in str(w.message)]
+    reader = gguf.GGUFReader(path)
+    held = collections.Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    assert "Q4_K" not in held  # what the label promises, the file does not hold
+    holding = ", ".join(f"{count} {name}" for name, count in held.most_common())
+    assert f"{sum(held.values())} of {sum(held.values())} weight matrices" in message
+    assert f"its weight matrices are {holding}, no Q4_K tensor at all" in message
+    assert "labelled Q4_K_M all the same, as llama.cpp's llama-quantize" in message and "\n" not in message
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*fell back")  # Q8_0's 32-blocks fit: no warning
+        save_pretrained_gguf(model, tmp_path / "q8", tokenizer, "q8_0", verify=False)
+
+
+def _general_name(path) -> str:
+    import gguf
+
+    return gguf.GGUFReader(path).fields["general.name"].contents()
+
+
+def test_gguf_files_and_their_general_name_are_named_after_the_model(make_lora_model, tmp_path):
+    import copy
+
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    # A LoRA model is merged through a scratch folder first: its name must not leak out.
+    model, tokenizer, base = make_lora_model("llama", seed=50)
+    [path, _] = model.save_pretrained_gguf(
+        tmp_path / "gguf", tokenizer, quantization_method="q8_0", verify=False
+    )
+    assert path.name == f"{base.name}.Q8_0.gguf"  # was gguf.Q8_0.gguf
+    assert _general_name(path) == base.name  # was .slothkit-merged-XXXXXXXX
+
+    plain, tokenizer = _plain_tiny()
+    cases = {
+        "HuggingFaceTB/SmolLM2-135M-Instruct": "SmolLM2-135M-Instruct",
+        "/root/.cache/huggingface/hub/models--org--Llama-3.2-1B/snapshots/0123abcd": "Llama-3.2-1B",
+        "/data/checkpoints/my-llama/": "my-llama",
+        "": "my-export",  # no name: the output folder's
+        "/tmp/tmpa1b2c3d4": "my-export",  # a temporary folder's name is never used
+        "/work/.slothkit-merged-x8y7": "my-export",
+    }
+    for i, (name_or_path, expected) in enumerate(cases.items()):
+        named = copy.copy(plain)
+        named.config = copy.deepcopy(plain.config)
+        named.config._name_or_path = name_or_path
+        [path, _] = save_pretrained_gguf(
+            named, tmp_path / str(i) / "my-export", tokenizer, "f16", verify=False
+        )
+        assert (path.name, _general_name(path)) == (f"{expected}.F16.gguf", expected), name_or_path
+
+
+def _disk_with_free(monkeypatch, free: int):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - free, free))
+
+
+def _folder_size(folder: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("save_method", ["merged_16bit", "lora"])
+def test_the_size_estimate_is_a_lower_bound_of_what_a_save_writes(make_lora_model, tmp_path, save_method):
+    import torch
+
+    from slothkit.export.disk_space import estimated_save_bytes, parameter_count
+
+    model, tokenizer, _ = make_lora_model("llama", seed=51)
+    estimate = estimated_save_bytes(model, save_method, torch.float32)
+    save_pretrained_merged(model, tmp_path / "out", tokenizer, save_method=save_method)
+    written = _folder_size(tmp_path / "out")
+    assert 0.5 * written < estimate <= written  # errs low, never refuses a save that fits
+    if (
+        save_method == "merged_16bit"
+    ):  # merged_4bit (bitsandbytes, GPU only): the scratch copy and the 4-bit one
+        assert (
+            estimated_save_bytes(model, "merged_4bit", torch.float32)
+            == estimate + parameter_count(model) // 2
+        )
+
+
+def test_a_save_that_cannot_fit_is_refused_before_any_work(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import save as save_module
+    from slothkit.export.disk_space import NotEnoughSpaceError, estimated_save_bytes, megabytes
+
+    model, tokenizer, _ = make_lora_model("llama", seed=52)
+    monkeypatch.setattr(save_module, "write_merged_checkpoint", lambda *a, **k: pytest.fail("merged anyway"))
+    _disk_with_free(monkeypatch, 100_000)
+    needed = megabytes(estimated_save_bytes(model, "merged_16bit", model.dtype))
+    with pytest.raises(
+        NotEnoughSpaceError,
+        match=rf"^not enough space in '{tmp_path}' for the merged_16bit save: it needs about {needed} and "
+        r"100 kB are free; free some space or write to a folder on a larger disk$",
+    ):
+        save_pretrained_merged(model, tmp_path / "out", tokenizer)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gguf_export_that_cannot_fit_is_refused_before_writing(monkeypatch, tmp_path):
+    from slothkit.export.disk_space import NotEnoughSpaceError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    [path, _] = save_pretrained_gguf(model, tmp_path / "probe", tokenizer, ["q8_0"], verify=False)
+    size = path.stat().st_size
+    _disk_with_free(monkeypatch, size // 2)
+    with pytest.raises(NotEnoughSpaceError, match=r"for the GGUF files \(.*\.Q8_0\.gguf\): it needs about"):
+        save_pretrained_gguf(model, tmp_path / "out", tokenizer, ["q8_0"], verify=False)
+    assert not (tmp_path / "out").exists()
+    _disk_with_free(monkeypatch, size)  # the estimate (tensor data only) errs low: this fits
+    save_pretrained_gguf(model, tmp_path / "fits", tokenizer, ["q8_0"], verify=False)
+
+
+def test_an_adapter_export_that_cannot_fit_is_refused_before_loading(make_lora_model, monkeypatch, tmp_path):
+    from slothkit.export import adapter_export
+    from slothkit.export.disk_space import NotEnoughSpaceError, megabytes
+
+    model, tokenizer, base = make_lora_model("llama", seed=53)
+    model.save_pretrained(tmp_path / "adapter")
+    monkeypatch.setattr(adapter_export, "load_adapter_model", lambda *a, **k: pytest.fail("loaded anyway"))
+    _disk_with_free(monkeypatch, 10_000)
+    weights = megabytes((base / "model.safetensors").stat().st_size)  # the merged copy, also GGUF's scratch
+    for to, quant in (("merged_16bit", None), ("gguf", "q4_k_m,q8_0")):
+        with pytest.raises(
+            NotEnoughSpaceError,
+            match=rf"for the {to} export of adapter: it needs about {weights} and 10 kB are free",
+        ):
+            adapter_export.export_adapter(tmp_path / "adapter", to, quant=quant, output=tmp_path / to)
+
+
+def test_a_disk_that_fills_inside_the_gguf_writer_is_named(monkeypatch, tmp_path):
+    import gguf
+
+    from slothkit.export.disk_space import NotEnoughSpaceError
+    from slothkit.export.gguf import save_pretrained_gguf
+
+    model, tokenizer = _plain_tiny()
+    target = tmp_path / "gguf"
+    save_pretrained_gguf(model, target, tokenizer, "f16", verify=False)
+    before = _tree(target)
+    written = []
+    real = gguf.GGUFWriter.write_tensor_data
+
+    def fills_up(self, tensor, *args, **kwargs):
+        if len(written) == 3:
+            raise OSError("12288 requested and 8392 written")  # numpy's tofile on a full disk
+        written.append(tensor.nbytes)
+        return real(self, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", fills_up)
+    with pytest.raises(
+        NotEnoughSpaceError,
+        match=rf"no space left in '{tmp_path}/\.gguf\.partial-\w+' while writing .*\.Q8_0\.gguf: it needs "
+        r"about \d+ kB and [\d.]+ [kMG]B were free when it was started",
+    ) as error:
+        save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
+    assert "requested and" not in str(error.value)
+    assert _tree(target) == before and leftovers(target) == []
+
+
+def test_a_hub_answering_500_ends_in_one_line_naming_the_url_and_status(local_hub, make_lora_model, tmp_path):
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=54)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    local_hub.fail_next("POST", r"/commit/", status=500, times=5)
+    with pytest.raises(ConnectionError) as error:
+        push_folder_to_hub(tmp_path / "export", "local-user/failing", token="hf_writer",
+                           endpoint=local_hub.endpoint, retries=1, retry_wait_s=0)  # fmt: skip
+    message = str(error.value)
+    assert (
+        f"after 2 attempts: {local_hub.endpoint}/api/models/local-user/failing/commit/main: HTTP 500"
+        in message
+    )
+    assert "\n" not in message  # httpx's own message has a second line (a link to MDN)

@@ -439,15 +439,16 @@ def test_token_types_scores_and_merges(arch, exported):
 
 def test_save_writes_one_file_per_method_and_modelfiles(tmp_path):
     model, tokenizer = tiny("gemma")
+    name = tiny_model_path("gemma", **SIZES).name  # files are named after the model
     paths = save_pretrained_gguf(model, tmp_path / "out", tokenizer, ["q4_k_m", "Q8_0"], verify=False)
     assert paths == [
         tmp_path / "out" / n
-        for n in ("out.Q4_K_M.gguf", "out.Q8_0.gguf", "Modelfile.Q4_K_M", "Modelfile.Q8_0")
+        for n in (f"{name}.Q4_K_M.gguf", f"{name}.Q8_0.gguf", "Modelfile.Q4_K_M", "Modelfile.Q8_0")
     ]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths)
-    assert (tmp_path / "out" / "Modelfile.Q8_0").read_text().startswith("FROM ./out.Q8_0.gguf\n")
+    assert (tmp_path / "out" / "Modelfile.Q8_0").read_text().startswith(f"FROM ./{name}.Q8_0.gguf\n")
     single = save_pretrained_gguf(model, tmp_path / "one", tokenizer, "f16", verify=False)
-    assert [p.name for p in single] == ["one.F16.gguf", "Modelfile"]
+    assert [p.name for p in single] == [f"{name}.F16.gguf", "Modelfile"]
 
 
 def test_unknown_method_lists_the_valid_ones(tmp_path):
@@ -468,21 +469,22 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
     """As notebooks use it: one folder, one save per quantisation, beside other files. A
     save never deletes what it did not write; replacing its own files needs overwrite."""
     model, tokenizer = tiny("llama")
+    name = tiny_model_path("llama", **SIZES).name
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("keep me")
     save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
-    assert sorted(p.name for p in target.iterdir()) == ["Modelfile", "old.txt", "out.Q8_0.gguf"]
-    first = (target / "out.Q8_0.gguf").read_bytes()
+    assert sorted(p.name for p in target.iterdir()) == sorted(["Modelfile", "old.txt", f"{name}.Q8_0.gguf"])
+    first = (target / f"{name}.Q8_0.gguf").read_bytes()
 
     save_pretrained_gguf(model, target, tokenizer, "f16", verify=False)  # another type: added
-    names = ["Modelfile", "Modelfile.F16", "old.txt", "out.F16.gguf", "out.Q8_0.gguf"]
+    names = sorted(["Modelfile", "Modelfile.F16", "old.txt", f"{name}.F16.gguf", f"{name}.Q8_0.gguf"])
     assert sorted(p.name for p in target.iterdir()) == names
-    assert (target / "out.Q8_0.gguf").read_bytes() == first
-    assert "FROM ./out.Q8_0.gguf" in (target / "Modelfile").read_text()
-    assert "FROM ./out.F16.gguf" in (target / "Modelfile.F16").read_text()
+    assert (target / f"{name}.Q8_0.gguf").read_bytes() == first
+    assert f"FROM ./{name}.Q8_0.gguf" in (target / "Modelfile").read_text()
+    assert f"FROM ./{name}.F16.gguf" in (target / "Modelfile.F16").read_text()
 
-    with pytest.raises(DirectoryNotEmptyError, match=r"already holds out\.Q8_0\.gguf.*overwrite=True"):
+    with pytest.raises(DirectoryNotEmptyError, match=rf"already holds {name}\.Q8_0\.gguf.*overwrite=True"):
         save_pretrained_gguf(model, target, tokenizer, "q8_0", verify=False)
     assert sorted(p.name for p in target.iterdir()) == names
     changed = copy.deepcopy(model)  # tiny() is shared by the module's tests
@@ -490,7 +492,7 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
         changed.model.embed_tokens.weight.mul_(2)
     save_pretrained_gguf(changed, target, tokenizer, "q8_0", verify=False, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == names
-    assert (target / "out.Q8_0.gguf").read_bytes() != first
+    assert (target / f"{name}.Q8_0.gguf").read_bytes() != first
     assert (target / "old.txt").read_text() == "keep me"
 
 
@@ -542,18 +544,17 @@ def test_push_to_hub_gguf(local_hub, tmp_path):
     from slothkit.export.gguf import push_to_hub_gguf
 
     model, tokenizer = tiny("llama")
+    file = f"{tiny_model_path('llama', **SIZES).name}.Q4_K_M.gguf"  # named after the model, not the repo
     result = push_to_hub_gguf(
         model, "local-user/tiny-gguf", tokenizer, "q4_k_m", token="hf_writer", verify=False
     )
     assert set(local_hub.files("local-user/tiny-gguf")) == {
         ".gitattributes",
-        "tiny-gguf.Q4_K_M.gguf",
+        file,
         "Modelfile",
     }
-    assert sorted(result.files) == ["Modelfile", "tiny-gguf.Q4_K_M.gguf"]
-    pulled = hf_hub_download(
-        "local-user/tiny-gguf", "tiny-gguf.Q4_K_M.gguf", token="hf_writer", local_dir=tmp_path
-    )
+    assert sorted(result.files) == ["Modelfile", file]
+    pulled = hf_hub_download("local-user/tiny-gguf", file, token="hf_writer", local_dir=tmp_path)
     reader = gguf.GGUFReader(pulled)
     assert (
         field(reader, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)

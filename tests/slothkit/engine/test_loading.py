@@ -1,0 +1,84 @@
+"""A local checkpoint that cannot be read is named with what is wrong, before transformers
+tries it (its own messages say "no such directory" or "No such file" for files that are
+there)."""
+
+import builtins
+import errno
+import os
+import shutil
+
+import pytest
+
+from slothkit import FastModel
+from slothkit.engine import loading
+from slothkit.testing import tiny_model_path
+
+IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_path("llama"), folder)
+    return folder
+
+
+def test_an_invalid_config_json_is_named_not_called_missing(checkpoint):
+    (checkpoint / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(
+        ValueError, match=r"config\.json' is not valid JSON \(.*\); the checkpoint's config is damaged"
+    ) as error:
+        FastModel.from_pretrained(str(checkpoint))
+    assert "no such directory" not in str(error.value)
+    (checkpoint / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not the object a config is"):
+        FastModel.from_pretrained(str(checkpoint))
+
+
+def test_an_unreadable_weights_file_is_named_with_the_reason(checkpoint, monkeypatch):
+    weights = checkpoint / "model.safetensors"
+
+    def denied(path, *args, **kwargs):
+        if os.fspath(path) == str(weights):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "open", denied, raising=False)  # root reads any file: denied here
+    with pytest.raises(
+        PermissionError, match=rf"cannot read '{weights}': Permission denied; make it readable"
+    ):
+        FastModel.from_pretrained(str(checkpoint))
+
+
+@pytest.mark.skipif(IS_ROOT, reason="root reads files whatever their mode")
+def test_a_weights_file_without_read_permission_is_named(checkpoint):
+    (checkpoint / "model.safetensors").chmod(0)
+    with pytest.raises(PermissionError, match="model.safetensors': Permission denied"):
+        FastModel.from_pretrained(str(checkpoint))
+
+
+def test_a_cut_short_or_dangling_weights_file_is_named(checkpoint):
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4])  # a download that stopped
+    with pytest.raises(ValueError, match=r"is not a complete safetensors file \(4 bytes\).*did not finish"):
+        FastModel.from_pretrained(str(checkpoint))
+    weights.unlink()
+    weights.symlink_to(checkpoint / "gone" / "model.safetensors")
+    with pytest.raises(
+        FileNotFoundError, match=r"is a link to '.*gone/model.safetensors', which does not exist"
+    ):
+        FastModel.from_pretrained(str(checkpoint))
+
+
+def test_an_adapter_export_names_a_damaged_base_before_loading(checkpoint, tmp_path):
+    import json
+
+    from slothkit.export import export_adapter
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(checkpoint)}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (checkpoint / "config.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"config\.json' is not valid JSON"):
+        export_adapter(adapter, "merged_16bit", output=tmp_path / "out")
