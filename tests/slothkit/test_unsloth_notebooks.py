@@ -103,19 +103,24 @@ def _assert_merged(folder, ns):
     return merged
 
 
-def _assert_gguf(folder, stem, labels=("Q8_0", "F16", "Q4_K_M"), rope_factor=None):
-    """One parsable GGUF file and Modelfile per quantisation, all with the same tensors."""
+def _assert_gguf(folder, labels=("Q8_0", "F16", "Q4_K_M"), rope_factor=None):
+    """One parsable GGUF file and Modelfile per quantisation, all with the same tensors,
+    the files named after the model (MODEL.LABEL.gguf, the same MODEL for each)."""
     from gguf import GGUFReader
 
     names = None
+    stems = set()
     for label in labels:
-        reader = GGUFReader(str(folder / f"{stem}.{label}.gguf"))
+        (path,) = folder.glob(f"*.{label}.gguf")
+        stems.add(path.name.removesuffix(f".{label}.gguf"))
+        reader = GGUFReader(str(path))
         tensors = sorted(t.name for t in reader.tensors)
         assert tensors and (names is None or tensors == names)
         names = tensors
         arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         factor = reader.fields.get(f"{arch}.rope.scaling.factor")
         assert (factor.parts[-1][0] if factor else None) == pytest.approx(rope_factor)
+    assert len(stems) == 1 and not stems & {"", "gguf"}, stems
     modelfiles = {p.name for p in folder.glob("Modelfile*")}
     assert modelfiles == {"Modelfile"} | {f"Modelfile.{label}" for label in labels[1:]}
 
@@ -155,7 +160,7 @@ def test_llama3_alpaca(notebook_folder):
     expected = trainer.model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert torch.equal(ns["model"].generate(**inputs, max_new_tokens=8, do_sample=False), expected)
     _assert_merged(folder / "llama_finetune_16bit", ns)
-    _assert_gguf(folder / "llama_finetune", "llama_finetune")
+    _assert_gguf(folder / "llama_finetune")
 
 
 def test_llama3_alpaca_older_with_training_arguments(notebook_folder):
@@ -177,7 +182,7 @@ def test_llama3_alpaca_older_with_training_arguments(notebook_folder):
     # Every save went into "model": the LoRA replaced the merged model, the GGUF files joined it.
     saved = folder / "model"
     assert (saved / "adapter_config.json").is_file() and not (saved / "config.json").exists()
-    _assert_gguf(saved, "model")
+    _assert_gguf(saved)
 
 
 def test_mistral_v03_alpaca(notebook_folder):
@@ -187,7 +192,7 @@ def test_mistral_v03_alpaca(notebook_folder):
     _assert_answers_decode(ns)
     _assert_reloaded(ns, ns["trainer"])
     _assert_merged(folder / "mistral_v0_finetune_16bit", ns)
-    _assert_gguf(folder / "mistral_v0_finetune", "mistral_v0_finetune")
+    _assert_gguf(folder / "mistral_v0_finetune")
 
 
 def test_llama32_conversational(notebook_folder):
@@ -220,7 +225,7 @@ def test_llama32_conversational(notebook_folder):
     _assert_answers_decode(ns)
     _assert_reloaded(ns, trainer)
     _assert_merged(folder / "llama_finetune_16bit", ns)
-    _assert_gguf(folder / "llama_finetune", "llama_finetune")
+    _assert_gguf(folder / "llama_finetune")
 
 
 def test_codegemma_conversational(notebook_folder):
@@ -243,7 +248,7 @@ def test_codegemma_conversational(notebook_folder):
     _assert_reloaded(ns, trainer)
     merged = _assert_merged(folder / "codegemma_finetune_16bit", ns)
     assert merged.config.rope_parameters["factor"] == 2.0 and merged.config.max_position_embeddings == 4096
-    _assert_gguf(folder / "codegemma_finetune", "codegemma_finetune", rope_factor=2.0)
+    _assert_gguf(folder / "codegemma_finetune", rope_factor=2.0)
 
 
 def test_zephyr_dpo(notebook_folder):
@@ -276,7 +281,7 @@ def test_llama3_orpo(notebook_folder):
     _assert_answers_decode(ns)
     _assert_reloaded(ns, trainer)
     _assert_merged(folder / "llama_finetune_16bit", ns)
-    _assert_gguf(folder / "llama_finetune", "llama_finetune", rope_factor=2.0)
+    _assert_gguf(folder / "llama_finetune", rope_factor=2.0)
 
 
 def test_mistral_text_completion(notebook_folder):
