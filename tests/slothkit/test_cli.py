@@ -121,6 +121,27 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
     assert all("slothkit: Triton cannot run on the cpu" in line for line in warnings), warnings
 
 
+def test_a_demo_cell_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    from slothkit.notebook import execute
+
+    def failing(*args, **kwargs):
+        raise execute.NotebookCellError(
+            "step 3. Load failed: ValueError: first line\nsecond line (full traceback in x)"
+        )
+
+    monkeypatch.setattr(execute, "run_notebook_demo", failing)
+    monkeypatch.setattr(execute, "demo_base", lambda *a: ("base", None))
+    command = ["demo", "--tiny", "--output-dir", str(tmp_path / "demo")]
+    assert main(command) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "slothkit demo: step 3. Load failed: ValueError: first line second line (full traceback in x) "
+        "(--debug shows the traceback)"
+    ]
+    with pytest.raises(execute.NotebookCellError, match="second line"):
+        main(["--debug", *command])
+
+
 def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     # A cell that raises is reported as its step and error, not as a kernel traceback.
     from slothkit.notebook import execute
