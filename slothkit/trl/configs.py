@@ -161,22 +161,10 @@ class TrainingArguments(transformers.TrainingArguments):
         _init_translated(self, transformers.TrainingArguments, args, kwargs)
 
 
-def _trl_config(name: str):
-    import trl
-
-    if name == "ORPOConfig":
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # TRL's notice that trl.experimental may change
-            from trl.experimental.orpo import ORPOConfig
-
-        return ORPOConfig
-    return getattr(trl, name)
-
-
 def _config_class(name: str, doc: str, extra_keywords=()):
-    base = _trl_config(name)
+    from slothkit.trainers.configs import trl_class
+
+    base = trl_class(name)
 
     def __init__(self, *args, **kwargs):
         _init_translated(self, base, args, kwargs)

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import warnings
 
 import trl
 
 from slothkit.notices import say_once
+from slothkit.trainers.configs import trl_class
 from slothkit.trl.configs import (
     DPOConfig,
     GRPOConfig,
@@ -87,7 +87,7 @@ class _SlothkitSetup:
     """Mixin: slothkit's checks and repairs around TRL's constructor (module docstring)."""
 
     def _build(self, trl_class, model, args, kwargs):
-        from slothkit.trainers import _restore_adapter_dtypes, check_setup, explain_out_of_memory
+        from slothkit.trainers import check_setup, explain_out_of_memory, restore_adapter_dtypes
 
         tokenizer = kwargs.get("processing_class")
         is_model = model is not None and not isinstance(model, str)
@@ -96,7 +96,7 @@ class _SlothkitSetup:
         dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad} if is_model else {}
         trl_class.__init__(self, model=model, args=args, **kwargs)
         if is_model:
-            _restore_adapter_dtypes(model, dtypes)
+            restore_adapter_dtypes(model, dtypes)
             explain_out_of_memory(self, model)
 
 
@@ -225,15 +225,7 @@ class DPOTrainer(_SlothkitSetup, trl.DPOTrainer):
         return dataset
 
 
-def _orpo_class():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TRL's notice that trl.experimental may change
-        from trl.experimental.orpo import ORPOTrainer
-
-    return ORPOTrainer
-
-
-_TRLORPOTrainer = _orpo_class()
+_TRLORPOTrainer = trl_class("ORPOTrainer")  # in trl.experimental.orpo
 
 
 def last_tokens_of(tokenizer, text: str, limit: int) -> str:
