@@ -217,3 +217,30 @@ def test_kto_data_is_refused_before_trl(records, match):
         kto_trainer(
             model, tokenizer, datasets.Dataset.from_list(records), args=kto_config(model, output_dir="unused")
         )
+
+
+def test_slothkit_trl_takes_the_older_kto_keywords():
+    """slothkit.trl.KTOTrainer as older notebooks call it: tokenizer=, and the
+    max_prompt_length and max_completion_length TRL 1.16 dropped, applied to the text."""
+    import datasets
+    import trl
+
+    from slothkit.trl import KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, RLOOConfig, RLOOTrainer
+
+    assert issubclass(RewardTrainer, trl.RewardTrainer) and issubclass(RLOOTrainer, trl.RLOOTrainer)
+    assert issubclass(RewardConfig, trl.RewardConfig) and issubclass(RLOOConfig, trl.RLOOConfig)
+    model, tokenizer = load_for_training("slothkit")
+    prompt = "Tell me about the lighthouse keeper who climbs the steps at dusk."
+    completion = "He climbs slowly, counting every one of the hundred steps."
+    records = [{"prompt": prompt, "completion": completion, "label": i % 2 == 0} for i in range(4)]
+    args = KTOConfig(output_dir="unused", max_prompt_length=5, max_completion_length=4, report_to="none")
+    trainer = KTOTrainer(
+        model=model, tokenizer=tokenizer, train_dataset=datasets.Dataset.from_list(records), args=args
+    )
+    record = trainer.train_dataset[0]
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    assert record["prompt_ids"][-5:] == prompt_ids[-5:] and len(record["prompt_ids"]) <= 6  # and a BOS
+    assert (
+        record["completion_ids"][:4] == completion_ids[:4] and len(record["completion_ids"]) <= 5
+    )  # and an EOS
