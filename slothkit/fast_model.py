@@ -18,7 +18,7 @@ import torch
 from slothkit.configuration import environment_defaults
 from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import decoder_layers, patch_decoder
-from slothkit.engine.inspection import causal_lm_of, is_4bit_model
+from slothkit.engine.inspection import causal_lm_of, is_4bit_model, is_sequence_classifier
 from slothkit.engine.loading import (
     ALL_PROJECTIONS,
     check_max_seq_length,
@@ -103,11 +103,13 @@ class FastModel:
         load_in_8bit: bool = False,
         full_finetuning: bool = False,
         fast_inference: bool = False,
+        num_labels: int | None = None,
         **hf_kwargs,
     ):
         """Load a causal LM and its tokenizer, with the fused kernels patched onto the
         instance when slothkit knows its architecture (else a warning, and the plain
-        Hugging Face path).
+        Hugging Face path); with ``num_labels``, the same checkpoint as a sequence
+        classifier (a reward model, with num_labels=1).
 
         Args:
             model_name: a local checkpoint directory (config.json, weights and a
@@ -142,7 +144,16 @@ class FastModel:
             fast_inference: accepted and ignored (said once) until slothkit has a fast
                 decode path; so are the vLLM options that come with it
                 (gpu_memory_utilization, max_lora_rank).
-            **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained``.
+            num_labels: None (default): a causal LM.  A positive integer: the checkpoint's
+                decoder with a linear score head of that many outputs
+                (``AutoModelForSequenceClassification``), read at each sequence's last
+                token that is not padding; the head is new (random) unless the
+                checkpoint has one.  num_labels=1 is a reward model
+                (slothkit.trainers.reward_trainer).  The decoder runs slothkit's fused
+                layers as a causal LM's does; ``get_peft_model`` then trains the head in
+                full beside the adapters, and the saved adapter holds it.
+            **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (or
+                ``AutoModelForSequenceClassification``'s).
 
         A folder holding a saved LoRA adapter (adapter_config.json, no config.json) loads
         the base model its adapter_config.json names, with these settings, and the adapter
@@ -155,12 +166,13 @@ class FastModel:
 
         Raises:
             FileNotFoundError: no such checkpoint, or it has no usable tokenizer.
-            ValueError: ``max_seq_length`` or ``dtype`` is not accepted.
+            ValueError: ``max_seq_length``, ``dtype`` or ``num_labels`` is not accepted.
             ImportError: ``load_in_4bit`` without bitsandbytes installed.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
         _check_fused_argument(fused)
+        _check_num_labels(num_labels)
         _check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs)
         if is_adapter_folder(model_name):
             return load_saved_adapter(
@@ -172,6 +184,7 @@ class FastModel:
                 token=token,
                 attn_implementation=attn_implementation,
                 fused=fused,
+                num_labels=num_labels,
                 **hf_kwargs,
             )
         config = resolve_checkpoint(model_name, token=token)
@@ -197,7 +210,16 @@ class FastModel:
         if device_map is None:
             device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
 
-        model = AutoModelForCausalLM.from_pretrained(
+        if num_labels is not None:
+            from transformers import AutoModelForSequenceClassification
+
+            auto_class, hf_kwargs = (
+                AutoModelForSequenceClassification,
+                {**hf_kwargs, "num_labels": num_labels},
+            )
+        else:
+            auto_class = AutoModelForCausalLM
+        model = auto_class.from_pretrained(
             model_name,
             dtype=dtype,
             quantization_config=quantization_config,
@@ -211,6 +233,9 @@ class FastModel:
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+        if num_labels is not None:
+            # The classifier reads the last token before the first pad of each row.
+            model.config.pad_token_id = tokenizer.pad_token_id
 
         arch = architecture_for(model.config)
         if _takes_fused_path(model, arch, fused):
@@ -260,7 +285,8 @@ class FastModel:
             random_state: the seed of the adapters' initialisation (default 3407).
             use_rslora: scale by lora_alpha / sqrt(r) instead (default False).
             modules_to_save: modules trained in full and saved with the adapter, such
-                as ["embed_tokens", "lm_head"] after adding tokens (default None).
+                as ["embed_tokens", "lm_head"] after adding tokens (default None).  A
+                sequence classifier's score head is always among them.
             cuda_graphs: with "offload", replay each decoder layer from CUDA graphs:
                 True for its forward and its recompute with backward, "forward" for the
                 forward only, False for neither.  None (default): the
@@ -307,7 +333,8 @@ class FastModel:
             target_modules=target_modules,
             use_rslora=use_rslora,
             modules_to_save=modules_to_save,
-            task_type="CAUSAL_LM",
+            # SEQ_CLS: PEFT trains the score head in full (modules_to_save) and saves it.
+            task_type="SEQ_CLS" if is_sequence_classifier(model) else "CAUSAL_LM",
             **lora_kwargs,
         )
         with warnings.catch_warnings():
@@ -416,6 +443,16 @@ def ready_for_training(
 
 # vLLM settings that older notebooks pass with fast_inference=True.
 _FAST_INFERENCE_OPTIONS = ("gpu_memory_utilization", "max_lora_rank", "float8_kv_cache")
+
+
+def _check_num_labels(num_labels) -> None:
+    if num_labels is not None and (
+        isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1
+    ):
+        raise ValueError(
+            f"num_labels={num_labels!r}; accepted: None (a causal LM) or a positive integer, the outputs of a "
+            "sequence classifier's score head (1 for a reward model)"
+        )
 
 
 def _check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs: dict) -> None:

@@ -26,10 +26,10 @@ def accept_encoding_in_generate(model):
         model: a transformers model or PeftModel; changed in place.
 
     Returns:
-        The same model.
+        The same model (unchanged when it has no ``generate``: a sequence classifier).
     """
-    generate = model.generate
-    if getattr(generate, "_slothkit_unpacks_encoding", False):
+    generate = getattr(model, "generate", None)
+    if generate is None or getattr(generate, "_slothkit_unpacks_encoding", False):
         return model
 
     @functools.wraps(generate)

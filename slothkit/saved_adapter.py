@@ -40,6 +40,9 @@ def load_saved_adapter(
         use_gradient_checkpointing: as ``FastModel.get_peft_model`` (default "offload").
         **load_kwargs: ``FastModel.from_pretrained``'s other arguments, for the base model.
 
+    An adapter of a sequence classifier (task_type SEQ_CLS: a reward model) loads the base
+    as one, with as many outputs as its saved score head.
+
     Returns:
         ``(peft_model, tokenizer)``: the tokenizer saved in the folder when there is one
         (set up as from_pretrained sets up the base's), else the base model's.
@@ -53,13 +56,16 @@ def load_saved_adapter(
     from slothkit.fast_model import FastModel, _link_instances, ready_for_training
 
     with open(os.path.join(folder, "adapter_config.json")) as handle:
-        base = json.load(handle).get("base_model_name_or_path")
+        adapter_config = json.load(handle)
+    base = adapter_config.get("base_model_name_or_path")
     if not base:
         raise FileNotFoundError(
             f"{folder!r} holds a LoRA adapter whose adapter_config.json names no base model "
             "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
             "with peft.PeftModel.from_pretrained(model, folder)"
         )
+    if adapter_config.get("task_type") == "SEQ_CLS" and load_kwargs.get("num_labels") is None:
+        load_kwargs["num_labels"] = _saved_score_outputs(folder)
     model, tokenizer = FastModel.from_pretrained(base, max_seq_length=max_seq_length, **load_kwargs)
     if any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         # The folder's tokenizer carries what training changed (a chat template, new tokens).
@@ -75,3 +81,19 @@ def load_saved_adapter(
         model.resize_token_embeddings(len(tokenizer))
     peft_model = PeftModel.from_pretrained(model, folder, is_trainable=True)
     return ready_for_training(peft_model, model, use_gradient_checkpointing), tokenizer
+
+
+def _saved_score_outputs(folder: str) -> int:
+    """The number of outputs of the score head a SEQ_CLS adapter saved in full
+    (modules_to_save): the rows of its weight."""
+    from safetensors import safe_open
+
+    path = os.path.join(folder, "adapter_model.safetensors")
+    with safe_open(path, framework="pt") as weights:
+        for name in weights.keys():
+            if name.endswith(("score.weight", "classifier.weight")):
+                return weights.get_slice(name).get_shape()[0]
+    raise FileNotFoundError(
+        f"{folder!r} holds a sequence-classification adapter (task_type SEQ_CLS) without its score head's "
+        "weights; pass num_labels= to FastModel.from_pretrained"
+    )

@@ -326,7 +326,8 @@ def _finish(tokenizer, model, turn_end: str, map_eos_token: bool, added: list[st
 
 def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
     """Grow `model`'s embeddings to the tokenizer's size when needed and make `turn_end`
-    (default: the tokenizer's EOS) the first id generation stops on."""
+    (default: the tokenizer's EOS) the first id generation stops on (a model that
+    generates: a sequence classifier has no generation_config)."""
     causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
@@ -336,9 +337,11 @@ def follow_tokenizer(model, tokenizer, turn_end: str | None = None) -> None:
             "modules_to_save=['embed_tokens', 'lm_head'] to get_peft_model to learn them",
             stacklevel=3,
         )
+    generation = getattr(causal_lm, "generation_config", None)
+    if generation is None:  # a sequence classifier (a reward model) generates nothing
+        return
     turn_end = turn_end or tokenizer.eos_token
     turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
-    generation = causal_lm.generation_config
     current = generation.eos_token_id
     current = [] if current is None else [current] if isinstance(current, int) else list(current)
     stop_ids = [turn_end_id] + [i for i in current if i != turn_end_id]

@@ -4,9 +4,12 @@ deep inside TRL's preprocessing.
 
 Layouts TRL accepts, and which trainer takes them:
 
-    SFT     text | messages | conversations (ShareGPT) | prompt + completion | input_ids
-    DPO     chosen + rejected [+ prompt]    (strings, or conversations)
-    GRPO    prompt                          (a string, or a conversation)
+    SFT           text | messages | conversations (ShareGPT) | prompt + completion | input_ids
+    DPO, ORPO,    chosen + rejected [+ prompt]    (strings, or conversations)
+      reward
+    KTO           prompt + completion + label     (label: True for a desirable completion),
+                  or DPO's pairs (TRL splits each into two)
+    GRPO, RLOO    prompt                          (a string, or a conversation)
 
 Over-long samples are not an error: TRL truncates them to ``max_length`` keeping the
 start, and drops those left without a trainable token.
@@ -100,7 +103,7 @@ def check_sft_dataset(dataset, tokenizer=None, *, text_field: str = "text", name
 
 
 def check_preference_dataset(dataset, *, name: str = "training") -> None:
-    """Raise ValueError on the first record DPOTrainer could not use."""
+    """Raise ValueError on the first record DPOTrainer (ORPOTrainer, RewardTrainer) could not use."""
     _check_not_empty(dataset, name)
     columns = _columns(dataset)
     missing = [c for c in ("chosen", "rejected") if c not in columns]
@@ -119,19 +122,50 @@ def check_preference_dataset(dataset, *, name: str = "training") -> None:
                 _check_text(value, where)
 
 
+def check_unpaired_preference_dataset(dataset, *, name: str = "training") -> None:
+    """Raise ValueError on the first record KTOTrainer could not use: "prompt",
+    "completion" and a boolean "label" (True: desirable), or preference pairs, which TRL
+    splits into one desirable and one undesirable record each."""
+    _check_not_empty(dataset, name)
+    columns = _columns(dataset)
+    if "label" not in columns and "chosen" in columns and "rejected" in columns:
+        check_preference_dataset(dataset, name=name)
+        return
+    missing = [c for c in ("prompt", "completion", "label") if c not in columns]
+    if missing:
+        raise ValueError(
+            f"the {name} dataset lacks {missing}; KTO needs 'prompt', 'completion' and 'label' (True for a "
+            f"desirable completion), or preference pairs ('chosen' and 'rejected'); its columns: {columns}"
+        )
+    for index, label in _records(dataset, "label"):
+        if not isinstance(label, bool):
+            raise ValueError(
+                f"{name} record {index} ('label'): expected True (desirable) or False; got {label!r}"
+            )
+    for field in ("prompt", "completion"):
+        for index, value in _records(dataset, field):
+            where = f"{name} record {index} ({field!r})"
+            if _is_conversation(value):
+                check_conversation(value, where=where, need_assistant=field == "completion")
+            else:
+                _check_text(value, where)
+
+
 def check_prompt_dataset(dataset, *, name: str = "training") -> None:
-    """Raise ValueError on the first record GRPOTrainer could not use."""
+    """Raise ValueError on the first record GRPOTrainer or RLOOTrainer could not use."""
     _check_not_empty(dataset, name)
     columns = _columns(dataset)
     if "prompt" not in columns:
-        raise ValueError(f"the {name} dataset needs a 'prompt' column for GRPO; its columns: {columns}")
+        raise ValueError(
+            f"the {name} dataset needs a 'prompt' column for GRPO and RLOO; its columns: {columns}"
+        )
     for index, value in _records(dataset, "prompt"):
         where = f"{name} record {index} ('prompt')"
         if _is_conversation(value):
             check_conversation(value, where=where, need_assistant=False)
             if value[-1].get("role") == "assistant":
                 raise ValueError(
-                    f"{where} ends with an assistant message; a GRPO prompt ends with the user's turn"
+                    f"{where} ends with an assistant message; a GRPO or RLOO prompt ends with the user's turn"
                 )
         else:
             _check_text(value, where)

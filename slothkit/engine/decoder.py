@@ -228,14 +228,16 @@ def patch_causal_lm(model: nn.Module) -> None:
 
 
 def decoder_layers(model: nn.Module):
-    """The decoder layers of a *ForCausalLM model (optionally inside a PeftModel)."""
+    """The decoder layers of a *ForCausalLM or *ForSequenceClassification model
+    (optionally inside a PeftModel)."""
     causal_lm = causal_lm_of(model)
     return causal_lm, causal_lm.model.layers
 
 
 def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
     """Route every norm, attention, MLP and the training loss of ``model`` through
-    the fused kernels.  Idempotent; returns the model."""
+    the fused kernels.  A sequence classifier (a reward model) keeps its score head and
+    loss: only its decoder is patched.  Idempotent; returns the model."""
     causal_lm, layers = decoder_layers(model)
     if getattr(causal_lm, PATCHED_MARK, None) == arch.name:
         return model
@@ -247,7 +249,8 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
         patch_mlp(layer.mlp, activation)
         patch_decoder_layer(layer)
     patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
-    patch_causal_lm(causal_lm)
+    if causal_lm.get_output_embeddings() is not None:  # an LM head: the fused loss applies
+        patch_causal_lm(causal_lm)
     setattr(causal_lm, PATCHED_MARK, arch.name)
     return model
 

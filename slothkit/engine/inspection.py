@@ -12,8 +12,15 @@ from torch import nn
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
-    """The transformers *ForCausalLM inside a PeftModel, or ``model`` itself."""
+    """The transformers *ForCausalLM (or *ForSequenceClassification) inside a PeftModel,
+    or ``model`` itself."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def is_sequence_classifier(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model inside a PeftModel) is a transformers
+    *ForSequenceClassification: a decoder with a score head in place of the LM head."""
+    return type(causal_lm_of(model)).__name__.endswith("ForSequenceClassification")
 
 
 def is_4bit_parameter(param) -> bool:

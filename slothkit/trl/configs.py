@@ -20,8 +20,9 @@ What is translated, for every config:
     logging_dir=d             dropped: TensorBoard reads TENSORBOARD_LOGGING_DIR now
 
 and per config: ``max_seq_length`` -> ``max_length`` (SFTConfig); ``max_prompt_length``
-(DPOConfig, ORPOConfig, GRPOConfig), which TRL 1.16 dropped, is kept as an attribute that
-slothkit.trl's trainers apply (slothkit.trl.trainers says how).
+(DPOConfig, ORPOConfig, KTOConfig, GRPOConfig, RLOOConfig) and ``max_completion_length``
+(KTOConfig), which TRL 1.16 dropped, are kept as attributes that slothkit.trl's trainers
+apply (slothkit.trl.trainers says how).
 """
 
 from __future__ import annotations
@@ -161,22 +162,10 @@ class TrainingArguments(transformers.TrainingArguments):
         _init_translated(self, transformers.TrainingArguments, args, kwargs)
 
 
-def _trl_config(name: str):
-    import trl
-
-    if name == "ORPOConfig":
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # TRL's notice that trl.experimental may change
-            from trl.experimental.orpo import ORPOConfig
-
-        return ORPOConfig
-    return getattr(trl, name)
-
-
 def _config_class(name: str, doc: str, extra_keywords=()):
-    base = _trl_config(name)
+    from slothkit.trainers.configs import trl_class
+
+    base = trl_class(name)
 
     def __init__(self, *args, **kwargs):
         _init_translated(self, base, args, kwargs)
@@ -211,6 +200,20 @@ ORPOConfig = _config_class(
     ),
     ("max_prompt_length",),
 )
+KTOConfig = _config_class(
+    "KTOConfig",
+    _DOC.format(
+        base="trl.KTOConfig",
+        extra=" (max_prompt_length and max_completion_length too, applied by KTOTrainer)",
+    ),
+    ("max_prompt_length", "max_completion_length"),
+)
+RLOOConfig = _config_class(
+    "RLOOConfig",
+    _DOC.format(base="trl.RLOOConfig", extra=" (max_prompt_length too, checked by RLOOTrainer)"),
+    ("max_prompt_length",),
+)
+RewardConfig = _config_class("RewardConfig", _DOC.format(base="trl.RewardConfig", extra=""))
 GRPOConfig = _config_class(
     "GRPOConfig",
     _DOC.format(base="trl.GRPOConfig", extra=" (max_prompt_length too, checked by GRPOTrainer)"),

@@ -25,23 +25,28 @@ with the chat template.
 ``max_prompt_length`` (dropped by TRL 1.16): DPOTrainer keeps the last max_prompt_length
 tokens of each tokenized prompt (and its BOS), the end next to the answer, as TRL's
 ``truncation_mode="keep_end"`` did for prompts; ORPOTrainer cuts each prompt's text to its
-last max_prompt_length tokens before TRL tokenizes it; GRPOTrainer refuses a dataset with a
-longer prompt (TRL's GRPO no longer truncates prompts).
+last max_prompt_length tokens before TRL tokenizes it, and KTOTrainer each text prompt of
+its datasets (and each text completion to its first max_completion_length tokens);
+GRPOTrainer and RLOOTrainer refuse a dataset with a longer prompt (TRL no longer truncates
+their prompts).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import warnings
 
 import trl
 
 from slothkit.notices import say_once
+from slothkit.trainers.configs import trl_class
 from slothkit.trl.configs import (
     DPOConfig,
     GRPOConfig,
+    KTOConfig,
     ORPOConfig,
+    RewardConfig,
+    RLOOConfig,
     SFTConfig,
     UnslothTrainingArguments,
     field_names,
@@ -88,7 +93,7 @@ class _SlothkitSetup:
 
     def _build(self, trl_class, model, args, kwargs):
         from slothkit.data.loading import records_as_dataset
-        from slothkit.trainers import _restore_adapter_dtypes, check_setup, explain_out_of_memory
+        from slothkit.trainers import check_setup, explain_out_of_memory, restore_adapter_dtypes
 
         for argument in ("train_dataset", "eval_dataset"):
             if argument in kwargs:
@@ -100,7 +105,7 @@ class _SlothkitSetup:
         dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad} if is_model else {}
         trl_class.__init__(self, model=model, args=args, **kwargs)
         if is_model:
-            _restore_adapter_dtypes(model, dtypes)
+            restore_adapter_dtypes(model, dtypes)
             explain_out_of_memory(self, model)
 
 
@@ -229,15 +234,7 @@ class DPOTrainer(_SlothkitSetup, trl.DPOTrainer):
         return dataset
 
 
-def _orpo_class():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # TRL's notice that trl.experimental may change
-        from trl.experimental.orpo import ORPOTrainer
-
-    return ORPOTrainer
-
-
-_TRLORPOTrainer = _orpo_class()
+_TRLORPOTrainer = trl_class("ORPOTrainer")  # in trl.experimental.orpo
 
 
 def last_tokens_of(tokenizer, text: str, limit: int) -> str:
@@ -291,6 +288,93 @@ class GRPOTrainer(_SlothkitSetup, trl.GRPOTrainer):
         self._build(trl.GRPOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
 
 
+class RLOOTrainer(_SlothkitSetup, trl.RLOOTrainer):
+    """``trl.RLOOTrainer`` that takes the older keywords (module docstring); a
+    ``max_prompt_length`` is checked against the dataset's prompts.
+
+    Args:
+        model: the model (from ``FastModel.get_peft_model``) or a model name.
+        reward_funcs: as ``trl.RLOOTrainer``.
+        args: an ``RLOOConfig``, a ``TrainingArguments`` (converted) or None.
+        **kwargs: ``trl.RLOOTrainer``'s keywords, ``tokenizer=``, and RLOOConfig fields.
+    """
+
+    def __init__(self, model=None, reward_funcs=None, args=None, **kwargs):
+        args, kwargs = _modern_keywords("RLOOTrainer", trl.RLOOTrainer, RLOOConfig, args, kwargs, {})
+        limit = getattr(args, "max_prompt_length", None)
+        if limit is not None:
+            _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
+        self._build(trl.RLOOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
+
+
+class KTOTrainer(_SlothkitSetup, trl.KTOTrainer):
+    """``trl.KTOTrainer`` that takes the older keywords (module docstring) and applies
+    ``max_prompt_length`` and ``max_completion_length`` to text prompts and completions.
+
+    Args:
+        model: the model (from ``FastModel.get_peft_model``) or a model name.
+        ref_model: the reference model; None (default): the model with its adapters off.
+        args: a ``KTOConfig``, a ``TrainingArguments`` (converted) or None.
+        **kwargs: ``trl.KTOTrainer``'s keywords, ``tokenizer=``, and KTOConfig fields.
+    """
+
+    def __init__(self, model=None, ref_model=None, args=None, **kwargs):
+        args, kwargs = _modern_keywords("KTOTrainer", trl.KTOTrainer, KTOConfig, args, kwargs, {})
+        tokenizer = kwargs.get("processing_class")
+        limits = (getattr(args, "max_prompt_length", None), getattr(args, "max_completion_length", None))
+        if tokenizer is not None and limits != (None, None):
+            for name in ("train_dataset", "eval_dataset"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = _cut_texts(
+                        kwargs[name], getattr(tokenizer, "tokenizer", tokenizer), *limits
+                    )
+        self._build(trl.KTOTrainer, model, args, {"ref_model": ref_model, **kwargs})
+
+
+def first_tokens_of(tokenizer, text: str, limit: int) -> str:
+    """The start of `text` that holds its first `limit` tokens (cut where the next token
+    starts, so no text is decoded and re-encoded)."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    if len(offsets) <= limit:
+        return text
+    return text[: offsets[limit][0]]
+
+
+def _cut_texts(dataset, tokenizer, prompt_limit, completion_limit):
+    """Text prompts cut to their last `prompt_limit` tokens, text completions to their first
+    `completion_limit` (the part next to the prompt), as TRL's KTOTrainer did before 1.x."""
+    columns = dataset.column_names or []
+
+    def cut(record):
+        changed = {}
+        if prompt_limit is not None and isinstance(record.get("prompt"), str):
+            changed["prompt"] = last_tokens_of(tokenizer, record["prompt"], prompt_limit)
+        if completion_limit is not None and isinstance(record.get("completion"), str):
+            changed["completion"] = first_tokens_of(tokenizer, record["completion"], completion_limit)
+        return changed
+
+    if not {"prompt", "completion"} & set(columns):
+        return dataset
+    return dataset.map(cut, desc="Applying max_prompt_length and max_completion_length")
+
+
+class RewardTrainer(_SlothkitSetup, trl.RewardTrainer):
+    """``trl.RewardTrainer`` that takes the older keywords (module docstring).
+
+    Args:
+        model: a reward model (``FastModel.from_pretrained(..., num_labels=1)`` then
+            ``FastModel.get_peft_model``) or a model name.
+        args: a ``RewardConfig``, a ``TrainingArguments`` (converted) or None.
+        **kwargs: ``trl.RewardTrainer``'s keywords, ``tokenizer=``, and RewardConfig
+            fields such as max_length.
+    """
+
+    def __init__(self, model=None, args=None, **kwargs):
+        args, kwargs = _modern_keywords("RewardTrainer", trl.RewardTrainer, RewardConfig, args, kwargs, {})
+        self._build(trl.RewardTrainer, model, args, kwargs)
+
+
 def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
     if dataset is None or tokenizer is None or "prompt" not in (dataset.column_names or []):
         return
@@ -303,7 +387,7 @@ def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
         if len(ids) > limit:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens, more than max_prompt_length={limit}, and TRL 1.16's "
-                f"GRPOTrainer no longer cuts prompts: drop the long ones first (dataset.filter(...)) or leave "
+                f"GRPOTrainer and RLOOTrainer no longer cut prompts: drop the long ones first (dataset.filter(...)) or leave "
                 "max_prompt_length out"
             )
 

@@ -1,7 +1,31 @@
-"""Fixtures shared by the slothkit tests: call recorders for the fused path, the real
-models, and a local Hub server."""
+"""Fixtures shared by the slothkit tests: the kernels' torch references and a quiet
+folder for trainer runs, call recorders for the fused path, the real models, and a local
+Hub server."""
+
+import warnings
 
 import pytest
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The kernels' plain-torch references instead of the Triton interpreter, which costs
+    seconds per step on a 2-core CPU (the kernels are compared with torch in tests/kernels)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="slothkit_kernels.*no Triton backend")
+        yield
+
+
+@pytest.fixture
+def quiet_training(monkeypatch, tmp_path):
+    """Run in a temporary folder (the trainers' output_dir) without the libraries'
+    FutureWarnings and pin-memory notices."""
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*pin_memory.*")
+        yield
 
 
 @pytest.fixture

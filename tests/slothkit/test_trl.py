@@ -27,6 +27,14 @@ from slothkit.data import (
     train_on_responses_only,
 )
 from slothkit.testing import tiny_model_path
+from slothkit.testing.training_parity import (
+    MAX_SEQ,
+    RUN,
+    assert_same_lora,
+    history,
+    load_for_training,
+    lora_weights,
+)
 from slothkit.trainers import (
     dpo_config,
     dpo_trainer,
@@ -40,102 +48,12 @@ from slothkit.trainers import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-MAX_SEQ = 96
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RUN = dict(
-    per_device_train_batch_size=2,
-    gradient_accumulation_steps=1,
-    warmup_steps=0,
-    save_strategy="no",
-    disable_tqdm=True,
-    dataloader_pin_memory=False,
-)
-
-
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="slothkit_kernels.*no Triton backend")
-        yield
-
-
-@pytest.fixture(autouse=True)
-def quiet(monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)  # the trainers' output_dir
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*pin_memory.*")
-        yield
-
-
-def _load(kind, load_in_4bit=False, arch="llama", template="llama-3"):
-    path = str(tiny_model_path(arch))
-    if kind == "slothkit":
-        model, tokenizer = FastModel.from_pretrained(
-            path, dtype=torch.float32, load_in_4bit=load_in_4bit, max_seq_length=MAX_SEQ, fused=True
-        )
-        get_chat_template(tokenizer, template, model=model)
-        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-        assert model.get_base_model()._slothkit_architecture == arch  # the fused path is on
-        return model, tokenizer
-
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    quantization = None
-    if load_in_4bit:
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None  # as FastModel does
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch.float32,
-        quantization_config=quantization,
-        attn_implementation="sdpa",
-        device_map=device_map,
-    )
-    model.max_seq_length = MAX_SEQ
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    get_chat_template(tokenizer, template, model=model)
-    torch.manual_seed(3407)
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
-    return get_peft_model(model, config), tokenizer
-
-
-def _lora_weights(model):
-    # the trained adapter only (DPOTrainer adds a frozen copy named "ref")
-    return {
-        n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n and ".default." in n
-    }
-
-
-def _history(trainer, *keys):
-    return [[entry[key] for key in keys] for entry in trainer.state.log_history if "loss" in entry]
-
-
-def _assert_same_lora(fused, plain, initial, tolerance=1e-3):
-    """Every LoRA matrix trained, and trained the same way: the two runs' weights differ by
-    less than `tolerance` of the distance they moved.  (Measured over the whole matrix:
-    Adam turns a last-digit difference in a near-zero gradient into a difference of a
-    fraction of the learning rate in that one element.)"""
-    fused_weights, plain_weights = _lora_weights(fused), _lora_weights(plain)
-    assert fused_weights.keys() == plain_weights.keys() == initial.keys()
-    for name, weight in fused_weights.items():
-        moved = (plain_weights[name] - initial[name]).norm()
-        assert moved > 0, name
-        assert weight.dtype == torch.float32, name  # not SFTTrainer's bf16 cast of QLoRA adapters
-        assert (weight - plain_weights[name]).norm() <= tolerance * moved, name
+pytestmark = pytest.mark.usefixtures("quiet_training")  # tests/slothkit/conftest.py
 
 
 def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ):
-    model, tokenizer = _load(kind, load_in_4bit)
-    initial = _lora_weights(model)
+    model, tokenizer = load_for_training(kind, load_in_4bit)
+    initial = lora_weights(model)
     dataset = apply_chat_template(example_dataset("chat").select(range(records)), tokenizer)
     args = sft_config(
         model, max_steps=steps, learning_rate=2e-3, max_length=max_length, output_dir=f"unused-{kind}", **RUN
@@ -149,11 +67,11 @@ def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ):
 def test_sft_matches_hf_peft(reference_kernels, load_in_4bit):
     fused, fused_model, initial = _sft("slothkit", load_in_4bit)
     plain, plain_model, _ = _sft("hf", load_in_4bit)
-    fused_losses, plain_losses = _history(fused, "loss", "entropy"), _history(plain, "loss", "entropy")
+    fused_losses, plain_losses = history(fused, "loss", "entropy"), history(plain, "loss", "entropy")
     assert len(fused_losses) == 3
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-4, atol=1e-5)
     assert fused_losses[-1][0] != fused_losses[0][0]
-    _assert_same_lora(fused_model, plain_model, initial)
+    assert_same_lora(fused_model, plain_model, initial)
 
 
 def test_sft_runs_on_the_triton_kernels():
@@ -163,14 +81,14 @@ def test_sft_runs_on_the_triton_kernels():
         fused, fused_model, initial = _sft("slothkit", steps=1, records=2, max_length=64)
     plain, plain_model, _ = _sft("hf", steps=1, records=2, max_length=64)
     torch.testing.assert_close(
-        torch.tensor(_history(fused, "loss")), torch.tensor(_history(plain, "loss")), rtol=1e-4, atol=1e-5
+        torch.tensor(history(fused, "loss")), torch.tensor(history(plain, "loss")), rtol=1e-4, atol=1e-5
     )
-    _assert_same_lora(fused_model, plain_model, initial)
+    assert_same_lora(fused_model, plain_model, initial)
 
 
 def _dpo(kind, load_in_4bit):
-    model, tokenizer = _load(kind, load_in_4bit)
-    initial = _lora_weights(model)
+    model, tokenizer = load_for_training(kind, load_in_4bit)
+    initial = lora_weights(model)
     args = dpo_config(model, max_steps=2, learning_rate=1e-2, output_dir=f"unused-{kind}", **RUN)
     trainer = dpo_trainer(model, tokenizer, example_dataset("preference").select(range(8)), args=args)
     trainer.train()
@@ -182,13 +100,13 @@ def test_dpo_matches_hf_peft(reference_kernels, load_in_4bit):
     fused, fused_model, initial = _dpo("slothkit", load_in_4bit)
     plain, plain_model, _ = _dpo("hf", load_in_4bit)
     keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen")
-    fused_log, plain_log = torch.tensor(_history(fused, *keys)), torch.tensor(_history(plain, *keys))
+    fused_log, plain_log = torch.tensor(history(fused, *keys)), torch.tensor(history(plain, *keys))
     torch.testing.assert_close(fused_log, plain_log, rtol=1e-4, atol=1e-5)
     assert fused_log[0, 0] == pytest.approx(
         torch.log(torch.tensor(2.0)).item(), abs=1e-6
     )  # policy == reference
     assert fused_log[1, 1:3].abs().min() > 1e-4  # rewards moved away from zero after one step
-    _assert_same_lora(fused_model, plain_model, initial)
+    assert_same_lora(fused_model, plain_model, initial)
 
 
 def _digits_reward(completions, **kwargs):
@@ -197,8 +115,8 @@ def _digits_reward(completions, **kwargs):
 
 
 def _grpo(kind, load_in_4bit):
-    model, tokenizer = _load(kind, load_in_4bit)
-    initial = _lora_weights(model)
+    model, tokenizer = load_for_training(kind, load_in_4bit)
+    initial = lora_weights(model)
     prompts = example_dataset("preference").select(range(8)).remove_columns(["chosen", "rejected"])
     args = grpo_config(
         model,
@@ -222,10 +140,10 @@ def test_grpo_matches_hf_peft(reference_kernels, load_in_4bit):
     fused, fused_model, initial = _grpo("slothkit", load_in_4bit)
     plain, plain_model, _ = _grpo("hf", load_in_4bit)
     keys = ("loss", "reward", "reward_std", "kl", "grad_norm", "completions/mean_length")
-    fused_log, plain_log = torch.tensor(_history(fused, *keys)), torch.tensor(_history(plain, *keys))
+    fused_log, plain_log = torch.tensor(history(fused, *keys)), torch.tensor(history(plain, *keys))
     torch.testing.assert_close(fused_log, plain_log, rtol=1e-4, atol=1e-5)
     assert fused_log[:, 4].min() > 0  # gradients flowed
-    _assert_same_lora(fused_model, plain_model, initial)
+    assert_same_lora(fused_model, plain_model, initial)
 
 
 # --- gradient accumulation ---------------------------------------------------------------
@@ -244,7 +162,7 @@ def _two_samples(tokenizer):
 
 
 def _sgd_step(kind_of_trainer, batch, accumulation):
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     dataset = _two_samples(tokenizer)
     common = dict(
         max_steps=1,
@@ -273,7 +191,7 @@ def _sgd_step(kind_of_trainer, batch, accumulation):
         )
     trainer = train_on_responses_only(trainer)
     trainer.train()
-    return _history(trainer, "loss")[0][0], _lora_weights(model)
+    return history(trainer, "loss")[0][0], lora_weights(model)
 
 
 def _pad_right(tokenizer):
@@ -365,7 +283,7 @@ def test_batched_generation_with_left_padding_matches_one_by_one(reference_kerne
 
 
 def test_configs_fit_the_hardware(reference_kernels, monkeypatch):
-    model, _ = _load("slothkit", load_in_4bit=True)
+    model, _ = load_for_training("slothkit", load_in_4bit=True)
     args = sft_config(model, output_dir="unused")
     # An fp32 model trains in fp32; 8-bit AdamW only where bitsandbytes has a GPU to run on.
     optim = "adamw_8bit" if torch.cuda.is_available() else "adamw_torch"
@@ -386,7 +304,7 @@ def test_configs_fit_the_hardware(reference_kernels, monkeypatch):
 def test_setup_checks(reference_kernels):
     from trl import SFTConfig
 
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     dataset = apply_chat_template(example_dataset("chat").select(range(2)), tokenizer)
     args = SFTConfig(
         output_dir="unused", bf16=False, report_to="none"
@@ -414,7 +332,7 @@ def test_setup_checks(reference_kernels):
 def test_bad_data_is_refused_before_trl(reference_kernels, records, match):
     import datasets
 
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     with pytest.raises(ValueError, match=match):
         sft_trainer(
             model, tokenizer, datasets.Dataset.from_list(records), args=sft_config(model, output_dir="unused")
@@ -424,7 +342,7 @@ def test_bad_data_is_refused_before_trl(reference_kernels, records, match):
 def test_over_long_samples_are_truncated_or_refused_clearly(reference_kernels):
     """Samples longer than max_length are cut to it (keeping the start); when the cut
     leaves no reply token, the error names the markers and shows what was left."""
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     long_reply = " ".join(["The lighthouse keeper climbs the steps at dusk."] * 20)
     records = [
         {
@@ -440,7 +358,7 @@ def test_over_long_samples_are_truncated_or_refused_clearly(reference_kernels):
     trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
     assert [len(ids) for ids in trainer.train_dataset["input_ids"]] == [40, 40]
     trainer.train()
-    assert torch.isfinite(torch.tensor(_history(trainer, "loss"))).all()
+    assert torch.isfinite(torch.tensor(history(trainer, "loss"))).all()
 
     args = sft_config(model, max_steps=1, max_length=22, output_dir="unused", **RUN)
     with pytest.raises(NoTrainableTokensError, match="none of the 2 samples.*Tell me a story"):
@@ -460,7 +378,7 @@ def test_old_trl_is_refused(monkeypatch):
 def test_out_of_memory_in_training_names_the_settings_to_change(reference_kernels, monkeypatch):
     from slothkit.trainers import TrainingOutOfMemoryError
 
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     dataset = apply_chat_template(example_dataset("chat").select(range(4)), tokenizer)
     args = sft_config(model, max_steps=1, max_length=MAX_SEQ, output_dir="unused-oom", **RUN)
     trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
@@ -483,7 +401,7 @@ def test_a_list_of_records_is_taken_and_a_list_of_anything_else_explained(refere
 
     from slothkit.trl import SFTTrainer
 
-    model, tokenizer = _load("slothkit")
+    model, tokenizer = load_for_training("slothkit")
     records = [{"text": f"Record {i}: the sloth sleeps."} for i in range(4)]
     for build in (
         lambda data: sft_trainer(model, tokenizer, data, args=sft_config(model, output_dir="unused")),
