@@ -56,7 +56,7 @@ def enable_fast_decode(model, fast: bool | None = None) -> bool:
         Whether the fast path is on.
     """
     causal_lm = causal_lm_of(model)
-    if fast is False:
+    if fast is False or causal_lm.get_output_embeddings() is None:  # a classifier does not generate
         disable_fast_decode(model)
         return False
     reason = _why_not(causal_lm, fast)
