@@ -110,11 +110,35 @@ def hardware_defaults(model=None) -> dict:
     }
 
 
-def _checkpointing_off(config_class, overrides: dict) -> dict:
+def machine_defaults(model=None) -> dict:
+    """``hardware_defaults(model)`` and ``dataloader_pin_memory``: pinned host memory speeds
+    copies to a GPU; without one torch warns that it is unused.
+
+    Args:
+        model: as ``hardware_defaults``.
+
+    Returns:
+        {"bf16": ..., "fp16": ..., "optim": ..., "dataloader_pin_memory": ...}.
+    """
+    return {**hardware_defaults(model), "dataloader_pin_memory": torch.cuda.is_available()}
+
+
+def checkpointing_off(config_class, overrides: dict | None = None) -> dict:
     """Turn the Trainer's own checkpointing off (FastModel.get_peft_model set up slothkit's),
     under the name this transformers reads: from 5.x ``activation_checkpointing``, with
     ``gradient_checkpointing`` a deprecated alias that warns whenever it is set, as TRL's
-    configs set it by default.  A user's own choice under either name is kept."""
+    configs set it by default.
+
+    Args:
+        config_class: the config the keyword is for (``trl.SFTConfig``, ``TrainingArguments``).
+        overrides: the keywords the user gave; a choice under either name is kept (then
+            nothing is returned).
+
+    Returns:
+        ``{"activation_checkpointing": False}`` or ``{"gradient_checkpointing": False}``,
+        or {} when the user chose.
+    """
+    overrides = overrides or {}
     if "gradient_checkpointing" in overrides or "activation_checkpointing" in overrides:
         return {}
     fields = {field.name for field in dataclasses.fields(config_class)}
@@ -123,9 +147,7 @@ def _checkpointing_off(config_class, overrides: dict) -> dict:
 
 
 def _defaults(kind: str, model) -> dict:
-    defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **hardware_defaults(model)}
-    # Pinned host memory speeds copies to a GPU; without one torch warns that it is unused.
-    defaults["dataloader_pin_memory"] = torch.cuda.is_available()
+    defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **machine_defaults(model)}
     max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None) if model is not None else None
     if max_seq_length is not None:
         defaults["max_length"] = max_seq_length
@@ -147,7 +169,7 @@ def sft_config(model=None, **overrides):
     """
     trl = require_trl()
     return trl.SFTConfig(
-        **{**_defaults("sft", model), **_checkpointing_off(trl.SFTConfig, overrides), **overrides}
+        **{**_defaults("sft", model), **checkpointing_off(trl.SFTConfig, overrides), **overrides}
     )
 
 
@@ -165,7 +187,7 @@ def dpo_config(model=None, **overrides):
     """
     trl = require_trl()
     return trl.DPOConfig(
-        **{**_defaults("dpo", model), **_checkpointing_off(trl.DPOConfig, overrides), **overrides}
+        **{**_defaults("dpo", model), **checkpointing_off(trl.DPOConfig, overrides), **overrides}
     )
 
 
@@ -186,7 +208,7 @@ def grpo_config(model=None, **overrides):
     trl = require_trl()
     defaults = _defaults("grpo", model)
     defaults.pop("max_length", None)
-    return trl.GRPOConfig(**{**defaults, **_checkpointing_off(trl.GRPOConfig, overrides), **overrides})
+    return trl.GRPOConfig(**{**defaults, **checkpointing_off(trl.GRPOConfig, overrides), **overrides})
 
 
 def training_arguments(model=None, **overrides):
@@ -205,7 +227,7 @@ def training_arguments(model=None, **overrides):
 
     defaults = _defaults("sft", model)
     defaults.pop("max_length", None)
-    return TrainingArguments(**{**defaults, **_checkpointing_off(TrainingArguments, overrides), **overrides})
+    return TrainingArguments(**{**defaults, **checkpointing_off(TrainingArguments, overrides), **overrides})
 
 
 def check_setup(model, tokenizer, args) -> None:
