@@ -123,9 +123,40 @@ print(dataset[0]["text"])
 # ## 7. Train on the assistant replies only
 
 # %%
-from slothkit.notebook.training import train
+from slothkit.data import train_on_responses_only
+from slothkit.notebook.training import trainer_defaults
+from slothkit.trl import SFTConfig, SFTTrainer
 
-result = train(model, tokenizer, dataset, config, responses_only=True)
+trainer = SFTTrainer(
+    model=model,
+    processing_class=tokenizer,
+    train_dataset=dataset,
+    args=SFTConfig(
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        max_steps=config.max_steps,
+        learning_rate=config.learning_rate,
+        max_length=config.max_seq_length,
+        dataset_text_field="text",
+        packing=False,
+        warmup_steps=5,
+        lr_scheduler_type="linear",
+        weight_decay=0.01,
+        logging_steps=1,
+        seed=3407,
+        output_dir=f"{config.output_dir}/checkpoints",
+        save_strategy="no",
+        report_to="none",
+        **trainer_defaults(model),  # bf16 / fp16, optim, ...: chosen for this machine, and printed
+    ),
+)
+trainer = train_on_responses_only(trainer)  # the loss on the assistant replies only
+
+# %%
+from slothkit.notebook.training import report_training
+
+trainer_stats = trainer.train()
+result = report_training(trainer, trainer_stats)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
 # %% [markdown]

@@ -1,10 +1,10 @@
-"""The notebook's data and training cells: load the configured dataset, train with
-TRL's SFTTrainer, plot the loss, report time and peak memory."""
+"""The notebook's data and training cells: load the configured dataset; the settings
+slothkit chooses for this machine, which the train cell passes into the TRL config it
+builds; after training, report time and peak memory and plot the loss."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -45,11 +45,82 @@ def _peak_memory_gib() -> float | None:
     return None
 
 
+def trainer_defaults(model) -> dict:
+    """The trainer settings slothkit chooses for this machine and model, printed, for the
+    train cell to pass into its ``SFTConfig(...)`` / ``DPOConfig(...)`` beside the ones it
+    writes out: bf16 / fp16 from the model's compute dtype (fp16 on a T4), ``optim``
+    (adamw_8bit on a GPU with bitsandbytes, else adamw_torch), pinned host memory on a GPU
+    only, and the Trainer's own checkpointing off (``FastModel.get_peft_model`` set up
+    slothkit's).  Also restarts the count of peak GPU memory, so that ``report_training``
+    reports this training's peak rather than loading's.
+
+    Args:
+        model: the model to train (from ``FastModel.get_peft_model``).
+
+    Returns:
+        The settings as config keywords, e.g. ``{"bf16": False, "fp16": True, "optim":
+        "adamw_8bit", "dataloader_pin_memory": True, "activation_checkpointing": False}``.
+    """
+    from transformers import TrainingArguments
+
+    from slothkit.trainers import checkpointing_off, machine_defaults
+
+    settings = {**machine_defaults(model), **checkpointing_off(TrainingArguments)}
+    print("for this machine: " + ", ".join(f"{name}={value!r}" for name, value in settings.items()))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return settings
+
+
+def report_training(trainer, trainer_stats) -> TrainResult:
+    """Print what the training did (steps, seconds, peak GPU memory, first and last loss)
+    and plot the loss curve.
+
+    Args:
+        trainer: the trainer that ran (its ``state.log_history`` holds the losses).
+        trainer_stats: what ``trainer.train()`` returned (its ``metrics`` hold the
+            seconds, ``train_runtime``).
+
+    Returns:
+        The TrainResult (losses, seconds, peak memory, the trainer).
+
+    Raises:
+        RuntimeError: no loss was logged (max_steps below logging_steps).
+    """
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if not losses:
+        raise RuntimeError("training logged no loss; check max_steps and logging_steps")
+    seconds = trainer_stats.metrics["train_runtime"]
+    result = TrainResult(losses[0], losses[-1], seconds, _peak_memory_gib(), losses, trainer)
+    peak = f", peak GPU memory {result.peak_memory_gib:.2f} GiB" if result.peak_memory_gib else ""
+    print(
+        f"{len(losses)} steps in {seconds:.1f} s{peak}; loss {result.first_loss:.4f} -> "
+        f"{result.final_loss:.4f}"
+    )
+    plot_losses(losses)
+    return result
+
+
 def train(
     model, tokenizer, dataset, config, responses_only: bool = False, method: str = "sft", **overrides
 ) -> TrainResult:
-    """SFT (or DPO, method="dpo") for config.max_steps with the config's batch, accumulation
-    and learning rate."""
+    """The train cell in one call: SFT (or DPO) for config.max_steps with the config's batch,
+    accumulation, learning rate and sequence length, slothkit's defaults for the rest
+    (slothkit.trainers), then ``report_training``.
+
+    Args:
+        model: the model from ``FastModel.get_peft_model``.
+        tokenizer: its tokenizer.
+        dataset: the training dataset (a text column for SFT; prompt, chosen, rejected for DPO).
+        config: the notebook's NotebookConfig.
+        responses_only: SFT only: the loss on the assistant replies only
+            (``slothkit.data.train_on_responses_only``).
+        method: "sft" (default) or "dpo".
+        **overrides: further config fields; they win.
+
+    Returns:
+        The TrainResult.
+    """
     from slothkit import trainers
 
     if method not in ("sft", "dpo"):
@@ -74,20 +145,7 @@ def train(
         trainer = train_on_responses_only(trainer)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    if not losses:
-        raise RuntimeError("training logged no loss; check max_steps and logging_steps")
-    result = TrainResult(losses[0], losses[-1], seconds, _peak_memory_gib(), losses, trainer)
-    peak = f", peak GPU memory {result.peak_memory_gib:.2f} GiB" if result.peak_memory_gib else ""
-    print(
-        f"{len(losses)} steps in {seconds:.1f} s{peak}; loss {result.first_loss:.4f} -> "
-        f"{result.final_loss:.4f}"
-    )
-    plot_losses(losses)
-    return result
+    return report_training(trainer, trainer.train())
 
 
 def plot_losses(losses: list[float]) -> None:

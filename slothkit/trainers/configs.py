@@ -93,11 +93,35 @@ def hardware_defaults(model=None) -> dict:
     }
 
 
-def _checkpointing_off(config_class, overrides: dict) -> dict:
+def machine_defaults(model=None) -> dict:
+    """``hardware_defaults(model)`` and ``dataloader_pin_memory``: pinned host memory speeds
+    copies to a GPU; without one torch warns that it is unused.
+
+    Args:
+        model: as ``hardware_defaults``.
+
+    Returns:
+        {"bf16": ..., "fp16": ..., "optim": ..., "dataloader_pin_memory": ...}.
+    """
+    return {**hardware_defaults(model), "dataloader_pin_memory": torch.cuda.is_available()}
+
+
+def checkpointing_off(config_class, overrides: dict | None = None) -> dict:
     """Turn the Trainer's own checkpointing off (FastModel.get_peft_model set up slothkit's),
     under the name this transformers reads: from 5.x ``activation_checkpointing``, with
     ``gradient_checkpointing`` a deprecated alias that warns whenever it is set, as TRL's
-    configs set it by default.  A user's own choice under either name is kept."""
+    configs set it by default.
+
+    Args:
+        config_class: the config the keyword is for (``trl.SFTConfig``, ``TrainingArguments``).
+        overrides: the keywords the user gave; a choice under either name is kept (then
+            nothing is returned).
+
+    Returns:
+        ``{"activation_checkpointing": False}`` or ``{"gradient_checkpointing": False}``,
+        or {} when the user chose.
+    """
+    overrides = overrides or {}
     if "gradient_checkpointing" in overrides or "activation_checkpointing" in overrides:
         return {}
     fields = {field.name for field in dataclasses.fields(config_class)}
@@ -106,9 +130,7 @@ def _checkpointing_off(config_class, overrides: dict) -> dict:
 
 
 def _defaults(kind: str, model) -> dict:
-    defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **hardware_defaults(model)}
-    # Pinned host memory speeds copies to a GPU; without one torch warns that it is unused.
-    defaults["dataloader_pin_memory"] = torch.cuda.is_available()
+    defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[kind], **machine_defaults(model)}
     max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None) if model is not None else None
     if max_seq_length is not None:
         defaults["max_length"] = max_seq_length
@@ -144,7 +166,7 @@ def _config(kind: str, config_name: str, model, overrides: dict):
     defaults = _defaults(kind, model)
     if kind in _GENERATING:
         defaults.pop("max_length", None)
-    return config_class(**{**defaults, **_checkpointing_off(config_class, overrides), **overrides})
+    return config_class(**{**defaults, **checkpointing_off(config_class, overrides), **overrides})
 
 
 def sft_config(model=None, **overrides):
@@ -280,4 +302,4 @@ def training_arguments(model=None, **overrides):
 
     defaults = _defaults("sft", model)
     defaults.pop("max_length", None)
-    return TrainingArguments(**{**defaults, **_checkpointing_off(TrainingArguments, overrides), **overrides})
+    return TrainingArguments(**{**defaults, **checkpointing_off(TrainingArguments, overrides), **overrides})

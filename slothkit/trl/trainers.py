@@ -15,8 +15,10 @@ Each trainer is a subclass of TRL's.  Before TRL's constructor runs, it rewrites
 
 saying once for each how it is written now.  Then, as slothkit.trainers' constructors do,
 it checks the setup (``check_setup``: a tokenizer larger than the embeddings, the Trainer's
-gradient checkpointing over slothkit's), keeps the adapters in the dtype get_peft_model
-gave them, and makes ``train()`` explain a CUDA out-of-memory error.
+gradient checkpointing over slothkit's) and the datasets (slothkit.data.validation: a
+missing column or a bad record is named before TRL's preprocessing meets it; SFT with a
+``formatting_func`` or ``skip_prepare_dataset`` is left to TRL), keeps the adapters in the
+dtype get_peft_model gave them, and makes ``train()`` explain a CUDA out-of-memory error.
 
 SFTTrainer trains on the text column when the dataset also holds the ``conversations`` (or
 ``messages``) it was rendered from, as TRL did before 1.x; TRL 1.x would render those again
@@ -38,6 +40,12 @@ import inspect
 
 import trl
 
+from slothkit.data.validation import (
+    check_preference_dataset,
+    check_prompt_dataset,
+    check_sft_dataset,
+    check_unpaired_preference_dataset,
+)
 from slothkit.notices import say_once
 from slothkit.trainers.configs import trl_class
 from slothkit.trl.configs import (
@@ -91,7 +99,13 @@ def _modern_keywords(owner: str, trl_class, config_class, args, kwargs: dict, re
 class _SlothkitSetup:
     """Mixin: slothkit's checks and repairs around TRL's constructor (module docstring)."""
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs: dict, name: str) -> None:
+        """Raise ValueError on a record the trainer could not use (slothkit.data.validation)."""
+        raise NotImplementedError
+
     def _build(self, trl_class, model, args, kwargs):
+        import datasets
+
         from slothkit.data.loading import records_as_dataset
         from slothkit.trainers import check_setup, explain_out_of_memory, restore_adapter_dtypes
 
@@ -102,6 +116,11 @@ class _SlothkitSetup:
         is_model = model is not None and not isinstance(model, str)
         if is_model and tokenizer is not None:
             check_setup(model, getattr(tokenizer, "tokenizer", tokenizer), args)
+        for name, key in (("training", "train_dataset"), ("evaluation", "eval_dataset")):
+            # A dict of evaluation datasets, or a torch dataset, is left to TRL.
+            dataset = kwargs.get(key)
+            if isinstance(dataset, (datasets.Dataset, datasets.IterableDataset)):
+                self._check_dataset(dataset, getattr(tokenizer, "tokenizer", tokenizer), args, kwargs, name)
         dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad} if is_model else {}
         trl_class.__init__(self, model=model, args=args, **kwargs)
         if is_model:
@@ -132,6 +151,13 @@ class SFTTrainer(_SlothkitSetup, trl.SFTTrainer):
             {"max_seq_length": "max_length"},
         )
         self._build(trl.SFTTrainer, model, args, kwargs)
+
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        if kwargs.get("formatting_func") is not None or (args.dataset_kwargs or {}).get(
+            "skip_prepare_dataset"
+        ):
+            return  # the records are the formatting function's or the caller's to prepare
+        check_sft_dataset(dataset, tokenizer, text_field=args.dataset_text_field, name=name)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         # Notebooks render their text column with tokenizer.apply_chat_template(...,
@@ -207,6 +233,9 @@ class DPOTrainer(_SlothkitSetup, trl.DPOTrainer):
         args, kwargs = _modern_keywords("DPOTrainer", trl.DPOTrainer, DPOConfig, args, kwargs, {})
         self._build(trl.DPOTrainer, model, args, {"ref_model": ref_model, **kwargs})
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_preference_dataset(dataset, name=name)
+
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         limit = getattr(args, "max_prompt_length", None)
         if limit is None:
@@ -262,6 +291,9 @@ class ORPOTrainer(_SlothkitSetup, _TRLORPOTrainer):
         self._max_prompt_length = getattr(args, "max_prompt_length", None)
         self._build(_TRLORPOTrainer, model, args, kwargs)
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_preference_dataset(dataset, name=name)
+
     def tokenize_row(self, feature, model=None):
         limit = self._max_prompt_length
         if limit is not None and isinstance(feature.get("prompt"), str):
@@ -287,6 +319,9 @@ class GRPOTrainer(_SlothkitSetup, trl.GRPOTrainer):
             _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
         self._build(trl.GRPOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_prompt_dataset(dataset, name=name)
+
 
 class RLOOTrainer(_SlothkitSetup, trl.RLOOTrainer):
     """``trl.RLOOTrainer`` that takes the older keywords (module docstring); a
@@ -305,6 +340,9 @@ class RLOOTrainer(_SlothkitSetup, trl.RLOOTrainer):
         if limit is not None:
             _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
         self._build(trl.RLOOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
+
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_prompt_dataset(dataset, name=name)
 
 
 class KTOTrainer(_SlothkitSetup, trl.KTOTrainer):
@@ -358,6 +396,9 @@ def _cut_texts(dataset, tokenizer, prompt_limit, completion_limit):
         return dataset
     return dataset.map(cut, desc="Applying max_prompt_length and max_completion_length")
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_unpaired_preference_dataset(dataset, name=name)
+
 
 class RewardTrainer(_SlothkitSetup, trl.RewardTrainer):
     """``trl.RewardTrainer`` that takes the older keywords (module docstring).
@@ -390,6 +431,9 @@ def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
                 f"GRPOTrainer and RLOOTrainer no longer cut prompts: drop the long ones first (dataset.filter(...)) or leave "
                 "max_prompt_length out"
             )
+
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_preference_dataset(dataset, name=name)
 
 
 class UnslothTrainer(SFTTrainer):

@@ -66,7 +66,7 @@ def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, c
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code_cells), "a cell did not run"
     assert not any(o.get("output_type") == "error" for c in code_cells for o in c.outputs)
-    (train_cell,) = [c for c in code_cells if "train(model, tokenizer" in c.source]
+    (train_cell,) = [c for c in code_cells if "trainer.train()" in c.source]
     plots = [o for o in train_cell.outputs if "image/png" in o.get("data", {})]
     assert len(plots) == 1, "the training cell shows no loss plot"
     html = (out / "llama-3-8b-finetune.html").read_text()

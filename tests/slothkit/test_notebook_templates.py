@@ -129,3 +129,56 @@ def test_install_cell_tries_the_spec_then_an_uploaded_wheel_then_pypi(monkeypatc
     source, calls = _install_cell(monkeypatch, tmp_path, {"slothkit==0.1.0": 0})
     exec(install_part, {})
     assert calls == ["slothkit==0.1.0"], "SLOTHKIT_PIP_SPEC comes before everything else"
+
+
+@pytest.mark.parametrize(
+    ("template", "trainer_name", "make_config"),
+    [
+        ("finetune", "SFTTrainer", "sft_config"),
+        ("conversational", "SFTTrainer", "sft_config"),
+        ("dpo", "DPOTrainer", "dpo_config"),
+    ],
+)
+def test_train_cell_builds_the_config_slothkit_chooses(
+    template, trainer_name, make_config, monkeypatch, tmp_path
+):
+    """The values the train cell writes out in its SFTConfig(...) / DPOConfig(...) are
+    slothkit's defaults (slothkit.trainers) with the notebook config's batch, accumulation,
+    steps, rate and length: the cell shows them, and cannot drift from them."""
+    import slothkit.data
+    import slothkit.trl
+    from slothkit import trainers
+    from slothkit.notebook.config import NotebookConfig
+
+    (cell,) = [
+        c for c in render_notebook(template, "llama-3-8b").cells if f"trainer = {trainer_name}(" in c.source
+    ]
+    built = {}
+    monkeypatch.setattr(slothkit.trl, trainer_name, lambda **kwargs: built.update(kwargs) or "the trainer")
+    monkeypatch.setattr(slothkit.data, "train_on_responses_only", lambda trainer: ("responses only", trainer))
+    config = NotebookConfig(
+        model_name="m", batch_size=3, grad_accum=5, max_steps=7, learning_rate=1e-3, max_seq_length=333,
+        output_dir=str(tmp_path),
+    )  # fmt: skip
+    namespace = {"model": None, "tokenizer": "the tokenizer", "dataset": "the data", "config": config}
+    exec(cell.source, namespace)
+
+    expected = getattr(trainers, make_config)(
+        None,
+        output_dir=f"{tmp_path}/checkpoints",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=5,
+        max_steps=7,
+        learning_rate=1e-3,
+        max_length=333,
+        save_strategy="no",
+    )
+    assert built.pop("args").to_dict() == expected.to_dict()
+    assert built == {
+        "model": None,
+        "processing_class": "the tokenizer",
+        "train_dataset": "the data",
+        **({"ref_model": None} if template == "dpo" else {}),
+    }
+    wrapped = ("responses only", "the trainer") if template == "conversational" else "the trainer"
+    assert namespace["trainer"] == wrapped
