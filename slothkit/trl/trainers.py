@@ -368,6 +368,9 @@ class KTOTrainer(_SlothkitSetup, trl.KTOTrainer):
                     )
         self._build(trl.KTOTrainer, model, args, {"ref_model": ref_model, **kwargs})
 
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_unpaired_preference_dataset(dataset, name=name)
+
 
 def first_tokens_of(tokenizer, text: str, limit: int) -> str:
     """The start of `text` that holds its first `limit` tokens (cut where the next token
@@ -396,9 +399,6 @@ def _cut_texts(dataset, tokenizer, prompt_limit, completion_limit):
         return dataset
     return dataset.map(cut, desc="Applying max_prompt_length and max_completion_length")
 
-    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
-        check_unpaired_preference_dataset(dataset, name=name)
-
 
 class RewardTrainer(_SlothkitSetup, trl.RewardTrainer):
     """``trl.RewardTrainer`` that takes the older keywords (module docstring).
@@ -414,6 +414,9 @@ class RewardTrainer(_SlothkitSetup, trl.RewardTrainer):
     def __init__(self, model=None, args=None, **kwargs):
         args, kwargs = _modern_keywords("RewardTrainer", trl.RewardTrainer, RewardConfig, args, kwargs, {})
         self._build(trl.RewardTrainer, model, args, kwargs)
+
+    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
+        check_preference_dataset(dataset, name=name)
 
 
 def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
@@ -431,9 +434,6 @@ def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
                 f"GRPOTrainer and RLOOTrainer no longer cut prompts: drop the long ones first (dataset.filter(...)) or leave "
                 "max_prompt_length out"
             )
-
-    def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
-        check_preference_dataset(dataset, name=name)
 
 
 class UnslothTrainer(SFTTrainer):
