@@ -130,6 +130,7 @@ class FastDecoder:
             )
         if self.captured is None or key != self._key:
             self.captured = None
+            self.step.build_projections()
             try:
                 self.captured = _CapturedStep(self.step, self.cache, self.use_graph)
             except RuntimeError as error:  # a layer that cannot be captured: decode eagerly
@@ -176,6 +177,7 @@ class FastDecoder:
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         slots = math.ceil((prompt + max_new) / SLOT_ROUNDING) * SLOT_ROUNDING
         self._prepare(batch, slots, device)
+        self.step.refresh()
         cache = self.cache
         cache.reset(attention_mask)
 

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
+from slothkit_kernels import geglu, rope, swiglu
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -28,25 +30,81 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _grouped_attention(q, keys, values, allowed, scaling: float) -> torch.Tensor:
-    """Attention of q (B, H, T, D) over keys/values (B, KV, S, D) where ``allowed``
-    (B, T, S) says which slot each query may read.  The G query heads that share a
-    key/value head are stacked as G*T rows of one head, so the cache is read once
-    and never repeated G times."""
+def _rotate_pair(q, k, cos, sin):
+    """RoPE on q (B, H, T, D) and k, in place where a GPU runs slothkit's kernel (one
+    launch for both, computed in fp32 as in training), else as Hugging Face computes it."""
+    if q.is_cuda:
+        return rope(q, k, cos, sin)
+    return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+
+
+def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (B, T, S) as the additive mask of the G*T query rows that share one
+    key/value head (B, 1, G*T, S), rows ordered g-major: built once per step, read by
+    every layer (a boolean mask would be converted inside each attention call)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask = mask.masked_fill(~allowed, float("-inf"))
+    return mask[:, None].repeat(1, 1, group, 1)
+
+
+def _grouped_attention(q, keys, values, mask, scaling: float) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over keys/values (B, KV, S, D) with the additive
+    ``mask`` (B, 1, G*T, S).  The G query heads that share a key/value head are stacked
+    as G*T rows of one head, so the cache is read once and never repeated G times."""
     batch, heads, tokens, dim = q.shape
     kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    q = q.reshape(batch, kv_heads, group * tokens, dim)
-    mask = allowed[:, None].repeat(1, 1, group, 1)  # (B, 1, G*T, S): rows ordered g-major
+    q = q.reshape(batch, kv_heads, (heads // kv_heads) * tokens, dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, tokens, dim)
 
 
-def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # slothkit's fused training MLP dequantises whole 4-bit matrices per call; for a few
-    # tokens the module's own forward (bitsandbytes' 4-bit GEMV, PEFT's adapters) reads less.
-    forward = getattr(mlp, "_slothkit_original_forward", None) or mlp
-    return forward(x)
+class _DecodeMLP:
+    """The gated MLP down(act(gate(x)) * up(x)) with gate and up as one
+    SharedInputProjections, and the activation in one launch on a GPU (slothkit's
+    kernel, where the model is on the fused path)."""
+
+    def __init__(self, mlp: nn.Module, dtype: torch.dtype):
+        self.mlp = mlp
+        self.gated = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        if self.gated:
+            self.gate_up = SharedInputProjections([mlp.gate_proj, mlp.up_proj], dtype)
+            self.down = SharedInputProjections([mlp.down_proj], dtype)
+        self.activation = mlp.__dict__.get("_slothkit_activation")
+
+    def refresh(self) -> None:
+        if self.gated:
+            self.gate_up.refresh()
+            self.down.refresh()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            # slothkit's fused training MLP dequantises whole 4-bit matrices per call; for
+            # a few tokens the module's own forward reads less.
+            forward = getattr(self.mlp, "_slothkit_original_forward", None) or self.mlp
+            return forward(x)
+        gate, up = self.gate_up(x)
+        if self.activation == "swiglu" and x.is_cuda:
+            hidden = swiglu(gate, up)
+        elif self.activation in ("geglu_tanh", "geglu") and x.is_cuda:
+            hidden = geglu(gate, up, "tanh" if self.activation == "geglu_tanh" else "none")
+        else:
+            hidden = self.mlp.act_fn(gate) * up
+        return self.down(hidden)[0]
+
+
+class _DecodeLayer:
+    """One decoder layer's projections, grouped by shared input."""
+
+    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+        attention = layer.self_attn
+        self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
+        self.o = SharedInputProjections([attention.o_proj], dtype)
+        self.mlp = _DecodeMLP(layer.mlp, dtype)
+
+    def refresh(self) -> None:
+        self.qkv.refresh()
+        self.o.refresh()
+        self.mlp.refresh()
 
 
 class ModelStep:
@@ -73,6 +131,21 @@ class ModelStep:
         base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
         scales_itself = getattr(base, "embed_scale", None) is not None
         self.embedding_scale = config.hidden_size**0.5 if embedding_scale and not scales_itself else None
+        self.dtype = base.weight.dtype
+        self.group = config.num_attention_heads // (
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        )
+        self.build_projections()
+
+    def build_projections(self) -> None:
+        """Describe every layer's projections afresh (after adapters were added, switched,
+        merged or disabled)."""
+        self.decode_layers = [_DecodeLayer(layer, self.dtype) for layer in self.layers]
+
+    def refresh(self) -> None:
+        """Bring the adapter copies up to date with adapters trained in place."""
+        for decode_layer in self.decode_layers:
+            decode_layer.refresh()
 
     def allowed_slots(self, filled: torch.Tensor, first_slot: torch.Tensor, tokens: int) -> torch.Tensor:
         """(B, T, S) for the S slots of ``filled`` (B, S): query t (at slot first_slot + t) reads slot s when s holds a real
@@ -112,17 +185,18 @@ class ModelStep:
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         cos, sin = self.decoder.rotary_emb(hidden, positions)  # (B, T, D) each
-        cos, sin = cos[:, None], sin[:, None]
         visible = cache.slots if visible is None else visible
-        allowed = None if causal else self.allowed_slots(cache.filled[:, :visible], first_slot, tokens)
+        mask = None
+        if not causal:
+            allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens)
+            mask = _additive_mask(allowed, self.group, hidden.dtype)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
-        for index, layer in enumerate(self.layers):
-            attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attention.q_proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            k = attention.k_proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            v = attention.v_proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
+            q, k, v = projections.qkv(layer.input_layernorm(hidden))
+            q = q.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+            k = k.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+            v = v.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+            q, k = _rotate_pair(q, k, cos, sin)
             keys, values = cache.write(index, slots, k, v)
             keys, values = keys[:, :, :visible], values[:, :, :visible]
             if causal:
@@ -130,10 +204,10 @@ class ModelStep:
                     q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=True
                 )
             else:
-                out = _grouped_attention(q, keys, values, allowed, self.scaling)
+                out = _grouped_attention(q, keys, values, mask, self.scaling)
             out = out.transpose(1, 2).reshape(batch, tokens, -1)
-            hidden = hidden + attention.o_proj(out)
-            hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+            hidden = hidden + projections.o(out)[0]
+            hidden = hidden + projections.mlp(layer.post_attention_layernorm(hidden))
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.causal_lm.get_output_embeddings()(self.decoder.norm(hidden)).float()

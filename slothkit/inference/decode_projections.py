@@ -1,0 +1,99 @@
+"""Linear layers that read the same input, applied together for decoding.
+
+A decode step is bound by kernel launches, not by arithmetic: PEFT's LoRA layer costs
+five launches per projection (the base matmul, x A^T, (x A^T) B^T, the scaling and the
+sum) plus two casts when the adapters are kept in fp32, about seventy per decoder layer.
+Projections that share an input (q, k and v; gate and up) share their first adapter
+matmul here, and each adapter's second matmul accumulates into its base output in the
+same launch:
+
+    x A^T for all of them = x [A_1; A_2; A_3]^T              one launch (stacked A)
+    y_i = base_i(x);  y_i += scaling_i (x A_i^T) B_i^T          two launches each (addmm_)
+
+which is what slothkit's fused training functions compute too (the adapters cast to the
+compute dtype), with no merge: the base weights (16-bit or NF4) are read where they are.
+The stacked A and the cast B are small copies of the adapters, refreshed before each
+generate call when an adapter tensor was changed in place (its version counter moved),
+so training between generate calls is seen.
+
+Layers that cannot be described this way (several active adapters, DoRA, dropout while
+training, a bias on B) are applied by their own forward, with the same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from slothkit.engine.lora_projection import describe
+
+
+def _base_layer(layer: nn.Module) -> nn.Module:
+    return getattr(layer, "base_layer", layer)
+
+
+class SharedInputProjections:
+    """Apply ``layers`` (all reading the same input) with their adapters, for decoding.
+
+    Args:
+        layers: PEFT LoRA linears, plain nn.Linear or bitsandbytes Linear4bit layers with
+            the same in_features.
+        dtype: the compute dtype (that of the activations); the adapter copies are kept in it.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], dtype: torch.dtype):
+        self.layers = list(layers)
+        with torch.no_grad():  # describe() refuses trainable bases only under autograd
+            described = [describe(layer) for layer in self.layers]
+        self.own_forward = any(isinstance(d, str) for d in described)
+        self.adapters = [] if self.own_forward else [d for d in described if d.lora_a is not None]
+        self.with_adapter = [not self.own_forward and d.lora_a is not None for d in described]
+        self.scalings = [d.scaling for d in self.adapters]
+        self.stacked_a = self.b = None
+        self._versions = None
+        if self.adapters:
+            device = self.adapters[0].lora_a.device
+            ranks = [d.lora_a.shape[0] for d in self.adapters]
+            self.stacked_a = torch.empty(
+                sum(ranks), self.adapters[0].lora_a.shape[1], dtype=dtype, device=device
+            )
+            self.a_rows = list(self.stacked_a.split(ranks))
+            self.b = [torch.empty(d.lora_b.shape, dtype=dtype, device=device) for d in self.adapters]
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the adapters into the decode copies if any was changed since the last copy."""
+        if not self.adapters:
+            return
+        versions = [(d.lora_a._version, d.lora_b._version) for d in self.adapters]
+        if versions == self._versions:
+            return
+        with torch.no_grad():
+            for rows, b, d in zip(self.a_rows, self.b, self.adapters):
+                rows.copy_(d.lora_a)
+                b.copy_(d.lora_b)
+        self._versions = versions
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output for ``x`` (..., in_features)."""
+        if self.own_forward:
+            return [layer(x) for layer in self.layers]
+        outputs = [_base_layer(layer)(x) for layer in self.layers]
+        if not self.adapters:
+            return outputs
+        rows = x.reshape(-1, x.shape[-1])
+        low_rank = rows @ self.stacked_a.t()  # (N, sum of ranks)
+        start = 0
+        adapter = 0
+        for index, output in enumerate(outputs):
+            if not self.with_adapter[index]:
+                continue
+            b = self.b[adapter]
+            rank = b.shape[1]
+            out_rows = output.view(-1, output.shape[-1])
+            out_rows.addmm_(low_rank[:, start : start + rank], b.t(), alpha=self.scalings[adapter])
+            start += rank
+            adapter += 1
+        return outputs

@@ -1,0 +1,114 @@
+"""SharedInputProjections (the decode step's grouped LoRA projections) against each
+layer's own forward, on fresh random inputs: plain linears, LoRA adapters of different
+ranks and scalings, disabled and merged adapters, adapters changed in place after the
+copies were made, and layers it must leave to their own forward (DoRA, two active
+adapters)."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch import nn
+
+from slothkit.inference.decode_projections import SharedInputProjections
+
+
+class _Block(nn.Module):
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        self.q = nn.Linear(32, 48, bias=bias)
+        self.k = nn.Linear(32, 16, bias=bias)
+        self.v = nn.Linear(32, 16, bias=bias)
+
+
+def _adapted(seed: int, **lora):
+    torch.manual_seed(seed)
+    settings = dict(r=4, lora_alpha=8, target_modules=["q", "k", "v"])
+    settings.update(lora)
+    model = get_peft_model(_Block(bias=True), LoraConfig(**settings))
+    with torch.no_grad():  # B starts at zero: give the adapters an effect
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    model.eval()
+    block = model.base_model.model
+    return model, [block.q, block.k, block.v]
+
+
+def _assert_outputs_equal(layers, projections, rows=(1, 3)):
+    for shape in (rows, (2, 5)):
+        x = torch.randn(*shape, 32)
+        with torch.no_grad():
+            expected = [layer(x) for layer in layers]
+            got = projections(x)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_linears_are_their_own_outputs():
+    torch.manual_seed(0)
+    block = _Block(bias=True)
+    layers = [block.q, block.k, block.v]
+    _assert_outputs_equal(layers, SharedInputProjections(layers, torch.float32))
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_lora_layers_equal_peft(use_rslora):
+    _, layers = _adapted(1, use_rslora=use_rslora, rank_pattern={"k": 2}, alpha_pattern={"v": 3})
+    projections = SharedInputProjections(layers, torch.float32)
+    assert not projections.own_forward and len(projections.adapters) == 3
+    _assert_outputs_equal(layers, projections)
+
+
+def test_adapters_changed_in_place_are_seen_after_refresh():
+    _, layers = _adapted(2)
+    projections = SharedInputProjections(layers, torch.float32)
+    with torch.no_grad():
+        for layer in layers:
+            layer.lora_A["default"].weight.add_(torch.randn_like(layer.lora_A["default"].weight))
+            layer.lora_B["default"].weight.mul_(-2.0)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        stale = projections(x)[0]
+        projections.refresh()
+        fresh = projections(x)[0]
+        expected = layers[0](x)
+    assert not torch.allclose(stale, expected, atol=1e-3), "the copies should have been stale"
+    torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_and_merged_adapters_apply_the_base_only():
+    model, layers = _adapted(3)
+    with model.disable_adapter():
+        _assert_outputs_equal(layers, SharedInputProjections(layers, torch.float32))
+    model.merge_adapter()
+    projections = SharedInputProjections(layers, torch.float32)
+    assert not projections.adapters
+    _assert_outputs_equal(layers, projections)
+
+
+def test_dora_and_two_active_adapters_run_their_own_forward():
+    _, layers = _adapted(4, use_dora=True)
+    projections = SharedInputProjections(layers, torch.float32)
+    assert projections.own_forward
+    _assert_outputs_equal(layers, projections)
+
+    model, layers = _adapted(5)
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=2, target_modules=["q", "k", "v"]))
+    model.base_model.set_adapter(["default", "second"])
+    projections = SharedInputProjections(layers, torch.float32)
+    assert projections.own_forward
+    _assert_outputs_equal(layers, projections)
+
+
+def test_bf16_copies_match_the_fp32_adapters_to_bf16_precision():
+    _, layers = _adapted(6)
+    for layer in layers:
+        layer.base_layer.to(torch.bfloat16)
+    projections = SharedInputProjections(layers, torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = projections(x)
+        expected = [layer(x) for layer in layers]
+    for e, g in zip(expected, got):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2)
