@@ -1,10 +1,11 @@
 """One forward step of a Llama-family decoder over a static KV cache.
 
-The model's own modules compute every projection, norm and MLP (so LoRA adapters, 4-bit
-weights and slothkit's fused norms apply as they do in training, without a merge); what
-this file replaces is the part of Hugging Face's forward that cannot run inside a CUDA
-graph or costs host time per token: the dynamic cache, the mask builders and the layer
-wrappers.  Every tensor a step reads or writes has a fixed address, so the same step can
+The model's own modules compute the norms and the base projections (16-bit or 4-bit
+weights, read where they are); the LoRA adapters are applied without a merge by
+``SharedInputProjections``, a few launches per group of projections that read the same
+input.  What this file replaces is the part of Hugging Face's forward that cannot run
+inside a CUDA graph or costs host time per token: the dynamic cache, the mask builders
+and the layer wrappers.  Every tensor a step reads or writes has a fixed address, so the same step can
 be captured once and replayed for each new token.
 
 Shapes: B rows, T new tokens per row (the prompt in prefill, 1 in decode), S cache slots,
