@@ -19,7 +19,7 @@ from slothkit.inference.sampling import generation_config_for, unsupported_setti
 from slothkit.models import architecture_for
 from slothkit.notices import say_once
 
-__all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
+__all__ = ["DECODER_ATTRIBUTE", "FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
 
 DECODER_ATTRIBUTE = "_slothkit_fast_decoder"
 # generate's keywords that are not generation settings and that the fast loop reads.
@@ -42,7 +42,7 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     return ""  # a CPU: from_pretrained's notice already said that generate stays Hugging Face's
 
 
-def enable_fast_decode(model, fast: bool | None = None) -> bool:
+def enable_fast_decode(model, fast: bool | None = None, while_training: bool = False) -> bool:
     """Give the model inside ``model`` a FastDecoder, so that its ``generate`` (with the
     instance glue of slothkit.generation) decodes through it.
 
@@ -51,6 +51,9 @@ def enable_fast_decode(model, fast: bool | None = None) -> bool:
         fast: None: where it pays (a CUDA GPU, a supported architecture), else Hugging
             Face's generate with a one-line notice; True: also on a CPU (same numbers,
             no graph); False: Hugging Face's generate.
+        while_training: also decode through it while the model is in training mode (the
+            on-policy trainers' sampling); otherwise a model in training mode generates
+            with Hugging Face's generate.
 
     Returns:
         Whether the fast path is on.
@@ -69,6 +72,7 @@ def enable_fast_decode(model, fast: bool | None = None) -> bool:
         arch = architecture_for(causal_lm.config)
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
         setattr(causal_lm, DECODER_ATTRIBUTE, FastDecoder(causal_lm, arch.embedding_scale, use_graph))
+    getattr(causal_lm, DECODER_ATTRIBUTE).while_training = while_training
     return True
 
 
@@ -85,7 +89,7 @@ def fast_generate(model, args: tuple, kwargs: dict):
     has none or the call asks for something the fast loop does not do (said once)."""
     causal_lm = causal_lm_of(model)
     decoder = getattr(causal_lm, DECODER_ATTRIBUTE, None)
-    if decoder is None or causal_lm.training:
+    if decoder is None or (causal_lm.training and not decoder.while_training):
         return None
     kwargs = dict(kwargs)
     if args:

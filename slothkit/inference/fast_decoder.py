@@ -9,8 +9,10 @@ masks rebuilt each step.  Here the prompt runs once through ``ModelStep`` into a
 graph launch plus the sampling.  On a CPU (tests) the same step runs eagerly.
 
 The graph reads the weights where they are when it is captured.  Its key is the address of
-every parameter and each LoRA layer's adapter state (active, disabled, merged), checked
-each call, so training, merging or switching adapters in between recaptures it.
+every parameter, each LoRA layer's adapter state (active, disabled, merged) and the
+model's training mode, checked each call, so moving, merging or switching adapters in
+between recaptures it; adapters trained in place are seen through their refreshed
+copies (decode_projections.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def _weights_key(causal_lm) -> tuple:
         for module in causal_lm.modules()
         if hasattr(module, "lora_A")
     )
-    return addresses, adapters
+    # Training mode changes what the projections may fuse (LoRA dropout applies).
+    return addresses, adapters, causal_lm.training
 
 
 class _CapturedStep:
@@ -106,6 +109,7 @@ class FastDecoder:
         self.causal_lm = causal_lm
         self.step = ModelStep(causal_lm, embedding_scale=embedding_scale)
         self.use_graph = use_graph
+        self.while_training = False  # also decode for a model in training mode (GRPO, RLOO)
         self.cache: StaticKVCache | None = None
         self.captured: _CapturedStep | None = None
         self._key = None

@@ -1,6 +1,7 @@
 """Online RL: GRPO and RLOO, TRL's trainers after slothkit's checks.
 
-Both sample completions of each prompt from the policy (TRL's generation), score them
+Both sample completions of each prompt from the policy (through slothkit's fast decode
+loop: on_policy_generation.py), score them
 with reward functions or reward models, and weight each completion's log-probabilities
 by its advantage: GRPO against its group's mean reward (scaled by its spread), RLOO
 against the mean of the other completions of its prompt (leave one out).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from slothkit.trainers.checks import checked_trainer
 from slothkit.trainers.configs import grpo_config, rloo_config, trl_class
+from slothkit.trainers.on_policy_generation import generate_on_fast_path
 
 
 def _online_trainer(
@@ -18,7 +20,8 @@ def _online_trainer(
     from slothkit.data.validation import check_prompt_dataset
 
     args = make_config(model) if args is None else args
-    return checked_trainer(
+    fast = kwargs.pop("fast_generation", None)
+    trainer = checked_trainer(
         trl_class(name),
         model,
         tokenizer,
@@ -29,6 +32,7 @@ def _online_trainer(
         reward_funcs=reward_funcs,
         **kwargs,
     )
+    return generate_on_fast_path(trainer, model, fast)
 
 
 def grpo_trainer(
@@ -45,7 +49,8 @@ def grpo_trainer(
             conversations).
         args: a ``trl.GRPOConfig``; None (default): ``grpo_config(model)``.
         eval_dataset: an evaluation dataset of the same kind (default None).
-        **trainer_kwargs: passed to ``trl.GRPOTrainer``.
+        **trainer_kwargs: passed to ``trl.GRPOTrainer``; ``fast_generation=`` (None, True,
+            False) chooses how completions are sampled (slothkit.trainers.on_policy_generation).
 
     Returns:
         The ``trl.GRPOTrainer``.
@@ -80,7 +85,8 @@ def rloo_trainer(
             conversations).
         args: a ``trl.RLOOConfig``; None (default): ``rloo_config(model)``.
         eval_dataset: an evaluation dataset of the same kind (default None).
-        **trainer_kwargs: passed to ``trl.RLOOTrainer``.
+        **trainer_kwargs: passed to ``trl.RLOOTrainer``; ``fast_generation=`` as for
+            ``grpo_trainer``.
 
     Returns:
         The ``trl.RLOOTrainer``.

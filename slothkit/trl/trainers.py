@@ -48,6 +48,7 @@ from slothkit.data.validation import (
 )
 from slothkit.notices import say_once
 from slothkit.trainers.configs import trl_class
+from slothkit.trainers.on_policy_generation import generate_on_fast_path
 from slothkit.trl.configs import (
     DPOConfig,
     GRPOConfig,
@@ -309,15 +310,19 @@ class GRPOTrainer(_SlothkitSetup, trl.GRPOTrainer):
         model: the model (from ``FastModel.get_peft_model``) or a model name.
         reward_funcs: as ``trl.GRPOTrainer``.
         args: a ``GRPOConfig``, a ``TrainingArguments`` (converted) or None.
+        fast_generation: how completions are sampled: None (default) through slothkit's
+            fast decode loop where it pays, True also on a CPU, False Hugging Face's
+            generate (slothkit.trainers.on_policy_generation).
         **kwargs: ``trl.GRPOTrainer``'s keywords, ``tokenizer=``, and GRPOConfig fields.
     """
 
-    def __init__(self, model=None, reward_funcs=None, args=None, **kwargs):
+    def __init__(self, model=None, reward_funcs=None, args=None, fast_generation=None, **kwargs):
         args, kwargs = _modern_keywords("GRPOTrainer", trl.GRPOTrainer, GRPOConfig, args, kwargs, {})
         limit = getattr(args, "max_prompt_length", None)
         if limit is not None:
             _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
         self._build(trl.GRPOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
+        generate_on_fast_path(self, self.model, fast_generation)
 
     def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
         check_prompt_dataset(dataset, name=name)
@@ -331,15 +336,17 @@ class RLOOTrainer(_SlothkitSetup, trl.RLOOTrainer):
         model: the model (from ``FastModel.get_peft_model``) or a model name.
         reward_funcs: as ``trl.RLOOTrainer``.
         args: an ``RLOOConfig``, a ``TrainingArguments`` (converted) or None.
+        fast_generation: as for GRPOTrainer.
         **kwargs: ``trl.RLOOTrainer``'s keywords, ``tokenizer=``, and RLOOConfig fields.
     """
 
-    def __init__(self, model=None, reward_funcs=None, args=None, **kwargs):
+    def __init__(self, model=None, reward_funcs=None, args=None, fast_generation=None, **kwargs):
         args, kwargs = _modern_keywords("RLOOTrainer", trl.RLOOTrainer, RLOOConfig, args, kwargs, {})
         limit = getattr(args, "max_prompt_length", None)
         if limit is not None:
             _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
         self._build(trl.RLOOTrainer, model, args, {"reward_funcs": reward_funcs, **kwargs})
+        generate_on_fast_path(self, self.model, fast_generation)
 
     def _check_dataset(self, dataset, tokenizer, args, kwargs, name):
         check_prompt_dataset(dataset, name=name)

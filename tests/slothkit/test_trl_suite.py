@@ -250,3 +250,52 @@ def test_slothkit_trl_takes_the_older_kto_keywords():
     assert (
         record["completion_ids"][:4] == completion_ids[:4] and len(record["completion_ids"]) <= 5
     )  # and an EOS
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, monkeypatch):
+    """GRPO and RLOO sample through slothkit's decode loop (forced on this CPU with
+    fast_generation=True) in training mode; the sampled tokens, and so every logged
+    metric, equal Hugging Face + PEFT's run with Hugging Face's generate.  After train()
+    the loop's cache is freed."""
+    from slothkit.engine.inspection import causal_lm_of
+    from slothkit.inference import DECODER_ATTRIBUTE
+    from slothkit.inference.fast_decoder import FastDecoder
+    from slothkit.trainers import grpo_config, grpo_trainer
+
+    sampled_in_training = []
+    original = FastDecoder.generate
+
+    def recording(self, *args, **kwargs):
+        sampled_in_training.append(self.causal_lm.training)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FastDecoder, "generate", recording)
+    make_config, make = {"grpo": (grpo_config, grpo_trainer), "rloo": (rloo_config, rloo_trainer)}[method]
+    prompts = _pairs(10).remove_columns(["chosen", "rejected"])
+
+    settings = dict(num_generations=2, max_completion_length=6, beta=0.1)
+    fused, fused_model, initial = _run(
+        "slothkit",
+        make_config,
+        lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=True, **k),
+        prompts,
+        {},
+        1e-2,
+        **settings,
+    )
+    assert len(sampled_in_training) == STEPS and all(sampled_in_training)
+    assert getattr(causal_lm_of(fused_model), DECODER_ATTRIBUTE, None) is None, "the cache was kept"
+    plain, plain_model, _ = _run(
+        "hf",
+        make_config,
+        lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=False, **k),
+        prompts,
+        {},
+        1e-2,
+        **settings,
+    )
+    assert len(sampled_in_training) == STEPS  # the plain run used Hugging Face's generate
+    keys = ("loss", "reward", "reward_std", "kl", "grad_norm", "completions/mean_length")
+    _compare(fused, plain, keys, moves="kl")
+    assert_same_lora(fused_model, plain_model, initial)
