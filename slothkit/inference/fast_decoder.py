@@ -34,6 +34,10 @@ from slothkit.notices import say_once
 # Cache lengths are rounded up to a multiple of this, so that prompts of nearby lengths
 # share one cache and one captured graph.
 SLOT_ROUNDING = 256
+# Tokens between two reads of "has every row finished?" back to the host when nothing
+# streams: each read waits for the GPU, and at most this many - 1 steps are decoded
+# past the end and discarded.
+EOS_CHECK_EVERY = 8
 
 
 def _weights_key(causal_lm) -> tuple:
@@ -49,6 +53,24 @@ def _weights_key(causal_lm) -> tuple:
     )
     # Training mode changes what the projections may fuse (LoRA dropout applies).
     return addresses, adapters, causal_lm.training
+
+
+class _RandomState:
+    """The default generator's state of ``device`` after each sampled step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.states: list[torch.Tensor] = []
+
+    def keep(self) -> None:
+        self.states.append(torch.cuda.get_rng_state(self.device) if self.cuda else torch.get_rng_state())
+
+    def restore(self, step: int) -> None:
+        if self.cuda:
+            torch.cuda.set_rng_state(self.states[step], self.device)
+        else:
+            torch.set_rng_state(self.states[step])
 
 
 class _CapturedStep:
@@ -197,25 +219,46 @@ class FastDecoder:
         processors = logits_processors(config, prompt, device)
         do_sample = bool(setting(config, "do_sample"))
         eos_tensor = torch.tensor(eos, device=device) if eos else None
-        sequences = input_ids
+        # Every token is written into one preallocated output; the rows' "finished" marks
+        # stay on the GPU and are read back every EOS_CHECK_EVERY tokens (every token when
+        # streaming, which reads each token anyway), so the host queues the next replay
+        # while the GPU still runs the last one.  Tokens decoded past the step where every
+        # row had finished are cut off: the output is what generate returns.
+        out = torch.full((batch, prompt + max_new), pad, dtype=input_ids.dtype, device=device)
+        out[:, :prompt] = input_ids
+        pad_tokens = torch.full((batch,), pad, dtype=input_ids.dtype, device=device)
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        any_unfinished = torch.ones(max_new, dtype=torch.bool, device=device)
+        produced = max_new
         position = positions[:, -1]
         if streamer is not None:
             streamer.put(input_ids.cpu())
+        # Sampling past the end draws random numbers generate would not: keep the
+        # generator's state after each step and put back the one of the last kept token.
+        rng = _RandomState(device) if do_sample and eos_tensor is not None else None
         for index in range(max_new):
-            token = next_tokens(logits, sequences, processors, do_sample)
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-            sequences = torch.cat([sequences, token[:, None]], dim=-1)
+            token = next_tokens(logits, out[:, : prompt + index], processors, do_sample)
+            if rng is not None:
+                rng.keep()
+            token = torch.where(unfinished, token, pad_tokens)
+            out[:, prompt + index] = token
             if streamer is not None:
                 streamer.put(token.cpu())
             if eos_tensor is not None:
                 unfinished &= ~torch.isin(token, eos_tensor)
-                if not bool(unfinished.any()):
-                    break
+                any_unfinished[index] = unfinished.any()
+                last = index == max_new - 1
+                if streamer is not None or last or (index + 1) % EOS_CHECK_EVERY == 0:
+                    finished = (~any_unfinished[: index + 1]).nonzero()
+                    if finished.numel():
+                        produced = int(finished[0]) + 1
+                        if rng is not None:
+                            rng.restore(produced - 1)
+                        break
             if index == max_new - 1:
                 break
             position = position + 1
             logits = self.captured(token, position, prompt + index)
         if streamer is not None:
             streamer.end()
-        return sequences
+        return out if produced == max_new else out[:, : prompt + produced].contiguous()

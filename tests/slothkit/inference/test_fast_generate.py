@@ -149,6 +149,23 @@ def test_sampling_settings_streamers_and_eos():
     assert torch.equal(got, expected)
     assert int(got[0, -1]) == stop and got.shape[1] <= greedy.shape[1]
 
+    # Sampling a left-padded batch that stops early (each row at its own eos, after the
+    # loop has decoded past the end before it looked): the same tokens as generate, and
+    # the random generator left where generate leaves it.
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
+    settings = dict(max_new_tokens=24, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(11)
+    sampled = model.generate(**batch, **settings)
+    stops = [int(sampled[row, batch["input_ids"].shape[1] + 1 + row]) for row in range(len(PROMPTS))]
+    results = []
+    for fast in (False, True):
+        FastModel.for_inference(model, fast_decode=fast)
+        torch.manual_seed(11)
+        results.append((model.generate(**batch, **settings, eos_token_id=stops), torch.rand(4)))
+    (expected, expected_next), (got, got_next) = results
+    assert got.shape[1] < sampled.shape[1], "no row stopped early"
+    assert torch.equal(got, expected) and torch.equal(got_next, expected_next)
+
     # Streamers get the same text as the returned tokens.
     FastModel.for_inference(model, fast_decode=True)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
