@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="the GPU's measured copy bandwidth")
+    parser.add_argument("--prefill", type=int, default=0, help="also profile a prompt of this many tokens")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from slothkit.bench.generate_worker import prepare
@@ -146,9 +147,54 @@ def main() -> None:
     print("top kernels (ms/step):")
     for name, ms in top.most_common(12):
         print(f"  {ms:7.3f}  {name}")
+    result["top_kernels"] = dict(top.most_common(20))
+    if args.prefill:
+        result["prefill"] = profile_prefill(model, causal_lm, args.prefill, profile)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(result | {"top_kernels": dict(top.most_common(20))}, handle, indent=1)
+            json.dump(result, handle, indent=1)
+
+
+def profile_prefill(model, causal_lm, length: int, profile) -> dict:
+    """Time to first token of a ``length``-token prompt through the fast path and through
+    the same model's own forward (Hugging Face's generate over slothkit's patched
+    layers), with each one's kernels grouped as above."""
+    from torch.profiler import ProfilerActivity
+
+    from slothkit import FastModel
+
+    ids = torch.randint(3, causal_lm.config.vocab_size, (1, length), device="cuda")
+    settings = dict(max_new_tokens=1, do_sample=False, pad_token_id=0)
+    out = {}
+    for label, fast in (("fast path", True), ("model forward", False)):
+        FastModel.for_inference(model, fast_decode=fast)
+        model.generate(input_ids=ids, **settings)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model.generate(input_ids=ids, **settings)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.generate(input_ids=ids, **settings)
+            torch.cuda.synchronize()
+        groups = collections.defaultdict(lambda: [0, 0.0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                groups[category(event.name)][0] += 1
+                groups[category(event.name)][1] += event.device_time / 1e3
+        out[label] = {
+            "ttft_s": min(times),
+            "by_category": {
+                k: {"kernels": c, "ms": ms} for k, (c, ms) in sorted(groups.items(), key=lambda i: -i[1][1])
+            },
+        }
+        print(f"prefill {length} tokens, {label}: TTFT {min(times) * 1e3:.1f} ms")
+        for k, (c, ms) in sorted(groups.items(), key=lambda i: -i[1][1]):
+            print(f"  {k}: {c} kernels, {ms:.2f} ms")
+    FastModel.for_inference(model, fast_decode=True)
+    return out
 
 
 if __name__ == "__main__":
