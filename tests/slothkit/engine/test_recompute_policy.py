@@ -1,6 +1,7 @@
-"""use_gradient_checkpointing="auto" on a CPU, under a fake GPU memory budget (the free
-memory query replaced): which layers it keeps, what it says, that it trains exactly as
-full checkpointing and none do, and that `slothkit plan` predicts the same choice."""
+"""use_gradient_checkpointing="auto" under a fake GPU memory budget (the free memory
+query replaced, so that it runs on a CPU): which layers it keeps, what it says, that it
+trains exactly as full checkpointing and none do, and that `slothkit plan` predicts the
+same choice.  On a GPU the same tests run there (with layer graphs for 4-bit models)."""
 
 import warnings
 
@@ -15,15 +16,16 @@ from slothkit.testing import build_tiny_model
 
 LAYERS = 4
 BATCH, SEQ = 2, 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def tiny_path():
-    return build_tiny_model("llama", num_layers=LAYERS)
+def tiny_path(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), num_layers=LAYERS)
 
 
-def _model(path, mode, dtype=torch.float32, **kwargs):
-    model, _ = FastModel.from_pretrained(str(path), dtype=dtype, load_in_4bit=False, fused=True)
+def _model(path, mode, dtype=torch.float32, load_in_4bit=False, **kwargs):
+    model, _ = FastModel.from_pretrained(str(path), dtype=dtype, load_in_4bit=load_in_4bit, fused=True)
     return FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=mode, **kwargs)
 
 
@@ -32,14 +34,17 @@ def _layers(model):
 
 
 def _ids(vocab, seq=SEQ, seed=0):
-    return torch.randint(3, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _memory_of(model):
+    """The TrainingMemory "auto" predicts with for this model."""
+    return training_memory(model.get_base_model(), model, _layers(model)[0]._gradient_checkpointing_func)
 
 
 @pytest.fixture
 def memory(tiny_path, reference_kernels):
-    """The TrainingMemory "auto" predicts with for the tiny model."""
-    model = _model(tiny_path, "offload")
-    return training_memory(model.get_base_model(), model, _layers(model)[0]._gradient_checkpointing_func)
+    return _memory_of(_model(tiny_path, "offload"))
 
 
 @pytest.fixture
@@ -140,20 +145,29 @@ def test_a_batch_size_decides_at_once_and_a_budget_too_small_names_the_least(tin
     assert error.value.minimum_bytes == least
 
 
-def test_auto_trains_as_full_checkpointing_and_none_do(tiny_path, memory, free_memory, mlp_calls):
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+def test_auto_trains_as_full_checkpointing_and_none_do(
+    tiny_path, reference_kernels, free_memory, mlp_calls, load_in_4bit
+):
     """Two layers kept, two offloaded: the same losses, step for step, as every layer
     offloaded and as none checkpointed; only the offloaded ones are re-run."""
+    offloaded = _model(tiny_path, "offload", load_in_4bit=load_in_4bit)
+    memory = _memory_of(offloaded)
     ids = _ids(memory.shape.vocab_size)
     losses = {}
     for mode in (False, "offload", "auto"):
         free_memory(_free_for(memory, 2))
-        model = _model(tiny_path, mode)
+        model = offloaded if mode == "offload" else _model(tiny_path, mode, load_in_4bit=load_in_4bit)
         mlp_calls.clear()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RecomputeNotice)
             losses[mode] = _train(model, ids)
         reruns = {False: 0, "offload": LAYERS, "auto": 2}[mode]
-        assert mlp_calls == ([False] * LAYERS + [True] * reruns) * 3, mode
+        step = [False] * LAYERS + [True] * reruns
+        # Layer graphs (4-bit, on a GPU) replay from the second step on, without Python calls.
+        assert mlp_calls[: len(step)] == step, mode
+        if not memory.cuda_graphs:
+            assert mlp_calls == step * 3, mode
     assert losses[False][-1] < losses[False][0]
     for mode in ("offload", "auto"):
         torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(losses[False]), rtol=1e-5, atol=0)
@@ -161,7 +175,7 @@ def test_auto_trains_as_full_checkpointing_and_none_do(tiny_path, memory, free_m
 
 def test_the_plan_command_predicts_the_same_choice(tiny_path, reference_kernels, capsys):
     """`slothkit plan FOLDER --max-memory B` prints the very line the policy says for the
-    same model, step and budget (a T4: 16-bit, no graphs, no kept sums, as on the CPU)."""
+    same model, step and budget."""
     from slothkit.cli import main
 
     model = _model(tiny_path, "offload", dtype=torch.bfloat16)
@@ -171,7 +185,10 @@ def test_the_plan_command_predicts_the_same_choice(tiny_path, reference_kernels,
         _model(
             tiny_path, "auto", dtype=torch.bfloat16, batch_size=BATCH, max_seq_length=SEQ, max_memory=budget
         )
-    arguments = ["plan", str(tiny_path), "--gpu", "t4", "--mode", "lora", "--rank", "8"]
+    # A GPU whose defaults are the model's: kept sums from compute capability 8.0 (16-bit:
+    # no graphs either way); t4 and a100 both compute in 16 bits.
+    newer = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    arguments = ["plan", str(tiny_path), "--gpu", "a100" if newer else "t4", "--mode", "lora", "--rank", "8"]
     arguments += ["--batch", str(BATCH), "--seq", str(SEQ), "--max-memory", repr(budget / GIB)]
     assert main(arguments) == 0
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
@@ -179,6 +196,7 @@ def test_the_plan_command_predicts_the_same_choice(tiny_path, reference_kernels,
     assert f"keeps 1 of {LAYERS} layers" in notice and notice in lines
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model loads onto the GPU, which has a budget")
 def test_no_budget_on_the_cpu_offloads_every_layer(tiny_path, reference_kernels, recwarn):
     recompute_policy._notice_no_budget.cache_clear()
     model = _model(tiny_path, "auto")
