@@ -24,6 +24,8 @@ import traceback
 
 import torch
 
+from slothkit.memory_model import MemoryBudgetError
+
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # The words of --cuda-graphs and --keep-sums -> FastModel.get_peft_model's keyword values.
@@ -420,6 +422,8 @@ def main(argv=None) -> int:
         result = run(args)
     except torch.cuda.OutOfMemoryError as error:
         result = {"status": "out of memory", "error": str(error).splitlines()[0]}
+    except MemoryBudgetError as error:  # "auto" predicted that not even full offload fits
+        result = {"status": "out of memory", "error": f"refused before training: {error}"}
     except ImportError as error:
         result = {"status": "skipped", "error": f"not importable: {error}"}
     except Exception as error:  # reported in the table; the other implementations still run

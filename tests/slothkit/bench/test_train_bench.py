@@ -519,3 +519,20 @@ def test_a_setting_reaches_the_worker_as_a_flag(tmp_path, monkeypatch):
         tmp_path, monkeypatch, ["--slothkit-checkpointing", "auto"], "auto", "slothkit_checkpointing", "auto"
     )
     assert all("--hf-checkpointing" not in command for command in commands)
+
+
+def test_a_budget_auto_cannot_meet_is_reported_as_out_of_memory(capsys):
+    """slothkit's "auto" refuses a step that does not fit even fully offloaded before it
+    trains: the row says out of memory, with the least it needs, as a peer's would."""
+    from slothkit.bench.train_worker import RESULT_TAG
+    from slothkit.bench.train_worker import main as worker_main
+
+    arguments = ["--impl", "slothkit", "--model", "tiny-llama", "--dtype", "fp32", "--seq", "16"]
+    arguments += ["--steps", "1", "--warmup", "0", "--slothkit-checkpointing", "auto", "--memory-gib", "0.1"]
+    assert worker_main(arguments) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(RESULT_TAG))
+    result = json.loads(line[len(RESULT_TAG) :])
+    assert result["status"] == "out of memory"
+    assert result["error"].startswith(
+        "refused before training: training at 32 tokens per step needs at least"
+    )
