@@ -95,7 +95,12 @@ model, tokenizer = FastModel.from_pretrained(
     config.model_name, max_seq_length=config.max_seq_length, load_in_4bit=config.load_in_4bit
 )
 model = FastModel.get_peft_model(
-    model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
+    model,
+    r=config.lora_r,
+    lora_alpha=config.lora_alpha,
+    target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(","),
+    use_gradient_checkpointing="auto",  # keep the layers that fit in GPU memory, offload the rest
+    batch_size=config.batch_size,
 )
 
 # %% [markdown]

@@ -125,7 +125,15 @@ def _cmd_new_notebook(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from slothkit.plan import plan
 
-    result = plan(args.model, gpu=args.gpu, seq=args.seq, batch=args.batch, mode=args.mode, rank=args.rank)
+    result = plan(
+        args.model,
+        gpu=args.gpu,
+        seq=args.seq,
+        batch=args.batch,
+        mode=args.mode,
+        rank=args.rank,
+        max_memory=args.max_memory,
+    )
     print(result.report())
     return 0 if result.fits is not False else 1
 

@@ -31,6 +31,7 @@ from slothkit.engine.loading import (
     resolve_checkpoint,
 )
 from slothkit.engine.offload_checkpoint import enable_checkpointing
+from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
 from slothkit.models import architecture_for, supported_summary
 from slothkit.notices import say_once
@@ -259,6 +260,8 @@ class FastModel:
         cuda_graphs: bool | str | None = None,
         keep_sums: bool | None = None,
         max_seq_length: int | None = None,
+        max_memory: float | None = None,
+        batch_size: int | None = None,
         **lora_kwargs,
     ):
         """Add LoRA adapters and set up checkpointing; return a ``peft.PeftModel`` ready
@@ -280,8 +283,11 @@ class FastModel:
                 fused kernels fall back to PEFT's path for those layers).
             bias: which biases train: "none" (default), "all" or "lora_only".
             use_gradient_checkpointing: "offload" (default: each layer's input is
-                kept in pinned host memory, slothkit.engine.offload_checkpoint), True
-                (torch's checkpoint, inputs kept on the GPU) or False (none).
+                kept in pinned host memory, slothkit.engine.offload_checkpoint), "auto"
+                (as many of the last layers as fit the memory budget are not
+                checkpointed, the others offloaded; slothkit.engine.recompute_policy,
+                said in one line), True (torch's checkpoint, inputs kept on the GPU) or
+                False (none).
             random_state: the seed of the adapters' initialisation (default 3407).
             use_rslora: scale by lora_alpha / sqrt(r) instead (default False).
             modules_to_save: modules trained in full and saved with the adapter, such
@@ -300,6 +306,13 @@ class FastModel:
                 CPU.
             max_seq_length: None (default): the one from_pretrained was given; else the new
                 longest sequence to train on, checked and set as from_pretrained does.
+            max_memory: with "auto", the memory budget: GiB (e.g. 40), or bytes from
+                2**20 up.  None (default): the GPU's free memory plus what this process
+                already holds, less 5 %.
+            batch_size: with "auto", the batch size training will use: the policy then
+                decides now, for batch_size x max_seq_length tokens per step.  None
+                (default): it decides at the first training step, from its shape, and
+                again when a step with more tokens comes.
             **lora_kwargs: passed on to ``peft.LoraConfig``.
 
         Returns:
@@ -308,6 +321,9 @@ class FastModel:
         Raises:
             ValueError: an argument is not accepted (the message says what is), or a
                 SLOTHKIT_* variable is set to a value it does not accept.
+            slothkit.memory_model.MemoryBudgetError: with "auto" and batch_size, the
+                step does not fit the budget even with every layer offloaded (the
+                message gives the least it needs).
         """
         from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -321,6 +337,7 @@ class FastModel:
         _check_lora_shape(model, target_modules, r, lora_alpha)
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias={bias!r}; accepted: 'none', 'all', 'lora_only'")
+        _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size)
         if max_seq_length is not None:
             _set_max_seq_length(model, max_seq_length)
 
@@ -342,7 +359,9 @@ class FastModel:
             # FutureWarning between two other libraries that no user of slothkit can act on.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
             peft_model = get_peft_model(model, config)
-        return ready_for_training(peft_model, model, use_gradient_checkpointing, cuda_graphs, keep_sums)
+        return ready_for_training(
+            peft_model, model, use_gradient_checkpointing, cuda_graphs, keep_sums, max_memory, batch_size
+        )
 
     @staticmethod
     def for_training(model):
@@ -404,7 +423,13 @@ FastLanguageModel = FastModel
 
 
 def ready_for_training(
-    peft_model, model, use_gradient_checkpointing="offload", cuda_graphs=None, keep_sums=None
+    peft_model,
+    model,
+    use_gradient_checkpointing="offload",
+    cuda_graphs=None,
+    keep_sums=None,
+    max_memory=None,
+    batch_size=None,
 ):
     """What get_peft_model (and loading a saved adapter) does after PEFT wraps the model:
     checkpointing, the tokenizer link, the save and push methods, training mode.
@@ -415,16 +440,20 @@ def ready_for_training(
         use_gradient_checkpointing: as get_peft_model.
         cuda_graphs: as get_peft_model.
         keep_sums: as get_peft_model.
+        max_memory: as get_peft_model.
+        batch_size: as get_peft_model.
 
     Returns:
         The same PeftModel, in training mode.
     """
+    _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size)
     causal_lm, layers = decoder_layers(peft_model)
     causal_lm.config.use_cache = False
     defaults = environment_defaults()
+    auto = use_gradient_checkpointing == "auto"
     enable_checkpointing(
         layers,
-        use_gradient_checkpointing,
+        "offload" if auto else use_gradient_checkpointing,
         cuda_graphs=defaults.cuda_graphs if cuda_graphs is None else cuda_graphs,
         quantized=is_4bit_model(causal_lm),
         keep_sums=defaults.keep_sums if keep_sums is None else keep_sums,
@@ -432,6 +461,15 @@ def ready_for_training(
     if use_gradient_checkpointing:
         # Checkpointed layers recompute in backward; their input must require grad.
         causal_lm.enable_input_require_grads()
+    if auto:
+        seq = getattr(causal_lm, "max_seq_length", None)
+        if batch_size is not None and seq is None:
+            raise ValueError(
+                f"batch_size={batch_size} needs the sequence length too: pass max_seq_length= "
+                f"to get_peft_model (or leave batch_size out: the first training step decides)"
+            )
+        tokens = batch_size * seq if batch_size is not None else None
+        enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens)
     peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
     from slothkit.export import attach_export_methods
 
@@ -439,6 +477,35 @@ def ready_for_training(
     accept_encoding_in_generate(peft_model)
     FastModel.for_training(peft_model)
     return peft_model
+
+
+CHECKPOINTING_CHOICES = ("offload", "auto", "unsloth", True, False)
+
+
+def _check_checkpointing(mode, max_memory, batch_size) -> None:
+    """Refuse a use_gradient_checkpointing slothkit does not know, and the "auto"
+    policy's options given without it (they would do nothing)."""
+    if not any(
+        mode is choice or (isinstance(choice, str) and mode == choice) for choice in CHECKPOINTING_CHOICES
+    ):
+        raise ValueError(
+            f"use_gradient_checkpointing={mode!r}; accepted: 'offload', 'auto', True, False "
+            f"('unsloth' is read as 'offload')"
+        )
+    given = [
+        name for name, value in (("max_memory", max_memory), ("batch_size", batch_size)) if value is not None
+    ]
+    if given and mode != "auto":
+        raise ValueError(
+            f"{' and '.join(given)} set the memory budget of use_gradient_checkpointing='auto'; "
+            f"with use_gradient_checkpointing={mode!r} they do nothing: pass 'auto' or leave them out"
+        )
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0
+    ):
+        raise ValueError(
+            f"batch_size={batch_size!r}; expected a positive integer (the per-device batch size)"
+        )
 
 
 # vLLM settings that older notebooks pass with fast_inference=True.

@@ -1,35 +1,45 @@
-"""Predict GPU memory for loading and LoRA-training a model, and pick settings that fit.
+"""Predict GPU memory for LoRA-training a model, and pick settings that fit.
 
     slothkit plan llama-3-8b --gpu t4 --seq 2048 --batch 2
+    slothkit plan llama-3-8b --gpu h100 --max-memory 40
 
-The prediction is arithmetic on the model's shape, in bytes:
+The prediction is slothkit.memory_model's arithmetic on the model's shape: the peak
+allocated and the peak reserved memory (the allocator's slack on top, which is what an
+out-of-memory error is about).  With every decoder layer's activations offloaded
+(use_gradient_checkpointing="offload") the step needs the least; if that does not fit the
+budget, the batch is halved, then the sequence.  Then the plan says what
+use_gradient_checkpointing="auto" would do under the budget: how many layers keep their
+activations, and the predicted peak, in the very words the policy
+(slothkit.engine.recompute_policy) prints.
 
-  weights      16-bit: 2 per parameter.  NF4: 0.5 per projection parameter plus its
-               scales (1/64 of a byte for the uint8 block scale, 4/16384 for the
-               nested fp32 scale); embeddings, head and norms stay 16-bit.
-  LoRA         r * (in + out) per adapted projection, trained in fp32: weight 4,
-               gradient 4, AdamW moments 8 = 16 per adapter parameter.
-  activations  with slothkit's offloaded checkpointing the GPU holds one decoder
-               layer's saved tensors at a time plus two layer inputs in flight; per
-               token that is about 2 * (6 H + 4 I + 2 (Hq + 2 Hkv) D) bytes (hidden
-               states, the MLP's gate/up pre-activations and their recomputed
-               product, q/k/v), plus the fused loss's d_hidden (2 H) and one chunk
-               of logits.  Plain checkpointing adds one layer input (2 H) per layer.
-  overhead     CUDA context and allocator slack: 0.5 GiB plus 4 % of the rest.
-
-The constants were fitted to `slothkit bench train` records on an H200
-(results/bench/); `docs/planner.md` compares predictions with measured peaks.
+The budget: ``max_memory`` GiB if given, else the GPU's free memory (``--gpu auto``) or
+its size less the CUDA context (a named GPU), less 5 % (memory_model.BUDGET_MARGIN).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 from slothkit.bench.shapes import Shape, shape_by_name
-from slothkit.models import architecture_for
+from slothkit.memory_model import (
+    GIB,
+    MemoryBudgetError,
+    RecomputeChoice,
+    TrainingMemory,
+    activation_bytes,
+    budget_from_free,
+    free_bytes,
+    lora_bytes,
+    weights_bytes,
+)
+from slothkit.models.shape import shape_from_config
 
-GIB = 2**30
+__all__ = ["MemoryPlan", "plan", "shape_from_config"]
+
 GPU_MEMORY_GIB = {
     "t4": 15.0,
     "l4": 22.5,
@@ -40,9 +50,11 @@ GPU_MEMORY_GIB = {
     "h100": 80.0,
     "h200": 141.0,
 }
+# Compute capability below 8.0: no bfloat16, and neither CUDA graphs nor kept sums by
+# default (slothkit.engine.offload_checkpoint.enable_checkpointing).
 NO_BF16 = {"t4", "v100"}
-CONTEXT_OVERHEAD_GIB = 0.5
-SLACK = 0.04
+# Memory a GPU has that no process can allocate: the CUDA context and its kernels.
+CUDA_CONTEXT_GIB = 0.5
 
 
 @dataclass
@@ -55,87 +67,32 @@ class MemoryPlan:
     dtype: str
     weights_gib: float
     lora_gib: float
-    activations_gib: float
-    total_gib: float
+    activations_gib: float  # every layer offloaded
+    allocated_gib: float  # predicted peak allocated, every layer offloaded
+    total_gib: float  # predicted peak reserved, every layer offloaded
     gpu_gib: float | None
+    budget_gib: float | None
     fits: bool | None
+    recompute: RecomputeChoice | None  # what use_gradient_checkpointing="auto" keeps
     notes: list
 
     def report(self) -> str:
+        where = ""
+        if self.budget_gib is not None:
+            gpu = f" ({self.gpu_gib:.1f} GiB GPU)" if self.gpu_gib else ""
+            where = f" of a {self.budget_gib:.1f} GiB budget{gpu}: {'fits' if self.fits else 'does NOT fit'}"
         lines = [
             f"{self.model} {self.mode} ({self.dtype}), batch {self.batch} x seq {self.seq}, "
             f"gradient accumulation {self.grad_accum}",
             f"  weights      {self.weights_gib:6.2f} GiB",
             f"  LoRA + Adam  {self.lora_gib:6.2f} GiB",
-            f"  activations  {self.activations_gib:6.2f} GiB",
-            f"  predicted peak {self.total_gib:.2f} GiB"
-            + (
-                f" of {self.gpu_gib:.1f} GiB: {'fits' if self.fits else 'does NOT fit'}"
-                if self.gpu_gib
-                else ""
-            ),
+            f"  activations  {self.activations_gib:6.2f} GiB (every layer offloaded)",
+            f"  predicted peak {self.allocated_gib:.2f} GiB allocated, {self.total_gib:.2f} GiB reserved{where}",
         ]
+        if self.recompute is not None:
+            lines.append(f"  {self.recompute.notice()}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _head_dim(shape: Shape) -> int:
-    return shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
-
-
-def weights_bytes(shape: Shape, mode: str) -> float:
-    d = _head_dim(shape)
-    h, i = shape.hidden_size, shape.intermediate_size
-    projections = shape.num_hidden_layers * (
-        h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i
-    )
-    embeddings = shape.vocab_size * h
-    arch = architecture_for(shape)
-    head = 0 if arch is not None and arch.tied_embeddings else shape.vocab_size * h
-    norms = (2 * shape.num_hidden_layers + 1) * h
-    per_projection = 2.0 if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
-    return projections * per_projection + 2.0 * (embeddings + head + norms)
-
-
-def lora_bytes(shape: Shape, rank: int) -> float:
-    d = _head_dim(shape)
-    h, i = shape.hidden_size, shape.intermediate_size
-    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    per_layer = rank * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + i))
-    return 16.0 * shape.num_hidden_layers * per_layer
-
-
-def activation_bytes(shape: Shape, tokens: int, checkpointing: str = "offload") -> float:
-    d = _head_dim(shape)
-    h, i = shape.hidden_size, shape.intermediate_size
-    per_token = 2 * (6 * h + 4 * i + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d)
-    per_token += 2 * h  # the fused loss's d_hidden
-    logits_chunk = (
-        2 * shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
-    )
-    total = tokens * per_token + logits_chunk
-    if checkpointing != "offload":
-        total += shape.num_hidden_layers * tokens * 2 * h
-    return total
-
-
-def shape_from_config(config) -> Shape:
-    """A Shape read off a transformers config (for checkpoints the bench does not name)."""
-    extra = {}
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
-        extra["head_dim"] = head_dim
-    return Shape(
-        config.model_type,
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_hidden_layers,
-        config.num_attention_heads,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        config.vocab_size,
-        getattr(config, "max_position_embeddings", 0),
-        extra,
-    )
 
 
 def plan(
@@ -146,78 +103,146 @@ def plan(
     mode: str = "qlora",
     rank: int = 16,
     target_batch: int = 8,
+    max_memory: float | None = None,
+    cuda_graphs: bool | None = None,
+    keep_sums: bool | None = None,
 ) -> MemoryPlan:
-    """Predict the peak and adjust batch (then seq) to fit the GPU; keep the effective
-    batch near target_batch through gradient accumulation.  model: a shape name or a Shape."""
+    """Predict the peak memory, adjust batch (then seq) to fit the budget, and say what
+    use_gradient_checkpointing="auto" would keep.
+
+    Args:
+        model: a shape name (``slothkit.bench.shapes``), a local checkpoint folder (its
+            config.json is read), or a Shape.
+        gpu: "auto" (this machine's GPU and its free memory; none on a CPU) or a name of
+            ``GPU_MEMORY_GIB``, any case.
+        seq: the sequence length.
+        batch: the batch size; lowered (then seq) until the step fits.
+        mode: "lora" (16-bit weights) or "qlora" (NF4).
+        rank: the LoRA rank, on all seven projections.
+        target_batch: the effective batch gradient accumulation keeps near.
+        max_memory: the budget in GiB; None: the GPU's memory less a margin.
+        cuda_graphs: whether the checkpointed layers replay from CUDA graphs; None: as
+            FastModel chooses (4-bit models on GPUs of compute capability 8.0 and up).
+        keep_sums: whether they keep their residual sums; None: as FastModel chooses
+            (GPUs of compute capability 8.0 and up).
+
+    Returns:
+        The MemoryPlan (``report()`` prints it).
+
+    Raises:
+        ValueError: a size that is not a positive integer, an unknown shape, mode or GPU.
+    """
     for name, value in (("seq", seq), ("batch", batch), ("rank", rank), ("target_batch", target_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name}={value!r}; expected a positive integer")
-    shape = model if isinstance(model, Shape) else shape_by_name(model)
+    if max_memory is not None and (isinstance(max_memory, bool) or not max_memory > 0):
+        raise ValueError(f"max_memory={max_memory!r}; expected a positive number of GiB")
+    shape = _shape_of(model)
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
         raise ValueError(f"mode={mode!r}; accepted: 'lora' (16-bit base) or 'qlora' (4-bit base)")
-    gpu_gib, gpu_name = _gpu_memory(gpu)
+    gpu_gib, gpu_name, free_gib = _gpu_memory(gpu)
+    newer = gpu_name not in NO_BF16 and gpu_name != "cpu"  # compute capability 8.0 and up
+    memory = TrainingMemory(
+        shape,
+        mode,
+        lora_bytes(shape, rank),
+        rank,
+        cuda_graphs=(mode == "qlora" and newer) if cuda_graphs is None else cuda_graphs,
+        keep_sums=newer if keep_sums is None else keep_sums,
+    )
+    budget = None
+    if max_memory is not None:
+        budget = max_memory * GIB
+    elif free_gib is not None:
+        budget = budget_from_free(free_gib * GIB)
     dtype = "fp16" if gpu_name in NO_BF16 else "bf16"
     notes = []
     if dtype == "fp16":
         notes.append(f"{gpu_name} has no bfloat16: training in float16 with loss scaling")
 
-    def total(b, s):
-        fixed = weights_bytes(shape, mode) + lora_bytes(shape, rank)
-        used = fixed + activation_bytes(shape, b * s)
-        return used * (1 + SLACK) / GIB + CONTEXT_OVERHEAD_GIB
-
-    if gpu_gib is not None:
-        while batch > 1 and total(batch, seq) > gpu_gib:
+    if budget is not None:
+        limit = f"{budget / GIB:.1f} GiB"
+        while batch > 1 and memory.reserved(batch * seq) > budget:
             batch //= 2
-            notes.append(f"batch lowered to {batch} to fit {gpu_gib:.0f} GiB")
-        while seq > 256 and total(batch, seq) > gpu_gib:
+            notes.append(f"batch lowered to {batch} to fit {limit}")
+        while seq > 256 and memory.reserved(batch * seq) > budget:
             seq //= 2
-            notes.append(f"max_seq_length lowered to {seq} to fit {gpu_gib:.0f} GiB")
-        if total(batch, seq) > gpu_gib:
+            notes.append(f"max_seq_length lowered to {seq} to fit {limit}")
+    recompute = None
+    if budget is not None:
+        try:
+            recompute = memory.recompute_choice(batch * seq, budget)
+        except MemoryBudgetError:
             notes.append(
-                f"the weights alone do not fit in {gpu_gib:.0f} GiB"
+                f"the weights alone do not fit in {budget / GIB:.1f} GiB"
                 + ("; try load_in_4bit=True (qlora)" if mode == "lora" else "")
             )
-    grad_accum = max(1, target_batch // batch)
-    peak = total(batch, seq)
+    tokens = batch * seq
     return MemoryPlan(
         model=model,
         mode=mode,
         seq=seq,
         batch=batch,
-        grad_accum=grad_accum,
+        grad_accum=max(1, target_batch // batch),
         dtype=dtype,
         weights_gib=weights_bytes(shape, mode) / GIB,
         lora_gib=lora_bytes(shape, rank) / GIB,
-        activations_gib=activation_bytes(shape, batch * seq) / GIB,
-        total_gib=peak,
+        activations_gib=activation_bytes(shape, tokens, rank=rank) / GIB,
+        allocated_gib=memory.allocated(tokens) / GIB,
+        total_gib=memory.reserved(tokens) / GIB,
         gpu_gib=gpu_gib,
-        fits=None if gpu_gib is None else peak <= gpu_gib,
+        budget_gib=None if budget is None else budget / GIB,
+        fits=None if budget is None else recompute is not None,
+        recompute=recompute,
         notes=notes,
     )
 
 
-def _gpu_memory(gpu: str) -> tuple[float | None, str]:
+def _shape_of(model: str | Shape) -> Shape:
+    if isinstance(model, Shape):
+        return model
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return shape_from_config(SimpleNamespace(**json.loads(config.read_text())))
+    return shape_by_name(model)
+
+
+def _gpu_memory(gpu: str) -> tuple[float | None, str, float | None]:
+    """(the GPU's memory, its name, the memory free for training) in GiB; on a machine
+    without a GPU, (None, "cpu", None)."""
     gpu = gpu.lower()  # --gpu T4 as well as t4
     if gpu == "auto":
         import torch
 
         if not torch.cuda.is_available():
-            return None, "cpu"
-        props = torch.cuda.get_device_properties(0)
+            return None, "cpu", None
+        device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(device)
         name = props.name.lower()
         key = next((k for k in GPU_MEMORY_GIB if k.split("-")[0] in name), name)
-        return props.total_memory / GIB, ("t4" if "t4" in name else key)
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            key = next((k for k in NO_BF16 if k in name), "t4")
+        return props.total_memory / GIB, key, free_bytes(device) / GIB
     if gpu not in GPU_MEMORY_GIB:
         raise ValueError(f"unknown GPU {gpu!r}; known: auto, {', '.join(GPU_MEMORY_GIB)}")
-    return GPU_MEMORY_GIB[gpu], gpu
+    return GPU_MEMORY_GIB[gpu], gpu, GPU_MEMORY_GIB[gpu] - CUDA_CONTEXT_GIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a model shape, e.g. llama-3-8b, gemma-7b, mistral-7b")
+    parser.add_argument(
+        "model", help="a model shape, e.g. llama-3-8b, gemma-7b, mistral-7b, or a local checkpoint folder"
+    )
     parser.add_argument("--gpu", default="auto", help=f"auto or one of {', '.join(GPU_MEMORY_GIB)}")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--mode", choices=["lora", "qlora"], default="qlora")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--max-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="the memory budget in GiB (FastModel.get_peft_model's max_memory=); default: the "
+        "GPU's memory less 5 %%",
+    )

@@ -53,7 +53,12 @@ model, tokenizer = FastModel.from_pretrained(
     config.model_name, max_seq_length=config.max_seq_length, load_in_4bit=config.load_in_4bit
 )
 model = FastModel.get_peft_model(
-    model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="${lora_targets}".split(",")
+    model,
+    r=config.lora_r,
+    lora_alpha=config.lora_alpha,
+    target_modules="${lora_targets}".split(","),
+    use_gradient_checkpointing="auto",  # keep the layers that fit in GPU memory, offload the rest
+    batch_size=config.batch_size,
 )
 
 # %% How it answers before training

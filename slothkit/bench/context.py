@@ -30,6 +30,8 @@ def longest_sequence(impl: str, args, probe=run_worker) -> dict:
                 "seq": units * step,
                 "status": result.get("status"),
                 "peak_allocated_gib": result.get("peak_allocated_gib"),
+                "peak_reserved_gib": result.get("peak_reserved_gib"),
+                "peak_host_gib": result.get("peak_host_gib"),
                 "error": result.get("error"),
             }
         )

@@ -40,18 +40,54 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
 
 def _setting(record: dict) -> str:
     """How the run was made, beside its mode: dtype, autocast (records before the switch
-    existed ran under autocast), slothkit's switches where set, memory cap."""
+    existed ran under autocast), slothkit's switches where set, memory cap (and with
+    --best, that each implementation ran in its fastest setting under it)."""
     parts = [record["dtype"]]
     if not record.get("autocast", True):
         parts.append("no autocast")
-    if record.get("slothkit_checkpointing", "offload") != "offload":
-        parts.append("slothkit checkpointing on GPU")
+    checkpointing = record.get("slothkit_checkpointing", "offload")
+    if checkpointing != "offload":
+        parts.append(
+            {"on": "slothkit checkpointing on GPU"}.get(
+                checkpointing, f"slothkit checkpointing {checkpointing}"
+            )
+        )
     for key, what in (("slothkit_cuda_graphs", "CUDA graphs"), ("slothkit_keep_sums", "keep sums")):
         if record.get(key, "auto") != "auto":
             parts.append(f"{what} {record[key]}")
+    if record.get("hf_checkpointing", "on") != "on" and not record.get("best"):
+        parts.append("HF and Liger without checkpointing")
     if record.get("memory_gib"):
-        parts.append(f"{record['memory_gib']:g} GiB cap")
+        cap = f"{record['memory_gib']:g} GiB"
+        parts.append(f"each at its fastest under {cap}" if record.get("best") else f"{cap} cap")
     return ", ".join(parts)
+
+
+MISSING = "\u2014"  # an em dash: the run did not record this figure
+
+
+def _figure(value, fmt: str) -> str:
+    return fmt.format(value) if value is not None else MISSING
+
+
+def _gib(row: dict, key: str) -> str:
+    return _figure(row.get(key), "{:.1f}")
+
+
+def memory_cells(row: dict) -> list[str]:
+    """Peak GPU memory allocated and reserved, and the worker's peak resident host memory,
+    in GiB; an em dash for a figure the record lacks (records made before it was kept)."""
+    return [_gib(row, "peak_allocated_gib"), _gib(row, "peak_reserved_gib"), _gib(row, "peak_host_gib")]
+
+
+def setting_of(row: dict) -> str:
+    """The setting a --best run chose for the row ("" for other runs); for slothkit's
+    "auto", how many layers it kept."""
+    setting = row.get("setting") or ""
+    recompute = row.get("recompute")
+    if setting and recompute:
+        setting += f", {recompute['kept_layers']} of {recompute['layers']} layers kept"
+    return setting
 
 
 def _table(columns: list[str], records: list[dict], row_cells) -> str:
@@ -73,21 +109,22 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 def _train_cells(record: dict, row: dict) -> list[str]:
     figures = (
-        [row["status"], "-", "-", "-", "-"]
+        [row["status"], "-", "-", "-", "-", "-", "-"]
         if row["status"] != "ok"
         else [
             _cell(row, "tokens_per_s", "{:,.0f}"),
             _cell(row, "vs_hf", "{:.2f}x"),
-            _cell(row, "peak_allocated_gib", "{:.1f}"),
+            *memory_cells(row),
             _cell(row, "training_gib", "{:.1f}"),
             _cell(row, "final_loss", "{:.4f}"),
         ]
     )
+    setting = setting_of(row)
     return [
         record["model"],
         f"{record['mode']} ({_setting(record)})",
         f"{record['batch']} x {record['seq']}",
-        row["impl"],
+        row["impl"] + (f" ({setting})" if setting else ""),
         *figures,
     ]
 
@@ -122,7 +159,9 @@ def render(records: list[dict]) -> str:
         "implementation",
         "tokens/s",
         "vs HF + PEFT",
-        "peak GiB",
+        "allocated GiB",
+        "reserved GiB",
+        "host GiB",
         "GiB above weights",
         "final loss",
     ]
@@ -136,7 +175,10 @@ def _impl_cell(record: dict, impl: str) -> str:
     if row["status"] != "ok":
         return row["status"]
     ratio = f" ({row['vs_hf']:.2f}x)" if row.get("vs_hf") is not None else ""
-    return f"{row['tokens_per_s']:,.0f}{ratio}, {row['peak_allocated_gib']:.1f} GiB"
+    setting = setting_of(row)
+    return f"{row['tokens_per_s']:,.0f}{ratio}, {' / '.join(memory_cells(row))} GiB" + (
+        f", {setting}" if setting else ""
+    )
 
 
 def _ok_rows(record: dict) -> int:
@@ -170,7 +212,8 @@ def summarise_records(records: list[dict]) -> list[dict]:
 
 def render_summary(records: list[dict]) -> str:
     """Implementations side by side, one line per setting: tokens/s (ratio to HF + PEFT
-    in the same run), peak allocated GiB."""
+    in the same run), then peak GPU memory allocated / reserved and peak host memory in
+    GiB (``memory_cells``), and for a --best run the setting each ran in."""
     impls = ["slothkit", "hf", "liger", "unsloth"]
     names = {"slothkit": "slothkit", "hf": "HF + PEFT", "liger": "HF + Liger", "unsloth": "Unsloth"}
     lines = [
@@ -207,15 +250,17 @@ def _t4_cells(record: dict, row: dict) -> list[str]:
         mode=record["mode"],
         rank=record["rank"],
     )
-    measured = row.get("peak_allocated_gib")
-    error = f"{predicted.total_gib / measured - 1:+.0%}" if measured else "-"
+    allocated, reserved = row.get("peak_allocated_gib"), row.get("peak_reserved_gib")
+    error = f"{predicted.total_gib / reserved - 1:+.0%}" if reserved else "-"
     return [
         record["model"],
         record["mode"],
         f"{record['batch']} x {record['seq']}",
         row["impl"],
-        row["status"] if row["status"] != "ok" else f"{measured:.2f}",
-        f"{predicted.total_gib:.2f}",
+        row["status"]
+        if row["status"] != "ok"
+        else " / ".join(_figure(v, "{:.2f}") for v in (allocated, reserved)),
+        f"{predicted.allocated_gib:.2f} / {predicted.total_gib:.2f}",
         error,
     ]
 
@@ -227,9 +272,9 @@ def render_t4(records: list[dict]) -> str:
         "mode",
         "batch x seq",
         "implementation",
-        "measured peak GiB",
-        "planner GiB",
-        "planner error",
+        "measured peak GiB, allocated / reserved",
+        "planner GiB, allocated / reserved",
+        "planner error, reserved",
     ]
     return _table(columns, records, _t4_cells)
 
@@ -291,7 +336,7 @@ def readme_table(folder: Path = RESULTS) -> str:
     if t4:
         table += (
             "\n\nT4 stand-in (`slothkit bench train --t4`: fp16 under a 15 GiB cap, "
-            "4-bit, batch 1), measured peak against the memory planner's prediction "
+            "4-bit, batch 1), measured peaks against the memory planner's prediction "
             "(`slothkit plan MODEL --gpu t4`):\n\n" + render_t4(t4)
         )
     context = render_context(load_records(folder, "context"))

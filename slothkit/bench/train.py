@@ -20,8 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
 from slothkit.bench.shapes import SHAPES, shape_by_name
-from slothkit.bench.train_worker import CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
+from slothkit.bench.train_worker import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
 from slothkit.configuration import environment_defaults
 
 IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
@@ -110,6 +111,8 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
         command.append("--no-autocast")
     if getattr(args, "slothkit_checkpointing", "offload") != "offload":
         command += ["--slothkit-checkpointing", args.slothkit_checkpointing]
+    if getattr(args, "hf_checkpointing", "on") != "on":
+        command += ["--hf-checkpointing", args.hf_checkpointing]
     # Passed only when set, so that a source tree older than these flags still runs.
     for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--keep-sums", "keep_sums")):
         if getattr(args, key, "auto") != "auto":
@@ -165,18 +168,43 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             "training_gib",
             "loaded_gib",
             "host_rss_gib",
-            "final_loss",
+            "peak_host_gib",
             "cuda_graphs",
         ):
             if key in ok[0]:
-                row[key] = max(r[key] for r in ok) if key != "final_loss" else ok[-1][key]
+                row[key] = max(r[key] for r in ok)
+        for key in ("final_loss", "keep_sums", "recompute"):  # as the last run had them
+            if key in ok[-1]:
+                row[key] = ok[-1][key]
         row["losses"] = ok[-1]["losses"]
         rows.append(row)
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row that trained with its tokens/s relative to the HF + PEFT row's."""
     hf = next((r for r in rows if r["impl"] == "hf" and r["status"] == "ok"), None)
     for row in rows:
+        row.pop("vs_hf", None)
         if hf and row["status"] == "ok":
             row["vs_hf"] = row["tokens_per_s"] / hf["tokens_per_s"]
     return rows
+
+
+def summarise_best(results: dict[str, dict[str, list[dict]]], args, peak_tflops: float | None) -> list[dict]:
+    """--best: per implementation, the fastest setting that trained (slothkit.bench.best),
+    with the setting and every candidate's outcome."""
+    rows = []
+    for impl, by_setting in results.items():
+        candidates = {
+            name: summarise({impl: runs}, args, peak_tflops)[0] for name, runs in by_setting.items() if runs
+        }
+        if not candidates:
+            continue
+        name, row = fastest_that_fits(candidates)
+        candidates_kept = [candidate_summary(n, r) for n, r in candidates.items()]
+        rows.append({**row, "setting": name, "candidates": candidates_kept})
+    return with_ratios(rows)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -190,7 +218,7 @@ def format_table(rows: list[dict]) -> str:
         "peak GiB",
         "reserved",
         "above weights",
-        "host GiB",
+        "host peak GiB",
         "final loss",
     )
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
@@ -203,7 +231,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             " | ".join(
                 [
-                    r["impl"],
+                    r["impl"] + (f" ({r['setting']})" if r.get("setting") else ""),
                     status,
                     f("step_s", "{:.3f}"),
                     f("tokens_per_s", "{:,.0f}"),
@@ -212,7 +240,7 @@ def format_table(rows: list[dict]) -> str:
                     f("peak_allocated_gib", "{:.1f}"),
                     f("peak_reserved_gib", "{:.1f}"),
                     f("training_gib", "{:.1f}"),
-                    f("host_rss_gib", "{:.1f}"),
+                    f("peak_host_gib", "{:.1f}"),
                     f("final_loss", "{:.4f}"),
                 ]
             )
@@ -225,6 +253,7 @@ def run_train_bench(args) -> dict:
     apply_t4(args)
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     check_implementations(impls)
+    check_best(args)
     shape_by_name(args.model)
     import torch
 
@@ -237,7 +266,6 @@ def run_train_bench(args) -> dict:
     peak = None
     if torch.cuda.is_available():
         peak = run_worker("matmul-peak", args).get("tflops")
-    results: dict[str, list[dict]] = {impl: [] for impl in impls}
     record = {
         **environment(),
         "kind": "train",
@@ -248,7 +276,9 @@ def run_train_bench(args) -> dict:
         "slothkit_checkpointing": args.slothkit_checkpointing,
         "slothkit_cuda_graphs": args.cuda_graphs,
         "slothkit_keep_sums": args.keep_sums,
+        "hf_checkpointing": args.hf_checkpointing,
         "memory_gib": args.memory_gib,
+        "best": args.best,
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
@@ -257,26 +287,49 @@ def run_train_bench(args) -> dict:
         "repeats": args.repeats,
         "matmul_peak_tflops": peak,
     }
+    # One run per implementation and setting (a single one unless --best); repeats
+    # alternate the order so that drift of the GPU's clocks hits them alike.
     runs = [
-        (repeat, impl)
+        (repeat, impl, setting)
         for repeat in range(args.repeats)
         for impl in (impls if repeat % 2 == 0 else impls[::-1])
-    ]  # alternate to share drift
-    for done, (_repeat, impl) in enumerate(runs, 1):
+        for setting in (settings_for(impl) if args.best else (None,))
+    ]
+    results: dict[str, dict] = {impl: {} for impl in impls}
+    for done, (_repeat, impl, setting) in enumerate(runs, 1):
+        what = impl if setting is None else f"{impl} ({setting.name})"
         print(
-            f"[{done}/{len(runs)}] {impl} {args.model} {args.mode} {args.batch}x{args.seq} ...",
+            f"[{done}/{len(runs)}] {what} {args.model} {args.mode} {args.batch}x{args.seq} ...",
             file=sys.stderr,
             flush=True,
         )
-        results[impl].append(run_worker(impl, args))
+        run_args = args if setting is None else argparse.Namespace(**{**vars(args), **setting.flags})
+        results[impl].setdefault(None if setting is None else setting.name, []).append(
+            run_worker(impl, run_args)
+        )
         # Written after each run: a benchmark cut short keeps what it measured.
-        ran = {impl: runs_of_impl for impl, runs_of_impl in results.items() if runs_of_impl}
-        record.update(rows=summarise(ran, args, peak), raw=results)
-        write_record(args.output, record, pending=[f"{i} (repeat {r + 1})" for r, i in runs[done:]])
+        if args.best:
+            rows = summarise_best(results, args, peak)
+            raw = results
+        else:
+            ran = {impl: by_setting[None] for impl, by_setting in results.items() if by_setting}
+            rows, raw = summarise(ran, args, peak), ran
+        record.update(rows=rows, raw=raw)
+        pending = [(i if s is None else f"{i} ({s.name})") + f" (repeat {r + 1})" for r, i, s in runs[done:]]
+        write_record(args.output, record, pending=pending)
     print(format_table(record["rows"]))
     if args.output:
         print(f"record written to {args.output}", file=sys.stderr)
     return record
+
+
+def check_best(args) -> None:
+    """--best compares settings under a memory budget: it needs --memory-gib."""
+    if getattr(args, "best", False) and not args.memory_gib:
+        raise ValueError(
+            "--best runs each implementation in its fastest setting that fits a budget: give the "
+            "budget with --memory-gib B (for example --memory-gib 24 --best)"
+        )
 
 
 def write_record(output: str | None, record: dict, pending: list[str]) -> None:
@@ -327,10 +380,26 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--slothkit-checkpointing",
-        choices=["offload", "on"],
+        choices=list(CHECKPOINTING),
         default="offload",
         help="slothkit's checkpointing: layer inputs offloaded to pinned host memory "
-        "(default, what FastModel users get) or kept on the GPU (on)",
+        "(default, what FastModel users get), kept on the GPU (on), or auto: the layers that "
+        "fit --memory-gib (else the GPU's free memory) not checkpointed",
+    )
+    parser.add_argument(
+        "--hf-checkpointing",
+        choices=["on", "off"],
+        default="on",
+        help="HF + PEFT's and Liger's gradient checkpointing: on (default, non-reentrant, as "
+        "their notebooks set it) or off",
+    )
+    parser.add_argument(
+        "--best",
+        action="store_true",
+        help="with --memory-gib B: each implementation in its fastest setting that fits B "
+        "(HF + PEFT and Liger with and without gradient checkpointing, Unsloth its own, "
+        "slothkit use_gradient_checkpointing='auto'), one subprocess per setting; the "
+        "record keeps the setting chosen and every candidate",
     )
     parser.add_argument(
         "--cuda-graphs",
@@ -368,11 +437,13 @@ def apply_environment_defaults(args) -> None:
 
 
 def apply_t4(args) -> None:
-    """--t4: what a free Colab/Kaggle T4 offers: 15 GiB, no bf16, and so no layer CUDA
-    graphs in slothkit (off by default below compute capability 8.0) unless
-    --cuda-graphs (or SLOTHKIT_CUDA_GRAPHS) asks for them."""
+    """--t4: what a free Colab/Kaggle T4 offers: 15 GiB, no bf16, and so slothkit's
+    settings below compute capability 8.0: no layer CUDA graphs and no kept sums, unless
+    --cuda-graphs / --keep-sums (or their SLOTHKIT_* variables) ask for them."""
     if getattr(args, "t4", False):
         args.dtype = "fp16"
         args.memory_gib = min(args.memory_gib or 15.0, 15.0)
         if args.cuda_graphs == "auto":
             args.cuda_graphs = "off"
+        if args.keep_sums == "auto":
+            args.keep_sums = "off"

@@ -6,7 +6,10 @@ another's figures.  The worker prints one JSON line prefixed with RESULT_TAG.
 
 Every implementation trains the same thing: the model shape built with the same
 random weights (seeded), LoRA r=16 / alpha 16 on all seven projections, gradient
-checkpointing on, fused AdamW at lr 1e-4, the same random tokens each step.
+checkpointing on (unless --hf-checkpointing off, or slothkit's "auto"), fused AdamW at
+lr 1e-4, the same random tokens each step.  Memory is measured three ways: the peak
+allocated and the peak reserved on the GPU (torch's caching allocator; reserved is what
+runs out), and the peak resident host memory of the worker process.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import traceback
 
 import torch
 
+from slothkit.memory_model import MemoryBudgetError
+
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # The words of --cuda-graphs and --keep-sums -> FastModel.get_peft_model's keyword values.
 CUDA_GRAPHS = {"auto": None, "on": True, "off": False, "forward": "forward"}
 KEEP_SUMS = {"auto": None, "on": True, "off": False}
+# The words of --slothkit-checkpointing -> use_gradient_checkpointing.
+CHECKPOINTING = {"offload": "offload", "on": True, "auto": "auto"}
 
 
 def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, quantize_nf4: bool = False):
@@ -127,6 +134,10 @@ def prepare(
     checkpointing: str = "offload",
     cuda_graphs: str = "auto",
     keep_sums: str = "auto",
+    hf_checkpointing: str = "on",
+    memory_gib: float | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
 ):
     """Add LoRA and checkpointing the way each implementation's users do.
 
@@ -135,10 +146,17 @@ def prepare(
         model: the model from ``build_model``.
         rank: the LoRA rank (alpha is the same).
         checkpointing: slothkit's use_gradient_checkpointing: "offload" (default, what
-            its users get) or "on" (plain checkpointing, the layer inputs kept on the GPU).
+            its users get), "on" (plain checkpointing, the layer inputs kept on the GPU)
+            or "auto" (the layers that fit ``memory_gib`` not checkpointed).
         cuda_graphs: slothkit's cuda_graphs, as a word of ``CUDA_GRAPHS`` (default
             "auto": FastModel.get_peft_model chooses).
         keep_sums: slothkit's keep_sums, as a word of ``KEEP_SUMS`` (default "auto").
+        hf_checkpointing: HF + PEFT's and Liger's gradient checkpointing, "on" (default,
+            non-reentrant, as their notebooks set it) or "off".
+        memory_gib: with checkpointing "auto", the budget (max_memory); None: the GPU's
+            free memory.
+        batch: with checkpointing "auto", the batch size it decides for.
+        seq: with checkpointing "auto", the sequence length it decides for.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -153,8 +171,9 @@ def prepare(
                 r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
             ),
         )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        if hf_checkpointing == "on":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
         model.config.use_cache = False
         model.train()  # from_config/from_pretrained return eval mode, which skips checkpointing
         return model
@@ -164,7 +183,10 @@ def prepare(
         from slothkit.models import architecture_for
 
         patch_decoder(model, architecture_for(model.config))
-        mode = {"offload": "offload", "on": True}[checkpointing]
+        mode = CHECKPOINTING[checkpointing]
+        auto = {}
+        if mode == "auto":
+            auto = {"max_memory": memory_gib, "batch_size": batch, "max_seq_length": seq}
         return FastModel.get_peft_model(
             model,
             r=rank,
@@ -172,6 +194,7 @@ def prepare(
             use_gradient_checkpointing=mode,
             cuda_graphs=CUDA_GRAPHS[cuda_graphs],
             keep_sums=KEEP_SUMS[keep_sums],
+            **auto,
         )
     raise ValueError(f"unknown implementation {impl!r}")
 
@@ -183,6 +206,42 @@ def layer_graphs_of(model):
         if graphs is not None:
             return graphs
     return None
+
+
+def slothkit_settings(model) -> dict:
+    """What slothkit's run used: how many layer graphs it replayed (0: none, or graphs
+    off), whether the layers kept their sums, and use_gradient_checkpointing="auto"'s
+    choice for the step (layers kept, budget, predicted peak reserved)."""
+    graphs = layer_graphs_of(model)
+    settings = {"cuda_graphs": len(graphs.graphs) if graphs is not None and graphs.enabled else 0}
+    for module in model.modules():
+        checkpointer = getattr(module, "_gradient_checkpointing_func", None)
+        if hasattr(checkpointer, "keeps"):
+            settings["keep_sums"] = checkpointer.keeps
+            break
+    for module in model.modules():
+        policy = getattr(module, "_slothkit_recompute_policy", None)
+        if policy is not None and policy.choice is not None:
+            choice = policy.choice
+            settings["recompute"] = {
+                "kept_layers": choice.kept,
+                "layers": choice.layers,
+                "tokens": choice.tokens,
+                "budget_gib": choice.budget_bytes / 2**30,
+                "predicted_peak_gib": choice.peak_bytes / 2**30,
+            }
+    return settings
+
+
+def peak_host_bytes() -> int | None:
+    """The process's peak resident memory (Linux's VmHWM), pinned host buffers included;
+    None where the platform does not say."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def matmul_peak_tflops() -> float:
@@ -275,7 +334,16 @@ def run(args) -> dict:
         else:
             loaded = 0
         model = prepare(
-            args.impl, model, args.rank, args.slothkit_checkpointing, args.cuda_graphs, args.keep_sums
+            args.impl,
+            model,
+            args.rank,
+            args.slothkit_checkpointing,
+            args.cuda_graphs,
+            args.keep_sums,
+            args.hf_checkpointing,
+            args.memory_gib,
+            args.batch,
+            args.seq,
         )
 
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -313,9 +381,8 @@ def run(args) -> dict:
         "final_loss": losses[-1],
         "loaded_gib": loaded / 2**30,
     }
-    if args.impl == "slothkit":  # how many layer graphs it replayed (0: none, or graphs off)
-        graphs = layer_graphs_of(model)
-        result["cuda_graphs"] = len(graphs.graphs) if graphs is not None and graphs.enabled else 0
+    if args.impl == "slothkit":
+        result.update(slothkit_settings(model))
     if device == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -323,9 +390,12 @@ def run(args) -> dict:
     try:
         import psutil
 
-        result["host_rss_gib"] = psutil.Process().memory_info().rss / 2**30
+        result["host_rss_gib"] = psutil.Process().memory_info().rss / 2**30  # at the end
     except ImportError:
         pass
+    peak_host = peak_host_bytes()
+    if peak_host is not None:
+        result["peak_host_gib"] = peak_host / 2**30
     return result
 
 
@@ -343,7 +413,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--memory-gib", type=float, default=None)
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--slothkit-checkpointing", choices=["offload", "on"], default="offload")
+    parser.add_argument("--slothkit-checkpointing", choices=list(CHECKPOINTING), default="offload")
+    parser.add_argument("--hf-checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto")
     parser.add_argument("--keep-sums", choices=list(KEEP_SUMS), default="auto")
     args = parser.parse_args(argv)
@@ -351,6 +422,8 @@ def main(argv=None) -> int:
         result = run(args)
     except torch.cuda.OutOfMemoryError as error:
         result = {"status": "out of memory", "error": str(error).splitlines()[0]}
+    except MemoryBudgetError as error:  # "auto" predicted that not even full offload fits
+        result = {"status": "out of memory", "error": f"refused before training: {error}"}
     except ImportError as error:
         result = {"status": "skipped", "error": f"not importable: {error}"}
     except Exception as error:  # reported in the table; the other implementations still run

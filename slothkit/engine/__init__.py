@@ -6,5 +6,7 @@
 - decoder, decoder_layer: the decoder glue, written once for every architecture record
   in slothkit.models, patched onto the model instance.
 - offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory.
+- recompute_policy: use_gradient_checkpointing="auto", which layers keep their activations
+  under a memory budget (slothkit.memory_model's arithmetic).
 - layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing.
 """

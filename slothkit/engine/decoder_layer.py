@@ -24,7 +24,10 @@ the attention module as transformers does.
 Checkpointing: transformers (5.2x and later) checkpoints the class's ``forward`` through
 a wrapper, which this instance method replaces; so where the class is wrapped that way
 this forward checkpoints itself as the wrapper would.  Older versions checkpoint in
-``__call__``, around this forward.
+``__call__``, around this forward.  Either way each layer reads its own
+``gradient_checkpointing`` flag at every call, so checkpointing is chosen per layer:
+use_gradient_checkpointing="auto" (slothkit.engine.recompute_policy) clears it on the
+layers whose activations fit the memory budget.
 """
 
 from __future__ import annotations

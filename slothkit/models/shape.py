@@ -45,3 +45,27 @@ class Shape:
         o = self.num_attention_heads * head_dim * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
         return self.num_hidden_layers * (q + kv + o + mlp) + self.vocab_size * self.hidden_size
+
+
+def shape_from_config(config) -> Shape:
+    """A Shape read off a transformers config (for checkpoints the bench does not name).
+
+    Args:
+        config: a transformers config, or anything with its attributes (config.json's
+            fields as a namespace).
+    """
+    extra = {}
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+        extra["head_dim"] = head_dim
+    return Shape(
+        config.model_type,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        config.vocab_size,
+        getattr(config, "max_position_embeddings", 0),
+        extra,
+    )

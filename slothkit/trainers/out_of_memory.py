@@ -60,14 +60,16 @@ def out_of_memory_advice(args, model, error) -> str:
         suggested = None
     if suggested is not None and suggested.gpu_gib:
         lines.append(
-            f"The memory planner predicts {suggested.total_gib:.1f} GiB for batch {suggested.batch} x "
+            f"The memory planner predicts {suggested.total_gib:.1f} GiB (reserved, every layer offloaded) "
+            f"for batch {suggested.batch} x "
             f"{suggested.seq} tokens on this {suggested.gpu_gib:.0f} GiB GPU "
             f"(slothkit plan; its notes: {'; '.join(suggested.notes) or 'none'})."
         )
     lines.append(
         "To fit: lower per_device_train_batch_size and raise gradient_accumulation_steps by the same "
         "factor (the effective batch stays), or lower max_length; load the model with "
-        "load_in_4bit=True; keep use_gradient_checkpointing='offload' in FastModel.get_peft_model; "
+        "load_in_4bit=True; use use_gradient_checkpointing='offload' in FastModel.get_peft_model (with 'auto', "
+        "give it a lower max_memory=); "
         "close other processes on the GPU. The original error: " + str(error).splitlines()[0]
     )
     return "\n".join(lines)

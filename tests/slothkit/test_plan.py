@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from slothkit.bench.shapes import shape_by_name
+from slothkit.memory_model import GIB, TrainingMemory, lora_bytes
 from slothkit.plan import plan
 
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "bench"
@@ -15,6 +17,7 @@ def _measured():
         record = json.loads(path.read_text())
         if record.get("kind") != "train":
             continue
+        record["_file"] = path.name
         for row in record["rows"]:
             if row["impl"] == "slothkit" and row["status"] == "ok":
                 yield record, row
@@ -23,13 +26,21 @@ def _measured():
 MEASURED = list(_measured())
 
 
-@pytest.mark.parametrize(
-    "record,row", MEASURED, ids=[f"{r['model']}-{r['mode']}-{r['batch']}x{r['seq']}" for r, _ in MEASURED]
-)
-def test_prediction_within_15_percent_of_measured_peak(record, row):
-    # `bench --t4` runs (fp16 under a 15 GiB cap) are checked as the notebooks use the
-    # planner on a T4: it must also say the run fits and pick fp16.
+# Built in 16 bits on the GPU and quantised there (the bench's builder before it streamed
+# the NF4 build): the freed 16-bit blocks stay reserved, which no training run holds.
+BUILT_IN_16_BITS = {"h200-2026-11-30-mistral-7b-qlora-1056utc.json"}
+
+
+def _predicted(record, row):
+    """The planner's prediction for the record's setting, and the peaks (GiB) the memory
+    model predicts for the layers the run kept.  `bench --t4` runs (fp16 under a 15 GiB
+    cap) are predicted as the notebooks use the planner on a T4.  CUDA graphs as the run
+    replayed them; kept sums as recorded, else as the default had them when the run was
+    made (on for this GPU since 2026-12-01); layers kept as use_gradient_checkpointing=
+    "auto" chose them (none before it, or with "offload")."""
     t4 = record["dtype"] == "fp16" and record.get("memory_gib") == 15
+    graphs = bool(row.get("cuda_graphs"))
+    keep_sums = row.get("keep_sums", not t4 and record["date"] >= "2026-12-01")
     predicted = plan(
         record["model"],
         gpu="t4" if t4 else "h200",
@@ -37,13 +48,51 @@ def test_prediction_within_15_percent_of_measured_peak(record, row):
         batch=record["batch"],
         mode=record["mode"],
         rank=record["rank"],
+        cuda_graphs=graphs,
+        keep_sums=keep_sums,
     )
+    shape = shape_by_name(record["model"])
+    memory = TrainingMemory(
+        shape,
+        record["mode"],
+        lora_bytes(shape, record["rank"]),
+        record["rank"],
+        cuda_graphs=graphs,
+        keep_sums=keep_sums,
+    )
+    tokens, kept = record["batch"] * record["seq"], row.get("recompute", {}).get("kept_layers", 0)
+    return t4, predicted, memory.allocated(tokens, kept) / GIB, memory.reserved(tokens, kept) / GIB
+
+
+@pytest.mark.parametrize(
+    "record,row", MEASURED, ids=[f"{r['model']}-{r['mode']}-{r['batch']}x{r['seq']}" for r, _ in MEASURED]
+)
+def test_prediction_within_6_percent_of_measured_allocated_peak(record, row):
+    t4, predicted, allocated, _ = _predicted(record, row)
     # Weights are computed, not fitted: they must match what was allocated after loading.
     assert predicted.weights_gib == pytest.approx(row["loaded_gib"], rel=0.03)
-    assert predicted.total_gib == pytest.approx(row["peak_allocated_gib"], rel=0.15)
+    assert allocated == pytest.approx(row["peak_allocated_gib"], rel=0.06)
     if t4:
         assert predicted.fits and predicted.dtype == "fp16"
         assert (predicted.batch, predicted.seq) == (record["batch"], record["seq"])
+
+
+@pytest.mark.parametrize(
+    "record,row", MEASURED, ids=[f"{r['model']}-{r['mode']}-{r['batch']}x{r['seq']}" for r, _ in MEASURED]
+)
+def test_reserved_prediction_is_on_the_safe_side_of_the_measured_peak(record, row):
+    """Reserved memory is what runs out; the prediction may sit above it (the graphs' pool
+    was smaller before kept sums), but never more than 3 % below.  A run of "auto" also
+    predicted it itself, from the loaded model: the same figure."""
+    if record["_file"] in BUILT_IN_16_BITS:
+        pytest.skip("reserved holds the 16-bit build's freed blocks")
+    _, predicted, _, reserved = _predicted(record, row)
+    assert 0.97 <= reserved / row["peak_reserved_gib"] <= 1.2
+    if "recompute" not in row:
+        assert reserved == pytest.approx(predicted.total_gib)
+    else:
+        assert row["recompute"]["predicted_peak_gib"] == pytest.approx(reserved, rel=1e-3)
+        assert record["memory_gib"] is None or row["peak_reserved_gib"] <= record["memory_gib"]
 
 
 def test_small_gpu_lowers_batch_then_sequence():
@@ -87,3 +136,31 @@ def test_sizes_that_are_not_positive_are_refused(kwargs, message):
 
 def test_gpu_names_are_case_insensitive():
     assert plan("llama-3-8b", gpu="T4").gpu_gib == plan("llama-3-8b", gpu="t4").gpu_gib == 15.0
+
+
+def test_auto_keeps_the_most_layers_the_budget_allows():
+    """The plan's "auto" line: the predicted peak of the chosen split is within the budget,
+    and a budget just below it keeps one layer fewer."""
+    result = plan("llama-3-8b", gpu="h100", mode="lora", max_memory=24)
+    choice = result.recompute
+    assert result.fits and result.budget_gib == 24.0 and 0 < choice.kept < 32
+    assert choice.peak_bytes <= 24 * 2**30 and choice.offloaded == 32 - choice.kept
+    tighter = plan("llama-3-8b", gpu="h100", mode="lora", max_memory=choice.peak_bytes / 2**30 - 1e-9)
+    assert tighter.recompute.kept == choice.kept - 1
+    assert choice.notice() in result.report()
+    roomy = plan("llama-3-8b", gpu="h200", mode="qlora")
+    assert roomy.recompute.kept == 32 and roomy.budget_gib == pytest.approx((141.0 - 0.5) * 0.95)
+
+
+def test_70b_qlora_on_an_80_gib_gpu():
+    result = plan("llama-3-70b", gpu="a100-80", seq=4096, batch=1, mode="qlora")
+    # 70.6 billion parameters, 69.5 of them in the projections at about 0.52 bytes each.
+    assert 36 < result.weights_gib < 38
+    assert result.fits and result.batch == 1 and result.seq == 4096
+    assert 0 <= result.recompute.kept < 80
+
+
+def test_a_budget_below_the_least_the_step_needs_is_said():
+    result = plan("llama-3-8b", gpu="t4", mode="qlora", batch=1, seq=256, max_memory=4)
+    assert result.fits is False and result.recompute is None
+    assert any("do not fit in 4.0 GiB" in note for note in result.notes)

@@ -105,10 +105,10 @@ def test_summary_shows_the_latest_run_and_an_earlier_fuller_one(tmp_path):
         "`results/bench/d.json`",
     ]
     assert (
-        "| 1,600 (1.60x), 5.0 GiB | 1,000 (1.00x), 5.0 GiB | 1,150 (1.15x), 5.0 GiB | not in this run |"
-        in lines[0]
+        "| 1,600 (1.60x), 5.0 / \u2014 / \u2014 GiB | 1,000 (1.00x), 5.0 / \u2014 / \u2014 GiB "
+        "| 1,150 (1.15x), 5.0 / \u2014 / \u2014 GiB | not in this run |" in lines[0]
     )
-    assert "| 1,700 (1.70x), 5.0 GiB |" in lines[1] and lines[1].endswith(
+    assert "| 1,700 (1.70x), 5.0 / \u2014 / \u2014 GiB |" in lines[1] and lines[1].endswith(
         "| not in this run | error | `results/bench/c.json` |"
     )
     assert "| 2026-01-01 12:00 |" in lines[1]
@@ -138,7 +138,10 @@ def test_settings_and_context_records_are_shown(tmp_path):
         pending=["liger"],
     )
     table = readme_table(tmp_path)
-    assert "qlora (bf16, no autocast, 15 GiB cap)" in table and "| 1,234 (1.00x), 3.0 GiB |" in table
+    assert (
+        "qlora (bf16, no autocast, 15 GiB cap)" in table
+        and "| 1,234 (1.00x), 3.0 / \u2014 / \u2014 GiB |" in table
+    )
     context = render_context(load_records(tmp_path, "context"))
     lines = context.splitlines()[2:]
     assert "| 65,536 | 73,728 |" in lines[0]
@@ -156,6 +159,7 @@ def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
         "status": "ok",
         "tokens_per_s": 5000.0,
         "peak_allocated_gib": 6.5,
+        "peak_reserved_gib": 7.0,
         "training_gib": 1.2,
         "final_loss": 2.5,
     }
@@ -182,8 +186,9 @@ def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
     table = readme_table(tmp_path)
     speed, t4 = table.split("T4 stand-in", 1)
     assert "9,876" in speed and "5,000" not in speed
-    predicted = plan("llama-3-8b", gpu="t4", seq=2048, batch=1, mode="qlora", rank=16).total_gib
-    assert f"| 6.50 | {predicted:.2f} | {predicted / 6.5 - 1:+.0%} |" in t4
+    predicted = plan("llama-3-8b", gpu="t4", seq=2048, batch=1, mode="qlora", rank=16)
+    allocated, reserved = predicted.allocated_gib, predicted.total_gib
+    assert f"| 6.50 / 7.00 | {allocated:.2f} / {reserved:.2f} | {reserved / 7.0 - 1:+.0%} |" in t4
 
 
 def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp_path):
@@ -199,3 +204,38 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
     lines = [line for line in generation.splitlines() if line.startswith("| GPU X")]
     assert "| 1 | 90.5 (10.00x) | 9.1 (1.00x) | not in this run | 0.110 / 0.100 |" in lines[0]
     assert "| 8 | 600.0 (7.50x) | out of memory | not in this run | - |" in lines[1]
+
+
+def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tmp_path):
+    """Records since reserved and host memory were kept show all three figures; older
+    ones an em dash where they lack one."""
+    full = {**_ok("slothkit", 2000.0), "peak_reserved_gib": 7.25, "peak_host_gib": 3.04}
+    old = {**_ok("hf", 1000.0), "host_rss_gib": 1.6}  # at the end of the run, not its peak
+    _record(tmp_path, "m.json", kind="train", date="2026-01-02T10:00:00", batch=2, seq=2048, rows=[full, old])
+    summary = render_summary(load_records(tmp_path))
+    assert "| 2,000 (2.00x), 5.0 / 7.2 / 3.0 GiB | 1,000 (1.00x), 5.0 / \u2014 / \u2014 GiB |" in summary
+    every = render(load_records(tmp_path)).splitlines()
+    assert "allocated GiB | reserved GiB | host GiB |" in every[0]
+    assert "| slothkit | 2,000 | 2.00x | 5.0 | 7.2 | 3.0 |" in every[2]
+    assert "| hf | 1,000 | 1.00x | 5.0 | \u2014 | \u2014 |" in every[3]
+
+
+def test_a_best_run_shows_the_budget_and_each_implementation_s_setting(tmp_path):
+    rows = [
+        {
+            **_ok("slothkit", 2100.0),
+            "setting": "use_gradient_checkpointing='auto'",
+            "recompute": {"kept_layers": 22, "layers": 32},
+        },
+        {**_ok("hf", 1000.0), "setting": "no gradient checkpointing"},
+    ]
+    _record(tmp_path, "best.json", kind="train", batch=2, seq=2048, memory_gib=40.0, best=True, rows=rows)
+    summary = render_summary(load_records(tmp_path))
+    assert "qlora (bf16, each at its fastest under 40 GiB)" in summary
+    assert (
+        "2,100 (2.10x), 5.0 / \u2014 / \u2014 GiB, use_gradient_checkpointing='auto', 22 of 32 layers kept"
+        in summary
+    )
+    assert "1,000 (1.00x), 5.0 / \u2014 / \u2014 GiB, no gradient checkpointing |" in summary
+    every = render(load_records(tmp_path))
+    assert "| hf (no gradient checkpointing) | 1,000 |" in every

@@ -77,6 +77,10 @@ def test_tiny_run_writes_a_record(tmp_path, capsys):
     graphs = 2 * SHAPES["tiny-llama"].num_hidden_layers if on else 0
     assert rows["slothkit"]["cuda_graphs"] == graphs
     assert "cuda_graphs" not in rows["hf"]
+    assert rows["slothkit"]["keep_sums"] is on and "keep_sums" not in rows["hf"]
+    # Host memory: the worker's peak resident set, which holds at least torch itself.
+    for impl in ("slothkit", "hf"):
+        assert 0.1 < rows[impl]["peak_host_gib"] < 64
     # A peer that is not installed is reported, never faked.
     assert rows["unsloth"]["status"] in ("skipped", "error")
     assert record["versions"]["torch"] and record["command"].startswith("slothkit")
@@ -382,7 +386,153 @@ def test_t4_stand_in_runs_slothkit_as_on_a_t4(monkeypatch):
     assert (args.dtype, args.memory_gib) == ("fp16", 15.0)
     assert args.cuda_graphs == "off"
     assert "SLOTHKIT_CUDA_GRAPHS" not in os.environ  # an argument for the workers, not a variable
+    assert args.keep_sums == "off"  # as below compute capability 8.0
     assert t4_args("on").cuda_graphs == "on"  # an explicit setting wins
     monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")  # also one made through the variable
     assert t4_args().cuda_graphs == "on"
     assert os.environ["SLOTHKIT_CUDA_GRAPHS"] == "1"
+
+
+def test_the_worker_hands_auto_its_budget_and_step_and_turns_hf_checkpointing_off(monkeypatch):
+    from slothkit import FastModel
+    from slothkit.bench.train_worker import prepare
+
+    seen = []
+    monkeypatch.setattr(FastModel, "get_peft_model", lambda model, **kwargs: seen.append(kwargs))
+    model = build_model("tiny-llama", torch.float32, "cpu", seed=0)
+    prepare("slothkit", model, 4, checkpointing="auto", memory_gib=24.0, batch=2, seq=2048)
+    prepare("slothkit", model, 4)  # offload: no budget passed
+    assert seen[0]["use_gradient_checkpointing"] == "auto"
+    assert (seen[0]["max_memory"], seen[0]["batch_size"], seen[0]["max_seq_length"]) == (24.0, 2, 2048)
+    assert seen[1]["use_gradient_checkpointing"] == "offload" and "max_memory" not in seen[1]
+    for setting, checkpointed in (("on", True), ("off", False)):
+        peft = prepare(
+            "hf", build_model("tiny-llama", torch.float32, "cpu", seed=0), 4, hf_checkpointing=setting
+        )
+        assert peft.is_gradient_checkpointing is checkpointed and peft.training
+
+
+def _fake_workers(monkeypatch, outcomes):
+    """Replace the worker processes: outcomes(impl, args) -> the worker's result; the
+    calls are recorded as (impl, hf_checkpointing, slothkit_checkpointing, memory_gib)."""
+    import slothkit.bench.train as train
+
+    calls = []
+
+    def worker(impl, args, extra_env=None):
+        calls.append((impl, args.hf_checkpointing, args.slothkit_checkpointing, args.memory_gib))
+        return outcomes(impl, args)
+
+    monkeypatch.setattr(train, "run_worker", worker)
+    return calls
+
+
+def _ran(step_s, **extra):
+    return {"status": "ok", "step_s": step_s, "losses": [2.0], "final_loss": 2.0, **extra}
+
+
+def test_best_runs_every_setting_once_and_keeps_the_fastest_that_fits(tmp_path, monkeypatch):
+    """--memory-gib B --best: HF and Liger with and without checkpointing, Unsloth its
+    own way, slothkit "auto" with max_memory=B, one worker each; the fastest that trained
+    is the row, recorded with its setting, every candidate, and its ratio to HF's best."""
+
+    def outcomes(impl, args):
+        if impl == "hf":  # without checkpointing it does not fit
+            if args.hf_checkpointing == "off":
+                return {"status": "out of memory", "error": "CUDA out of memory"}
+            return _ran(1.0)
+        if impl == "liger":  # both fit: the faster is without
+            return _ran(0.5 if args.hf_checkpointing == "off" else 0.8)
+        if impl == "unsloth":
+            return {"status": "out of memory", "error": "CUDA out of memory"}
+        return _ran(0.4, recompute={"kept_layers": 22, "layers": 32})
+
+    calls = _fake_workers(monkeypatch, outcomes)
+    output = tmp_path / "best.json"
+    command = [
+        "bench",
+        "train",
+        "--model",
+        "tiny-llama",
+        "--seq",
+        "16",
+        "--impl",
+        "slothkit,hf,liger,unsloth",
+    ]
+    assert main([*command, "--memory-gib", "24", "--best", "--output", str(output)]) == 0
+    assert calls == [
+        ("slothkit", "on", "auto", 24.0),
+        ("hf", "on", "offload", 24.0),
+        ("hf", "off", "offload", 24.0),
+        ("liger", "on", "offload", 24.0),
+        ("liger", "off", "offload", 24.0),
+        ("unsloth", "on", "offload", 24.0),
+    ]
+    record = json.loads(output.read_text())
+    assert record["best"] is True and record["memory_gib"] == 24.0 and "pending" not in record
+    rows = {row["impl"]: row for row in record["rows"]}
+    assert rows["hf"]["setting"] == "gradient checkpointing" and rows["hf"]["vs_hf"] == pytest.approx(1.0)
+    assert rows["liger"]["setting"] == "no gradient checkpointing"
+    assert rows["liger"]["vs_hf"] == pytest.approx(2.0)
+    assert rows["slothkit"]["setting"] == "use_gradient_checkpointing='auto'"
+    assert (
+        rows["slothkit"]["vs_hf"] == pytest.approx(2.5) and rows["slothkit"]["recompute"]["kept_layers"] == 22
+    )
+    assert rows["unsloth"]["status"] == "out of memory" and "vs_hf" not in rows["unsloth"]
+    assert [(c["setting"], c["status"]) for c in rows["hf"]["candidates"]] == [
+        ("gradient checkpointing", "ok"),
+        ("no gradient checkpointing", "out of memory"),
+    ]
+    assert [c["tokens_per_s"] for c in rows["liger"]["candidates"]] == [
+        pytest.approx(40.0),
+        pytest.approx(64.0),
+    ]
+
+
+def test_fastest_that_fits_picks_among_the_runs_that_trained():
+    from slothkit.bench.best import fastest_that_fits
+
+    oom = {"status": "out of memory", "error": "CUDA out of memory"}
+    assert fastest_that_fits({"a": {"status": "ok", "tokens_per_s": 5.0}, "b": oom}) == (
+        "a",
+        {"status": "ok", "tokens_per_s": 5.0},
+    )
+    assert (
+        fastest_that_fits(
+            {"a": {"status": "ok", "tokens_per_s": 5.0}, "b": {"status": "ok", "tokens_per_s": 7.0}}
+        )[0]
+        == "b"
+    )
+    error = {"status": "error", "error": "boom"}
+    assert fastest_that_fits({"a": oom, "b": error}) == ("a", oom)  # none fit: the first says why
+
+
+def test_best_needs_a_budget(capsys):
+    assert main(["bench", "train", "--model", "tiny-llama", "--impl", "hf", "--best"]) == 2
+    assert (
+        "--best runs each implementation in its fastest setting that fits a budget" in capsys.readouterr().err
+    )
+
+
+def test_a_setting_reaches_the_worker_as_a_flag(tmp_path, monkeypatch):
+    commands = _check_switch(
+        tmp_path, monkeypatch, ["--slothkit-checkpointing", "auto"], "auto", "slothkit_checkpointing", "auto"
+    )
+    assert all("--hf-checkpointing" not in command for command in commands)
+
+
+def test_a_budget_auto_cannot_meet_is_reported_as_out_of_memory(capsys):
+    """slothkit's "auto" refuses a step that does not fit even fully offloaded before it
+    trains: the row says out of memory, with the least it needs, as a peer's would."""
+    from slothkit.bench.train_worker import RESULT_TAG
+    from slothkit.bench.train_worker import main as worker_main
+
+    arguments = ["--impl", "slothkit", "--model", "tiny-llama", "--dtype", "fp32", "--seq", "16"]
+    arguments += ["--steps", "1", "--warmup", "0", "--slothkit-checkpointing", "auto", "--memory-gib", "0.1"]
+    assert worker_main(arguments) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(RESULT_TAG))
+    result = json.loads(line[len(RESULT_TAG) :])
+    assert result["status"] == "out of memory"
+    assert result["error"].startswith(
+        "refused before training: training at 32 tokens per step needs at least"
+    )

@@ -1,0 +1,235 @@
+"""use_gradient_checkpointing="auto" under a fake GPU memory budget (the free memory
+query replaced, so that it runs on a CPU): which layers it keeps, what it says, that it
+trains exactly as full checkpointing and none do, and that `slothkit plan` predicts the
+same choice.  On a GPU the same tests run there (with layer graphs for 4-bit models)."""
+
+import warnings
+
+import pytest
+import torch
+
+from slothkit import FastModel
+from slothkit.engine import recompute_policy
+from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
+from slothkit.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
+from slothkit.testing import build_tiny_model
+
+LAYERS = 4
+BATCH, SEQ = 2, 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"), num_layers=LAYERS)
+
+
+def _model(path, mode, dtype=torch.float32, load_in_4bit=False, **kwargs):
+    model, _ = FastModel.from_pretrained(str(path), dtype=dtype, load_in_4bit=load_in_4bit, fused=True)
+    return FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=mode, **kwargs)
+
+
+def _layers(model):
+    return model.get_base_model().model.layers
+
+
+def _ids(vocab, seq=SEQ, seed=0):
+    return torch.randint(3, vocab, (BATCH, seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _memory_of(model):
+    """The TrainingMemory "auto" predicts with for this model."""
+    return training_memory(model.get_base_model(), model, _layers(model)[0]._gradient_checkpointing_func)
+
+
+@pytest.fixture
+def memory(tiny_path, reference_kernels):
+    return _memory_of(_model(tiny_path, "offload"))
+
+
+@pytest.fixture
+def free_memory(monkeypatch):
+    """Set the GPU memory free for this process, as ``free_bytes`` would report it."""
+
+    def set_free(free):
+        monkeypatch.setattr(recompute_policy, "free_bytes", lambda device: free)
+
+    return set_free
+
+
+def _free_for(memory, kept, tokens=BATCH * SEQ):
+    """A free memory whose default budget keeps exactly ``kept`` layers."""
+    between = (memory.reserved(tokens, kept) + memory.reserved(tokens, kept + 1)) / 2
+    return between / (1 - BUDGET_MARGIN)
+
+
+def _train(model, ids, steps=3):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_kept_layers_grow_with_the_budget(tiny_path, memory, free_memory):
+    """The first forward decides: none kept at the least the step needs, all at plenty,
+    the count never falling as the budget grows; the last layers are the kept ones."""
+    ids = _ids(memory.shape.vocab_size)
+    tokens = BATCH * SEQ
+    least, most = memory.reserved(tokens, 0), memory.reserved(tokens, LAYERS)
+    kept = []
+    frees = [least * (1 + 1e-9) / (1 - BUDGET_MARGIN)] + [_free_for(memory, k) for k in range(LAYERS)]
+    for free in frees + [10 * most]:
+        free_memory(free)
+        model = _model(tiny_path, "auto")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecomputeNotice)
+            model(input_ids=ids, labels=ids)
+        flags = [layer.gradient_checkpointing for layer in _layers(model)]
+        kept.append(flags.count(False))
+        assert flags == [True] * (LAYERS - kept[-1]) + [False] * kept[-1]
+    assert kept == [0, 0, 1, 2, 3, LAYERS]
+
+
+def test_the_notice_says_what_was_chosen(tiny_path, memory, free_memory):
+    free_memory(_free_for(memory, 2))
+    model = _model(tiny_path, "auto")
+    budget = _free_for(memory, 2) * (1 - BUDGET_MARGIN)
+    peak = memory.reserved(BATCH * SEQ, 2)
+    expected = (
+        f"slothkit: use_gradient_checkpointing='auto' keeps 2 of {LAYERS} layers' activations at "
+        f"{BATCH * SEQ:,} tokens per step (budget {budget / GIB:.1f} GiB, predicted peak "
+        f"{peak / GIB:.1f} GiB), offloads 2"
+    )
+    ids = _ids(memory.shape.vocab_size)
+    with pytest.warns(RecomputeNotice) as said:
+        model(input_ids=ids, labels=ids)
+    assert [str(w.message) for w in said] == [expected]
+
+
+def test_decided_at_the_first_training_step_and_again_for_longer_ones(tiny_path, memory, free_memory):
+    longer = 2 * BATCH * SEQ  # a budget that keeps one layer at this many tokens
+    free_memory(_free_for(memory, 1, tokens=longer))
+    model = _model(tiny_path, "auto")
+    policy = _layers(model)[0]._slothkit_recompute_policy
+    vocab = memory.shape.vocab_size
+    assert policy.choice is None  # nothing decided before a step
+    with torch.no_grad():
+        model(input_ids=_ids(vocab))
+    assert policy.choice is None  # nor by a forward without gradients
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", RecomputeNotice)
+        model(input_ids=_ids(vocab), labels=_ids(vocab))
+        first = policy.choice
+        model(input_ids=_ids(vocab, seq=SEQ // 2), labels=_ids(vocab, seq=SEQ // 2))
+        assert policy.choice is first and first.tokens == BATCH * SEQ and first.kept > 1
+        model(input_ids=_ids(vocab, seq=2 * SEQ), labels=_ids(vocab, seq=2 * SEQ))
+    assert policy.choice == memory.recompute_choice(longer, policy.budget) and policy.choice.kept == 1
+    assert [layer.gradient_checkpointing for layer in _layers(model)] == [True] * (LAYERS - 1) + [False]
+    assert len(said) == 2 and f"keeps 1 of {LAYERS} layers' activations at {longer:,}" in str(said[1].message)
+
+
+def test_a_batch_size_decides_at_once_and_a_budget_too_small_names_the_least(tiny_path, memory, free_memory):
+    free_memory(_free_for(memory, 3))
+    with pytest.warns(RecomputeNotice, match=f"keeps 3 of {LAYERS} layers"):
+        model = _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ)
+    assert [layer.gradient_checkpointing for layer in _layers(model)] == [True, False, False, False]
+    least = memory.reserved(BATCH * SEQ, 0)
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {least / GIB:.2f} GiB") as error:
+        _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_memory=least - 1)
+    assert error.value.minimum_bytes == least
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+def test_auto_trains_as_full_checkpointing_and_none_do(
+    tiny_path, reference_kernels, free_memory, mlp_calls, load_in_4bit
+):
+    """Two layers kept, two offloaded: the same losses, step for step, as every layer
+    offloaded and as none checkpointed; only the offloaded ones are re-run."""
+    offloaded = _model(tiny_path, "offload", load_in_4bit=load_in_4bit)
+    memory = _memory_of(offloaded)
+    ids = _ids(memory.shape.vocab_size)
+    losses = {}
+    for mode in (False, "offload", "auto"):
+        free_memory(_free_for(memory, 2))
+        model = offloaded if mode == "offload" else _model(tiny_path, mode, load_in_4bit=load_in_4bit)
+        mlp_calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecomputeNotice)
+            losses[mode] = _train(model, ids)
+        reruns = {False: 0, "offload": LAYERS, "auto": 2}[mode]
+        step = [False] * LAYERS + [True] * reruns
+        # Layer graphs (4-bit, on a GPU) replay from the second step on, without Python calls.
+        assert mlp_calls[: len(step)] == step, mode
+        if not memory.cuda_graphs:
+            assert mlp_calls == step * 3, mode
+    assert losses[False][-1] < losses[False][0]
+    for mode in ("offload", "auto"):
+        torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(losses[False]), rtol=1e-5, atol=0)
+
+
+def test_the_plan_command_predicts_the_same_choice(tiny_path, reference_kernels, capsys):
+    """`slothkit plan FOLDER --max-memory B` prints the very line the policy says for the
+    same model, step and budget."""
+    from slothkit.cli import main
+
+    model = _model(tiny_path, "offload", dtype=torch.bfloat16)
+    memory = training_memory(model.get_base_model(), model, _layers(model)[0]._gradient_checkpointing_func)
+    budget = (memory.reserved(BATCH * SEQ, 1) + memory.reserved(BATCH * SEQ, 2)) / 2
+    with pytest.warns(RecomputeNotice) as said:
+        _model(
+            tiny_path, "auto", dtype=torch.bfloat16, batch_size=BATCH, max_seq_length=SEQ, max_memory=budget
+        )
+    # A GPU whose defaults are the model's: kept sums from compute capability 8.0 (16-bit:
+    # no graphs either way); t4 and a100 both compute in 16 bits.
+    newer = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    arguments = ["plan", str(tiny_path), "--gpu", "a100" if newer else "t4", "--mode", "lora", "--rank", "8"]
+    arguments += ["--batch", str(BATCH), "--seq", str(SEQ), "--max-memory", repr(budget / GIB)]
+    assert main(arguments) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    notice = str(said[0].message)
+    assert f"keeps 1 of {LAYERS} layers" in notice and notice in lines
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the model loads onto the GPU, which has a budget")
+def test_no_budget_on_the_cpu_offloads_every_layer(tiny_path, reference_kernels, recwarn):
+    recompute_policy._notice_no_budget.cache_clear()
+    model = _model(tiny_path, "auto")
+    assert all(layer.gradient_checkpointing for layer in _layers(model))
+    assert not hasattr(_layers(model)[0], "_slothkit_recompute_policy")
+    _model(tiny_path, "auto")  # said once
+    said = [str(w.message) for w in recwarn if w.category is RecomputeNotice]
+    assert said == [
+        "slothkit: use_gradient_checkpointing='auto' has no memory budget on the cpu (give one with "
+        "max_memory=): every layer is offloaded, as with 'offload'"
+    ]
+
+
+def test_max_memory_is_gib_or_bytes_and_checked():
+    cpu = torch.device("cpu")
+    assert budget_bytes(40, cpu) == budget_bytes(40 * GIB, cpu) == 40 * GIB
+    assert budget_bytes(22.5, cpu) == 22.5 * GIB
+    assert budget_bytes(None, cpu) is None  # no GPU: no free memory to budget
+    for wrong in (0, -4, True, "40GB"):
+        with pytest.raises(ValueError, match=f"max_memory={wrong!r}; expected a positive number"):
+            budget_bytes(wrong, cpu)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"use_gradient_checkpointing": "offload", "max_memory": 40}, "max_memory set the memory budget"),
+        ({"use_gradient_checkpointing": True, "batch_size": 2}, "batch_size set the memory budget"),
+        ({"use_gradient_checkpointing": "auto", "batch_size": 0}, "batch_size=0; expected a positive"),
+        ({"use_gradient_checkpointing": "sometimes"}, "accepted: 'offload', 'auto', True, False"),
+    ],
+)
+def test_options_of_auto_without_auto_are_refused(tiny_path, kwargs, message):
+    model, _ = FastModel.from_pretrained(str(tiny_path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(ValueError, match=message):
+        FastModel.get_peft_model(model, r=8, **kwargs)
