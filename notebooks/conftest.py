@@ -10,6 +10,18 @@ from pathlib import Path
 import pytest
 
 MODELS = json.loads((Path(__file__).resolve().parents[1] / "templates" / "models.json").read_text())
+# What a template's notebook runs with beyond the settings every notebook gets.  GRPO
+# samples completions with Hugging Face generate before each step: two short ones per
+# prompt, one prompt a step and two steps keep its run under a minute on a 2-core CPU
+# (tests/slothkit/test_trl.py checks that GRPO's steps on slothkit's model match HF + PEFT).
+TEMPLATE_ENVIRONMENT = {
+    "grpo": {
+        "SLOTHKIT_MAX_STEPS": "2",
+        "SLOTHKIT_GRAD_ACCUM": "1",
+        "SLOTHKIT_NUM_GENERATIONS": "2",
+        "SLOTHKIT_MAX_COMPLETION_LENGTH": "8",
+    },
+}
 _state = {}
 
 
@@ -18,6 +30,10 @@ def _model_key(stem: str) -> str:
         if stem.startswith(key + "-"):
             return key
     raise ValueError(f"notebook {stem!r} is not named <model>-<template>; models: {', '.join(MODELS)}")
+
+
+def _template(stem: str) -> str:
+    return stem[len(_model_key(stem)) + 1 :]
 
 
 def _hub():
@@ -54,6 +70,7 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "TRITON_INTERPRET": "0",
         # Other tests set HF_HUB_OFFLINE=1 for this process; the notebooks push to the local Hub.
         "HF_HUB_OFFLINE": "0",
+        **TEMPLATE_ENVIRONMENT.get(_template(stem), {}),
     }
 
 
@@ -64,7 +81,12 @@ def pytest_runtest_setup(item):
     path = Path(str(item.fspath))
     notebook = item.parent
     if path.suffix == ".ipynb" and not getattr(notebook, "_slothkit_environment", False):
-        os.environ.update(notebook_environment(path.stem))
+        environment = notebook_environment(path.stem)
+        # A variable only the previous notebook's template set must not reach this one.
+        for key in _state.get("environment", {}).keys() - environment.keys():
+            os.environ.pop(key, None)
+        os.environ.update(environment)
+        _state["environment"] = environment
         notebook._slothkit_environment = True
 
 

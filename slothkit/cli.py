@@ -196,10 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
         "merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
     )
     demo.add_argument("--model", default="llama-3-8b", help="whose notebook (see `slothkit list`)")
+    from slothkit.notebook.execute import DEMO_TEMPLATES
     from slothkit.notebook.render import TEMPLATES
 
     demo.add_argument(
-        "--template", default="finetune", choices=list(TEMPLATES), help="finetune, conversational or dpo"
+        "--template", default="finetune", choices=list(DEMO_TEMPLATES), help="finetune, conversational or dpo"
     )
     demo.add_argument(
         "--output-dir",

@@ -8,6 +8,8 @@ example_data/ (a test checks that the files equal what the generator makes):
     "alpaca"      300      instruction, input, output
     "chat"        300      messages ([system], user, assistant[, user, assistant])
     "preference"  200      prompt, chosen, rejected (conversational; rejected is a wrong answer)
+    "math"        200      prompt (conversational, asks for the number between answer tags),
+                           answer (the number, as text): for GRPO's reward functions
 
 Regenerate after changing the generator with ``python -m slothkit.data.examples``.
 """
@@ -19,7 +21,7 @@ import pathlib
 import random
 
 EXAMPLE_DIR = pathlib.Path(__file__).with_name("example_data")
-KINDS = {"alpaca": 300, "chat": 300, "preference": 200}
+KINDS = {"alpaca": 300, "chat": 300, "preference": 200, "math": 200}
 SEED = 3407
 
 CAPITALS = (
@@ -75,6 +77,11 @@ CONVERSIONS = (
 
 SYSTEM_MESSAGES = ("You are a concise assistant.", "Answer in one short sentence.")
 
+# What each "math" prompt asks for, so that a reward function can check the form of a reply
+# and read its number.  It is part of the user's turn, not a system message: Gemma's chat
+# template has no system role.
+ANSWER_FORMAT = "Give the number alone between <answer> and </answer>."
+
 
 def _question(rng: random.Random) -> tuple[str, str, str, str]:
     """(instruction, input, answer, wrong answer) for one random question."""
@@ -113,6 +120,20 @@ def _question(rng: random.Random) -> tuple[str, str, str, str]:
     return f"What is {a} {symbol} {b}?", "", f"{a} {symbol} {b} = {value}.", f"{a} {symbol} {b} = {wrong}."
 
 
+def _math_question(rng: random.Random) -> tuple[str, int]:
+    """(question, answer) for one question whose answer is a whole number."""
+    kind = rng.choice(("add", "subtract", "multiply", "convert"))
+    if kind == "convert":
+        source, target, factor = rng.choice(CONVERSIONS)
+        amount = rng.randint(2, 12)
+        return f"Convert {amount} {source} to {target}.", amount * factor
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    if kind == "multiply":
+        a, b = a % 13 + 2, b % 13 + 2
+    symbol, value = {"add": ("+", a + b), "subtract": ("-", a - b), "multiply": ("*", a * b)}[kind]
+    return f"What is {a} {symbol} {b}?", value
+
+
 def _user_text(instruction: str, input: str) -> str:
     return f"{instruction}\n{input}" if input else instruction
 
@@ -123,6 +144,16 @@ def build_example_records(kind: str) -> list[dict]:
         raise ValueError(f"unknown example dataset {kind!r}; accepted: {', '.join(KINDS)}")
     rng = random.Random(f"{SEED}-{kind}")
     records = []
+    if kind == "math":
+        for _ in range(KINDS[kind]):
+            question, answer = _math_question(rng)
+            records.append(
+                {
+                    "prompt": [{"role": "user", "content": f"{question} {ANSWER_FORMAT}"}],
+                    "answer": str(answer),
+                }
+            )
+        return records
     for _ in range(KINDS[kind]):
         instruction, extra, answer, wrong = _question(rng)
         if kind == "alpaca":
@@ -158,7 +189,15 @@ def example_path(kind: str) -> pathlib.Path:
 
 
 def example_dataset(kind: str = "alpaca"):
-    """The shipped example dataset `kind` ("alpaca", "chat" or "preference") as a datasets.Dataset."""
+    """The shipped example dataset `kind` ("alpaca", "chat", "preference" or "math") as a
+    datasets.Dataset.
+
+    Args:
+        kind: which one (module docstring).
+
+    Returns:
+        The ``datasets.Dataset``.
+    """
     from slothkit.data.loading import load_data
 
     path = example_path(kind)

@@ -6,6 +6,8 @@ form through its ``# @param`` comments) and hands them to
 environment variable ``SLOTHKIT_<FIELD>`` (how the tests point a notebook at a
 tiny offline model and a local Hub), and in Jupyter or Kaggle ``config.panel()``
 shows the same fields as ipywidgets (7 or 8) that write back into the config.
+A field whose default is None belongs to some notebooks only (the GRPO notebook's
+generation settings); the others neither show it nor need it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class NotebookConfig:
     grad_accum: int = 4
     dataset: str = "example:alpaca"
     chat_template: str = ""
+    # GRPO: completions sampled per prompt (the group each is compared with), and the
+    # longest completion in tokens.  None in the notebooks that do not generate.
+    num_generations: int | None = None
+    max_completion_length: int | None = None
     save_lora: bool = True
     save_merged: bool = False
     save_gguf: bool = False
@@ -60,10 +66,27 @@ class NotebookConfig:
     def validate(self) -> None:
         for name in ("max_seq_length", "lora_r", "lora_alpha", "max_steps", "batch_size", "grad_accum"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _positive_int(value):
                 raise ValueError(f"{name.upper()} = {value!r}; expected a positive integer")
         if not self.learning_rate > 0:
             raise ValueError(f"LEARNING_RATE = {self.learning_rate!r}; expected a positive number")
+        if self.max_completion_length is not None and not _positive_int(self.max_completion_length):
+            raise ValueError(
+                f"MAX_COMPLETION_LENGTH = {self.max_completion_length!r}; expected a positive integer"
+            )
+        if self.num_generations is not None:
+            if not _positive_int(self.num_generations) or self.num_generations < 2:
+                raise ValueError(
+                    f"NUM_GENERATIONS = {self.num_generations!r}; expected an integer of at least 2 "
+                    "(GRPO scores each completion against the others of its prompt)"
+                )
+            completions = self.batch_size * self.grad_accum
+            if completions % self.num_generations:
+                raise ValueError(
+                    f"BATCH_SIZE x GRAD_ACCUM = {completions} completions per step is not a multiple of "
+                    f"NUM_GENERATIONS = {self.num_generations}: each step trains whole groups of a "
+                    "prompt's completions"
+                )
 
     def panel(self):
         """An ipywidgets form bound to this config (Jupyter, Kaggle); None if widgets are missing."""
@@ -72,20 +95,25 @@ class NotebookConfig:
         except ImportError:
             return None
         rows = []
-        for field in dataclasses.fields(self):
+        for field in self._shown_fields():
+            kind = _kind(field)
             if field.name == "hub_token":
                 widget = widgets.Password(value=self.hub_token, description="hub_token")
-            elif field.type in (bool, "bool"):
+            elif kind == "bool":
                 widget = widgets.Checkbox(value=getattr(self, field.name), description=field.name)
-            elif field.type in (int, "int"):
+            elif kind == "int":
                 widget = widgets.IntText(value=getattr(self, field.name), description=field.name)
-            elif field.type in (float, "float"):
+            elif kind == "float":
                 widget = widgets.FloatText(value=getattr(self, field.name), description=field.name)
             else:
                 widget = widgets.Text(value=str(getattr(self, field.name)), description=field.name)
             widget.observe(self._setter(field.name), names="value")
             rows.append(widget)
         return widgets.VBox(rows)
+
+    def _shown_fields(self) -> list:
+        """The fields this notebook uses: all but those left at None (module docstring)."""
+        return [field for field in dataclasses.fields(self) if getattr(self, field.name) is not None]
 
     def _setter(self, name):
         def update(change):
@@ -107,13 +135,25 @@ class NotebookConfig:
                 display(panel)
             except ImportError:
                 pass
-        for field in dataclasses.fields(self):
+        fields = self._shown_fields()
+        width = max(len(field.name) for field in fields) + 1
+        for field in fields:
             value = "***" if field.name == "hub_token" and self.hub_token else getattr(self, field.name)
-            print(f"{field.name:15s} {value}")
+            print(f"{field.name:{width}s} {value}")
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _kind(field) -> str:
+    """The field's type name, an optional's without its None: "int | None" -> "int"."""
+    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    return kind.removesuffix(" | None")
 
 
 def _parse(field, text: str, key: str):
-    kind = field.type if isinstance(field.type, str) else field.type.__name__
+    kind = _kind(field)
     try:
         if kind == "bool":
             lowered = text.strip().lower()

@@ -21,6 +21,7 @@ TEMPLATES = {
     "finetune": "base fine-tune on instruction data (Alpaca format)",
     "conversational": "chat fine-tune with the model's chat template, trained on replies only",
     "dpo": "preference tuning with DPO (prompt, chosen, rejected)",
+    "grpo": "reinforcement learning with GRPO (prompts, scored by reward functions)",
 }
 
 

@@ -12,7 +12,8 @@ EXAMPLE_PREFIX = "example:"
 
 
 def load_configured_dataset(source: str):
-    """``example:alpaca`` / ``example:chat`` (shipped with slothkit), else load_data(source)."""
+    """``example:alpaca`` / ``chat`` / ``preference`` / ``math`` (shipped with slothkit,
+    slothkit.data.examples), else load_data(source)."""
     from slothkit.data import example_dataset, load_data
 
     if source.startswith(EXAMPLE_PREFIX):
@@ -28,6 +29,7 @@ class TrainResult:
     peak_memory_gib: float | None
     losses: list
     trainer: object
+    rewards: list = dataclasses.field(default_factory=list)  # mean reward per logged step (GRPO)
 
     @property
     def loss_went_down(self) -> bool:
@@ -74,7 +76,10 @@ def trainer_defaults(model) -> dict:
 
 def report_training(trainer, trainer_stats) -> TrainResult:
     """Print what the training did (steps, seconds, peak GPU memory, first and last loss)
-    and plot the loss curve.
+    and plot the loss curve.  A trainer that logs a mean reward per step (GRPO, RLOO)
+    also gets its first and last reward printed, and the reward curve is plotted instead:
+    their loss weights each completion by how its reward compares with its group's, and
+    is zero whenever a group's rewards are equal, so it shows little of the progress.
 
     Args:
         trainer: the trainer that ran (its ``state.log_history`` holds the losses).
@@ -82,7 +87,7 @@ def report_training(trainer, trainer_stats) -> TrainResult:
             seconds, ``train_runtime``).
 
     Returns:
-        The TrainResult (losses, seconds, peak memory, the trainer).
+        The TrainResult (losses, rewards, seconds, peak memory, the trainer).
 
     Raises:
         RuntimeError: no loss was logged (max_steps below logging_steps).
@@ -90,14 +95,19 @@ def report_training(trainer, trainer_stats) -> TrainResult:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if not losses:
         raise RuntimeError("training logged no loss; check max_steps and logging_steps")
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     seconds = trainer_stats.metrics["train_runtime"]
-    result = TrainResult(losses[0], losses[-1], seconds, _peak_memory_gib(), losses, trainer)
+    result = TrainResult(losses[0], losses[-1], seconds, _peak_memory_gib(), losses, trainer, rewards)
     peak = f", peak GPU memory {result.peak_memory_gib:.2f} GiB" if result.peak_memory_gib else ""
+    reward = f"; mean reward {rewards[0]:.3f} -> {rewards[-1]:.3f}" if rewards else ""
     print(
         f"{len(losses)} steps in {seconds:.1f} s{peak}; loss {result.first_loss:.4f} -> "
-        f"{result.final_loss:.4f}"
+        f"{result.final_loss:.4f}{reward}"
     )
-    plot_losses(losses)
+    if rewards:
+        plot_curve(rewards, ylabel="mean reward")
+    else:
+        plot_curve(losses, ylabel="training loss")
     return result
 
 
@@ -148,17 +158,22 @@ def train(
     return report_training(trainer, trainer.train())
 
 
-def plot_losses(losses: list[float]) -> None:
-    """A loss curve inline (matplotlib); a one-line note instead when matplotlib is missing."""
+def plot_curve(values: list[float], ylabel: str) -> None:
+    """A training curve inline (matplotlib); a one-line note instead when matplotlib is missing.
+
+    Args:
+        values: one value per logged step.
+        ylabel: what they are ("training loss", "mean reward").
+    """
     try:
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(no loss plot: matplotlib is not installed; pip install matplotlib)")
+        print(f"(no plot of the {ylabel}: matplotlib is not installed; pip install matplotlib)")
         return
     figure, axes = plt.subplots(figsize=(6, 3))
-    axes.plot(range(1, len(losses) + 1), losses, marker=".")
+    axes.plot(range(1, len(values) + 1), values, marker=".")
     axes.set_xlabel("step")
-    axes.set_ylabel("training loss")
+    axes.set_ylabel(ylabel)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     plt.show()

@@ -240,6 +240,21 @@ def test_demo_refuses_an_unknown_template_before_any_work(capsys):
     assert excinfo.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
+def test_demo_runs_the_templates_whose_training_shows_on_its_model(tmp_path, capsys):
+    """GRPO's notebook renders (slothkit new-notebook) but is not a demo: the demo's model
+    earns none of its rewards, so nothing would train."""
+    from slothkit.notebook.execute import run_notebook_demo
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["demo", "--template", "grpo"])
+    assert excinfo.value.code == 2 and "invalid choice: 'grpo'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the demo does not run the 'grpo' notebook; it runs finetune, "):
+        run_notebook_demo("llama-3-8b", "grpo", tmp_path / "demo")
+    assert not (tmp_path / "demo").exists()  # refused before any work
+    assert main(["new-notebook", "llama-3-8b", "--template", "grpo", "-o", str(tmp_path / "nb")]) == 0
+    assert "GRPOTrainer(" in (tmp_path / "nb.py").read_text()
+
+
 def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, capsys):
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -182,3 +182,86 @@ def test_train_cell_builds_the_config_slothkit_chooses(
     }
     wrapped = ("responses only", "the trainer") if template == "conversational" else "the trainer"
     assert namespace["trainer"] == wrapped
+
+
+def _grpo_cell(marker):
+    (cell,) = [c for c in render_notebook("grpo", "llama-3-8b").cells if marker in c.source]
+    return cell
+
+
+def test_grpo_train_cell_builds_the_config_slothkit_chooses(monkeypatch, tmp_path):
+    """As for SFT and DPO: the GRPOConfig(...) the cell writes out is slothkit's grpo_config
+    with the notebook config's values, generation settings included, and the trainer gets
+    the notebook's reward functions."""
+    import slothkit.trl
+    from slothkit import trainers
+    from slothkit.notebook.config import NotebookConfig
+
+    built = {}
+    monkeypatch.setattr(slothkit.trl, "GRPOTrainer", lambda **kwargs: built.update(kwargs) or "the trainer")
+    config = NotebookConfig(
+        model_name="m", batch_size=3, grad_accum=5, max_steps=7, learning_rate=1e-3, max_seq_length=333,
+        num_generations=3, max_completion_length=24, output_dir=str(tmp_path),
+    )  # fmt: skip
+    rewards = {"format_reward": object(), "correct_reward": object()}
+    namespace = {
+        "model": None,
+        "tokenizer": "the tokenizer",
+        "dataset": "the data",
+        "config": config,
+        **rewards,
+    }
+    exec(_grpo_cell("trainer = GRPOTrainer(").source, namespace)
+
+    expected = trainers.grpo_config(
+        None,
+        output_dir=f"{tmp_path}/checkpoints",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=5,
+        max_steps=7,
+        learning_rate=1e-3,
+        num_generations=3,
+        max_completion_length=24,
+        save_strategy="no",
+    )
+    args = built.pop("args")
+    assert args.to_dict() == expected.to_dict()
+    assert (args.num_generations, args.max_completion_length, args.generation_batch_size) == (3, 24, 15)
+    assert built == {
+        "model": None,
+        "processing_class": "the tokenizer",
+        "reward_funcs": [rewards["format_reward"], rewards["correct_reward"]],
+        "train_dataset": "the data",
+    }
+    assert namespace["trainer"] == "the trainer"
+
+
+def test_grpo_rewards_score_the_form_and_the_number_of_the_example_answers():
+    """The reward cell's functions, called as GRPOTrainer calls them (conversational
+    completions, the dataset's other columns and TRL's extras as keywords), on the answers
+    of the math records the notebook trains on."""
+    from slothkit.data import example_dataset
+
+    namespace = {}
+    exec(_grpo_cell("def correct_reward(").source, namespace)
+    records = example_dataset("math")
+    first = records[0]
+    negative = next(r for r in records if r["answer"].startswith("-"))
+    replies = [
+        (first, f"<answer>{first['answer']}</answer>", 0.5, 2.0),
+        (first, f"So it is <answer> {first['answer']} </answer>.", 0.5, 2.0),
+        (first, f"<answer>{int(first['answer']) + 1}</answer>", 0.5, 0.0),
+        (first, first["answer"], 0.0, 0.0),
+        (first, "<answer>twenty-seven</answer>", 0.0, 0.0),
+        (negative, f"<answer>{negative['answer']}</answer>", 0.5, 2.0),
+        (negative, f"<answer>{negative['answer'][1:]}</answer>", 0.5, 0.0),
+    ]
+    keywords = {
+        "prompts": [record["prompt"] for record, *_ in replies],
+        "completions": [[{"role": "assistant", "content": text}] for _, text, *_ in replies],
+        "completion_ids": [[1, 2]] * len(replies),
+        "answer": [record["answer"] for record, *_ in replies],
+        "trainer_state": None,
+    }
+    assert namespace["format_reward"](**keywords) == [form for *_, form, _ in replies]
+    assert namespace["correct_reward"](**keywords) == [number for *_, number in replies]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from slothkit.data import example_dataset
-from slothkit.data.examples import KINDS, build_example_records, example_path
+from slothkit.data.examples import ANSWER_FORMAT, CONVERSIONS, KINDS, build_example_records, example_path
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -15,8 +15,11 @@ def test_committed_files_match_the_generator(kind):
 
 
 def test_kinds_and_their_columns():
-    alpaca, chat, preference = (example_dataset(kind) for kind in ("alpaca", "chat", "preference"))
-    assert (alpaca.num_rows, chat.num_rows, preference.num_rows) == (300, 300, 200)
+    alpaca, chat, preference, math = (
+        example_dataset(kind) for kind in ("alpaca", "chat", "preference", "math")
+    )
+    assert (alpaca.num_rows, chat.num_rows, preference.num_rows, math.num_rows) == (300, 300, 200, 200)
+    assert sorted(math.column_names) == ["answer", "prompt"]
     assert alpaca.column_names == ["instruction", "input", "output"]
     assert chat.column_names == ["messages"]
     assert sorted(preference.column_names) == ["chosen", "prompt", "rejected"]
@@ -39,6 +42,28 @@ def test_answers_are_right_and_rejections_wrong():
         assert record["chosen"][0]["content"] != record["rejected"][0]["content"]
 
 
+def test_math_prompts_ask_for_the_format_and_answers_are_right():
+    """Each prompt is one user turn ending in the answer format; its answer is the number."""
+    conversions = {(source, target): factor for source, target, factor in CONVERSIONS}
+    kinds = set()
+    for record in example_dataset("math"):
+        (turn,) = record["prompt"]
+        assert turn["role"] == "user" and turn["content"].endswith(" " + ANSWER_FORMAT)
+        question = turn["content"][: -len(ANSWER_FORMAT) - 1]
+        if question.startswith("What is "):
+            expression = question[len("What is ") : -1]
+            kinds.add(expression.split()[1])
+            assert record["answer"] == str(eval(expression)), question
+        else:
+            amount, source, _, target = question[len("Convert ") : -1].split()
+            kinds.add("convert")
+            assert record["answer"] == str(int(amount) * conversions[source, target]), question
+    assert kinds == {"+", "-", "*", "convert"}
+    assert any(record["answer"].startswith("-") for record in example_dataset("math"))  # negative ones too
+
+
 def test_unknown_kind():
-    with pytest.raises(ValueError, match="unknown example dataset 'dpo'; accepted: alpaca, chat, preference"):
+    with pytest.raises(
+        ValueError, match="unknown example dataset 'dpo'; accepted: alpaca, chat, preference, math"
+    ):
         example_dataset("dpo")
