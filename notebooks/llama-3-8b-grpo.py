@@ -102,7 +102,12 @@ model, tokenizer = FastModel.from_pretrained(
 )
 tokenizer = get_chat_template(tokenizer, config.chat_template, model=model)
 model = FastModel.get_peft_model(
-    model, r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(",")
+    model,
+    r=config.lora_r,
+    lora_alpha=config.lora_alpha,
+    target_modules="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj".split(","),
+    use_gradient_checkpointing="auto",  # keep the layers that fit in GPU memory, offload the rest
+    batch_size=config.batch_size,
 )
 
 # %% [markdown]
