@@ -44,8 +44,12 @@ def main() -> None:
     from slothkit.testing.real_models import real_model_path
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    path = real_model_path("smollm2-135m-instruct", dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16)
-    model, tokenizer = FastModel.from_pretrained(str(path), max_seq_length=512, dtype=dtype, load_in_4bit=False)
+    path = real_model_path(
+        "smollm2-135m-instruct", dtype=torch.float32 if dtype == torch.float32 else torch.bfloat16
+    )
+    model, tokenizer = FastModel.from_pretrained(
+        str(path), max_seq_length=512, dtype=dtype, load_in_4bit=False
+    )
     model.to(args.device)
     if args.lora:
         model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
@@ -57,7 +61,9 @@ def main() -> None:
                     parameter.copy_(values.to(parameter.device, parameter.dtype))
     tokenizer.padding_side = "left"
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
         for p in PROMPTS
     ]
     settings = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)
@@ -94,8 +100,10 @@ def main() -> None:
         "prompts": len(rows),
         "rows": rows,
     }
-    print(f"{result['equal_alone']}/{len(rows)} prompts alone and {result['equal_in_batch']}/{len(rows)} "
-          f"in a left-padded batch: the first {args.tokens} greedy tokens equal Hugging Face's generate")
+    print(
+        f"{result['equal_alone']}/{len(rows)} prompts alone and {result['equal_in_batch']}/{len(rows)} "
+        f"in a left-padded batch: the first {args.tokens} greedy tokens equal Hugging Face's generate"
+    )
     for row in rows:
         mark = "=" if row["equal"] else f"differs at {row['first_difference']}"
         print(f"  [{mark}] {row['prompt']} -> {row['fast'][:70]!r}")
