@@ -51,8 +51,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("quiet_training")  # tests/slothkit/conftest.py
 
 
-def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ):
-    model, tokenizer = load_for_training(kind, load_in_4bit)
+TEMPLATES = {"llama": "llama-3", "mistral": "mistral", "gemma": "gemma"}
+
+
+def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ, arch="llama"):
+    model, tokenizer = load_for_training(kind, load_in_4bit, arch=arch, template=TEMPLATES[arch])
     initial = lora_weights(model)
     dataset = apply_chat_template(example_dataset("chat").select(range(records)), tokenizer)
     args = sft_config(
@@ -86,10 +89,10 @@ def test_sft_runs_on_the_triton_kernels():
     assert_same_lora(fused_model, plain_model, initial)
 
 
-def _dpo(kind, load_in_4bit):
-    model, tokenizer = load_for_training(kind, load_in_4bit)
+def _dpo(kind, load_in_4bit, arch="llama", steps=2):
+    model, tokenizer = load_for_training(kind, load_in_4bit, arch=arch, template=TEMPLATES[arch])
     initial = lora_weights(model)
-    args = dpo_config(model, max_steps=2, learning_rate=1e-2, output_dir=f"unused-{kind}", **RUN)
+    args = dpo_config(model, max_steps=steps, learning_rate=1e-2, output_dir=f"unused-{kind}", **RUN)
     trainer = dpo_trainer(model, tokenizer, example_dataset("preference").select(range(8)), args=args)
     trainer.train()
     return trainer, model, initial
@@ -106,6 +109,25 @@ def test_dpo_matches_hf_peft(reference_kernels, load_in_4bit):
         torch.log(torch.tensor(2.0)).item(), abs=1e-6
     )  # policy == reference
     assert fused_log[1, 1:3].abs().min() > 1e-4  # rewards moved away from zero after one step
+    assert_same_lora(fused_model, plain_model, initial)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma"])
+def test_sft_and_dpo_match_hf_peft_on_mistral_and_gemma(reference_kernels, arch):
+    """Five steps of each on the other architectures' tiny models."""
+    fused, fused_model, initial = _sft("slothkit", steps=5, records=20, arch=arch)
+    plain, plain_model, _ = _sft("hf", steps=5, records=20, arch=arch)
+    fused_log, plain_log = torch.tensor(history(fused, "loss")), torch.tensor(history(plain, "loss"))
+    assert fused_log.shape[0] == 5 and fused_log[-1, 0] != fused_log[0, 0]
+    torch.testing.assert_close(fused_log, plain_log, rtol=1e-4, atol=1e-5)
+    assert_same_lora(fused_model, plain_model, initial)
+
+    fused, fused_model, initial = _dpo("slothkit", False, arch=arch, steps=5)
+    plain, plain_model, _ = _dpo("hf", False, arch=arch, steps=5)
+    keys = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen")
+    fused_log, plain_log = torch.tensor(history(fused, *keys)), torch.tensor(history(plain, *keys))
+    assert fused_log.shape[0] == 5
+    torch.testing.assert_close(fused_log, plain_log, rtol=1e-4, atol=1e-5)
     assert_same_lora(fused_model, plain_model, initial)
 
 

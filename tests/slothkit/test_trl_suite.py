@@ -32,7 +32,7 @@ from slothkit.trainers import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("quiet_training", "reference_kernels")  # tests/slothkit/conftest.py
 STEPS = 5
-TEMPLATES = {"llama": "llama-3", "mistral": "mistral"}
+TEMPLATES = {"llama": "llama-3", "mistral": "mistral", "gemma": "gemma"}
 
 
 def _pairs(records=10):
@@ -84,8 +84,8 @@ def _both(*args, **kwargs):
 
 @pytest.mark.parametrize(
     "load_kwargs",
-    [{}, {"arch": "mistral"}],
-    ids=["lora", "mistral"],
+    [{}, {"arch": "mistral"}, {"arch": "gemma"}],
+    ids=["lora", "mistral", "gemma"],
 )
 def test_orpo_matches_hf_peft(load_kwargs):
     fused, plain, fused_model, plain_model, initial = _both(
@@ -96,11 +96,12 @@ def test_orpo_matches_hf_peft(load_kwargs):
     assert_same_lora(fused_model, plain_model, initial)
 
 
-def test_kto_matches_hf_peft():
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
+def test_kto_matches_hf_peft(arch):
     """KTO's reference is the model with its adapters off; its KL estimate pairs each
     completion with the other prompt of its batch."""
     fused, plain, fused_model, plain_model, initial = _both(
-        kto_config, kto_trainer, _unpaired(), {}, 1e-3, beta=0.1
+        kto_config, kto_trainer, _unpaired(), {"arch": arch}, 1e-3, beta=0.1
     )
     keys = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm")
     log = _compare(fused, plain, keys)
@@ -114,7 +115,8 @@ def _digits_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in t) - 0.1 * len(t)) for t in texts]
 
 
-def test_rloo_matches_hf_peft():
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
+def test_rloo_matches_hf_peft(arch):
     """RLOO samples completions, so the runs agree only if both models sample the same
     tokens from the same seed; beta > 0 also runs the reference (adapters off) pass."""
     prompts = _pairs(10).remove_columns(["chosen", "rejected"])
@@ -126,7 +128,7 @@ def test_rloo_matches_hf_peft():
         rloo_config,
         make_trainer,
         prompts,
-        {},
+        {"arch": arch},
         1e-2,
         num_generations=2,
         max_completion_length=4,
@@ -142,7 +144,11 @@ def test_rloo_matches_hf_peft():
     assert_same_lora(fused_model, plain_model, initial)
 
 
-@pytest.mark.parametrize("load_kwargs", [{}, {"load_in_4bit": True}], ids=["lora", "qlora"])
+@pytest.mark.parametrize(
+    "load_kwargs",
+    [{}, {"load_in_4bit": True}, {"arch": "mistral"}, {"arch": "gemma"}],
+    ids=["lora", "qlora", "mistral", "gemma"],
+)
 def test_reward_model_matches_hf_peft(load_kwargs):
     """A LoRA reward model: FastModel.from_pretrained(num_labels=1), its decoder on the
     fused path, the score head trained in full (PEFT's SEQ_CLS modules_to_save)."""
@@ -252,8 +258,10 @@ def test_slothkit_trl_takes_the_older_kto_keywords():
     )  # and an EOS
 
 
-@pytest.mark.parametrize("method", ["grpo", "rloo"])
-def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, monkeypatch):
+@pytest.mark.parametrize(
+    "method, arch", [("grpo", "llama"), ("rloo", "llama"), ("grpo", "mistral"), ("grpo", "gemma")]
+)
+def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, monkeypatch):
     """GRPO and RLOO sample through slothkit's decode loop (forced on this CPU with
     fast_generation=True) in training mode; the sampled tokens, and so every logged
     metric, equal Hugging Face + PEFT's run with Hugging Face's generate.  After train()
@@ -280,7 +288,7 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, monkey
         make_config,
         lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=True, **k),
         prompts,
-        {},
+        {"arch": arch},
         1e-2,
         **settings,
     )
@@ -291,7 +299,7 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, monkey
         make_config,
         lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=False, **k),
         prompts,
-        {},
+        {"arch": arch},
         1e-2,
         **settings,
     )
