@@ -84,8 +84,8 @@ def _both(*args, **kwargs):
 
 @pytest.mark.parametrize(
     "load_kwargs",
-    [{}, {"arch": "mistral"}, {"arch": "gemma"}],
-    ids=["lora", "mistral", "gemma"],
+    [{}, {"load_in_4bit": True}, {"arch": "mistral"}, {"arch": "gemma"}],
+    ids=["lora", "qlora", "mistral", "gemma"],
 )
 def test_orpo_matches_hf_peft(load_kwargs):
     fused, plain, fused_model, plain_model, initial = _both(
@@ -96,12 +96,16 @@ def test_orpo_matches_hf_peft(load_kwargs):
     assert_same_lora(fused_model, plain_model, initial)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
-def test_kto_matches_hf_peft(arch):
+@pytest.mark.parametrize(
+    "load_kwargs",
+    [{}, {"load_in_4bit": True}, {"arch": "mistral"}, {"arch": "gemma"}],
+    ids=["lora", "qlora", "mistral", "gemma"],
+)
+def test_kto_matches_hf_peft(load_kwargs):
     """KTO's reference is the model with its adapters off; its KL estimate pairs each
     completion with the other prompt of its batch."""
     fused, plain, fused_model, plain_model, initial = _both(
-        kto_config, kto_trainer, _unpaired(), {"arch": arch}, 1e-3, beta=0.1
+        kto_config, kto_trainer, _unpaired(), load_kwargs, 1e-3, beta=0.1
     )
     keys = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm")
     log = _compare(fused, plain, keys)
@@ -115,8 +119,12 @@ def _digits_reward(completions, **kwargs):
     return [float(sum(ch.isdigit() for ch in t) - 0.1 * len(t)) for t in texts]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
-def test_rloo_matches_hf_peft(arch):
+@pytest.mark.parametrize(
+    "load_kwargs",
+    [{}, {"load_in_4bit": True}, {"arch": "mistral"}, {"arch": "gemma"}],
+    ids=["lora", "qlora", "mistral", "gemma"],
+)
+def test_rloo_matches_hf_peft(load_kwargs):
     """RLOO samples completions, so the runs agree only if both models sample the same
     tokens from the same seed; beta > 0 also runs the reference (adapters off) pass."""
     prompts = _pairs(10).remove_columns(["chosen", "rejected"])
@@ -128,7 +136,7 @@ def test_rloo_matches_hf_peft(arch):
         rloo_config,
         make_trainer,
         prompts,
-        {"arch": arch},
+        load_kwargs,
         1e-2,
         num_generations=2,
         max_completion_length=4,
@@ -141,7 +149,13 @@ def test_rloo_matches_hf_peft(arch):
     log = _compare(fused, plain, keys, moves="kl")
     assert log[0, 3] == 0 and log[-1, 3] > 0
     assert log[:, 4].min() > 0  # gradients flowed
-    assert_same_lora(fused_model, plain_model, initial)
+    # With NF4 weights the two paths dequantise in a different order of fp32 operations;
+    # RLOO's per-completion gradients nearly cancel (its advantages sum to zero), and
+    # Adam turns their last-digit differences into 1.1e-3 of the distance moved in one
+    # matrix over five steps (every logged metric still equal to 1e-4).
+    assert_same_lora(
+        fused_model, plain_model, initial, tolerance=2e-3 if load_kwargs.get("load_in_4bit") else 1e-3
+    )
 
 
 @pytest.mark.parametrize(
