@@ -191,7 +191,10 @@ def enable_recompute_policy(
     device = next(causal_lm.parameters()).device
     budget = budget_bytes(max_memory, device)
     if budget is None:
-        _notice_no_budget(device.type)
+        # On a CPU nothing is budgeted (from_pretrained's notice already said that a CPU
+        # keeps Hugging Face's modules); a notebook's "auto" must not add a second line there.
+        if device.type != "cpu":
+            _notice_no_budget(device.type)
         return None
     if getattr(causal_lm, PATCHED_MARK, None) is None:
         _notice_unfused(causal_lm.config.model_type)

@@ -202,10 +202,17 @@ def test_no_budget_on_the_cpu_offloads_every_layer(tiny_path, reference_kernels,
     model = _model(tiny_path, "auto")
     assert all(layer.gradient_checkpointing for layer in _layers(model))
     assert not hasattr(_layers(model)[0], "_slothkit_recompute_policy")
-    _model(tiny_path, "auto")  # said once
+    said = [str(w.message) for w in recwarn if w.category is RecomputeNotice]
+    assert said == [], "a CPU has nothing to budget, and its loading notice says so already"
+
+
+def test_no_budget_elsewhere_is_said_once(recwarn):
+    recompute_policy._notice_no_budget.cache_clear()
+    recompute_policy._notice_no_budget("mps")
+    recompute_policy._notice_no_budget("mps")
     said = [str(w.message) for w in recwarn if w.category is RecomputeNotice]
     assert said == [
-        "slothkit: use_gradient_checkpointing='auto' has no memory budget on the cpu (give one with "
+        "slothkit: use_gradient_checkpointing='auto' has no memory budget on the mps (give one with "
         "max_memory=): every layer is offloaded, as with 'offload'"
     ]
 
