@@ -45,13 +45,14 @@ on an H200 (132 SMs) Llama-3-8B's (4096, 4096) and (4096, 14336) weights split K
 and 5, (1024, 4096) in 8 and (14336, 4096) in 2.  With more than one slice the programs
 write fp32 partial sums (slices, M, N) and a second small kernel adds them in a fixed
 order, adds the bias and rounds (deterministic, unlike atomics; at M = 1 the partials
-are under 2% of the weight's bytes).
+add 0.5-3% to the bytes read on those four shapes).
 
 Traffic per call: the NF4 record (0.5 byte per weight element, plus one absmax byte per
-block when nested), x and y: a Llama-3-8B (14336, 4096) weight is 29.8 MB, 6.9 us at
-4.3 TB/s.  At that rate a program must dequantise about 33 elements per clock per SM, so
-the arithmetic per element (unpack, a half gather, scale, round, FMA) is also near its
-limit: which program kind wins at which M is left to the tuner (below).
+block when nested), x and y: a Llama-3-8B (14336, 4096) weight is 30.3 MB, 7.0 us at
+4.3 TB/s.  At that rate the GPU must dequantise about 33 elements per clock per SM, and
+the compiled loops take 8-12 instructions per element (``CONFIGS``) against 128 issued
+per clock per SM: the issue rate, not DRAM, is the expected bound.  Which program kind
+wins at which M is left to the tuner (below).
 
 Tuning.  The first call for a given (N, K, M, dtype, block size, double quantisation,
 bias) times every candidate in ``CONFIGS`` with ``triton.testing.do_bench`` and keeps the
@@ -300,23 +301,25 @@ class GemvConfig:
         return 16 if self.use_dot else 1
 
 
-# Candidates for the tuner, not yet timed on a GPU.  Compiled for sm_90 (Triton 3.9, bf16,
-# nested scales), their main loops take 6.3-9.1 instructions per weight element
-# (registers: row programs 84-174, dot programs 128-146): a packed byte's gather and its
-# 64-bit address, the scale multiply, the rounding to bf16 and back, the FMA.  At 128
-# instructions per clock per SM that allows about half of the H200's bandwidth, so the
-# issue rate, not DRAM, is the expected bound.  Tiles are wider than a CTA's rows so that
-# a thread reuses its x values across rows.
+# Candidates for the tuner, not yet timed on a GPU.  Compiled for sm_90 with Triton 3.6
+# (bf16, nested scales; the comments give registers and the main loop's instructions per
+# weight element), they take 7.6-11.7 instructions per element: a packed byte's gather
+# and its 64-bit address, the scale multiply, the rounding to bf16 and back, the FMA (dot
+# programs: the store of the operand to shared memory instead).  At 128 instructions per
+# clock per SM that allows under half of the H200's bandwidth, so the issue rate, not
+# DRAM, is the expected bound.  Tiles are wider than a CTA's rows so that a thread
+# reuses its x values across rows.
 CONFIGS = (
-    GemvConfig(32, 256, 4, 1, False),  # 147 registers, 7.4 instructions per element
-    GemvConfig(16, 256, 4, 1, False),  # 84, 9.1: more resident programs
-    GemvConfig(16, 512, 4, 2, False),  # 148, 7.5: narrow rows, for short N
-    GemvConfig(64, 256, 8, 1, False),  # 126, 8.2
-    GemvConfig(128, 256, 8, 2, False),  # 174, 7.7
-    GemvConfig(64, 128, 4, 3, True),  # 140, 7.0
-    GemvConfig(64, 128, 4, 2, True),  # 128, 7.1
-    GemvConfig(128, 64, 4, 3, True),  # 146, 6.3
-    GemvConfig(128, 128, 8, 3, True),  # 128, 6.6
+    GemvConfig(32, 256, 4, 1, False),  # 128 registers, 9.1 instructions per element
+    GemvConfig(16, 256, 4, 1, False),  # 80, 9.9: more resident programs
+    GemvConfig(16, 512, 4, 2, False),  # 139, 9.3: narrow rows, for short N
+    GemvConfig(32, 512, 8, 1, False),  # 141, 9.2
+    GemvConfig(64, 256, 8, 1, False),  # 134, 11.7
+    GemvConfig(64, 128, 4, 3, True),  # 87, 8.8
+    GemvConfig(64, 128, 4, 2, True),  # 101, 8.9
+    GemvConfig(128, 64, 4, 3, True),  # 143, 7.6
+    GemvConfig(128, 128, 8, 3, True),  # 105, 8.1
+    GemvConfig(256, 64, 8, 3, True),  # 104, 7.7
 )
 DEFAULT_ROW_CONFIG = CONFIGS[0]  # M = 1, and under capture before tuning
 DEFAULT_DOT_CONFIG = CONFIGS[5]  # M > 1
@@ -543,8 +546,9 @@ def nf4_matmul(
         weight: an ``NF4Weight`` of shape (out_features, in_features) whose
             in_features is a multiple of its block size.
         bias: optional (out_features,) tensor in x's dtype, added before the rounding.
-        out: optional contiguous (..., out_features) tensor of x's dtype, filled and
-            returned.
+        out: optional contiguous (..., out_features) tensor of x's dtype, not
+            overlapping x, filled and returned (the first call writes it several times
+            while tuning).
         split_k: how many slices K is cut into (each program sums one slice, a second
             kernel adds them); None chooses from the shape and the GPU's SM count.
 
