@@ -333,6 +333,25 @@ def _check_columns(weight: NF4Weight, columns) -> None:
         )
 
 
+def launch_arguments(weight: NF4Weight) -> tuple[torch.Tensor, ...]:
+    """The record's tensors as flat kernel arguments: packed, absmax, code, nested_absmax,
+    nested_code, offset.  Built once per record (``weight.launch_cache``); the record must
+    have been checked.  Unused pointers still need a tensor: without double quantisation
+    the last three are absmax, which the kernels then never read through them."""
+    if weight.launch_cache is None:
+        nested = weight.is_nested
+        absmax = weight.absmax.reshape(-1).contiguous()
+        weight.launch_cache = (
+            weight.packed.reshape(-1).contiguous(),
+            absmax,
+            weight.code.reshape(-1).float().contiguous(),
+            weight.nested_absmax.reshape(-1).contiguous() if nested else absmax,
+            weight.nested_code.reshape(-1).contiguous() if nested else absmax,
+            _offset_tensor(weight.offset, weight.device) if nested else absmax,
+        )
+    return weight.launch_cache
+
+
 # --------------------------------------------------------------------------- public
 
 
@@ -376,20 +395,9 @@ def dequantize_nf4(
     flat_out = out.view(-1)
     pair_dtype = torch.int64 if weight.dtype == torch.float32 else torch.int32
     out_pairs = flat_out[: 2 * n_pairs].view(pair_dtype)  # (n_pairs,) element pairs
-    if weight.launch_cache is None:
-        # Unused pointers still need a tensor; the kernel never reads them when not nested.
-        absmax = weight.absmax.reshape(-1).contiguous()
-        weight.launch_cache = (
-            weight.packed.reshape(-1).contiguous(),
-            absmax,
-            weight.code.reshape(-1).float().contiguous(),
-            weight.nested_absmax.reshape(-1).contiguous() if nested else absmax,
-            weight.nested_code.reshape(-1).contiguous() if nested else absmax,
-            _offset_tensor(weight.offset, device) if nested else absmax,
-        )
     grid = (triton.cdiv(n_blocks, blocks_per_program),)
     _dequantize_nf4_kernel[grid](
-        *weight.launch_cache,
+        *launch_arguments(weight),
         out_pairs,
         flat_out,
         (numel + 1) // 2,
