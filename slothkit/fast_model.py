@@ -17,6 +17,7 @@ import torch
 
 from slothkit.configuration import environment_defaults
 from slothkit.data.chat_templates import link_model
+from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model, is_sequence_classifier
 from slothkit.engine.loading import (
@@ -127,7 +128,9 @@ class FastModel:
                 bitsandbytes (default True; needs bitsandbytes).  A checkpoint already
                 quantised loads as it is, whatever this says.
             device_map: passed to transformers; None (default) puts the whole model on
-                the current GPU, or leaves it on the CPU when there is none.
+                the current GPU (under torchrun or accelerate launch, the GPU of this
+                process's LOCAL_RANK, made current: slothkit.distributed), or leaves it
+                on the CPU when there is none.
             token: a Hugging Face token, for gated or private Hub models (default
                 None).
             attn_implementation: transformers' attention, "sdpa" (default), "eager"
@@ -209,7 +212,7 @@ class FastModel:
         if load_in_4bit and not already_quantized:
             quantization_config = BitsAndBytesConfig(**nf4_settings(dtype))
         if device_map is None:
-            device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+            device_map = device_map_for_process()  # under torchrun: this process's GPU
 
         if num_labels is not None:
             from transformers import AutoModelForSequenceClassification
