@@ -18,7 +18,7 @@ Three things follow for slothkit, and this module is where they are decided:
   inside its own autograd call, as reentrant checkpointing does, and DDP's search (which
   the Trainer turns on for a PeftModel) would first count the layer's parameters as
   unused, then see their gradients arrive, and stop with "Expected to mark a variable
-  ready only once";
+  ready only once" (the rest of what the configs get: ``ddp_defaults``);
 - only one process writes the results (``is_main_process``).
 
 The launcher's variables are read here and nowhere else; docs/configuration.md lists them.
@@ -102,19 +102,15 @@ def is_main_process(environ: Mapping[str, str] | None = None) -> bool:
     return launch(environ).rank == 0
 
 
-def device_map_for_process(environ: Mapping[str, str] | None = None) -> dict | None:
-    """Where ``FastModel.from_pretrained`` puts the model when no device_map is given.
-
-    Under a launcher, the GPU of LOCAL_RANK, which is also made the current device (as
-    accelerate does later): Triton launches its kernels and CUDA graphs capture on the
-    current device, whatever device the tensors are on.  Without one, the current GPU;
-    None (the CPU) when there is no GPU.
+def select_process_gpu(environ: Mapping[str, str] | None = None) -> int | None:
+    """The GPU this process trains on, made the current device: under a launcher the GPU
+    of LOCAL_RANK (as accelerate does later, when the trainer's config is built), else
+    the current one; None without a GPU.  Call it before anything touches CUDA: a
+    process's first CUDA call creates its context (some 300 MiB) on the current device,
+    which is GPU 0 until set.
 
     Args:
         environ: as ``launch``.
-
-    Returns:
-        ``{"": gpu_index}`` or None.
 
     Raises:
         ValueError: LOCAL_RANK names a GPU this machine does not have.
@@ -123,7 +119,7 @@ def device_map_for_process(environ: Mapping[str, str] | None = None) -> dict | N
         return None
     where = launch(environ)
     if not where.distributed:
-        return {"": torch.cuda.current_device()}
+        return torch.cuda.current_device()
     count = torch.cuda.device_count()
     if where.local_rank >= count:
         raise ValueError(
@@ -131,12 +127,32 @@ def device_map_for_process(environ: Mapping[str, str] | None = None) -> dict | N
             f"{count} processes per machine (torchrun --nproc-per-node {count})"
         )
     torch.cuda.set_device(where.local_rank)
-    return {"": where.local_rank}
+    return where.local_rank
+
+
+def device_map_for_process(environ: Mapping[str, str] | None = None) -> dict | None:
+    """Where ``FastModel.from_pretrained`` puts the model when no device_map is given: the
+    GPU of ``select_process_gpu`` (under a launcher, LOCAL_RANK's, made current: Triton
+    launches its kernels and CUDA graphs capture on the current device, whatever device
+    the tensors are on).
+
+    Args:
+        environ: as ``launch``.
+
+    Returns:
+        ``{"": gpu_index}``, or None (the CPU) when there is no GPU.
+
+    Raises:
+        ValueError: LOCAL_RANK names a GPU this machine does not have.
+    """
+    gpu = select_process_gpu(environ)
+    return None if gpu is None else {"": gpu}
 
 
 _WHY = {
     "ddp_find_unused_parameters": "slothkit's checkpointing nests each layer's backward, which DDP's search "
     "cannot follow",
+    "ddp_broadcast_buffers": "the buffers, rotary frequencies, are equal everywhere and never change",
     "use_cpu": "without a GPU, accelerate otherwise trains each process alone",
 }
 
@@ -149,27 +165,29 @@ def _say_once(message: str) -> None:
 def ddp_defaults(environ: Mapping[str, str] | None = None) -> dict:
     """The trainer config keywords slothkit sets when WORLD_SIZE > 1: no search for unused
     parameters (module docstring: the offloaded checkpoint and DDP's search clash, and
-    every LoRA parameter is used in every step anyway); and on a machine without a GPU,
-    ``use_cpu=True``, without which accelerate starts no process group on the CPU and
-    each process trains alone on all the data.  Said once, by the main process.
+    every LoRA parameter is used in every step anyway); no broadcast of the model's
+    buffers before every forward (a collective per step that copies rotary frequencies
+    every process computed alike); and on a machine without a GPU, ``use_cpu=True``,
+    without which accelerate starts no process group on the CPU and each process trains
+    alone on all the data.  Said once, by the main process.
 
     Args:
         environ: as ``launch``.
 
     Returns:
-        ``{"ddp_find_unused_parameters": False}`` (and ``"use_cpu": True`` without a GPU)
-        under a launcher, else {}.
+        ``{"ddp_find_unused_parameters": False, "ddp_broadcast_buffers": False}`` (and
+        ``"use_cpu": True`` without a GPU) under a launcher, else {}.
     """
     where = launch(environ)
     if not where.distributed:
         return {}
-    settings = {"ddp_find_unused_parameters": False}
+    settings = {"ddp_find_unused_parameters": False, "ddp_broadcast_buffers": False}
     if not torch.cuda.is_available():
         settings["use_cpu"] = True
     if where.rank == 0:
         _say_once(
             f"slothkit: {where.world_size} processes (WORLD_SIZE): the trainer's config gets "
-            + " and ".join(f"{name}={value} ({_WHY[name]})" for name, value in settings.items())
+            + "; ".join(f"{name}={value} ({_WHY[name]})" for name, value in settings.items())
         )
     return settings
 

@@ -56,7 +56,7 @@ def test_ddp_defaults_only_under_a_launcher():
     assert ddp_defaults({}) == {}
     with pytest.warns(UserWarning, match="2 processes.*ddp_find_unused_parameters=False"):
         settings = ddp_defaults({"WORLD_SIZE": "2", "RANK": "0"})  # the main process says it
-    expected = {"ddp_find_unused_parameters": False}
+    expected = {"ddp_find_unused_parameters": False, "ddp_broadcast_buffers": False}
     if not torch.cuda.is_available():
         expected["use_cpu"] = True  # else accelerate starts no process group on the CPU
     assert settings == expected
