@@ -49,7 +49,8 @@ A graph bakes in the addresses it read and wrote at capture, so:
   A graph with kept tensors is a different graph from one without.
 
 Not captured (the layer then runs as before): CPU tensors; a layer with active dropout
-(the graph would replay the same random mask); parameters with gradient hooks; layer
+(the graph would replay the same random mask); parameters with gradient hooks; a layer
+FSDP2 shards (its gathered weights move between steps); layer
 arguments other than tensors, None, numbers and strings (a KV cache); a layer whose
 output is not one tensor.  A signature is captured the second time it is seen (the first
 run warms Triton's autotuner and cuBLAS); a model that keeps changing shape replays
@@ -117,6 +118,17 @@ def _has_active_dropout(layer: nn.Module) -> bool:
         if getattr(module, "attention_dropout", 0.0) and module.training:
             return True
     return False
+
+
+def _is_sharded(layer: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages the layer: it gathers the layer's weights
+    into memory it frees after each forward and backward and allocates again for the
+    next, so the addresses a graph baked in need not hold them at the next replay."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(layer, FSDPModule)
 
 
 def _has_grad_hooks(param: torch.Tensor) -> bool:
@@ -235,10 +247,12 @@ class LayerGraphs:
         if hidden.numel() // max(hidden.shape[-1], 1) > self.max_tokens:
             return False
         key = id(call.layer)
-        if key not in self.eligible_layers:  # dropout and hooks are settled once per layer
+        if key not in self.eligible_layers:  # dropout, hooks and sharding are settled once per layer
             params = [p for p in call.layer.parameters() if p.requires_grad]
-            self.eligible_layers[key] = not _has_active_dropout(call.layer) and not any(
-                _has_grad_hooks(p) for p in params
+            self.eligible_layers[key] = (
+                not _has_active_dropout(call.layer)
+                and not any(_has_grad_hooks(p) for p in params)
+                and not _is_sharded(call.layer)
             )
         return self.eligible_layers[key]
 

@@ -1,5 +1,5 @@
 """slothkit.distributed: the launcher's variables, the trainer settings DDP needs, and the
-GPU each process loads onto.  (The training itself: tests/slothkit/test_ddp_training.py.)"""
+GPU each process loads onto.  (The training itself: tests/slothkit/test_distributed_training.py.)"""
 
 import re
 import types

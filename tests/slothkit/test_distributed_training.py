@@ -1,6 +1,7 @@
-"""Two processes under DistributedDataParallel (torchrun, gloo, CPU) train a tiny FastModel
-exactly as one process does with the same global batch: the loss of every step and the
-final LoRA adapters agree to 1e-5 (fp32).  slothkit.testing.ddp_parity holds the runs.
+"""Two processes under DistributedDataParallel or FSDP2 (torchrun, gloo, CPU) train a tiny
+FastModel exactly as one process does with the same global batch: the loss of every step
+and the final LoRA adapters agree to 1e-5 (fp32).  slothkit.testing.distributed_parity
+holds the runs.
 
 Each test starts torchrun once (about half a minute on a 2-core CPU, mostly imports) and
 runs the single-process reference in the test's own process.  On a machine with a GPU the
@@ -13,7 +14,15 @@ import torch
 pytest.importorskip("trl")
 
 from slothkit.testing import tiny_model_path
-from slothkit.testing.ddp_parity import GLOBAL_BATCH, LOOP_SETTINGS, STEPS, loop_run, run_processes, sft_run
+from slothkit.testing.distributed_parity import (
+    FSDP_RUNS,
+    GLOBAL_BATCH,
+    LOOP_SETTINGS,
+    STEPS,
+    loop_run,
+    run_processes,
+    sft_run,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("quiet_training"),  # tests/slothkit/conftest.py
@@ -47,6 +56,26 @@ def test_plain_loop_under_ddp_matches_one_process(reference_kernels, tmp_path):
     for result in processes:
         for setting in LOOP_SETTINGS:
             _assert_same_training(result[setting], single)
+        assert result["offload-graphs"]["graphs"] > 0  # replayed: their gradients were all-reduced
+
+
+def test_fsdp2_matches_one_process_and_ddp(reference_kernels, tmp_path):
+    """FSDP2 (fully_shard on each decoder layer, then the model) with offloaded
+    checkpointing: in fp32 as one process trains, with the layer graphs off for the
+    sharded layers (their gathered weights move); on bf16 base weights exactly as DDP
+    trains (splitting the batch changes bf16's rounding; sharding must change nothing)."""
+    model = str(tiny_model_path("llama"))
+    processes = run_processes("fsdp", model, tmp_path)
+    single = loop_run(model, "offload")
+    assert set(FSDP_RUNS) == {"fsdp-fp32", "fsdp-bf16", "ddp-bf16"}
+    for result in processes:
+        _assert_same_training(result["fsdp-fp32"], single)
+        assert result["fsdp-fp32"]["graphs"] == 0  # asked for, refused for sharded layers
+        sharded, replicated = result["fsdp-bf16"], result["ddp-bf16"]
+        assert sharded["losses"] == replicated["losses"]
+        for name, weight in sharded["lora"].items():
+            torch.testing.assert_close(weight, replicated["lora"][name], rtol=0, atol=1e-6, msg=name)
+        assert sharded["losses"] != single["losses"]  # bf16 weights: a different run
 
 
 def test_sft_trainer_under_ddp_matches_one_process(reference_kernels, tmp_path):
