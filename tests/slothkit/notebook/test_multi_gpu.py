@@ -61,6 +61,8 @@ def test_an_exported_notebook_trains_under_torchrun(tmp_path):
     notebook = ROOT / "notebooks" / "llama-3-8b-finetune.ipynb"
     export, run = launch_commands(2, notebook=str(notebook), script=str(tmp_path / "train.py"))
     subprocess.run(export.split(), check=True, capture_output=True)
+    # The script committed beside the notebook is this export (scripts/gpu_multi_gpu.sh runs it).
+    assert (tmp_path / "train.py").read_text() == notebook.with_suffix(".py").read_text()
     steps, batch, processes = 8, 2, 2
     env = {
         **os.environ,
