@@ -325,7 +325,8 @@ def uses_offloaded_checkpoint(layers) -> bool:
     backward runs the layer's backward inside its own (as reentrant checkpointing does).
 
     Args:
-        layers: the decoder layers.
+        layers: the decoder layers, or any modules (``model.modules()``): those without
+            transformers' checkpointing attributes count as not checkpointed.
     """
     return any(
         getattr(layer, "gradient_checkpointing", False)

@@ -8,7 +8,6 @@ import warnings
 import torch
 
 from slothkit.distributed import check_ddp_settings
-from slothkit.engine.decoder import decoder_layers
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.offload_checkpoint import uses_offloaded_checkpoint
 from slothkit.trainers.out_of_memory import explain_out_of_memory
@@ -56,7 +55,7 @@ def check_setup(model, tokenizer, args) -> None:
         for name in names:
             setattr(args, name, False)
     if patched:
-        check_ddp_settings(args, checkpointing_nested=uses_offloaded_checkpoint(decoder_layers(model)[1]))
+        check_ddp_settings(args, checkpointing_nested=uses_offloaded_checkpoint(model.modules()))
     if getattr(args, "bf16", False) and not _bf16_available():
         raise ValueError(
             "bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)"
