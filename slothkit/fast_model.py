@@ -191,6 +191,10 @@ class FastModel:
                 num_labels=num_labels,
                 **hf_kwargs,
             )
+        if device_map is None:
+            # Under torchrun: this process's GPU, made current before anything here starts
+            # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.
+            device_map = device_map_for_process()
         config = resolve_checkpoint(model_name, token=token)
         if extend_context(config, max_seq_length):
             hf_kwargs["config"] = config
@@ -211,8 +215,6 @@ class FastModel:
             require_bitsandbytes()
         if load_in_4bit and not already_quantized:
             quantization_config = BitsAndBytesConfig(**nf4_settings(dtype))
-        if device_map is None:
-            device_map = device_map_for_process()  # under torchrun: this process's GPU
 
         if num_labels is not None:
             from transformers import AutoModelForSequenceClassification
