@@ -1,6 +1,6 @@
 """What slothkit does differently when a launcher starts one process per GPU.
 
-``torchrun --nproc-per-node N`` and ``accelerate launch --num_processes N`` start N copies
+``torchrun --nproc-per-node N`` and ``accelerate launch --multi_gpu --num_processes N`` start N copies
 of the training script and tell each which one it is through the environment: WORLD_SIZE
 (N), RANK (this process, 0..N-1, over all machines) and LOCAL_RANK (its GPU on this
 machine).  Each process loads its own model, patches its own instance and trains it

@@ -66,7 +66,7 @@ def multi_gpu_notice(gpus: int, launch: Launch) -> str | None:
             "the notebook, then run it as a script in a terminal, or in a new cell with '!' before each line:",
             f"    {export}",
             f"    {run}",
-            "(NOTEBOOK.ipynb: this notebook's file; `accelerate launch --num_processes "
+            "(NOTEBOOK.ipynb: this notebook's file; `accelerate launch --multi_gpu --num_processes "
             f"{gpus} train.py` works too; docs/multi-gpu.md)",
         ]
     )

@@ -27,7 +27,7 @@ def test_two_gpus_offer_the_launch():
     assert "This machine has 2 GPUs; this notebook trains on the first one only" in notice
     assert "    jupytext --to py:percent NOTEBOOK.ipynb -o train.py\n" in notice
     assert "    torchrun --nproc-per-node 2 --local-ranks-filter 0 train.py\n" in notice
-    assert "accelerate launch --num_processes 2 train.py" in notice
+    assert "accelerate launch --multi_gpu --num_processes 2 train.py" in notice
 
 
 def test_a_launched_process_says_which_it_is():
