@@ -17,6 +17,7 @@ import torch
 
 from slothkit.configuration import environment_defaults
 from slothkit.data.chat_templates import link_model
+from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import decoder_layers, patch_decoder
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model, is_sequence_classifier
 from slothkit.engine.loading import (
@@ -127,7 +128,9 @@ class FastModel:
                 bitsandbytes (default True; needs bitsandbytes).  A checkpoint already
                 quantised loads as it is, whatever this says.
             device_map: passed to transformers; None (default) puts the whole model on
-                the current GPU, or leaves it on the CPU when there is none.
+                the current GPU (under torchrun or accelerate launch, the GPU of this
+                process's LOCAL_RANK, made current: slothkit.distributed), or leaves it
+                on the CPU when there is none.
             token: a Hugging Face token, for gated or private Hub models (default
                 None).
             attn_implementation: transformers' attention, "sdpa" (default), "eager"
@@ -188,6 +191,10 @@ class FastModel:
                 num_labels=num_labels,
                 **hf_kwargs,
             )
+        if device_map is None:
+            # Under torchrun: this process's GPU, made current before anything here starts
+            # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.
+            device_map = device_map_for_process()
         config = resolve_checkpoint(model_name, token=token)
         if extend_context(config, max_seq_length):
             hf_kwargs["config"] = config
@@ -208,8 +215,6 @@ class FastModel:
             require_bitsandbytes()
         if load_in_4bit and not already_quantized:
             quantization_config = BitsAndBytesConfig(**nf4_settings(dtype))
-        if device_map is None:
-            device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
 
         if num_labels is not None:
             from transformers import AutoModelForSequenceClassification

@@ -41,7 +41,8 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
 def _setting(record: dict) -> str:
     """How the run was made, beside its mode: dtype, autocast (records before the switch
     existed ran under autocast), slothkit's switches where set, memory cap (and with
-    --best, that each implementation ran in its fastest setting under it)."""
+    --best, that each implementation ran in its fastest setting under it), and the GPUs
+    of a --gpus run."""
     parts = [record["dtype"]]
     if not record.get("autocast", True):
         parts.append("no autocast")
@@ -60,6 +61,8 @@ def _setting(record: dict) -> str:
     if record.get("memory_gib"):
         cap = f"{record['memory_gib']:g} GiB"
         parts.append(f"each at its fastest under {cap}" if record.get("best") else f"{cap} cap")
+    if record.get("gpus", 1) > 1:  # bench train --gpus N: tokens/s of all N, memory per GPU
+        parts.append(f"DDP on {record['gpus']} GPUs")
     return ", ".join(parts)
 
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
+from slothkit.bench.multi_gpu import check_gpus, launcher_command, with_scaling
 from slothkit.bench.shapes import SHAPES, shape_by_name
 from slothkit.bench.train_worker import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
 from slothkit.configuration import environment_defaults
@@ -82,8 +83,10 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
             **(extra_env or {}),
             "PYTHONPATH": tree_first_path(cwd, os.environ.get("PYTHONPATH", "")),
         }
+    # --gpus N: torchrun with a process per GPU; the matmul peak is one GPU's.
+    gpus = 1 if impl == "matmul-peak" else getattr(args, "gpus", 1)
     command = [
-        sys.executable,
+        *launcher_command(gpus),
         "-m",
         "slothkit.bench.train_worker",
         "--impl",
@@ -159,9 +162,12 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             continue
         row = {"impl": impl, "status": "ok", "runs": len(ok)}
         row["step_s"] = statistics.median(r["step_s"] for r in ok)
-        row["tokens_per_s"] = args.batch * args.seq / row["step_s"]
+        gpus = ok[0].get("gpus", 1)  # under DDP each step trains a batch on every GPU
+        row["tokens_per_s"] = gpus * args.batch * args.seq / row["step_s"]
         if peak_tflops:
-            row["mfu"] = row["tokens_per_s"] * per_token / (peak_tflops * 1e12)
+            row["mfu"] = row["tokens_per_s"] * per_token / (gpus * peak_tflops * 1e12)
+        if gpus > 1:
+            row["gpus"] = gpus
         for key in (
             "peak_allocated_gib",
             "peak_reserved_gib",
@@ -173,7 +179,7 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
         ):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok)
-        for key in ("final_loss", "keep_sums", "recompute"):  # as the last run had them
+        for key in ("final_loss", "keep_sums", "recompute", "per_gpu", "adapters_in_sync"):  # the last run's
             if key in ok[-1]:
                 row[key] = ok[-1][key]
         row["losses"] = ok[-1]["losses"]
@@ -231,7 +237,9 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             " | ".join(
                 [
-                    r["impl"] + (f" ({r['setting']})" if r.get("setting") else ""),
+                    r["impl"]
+                    + (f" ({r['setting']})" if r.get("setting") else "")
+                    + (f" ({r['gpus']} GPUs: {r['scaling']:.2f}x one)" if "scaling" in r else ""),
                     status,
                     f("step_s", "{:.3f}"),
                     f("tokens_per_s", "{:,.0f}"),
@@ -263,6 +271,11 @@ def run_train_bench(args) -> dict:
             f"configuration instead: --model tiny-llama (or tiny-mistral, tiny-gemma) "
             f"--dtype fp32 --seq 64"
         )
+    check_gpus(args.gpus, args.model, torch.cuda.device_count())
+    if args.gpus > 1 and args.best:
+        raise ValueError(
+            "--best and --gpus N together are not supported: find the setting with --best on one GPU"
+        )
     peak = None
     if torch.cuda.is_available():
         peak = run_worker("matmul-peak", args).get("tflops")
@@ -285,28 +298,35 @@ def run_train_bench(args) -> dict:
         "warmup": args.warmup,
         "rank": args.rank,
         "repeats": args.repeats,
+        "gpus": args.gpus,
         "matmul_peak_tflops": peak,
     }
-    # One run per implementation and setting (a single one unless --best); repeats
-    # alternate the order so that drift of the GPU's clocks hits them alike.
+    # One run per implementation and setting (a single one unless --best), on one GPU and
+    # (--gpus N) on N; repeats alternate the order so that drift of the GPU's clocks hits
+    # them alike.
     runs = [
-        (repeat, impl, setting)
+        (repeat, impl, setting, gpus)
         for repeat in range(args.repeats)
         for impl in (impls if repeat % 2 == 0 else impls[::-1])
         for setting in (settings_for(impl) if args.best else (None,))
+        for gpus in sorted({1, args.gpus})
     ]
-    results: dict[str, dict] = {impl: {} for impl in impls}
-    for done, (_repeat, impl, setting) in enumerate(runs, 1):
+    results: dict[str, dict] = {impl: {} for impl in impls}  # the one-GPU runs
+    spread: dict[str, list] = {impl: [] for impl in impls}  # the N-GPU runs
+    for done, (_repeat, impl, setting, gpus) in enumerate(runs, 1):
         what = impl if setting is None else f"{impl} ({setting.name})"
+        where = f" on {gpus} GPUs" if gpus > 1 else ""
         print(
-            f"[{done}/{len(runs)}] {what} {args.model} {args.mode} {args.batch}x{args.seq} ...",
+            f"[{done}/{len(runs)}] {what} {args.model} {args.mode} {args.batch}x{args.seq}{where} ...",
             file=sys.stderr,
             flush=True,
         )
-        run_args = args if setting is None else argparse.Namespace(**{**vars(args), **setting.flags})
-        results[impl].setdefault(None if setting is None else setting.name, []).append(
-            run_worker(impl, run_args)
-        )
+        run_args = argparse.Namespace(**{**vars(args), **(setting.flags if setting else {}), "gpus": gpus})
+        result = run_worker(impl, run_args)
+        if gpus > 1:
+            spread[impl].append(result)
+        else:
+            results[impl].setdefault(None if setting is None else setting.name, []).append(result)
         # Written after each run: a benchmark cut short keeps what it measured.
         if args.best:
             rows = summarise_best(results, args, peak)
@@ -314,8 +334,17 @@ def run_train_bench(args) -> dict:
         else:
             ran = {impl: by_setting[None] for impl, by_setting in results.items() if by_setting}
             rows, raw = summarise(ran, args, peak), ran
+            if args.gpus > 1:  # the N-GPU rows, each with its one-GPU run beside it
+                ran_spread = {impl: by_run for impl, by_run in spread.items() if by_run}
+                rows = with_scaling(summarise(ran_spread, args, peak), rows)
+                raw = {"1": ran, str(args.gpus): ran_spread}
         record.update(rows=rows, raw=raw)
-        pending = [(i if s is None else f"{i} ({s.name})") + f" (repeat {r + 1})" for r, i, s in runs[done:]]
+        pending = [
+            (i if s is None else f"{i} ({s.name})")
+            + (f" on {g} GPUs" if g > 1 else "")
+            + f" (repeat {r + 1})"
+            for r, i, s, g in runs[done:]
+        ]
         write_record(args.output, record, pending=pending)
     print(format_table(record["rows"]))
     if args.output:
@@ -419,6 +448,15 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--t4", action="store_true", help="a T4 stand-in on a bigger GPU: 15 GiB cap and fp16 instead of bf16"
+    )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="train on N GPUs of this machine: each implementation runs under torchrun with N "
+        "processes (DDP over NCCL, --batch per GPU) and also on one GPU; the record's rows give "
+        "tokens/s summed over the GPUs, per-GPU peak memory, and the scaling against one GPU "
+        "(slothkit.bench.multi_gpu). Without GPUs, a tiny shape runs N processes on the CPU",
     )
     parser.add_argument("--output", help="write the JSON record here")
 

@@ -10,6 +10,10 @@ checkpointing on (unless --hf-checkpointing off, or slothkit's "auto"), fused Ad
 lr 1e-4, the same random tokens each step.  Memory is measured three ways: the peak
 allocated and the peak reserved on the GPU (torch's caching allocator; reserved is what
 runs out), and the peak resident host memory of the worker process.
+
+Started by torchrun (``--gpus N``), each of the N processes trains its own copy on its
+own GPU and tokens under DistributedDataParallel, and process 0 prints the one result
+slothkit.bench.multi_gpu gathers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import traceback
 
 import torch
 
+from slothkit.bench.multi_gpu import gather, parameters_checksum, start_process_group, wrap
+from slothkit.distributed import launch
 from slothkit.memory_model import MemoryBudgetError
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
@@ -304,7 +310,7 @@ def load_with_unsloth(model, args, dtype):
     return unsloth_model, loaded
 
 
-def run(args) -> dict:
+def run(args) -> dict | None:
     if args.impl == "matmul-peak":
         return {"status": "ok", "tflops": matmul_peak_tflops()}
     if args.impl == "unsloth":
@@ -317,11 +323,13 @@ def run(args) -> dict:
             # Unsloth's per-block torch.compile crashes in inductor on Gemma (shared/GPU.md).
             os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
+    # Under torchrun (--gpus N): this process's GPU is the current one ("cuda" below).
+    where = start_process_group()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.manual_seed(args.seed)
     if device == "cuda" and args.memory_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
 
     if args.impl == "unsloth":  # Unsloth quantises while loading from disk itself
@@ -346,9 +354,10 @@ def run(args) -> dict:
             args.seq,
         )
 
-    generator = torch.Generator().manual_seed(args.seed + 1)
+    generator = torch.Generator().manual_seed(args.seed + 1 + where.rank)  # each process its own tokens
     vocab = model.config.vocab_size
     input_ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+    trained = wrap(model, where)  # DDP under torchrun, else the model itself
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     use_scaler = dtype == torch.float16
@@ -362,7 +371,7 @@ def run(args) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autocast(device, dtype=dtype, enabled=args.autocast and dtype != torch.float32):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss = trained(input_ids=input_ids, labels=input_ids).loss
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -396,6 +405,9 @@ def run(args) -> dict:
     peak_host = peak_host_bytes()
     if peak_host is not None:
         result["peak_host_gib"] = peak_host / 2**30
+    if where.distributed:
+        result["checksum"] = parameters_checksum(model)
+        return gather(result, where, args.batch, args.seq)  # None outside process 0
     return result
 
 
@@ -432,8 +444,12 @@ def main(argv=None) -> int:
             "error": f"{type(error).__name__}: {error}",
             "traceback": traceback.format_exc(),
         }
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0
+    if result is not None:  # under torchrun, process 0 prints the gathered result
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    # Under torchrun a process that failed must exit with an error, so that torchrun stops
+    # the others, which would wait for it in their next collective.
+    failed = result is not None and result.get("status") != "ok"
+    return 1 if failed and launch().distributed else 0
 
 
 if __name__ == "__main__":

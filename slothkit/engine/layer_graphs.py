@@ -34,7 +34,9 @@ A graph bakes in the addresses it read and wrote at capture, so:
 - everything else the layer reads (hidden states, cos/sin tables, masks) is copied into
   static buffers before each replay;
 - parameter gradients come out of the graph in static buffers and are added to
-  ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working);
+  ``param.grad`` afterwards (so ``zero_grad(set_to_none=True)`` keeps working); under a
+  process group through autograd's accumulator nodes, whose hooks DistributedDataParallel
+  needs to all-reduce them;
 - a layer's input is usually the previous layer's output, cloned out of the same input
   buffer, and its incoming gradient the later layer's input gradient, cloned out of the
   same gradient buffer: while that tensor is unchanged (same object, same version
@@ -47,7 +49,8 @@ A graph bakes in the addresses it read and wrote at capture, so:
   A graph with kept tensors is a different graph from one without.
 
 Not captured (the layer then runs as before): CPU tensors; a layer with active dropout
-(the graph would replay the same random mask); parameters with gradient hooks; layer
+(the graph would replay the same random mask); parameters with gradient hooks; a layer
+FSDP2 shards (its gathered weights move between steps); layer
 arguments other than tensors, None, numbers and strings (a KV cache); a layer whose
 output is not one tensor.  A signature is captured the second time it is seen (the first
 run warms Triton's autotuner and cuBLAS); a model that keeps changing shape replays
@@ -115,6 +118,17 @@ def _has_active_dropout(layer: nn.Module) -> bool:
         if getattr(module, "attention_dropout", 0.0) and module.training:
             return True
     return False
+
+
+def _is_sharded(layer: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) manages the layer: it gathers the layer's weights
+    into memory it frees after each forward and backward and allocates again for the
+    next, so the addresses a graph baked in need not hold them at the next replay."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(layer, FSDPModule)
 
 
 def _has_grad_hooks(param: torch.Tensor) -> bool:
@@ -233,10 +247,12 @@ class LayerGraphs:
         if hidden.numel() // max(hidden.shape[-1], 1) > self.max_tokens:
             return False
         key = id(call.layer)
-        if key not in self.eligible_layers:  # dropout and hooks are settled once per layer
+        if key not in self.eligible_layers:  # dropout, hooks and sharding are settled once per layer
             params = [p for p in call.layer.parameters() if p.requires_grad]
-            self.eligible_layers[key] = not _has_active_dropout(call.layer) and not any(
-                _has_grad_hooks(p) for p in params
+            self.eligible_layers[key] = (
+                not _has_active_dropout(call.layer)
+                and not any(_has_grad_hooks(p) for p in params)
+                and not _is_sharded(call.layer)
             )
         return self.eligible_layers[key]
 
@@ -436,7 +452,7 @@ class LayerGraphs:
             if graph is None:
                 return None
         graph.replay()
-        _accumulate(params, param_grads)
+        _accumulate(params, param_grads, through_autograd=_gradients_watched())
         return statics.grad_output_out()
 
 
@@ -455,9 +471,29 @@ def _holds(record: tuple | None, tensor: torch.Tensor) -> bool:
     return record is not None and record[0]() is tensor and record[1] == tensor._version
 
 
-def _accumulate(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+def _gradients_watched() -> bool:
+    """Whether something may wait on autograd's gradient accumulation: under a process
+    group, DistributedDataParallel's reducer learns that a parameter's gradient is ready
+    from a hook on its accumulator node (one Python cannot see), and all-reduces the
+    gradient's bucket then; a gradient written into ``.grad`` directly is never reduced,
+    and the processes' adapters drift apart without an error."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _accumulate(
+    params: list[torch.Tensor], grads: list[torch.Tensor], through_autograd: bool = False
+) -> None:
     """param.grad += grad, as autograd's accumulation would (a new tensor where None),
-    in one multi-tensor launch each rather than one per parameter."""
+    in one multi-tensor launch each rather than one per parameter; with
+    ``through_autograd``, by autograd's own accumulator nodes (one add per parameter),
+    so that their hooks run (``_gradients_watched``).  Either way ``.grad`` never aliases
+    ``grads``, the static buffers the next replay overwrites."""
+    if through_autograd:
+        # The leaves' gradient edges are their AccumulateGrad nodes: this runs only them.
+        # They copy a gradient another tensor still holds (the static buffer) rather than
+        # adopt it.
+        torch.autograd.backward(params, grads)
+        return
     existing = [(p.grad, g) for p, g in zip(params, grads) if p.grad is not None]
     if existing:
         torch._foreach_add_([e[0] for e in existing], [e[1] for e in existing])

@@ -320,6 +320,21 @@ def offload_checkpoint(run_function, hidden_states, *args):
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
 
 
+def uses_offloaded_checkpoint(layers) -> bool:
+    """Whether any of ``layers`` is checkpointed through an ``OffloadedCheckpointer``, whose
+    backward runs the layer's backward inside its own (as reentrant checkpointing does).
+
+    Args:
+        layers: the decoder layers, or any modules (``model.modules()``): those without
+            transformers' checkpointing attributes count as not checkpointed.
+    """
+    return any(
+        getattr(layer, "gradient_checkpointing", False)
+        and isinstance(getattr(layer, "_gradient_checkpointing_func", None), OffloadedCheckpointer)
+        for layer in layers
+    )
+
+
 CUDA_GRAPHS_CHOICES = (None, True, False, "forward")
 KEEP_SUMS_CHOICES = (None, True, False)
 

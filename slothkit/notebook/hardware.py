@@ -12,21 +12,35 @@ def hardware_report(config):
 
     On a GPU the planner may lower the batch size (raising gradient accumulation to
     keep the effective batch) or the sequence length, and says so before anything
-    is loaded.  Without a GPU, training runs on the CPU and nothing is changed.
+    is loaded.  Without a GPU, training runs on the CPU and nothing is changed.  On a
+    machine with several GPUs it says once how to train on all of them
+    (slothkit.notebook.multi_gpu); run that way, which process this is.
+
+    Args:
+        config: the notebook's NotebookConfig.
+
+    Returns:
+        The config, with the batch size, gradient accumulation and sequence length the
+        planner chose for this GPU.
     """
     from transformers import AutoConfig
 
+    from slothkit.distributed import launch, select_process_gpu
+    from slothkit.notebook.multi_gpu import print_multi_gpu_notice_once
     from slothkit.plan import plan, shape_from_config
 
+    select_process_gpu()  # under a launcher: before CUDA starts on GPU 0 in every process
     if not torch.cuda.is_available():
         print("GPU: none. Training runs on the CPU, slowly; fine for the tiny test models.")
+        print_multi_gpu_notice_once(0, launch())
         return config
-    props = torch.cuda.get_device_properties(0)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     bf16 = torch.cuda.is_bf16_supported()
     print(
         f"GPU: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
         f"bf16 {'yes' if bf16 else 'no (fp16 with loss scaling)'}"
     )
+    print_multi_gpu_notice_once(torch.cuda.device_count(), launch())
     shape = shape_from_config(AutoConfig.from_pretrained(config.model_name))
     result = plan(
         shape,

@@ -15,9 +15,18 @@ def save_all(model, tokenizer, config) -> dict[str, str]:
         config: the notebook's NotebookConfig (save_lora, save_merged, save_gguf,
             gguf_quants, output_dir, hub_repo, hub_token).
 
+    Under a launcher (the notebook run as a script on several GPUs) only the main
+    process saves: the others hold the same adapters (DDP keeps them equal) and would
+    write the same files at the same time.
+
     Returns:
-        What was written or pushed, by name.
+        What was written or pushed, by name ({} in the processes that leave it to the
+        main one).
     """
+    from slothkit.distributed import is_main_process
+
+    if not is_main_process():
+        return {}
     out = Path(config.output_dir)
     token = config.hub_token or None
     saved: dict[str, str] = {}

@@ -37,11 +37,12 @@ def load_for_training(
     dtype=torch.float32,
     num_labels=None,
     max_seq_length=MAX_SEQ,
+    checkpointing=False,
 ):
     """A tiny checkpoint with LoRA (r=8, alpha=16) on all seven projections.
 
     Args:
-        kind: "slothkit" (FastModel, fused path, no checkpointing) or "hf" (transformers
+        kind: "slothkit" (FastModel, fused path) or "hf" (transformers
             and PEFT as a user without slothkit would write them).
         load_in_4bit: NF4 weights through bitsandbytes, computing in `dtype`.
         arch: the tiny architecture (slothkit.testing.tiny_model_path).
@@ -50,6 +51,8 @@ def load_for_training(
         num_labels: None: a causal LM; an integer: a sequence classifier with a score
             head of that many outputs, initialised from the same seed in both kinds.
         max_seq_length: set on the model (the configs' max_length).
+        checkpointing: "slothkit" only: its use_gradient_checkpointing (default False:
+            none; "offload" is what FastModel users get).
 
     Returns:
         ``(peft_model, tokenizer)``.
@@ -71,7 +74,7 @@ def load_for_training(
         )
         get_chat_template(tokenizer, template, model=model)
         model = FastModel.get_peft_model(
-            model, r=8, lora_alpha=16, use_gradient_checkpointing=False, random_state=SEED
+            model, r=8, lora_alpha=16, use_gradient_checkpointing=checkpointing, random_state=SEED
         )
         assert model.get_base_model()._slothkit_architecture == arch  # the fused path is on
         return model, tokenizer

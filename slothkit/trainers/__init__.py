@@ -49,6 +49,9 @@ Defaults that differ from TRL's, and why:
   GRPO and RLOO have no max_length: max_completion_length bounds what they generate.
 * The trainer constructors here keep the adapters in the dtype get_peft_model gave them
   (float32): TRL's trainers cast a quantized model's adapters to bf16.
+* Under torchrun or accelerate launch (WORLD_SIZE > 1), ``ddp_find_unused_parameters=False``:
+  the Trainer would search for unused parameters (a PeftModel is not a PreTrainedModel),
+  and the search cannot follow slothkit's offloaded checkpointing (slothkit.distributed).
 * Learning rates for LoRA, per method (configs.LEARNING_RATES): SFT 2e-4, DPO, KTO, GRPO
   and RLOO 5e-6, ORPO 8e-6, reward 1e-4.
 """

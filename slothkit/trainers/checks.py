@@ -7,7 +7,9 @@ import warnings
 
 import torch
 
+from slothkit.distributed import check_ddp_settings
 from slothkit.engine.inspection import causal_lm_of
+from slothkit.engine.offload_checkpoint import uses_offloaded_checkpoint
 from slothkit.trainers.out_of_memory import explain_out_of_memory
 
 
@@ -15,7 +17,8 @@ def check_setup(model, tokenizer, args) -> None:
     """Catch what would fail (or silently misbehave) deep inside a trainer: a tokenizer
     larger than the model's embeddings, bf16 on a machine without it.  Turns off (with a
     warning) ``args.gradient_checkpointing``, which would replace the checkpointing
-    ``FastModel.get_peft_model`` set up.
+    ``FastModel.get_peft_model`` set up; under a launcher (WORLD_SIZE > 1) sets an unset
+    ``ddp_find_unused_parameters`` to False (slothkit.distributed.check_ddp_settings).
 
     Args:
         model: the model to train (a PeftModel or a plain model).
@@ -24,8 +27,9 @@ def check_setup(model, tokenizer, args) -> None:
             may be changed in place.
 
     Raises:
-        ValueError: the tokenizer has more ids than the embeddings have rows, or
-            bf16=True without bf16 support.
+        ValueError: the tokenizer has more ids than the embeddings have rows,
+            bf16=True without bf16 support, or ddp_find_unused_parameters=True with
+            slothkit's offloaded checkpointing under a launcher.
     """
     causal_lm = causal_lm_of(model)
     rows = causal_lm.get_input_embeddings().weight.shape[0]
@@ -50,6 +54,8 @@ def check_setup(model, tokenizer, args) -> None:
         )
         for name in names:
             setattr(args, name, False)
+    if patched:
+        check_ddp_settings(args, checkpointing_nested=uses_offloaded_checkpoint(model.modules()))
     if getattr(args, "bf16", False) and not _bf16_available():
         raise ValueError(
             "bf16=True but this machine has no bf16 support; use fp16=True (GPU) or neither (CPU)"

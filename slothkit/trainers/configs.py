@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from slothkit.distributed import ddp_defaults
 from slothkit.engine.inspection import causal_lm_of, compute_dtype
 from slothkit.engine.loading import pick_dtype
 
@@ -94,16 +95,22 @@ def hardware_defaults(model=None) -> dict:
 
 
 def machine_defaults(model=None) -> dict:
-    """``hardware_defaults(model)`` and ``dataloader_pin_memory``: pinned host memory speeds
-    copies to a GPU; without one torch warns that it is unused.
+    """``hardware_defaults(model)``, ``dataloader_pin_memory`` (pinned host memory speeds
+    copies to a GPU; without one torch warns that it is unused) and, under a launcher
+    (WORLD_SIZE > 1), ``ddp_find_unused_parameters=False`` (slothkit.distributed says why).
 
     Args:
         model: as ``hardware_defaults``.
 
     Returns:
-        {"bf16": ..., "fp16": ..., "optim": ..., "dataloader_pin_memory": ...}.
+        {"bf16": ..., "fp16": ..., "optim": ..., "dataloader_pin_memory": ...}, with
+        "ddp_find_unused_parameters" under a launcher.
     """
-    return {**hardware_defaults(model), "dataloader_pin_memory": torch.cuda.is_available()}
+    return {
+        **hardware_defaults(model),
+        "dataloader_pin_memory": torch.cuda.is_available(),
+        **ddp_defaults(),
+    }
 
 
 def checkpointing_off(config_class, overrides: dict | None = None) -> dict:

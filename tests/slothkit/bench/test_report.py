@@ -125,6 +125,7 @@ def test_settings_and_context_records_are_shown(tmp_path):
         "final_loss": 2.5,
     }
     _record(tmp_path, "a.json", kind="train", batch=2, seq=64, autocast=False, memory_gib=15.0, rows=[row])
+    _record(tmp_path, "c.json", kind="train", batch=2, seq=64, autocast=False, gpus=2, rows=[row])
     _record(
         tmp_path,
         "b.json",
@@ -142,6 +143,8 @@ def test_settings_and_context_records_are_shown(tmp_path):
         "qlora (bf16, no autocast, 15 GiB cap)" in table
         and "| 1,234 (1.00x), 3.0 / \u2014 / \u2014 GiB |" in table
     )
+    assert "qlora (bf16, no autocast, DDP on 2 GPUs)" in table  # its tokens/s are both GPUs'
+
     context = render_context(load_records(tmp_path, "context"))
     lines = context.splitlines()[2:]
     assert "| 65,536 | 73,728 |" in lines[0]

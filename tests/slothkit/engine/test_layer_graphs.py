@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from slothkit.engine.layer_graphs import LayerGraphs, _Call, _has_active_dropout
+from slothkit.testing.layer_graphs_on_cpu import GraphsOnCPU
 
 
 class _Layer(nn.Module):
@@ -129,53 +130,31 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_gradients_are_added_as_autograd_would():
+@pytest.mark.parametrize("through_autograd", [False, True], ids=["foreach", "accumulator-nodes"])
+def test_gradients_are_added_as_autograd_would(through_autograd):
     from slothkit.engine.layer_graphs import _accumulate
 
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
     params[1].grad = torch.ones(2, 2)
+    # What DDP's reducer waits for (its own hook sits on the same accumulator node).
+    accumulated = []
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(lambda p, index=index: accumulated.append(index))
     grads = [torch.randn(3), torch.randn(2, 2)]
-    _accumulate(params, grads)
+    _accumulate(params, grads, through_autograd=through_autograd)
     torch.testing.assert_close(params[0].grad, grads[0], rtol=0, atol=0)
     torch.testing.assert_close(params[1].grad, 1 + grads[1], rtol=0, atol=0)
+    assert sorted(accumulated) == ([0, 1] if through_autograd else [])
     grads[0].zero_()  # the static buffer is reused by the next replay: .grad is a copy
     assert params[0].grad.abs().sum() > 0
 
 
-class _RecordedBody:
-    """A stand-in for a CUDA graph: replay runs the captured body again."""
+def test_gradients_go_through_autograd_under_a_process_group(monkeypatch):
+    from slothkit.engine import layer_graphs
 
-    def __init__(self, log):
-        self.body, self.log = None, log
-
-    def replay(self):
-        self.log.append("replay")
-        self.body()
-
-
-class _GraphsOnCPU(LayerGraphs):
-    """LayerGraphs with the CUDA calls replaced, to check its plumbing on a CPU: the static
-    buffers, the arguments copied in, the gradients copied out and added to .grad."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.log = []
-
-    def _device_ok(self, hidden):
-        return True
-
-    def _new_graph(self):
-        return _RecordedBody(self.log)
-
-    def _sync(self):
-        pass
-
-    def _release_cached(self):
-        self.log.append("release")
-
-    def _record(self, graph, body):
-        self.log.append("capture")
-        graph.body = body  # a capture runs nothing; the replay that follows does
+    assert not layer_graphs._gradients_watched()  # no process group in this test process
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert layer_graphs._gradients_watched()
 
 
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
@@ -206,7 +185,7 @@ def test_replay_plumbing_trains_like_eager_layers_on_cpu(arch, phases, keeps, ml
             for m in model.modules()
             if getattr(m, "gradient_checkpointing", False)
         )
-        checkpointer.graphs = _GraphsOnCPU(phases=phases) if graphs else None
+        checkpointer.graphs = GraphsOnCPU(phases=phases) if graphs else None
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -258,7 +237,7 @@ def test_a_chained_output_is_not_copied_back_unless_written_since(written):
     layers = [_Layer(), _Layer()]
     hidden, tables = _inputs()
     runs = [functools.partial(layer.__call__, scale=2.0, position_embeddings=tables) for layer in layers]
-    graphs = _GraphsOnCPU()
+    graphs = GraphsOnCPU()
     for _ in range(2):  # eager, then capture: each layer replays from here on
         for run_function in runs:
             graphs.forward(run_function, hidden, (), None)
@@ -299,7 +278,7 @@ def test_a_chained_output_is_not_copied_back_unless_written_since(written):
     torch.testing.assert_close(grad_hidden, 2 * grad_first @ layers[0].proj.weight, rtol=0, atol=0)
 
 
-class _FailingCapture(_GraphsOnCPU):
+class _FailingCapture(GraphsOnCPU):
     def _record(self, graph, body):
         raise RuntimeError("operation not permitted when stream is capturing")
 
@@ -313,7 +292,7 @@ def test_backward_frees_the_callers_copies_before_the_prefetch(capture):
     hidden, tables = _inputs()
     kept = torch.randn(2, 3, 4)
     run_function = functools.partial(layer.__call__, scale=2.0, position_embeddings=tables)
-    graphs = (_GraphsOnCPU if capture == "works" else _FailingCapture)(phases=("backward",))
+    graphs = (GraphsOnCPU if capture == "works" else _FailingCapture)(phases=("backward",))
     grad_output = torch.randn(2, 3, 4)
     saved = [hidden.clone(), kept.clone()]
     # The first sighting runs eagerly: the list stays as it was, and no hook runs.
@@ -400,7 +379,7 @@ def test_batches_over_max_tokens_run_eagerly():
     tokens = hidden.numel() // hidden.shape[-1]
     run_function = functools.partial(layer.__call__, scale=1.0, position_embeddings=tables)
     for max_tokens, captured in ((tokens - 1, False), (tokens, True)):
-        graphs = _GraphsOnCPU(max_tokens=max_tokens)
+        graphs = GraphsOnCPU(max_tokens=max_tokens)
         for _ in range(3):
             graphs.forward(run_function, hidden, (), None)
         assert bool(graphs.graphs) == captured, max_tokens
