@@ -29,8 +29,9 @@ import torch
 
 from slothkit.distributed import Launch, launch
 
-# Per-process figures that the gathered result keeps the largest of.
-_PEAKS = (
+# Per-process memory figures: the gathered result keeps the largest; bench train
+# carries them from a worker's result into its row.
+PEAK_FIELDS = (
     "peak_allocated_gib",
     "peak_reserved_gib",
     "training_gib",
@@ -180,12 +181,17 @@ def gather(result: dict, where: Launch, batch: int, seq: int) -> dict | None:
         losses=[sum(step) / len(step) for step in zip(*(r["losses"] for r in results))],
         adapters_in_sync=len({r["checksum"] for r in results}) == 1,
         per_gpu=[
-            {"rank": rank, "step_s": r["step_s"], "tokens_per_s": t, **{k: r[k] for k in _PEAKS if k in r}}
+            {
+                "rank": rank,
+                "step_s": r["step_s"],
+                "tokens_per_s": t,
+                **{k: r[k] for k in PEAK_FIELDS if k in r},
+            }
             for rank, (r, t) in enumerate(zip(results, tokens))
         ],
     )
     combined["final_loss"] = combined["losses"][-1]
-    for key in _PEAKS:
+    for key in PEAK_FIELDS:
         if key in results[0]:
             combined[key] = max(r[key] for r in results)
     return combined

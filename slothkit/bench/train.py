@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
-from slothkit.bench.multi_gpu import check_gpus, launcher_command, with_scaling
+from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, with_scaling
 from slothkit.bench.shapes import SHAPES, shape_by_name
 from slothkit.bench.train_worker import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
 from slothkit.configuration import environment_defaults
@@ -168,15 +168,7 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             row["mfu"] = row["tokens_per_s"] * per_token / (gpus * peak_tflops * 1e12)
         if gpus > 1:
             row["gpus"] = gpus
-        for key in (
-            "peak_allocated_gib",
-            "peak_reserved_gib",
-            "training_gib",
-            "loaded_gib",
-            "host_rss_gib",
-            "peak_host_gib",
-            "cuda_graphs",
-        ):
+        for key in (*PEAK_FIELDS, "cuda_graphs"):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok)
         for key in ("final_loss", "keep_sums", "recompute", "per_gpu", "adapters_in_sync"):  # the last run's
