@@ -187,8 +187,8 @@ trainer = GRPOTrainer(
 # %%
 from slothkit.notebook.training import report_training
 
-# Each step samples NUM_GENERATIONS completions per prompt with Hugging Face generate,
-# which takes most of its time; the mean reward should rise over the steps.
+# Each step samples NUM_GENERATIONS completions per prompt (on a GPU through slothkit's
+# fast decode loop, docs/trainers.md), then updates; the mean reward should rise.
 trainer_stats = trainer.train()
 result = report_training(trainer, trainer_stats)
 
