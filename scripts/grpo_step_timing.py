@@ -13,6 +13,7 @@ reported; their median.
 
     python scripts/grpo_step_timing.py --impl slothkit --model llama-3-8b --mode qlora
     python scripts/grpo_step_timing.py --impl hf ...      # plain transformers + PEFT + TRL
+    python scripts/grpo_step_timing.py --impl unsloth ... # Unsloth's loading, LoRA and patched TRL
     python scripts/grpo_step_timing.py --impl slothkit --mode lora --device cpu --completion-len 8
 
 Prints one JSON line prefixed with RESULT.
@@ -76,6 +77,17 @@ def build(impl: str, args, dtype):
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("llama")))
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if impl == "unsloth":
+        # As Unsloth's GRPO notebooks run it without vLLM: its own 4-bit loading from a
+        # checkpoint on disk, its LoRA with offloaded checkpointing, and TRL's GRPOTrainer
+        # as Unsloth patches it on import (sampling through Unsloth's generate).
+        from slothkit.bench.train_worker import load_with_unsloth
+
+        setting = argparse.Namespace(
+            seq=args.prompt_len + args.completion_len + 64, mode=args.mode, rank=16, seed=0
+        )
+        model, _ = load_with_unsloth(build_model(args.model, dtype, DEVICE, 0), setting, dtype)
+        return model, tokenizer
     model = build_model(args.model, dtype, DEVICE, 0, quantize_nf4=args.mode == "qlora")
     if impl == "slothkit":
         from slothkit import FastModel
@@ -100,6 +112,9 @@ def build(impl: str, args, dtype):
 
 
 def run(args) -> dict:
+    if args.impl == "unsloth":
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+        import unsloth  # noqa: F401  (before transformers and trl, which it patches)
     from transformers import TrainerCallback
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -128,7 +143,8 @@ def run(args) -> dict:
     else:
         import trl
 
-        config = trl.GRPOConfig(gradient_checkpointing=True, **settings)
+        # Unsloth checkpoints through its own get_peft_model setting, not the Trainer's.
+        config = trl.GRPOConfig(gradient_checkpointing=args.impl == "hf", **settings)
         trainer = trl.GRPOTrainer(
             model=model,
             reward_funcs=[_length_reward],
@@ -166,6 +182,7 @@ def run(args) -> dict:
         "prompt_len": args.prompt_len,
         "completion_len": args.completion_len,
         "steps_timed": len(measured),
+        "generate_calls": len(sampling),
         "step_s": step,
         "sampling_s": sample,
         "rest_s": step - sample,
@@ -178,7 +195,7 @@ def run(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", choices=["slothkit", "hf"], required=True)
+    parser.add_argument("--impl", choices=["slothkit", "hf", "unsloth"], required=True)
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--mode", choices=["lora", "qlora"], default="qlora")
     parser.add_argument("--generations", type=int, default=8)
