@@ -122,20 +122,25 @@ class RecomputePolicy:
             warnings.warn(self.choice.notice(), RecomputeNotice, stacklevel=3)
         return self.choice
 
-    def before_layer(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the first layer: decide from the step's tokens before any
-        layer runs (each layer reads its flag when it runs).
+    def before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder (the stack of layers): decide from the step's
+        tokens before any layer runs.  Not a hook on the first layer: transformers up to
+        5.1x checkpoint a layer in its ``__call__``, which reads the layer's flag before the
+        layer's hooks run and runs them under the checkpoint's no_grad.
 
         Args:
-            module: the first decoder layer.
-            args: its positional arguments (the hidden states first).
+            module: the decoder (``model.model`` of a *ForCausalLM).
+            args: its positional arguments (input_ids first).
             kwargs: its keyword arguments.
         """
         if not (module.training and torch.is_grad_enabled()):
             return
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2:
-            self.decide(hidden.numel() // hidden.shape[-1])
+        embeds = kwargs.get("inputs_embeds")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+            self.decide(embeds.numel() // embeds.shape[-1])
+        elif isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+            self.decide(ids.numel())
 
 
 def training_memory(causal_lm: nn.Module, peft_model: nn.Module, checkpointer) -> TrainingMemory:
@@ -204,6 +209,6 @@ def enable_recompute_policy(
     policy = RecomputePolicy(layers, memory, budget)
     if tokens is not None:
         policy.decide(tokens)
-    layers[0].register_forward_pre_hook(policy.before_layer, with_kwargs=True)
+    causal_lm.model.register_forward_pre_hook(policy.before_decoder, with_kwargs=True)
     layers[0]._slothkit_recompute_policy = policy
     return policy
