@@ -129,14 +129,22 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     return {"status": "error", "error": f"worker exited {completed.returncode}: " + " | ".join(tail)}
 
 
-def flops_per_token(shape_name: str, seq: int) -> float:
-    """LoRA training with checkpointing: ~6 x matmul parameters per token (forward, the
-    recomputed forward, and the input-gradient matmuls; frozen weights need no weight
-    gradients) plus causal attention, 8 * T * layers * (heads * head_dim) per token."""
+def flops_per_token(shape_name: str, seq: int, recomputed: float = 1.0) -> float:
+    """LoRA training FLOPs per token: 4 x matmul parameters (forward and the
+    input-gradient matmuls; frozen weights need no weight gradients) plus 2 x for the
+    re-run forward of the checkpointed layers, and causal attention, 6 * T * layers *
+    (heads * head_dim) per token plus 2 * T * ... for the re-run.
+
+    Args:
+        shape_name: the model shape.
+        seq: the sequence length T.
+        recomputed: the share of decoder layers re-run in backward (1: every layer
+            checkpointed, 0: none).
+    """
     shape = shape_by_name(shape_name)
     head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
-    attention = 8 * seq * shape.num_hidden_layers * shape.num_attention_heads * head_dim
-    return 6 * shape.matmul_parameters() + attention
+    attention = (6 + 2 * recomputed) * seq * shape.num_hidden_layers * shape.num_attention_heads * head_dim
+    return (4 + 2 * recomputed) * shape.matmul_parameters() + attention
 
 
 def environment() -> dict:
@@ -154,7 +162,6 @@ def environment() -> dict:
 
 def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -> list[dict]:
     rows = []
-    per_token = flops_per_token(args.model, args.seq)
     for impl, runs in results.items():
         ok = [r for r in runs if r.get("status") == "ok"]
         if not ok:
@@ -165,13 +172,14 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
         gpus = ok[0].get("gpus", 1)  # under DDP each step trains a batch on every GPU
         row["tokens_per_s"] = gpus * args.batch * args.seq / row["step_s"]
         if peak_tflops:
+            per_token = flops_per_token(args.model, args.seq, ok[0].get("recomputed", 1.0))
             row["mfu"] = row["tokens_per_s"] * per_token / (gpus * peak_tflops * 1e12)
         if gpus > 1:
             row["gpus"] = gpus
         for key in (*PEAK_FIELDS, "cuda_graphs"):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok)
-        for key in ("final_loss", "keep_sums", "recompute", "per_gpu", "adapters_in_sync"):  # the last run's
+        for key in ("final_loss", "keep_sums", "recompute", "recomputed", "per_gpu", "adapters_in_sync"):  # the last run's
             if key in ok[-1]:
                 row[key] = ok[-1][key]
         row["losses"] = ok[-1]["losses"]

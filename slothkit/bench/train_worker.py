@@ -214,6 +214,18 @@ def layer_graphs_of(model):
     return None
 
 
+def recomputed_share(model) -> float:
+    """The share of decoder layers that re-run their forward in backward (checkpointed or
+    offloaded), from the layers' own flags after the steps: what the FLOP count needs."""
+    from slothkit.engine.decoder import decoder_layers
+
+    causal_lm, layers = decoder_layers(model)
+    flags = [getattr(layer, "gradient_checkpointing", None) for layer in layers]
+    if all(flag is None for flag in flags):  # checkpointing kept on the decoder, not per layer
+        return float(bool(getattr(causal_lm, "is_gradient_checkpointing", True)))
+    return sum(bool(flag) for flag in flags) / len(flags)
+
+
 def slothkit_settings(model) -> dict:
     """What slothkit's run used: how many layer graphs it replayed (0: none, or graphs
     off), whether the layers kept their sums, and use_gradient_checkpointing="auto"'s
@@ -392,6 +404,8 @@ def run(args) -> dict | None:
     }
     if args.impl == "slothkit":
         result.update(slothkit_settings(model))
+    # Unsloth's "unsloth" checkpointing re-runs every layer.
+    result["recomputed"] = 1.0 if args.impl == "unsloth" else recomputed_share(model)
     if device == "cuda":
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

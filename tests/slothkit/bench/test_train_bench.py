@@ -37,6 +37,35 @@ def test_flops_counted_from_real_shapes():
     assert 7.4e9 < SHAPES["llama-3-8b"].matmul_parameters() < 7.6e9
 
 
+def test_flops_count_the_re_run_only_for_the_layers_that_re_run():
+    from slothkit.bench.train import flops_per_token
+
+    shape = SHAPES["llama-3-8b"]
+    attention_per_pass = 2 * 2048 * shape.num_hidden_layers * shape.hidden_size  # causal QK^T and PV
+    rerun = flops_per_token("llama-3-8b", 2048, 1.0) - flops_per_token("llama-3-8b", 2048, 0.0)
+    assert rerun == pytest.approx(2 * shape.matmul_parameters() + attention_per_pass)
+    half = flops_per_token("llama-3-8b", 2048, 0.5)
+    assert half == pytest.approx(flops_per_token("llama-3-8b", 2048, 0.0) + rerun / 2)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_recomputed_share_reads_the_layers_flags(checkpointing):
+    from peft import LoraConfig, get_peft_model
+
+    from slothkit.bench.train_worker import LORA_TARGETS, recomputed_share
+
+    model = build_model("tiny-llama", torch.float32, "cpu", seed=0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    assert recomputed_share(model) == (1.0 if checkpointing else 0.0)
+    if checkpointing:  # what use_gradient_checkpointing="auto" does to the first layers only
+        layers = model.get_base_model().model.layers
+        for layer in layers[len(layers) // 2 :]:
+            layer.gradient_checkpointing = False
+        assert recomputed_share(model) == 0.5
+
+
 def test_tiny_run_writes_a_record(tmp_path, capsys):
     output = tmp_path / "record.json"
     code = main(
@@ -68,6 +97,7 @@ def test_tiny_run_writes_a_record(tmp_path, capsys):
         assert rows[impl]["tokens_per_s"] > 0
         assert len(rows[impl]["losses"]) == 3
         assert all(torch.isfinite(torch.tensor(rows[impl]["losses"])))
+        assert rows[impl]["recomputed"] == 1.0  # slothkit offloads, HF checkpoints, every layer
     # Same model, data and LoRA init: the first losses agree.
     assert rows["slothkit"]["losses"][0] == pytest.approx(rows["hf"]["losses"][0], rel=1e-4)
     # slothkit reports how many layer graphs it replayed: none on a CPU; on a GPU of
