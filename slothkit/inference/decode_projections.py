@@ -16,6 +16,12 @@ The stacked A and the cast B are small copies of the adapters, refreshed before 
 generate call when an adapter tensor was changed in place (its version counter moved),
 so training between generate calls is seen.
 
+NF4 base weights (bitsandbytes Linear4bit) are read by bitsandbytes' layer for one row
+of x (its 4-bit GEMV, the batch-1 decode step).  For more rows (the prefill, a batched
+step) bitsandbytes dequantises the whole weight and multiplies; slothkit's dequantisation
+kernel gives the same bits about 1.4x faster (docs/kernel-benchmarks.md), so those calls
+dequantise with it and multiply with the same F.linear.
+
 Layers that cannot be described this way (several active adapters, DoRA, dropout while
 training, a bias on B) are applied by their own forward, with the same result.
 """
@@ -25,13 +31,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slothkit.engine.lora_projection import describe
+from slothkit_kernels.nf4_weight import NF4Weight
 
 
 def _base_layer(layer: nn.Module) -> nn.Module:
     return getattr(layer, "base_layer", layer)
+
+
+def _nf4_base(layer: nn.Module, described, dtype: torch.dtype):
+    """(NF4Weight, bias) of a bitsandbytes NF4 base layer that computes in ``dtype`` and
+    dequantises to it, else None (the layer's own forward is used)."""
+    if isinstance(described, str) or not isinstance(described.weight, NF4Weight):
+        return None
+    compute_dtype = getattr(_base_layer(layer), "compute_dtype", None)
+    if described.weight.dtype != dtype or compute_dtype not in (None, dtype):
+        return None
+    bias = described.bias
+    return described.weight, (None if bias is None else bias.to(dtype))
 
 
 class SharedInputProjections:
@@ -48,6 +68,7 @@ class SharedInputProjections:
         with torch.no_grad():  # describe() refuses trainable bases only under autograd
             described = [describe(layer) for layer in self.layers]
         self.own_forward = any(isinstance(d, str) for d in described)
+        self.nf4 = [_nf4_base(layer, d, dtype) for layer, d in zip(self.layers, described)]
         self.adapters = [] if self.own_forward else [d for d in described if d.lora_a is not None]
         self.with_adapter = [not self.own_forward and d.lora_a is not None for d in described]
         self.scalings = [d.scaling for d in self.adapters]
@@ -80,7 +101,7 @@ class SharedInputProjections:
         """Each layer's output for ``x`` (..., in_features)."""
         if self.own_forward:
             return [layer(x) for layer in self.layers]
-        outputs = [_base_layer(layer)(x) for layer in self.layers]
+        outputs = [self._base_output(index, x) for index in range(len(self.layers))]
         if not self.adapters:
             return outputs
         rows = x.reshape(-1, x.shape[-1])
@@ -97,3 +118,12 @@ class SharedInputProjections:
             start += rank
             adapter += 1
         return outputs
+
+    def _base_output(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        nf4 = self.nf4[index]
+        if nf4 is None or x.numel() == x.shape[-1] or x.dtype != nf4[0].dtype:
+            return _base_layer(self.layers[index])(x)
+        from slothkit_kernels.nf4 import dequantize_nf4
+
+        weight, bias = nf4
+        return F.linear(x, dequantize_nf4(weight), bias)

@@ -112,3 +112,55 @@ def test_bf16_copies_match_the_fp32_adapters_to_bf16_precision():
     for e, g in zip(expected, got):
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2)
+
+
+def _nf4_block(compute_dtype):
+    """q, k, v as bitsandbytes NF4 Linear4bit layers (quantised on the CPU) with LoRA."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(7)
+    block = _Block()
+    for name in ("q", "k", "v"):
+        dense = getattr(block, name)
+        quantised = bnb.nn.Linear4bit(
+            32, dense.out_features, bias=True, compute_dtype=compute_dtype, quant_type="nf4"
+        )
+        quantised.load_state_dict({"weight": dense.weight.detach(), "bias": torch.randn(dense.out_features)})
+        setattr(block, name, quantised.to("cpu"))
+    model = get_peft_model(block, LoraConfig(r=4, lora_alpha=8, target_modules=["q", "k", "v"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.5)
+    model.eval()
+    return [model.base_model.model.q, model.base_model.model.k, model.base_model.model.v]
+
+
+def test_nf4_bases_dequantise_with_slothkit_for_several_rows_only(monkeypatch):
+    """One row: bitsandbytes' own layer (its GEMV); several rows (prefill, a batch):
+    slothkit's dequantisation, which gives bitsandbytes' weight bit for bit, then F.linear."""
+    from slothkit_kernels import nf4
+
+    layers = _nf4_block(torch.float32)
+    projections = SharedInputProjections(layers, torch.float32)
+    assert all(entry is not None for entry in projections.nf4)
+    calls = []
+    dequantize = nf4.dequantize_nf4
+    monkeypatch.setattr(
+        nf4, "dequantize_nf4", lambda weight: calls.append(weight.shape) or dequantize(weight)
+    )
+    _assert_outputs_equal(layers, projections, rows=(1, 1))  # (1, 1, 32) then (2, 5, 32)
+    assert calls == [(48, 32), (16, 32), (16, 32)]  # the (2, 5) call only
+    weight = projections.nf4[0][0]
+    base = layers[0].base_layer
+    import bitsandbytes.functional as bnbf
+
+    torch.testing.assert_close(
+        dequantize(weight), bnbf.dequantize_4bit(base.weight.data, base.weight.quant_state), rtol=0, atol=0
+    )
+
+
+def test_nf4_bases_of_another_compute_dtype_keep_their_own_forward():
+    layers = _nf4_block(torch.bfloat16)  # the layers compute in bf16, the step in fp32
+    projections = SharedInputProjections(layers, torch.float32)
+    assert projections.nf4 == [None, None, None]

@@ -72,6 +72,33 @@ def test_greedy_tokens_equal_hf_generate(arch, lora):
         assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
 
 
+def test_greedy_tokens_of_a_4bit_model_equal_hf_generate():
+    """NF4 base weights (bitsandbytes, quantised on load): one-row steps read them through
+    bitsandbytes' layer, the prefill and the batch's steps through slothkit's
+    dequantisation; both give Hugging Face's tokens."""
+    model, tokenizer = FastModel.from_pretrained(
+        str(tiny_model_path("llama")), max_seq_length=512, dtype=torch.float32, load_in_4bit=True, fused=False
+    )
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    for prompts in (PROMPTS[:1], PROMPTS):
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
+        settings = dict(
+            max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        expected, got = _hf_then_fast(model, **inputs, **settings)
+        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+    qkv = _fast_decoder(model).step.decode_layers[0].qkv
+    assert all(entry is not None for entry in qkv.nf4), "the NF4 bases were not read as NF4"
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 def test_prefill_and_step_logits_equal_the_model_forward(arch):
     """The decode step's logits at every position of a left-padded batch equal the model's
