@@ -82,12 +82,21 @@ def test_an_exported_notebook_trains_under_torchrun(tmp_path):
         "SLOTHKIT_SAVE_GGUF": "0",
         "SLOTHKIT_HUB_REPO": "",
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *run.split()[1:]]
+    # Each process's stdout and stderr go to its own files: two processes writing block-
+    # buffered output into one pipe interleave mid-line, so counting lines there is unsound.
+    logs = tmp_path / "logs"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--log-dir", str(logs), "--redirects", "3", *run.split()[1:]]
     command.remove("--local-ranks-filter")  # both processes' output, to count what each did
     command.remove("0")
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
+    per_process = {
+        int(folder.name): "".join(f.read_text() for f in sorted(folder.glob("std*.log")))
+        for folder in logs.glob("*/attempt_*/*")
+    }
+    output = "".join(per_process[rank] for rank in sorted(per_process))
+    assert done.returncode == 0, (done.stdout + done.stderr + output)[-3000:]
+    assert sorted(per_process) == [0, 1]
     assert (
         "slothkit: 2 processes (WORLD_SIZE): the trainer's config gets ddp_find_unused_parameters=False"
         in output
@@ -96,5 +105,8 @@ def test_an_exported_notebook_trains_under_torchrun(tmp_path):
     epochs = re.findall(r"'epoch': '([0-9.]+)'", output)
     # ... as one run: each step took a batch from each process (300 example records).
     assert float(epochs[-1]) == pytest.approx(steps * batch * processes / 300, rel=1e-3)
-    assert len(re.findall(r"^lora +\S+", output, flags=re.MULTILINE)) == 1  # saved once
+    saved = {
+        rank: len(re.findall(r"^lora +\S+", text, flags=re.MULTILINE)) for rank, text in per_process.items()
+    }
+    assert saved == {0: 1, 1: 0}  # only process 0 saves
     assert (tmp_path / "outputs" / "lora" / "adapter_model.safetensors").is_file()
