@@ -11,64 +11,24 @@ counts), records every allocation and free with its Python stack
 to find the moment the allocated total was highest and lists what was live then,
 grouped by the innermost frame in slothkit, its kernels, the optimizer or this script.
 Memory live before recording began (weights, and the adapters made by ``prepare``) is
-one line, "before recording".
+one line, "before recording".  Then the same for reserved memory: the segments held at
+the reserved peak by pool (the ordinary pool or the layer graphs' private pool) and by
+the allocation that made the allocator take each, and every pool's state after the
+last step (reserved, live, cached, largest cached block) with its live blocks.
+``--expandable-segments`` runs under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+See slothkit/bench/memory_trace.py for how the trace is read.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import os
 import sys
 
 import torch
 
+from slothkit.bench.memory_trace import allocated_peak, pools, reserved_peak
 from slothkit.bench.train_worker import build_model, prepare
-
-OURS = ("slothkit", "kernels/", "memory_peak.py", "torch/optim")
-
-
-def owner(frames: list[dict]) -> str:
-    """The two innermost frames in our code or the optimizer (frames come innermost
-    first), as 'file:line name < caller file:line name'."""
-    ours = []
-    for frame in frames:
-        name = frame.get("filename", "")
-        if any(part in name for part in OURS):
-            short = name.split("/slothkit/")[-1].split("/kernels/")[-1].split("/torch/")[-1]
-            ours.append(f"{short}:{frame.get('line')} {frame.get('name')}")
-            if len(ours) == 2:
-                break
-    return " < ".join(ours) or "other (no slothkit frame)"
-
-
-def peak_breakdown(events: list[dict]) -> tuple[int, int, list[tuple[str, int, int]], str]:
-    """Replay alloc / free_requested events (the allocator's 'allocated' counter moves at
-    these two; a block used on another stream completes its free later, when its events
-    are done, but is no longer counted as allocated). Returns (peak bytes above the start, index of the peak event, live blocks at
-    the peak grouped by owner as (owner, bytes, count) largest first, the owner of the
-    allocation that made the peak)."""
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = 0
-    peak_index = -1
-    peak_live: dict[int, tuple[int, str]] = {}
-    for index, event in enumerate(events):
-        action = event.get("action")
-        if action == "alloc":
-            live[event["addr"]] = (event["size"], owner(event.get("frames", [])))
-            total += event["size"]
-            if total > peak:
-                peak, peak_index = total, index
-                peak_live = dict(live)
-        elif action == "free_requested":
-            size, _ = live.pop(event["addr"], (0, ""))
-            total -= size  # a block allocated before recording began is not in `live`
-    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for size, who in peak_live.values():
-        groups[who][0] += size
-        groups[who][1] += 1
-    ranked = sorted(((who, b, n) for who, (b, n) in groups.items()), key=lambda g: -g[1])
-    at_peak = owner(events[peak_index].get("frames", [])) if peak_index >= 0 else "-"
-    return peak, peak_index, ranked, at_peak
 
 
 def main(argv=None) -> int:
@@ -79,7 +39,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts)",
+    )
     args = parser.parse_args(argv)
+    if args.expandable_segments:
+        if torch.cuda.is_initialized():
+            raise SystemExit("--expandable-segments must be set before CUDA starts")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not torch.cuda.is_available():
         raise SystemExit("memory_peak.py measures CUDA allocations: run it on a GPU machine")
     dtype = torch.bfloat16
@@ -94,6 +63,7 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    reserved_before = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     step_peaks = []
@@ -105,32 +75,59 @@ def main(argv=None) -> int:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        step_peaks.append((forward_peak, torch.cuda.max_memory_allocated()))
+        step_peaks.append((forward_peak, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     events = snapshot["device_traces"][0]
-    peak, index, ranked, at_peak = peak_breakdown(events)
-    gib = 2**30
+    gib, mib = 2**30, 2**20
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "defaults")
     print(
-        f"{args.model} {args.mode} {args.batch}x{args.seq}: loaded {loaded / gib:.3f} GiB, "
-        f"adapters + model prepare {(before - loaded) / gib:.3f} GiB"
+        f"{args.model} {args.mode} {args.batch}x{args.seq} (allocator: {allocator}): loaded "
+        f"{loaded / gib:.3f} GiB, adapters + model prepare {(before - loaded) / gib:.3f} GiB, "
+        f"reserved before the steps {reserved_before / gib:.3f} GiB"
     )
-    for step, (forward, whole) in enumerate(step_peaks, 1):
+    for step, (forward, whole, reserved) in enumerate(step_peaks, 1):
         print(
             f"step {step}: peak above loaded, forward+loss {(forward - loaded) / gib:.3f} GiB, "
-            f"whole step {(whole - loaded) / gib:.3f} GiB"
+            f"whole step {(whole - loaded) / gib:.3f} GiB; peak reserved {reserved / gib:.3f} GiB"
         )
+
+    peak = allocated_peak(events)
     print(
-        f"trace: {len(events)} events; replayed peak above loaded "
-        f"{(before - loaded + peak) / gib:.3f} GiB at event {index}, allocated by {at_peak}"
+        f"\ntrace: {len(events)} events; replayed allocated peak above loaded "
+        f"{(before - loaded + peak.bytes) / gib:.3f} GiB at event {peak.index}, allocated by {peak.made_by}"
     )
     print(f"{'MiB':>9} {'blocks':>6}  owner")
-    print(f"{(before - loaded) / 2**20:9.1f} {'':>6}  before recording (adapters, buffers made by prepare)")
-    for who, size, count in ranked[: args.top]:
-        print(f"{size / 2**20:9.1f} {count:6d}  {who}")
-    rest = sum(size for _, size, _ in ranked[args.top :])
-    print(f"{rest / 2**20:9.1f} {'':>6}  the rest ({max(0, len(ranked) - args.top)} owners)")
+    print(f"{(before - loaded) / mib:9.1f} {'':>6}  before recording (adapters, buffers made by prepare)")
+    _print_groups(peak.groups, args.top)
+
+    peak = reserved_peak(events, snapshot["segments"])
+    print(
+        f"\nreserved peak {(reserved_before + peak.bytes) / gib:.3f} GiB "
+        f"({peak.bytes / gib:.3f} above the start) at event {peak.index}, taken for {peak.made_by}; "
+        f"segments held then, by pool and the allocation that took them:"
+    )
+    print(f"{'MiB':>9} {'segs':>6}  pool: owner")
+    print(f"{reserved_before / mib:9.1f} {'':>6}  before recording")
+    _print_groups(peak.groups, args.top)
+
+    print("\nafter the last step, by pool:")
+    for name, state in pools(snapshot["segments"]).items():
+        print(
+            f"{name}: reserved {state.reserved / gib:.3f} GiB in {state.segments} segments, "
+            f"live {state.allocated / gib:.3f}, cached {state.cached / gib:.3f} "
+            f"(largest cached block {state.largest_cached / mib:.1f} MiB)"
+        )
+        _print_groups(state.live, 8)
     return 0
+
+
+def _print_groups(groups: list[tuple[str, int, int]], top: int) -> None:
+    for who, size, count in groups[:top]:
+        print(f"{size / 2**20:9.1f} {count:6d}  {who}")
+    rest = sum(size for _, size, _ in groups[top:])
+    if rest:
+        print(f"{rest / 2**20:9.1f} {'':>6}  the rest ({len(groups) - top} groups)")
 
 
 if __name__ == "__main__":
