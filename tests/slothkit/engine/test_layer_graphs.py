@@ -161,14 +161,14 @@ def test_gradients_go_through_autograd_under_a_process_group(monkeypatch):
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_replay_plumbing_trains_like_eager_layers_on_cpu(
-    arch, phases, keeps, mlp_calls, known_sums, monkeypatch
+    arch, phases, keeps, mlp_calls, known_sums, reference_kernels
 ):
+    """The plumbing, not the kernels, is under test (tests/kernels compare those, and the
+    CUDA test above replays the Triton kernels): the fused layers call the kernels' torch
+    references, under a second per case where the Triton interpreter took about a minute."""
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
-    # The plumbing, not the kernels, is under test (tests/kernels check those): the fused
-    # layers call the kernels' torch references, about 5x faster than the Triton interpreter.
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     skipped_down = mlp_calls  # the re-run inside a replayed graph skips the down projection too
     # known_sums: and, where the layers keep, each re-run gets the forward's residual sum
     runs = {}
