@@ -39,6 +39,18 @@ def package_versions(names=REPORTED_PACKAGES) -> dict[str, str | None]:
     return versions
 
 
+def allocator_settings() -> str:
+    """The CUDA caching allocator's settings this process runs under: the environment
+    variable torch reads when the allocator starts (PYTORCH_ALLOC_CONF, or its older name
+    PYTORCH_CUDA_ALLOC_CONF), or "defaults".  A library imported first may have set it
+    (Unsloth sets expandable segments), and it moves reserved memory, so benchmark rows
+    keep it beside their memory figures."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        if os.environ.get(name):
+            return os.environ[name]
+    return "defaults"
+
+
 def accelerator() -> dict:
     """The GPU slothkit would train on, or a note that there is none."""
     if not torch.cuda.is_available():

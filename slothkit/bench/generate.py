@@ -63,6 +63,7 @@ def summarise(results: dict) -> list[dict]:
         for key in ("tokens_per_s", "ttft_s", "peak_allocated_gib", "peak_reserved_gib", "generation_gib"):
             row[key] = result.get(key)
         row["kv_cache_gib"] = result.get("kv_cache_gib")
+        row["allocator"] = result.get("allocator")
         hf = results.get((batch, "hf"), {})
         if hf.get("status") == "ok":
             row["vs_hf"] = result["tokens_per_s"] / hf["tokens_per_s"]

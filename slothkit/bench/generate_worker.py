@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from slothkit.bench.train_worker import LORA_TARGETS, RESULT_TAG, build_model, load_with_unsloth
+from slothkit.environment import allocator_settings
 
 # Tokens of each row compared between implementations (the first 32).
 COMPARED_TOKENS = 32
@@ -133,6 +134,7 @@ def run(args) -> dict:
         "loaded_gib": loaded / 2**30,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "allocator": allocator_settings(),  # as the imports left it (Unsloth sets its own)
     }
     result["generation_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
     decoder = getattr(getattr(model, "get_base_model", lambda: model)(), "_slothkit_fast_decoder", None)

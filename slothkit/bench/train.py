@@ -179,7 +179,15 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
         for key in (*PEAK_FIELDS, "cuda_graphs"):
             if key in ok[0]:
                 row[key] = max(r[key] for r in ok)
-        last_run_keys = ("final_loss", "keep_sums", "recompute", "recomputed", "per_gpu", "adapters_in_sync")
+        last_run_keys = (
+            "final_loss",
+            "keep_sums",
+            "recompute",
+            "recomputed",
+            "per_gpu",
+            "adapters_in_sync",
+            "allocator",
+        )
         for key in last_run_keys:  # the last run's
             if key in ok[-1]:
                 row[key] = ok[-1][key]

@@ -30,6 +30,7 @@ import torch
 
 from slothkit.bench.multi_gpu import gather, parameters_checksum, start_process_group, wrap
 from slothkit.distributed import launch
+from slothkit.environment import allocator_settings
 from slothkit.memory_model import MemoryBudgetError
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
@@ -410,6 +411,7 @@ def run(args) -> dict | None:
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         result["training_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
+    result["allocator"] = allocator_settings()  # as the imports left it (Unsloth sets its own)
     try:
         import psutil
 

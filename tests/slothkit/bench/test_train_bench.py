@@ -66,8 +66,10 @@ def test_recomputed_share_reads_the_layers_flags(checkpointing):
         assert recomputed_share(model) == 0.5
 
 
-def test_tiny_run_writes_a_record(tmp_path, capsys):
+def test_tiny_run_writes_a_record(tmp_path, capsys, monkeypatch):
     output = tmp_path / "record.json"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.9")  # the workers inherit it
     code = main(
         [
             "bench",
@@ -111,6 +113,7 @@ def test_tiny_run_writes_a_record(tmp_path, capsys):
     # Host memory: the worker's peak resident set, which holds at least torch itself.
     for impl in ("slothkit", "hf"):
         assert 0.1 < rows[impl]["peak_host_gib"] < 64
+        assert rows[impl]["allocator"] == "garbage_collection_threshold:0.9"  # what each ran under
     # A peer that is not installed is reported, never faked.
     assert rows["unsloth"]["status"] in ("skipped", "error")
     assert record["versions"]["torch"] and record["command"].startswith("slothkit")
