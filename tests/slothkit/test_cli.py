@@ -20,7 +20,8 @@ def test_unknown_command_exits_with_usage(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_demo_trains_and_saves_adapter(tmp_path, capsys):
+def test_demo_trains_and_saves_adapter(tmp_path, capsys, reference_kernels):
+    """As on a user's CPU (no Triton interpreter): the Hugging Face modules train."""
     from peft import PeftConfig
 
     assert main(["demo", "--quick", "--output-dir", str(tmp_path), "--steps", "6"]) == 0
@@ -273,7 +274,9 @@ def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, ca
     assert "pass --overwrite" in capsys.readouterr().err
 
 
-def test_exporting_the_demos_adapter_gives_hints_in_the_commands_words(tmp_path, capsys, monkeypatch):
+def test_exporting_the_demos_adapter_gives_hints_in_the_commands_words(
+    tmp_path, capsys, monkeypatch, reference_kernels
+):
     import json
 
     monkeypatch.chdir(tmp_path)
