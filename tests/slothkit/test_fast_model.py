@@ -17,7 +17,7 @@ from slothkit.testing import tiny_model_path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARCHS = ["llama", "mistral", "gemma"]
-STEPS = 20
+STEPS = 8
 
 
 def _batch(vocab_size, seed=0, batch=2, seq=12):
