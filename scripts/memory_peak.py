@@ -15,7 +15,8 @@ one line, "before recording".  Then the same for reserved memory: the segments h
 the reserved peak by pool (the ordinary pool or the layer graphs' private pool) and by
 the allocation that made the allocator take each, and every pool's state after the
 last step (reserved, live, cached, largest cached block) with its live blocks.
-``--expandable-segments`` runs under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
+``--expandable-segments`` runs with ``expandable_segments:True`` in both allocator variables
+(``PYTORCH_ALLOC_CONF``, which torch reads from 2.10, and the older ``PYTORCH_CUDA_ALLOC_CONF``).
 See slothkit/bench/memory_trace.py for how the trace is read.
 """
 
@@ -29,6 +30,7 @@ import torch
 
 from slothkit.bench.memory_trace import allocated_peak, pools, reserved_peak
 from slothkit.bench.train_worker import build_model, prepare
+from slothkit.environment import allocator_settings
 
 
 def main(argv=None) -> int:
@@ -42,13 +44,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--expandable-segments",
         action="store_true",
-        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts)",
+        help="expandable_segments:True in PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF (before CUDA starts)",
     )
     args = parser.parse_args(argv)
     if args.expandable_segments:
         if torch.cuda.is_initialized():
             raise SystemExit("--expandable-segments must be set before CUDA starts")
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # whichever this torch reads
+            os.environ[name] = "expandable_segments:True"
     if not torch.cuda.is_available():
         raise SystemExit("memory_peak.py measures CUDA allocations: run it on a GPU machine")
     dtype = torch.bfloat16
@@ -80,7 +83,7 @@ def main(argv=None) -> int:
     torch.cuda.memory._record_memory_history(enabled=None)
     events = snapshot["device_traces"][0]
     gib, mib = 2**30, 2**20
-    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "defaults")
+    allocator = allocator_settings()
     print(
         f"{args.model} {args.mode} {args.batch}x{args.seq} (allocator: {allocator}): loaded "
         f"{loaded / gib:.3f} GiB, adapters + model prepare {(before - loaded) / gib:.3f} GiB, "
