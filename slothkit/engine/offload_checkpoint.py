@@ -140,14 +140,26 @@ class _OffloadedActivation:
             tensor.record_stream(stream)
 
     def prefetch(self) -> None:
-        """Start the host-to-device copies on the side stream, if not started yet."""
+        """Start the host-to-device copies on the side stream, if not started yet.
+
+        The device copies are allocated on the compute stream, which reads and frees
+        them: the caching allocator reuses a freed block only for allocations on the
+        stream that made it, so blocks made on the side stream would sit cached where
+        the next forward cannot use them (1.4 GiB of Llama-3-8B's reserved peak at 2 x
+        2048).  The side stream first waits for the compute stream's queued work, the
+        blocks' earlier users, then writes them; record_stream keeps a block from being
+        handed out again before that copy is done, should it be freed unread.
+        """
         if self.prefetched is not None or self.host is None:
             return
+        current = torch.cuda.current_stream(self.device)
+        self.prefetched = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in self.host]
+        self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.ready)
-            self.prefetched = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in self.host]
             for device_copy, host in zip(self.prefetched, self.host):
                 device_copy.copy_(host, non_blocking=True)
+                device_copy.record_stream(self.stream)
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
 
@@ -156,8 +168,6 @@ class _OffloadedActivation:
         current = torch.cuda.current_stream(self.device)
         current.wait_event(self.ready)
         tensors = self.prefetched
-        for tensor in tensors:
-            tensor.record_stream(current)
         self.prefetched = None
         self.host = None  # release the pinned buffers once consumed
         return tensors
