@@ -38,6 +38,7 @@ PEAK_FIELDS = (
     "loaded_gib",
     "host_rss_gib",
     "peak_host_gib",
+    "peak_host_before_steps_gib",
 )
 
 

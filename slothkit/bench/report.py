@@ -77,10 +77,20 @@ def _gib(row: dict, key: str) -> str:
     return _figure(row.get(key), "{:.1f}")
 
 
+def host_cell(row: dict) -> str:
+    """The worker's peak resident host memory over the training steps, in GiB.  Records
+    made before the peak was restarted at the first step have the process's lifetime
+    peak, loading included (a peer that loads a 16-bit checkpoint from disk peaks there):
+    for those, the resident memory at the end of the steps, marked "(end)"."""
+    if row.get("peak_host_scope") != "steps" and "peak_host_gib" in row and "host_rss_gib" in row:
+        return f"{row['host_rss_gib']:.1f} (end)"
+    return _gib(row, "peak_host_gib")
+
+
 def memory_cells(row: dict) -> list[str]:
-    """Peak GPU memory allocated and reserved, and the worker's peak resident host memory,
-    in GiB; an em dash for a figure the record lacks (records made before it was kept)."""
-    return [_gib(row, "peak_allocated_gib"), _gib(row, "peak_reserved_gib"), _gib(row, "peak_host_gib")]
+    """Peak GPU memory allocated and reserved, and the worker's peak resident host memory
+    over the steps (``host_cell``), in GiB; an em dash for a figure the record lacks."""
+    return [_gib(row, "peak_allocated_gib"), _gib(row, "peak_reserved_gib"), host_cell(row)]
 
 
 def setting_of(row: dict) -> str:

@@ -187,6 +187,7 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             "per_gpu",
             "adapters_in_sync",
             "allocator",
+            "peak_host_scope",
         )
         for key in last_run_keys:  # the last run's
             if key in ok[-1]:

@@ -212,7 +212,13 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
 def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tmp_path):
     """Records since reserved and host memory were kept show all three figures; older
     ones an em dash where they lack one."""
-    full = {**_ok("slothkit", 2000.0), "peak_reserved_gib": 7.25, "peak_host_gib": 3.04}
+    full = {
+        **_ok("slothkit", 2000.0),
+        "peak_reserved_gib": 7.25,
+        "peak_host_gib": 3.04,
+        "host_rss_gib": 2.9,
+        "peak_host_scope": "steps",
+    }
     old = {**_ok("hf", 1000.0), "host_rss_gib": 1.6}  # at the end of the run, not its peak
     _record(tmp_path, "m.json", kind="train", date="2026-01-02T10:00:00", batch=2, seq=2048, rows=[full, old])
     summary = render_summary(load_records(tmp_path))
@@ -221,6 +227,16 @@ def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tm
     assert "allocated GiB | reserved GiB | host GiB |" in every[0]
     assert "| slothkit | 2,000 | 2.00x | 5.0 | 7.2 | 3.0 |" in every[2]
     assert "| hf | 1,000 | 1.00x | 5.0 | \u2014 | \u2014 |" in every[3]
+
+
+def test_a_lifetime_host_peak_is_not_shown_as_the_steps_peak(tmp_path):
+    """Before the peak was restarted at the first step, a peer loading a 16-bit checkpoint
+    from disk peaked while loading (16.5 GiB against 3.0 while training): such a record
+    shows the resident memory at the end of the steps, marked."""
+    lifetime = {**_ok("unsloth", 1500.0), "peak_host_gib": 16.54, "host_rss_gib": 3.05}
+    _record(tmp_path, "m.json", kind="train", date="2026-01-02T10:00:00", batch=2, seq=2048, rows=[lifetime])
+    every = render(load_records(tmp_path)).splitlines()
+    assert "| 3.0 (end) |" in every[2] and "16.5" not in every[2]
 
 
 def test_a_best_run_shows_the_budget_and_each_implementation_s_setting(tmp_path):

@@ -113,6 +113,7 @@ def test_tiny_run_writes_a_record(tmp_path, capsys, monkeypatch):
     # Host memory: the worker's peak resident set, which holds at least torch itself.
     for impl in ("slothkit", "hf"):
         assert 0.1 < rows[impl]["peak_host_gib"] < 64
+        assert rows[impl]["peak_host_scope"] == "steps" and rows[impl]["peak_host_before_steps_gib"] > 0.1
         assert rows[impl]["allocator"] == "garbage_collection_threshold:0.9"  # what each ran under
     # A peer that is not installed is reported, never faked.
     assert rows["unsloth"]["status"] in ("skipped", "error")
@@ -569,3 +570,20 @@ def test_a_budget_auto_cannot_meet_is_reported_as_out_of_memory(capsys):
     assert result["error"].startswith(
         "refused before training: training at 32 tokens per step needs at least"
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's clear_refs")
+def test_the_host_peak_restarts_from_the_current_resident_memory():
+    """The host column reports the training steps' peak, not the loading's: after a
+    512 MiB buffer is touched and freed, the reset brings the peak back below it."""
+    from slothkit.bench.train_worker import peak_host_bytes, reset_peak_host
+
+    buffer = torch.ones(512 * 2**20, dtype=torch.uint8)  # touched: resident
+    with_buffer = peak_host_bytes()
+    assert with_buffer > 512 * 2**20
+    del buffer
+    # A peak survives the free (the kernel's per-thread counters are approximate).
+    assert peak_host_bytes() > with_buffer - 16 * 2**20
+    assert reset_peak_host()
+    after_reset = peak_host_bytes()
+    assert after_reset < with_buffer - 400 * 2**20
