@@ -133,6 +133,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         mode=args.mode,
         rank=args.rank,
         max_memory=args.max_memory,
+        max_host_memory=args.max_host_memory,
     )
     print(result.report())
     return 0 if result.fits is not False else 1

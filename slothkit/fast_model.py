@@ -267,6 +267,7 @@ class FastModel:
         max_seq_length: int | None = None,
         max_memory: float | None = None,
         batch_size: int | None = None,
+        max_host_memory: float | None = None,
         **lora_kwargs,
     ):
         """Add LoRA adapters and set up checkpointing; return a ``peft.PeftModel`` ready
@@ -318,6 +319,9 @@ class FastModel:
                 decides now, for batch_size x max_seq_length tokens per step.  None
                 (default): it decides at the first training step, from its shape, and
                 again when a step with more tokens comes.
+            max_host_memory: with "auto", the host memory the offloaded layers' inputs
+                may pin: GiB or bytes.  None (default): the host's available memory
+                less 10 %.  The layers it cannot take are checkpointed on the GPU.
             **lora_kwargs: passed on to ``peft.LoraConfig``.
 
         Returns:
@@ -342,7 +346,7 @@ class FastModel:
         _check_lora_shape(model, target_modules, r, lora_alpha)
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias={bias!r}; accepted: 'none', 'all', 'lora_only'")
-        _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size)
+        _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size, max_host_memory)
         if max_seq_length is not None:
             _set_max_seq_length(model, max_seq_length)
 
@@ -365,7 +369,14 @@ class FastModel:
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
             peft_model = get_peft_model(model, config)
         return ready_for_training(
-            peft_model, model, use_gradient_checkpointing, cuda_graphs, keep_sums, max_memory, batch_size
+            peft_model,
+            model,
+            use_gradient_checkpointing,
+            cuda_graphs,
+            keep_sums,
+            max_memory,
+            batch_size,
+            max_host_memory,
         )
 
     @staticmethod
@@ -435,6 +446,7 @@ def ready_for_training(
     keep_sums=None,
     max_memory=None,
     batch_size=None,
+    max_host_memory=None,
 ):
     """What get_peft_model (and loading a saved adapter) does after PEFT wraps the model:
     checkpointing, the tokenizer link, the save and push methods, training mode.
@@ -447,11 +459,12 @@ def ready_for_training(
         keep_sums: as get_peft_model.
         max_memory: as get_peft_model.
         batch_size: as get_peft_model.
+        max_host_memory: as get_peft_model.
 
     Returns:
         The same PeftModel, in training mode.
     """
-    _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size)
+    _check_checkpointing(use_gradient_checkpointing, max_memory, batch_size, max_host_memory)
     causal_lm, layers = decoder_layers(peft_model)
     causal_lm.config.use_cache = False
     defaults = environment_defaults()
@@ -474,7 +487,7 @@ def ready_for_training(
                 f"to get_peft_model (or leave batch_size out: the first training step decides)"
             )
         tokens = batch_size * seq if batch_size is not None else None
-        enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens)
+        enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens, max_host_memory)
     peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
     from slothkit.export import attach_export_methods
 
@@ -487,7 +500,7 @@ def ready_for_training(
 CHECKPOINTING_CHOICES = ("offload", "auto", "unsloth", True, False)
 
 
-def _check_checkpointing(mode, max_memory, batch_size) -> None:
+def _check_checkpointing(mode, max_memory, batch_size, max_host_memory=None) -> None:
     """Refuse a use_gradient_checkpointing slothkit does not know, and the "auto"
     policy's options given without it (they would do nothing)."""
     if not any(
@@ -498,7 +511,13 @@ def _check_checkpointing(mode, max_memory, batch_size) -> None:
             f"('unsloth' is read as 'offload')"
         )
     given = [
-        name for name, value in (("max_memory", max_memory), ("batch_size", batch_size)) if value is not None
+        name
+        for name, value in (
+            ("max_memory", max_memory),
+            ("batch_size", batch_size),
+            ("max_host_memory", max_host_memory),
+        )
+        if value is not None
     ]
     if given and mode != "auto":
         raise ValueError(

@@ -17,6 +17,10 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
                checkpointed adds what it saves for backward (``kept_layer_bytes``).
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
+  host         with every layer offloaded, each checkpointed layer's input (and kept
+               sum) in pinned host memory: e H (1 or 2) per token per layer
+               (``checkpoint_bytes``); a layer the host budget cannot take keeps them
+               on the GPU instead (checkpointed on the GPU), adding as much there.
   reserved     what the caching allocator holds at the peak, and what an
                out-of-memory error is about: the allocated peak plus 4 % and 0.5 GiB of
                allocator slack (rounding, fragmentation), plus, per checkpointed layer,
@@ -152,40 +156,59 @@ def activation_bytes(
 
 
 class MemoryBudgetError(ValueError):
-    """Training does not fit the memory budget even with every layer offloaded."""
+    """Training does not fit the memory budget even with every layer offloaded (or, where
+    host memory is short, with every layer checkpointed: the host's share offloaded,
+    the rest on the GPU)."""
 
-    def __init__(self, minimum_bytes: float, budget_bytes: float, tokens: int):
+    def __init__(self, minimum_bytes: float, budget_bytes: float, tokens: int, on_gpu: int = 0):
         self.minimum_bytes, self.budget_bytes, self.tokens = minimum_bytes, budget_bytes, tokens
+        where = (
+            f"every layer checkpointed, {on_gpu} of them on the GPU for want of host memory"
+            if on_gpu
+            else "every layer's activations offloaded"
+        )
+        host_hint = ", or free host memory (max_host_memory=)" if on_gpu else ""
         super().__init__(
             f"training at {tokens:,} tokens per step needs at least {minimum_bytes / GIB:.2f} GiB "
-            f"(the predicted peak with every layer's activations offloaded), more than the "
-            f"budget of {budget_bytes / GIB:.2f} GiB; raise max_memory, or lower the batch size or "
-            f"max_seq_length, or load the model with load_in_4bit=True"
+            f"(the predicted peak with {where}), more than the budget of {budget_bytes / GIB:.2f} GiB; "
+            f"raise max_memory{host_hint}, or lower the batch size or max_seq_length, or load the "
+            f"model with load_in_4bit=True"
         )
 
 
 @dataclass(frozen=True)
 class RecomputeChoice:
     """What use_gradient_checkpointing="auto" does at one step size: the last ``kept``
-    decoder layers keep their activations, the first ``layers - kept`` are offloaded."""
+    decoder layers keep their activations; of the others, the first ``offloaded`` send
+    their inputs to host memory and the next ``on_gpu`` (those the host budget cannot
+    take) keep their inputs on the GPU."""
 
     kept: int
     layers: int
     budget_bytes: float
     peak_bytes: float  # predicted peak reserved
     tokens: int
+    on_gpu: int = 0
+    host_budget_bytes: float | None = None
+    host_bytes: float = 0.0  # predicted pinned host memory of the offloaded layers
 
     @property
     def offloaded(self) -> int:
-        return self.layers - self.kept
+        return self.layers - self.kept - self.on_gpu
 
     def notice(self) -> str:
         """The one line that says what was chosen."""
-        return (
+        line = (
             f"slothkit: use_gradient_checkpointing='auto' keeps {self.kept} of {self.layers} layers' "
             f"activations at {self.tokens:,} tokens per step (budget {self.budget_bytes / GIB:.1f} GiB, "
             f"predicted peak {self.peak_bytes / GIB:.1f} GiB), offloads {self.offloaded}"
         )
+        if self.on_gpu:
+            line += (
+                f" ({self.host_bytes / GIB:.1f} GiB of host memory, budget "
+                f"{self.host_budget_bytes / GIB:.1f} GiB) and checkpoints {self.on_gpu} on the GPU"
+            )
+        return line
 
 
 @dataclass(frozen=True)
@@ -218,20 +241,33 @@ class TrainingMemory:
     def layers(self) -> int:
         return self.shape.num_hidden_layers
 
-    def allocated(self, tokens: int, kept_layers: int = 0) -> float:
+    def checkpoint_bytes(self, tokens: int) -> float:
+        """What one checkpointed layer saves: its input, and its kept residual sum where
+        sums are kept at this step size; in pinned host memory when offloaded, on the GPU
+        otherwise.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+        """
+        copies = 1 + int(self.keep_sums and tokens <= self.graph_max_tokens)
+        return float(copies * tokens * self.shape.hidden_size * self.element_bytes)
+
+    def allocated(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
         """Predicted peak allocated bytes: weights, trained parameters and activations.
 
         Args:
             tokens: tokens per step (batch x sequence).
             kept_layers: decoder layers that are not checkpointed.
+            on_gpu_layers: checkpointed layers whose inputs stay on the GPU.
         """
         return (
             weights_bytes(self.shape, self.mode, self.element_bytes)
             + self.trainable_bytes
             + activation_bytes(self.shape, tokens, "offload", kept_layers, self.rank, self.element_bytes)
+            + on_gpu_layers * self.checkpoint_bytes(tokens)
         )
 
-    def reserved(self, tokens: int, kept_layers: int = 0) -> float:
+    def reserved(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
         """Predicted peak reserved bytes: the allocated peak and the allocator's slack,
         and per checkpointed layer the kept sums' and the graphs' hidden-state-sized
         tensors (module docstring).
@@ -239,8 +275,9 @@ class TrainingMemory:
         Args:
             tokens: tokens per step (batch x sequence).
             kept_layers: decoder layers that are not checkpointed.
+            on_gpu_layers: checkpointed layers whose inputs stay on the GPU.
         """
-        reserved = self.allocated(tokens, kept_layers) * (1 + ALLOCATOR_SLACK_FRACTION)
+        reserved = self.allocated(tokens, kept_layers, on_gpu_layers) * (1 + ALLOCATOR_SLACK_FRACTION)
         reserved += ALLOCATOR_SLACK_GIB * GIB
         per_layer = 0.0
         if tokens <= self.graph_max_tokens:
@@ -248,22 +285,66 @@ class TrainingMemory:
         hidden_state = tokens * self.shape.hidden_size * self.element_bytes
         return reserved + per_layer * (self.layers - kept_layers) * hidden_state
 
-    def recompute_choice(self, tokens: int, budget_bytes: float) -> RecomputeChoice:
-        """The most layers whose activations can be kept with the predicted reserved peak
-        at or under ``budget_bytes``; the others are offloaded.
+    def host_layers(self, tokens: int, host_budget_bytes: float | None = None) -> int:
+        """How many checkpointed layers' inputs ``host_budget_bytes`` of pinned host
+        memory take (every layer where there is no host budget).
 
         Args:
             tokens: tokens per step (batch x sequence).
-            budget_bytes: the memory the step may reserve.
+            host_budget_bytes: the host memory offloaded layers may pin, or None.
+        """
+        if host_budget_bytes is None:
+            return self.layers
+        return min(self.layers, int(max(host_budget_bytes, 0.0) // self.checkpoint_bytes(tokens)))
+
+    def least_reserved(self, tokens: int, host_budget_bytes: float | None = None) -> float:
+        """The predicted reserved peak with no layer kept: the host's share of the layers
+        offloaded, the rest checkpointed on the GPU.  The least a step of ``tokens``
+        needs.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            host_budget_bytes: the host memory offloaded layers may pin, or None.
+        """
+        return self.reserved(tokens, 0, self.layers - self.host_layers(tokens, host_budget_bytes))
+
+    def recompute_choice(
+        self, tokens: int, budget_bytes: float, host_budget_bytes: float | None = None
+    ) -> RecomputeChoice:
+        """The most layers whose activations can be kept with the predicted reserved peak
+        at or under ``budget_bytes``; the others are offloaded, as many as
+        ``host_budget_bytes`` of pinned host memory take, and the rest checkpointed on the
+        GPU.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            budget_bytes: the memory the step may reserve on the GPU.
+            host_budget_bytes: the host memory the offloaded layers may pin; None: no limit.
 
         Raises:
-            MemoryBudgetError: even with every layer offloaded the peak exceeds the budget.
+            MemoryBudgetError: even with every layer checkpointed the peak exceeds the budget.
         """
-        peaks = [self.reserved(tokens, kept) for kept in range(self.layers + 1)]
+        per_layer = self.checkpoint_bytes(tokens)
+        host_layers = self.host_layers(tokens, host_budget_bytes)
+
+        def on_gpu(kept: int) -> int:
+            return max(0, self.layers - kept - host_layers)
+
+        peaks = [self.reserved(tokens, kept, on_gpu(kept)) for kept in range(self.layers + 1)]
         if peaks[0] > budget_bytes:
-            raise MemoryBudgetError(peaks[0], budget_bytes, tokens)
+            raise MemoryBudgetError(peaks[0], budget_bytes, tokens, on_gpu(0))
         kept = max(k for k, peak in enumerate(peaks) if peak <= budget_bytes)
-        return RecomputeChoice(kept, self.layers, budget_bytes, peaks[kept], tokens)
+        offloaded = self.layers - kept - on_gpu(kept)
+        return RecomputeChoice(
+            kept,
+            self.layers,
+            budget_bytes,
+            peaks[kept],
+            tokens,
+            on_gpu=on_gpu(kept),
+            host_budget_bytes=host_budget_bytes,
+            host_bytes=offloaded * per_layer,
+        )
 
 
 def budget_from_free(free_bytes: float) -> float:

@@ -14,6 +14,10 @@ activations, and the predicted peak, in the very words the policy
 
 The budget: ``max_memory`` GiB if given, else the GPU's free memory (``--gpu auto``) or
 its size less the CUDA context (a named GPU), less 5 % (memory_model.BUDGET_MARGIN).
+Host memory, where the offloaded layers' inputs are pinned: ``max_host_memory`` GiB if
+given, else, for ``--gpu auto``, this machine's available memory less 10 % (as "auto"
+reads it); a named GPU's host is not known, so it has no host budget unless given (a
+free Colab has 12.7 GB).  Layers the host cannot take are checkpointed on the GPU.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ class MemoryPlan:
     weights_gib: float
     lora_gib: float
     activations_gib: float  # every layer offloaded
+    host_gib: float  # pinned host memory, every layer offloaded
+    host_budget_gib: float | None
     allocated_gib: float  # predicted peak allocated, every layer offloaded
     total_gib: float  # predicted peak reserved, every layer offloaded
     gpu_gib: float | None
@@ -87,6 +93,8 @@ class MemoryPlan:
             f"  weights      {self.weights_gib:6.2f} GiB",
             f"  LoRA + Adam  {self.lora_gib:6.2f} GiB",
             f"  activations  {self.activations_gib:6.2f} GiB (every layer offloaded)",
+            f"  host memory  {self.host_gib:6.2f} GiB pinned (every layer offloaded)"
+            + (f", budget {self.host_budget_gib:.1f} GiB" if self.host_budget_gib is not None else ""),
             f"  predicted peak {self.allocated_gib:.2f} GiB allocated, {self.total_gib:.2f} GiB reserved{where}",
         ]
         if self.recompute is not None:
@@ -106,6 +114,7 @@ def plan(
     max_memory: float | None = None,
     cuda_graphs: bool | None = None,
     keep_sums: bool | None = None,
+    max_host_memory: float | None = None,
 ) -> MemoryPlan:
     """Predict the peak memory, adjust batch (then seq) to fit the budget, and say what
     use_gradient_checkpointing="auto" would keep.
@@ -125,6 +134,9 @@ def plan(
             FastModel chooses (4-bit models on GPUs of compute capability 8.0 and up).
         keep_sums: whether they keep their residual sums; None: as FastModel chooses
             (GPUs of compute capability 8.0 and up).
+        max_host_memory: the host memory budget in GiB for the offloaded inputs; None:
+            this machine's available memory less 10 % with gpu="auto", none for a
+            named GPU.
 
     Returns:
         The MemoryPlan (``report()`` prints it).
@@ -137,6 +149,8 @@ def plan(
             raise ValueError(f"{name}={value!r}; expected a positive integer")
     if max_memory is not None and (isinstance(max_memory, bool) or not max_memory > 0):
         raise ValueError(f"max_memory={max_memory!r}; expected a positive number of GiB")
+    if max_host_memory is not None and (isinstance(max_host_memory, bool) or not max_host_memory > 0):
+        raise ValueError(f"max_host_memory={max_host_memory!r}; expected a positive number of GiB")
     shape = _shape_of(model)
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
@@ -156,6 +170,13 @@ def plan(
         budget = max_memory * GIB
     elif free_gib is not None:
         budget = budget_from_free(free_gib * GIB)
+    host_budget = None
+    if max_host_memory is not None:
+        host_budget = max_host_memory * GIB
+    elif gpu.lower() == "auto" and gpu_name != "cpu":
+        from slothkit.engine.recompute_policy import host_budget_bytes
+
+        host_budget = host_budget_bytes()
     dtype = "fp16" if gpu_name in NO_BF16 else "bf16"
     notes = []
     if dtype == "fp16":
@@ -163,16 +184,16 @@ def plan(
 
     if budget is not None:
         limit = f"{budget / GIB:.1f} GiB"
-        while batch > 1 and memory.reserved(batch * seq) > budget:
+        while batch > 1 and memory.least_reserved(batch * seq, host_budget) > budget:
             batch //= 2
             notes.append(f"batch lowered to {batch} to fit {limit}")
-        while seq > 256 and memory.reserved(batch * seq) > budget:
+        while seq > 256 and memory.least_reserved(batch * seq, host_budget) > budget:
             seq //= 2
             notes.append(f"max_seq_length lowered to {seq} to fit {limit}")
     recompute = None
     if budget is not None:
         try:
-            recompute = memory.recompute_choice(batch * seq, budget)
+            recompute = memory.recompute_choice(batch * seq, budget, host_budget)
         except MemoryBudgetError:
             notes.append(
                 f"the weights alone do not fit in {budget / GIB:.1f} GiB"
@@ -189,6 +210,8 @@ def plan(
         weights_gib=weights_bytes(shape, mode) / GIB,
         lora_gib=lora_bytes(shape, rank) / GIB,
         activations_gib=activation_bytes(shape, tokens, rank=rank) / GIB,
+        host_gib=memory.layers * memory.checkpoint_bytes(tokens) / GIB,
+        host_budget_gib=None if host_budget is None else host_budget / GIB,
         allocated_gib=memory.allocated(tokens) / GIB,
         total_gib=memory.reserved(tokens) / GIB,
         gpu_gib=gpu_gib,
@@ -245,4 +268,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="the memory budget in GiB (FastModel.get_peft_model's max_memory=); default: the "
         "GPU's memory less 5 %%",
+    )
+    parser.add_argument(
+        "--max-host-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="the host memory budget in GiB for offloaded layer inputs (get_peft_model's "
+        "max_host_memory=); default: this machine's available memory less 10 %% with --gpu auto, "
+        "none for a named GPU (a free Colab has 12.7 GB)",
     )

@@ -24,6 +24,10 @@ decoder layer its last residual sum (``unread_sum``).  A forward hook on the lay
 (or a global one) could read that output, so with one the re-run is not marked
 either and runs in full.
 
+Where host memory is short, ``DeviceCheckpointer`` (``OffloadedCheckpointer.on_device``)
+checkpoints a layer the same way but leaves its input on the GPU, as plain checkpointing
+does; use_gradient_checkpointing="auto" gives it to the layers the host cannot take.
+
 Kept intermediates.  A layer may also hand an intermediate of its forward to the
 re-run, so as not to compute it twice: ``keep(name, tensor)`` in the forward, and
 ``kept(name)`` in the marked re-run, which returns it (None everywhere else).  The
@@ -197,10 +201,10 @@ class _Checkpoint(torch.autograd.Function):
                 output = run_function(hidden_states, *args)
         ctx.kept_names = list(collector or ())
         kept_tensors = [collector[name] for name in ctx.kept_names]
-        if hidden_states.is_cuda:
+        if hidden_states.is_cuda and checkpointer.to_host:
             ctx.offloaded = checkpointer.offload(hidden_states, *kept_tensors)
             ctx.saved = None
-        else:  # nothing to offload to: keep them where they are
+        else:  # nothing to offload to, or kept on the GPU: keep them where they are
             ctx.offloaded = None
             ctx.saved = [hidden_states.detach(), *kept_tensors]
         ctx.input_requires_grad = hidden_states.requires_grad
@@ -213,7 +217,9 @@ class _Checkpoint(torch.autograd.Function):
             previous = ctx.offloaded.previous() if ctx.offloaded.previous is not None else None
             saved = ctx.offloaded.fetch()  # [input, *kept]
         else:
-            saved = list(ctx.saved)
+            # Handed over, so that the layer graphs' backward can free them as it would
+            # fetched copies (it empties the list once they are in its buffers).
+            saved, ctx.saved = list(ctx.saved), None
         # The next layer's copy overlaps this layer's recompute; a replayed layer frees
         # its fetched tensors (copied into the graph's buffers) before it is allocated.
         prefetch = previous.prefetch if previous is not None else None
@@ -282,6 +288,8 @@ class OffloadedCheckpointer:
     marked (``recomputing()``) for the modules inside it.
     """
 
+    to_host = True  # a layer's input goes to pinned host memory (on a GPU)
+
     def __init__(
         self,
         marks_recompute: bool = False,
@@ -289,6 +297,7 @@ class OffloadedCheckpointer:
         keeps: bool = False,
         keep_max_tokens: int = 16384,
     ):
+        self.on_device = DeviceCheckpointer(self)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
@@ -325,6 +334,44 @@ class OffloadedCheckpointer:
         return _Checkpoint.apply(self, run_function, hidden_states, *args)
 
 
+class DeviceCheckpointer:
+    """The same checkpointing for layers whose input (and kept tensors) stay on the GPU:
+    ``use_gradient_checkpointing="auto"`` gives it to the layers that the host memory
+    budget cannot take.  It shares the offloading checkpointer's marking, kept sums and
+    layer graphs (``OffloadedCheckpointer.on_device``)."""
+
+    to_host = False
+
+    def __init__(self, offloading: OffloadedCheckpointer):
+        self.offloading = offloading
+
+    @property
+    def marks_recompute(self) -> bool:
+        return self.offloading.marks_recompute
+
+    @property
+    def keeps(self) -> bool:
+        return self.offloading.keeps
+
+    @property
+    def keep_max_tokens(self) -> int:
+        return self.offloading.keep_max_tokens
+
+    @property
+    def graphs(self):
+        return self.offloading.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.offloading.graphs = graphs
+
+    def keeps_for(self, hidden_states: torch.Tensor) -> bool:
+        return self.offloading.keeps_for(hidden_states)
+
+    def __call__(self, run_function, hidden_states, *args):
+        return _Checkpoint.apply(self, run_function, hidden_states, *args)
+
+
 def offload_checkpoint(run_function, hidden_states, *args):
     """Functional form for a single call (no cross-layer prefetch)."""
     return OffloadedCheckpointer()(run_function, hidden_states, *args)
@@ -340,7 +387,9 @@ def uses_offloaded_checkpoint(layers) -> bool:
     """
     return any(
         getattr(layer, "gradient_checkpointing", False)
-        and isinstance(getattr(layer, "_gradient_checkpointing_func", None), OffloadedCheckpointer)
+        and isinstance(
+            getattr(layer, "_gradient_checkpointing_func", None), (OffloadedCheckpointer, DeviceCheckpointer)
+        )
         for layer in layers
     )
 

@@ -21,6 +21,13 @@ The budget: ``max_memory`` (GiB, or bytes) when given; else the memory this proc
 have on the model's GPU (its free memory plus what this process already reserved,
 capped by a per-process memory fraction) less 5 %.  On a CPU, with no max_memory, there
 is no budget: every layer is offloaded, as with "offload", and that is said once.
+
+Host memory has a budget too: ``max_host_memory`` (GiB, or bytes), else the host's
+available memory less 10 %.  Offloaded layers pin their inputs (and kept sums) there:
+at long context that is more than a free Colab's 12.7 GB (Llama-3-8B at 90K tokens: 22
+GiB of inputs alone), and a host that runs out kills the process, notebook kernel
+included.  The layers the host cannot take are checkpointed on the GPU instead (their
+inputs stay there, as with plain checkpointing), which the GPU budget then pays for.
 """
 
 from __future__ import annotations
@@ -52,14 +59,42 @@ def budget_bytes(max_memory, device: torch.device) -> float | None:
         ValueError: max_memory is not a positive number.
     """
     if max_memory is not None:
-        if isinstance(max_memory, bool) or not isinstance(max_memory, (int, float)) or not max_memory > 0:
-            raise ValueError(
-                f"max_memory={max_memory!r}; expected a positive number: GiB (such as 40 or 22.5), "
-                f"or bytes (2**20 and up, such as 40 * 2**30)"
-            )
-        return float(max_memory) if max_memory >= 2**20 else float(max_memory) * GIB
+        return _gib_or_bytes("max_memory", max_memory)
     free = free_bytes(device)
     return None if free is None else budget_from_free(free)
+
+
+# The default host budget leaves this share of the available memory unused.
+HOST_MARGIN = 0.10
+
+
+def host_budget_bytes(max_host_memory=None) -> float | None:
+    """The host memory offloaded layers may pin: ``max_host_memory`` (GiB, or bytes from
+    2**20 up), else the host's available memory less ``HOST_MARGIN``; None where the
+    platform does not say (no limit).
+
+    Args:
+        max_host_memory: the budget asked for, or None.
+
+    Raises:
+        ValueError: max_host_memory is not a positive number.
+    """
+    if max_host_memory is not None:
+        return _gib_or_bytes("max_host_memory", max_host_memory)
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return float(psutil.virtual_memory().available) * (1 - HOST_MARGIN)
+
+
+def _gib_or_bytes(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{name}={value!r}; expected a positive number: GiB (such as 40 or 22.5), "
+            f"or bytes (2**20 and up, such as 40 * 2**30)"
+        )
+    return float(value) if value >= 2**20 else float(value) * GIB
 
 
 @functools.cache
@@ -86,16 +121,21 @@ class RecomputePolicy:
     """The per-layer choice for one model: which decoder layers are checkpointed.
 
     Args:
-        layers: the decoder layers, checkpointed by ``enable_checkpointing`` (each keeps
-            its ``_gradient_checkpointing_func``; the policy sets ``gradient_checkpointing``).
+        layers: the decoder layers, checkpointed by ``enable_checkpointing`` with one
+            OffloadedCheckpointer (the policy sets each layer's ``gradient_checkpointing``,
+            and its ``_gradient_checkpointing_func`` to that checkpointer or to its
+            ``on_device`` form).
         memory: the model's TrainingMemory.
-        budget: the budget in bytes.
+        budget: the GPU budget in bytes.
+        host_budget: the host budget in bytes, or None for no limit.
     """
 
-    def __init__(self, layers, memory: TrainingMemory, budget: float):
+    def __init__(self, layers, memory: TrainingMemory, budget: float, host_budget: float | None = None):
         self.layers = list(layers)
         self.memory = memory
         self.budget = budget
+        self.host_budget = host_budget
+        self.checkpointer = self.layers[0]._gradient_checkpointing_func
         self.choice: RecomputeChoice | None = None
 
     def decide(self, tokens: int) -> RecomputeChoice:
@@ -113,12 +153,16 @@ class RecomputePolicy:
         """
         if self.choice is not None and tokens <= self.choice.tokens:
             return self.choice
-        previous, self.choice = self.choice, self.memory.recompute_choice(tokens, self.budget)
+        previous = self.choice
+        self.choice = self.memory.recompute_choice(tokens, self.budget, self.host_budget)
+        checkpointed = self.choice.offloaded + self.choice.on_gpu
         for index, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = index < self.choice.offloaded
+            layer.gradient_checkpointing = index < checkpointed
+            on_gpu = self.choice.offloaded <= index < checkpointed
+            layer._gradient_checkpointing_func = self.checkpointer.on_device if on_gpu else self.checkpointer
         # Said when the split changes: a run whose padded lengths creep up step by step
         # would otherwise print a line per new longest batch.
-        if previous is None or previous.kept != self.choice.kept:
+        if previous is None or (previous.kept, previous.on_gpu) != (self.choice.kept, self.choice.on_gpu):
             warnings.warn(self.choice.notice(), RecomputeNotice, stacklevel=3)
         return self.choice
 
@@ -171,7 +215,12 @@ def training_memory(causal_lm: nn.Module, peft_model: nn.Module, checkpointer) -
 
 
 def enable_recompute_policy(
-    causal_lm: nn.Module, peft_model: nn.Module, layers, max_memory=None, tokens: int | None = None
+    causal_lm: nn.Module,
+    peft_model: nn.Module,
+    layers,
+    max_memory=None,
+    tokens: int | None = None,
+    max_host_memory=None,
 ) -> RecomputePolicy | None:
     """Turn use_gradient_checkpointing="auto" on for layers that ``enable_checkpointing``
     has set up for "offload": every layer stays offloaded until the policy decides.
@@ -182,6 +231,8 @@ def enable_recompute_policy(
         layers: the decoder layers.
         max_memory: the budget, GiB or bytes; None: from the GPU's free memory.
         tokens: the tokens per step if known (batch size x max_seq_length): decide now.
+        max_host_memory: the host budget for offloaded inputs, GiB or bytes; None: the
+            host's available memory less 10 %.
 
     Returns:
         The policy, also kept as the first layer's ``_slothkit_recompute_policy``; None
@@ -189,12 +240,13 @@ def enable_recompute_policy(
         layers stay offloaded, said once).
 
     Raises:
-        ValueError: max_memory is not accepted.
+        ValueError: max_memory or max_host_memory is not accepted.
         slothkit.memory_model.MemoryBudgetError: with ``tokens``, not even every layer
             offloaded fits the budget.
     """
     device = next(causal_lm.parameters()).device
     budget = budget_bytes(max_memory, device)
+    host_budget = host_budget_bytes(max_host_memory)  # checked even where unused
     if budget is None:
         # On a CPU nothing is budgeted (from_pretrained's notice already said that a CPU
         # keeps Hugging Face's modules); a notebook's "auto" must not add a second line there.
@@ -206,7 +258,7 @@ def enable_recompute_policy(
         return None
     layers = list(layers)
     memory = training_memory(causal_lm, peft_model, layers[0]._gradient_checkpointing_func)
-    policy = RecomputePolicy(layers, memory, budget)
+    policy = RecomputePolicy(layers, memory, budget, host_budget)
     if tokens is not None:
         policy.decide(tokens)
     causal_lm.model.register_forward_pre_hook(policy.before_decoder, with_kwargs=True)

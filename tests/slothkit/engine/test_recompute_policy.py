@@ -129,7 +129,7 @@ def test_decided_at_the_first_training_step_and_again_for_longer_ones(tiny_path,
         model(input_ids=_ids(vocab, seq=SEQ // 2), labels=_ids(vocab, seq=SEQ // 2))
         assert policy.choice is first and first.tokens == BATCH * SEQ and first.kept > 1
         model(input_ids=_ids(vocab, seq=2 * SEQ), labels=_ids(vocab, seq=2 * SEQ))
-    assert policy.choice == memory.recompute_choice(longer, policy.budget) and policy.choice.kept == 1
+    assert policy.choice == memory.recompute_choice(longer, policy.budget, policy.host_budget) and policy.choice.kept == 1
     assert [layer.gradient_checkpointing for layer in _layers(model)] == [True] * (LAYERS - 1) + [False]
     assert len(said) == 2 and f"keeps 1 of {LAYERS} layers' activations at {longer:,}" in str(said[1].message)
 
@@ -240,3 +240,134 @@ def test_options_of_auto_without_auto_are_refused(tiny_path, kwargs, message):
     model, _ = FastModel.from_pretrained(str(tiny_path), dtype=torch.float32, load_in_4bit=False)
     with pytest.raises(ValueError, match=message):
         FastModel.get_peft_model(model, r=8, **kwargs)
+
+
+def _split(model):
+    """Per layer: "offloaded", "on GPU" (checkpointed, input kept on the GPU) or "kept"."""
+    from slothkit.engine.offload_checkpoint import DeviceCheckpointer, OffloadedCheckpointer
+
+    names = []
+    for layer in _layers(model):
+        func = layer._gradient_checkpointing_func
+        if not layer.gradient_checkpointing:
+            names.append("kept")
+        elif isinstance(func, DeviceCheckpointer):
+            names.append("on GPU")
+        else:
+            assert isinstance(func, OffloadedCheckpointer)
+            names.append("offloaded")
+    return names
+
+
+def test_layers_the_host_cannot_take_are_checkpointed_on_the_gpu(tiny_path, memory, free_memory):
+    """Host memory for one layer's input: one layer offloaded, the other checkpointed ones
+    keep their inputs on the GPU, which the GPU budget pays for; a larger GPU budget keeps
+    layers as before (the last ones), taking them from those on the GPU first."""
+    tokens = BATCH * SEQ
+    per_layer = memory.checkpoint_bytes(tokens)
+    assert per_layer == tokens * memory.shape.hidden_size * memory.element_bytes * (1 + memory.keep_sums)
+    host = 1.5 * per_layer
+    least = memory.least_reserved(tokens, host)
+    assert least == memory.reserved(tokens, 0, LAYERS - 1) > memory.reserved(tokens, 0)
+    assert memory.allocated(tokens, 0, LAYERS - 1) - memory.allocated(tokens) == (LAYERS - 1) * per_layer
+    choice = memory.recompute_choice(tokens, least, host)
+    assert (choice.kept, choice.offloaded, choice.on_gpu) == (0, 1, LAYERS - 1)
+    assert choice.host_bytes == per_layer and choice.peak_bytes == least
+
+    free_memory(least * (1 + 1e-9) / (1 - BUDGET_MARGIN))
+    with pytest.warns(RecomputeNotice) as said:
+        model = _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_host_memory=host / GIB)
+    assert _split(model) == ["offloaded"] + ["on GPU"] * (LAYERS - 1)
+    notice = str(said[0].message)
+    assert notice == choice.notice()
+    assert f"keeps 0 of {LAYERS} layers' activations" in notice
+    assert f"offloads 1 ({per_layer / GIB:.1f} GiB of host memory, budget {host / GIB:.1f} GiB)" in notice
+    assert notice.endswith(f"and checkpoints {LAYERS - 1} on the GPU")
+
+    budget = memory.reserved(tokens, 2, 1) * (1 + 1e-9)
+    with pytest.warns(RecomputeNotice, match=f"keeps 2 of {LAYERS} layers"):
+        model = _model(
+            tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_host_memory=host / GIB, max_memory=budget
+        )
+    assert _split(model) == ["offloaded", "on GPU", "kept", "kept"]
+
+    with pytest.raises(MemoryBudgetError, match=f"{LAYERS - 1} of them on the GPU for want of host memory"):
+        _model(
+            tiny_path,
+            "auto",
+            batch_size=BATCH,
+            max_seq_length=SEQ,
+            max_host_memory=host / GIB,
+            max_memory=least - 1,
+        )
+
+
+def test_a_split_with_layers_on_the_gpu_trains_as_every_layer_offloaded(
+    tiny_path, reference_kernels, free_memory, mlp_calls
+):
+    """One layer offloaded, two checkpointed on the GPU, one kept: the same losses, step
+    for step, as every layer offloaded; the three checkpointed layers re-run."""
+    offloaded = _model(tiny_path, "offload")
+    memory = _memory_of(offloaded)
+    tokens = BATCH * SEQ
+    ids = _ids(memory.shape.vocab_size)
+    host = 1.5 * memory.checkpoint_bytes(tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RecomputeNotice)
+        losses = {"offload": _train(offloaded, ids)}
+        model = _model(
+            tiny_path,
+            "auto",
+            batch_size=BATCH,
+            max_seq_length=SEQ,
+            max_host_memory=host / GIB,
+            max_memory=memory.reserved(tokens, 1, 2) * (1 + 1e-9),
+        )
+        assert _split(model) == ["offloaded", "on GPU", "on GPU", "kept"]
+        mlp_calls.clear()
+        losses["split"] = _train(model, ids)
+    assert mlp_calls[: LAYERS + 3] == [False] * LAYERS + [True] * 3
+    torch.testing.assert_close(
+        torch.tensor(losses["split"]), torch.tensor(losses["offload"]), rtol=1e-5, atol=0
+    )
+
+
+def test_the_plan_predicts_the_same_split_under_a_host_budget(tiny_path, reference_kernels, capsys):
+    from slothkit.cli import main
+
+    model = _model(tiny_path, "offload", dtype=torch.bfloat16)
+    memory = _memory_of(model)
+    tokens = BATCH * SEQ
+    host = 2.5 * memory.checkpoint_bytes(tokens)
+    budget = memory.reserved(tokens, 1, 1) * (1 + 1e-6)
+    with pytest.warns(RecomputeNotice) as said:
+        _model(
+            tiny_path,
+            "auto",
+            dtype=torch.bfloat16,
+            batch_size=BATCH,
+            max_seq_length=SEQ,
+            max_memory=budget,
+            max_host_memory=host / GIB,
+        )
+    newer = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    arguments = ["plan", str(tiny_path), "--gpu", "a100" if newer else "t4", "--mode", "lora", "--rank", "8"]
+    arguments += ["--batch", str(BATCH), "--seq", str(SEQ), "--max-memory", repr(budget / GIB)]
+    arguments += ["--max-host-memory", repr(host / GIB)]
+    assert main(arguments) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    notice = str(said[0].message)
+    assert "checkpoints 1 on the GPU" in notice and notice in lines
+
+
+def test_max_host_memory_is_gib_or_bytes_and_checked(tiny_path):
+    from slothkit.engine.recompute_policy import host_budget_bytes
+
+    assert host_budget_bytes(12) == host_budget_bytes(12 * GIB) == 12 * GIB
+    assert 0 < host_budget_bytes() < 2**50  # the host's available memory, less a margin
+    for wrong in (0, -1, True, "12GB"):
+        with pytest.raises(ValueError, match=f"max_host_memory={wrong!r}; expected a positive number"):
+            host_budget_bytes(wrong)
+    model, _ = FastModel.from_pretrained(str(tiny_path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(ValueError, match="max_host_memory set the memory budget"):
+        FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="offload", max_host_memory=12)
