@@ -100,6 +100,8 @@ def setting_of(row: dict) -> str:
     recompute = row.get("recompute")
     if setting and recompute:
         setting += f", {recompute['kept_layers']} of {recompute['layers']} layers kept"
+        if recompute.get("on_gpu_layers"):
+            setting += f", {recompute['on_gpu_layers']} checkpointed on the GPU (host memory)"
     return setting
 
 

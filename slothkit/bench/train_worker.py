@@ -249,6 +249,12 @@ def slothkit_settings(model) -> dict:
                 "tokens": choice.tokens,
                 "budget_gib": choice.budget_bytes / 2**30,
                 "predicted_peak_gib": choice.peak_bytes / 2**30,
+                # Checkpointed on the GPU for want of host memory, and the pinned inputs.
+                "on_gpu_layers": choice.on_gpu,
+                "predicted_host_gib": choice.host_bytes / 2**30,
+                "host_budget_gib": None
+                if choice.host_budget_bytes is None
+                else choice.host_budget_bytes / 2**30,
             }
     return settings
 

@@ -258,3 +258,17 @@ def test_a_best_run_shows_the_budget_and_each_implementation_s_setting(tmp_path)
     assert "1,000 (1.00x), 5.0 / \u2014 / \u2014 GiB, no gradient checkpointing |" in summary
     every = render(load_records(tmp_path))
     assert "| hf (no gradient checkpointing) | 1,000 |" in every
+
+
+def test_a_best_run_says_which_layers_went_on_the_gpu_for_want_of_host_memory(tmp_path):
+    rows = [
+        {
+            **_ok("slothkit", 2100.0),
+            "setting": "use_gradient_checkpointing='auto'",
+            "recompute": {"kept_layers": 2, "layers": 32, "on_gpu_layers": 11},
+        },
+        {**_ok("hf", 1000.0), "setting": "gradient checkpointing"},
+    ]
+    _record(tmp_path, "best.json", kind="train", batch=1, seq=65536, memory_gib=40.0, best=True, rows=rows)
+    summary = render_summary(load_records(tmp_path))
+    assert "2 of 32 layers kept, 11 checkpointed on the GPU (host memory)" in summary

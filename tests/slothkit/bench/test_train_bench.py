@@ -587,3 +587,26 @@ def test_the_host_peak_restarts_from_the_current_resident_memory():
     assert reset_peak_host()
     after_reset = peak_host_bytes()
     assert after_reset < with_buffer - 400 * 2**20
+
+
+def test_the_record_says_how_auto_split_the_layers(tmp_path):
+    """A slothkit row under "auto" records the split: layers kept, checkpointed on the GPU
+    for want of host memory, the predicted pinned host memory and the host budget."""
+    from slothkit import FastModel
+    from slothkit.bench.train_worker import slothkit_settings
+    from slothkit.testing import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="auto", max_memory=1000)
+    policy = model.get_base_model().model.layers[0]._slothkit_recompute_policy
+    tokens = 2 * 24
+    per_layer = policy.memory.checkpoint_bytes(tokens)
+    policy.host_budget = 2.5 * per_layer  # two layers' inputs
+    policy.budget = policy.memory.reserved(tokens, 1, 1) * (1 + 1e-9)
+    with pytest.warns(UserWarning, match="checkpoints 1 on the GPU"):
+        policy.decide(tokens)
+    recompute = slothkit_settings(model)["recompute"]
+    assert (recompute["kept_layers"], recompute["on_gpu_layers"], recompute["layers"]) == (1, 1, 4)
+    assert recompute["predicted_host_gib"] == pytest.approx(2 * per_layer / 2**30)
+    assert recompute["host_budget_gib"] == pytest.approx(2.5 * per_layer / 2**30)

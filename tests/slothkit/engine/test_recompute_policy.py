@@ -129,7 +129,10 @@ def test_decided_at_the_first_training_step_and_again_for_longer_ones(tiny_path,
         model(input_ids=_ids(vocab, seq=SEQ // 2), labels=_ids(vocab, seq=SEQ // 2))
         assert policy.choice is first and first.tokens == BATCH * SEQ and first.kept > 1
         model(input_ids=_ids(vocab, seq=2 * SEQ), labels=_ids(vocab, seq=2 * SEQ))
-    assert policy.choice == memory.recompute_choice(longer, policy.budget, policy.host_budget) and policy.choice.kept == 1
+    assert (
+        policy.choice == memory.recompute_choice(longer, policy.budget, policy.host_budget)
+        and policy.choice.kept == 1
+    )
     assert [layer.gradient_checkpointing for layer in _layers(model)] == [True] * (LAYERS - 1) + [False]
     assert len(said) == 2 and f"keeps 1 of {LAYERS} layers' activations at {longer:,}" in str(said[1].message)
 
@@ -287,7 +290,12 @@ def test_layers_the_host_cannot_take_are_checkpointed_on_the_gpu(tiny_path, memo
     budget = memory.reserved(tokens, 2, 1) * (1 + 1e-9)
     with pytest.warns(RecomputeNotice, match=f"keeps 2 of {LAYERS} layers"):
         model = _model(
-            tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_host_memory=host / GIB, max_memory=budget
+            tiny_path,
+            "auto",
+            batch_size=BATCH,
+            max_seq_length=SEQ,
+            max_host_memory=host / GIB,
+            max_memory=budget,
         )
     assert _split(model) == ["offloaded", "on GPU", "kept", "kept"]
 
