@@ -41,6 +41,16 @@ Fused blocks:
       gate and up projections as above with dY := de and dg, their dX summed.
   Because e and g are overwritten, the block's backward can run only once (no
   ``retain_graph=True`` double backward); a second attempt raises.
+* ``lora_mlp(..., token_chunk=C)``: the same over chunks of C tokens, for long
+  sequences, where the (N, intermediate) tensors dominate a layer's memory (Llama-3-70B
+  at 96K tokens: e, g and dh are 16 GiB).  Without autograd (a checkpointed forward, a
+  prefill) each chunk runs in turn into one output.  In a recompute (backward_only) the
+  forward saves only X, and backward runs each chunk's backward_only forward and
+  backward in turn, summing the adapters' gradients over the chunks: the same FLOPs as
+  the whole (the recompute's gate and up projections move into backward), the
+  (N, intermediate) tensors C rows at a time.  A forward that autograd records without
+  backward_only (a layer that is not checkpointed keeps e and g whole anyway) is not
+  chunked.
 * ``lora_o_residual``: Y = R + X Wo'^T, the residual sum after attention.  Given
   that sum already (a checkpointed forward kept it), it returns it as it is and
   runs no GEMM; backward is still the sum's: dR = dY, dX, dA, dB as above, with
@@ -573,6 +583,67 @@ class _LoRAMLPFunction(torch.autograd.Function):
         )  # fmt: skip
 
 
+class _ChunkedLoRAMLPRecompute(torch.autograd.Function):
+    """apply(x, activation, token_chunk, *gate, *up, *down fields): lora_mlp's
+    backward_only recompute over chunks of token_chunk rows (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, activation, token_chunk, *flat):
+        # Frozen weights and the adapters: saving them costs nothing (no copies).
+        tensors = [f for f in flat if isinstance(f, torch.Tensor)]
+        ctx.save_for_backward(x, *tensors)
+        ctx.layout = [isinstance(f, torch.Tensor) for f in flat]
+        ctx.others = [None if isinstance(f, torch.Tensor) else f for f in flat]
+        ctx.activation, ctx.token_chunk = activation, token_chunk
+        out_features = flat[2 * _N_FIELDS].shape[0]
+        return x.new_zeros(()).expand(*x.shape[:-1], out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *tensors = ctx.saved_tensors
+        supplied = iter(tensors)
+        flat = [next(supplied) if is_tensor else other for is_tensor, other in zip(ctx.layout, ctx.others)]
+        need = ctx.needs_input_grad
+        # Leaves for the adapters whose gradients are asked for; the rest as they are.
+        leaves = {}
+        for i, field in enumerate(flat):
+            if isinstance(field, torch.Tensor) and need[3 + i]:
+                leaves[i] = field.detach().requires_grad_(True)
+        chunk_flat = [
+            leaves.get(i, f.detach() if isinstance(f, torch.Tensor) else f) for i, f in enumerate(flat)
+        ]
+        x2d = x.reshape(-1, x.shape[-1])
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = torch.empty_like(x2d) if need[0] else None
+        sums = dict.fromkeys(leaves)
+        for start in range(0, x2d.shape[0], ctx.token_chunk):
+            stop = start + ctx.token_chunk
+            x_chunk = x2d[start:stop].detach().requires_grad_(need[0])
+            with torch.enable_grad():
+                y_chunk = _LoRAMLPFunction.apply(x_chunk, ctx.activation, True, *chunk_flat)
+            inputs = ([x_chunk] if need[0] else []) + [leaves[i] for i in leaves]
+            grads = torch.autograd.grad(y_chunk, inputs, dy2d[start:stop], allow_unused=True)
+            if need[0]:
+                dx[start:stop] = grads[0]
+                grads = grads[1:]
+            for i, grad in zip(leaves, grads):
+                if grad is not None:
+                    sums[i] = grad if sums[i] is None else sums[i].add_(grad)
+            del y_chunk, grads
+        flat_grads = [sums.get(i) for i in range(len(flat))]
+        return (None if dx is None else dx.view(x.shape), None, None, *flat_grads)
+
+
+def _chunked_mlp_forward(x, activation: str, token_chunk: int, flat) -> torch.Tensor:
+    """lora_mlp without autograd, token_chunk rows at a time into one output."""
+    x2d = x.reshape(-1, x.shape[-1])
+    y = x.new_empty((x2d.shape[0], flat[2 * _N_FIELDS].shape[0]))
+    for start in range(0, x2d.shape[0], token_chunk):
+        stop = start + token_chunk
+        y[start:stop] = _LoRAMLPFunction.apply(x2d[start:stop], activation, False, *flat)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class _KnownLoRASumFunction(torch.autograd.Function):
     """apply(known, residual, x, *projection fields): returns ``known``, which must equal
     residual + x W'^T; backward is that sum's."""
@@ -707,6 +778,7 @@ def lora_mlp(
     down_proj: LoRAProjection,
     activation: str = "swiglu",
     backward_only: bool = False,
+    token_chunk: int | None = None,
 ) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with LoRA on each projection; x: (..., hidden).
 
@@ -718,9 +790,18 @@ def lora_mlp(
     away: the activation and the down projection are skipped, the returned y is zeros
     (a broadcast view of one element, not a filled buffer), and backward gives the same
     gradients as after a full forward.
+
+    token_chunk: with more tokens than this, run without autograd or as a recompute
+    (backward_only) over chunks of this many tokens, so that the (tokens, intermediate)
+    tensors exist one chunk at a time (module docstring); the same values.  None
+    (default): never chunked.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if token_chunk is not None and (
+        isinstance(token_chunk, bool) or not isinstance(token_chunk, int) or token_chunk <= 0
+    ):
+        raise ValueError(f"token_chunk={token_chunk!r}; expected a positive number of tokens or None")
     x = _prepare(x, [("gate_proj", gate_proj, None), ("up_proj", up_proj, None)])
     if up_proj.out_features != gate_proj.out_features:
         raise ValueError(
@@ -728,11 +809,10 @@ def lora_mlp(
             f"{gate_proj.out_features}; they must match"
         )
     _check_projection("down_proj", down_proj, gate_proj.out_features, x, x.dtype)
-    return _LoRAMLPFunction.apply(
-        x,
-        activation,
-        bool(backward_only),
-        *gate_proj.fields_in(x.dtype),
-        *up_proj.fields_in(x.dtype),
-        *down_proj.fields_in(x.dtype),
-    )
+    flat = (*gate_proj.fields_in(x.dtype), *up_proj.fields_in(x.dtype), *down_proj.fields_in(x.dtype))
+    if token_chunk is not None and x.numel() // x.shape[-1] > token_chunk:
+        if not torch.is_grad_enabled():
+            return _chunked_mlp_forward(x, activation, token_chunk, flat)
+        if backward_only:
+            return _ChunkedLoRAMLPRecompute.apply(x, activation, token_chunk, *flat)
+    return _LoRAMLPFunction.apply(x, activation, bool(backward_only), *flat)

@@ -12,7 +12,9 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
   activations  with every layer checkpointed (offloaded), the GPU holds one decoder
                layer's saved tensors at a time, its gradients and two layer inputs in
                flight; per token about e * (6 H + 4 I + 2 (Hq + 2 Hkv) D), plus the
-               fused loss's d_hidden (e H) and one chunk of logits.  Plain checkpointing
+               fused loss's d_hidden (e H) and one chunk of logits.  In steps of more
+               than 16,384 tokens with every layer offloaded the MLP runs in
+               8,192-token chunks, so its 4 I counts for 8,192 tokens only.  Plain checkpointing
                adds one layer input (e H) per layer; each layer that is not
                checkpointed adds what it saves for backward (``kept_layer_bytes``).
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
@@ -56,6 +58,19 @@ KEEP_SUMS_RESERVE = 0.5
 GRAPH_POOL_RESERVE = 3.0
 # The default budget leaves this share of the free memory unused.
 BUDGET_MARGIN = 0.05
+# Steps of more tokens than this run each MLP in chunks of MLP_TOKEN_CHUNK tokens
+# (slothkit_kernels.lora.lora_mlp's token_chunk; the fused MLP asks ``mlp_token_chunk``):
+# beyond the layer graphs' and kept sums' 16,384 tokens, where the (tokens,
+# intermediate) tensors are most of a layer's working memory.  8,192-token chunks keep
+# every GEMM large.
+MLP_CHUNK_ABOVE = 16384
+MLP_TOKEN_CHUNK = 8192
+
+
+def mlp_token_chunk(tokens: int) -> int | None:
+    """The MLP's token_chunk for a step of ``tokens`` tokens: None (whole) up to
+    MLP_CHUNK_ABOVE, MLP_TOKEN_CHUNK beyond."""
+    return MLP_TOKEN_CHUNK if tokens > MLP_CHUNK_ABOVE else None
 
 
 def _head_dim(shape: Shape) -> int:
@@ -146,10 +161,15 @@ def activation_bytes(
         raise ValueError(f"checkpointing={checkpointing!r}; accepted: 'offload' or True")
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
-    per_token = 6 * h + 4 * i + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
+    per_token = 6 * h + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
     per_token += h  # the fused loss's d_hidden
+    # The MLP's (tokens, intermediate) tensors: over one chunk of tokens in the long
+    # steps of offloaded layers (whose re-runs are chunked); whole where a kept layer's
+    # backward (or torch's checkpoint) runs the MLP unchunked.
+    chunked = checkpointing == "offload" and kept_layers == 0
+    mlp_tokens = (mlp_token_chunk(tokens) or tokens) if chunked else tokens
     logits_chunk = shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
-    total = element_bytes * (tokens * per_token + logits_chunk)
+    total = element_bytes * (tokens * per_token + mlp_tokens * 4 * i + logits_chunk)
     if checkpointing is True:
         total += (shape.num_hidden_layers - kept_layers) * tokens * element_bytes * h
     return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)

@@ -23,6 +23,7 @@ from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import recomputing
+from slothkit.memory_model import mlp_token_chunk
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -66,7 +67,13 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     # the layer output, which nobody reads: skip the down projection (a hook on the MLP
     # might read it, so not then).
     backward_only = recomputing() and not (self._forward_hooks or self._forward_pre_hooks)
-    return lora_mlp(x, *projections, activation=self._slothkit_activation, backward_only=backward_only)
+    return lora_mlp(
+        x,
+        *projections,
+        activation=self._slothkit_activation,
+        backward_only=backward_only,
+        token_chunk=mlp_token_chunk(x.numel() // x.shape[-1]),
+    )
 
 
 def patch_mlp(mlp: nn.Module, activation: str) -> None:

@@ -346,6 +346,63 @@ def test_lora_mlp_backward_only_gives_the_same_gradients(dtype, activation, whic
     _compare(grads_skip, grads, REF_RTOL[dtype], f"backward_only grads ({which})")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["x_and_adapters", "adapters_only", "down_adapter_only"])
+def test_lora_mlp_in_token_chunks_gives_the_same_values(dtype, which, device):
+    """token_chunk below the token count: a forward without autograd gives the same y,
+    and the recompute form the same gradients as unchunked (the adapters' summed over
+    the chunks), including a last chunk shorter than the rest (14 tokens in chunks of 4)."""
+    targets = ["down_proj"] if which == "down_adapter_only" else ALL_TARGETS
+    block = _peft_block(dtype, device, "swiglu", targets, seed=23)
+    mods = (block.gate_proj, block.up_proj, block.down_proj)
+    projs = [_projection(m) for m in mods]
+    x = _x((2, 7, HIDDEN), dtype, device, seed=24)
+    params = _adapter_params(*mods)
+    if which == "x_and_adapters":
+        params = [x] + params
+    else:
+        x.requires_grad_(False)
+
+    with torch.no_grad():
+        y_whole = lora_mlp(x, *projs)
+        y_chunked = lora_mlp(x, *projs, token_chunk=4)
+    _compare([y_chunked], [y_whole], REF_RTOL[dtype], "chunked forward")
+    assert y_chunked.shape == y_whole.shape
+
+    _, grads = _run(lambda: lora_mlp(x, *projs, backward_only=True), params)
+    y_skip, grads_chunked = _run(lambda: lora_mlp(x, *projs, backward_only=True, token_chunk=4), params)
+    assert torch.count_nonzero(y_skip[0]) == 0 and y_skip[0].shape == y_whole.shape
+    _compare(grads_chunked, grads, REF_RTOL[dtype], f"chunked recompute grads ({which})")
+
+
+def test_lora_mlp_token_chunk_only_where_it_applies(nf4_stub, device):
+    """A step of at most token_chunk tokens, and a forward autograd records without
+    backward_only, run whole (one dequantisation per projection); a chunked forward
+    without autograd dequantises per chunk; a bad chunk is refused."""
+    block = _peft_block(torch.float32, device, seed=25)
+    nf4 = _quantize_to_nf4(block)
+    projs = [_projection(m, nf4) for m in (block.gate_proj, block.up_proj, block.down_proj)]
+    x = _x((12, HIDDEN), torch.float32, device)
+    with torch.no_grad():
+        lora_mlp(x, *projs, token_chunk=12)
+    assert len(nf4_stub) == 3
+    nf4_stub.clear()
+    lora_mlp(x.requires_grad_(True), *projs, token_chunk=4)  # autograd, not a recompute
+    assert len(nf4_stub) == 3
+    nf4_stub.clear()
+    with torch.no_grad():
+        lora_mlp(x, *projs, token_chunk=4)
+    assert len(nf4_stub) == 9  # three chunks
+    nf4_stub.clear()
+    y = lora_mlp(x, *projs, backward_only=True, token_chunk=4)
+    assert len(nf4_stub) == 0  # the recompute's forward saves x only
+    y.backward(torch.ones_like(y))
+    assert len(nf4_stub) == 3 * 5  # per chunk: gate and up forward, then down, gate, up
+    for wrong in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="token_chunk="):
+            lora_mlp(x, *projs, token_chunk=wrong)
+
+
 def test_lora_mlp_backward_only_runs_no_down_projection(nf4_stub, device):
     """With NF4 weights every projection that runs dequantises its weight once: a
     backward_only forward dequantises gate and up only."""
