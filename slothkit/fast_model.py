@@ -34,6 +34,7 @@ from slothkit.engine.loading import (
 from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
+from slothkit.memory_model import host_budget_bytes
 from slothkit.models import architecture_for, supported_summary
 from slothkit.notices import say_once
 from slothkit.saved_adapter import is_adapter_folder, load_saved_adapter
@@ -319,9 +320,11 @@ class FastModel:
                 decides now, for batch_size x max_seq_length tokens per step.  None
                 (default): it decides at the first training step, from its shape, and
                 again when a step with more tokens comes.
-            max_host_memory: with "auto", the host memory the offloaded layers' inputs
-                may pin: GiB or bytes.  None (default): the host's available memory
-                less 10 %.  The layers it cannot take are checkpointed on the GPU.
+            max_host_memory: with "auto" or "offload", the host memory the offloaded
+                layers' inputs may pin: GiB or bytes.  None (default): the host's
+                available memory less 10 %.  The layers it cannot take are checkpointed
+                on the GPU ("auto" plans for it; "offload" keeps the next layers'
+                inputs on the GPU once it is spent, said once).
             **lora_kwargs: passed on to ``peft.LoraConfig``.
 
         Returns:
@@ -469,12 +472,14 @@ def ready_for_training(
     causal_lm.config.use_cache = False
     defaults = environment_defaults()
     auto = use_gradient_checkpointing == "auto"
+    offloads = auto or use_gradient_checkpointing in ("offload", "unsloth")
     enable_checkpointing(
         layers,
         "offload" if auto else use_gradient_checkpointing,
         cuda_graphs=defaults.cuda_graphs if cuda_graphs is None else cuda_graphs,
         quantized=is_4bit_model(causal_lm),
         keep_sums=defaults.keep_sums if keep_sums is None else keep_sums,
+        host_limit_bytes=host_budget_bytes(max_host_memory) if offloads else None,
     )
     if use_gradient_checkpointing:
         # Checkpointed layers recompute in backward; their input must require grad.
@@ -511,17 +516,14 @@ def _check_checkpointing(mode, max_memory, batch_size, max_host_memory=None) -> 
             f"('unsloth' is read as 'offload')"
         )
     given = [
-        name
-        for name, value in (
-            ("max_memory", max_memory),
-            ("batch_size", batch_size),
-            ("max_host_memory", max_host_memory),
-        )
-        if value is not None
+        name for name, value in (("max_memory", max_memory), ("batch_size", batch_size)) if value is not None
     ]
+    if max_host_memory is not None and mode not in ("offload", "unsloth", "auto"):
+        given.append("max_host_memory")
     if given and mode != "auto":
         raise ValueError(
-            f"{' and '.join(given)} set the memory budget of use_gradient_checkpointing='auto'; "
+            f"{' and '.join(given)} set the memory budget of use_gradient_checkpointing='auto' "
+            f"(max_host_memory: of 'offload' too); "
             f"with use_gradient_checkpointing={mode!r} they do nothing: pass 'auto' or leave them out"
         )
     if batch_size is not None and (

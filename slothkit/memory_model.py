@@ -37,6 +37,7 @@ compares predictions with measured peaks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -395,3 +396,46 @@ def free_bytes(device: torch.device) -> float | None:
     if fraction is not None:
         available = min(available, fraction(device) * total)
     return float(available)
+
+
+# The default host budget leaves this share of the available memory unused.
+HOST_MARGIN = 0.10
+
+
+def gib_or_bytes(name: str, value) -> float:
+    """A memory size given as GiB (a number under 2**20) or bytes, checked; in bytes.
+
+    Raises:
+        ValueError: value is not a positive number.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{name}={value!r}; expected a positive number: GiB (such as 40 or 22.5), "
+            f"or bytes (2**20 and up, such as 40 * 2**30)"
+        )
+    return float(value) if value >= 2**20 else float(value) * GIB
+
+
+def host_budget_bytes(max_host_memory=None) -> float | None:
+    """The host memory offloaded layer inputs may pin: ``max_host_memory`` (GiB, or bytes
+    from 2**20 up), else the host's available memory less ``HOST_MARGIN``, shared among
+    the processes of this host that train together (LOCAL_WORLD_SIZE, set by torchrun
+    and accelerate); None where the platform does not say (no limit).
+
+    Args:
+        max_host_memory: the budget asked for, or None.
+
+    Raises:
+        ValueError: max_host_memory is not a positive number.
+    """
+    if max_host_memory is not None:
+        return gib_or_bytes("max_host_memory", max_host_memory)
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    return float(psutil.virtual_memory().available) * (1 - HOST_MARGIN) / processes

@@ -40,7 +40,9 @@ checkpointer collects them only when built with ``keeps=True``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import warnings
 import weakref
 
 import torch
@@ -127,9 +129,11 @@ class _OffloadedActivation:
     """One layer's saved tensors (its input, then what it kept): their host copies, and
     the device copies once prefetched."""
 
-    def __init__(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream):
+    def __init__(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, on_release=None):
         self.device = tensors[0].device
         self.stream = stream
+        self.on_release = None  # set once the copies are under way (below)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         self.previous = None  # weakref to the activation of the layer run before this one
         self.prefetched = None
@@ -142,6 +146,8 @@ class _OffloadedActivation:
         # The caching allocator must not hand these blocks to anyone else until the copies are done.
         for tensor in tensors:
             tensor.record_stream(stream)
+        # Called with the pinned bytes once the host copies are let go (or never read).
+        self.on_release = on_release
 
     def prefetch(self) -> None:
         """Start the host-to-device copies on the side stream, if not started yet.
@@ -173,8 +179,17 @@ class _OffloadedActivation:
         current.wait_event(self.ready)
         tensors = self.prefetched
         self.prefetched = None
-        self.host = None  # release the pinned buffers once consumed
+        self._release_host()  # the pinned buffers, once consumed
         return tensors
+
+    def _release_host(self) -> None:
+        if getattr(self, "host", None) is not None:  # also for an __init__ that failed
+            self.host = None
+            if self.on_release is not None:
+                self.on_release(self.nbytes)
+
+    def __del__(self):  # a forward whose backward never ran
+        self._release_host()
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -204,6 +219,8 @@ class _Checkpoint(torch.autograd.Function):
         if hidden_states.is_cuda and checkpointer.to_host:
             ctx.offloaded = checkpointer.offload(hidden_states, *kept_tensors)
             ctx.saved = None
+            if ctx.offloaded is None:  # the host budget is spent: kept on the GPU
+                ctx.saved = [hidden_states.detach(), *kept_tensors]
         else:  # nothing to offload to, or kept on the GPU: keep them where they are
             ctx.offloaded = None
             ctx.saved = [hidden_states.detach(), *kept_tensors]
@@ -296,8 +313,14 @@ class OffloadedCheckpointer:
         cuda_graphs: bool | str = False,
         keeps: bool = False,
         keep_max_tokens: int = 16384,
+        host_limit_bytes: float | None = None,
     ):
         self.on_device = DeviceCheckpointer(self)
+        # Pinned host memory the offloaded inputs may hold at once (None: no limit); past
+        # it a layer keeps its input on the GPU, said once, rather than the host running
+        # out (which kills the process).  use_gradient_checkpointing="auto" plans within it.
+        self.host_limit_bytes = host_limit_bytes
+        self.pinned_bytes = 0
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last = None
         self.marks_recompute = marks_recompute
@@ -319,19 +342,40 @@ class OffloadedCheckpointer:
         tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
         return self.keeps and self.marks_recompute and tokens <= self.keep_max_tokens
 
-    def offload(self, tensor: torch.Tensor, *kept_tensors: torch.Tensor) -> _OffloadedActivation:
+    def offload(self, tensor: torch.Tensor, *kept_tensors: torch.Tensor) -> _OffloadedActivation | None:
+        """Copy a layer's input and kept tensors to pinned host memory; None where that
+        would pass ``host_limit_bytes`` (the caller keeps them on the GPU)."""
+        nbytes = sum(t.numel() * t.element_size() for t in (tensor, *kept_tensors))
+        if self.host_limit_bytes is not None and self.pinned_bytes + nbytes > self.host_limit_bytes:
+            _notice_host_memory_spent(self.host_limit_bytes)
+            return None
         stream = self._streams.get(tensor.device)
         if stream is None:
             stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
-        activation = _OffloadedActivation([tensor, *kept_tensors], stream)
+        activation = _OffloadedActivation([tensor, *kept_tensors], stream, on_release=self._released)
+        self.pinned_bytes += nbytes
         last = self._last() if self._last is not None else None
         if last is not None and last.host is not None:
             activation.previous = weakref.ref(last)
         self._last = weakref.ref(activation)
         return activation
 
+    def _released(self, nbytes: int) -> None:
+        self.pinned_bytes -= nbytes
+
     def __call__(self, run_function, hidden_states, *args):
         return _Checkpoint.apply(self, run_function, hidden_states, *args)
+
+
+@functools.cache
+def _notice_host_memory_spent(limit_bytes: float) -> None:
+    warnings.warn(
+        f"slothkit: the pinned host memory for offloaded layer inputs is spent "
+        f"({limit_bytes / 2**30:.1f} GiB: the available memory less 10 %, or max_host_memory=): "
+        f"the next layers keep their inputs on the GPU (use_gradient_checkpointing='auto' "
+        f"plans for this; docs/planner.md)",
+        stacklevel=5,
+    )
 
 
 class DeviceCheckpointer:
@@ -404,6 +448,7 @@ def enable_checkpointing(
     cuda_graphs: bool | str | None = None,
     quantized: bool = False,
     keep_sums: bool | None = None,
+    host_limit_bytes: float | None = None,
 ) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
@@ -435,6 +480,9 @@ def enable_checkpointing(
             layer in pinned host memory, copied each way). None (default): on for GPUs
             of compute capability 8.0 and up; off for older ones (whose hosts, Colab's
             and Kaggle's, have little memory to pin) and the CPU.
+        host_limit_bytes: offload only. The pinned host memory the offloaded inputs may
+            hold at once; past it a layer keeps its input on the GPU (said once).  None:
+            no limit.
 
     Raises:
         ValueError: ``mode``, ``cuda_graphs`` or ``keep_sums`` is not one of the
@@ -456,7 +504,9 @@ def enable_checkpointing(
             layer.gradient_checkpointing = False
         return
     if mode in ("offload", "unsloth"):
-        func = OffloadedCheckpointer(marks_recompute=True, cuda_graphs=cuda_graphs, keeps=keep_sums)
+        func = OffloadedCheckpointer(
+            marks_recompute=True, cuda_graphs=cuda_graphs, keeps=keep_sums, host_limit_bytes=host_limit_bytes
+        )
     else:
         from functools import partial
 

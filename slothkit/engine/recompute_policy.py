@@ -39,7 +39,14 @@ import torch
 from torch import nn
 
 from slothkit.engine.decoder import PATCHED_MARK
-from slothkit.memory_model import GIB, RecomputeChoice, TrainingMemory, budget_from_free, free_bytes
+from slothkit.memory_model import (
+    RecomputeChoice,
+    TrainingMemory,
+    budget_from_free,
+    free_bytes,
+    gib_or_bytes,
+    host_budget_bytes,
+)
 from slothkit.models.shape import shape_from_config
 
 
@@ -59,42 +66,9 @@ def budget_bytes(max_memory, device: torch.device) -> float | None:
         ValueError: max_memory is not a positive number.
     """
     if max_memory is not None:
-        return _gib_or_bytes("max_memory", max_memory)
+        return gib_or_bytes("max_memory", max_memory)
     free = free_bytes(device)
     return None if free is None else budget_from_free(free)
-
-
-# The default host budget leaves this share of the available memory unused.
-HOST_MARGIN = 0.10
-
-
-def host_budget_bytes(max_host_memory=None) -> float | None:
-    """The host memory offloaded layers may pin: ``max_host_memory`` (GiB, or bytes from
-    2**20 up), else the host's available memory less ``HOST_MARGIN``; None where the
-    platform does not say (no limit).
-
-    Args:
-        max_host_memory: the budget asked for, or None.
-
-    Raises:
-        ValueError: max_host_memory is not a positive number.
-    """
-    if max_host_memory is not None:
-        return _gib_or_bytes("max_host_memory", max_host_memory)
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return float(psutil.virtual_memory().available) * (1 - HOST_MARGIN)
-
-
-def _gib_or_bytes(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(
-            f"{name}={value!r}; expected a positive number: GiB (such as 40 or 22.5), "
-            f"or bytes (2**20 and up, such as 40 * 2**30)"
-        )
-    return float(value) if value >= 2**20 else float(value) * GIB
 
 
 @functools.cache
@@ -257,7 +231,9 @@ def enable_recompute_policy(
         _notice_unfused(causal_lm.config.model_type)
         return None
     layers = list(layers)
-    memory = training_memory(causal_lm, peft_model, layers[0]._gradient_checkpointing_func)
+    checkpointer = layers[0]._gradient_checkpointing_func
+    checkpointer.host_limit_bytes = host_budget  # the plan's budget is the one enforced
+    memory = training_memory(causal_lm, peft_model, checkpointer)
     policy = RecomputePolicy(layers, memory, budget, host_budget)
     if tokens is not None:
         policy.decide(tokens)

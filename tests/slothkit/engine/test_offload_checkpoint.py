@@ -43,3 +43,50 @@ def test_keeping_by_default_only_on_fast_gpus(monkeypatch):
     assert keeps_for((7, 5), True) and not keeps_for((9, 0), False)
     with pytest.raises(ValueError, match="keep_sums='yes'; accepted: None .*True, False"):
         keeps_for((9, 0), "yes")
+
+
+def test_past_the_host_limit_a_layer_is_not_offloaded_and_that_is_said_once(recwarn):
+    """offload() answers None (the caller keeps the tensors on the GPU) once the pinned
+    bytes would pass host_limit_bytes; the notice comes once per limit."""
+    import slothkit.engine.offload_checkpoint as offload_checkpoint
+    from slothkit.engine.offload_checkpoint import OffloadedCheckpointer
+
+    offload_checkpoint._notice_host_memory_spent.cache_clear()
+    checkpointer = OffloadedCheckpointer(marks_recompute=True, host_limit_bytes=100.0)
+    hidden = torch.zeros(4, 8)  # 128 bytes
+    assert checkpointer.offload(hidden) is None and checkpointer.offload(hidden, hidden) is None
+    assert checkpointer.pinned_bytes == 0
+    said = [str(w.message) for w in recwarn if "pinned host memory" in str(w.message)]
+    assert len(said) == 1 and "0.0 GiB" in said[0] and "keep their inputs on the GPU" in said[0]
+
+
+@pytest.mark.cuda
+def test_a_host_limit_keeps_later_layers_on_the_gpu_and_trains_the_same(tmp_path):
+    """On a GPU: a limit of one and a half layers' inputs offloads the first layer of each
+    step and keeps the others' inputs on the GPU; the losses are those of an unlimited
+    run, and every pinned byte is given back by the end of each backward."""
+    from slothkit import FastModel
+    from slothkit.testing import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(3)).cuda()
+    losses = {}
+    for limit in (None, "one and a half layers"):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+        model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="offload", cuda_graphs=False)
+        checkpointer = model.get_base_model().model.layers[0]._gradient_checkpointing_func
+        per_layer = 2 * 24 * model.config.hidden_size * 4 * (1 + checkpointer.keeps)
+        checkpointer.host_limit_bytes = None if limit is None else 1.5 * per_layer
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+        losses[limit] = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            assert checkpointer.pinned_bytes == (4 if limit is None else 1) * per_layer
+            loss.backward()
+            assert checkpointer.pinned_bytes == 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[limit].append(loss.item())
+    torch.testing.assert_close(
+        torch.tensor(losses["one and a half layers"]), torch.tensor(losses[None]), rtol=1e-5, atol=0
+    )

@@ -378,4 +378,7 @@ def test_max_host_memory_is_gib_or_bytes_and_checked(tiny_path):
             host_budget_bytes(wrong)
     model, _ = FastModel.from_pretrained(str(tiny_path), dtype=torch.float32, load_in_4bit=False)
     with pytest.raises(ValueError, match="max_host_memory set the memory budget"):
-        FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="offload", max_host_memory=12)
+        FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=True, max_host_memory=12)
+    # "offload" takes it as the limit of what its offloaded inputs may pin at once.
+    peft = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="offload", max_host_memory=12)
+    assert _layers(peft)[0]._gradient_checkpointing_func.host_limit_bytes == 12 * GIB
