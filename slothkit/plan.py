@@ -37,6 +37,7 @@ from slothkit.memory_model import (
     activation_bytes,
     budget_from_free,
     free_bytes,
+    host_budget_bytes,
     lora_bytes,
     weights_bytes,
 )
@@ -174,8 +175,6 @@ def plan(
     if max_host_memory is not None:
         host_budget = max_host_memory * GIB
     elif gpu.lower() == "auto" and gpu_name != "cpu":
-        from slothkit.engine.recompute_policy import host_budget_bytes
-
         host_budget = host_budget_bytes()
     dtype = "fp16" if gpu_name in NO_BF16 else "bf16"
     notes = []
