@@ -492,7 +492,7 @@ def ready_for_training(
                 f"to get_peft_model (or leave batch_size out: the first training step decides)"
             )
         tokens = batch_size * seq if batch_size is not None else None
-        enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens, max_host_memory)
+        enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens)
     peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
     from slothkit.export import attach_export_methods
 

@@ -45,7 +45,6 @@ from slothkit.memory_model import (
     budget_from_free,
     free_bytes,
     gib_or_bytes,
-    host_budget_bytes,
 )
 from slothkit.models.shape import shape_from_config
 
@@ -194,7 +193,6 @@ def enable_recompute_policy(
     layers,
     max_memory=None,
     tokens: int | None = None,
-    max_host_memory=None,
 ) -> RecomputePolicy | None:
     """Turn use_gradient_checkpointing="auto" on for layers that ``enable_checkpointing``
     has set up for "offload": every layer stays offloaded until the policy decides.
@@ -205,8 +203,9 @@ def enable_recompute_policy(
         layers: the decoder layers.
         max_memory: the budget, GiB or bytes; None: from the GPU's free memory.
         tokens: the tokens per step if known (batch size x max_seq_length): decide now.
-        max_host_memory: the host budget for offloaded inputs, GiB or bytes; None: the
-            host's available memory less 10 %.
+
+    The host budget is the layers' checkpointer's ``host_limit_bytes`` (FastModel sets it
+    from ``max_host_memory``): the plan is made within the limit the checkpointer keeps.
 
     Returns:
         The policy, also kept as the first layer's ``_slothkit_recompute_policy``; None
@@ -214,13 +213,12 @@ def enable_recompute_policy(
         layers stay offloaded, said once).
 
     Raises:
-        ValueError: max_memory or max_host_memory is not accepted.
+        ValueError: max_memory is not accepted.
         slothkit.memory_model.MemoryBudgetError: with ``tokens``, not even every layer
             offloaded fits the budget.
     """
     device = next(causal_lm.parameters()).device
     budget = budget_bytes(max_memory, device)
-    host_budget = host_budget_bytes(max_host_memory)  # checked even where unused
     if budget is None:
         # On a CPU nothing is budgeted (from_pretrained's notice already said that a CPU
         # keeps Hugging Face's modules); a notebook's "auto" must not add a second line there.
@@ -232,9 +230,8 @@ def enable_recompute_policy(
         return None
     layers = list(layers)
     checkpointer = layers[0]._gradient_checkpointing_func
-    checkpointer.host_limit_bytes = host_budget  # the plan's budget is the one enforced
     memory = training_memory(causal_lm, peft_model, checkpointer)
-    policy = RecomputePolicy(layers, memory, budget, host_budget)
+    policy = RecomputePolicy(layers, memory, budget, checkpointer.host_limit_bytes)
     if tokens is not None:
         policy.decide(tokens)
     causal_lm.model.register_forward_pre_hook(policy.before_decoder, with_kwargs=True)

@@ -369,7 +369,7 @@ def test_the_plan_predicts_the_same_split_under_a_host_budget(tiny_path, referen
 
 
 def test_max_host_memory_is_gib_or_bytes_and_checked(tiny_path):
-    from slothkit.engine.recompute_policy import host_budget_bytes
+    from slothkit.memory_model import host_budget_bytes
 
     assert host_budget_bytes(12) == host_budget_bytes(12 * GIB) == 12 * GIB
     assert 0 < host_budget_bytes() < 2**50  # the host's available memory, less a margin
