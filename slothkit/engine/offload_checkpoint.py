@@ -129,11 +129,13 @@ class _OffloadedActivation:
     """One layer's saved tensors (its input, then what it kept): their host copies, and
     the device copies once prefetched."""
 
-    def __init__(self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, on_release=None):
+    def __init__(
+        self, tensors: list[torch.Tensor], stream: torch.cuda.Stream, nbytes: int = 0, on_release=None
+    ):
         self.device = tensors[0].device
         self.stream = stream
         self.on_release = None  # set once the copies are under way (below)
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = nbytes  # of the tensors, handed to on_release
         self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         self.previous = None  # weakref to the activation of the layer run before this one
         self.prefetched = None
@@ -352,7 +354,7 @@ class OffloadedCheckpointer:
         stream = self._streams.get(tensor.device)
         if stream is None:
             stream = self._streams[tensor.device] = torch.cuda.Stream(tensor.device)
-        activation = _OffloadedActivation([tensor, *kept_tensors], stream, on_release=self._released)
+        activation = _OffloadedActivation([tensor, *kept_tensors], stream, nbytes, on_release=self._released)
         self.pinned_bytes += nbytes
         last = self._last() if self._last is not None else None
         if last is not None and last.host is not None:
