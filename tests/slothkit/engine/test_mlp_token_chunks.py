@@ -11,6 +11,7 @@ from slothkit import FastModel
 from slothkit.testing import build_tiny_model
 
 BATCH, SEQ = 2, 24
+LR = 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def _train(path, steps=2):
     ids = torch.randint(3, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    optimizer = torch.optim.AdamW(params, lr=LR)
     losses = []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
@@ -60,8 +61,12 @@ def test_a_long_step_trains_as_the_whole_mlp(tiny_path, reference_kernels, monke
     # Each step: every layer's checkpointed forward, then its recompute, in chunks.
     assert calls == {"forward": 2 * 3, "recompute": 2 * 3}
     torch.testing.assert_close(torch.tensor(chunked_losses), torch.tensor(whole_losses), rtol=1e-5, atol=0)
+    # AdamW moves each weight by about lr per step whatever the gradient's size, so an
+    # element whose gradient is near zero turns a rounding difference (the chunks sum in
+    # another order; on a GPU that shows) into a visible one: allow 1% of one step.  A
+    # wrong chunk would move weights by a whole step.
     for chunked, whole in zip(chunked_params, whole_params):
-        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=LR / 100)
 
 
 def test_the_memory_model_counts_one_chunk_of_the_mlp_in_long_offloaded_steps():
