@@ -20,8 +20,10 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
   host         with every layer offloaded, each checkpointed layer's input (and kept
-               sum) in pinned host memory: e H (1 or 2) per token per layer
-               (``checkpoint_bytes``); a layer the host budget cannot take keeps them
+               sum) in pinned host memory: e H (1 or 2) per token per layer, held in
+               power-of-two pieces (``host_checkpoint_bytes``: torch's pinned
+               allocator rounds each request up to a power of two, which would cost up
+               to 2x); a layer the host budget cannot take keeps them
                on the GPU instead (checkpointed on the GPU), adding as much there.
   reserved     what the caching allocator holds at the peak, and what an
                out-of-memory error is about: the allocated peak plus 4 % and 0.5 GiB of
@@ -270,8 +272,20 @@ class TrainingMemory:
         Args:
             tokens: tokens per step (batch x sequence).
         """
-        copies = 1 + int(self.keep_sums and tokens <= self.graph_max_tokens)
-        return float(copies * tokens * self.shape.hidden_size * self.element_bytes)
+        return float(self._copies(tokens) * tokens * self.shape.hidden_size * self.element_bytes)
+
+    def host_checkpoint_bytes(self, tokens: int) -> float:
+        """``checkpoint_bytes`` as pinned host memory holds it (``pinned_bytes``).
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+        """
+        return float(
+            self._copies(tokens) * pinned_bytes(tokens * self.shape.hidden_size * self.element_bytes)
+        )
+
+    def _copies(self, tokens: int) -> int:
+        return 1 + int(self.keep_sums and tokens <= self.graph_max_tokens)
 
     def allocated(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
         """Predicted peak allocated bytes: weights, trained parameters and activations.
@@ -316,7 +330,7 @@ class TrainingMemory:
         """
         if host_budget_bytes is None:
             return self.layers
-        return min(self.layers, int(max(host_budget_bytes, 0.0) // self.checkpoint_bytes(tokens)))
+        return min(self.layers, int(max(host_budget_bytes, 0.0) // self.host_checkpoint_bytes(tokens)))
 
     def least_reserved(self, tokens: int, host_budget_bytes: float | None = None) -> float:
         """The predicted reserved peak with no layer kept: the host's share of the layers
@@ -345,7 +359,6 @@ class TrainingMemory:
         Raises:
             MemoryBudgetError: even with every layer checkpointed the peak exceeds the budget.
         """
-        per_layer = self.checkpoint_bytes(tokens)
         host_layers = self.host_layers(tokens, host_budget_bytes)
 
         def on_gpu(kept: int) -> int:
@@ -364,8 +377,29 @@ class TrainingMemory:
             tokens,
             on_gpu=on_gpu(kept),
             host_budget_bytes=host_budget_bytes,
-            host_bytes=offloaded * per_layer,
+            host_bytes=offloaded * self.host_checkpoint_bytes(tokens),
         )
+
+
+# Pinned host copies (slothkit.engine.pinned_pieces) are held in power-of-two pieces,
+# because torch's pinned-memory allocator rounds each request up to one.  Bytes below
+# this go in one last piece (rounded by the allocator, so less than this is
+# wasted per tensor); above it, one copy per set bit of the size.
+MIN_PIECE = 1 << 20
+
+
+def piece_sizes(nbytes: int, min_piece: int = MIN_PIECE) -> list[int]:
+    """Byte sizes, largest first, that sum to ``nbytes``: the powers of two of its bits
+    from ``min_piece`` up, then the remainder below ``min_piece`` (if any) as one."""
+    remainder = nbytes % min_piece
+    high = nbytes - remainder
+    sizes = [1 << bit for bit in reversed(range(high.bit_length())) if high >> bit & 1]
+    return sizes + [remainder] if remainder else sizes
+
+
+def pinned_bytes(nbytes: int, min_piece: int = MIN_PIECE) -> int:
+    """The host memory the pieces of ``nbytes`` take once the allocator has rounded them."""
+    return sum(1 << (size - 1).bit_length() for size in piece_sizes(nbytes, min_piece))
 
 
 def budget_from_free(free_bytes: float) -> float:

@@ -209,7 +209,7 @@ def plan(
         weights_gib=weights_bytes(shape, mode) / GIB,
         lora_gib=lora_bytes(shape, rank) / GIB,
         activations_gib=activation_bytes(shape, tokens, rank=rank) / GIB,
-        host_gib=memory.layers * memory.checkpoint_bytes(tokens) / GIB,
+        host_gib=memory.layers * memory.host_checkpoint_bytes(tokens) / GIB,
         host_budget_gib=None if host_budget is None else host_budget / GIB,
         allocated_gib=memory.allocated(tokens) / GIB,
         total_gib=memory.reserved(tokens) / GIB,

@@ -48,6 +48,8 @@ import weakref
 import torch
 
 from slothkit.engine.layer_graphs import LayerGraphs
+from slothkit.engine.pinned_pieces import PinnedPieces
+from slothkit.memory_model import pinned_bytes
 
 _state = threading.local()  # backward may run on autograd's device threads
 
@@ -136,18 +138,20 @@ class _OffloadedActivation:
         self.stream = stream
         self.on_release = None  # set once the copies are under way (below)
         self.nbytes = nbytes  # of the tensors, handed to on_release
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        # Power-of-two pieces: whole pinned blocks rounded up to one would cost up to 2x.
+        sources = [t.contiguous() for t in tensors]
+        self.host = [PinnedPieces(t) for t in sources]
         self.previous = None  # weakref to the activation of the layer run before this one
         self.prefetched = None
         self.ready = torch.cuda.Event()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for host, tensor in zip(self.host, tensors):
-                host.copy_(tensor, non_blocking=True)
+            for host, source in zip(self.host, sources):
+                host.copy_from(source)
             self.ready.record(stream)
         # The caching allocator must not hand these blocks to anyone else until the copies are done.
-        for tensor in tensors:
-            tensor.record_stream(stream)
+        for source in sources:
+            source.record_stream(stream)
         # Called with the pinned bytes once the host copies are let go (or never read).
         self.on_release = on_release
 
@@ -170,7 +174,7 @@ class _OffloadedActivation:
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.ready)
             for device_copy, host in zip(self.prefetched, self.host):
-                device_copy.copy_(host, non_blocking=True)
+                host.copy_to(device_copy)
                 device_copy.record_stream(self.stream)
             self.ready = torch.cuda.Event()
             self.ready.record(self.stream)
@@ -347,7 +351,7 @@ class OffloadedCheckpointer:
     def offload(self, tensor: torch.Tensor, *kept_tensors: torch.Tensor) -> _OffloadedActivation | None:
         """Copy a layer's input and kept tensors to pinned host memory; None where that
         would pass ``host_limit_bytes`` (the caller keeps them on the GPU)."""
-        nbytes = sum(t.numel() * t.element_size() for t in (tensor, *kept_tensors))
+        nbytes = sum(pinned_bytes(t.numel() * t.element_size()) for t in (tensor, *kept_tensors))
         if self.host_limit_bytes is not None and self.pinned_bytes + nbytes > self.host_limit_bytes:
             _notice_host_memory_spent(self.host_limit_bytes)
             return None

@@ -601,7 +601,7 @@ def test_the_record_says_how_auto_split_the_layers(tmp_path):
     model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="auto", max_memory=1000)
     policy = model.get_base_model().model.layers[0]._slothkit_recompute_policy
     tokens = 2 * 24
-    per_layer = policy.memory.checkpoint_bytes(tokens)
+    per_layer = policy.memory.host_checkpoint_bytes(tokens)  # as pinned host memory holds it
     policy.host_budget = 2.5 * per_layer  # two layers' inputs
     policy.budget = policy.memory.reserved(tokens, 1, 1) * (1 + 1e-9)
     with pytest.warns(UserWarning, match="checkpoints 1 on the GPU"):

@@ -66,6 +66,7 @@ def test_a_host_limit_keeps_later_layers_on_the_gpu_and_trains_the_same(tmp_path
     step and keeps the others' inputs on the GPU; the losses are those of an unlimited
     run, and every pinned byte is given back by the end of each backward."""
     from slothkit import FastModel
+    from slothkit.memory_model import pinned_bytes
     from slothkit.testing import build_tiny_model
 
     path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)
@@ -75,7 +76,8 @@ def test_a_host_limit_keeps_later_layers_on_the_gpu_and_trains_the_same(tmp_path
         model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
         model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="offload", cuda_graphs=False)
         checkpointer = model.get_base_model().model.layers[0]._gradient_checkpointing_func
-        per_layer = 2 * 24 * model.config.hidden_size * 4 * (1 + checkpointer.keeps)
+        # The input (and kept sum) as pinned host memory holds them: power-of-two pieces.
+        per_layer = pinned_bytes(2 * 24 * model.config.hidden_size * 4) * (1 + checkpointer.keeps)
         checkpointer.host_limit_bytes = None if limit is None else 1.5 * per_layer
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
         losses[limit] = []

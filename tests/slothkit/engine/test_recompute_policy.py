@@ -11,7 +11,7 @@ import torch
 from slothkit import FastModel
 from slothkit.engine import recompute_policy
 from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
-from slothkit.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
+from slothkit.memory_model import BUDGET_MARGIN, GIB, MIN_PIECE, MemoryBudgetError
 from slothkit.testing import build_tiny_model
 
 LAYERS = 4
@@ -269,13 +269,16 @@ def test_layers_the_host_cannot_take_are_checkpointed_on_the_gpu(tiny_path, memo
     tokens = BATCH * SEQ
     per_layer = memory.checkpoint_bytes(tokens)
     assert per_layer == tokens * memory.shape.hidden_size * memory.element_bytes * (1 + memory.keep_sums)
-    host = 1.5 * per_layer
+    # On the host each copy takes whole power-of-two pieces (slothkit.engine.pinned_pieces).
+    host_per_layer = memory.host_checkpoint_bytes(tokens)
+    assert per_layer <= host_per_layer < per_layer + 2 * MIN_PIECE
+    host = 1.5 * host_per_layer
     least = memory.least_reserved(tokens, host)
     assert least == memory.reserved(tokens, 0, LAYERS - 1) > memory.reserved(tokens, 0)
     assert memory.allocated(tokens, 0, LAYERS - 1) - memory.allocated(tokens) == (LAYERS - 1) * per_layer
     choice = memory.recompute_choice(tokens, least, host)
     assert (choice.kept, choice.offloaded, choice.on_gpu) == (0, 1, LAYERS - 1)
-    assert choice.host_bytes == per_layer and choice.peak_bytes == least
+    assert choice.host_bytes == host_per_layer and choice.peak_bytes == least
 
     free_memory(least * (1 + 1e-9) / (1 - BUDGET_MARGIN))
     with pytest.warns(RecomputeNotice) as said:
@@ -284,7 +287,9 @@ def test_layers_the_host_cannot_take_are_checkpointed_on_the_gpu(tiny_path, memo
     notice = str(said[0].message)
     assert notice == choice.notice()
     assert f"keeps 0 of {LAYERS} layers' activations" in notice
-    assert f"offloads 1 ({per_layer / GIB:.1f} GiB of host memory, budget {host / GIB:.1f} GiB)" in notice
+    assert (
+        f"offloads 1 ({host_per_layer / GIB:.1f} GiB of host memory, budget {host / GIB:.1f} GiB)" in notice
+    )
     assert notice.endswith(f"and checkpoints {LAYERS - 1} on the GPU")
 
     budget = memory.reserved(tokens, 2, 1) * (1 + 1e-9)
@@ -319,7 +324,7 @@ def test_a_split_with_layers_on_the_gpu_trains_as_every_layer_offloaded(
     memory = _memory_of(offloaded)
     tokens = BATCH * SEQ
     ids = _ids(memory.shape.vocab_size)
-    host = 1.5 * memory.checkpoint_bytes(tokens)
+    host = 1.5 * memory.host_checkpoint_bytes(tokens)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RecomputeNotice)
         losses = {"offload": _train(offloaded, ids)}
@@ -346,7 +351,7 @@ def test_the_plan_predicts_the_same_split_under_a_host_budget(tiny_path, referen
     model = _model(tiny_path, "offload", dtype=torch.bfloat16)
     memory = _memory_of(model)
     tokens = BATCH * SEQ
-    host = 2.5 * memory.checkpoint_bytes(tokens)
+    host = 2.5 * memory.host_checkpoint_bytes(tokens)
     budget = memory.reserved(tokens, 1, 1) * (1 + 1e-6)
     with pytest.warns(RecomputeNotice) as said:
         _model(
