@@ -193,6 +193,8 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             if key in ok[-1]:
                 row[key] = ok[-1][key]
         row["losses"] = ok[-1]["losses"]
+        if "step_times_s" in ok[0]:  # each run's timed steps
+            row["step_times_s"] = [r["step_times_s"] for r in ok]
         rows.append(row)
     return with_ratios(rows)
 

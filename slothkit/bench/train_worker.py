@@ -426,6 +426,7 @@ def run(args) -> dict | None:
     result = {
         "status": "ok",
         "step_s": step_s,
+        "step_times_s": timed,  # each timed step, to tell a steady run from a disturbed one
         "tokens_per_s": args.batch * args.seq / step_s,
         "losses": losses,
         "final_loss": losses[-1],

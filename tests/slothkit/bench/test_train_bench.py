@@ -98,6 +98,8 @@ def test_tiny_run_writes_a_record(tmp_path, capsys, monkeypatch):
     for impl in ("slothkit", "hf"):
         assert rows[impl]["tokens_per_s"] > 0
         assert len(rows[impl]["losses"]) == 3
+        (times,) = rows[impl]["step_times_s"]  # one run's timed steps, whose median is step_s
+        assert len(times) == 2 and rows[impl]["step_s"] == pytest.approx(sum(times) / 2)
         assert all(torch.isfinite(torch.tensor(rows[impl]["losses"])))
         assert rows[impl]["recomputed"] == 1.0  # slothkit offloads, HF checkpoints, every layer
     # Same model, data and LoRA init: the first losses agree.
