@@ -39,9 +39,18 @@ class StaticKVCache:
         return 2 * len(self.keys) * per_layer + self.filled.numel()
 
     def fits(self, batch: int, slots: int, dtype, device) -> bool:
-        """Whether this cache can serve ``batch`` rows of ``slots`` tokens as is."""
+        """Whether this cache can serve ``batch`` rows of ``slots`` tokens as is: the same
+        rows, dtype and device, and from ``slots`` up to twice that many slots.  A longer
+        cache serves a shorter call (its empty slots are never read as tokens), so a
+        notebook that asks for 256 tokens, then 128, keeps one cache and one captured
+        graph; no more than twice, because each decode step reads every slot."""
         key = self.keys[0]
-        return self.batch == batch and self.slots == slots and key.dtype == dtype and key.device == device
+        return (
+            self.batch == batch
+            and slots <= self.slots <= 2 * slots
+            and key.dtype == dtype
+            and key.device == device
+        )
 
     def reset(self, attention_mask: torch.Tensor) -> None:
         """Start a new batch: the prompt's real tokens (attention_mask (B, P)) fill the

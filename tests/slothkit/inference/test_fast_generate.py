@@ -254,6 +254,35 @@ def test_for_training_frees_the_cache_and_training_is_unaffected():
     assert not torch.equal(after, before), "the changed adapters changed nothing"
 
 
+def test_a_shorter_call_reuses_the_cache_of_a_longer_one_and_equals_hf():
+    """Slots are rounded up to 256: a call that needs 512 makes the cache, a call that
+    needs 256 reuses it (its empty slots masked as unfilled) with HF's tokens, and a call
+    that needs 1,024 makes a new one (the cache is never more than twice the need)."""
+    from slothkit.inference.fast_decoder import SLOT_ROUNDING
+
+    model, tokenizer = _load("llama", lora=True)
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    prompt = inputs["input_ids"].shape[1]
+    greedy = dict(do_sample=False, pad_token_id=tokenizer.eos_token_id)
+
+    def fast(new_tokens):
+        FastModel.for_inference(model, fast_decode=True)
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **greedy)
+        return out, _fast_decoder(model).cache
+
+    _, long_cache = fast(2 * SLOT_ROUNDING - prompt)
+    assert long_cache.slots == 2 * SLOT_ROUNDING
+    got, short_cache = fast(32)
+    assert short_cache is long_cache
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**inputs, max_new_tokens=32, min_new_tokens=32, **greedy)
+    assert torch.equal(got, expected)
+    _, longer_cache = fast(3 * SLOT_ROUNDING)
+    assert longer_cache is not long_cache and longer_cache.slots == 4 * SLOT_ROUNDING
+    _, short_again = fast(32)
+    assert short_again is not longer_cache and short_again.slots == SLOT_ROUNDING
+
+
 def test_disabled_adapters_are_seen_by_the_fast_loop():
     model, tokenizer = _load("llama", lora=True)
     inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
