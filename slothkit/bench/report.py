@@ -323,6 +323,13 @@ def render_generate(records: list[dict]) -> str:
         setting = record["dtype"] + (
             f", {record['memory_gib']:g} GiB cap" if record.get("memory_gib") else ""
         )
+        # The table's heading gives the usual lengths; a run that used others says so.
+        for key, usual, label in (
+            ("prompt_len", 128, "{}-token prompt"),
+            ("new_tokens", 128, "{} new tokens"),
+        ):
+            if record.get(key, usual) != usual:
+                setting += ", " + label.format(record[key])
         for batch in record["batches"]:
             rows = {r["impl"]: r for r in record["rows"] if r.get("batch") == batch}
             ttft = "-"
@@ -364,7 +371,8 @@ def readme_table(folder: Path = RESULTS) -> str:
     if generate:
         table += (
             "\n\nGeneration after `FastModel.for_inference` (`slothkit bench generate`: LoRA r=16 "
-            "on random weights, 128-token prompts, 128 new tokens greedy, batch 8 left-padded; "
+            "on random weights, 128-token prompts and 128 new tokens greedy unless the mode says "
+            "otherwise, batch 8 left-padded; "
             "time to first token on a 2,048-token prompt):\n\n" + generate
         )
     return table

@@ -207,6 +207,11 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
     lines = [line for line in generation.splitlines() if line.startswith("| GPU X")]
     assert "| 1 | 90.5 (10.00x) | 9.1 (1.00x) | not in this run | 0.110 / 0.100 |" in lines[0]
     assert "| 8 | 600.0 (7.50x) | out of memory | not in this run | - |" in lines[1]
+    assert all("(bf16) |" in line for line in lines)  # the usual lengths: not repeated
+
+    _record(tmp_path, "g.json", kind="generate", batches=[1], rows=rows[:2], new_tokens=256, prompt_len=64)
+    generation = readme_table(tmp_path).split("Generation after", 1)[1]
+    assert "| qlora (bf16, 64-token prompt, 256 new tokens) | 1 | 90.5 (10.00x) |" in generation
 
 
 def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tmp_path):
