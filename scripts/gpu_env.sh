@@ -10,9 +10,15 @@ OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 site=/tmp/site; mkdir -p "$site"
 wheels=$(ls .whl/*.whl .whl/*/*.whl 2>/dev/null)
-if [ -n "$wheels" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$site" $wheels 2>&1 | grep -v "^WARNING\|already exists" | tail -n 5
+# A machine still warm from the last call has these wheels in $site already: installing
+# them again costs device time, so the set installed is remembered by name and size.
+installed=$(ls -l $wheels 2>/dev/null | awk '{print $5, $NF}' | sha1sum | cut -c1-40)
+if [ -n "$wheels" ] && [ "$(cat "$site/.wheels" 2>/dev/null)" != "$installed" ]; then
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" $wheels > "$site/.pip.log" 2>&1; then
+        echo "$installed" > "$site/.wheels"
+    fi
+    grep -v "^WARNING\|already exists" "$site/.pip.log" | tail -n 5
 fi
 # slothkit_kernels / slothkit_templates are kernels/ and templates/ under other names
 # (see pyproject.toml).
