@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.memory_model import MIN_PIECE, piece_sizes, pinned_bytes
+from slothkit.memory_model import MIN_PIECE, piece_sizes
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,12 @@ class PinnedPieces:
         nbytes = like.numel() * like.element_size()
         sizes = piece_sizes(nbytes, min_piece)
         self.pieces = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in sizes]
-        self.nbytes = pinned_bytes(nbytes, min_piece)  # as the allocator holds them
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory the pieces take once the allocator has rounded them (the
+        checkpointer counts the same figure, ``pinned_bytes``, before allocating)."""
+        return sum(1 << (piece.numel() - 1).bit_length() for piece in self.pieces)
 
     def copy_from(self, tensor: torch.Tensor, non_blocking: bool = True) -> None:
         """Copy ``tensor`` (contiguous, of this shape and dtype) into the pieces."""
