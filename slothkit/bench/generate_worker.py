@@ -27,14 +27,22 @@ COMPARED_TOKENS = 32
 
 
 def _randomise_adapters(model, seed: int) -> None:
-    """LoRA B starts at zero (the adapters do nothing); give every B the same random
-    values in every implementation (same names, same order, one generator)."""
+    """Give every implementation's adapters the same random values: B (which starts at
+    zero, so that the adapters do nothing) and A too, which each library draws from the
+    global generator in its own order and on its own device, so that without this the
+    implementations would decode different models.  One generator over the names in
+    sorted order; A at about Kaiming's scale (1/sqrt(in_features)), B at 0.01."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if "lora_B" in name:
-                values = torch.randn(parameter.shape, generator=generator) * 0.01
-                parameter.copy_(values.to(parameter.device, parameter.dtype))
+            if "lora_A" in name:
+                scale = parameter.shape[-1] ** -0.5
+            elif "lora_B" in name:
+                scale = 0.01
+            else:
+                continue
+            values = torch.randn(parameter.shape, generator=generator) * scale
+            parameter.copy_(values.to(parameter.device, parameter.dtype))
 
 
 def prepare(impl: str, args, dtype, device):

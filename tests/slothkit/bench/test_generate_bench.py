@@ -29,3 +29,36 @@ def test_rows_compare_speed_time_to_first_token_and_tokens_with_hf():
     table = format_table(summarise(results)).splitlines()
     assert table[0].startswith("| impl |") and len(table) == 2 + len(results)
     assert "| slothkit | 8 | 500.0 | 2.50 |" in "\n".join(table)
+
+
+def test_every_implementation_decodes_the_same_adapted_model():
+    """The rows-equal-HF column compares tokens, so HF + PEFT and slothkit must be given
+    the same model: the same base weights and the same LoRA A and B, although each library
+    draws its own A from the global generator (a tiny Llama, fp32, on the CPU)."""
+    import argparse
+
+    import torch
+
+    from slothkit.bench.generate_worker import prepare
+
+    models = {}
+    for impl in ("hf", "slothkit"):
+        args = argparse.Namespace(
+            model="tiny-llama", mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4
+        )
+        torch.manual_seed(0)
+        models[impl] = prepare(impl, args, torch.float32, "cpu")
+    adapters = {
+        impl: {n: p for n, p in model.named_parameters() if "lora_" in n} for impl, model in models.items()
+    }
+    assert adapters["hf"].keys() == adapters["slothkit"].keys() and adapters["hf"]
+    for name, parameter in adapters["hf"].items():
+        assert parameter.abs().sum() > 0, name  # B too: the adapters change the output
+        torch.testing.assert_close(adapters["slothkit"][name], parameter, rtol=0, atol=0, msg=name)
+    ids = torch.randint(
+        3, models["hf"].config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        reference = models["hf"](input_ids=ids).logits
+        fast = models["slothkit"](input_ids=ids).logits
+    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
