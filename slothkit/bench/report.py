@@ -332,6 +332,10 @@ def render_generate(records: list[dict]) -> str:
                 setting += ", " + label.format(record[key])
         for batch in record["batches"]:
             rows = {r["impl"]: r for r in record["rows"] if r.get("batch") == batch}
+            # A run cut short lists what it never started as "IMPL batch B" (generate.py).
+            for impl in ("slothkit", "hf", "unsloth"):
+                if f"{impl} batch {batch}" in record.get("pending", []):
+                    rows[impl] = {"status": "not reached"}
             ttft = "-"
             mine, hf = rows.get("slothkit") or {}, rows.get("hf") or {}
             if mine.get("ttft_s") and hf.get("ttft_s"):

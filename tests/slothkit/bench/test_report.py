@@ -213,6 +213,11 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
     generation = readme_table(tmp_path).split("Generation after", 1)[1]
     assert "| qlora (bf16, 64-token prompt, 256 new tokens) | 1 | 90.5 (10.00x) |" in generation
 
+    # A run stopped at a time limit: what it never started says so, not "not in this run".
+    _record(tmp_path, "g.json", kind="generate", batches=[1, 8], rows=rows[:3], pending=["hf batch 8"])
+    generation = readme_table(tmp_path).split("Generation after", 1)[1]
+    assert "| 8 | 600.0 (7.50x) | not reached | not in this run | - |" in generation
+
 
 def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tmp_path):
     """Records since reserved and host memory were kept show all three figures; older
