@@ -64,6 +64,8 @@ def summarise(results: dict) -> list[dict]:
             row[key] = result.get(key)
         row["kv_cache_gib"] = result.get("kv_cache_gib")
         row["allocator"] = result.get("allocator")
+        if result.get("ttft_error"):
+            row["ttft_error"] = result["ttft_error"]
         hf = results.get((batch, "hf"), {})
         if hf.get("status") == "ok":
             row["vs_hf"] = result["tokens_per_s"] / hf["tokens_per_s"]

@@ -62,3 +62,28 @@ def test_every_implementation_decodes_the_same_adapted_model():
         reference = models["hf"](input_ids=ids).logits
         fast = models["slothkit"](input_ids=ids).logits
     torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failure_on_the_long_prompt_keeps_the_throughput_and_says_why():
+    """A peer whose attention cannot take the time-to-first-token prompt loses that
+    figure only: its tokens/s from the timed run stays in the record."""
+    import torch
+
+    from slothkit.bench.generate_worker import _time_to_first_token
+
+    class FailsOnLongPrompts:
+        def generate(self, input_ids, **kwargs):
+            raise RuntimeError("The size of tensor a (256) must match the size of tensor b (2048)\nmore")
+
+    measured = _time_to_first_token(FailsOnLongPrompts(), torch.zeros(1, 2048, dtype=torch.long))
+    assert measured == {
+        "ttft_error": "RuntimeError: The size of tensor a (256) must match the size of tensor b (2048)",
+        "ttft_len": 2048,
+    }
+    results = {
+        (1, "hf"): {"status": "ok", "tokens_per_s": 10.0, "ttft_s": 0.1, "first_tokens": [[1]]},
+        (1, "unsloth"): {"status": "ok", "tokens_per_s": 20.0, "first_tokens": [[1]], **measured},
+    }
+    row = {r["impl"]: r for r in summarise(results)}["unsloth"]
+    assert row["tokens_per_s"] == 20.0 and row["vs_hf"] == 2.0
+    assert row["ttft_s"] is None and row["ttft_error"].startswith("RuntimeError: The size")
