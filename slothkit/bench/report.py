@@ -30,12 +30,19 @@ def load_records(folder: Path = RESULTS, kind: str = "train") -> list[dict]:
         if record.get("kind") == kind:
             record["_file"] = path.name
             # A run cut short (stopped at a time limit) lists the implementations it
-            # never started under "pending": each gets a row saying so, rather than none.
-            record["rows"] = record["rows"] + [
-                {"impl": impl, "status": "not reached"} for impl in record.get("pending", [])
-            ]
+            # never started under "pending" ("IMPL batch B" in generate records): each
+            # gets a row saying so, rather than none.
+            record["rows"] = record["rows"] + [_pending_row(entry) for entry in record.get("pending", [])]
             records.append(record)
     return records
+
+
+def _pending_row(entry: str) -> dict:
+    impl, _, batch = entry.partition(" batch ")
+    row = {"impl": impl, "status": "not reached"}
+    if batch.isdigit():
+        row["batch"] = int(batch)
+    return row
 
 
 def _setting(record: dict) -> str:
@@ -332,10 +339,6 @@ def render_generate(records: list[dict]) -> str:
                 setting += ", " + label.format(record[key])
         for batch in record["batches"]:
             rows = {r["impl"]: r for r in record["rows"] if r.get("batch") == batch}
-            # A run cut short lists what it never started as "IMPL batch B" (generate.py).
-            for impl in ("slothkit", "hf", "unsloth"):
-                if f"{impl} batch {batch}" in record.get("pending", []):
-                    rows[impl] = {"status": "not reached"}
             ttft = "-"
             mine, hf = rows.get("slothkit") or {}, rows.get("hf") or {}
             if mine.get("ttft_s") and hf.get("ttft_s"):
