@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.memory_model import MIN_PIECE, piece_sizes
+from slothkit.memory_model import MIN_PIECE, piece_sizes, pinned_bytes
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -36,15 +36,15 @@ class PinnedPieces:
 
     def __init__(self, like: torch.Tensor, pin: bool = True, min_piece: int = MIN_PIECE):
         self.shape, self.dtype = like.shape, like.dtype
-        nbytes = like.numel() * like.element_size()
-        sizes = piece_sizes(nbytes, min_piece)
+        self._size, self._min_piece = like.numel() * like.element_size(), min_piece
+        sizes = piece_sizes(self._size, min_piece)
         self.pieces = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for size in sizes]
 
     @property
     def nbytes(self) -> int:
-        """The host memory the pieces take once the allocator has rounded them (the
-        checkpointer counts the same figure, ``pinned_bytes``, before allocating)."""
-        return sum(1 << (piece.numel() - 1).bit_length() for piece in self.pieces)
+        """The host memory the pieces take once the allocator has rounded them: the
+        figure the checkpointer counts before allocating (``pinned_bytes``)."""
+        return pinned_bytes(self._size, self._min_piece)
 
     def copy_from(self, tensor: torch.Tensor, non_blocking: bool = True) -> None:
         """Copy ``tensor`` (contiguous, of this shape and dtype) into the pieces."""
