@@ -1,12 +1,15 @@
-"""The README's benchmark table, generated from the committed records in results/bench/.
+"""The benchmark tables of README.md and docs/benchmarks.md, generated from the committed
+records in results/bench/ and results/generate/.
 
-    python -m slothkit.bench.report            # print the tables
+    python -m slothkit.bench.report            # print both
     python -m slothkit.bench.report --write    # replace them in README.md and docs/benchmarks.md
 
-README.md shows one run per setting with the implementations side by side;
-docs/benchmarks.md lists every row of every record. Between the markers below, each
-holds exactly this module's output; a test fails when they differ, so no figure is
-ever typed by hand.
+README.md gets one line per model and mode (``overview``): the latest training run's
+tokens/s against HF + PEFT and Unsloth, its peak memory, decode tokens/s and the longest
+context.  docs/benchmarks.md gets the full tables: one line per setting with the
+implementations side by side, the T4 stand-in, the context and generation runs, and every
+row of every record.  Between the markers below, each file holds exactly this module's
+output; a test fails when they differ, so no figure is ever typed by hand.
 """
 
 from __future__ import annotations
@@ -356,33 +359,132 @@ def render_generate(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _generate_folder(folder: Path) -> Path:
+    """Where the generate records are: results/generate/ beside results/bench/, or `folder`
+    itself for any other folder (the tests' temporary ones)."""
+    return GENERATE_RESULTS if folder == RESULTS else folder
+
+
+def _latest(records: list[dict]) -> dict:
+    return max(records, key=lambda r: (r.get("date", ""), r["_file"]))
+
+
+def _row(record: dict, impl: str, batch: int | None = None) -> dict | None:
+    return next(
+        (r for r in record["rows"] if r["impl"] == impl and (batch is None or r.get("batch") == batch)),
+        None,
+    )
+
+
+def _ok(row: dict | None) -> bool:
+    return row is not None and row.get("status") == "ok"
+
+
+def _is_comparison(record: dict) -> bool:
+    """A training run that stands for its model and mode in the overview: slothkit and HF +
+    PEFT both trained, and it is neither a T4 stand-in (a memory check) nor a --best run
+    (each implementation in a setting of its own)."""
+    return (
+        _ok(_row(record, "slothkit"))
+        and _ok(_row(record, "hf"))
+        and not is_t4_standin(record)
+        and not record.get("best")
+    )
+
+
+def _training_cells(record: dict | None) -> list[str]:
+    """Setting, slothkit's tokens/s, its ratios to HF + PEFT and to Unsloth in the same run,
+    and slothkit's and HF + PEFT's peak GPU memory allocated / reserved."""
+    if record is None:
+        return ["-"] * 6
+    mine, hf, unsloth = (_row(record, impl) for impl in ("slothkit", "hf", "unsloth"))
+    if _ok(unsloth):
+        vs_unsloth = f"{mine['tokens_per_s'] / unsloth['tokens_per_s']:.2f}x"
+    else:
+        vs_unsloth = unsloth["status"] if unsloth else "-"
+    return [
+        f"{_setting(record)}, {record['batch']} x {record['seq']}",
+        f"{mine['tokens_per_s']:,.0f}",
+        _cell(mine, "vs_hf", "{:.2f}x"),
+        vs_unsloth,
+        " / ".join(memory_cells(mine)[:2]),
+        " / ".join(memory_cells(hf)[:2]),
+    ]
+
+
+def _decode_cell(records: list[dict], batch: int) -> str:
+    """slothkit's decode tokens/s at `batch` in the latest run that measured it (ratio to HF
+    generate where that run has it); runs under a memory cap (the T4 stand-in) stand apart."""
+    runs = [r for r in records if not r.get("memory_gib") and _ok(_row(r, "slothkit", batch))]
+    if not runs:
+        return "-"
+    row = _row(_latest(runs), "slothkit", batch)
+    ratio = f" ({row['vs_hf']:.1f}x)" if row.get("vs_hf") is not None else ""
+    return f"{row['tokens_per_s']:,.1f}{ratio}"
+
+
+def _context_cell(records: list[dict]) -> str:
+    """slothkit's longest batch-1 training sequence under a memory cap, in the latest run
+    that found one; "or more" where no longer sequence was probed."""
+    runs = [r for r in records if _ok(_row(r, "slothkit")) and _row(r, "slothkit").get("longest_seq")]
+    if not runs:
+        return "-"
+    record = _latest(runs)
+    row = _row(record, "slothkit")
+    more = "" if row.get("first_failing_seq") else " or more"
+    return f"{row['longest_seq']:,}{more} under {record['memory_gib']:g} GiB"
+
+
+def overview(train: list[dict], generate: list[dict], context: list[dict]) -> str:
+    """README: one line per model and mode.  Training: the latest run in which slothkit and
+    HF + PEFT both trained (``_is_comparison``); decode: the latest run per batch size;
+    context: the latest run that found slothkit's longest sequence."""
+
+    def by_model_and_mode(records):
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for record in records:
+            groups.setdefault((record["model"], record["mode"]), []).append(record)
+        return groups
+
+    train_runs = by_model_and_mode(r for r in train if _is_comparison(r))
+    decode_runs, context_runs = by_model_and_mode(generate), by_model_and_mode(context)
+    header = [
+        "model",
+        "mode",
+        "training run",
+        "slothkit tokens/s",
+        "vs HF + PEFT",
+        "vs Unsloth",
+        "peak GiB slothkit",
+        "peak GiB HF + PEFT",
+        "decode tokens/s, batch 1",
+        "decode, batch 8",
+        "longest context",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for model, mode in sorted(set(train_runs) | set(decode_runs) | set(context_runs)):
+        key = (model, mode)
+        training = _latest(train_runs[key]) if key in train_runs else None
+        decode = decode_runs.get(key, [])
+        cells = [
+            model,
+            {"lora": "LoRA", "qlora": "QLoRA"}.get(mode, mode),
+            *_training_cells(training),
+            _decode_cell(decode, 1),
+            _decode_cell(decode, 8),
+            _context_cell(context_runs.get(key, [])),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def readme_table(folder: Path = RESULTS) -> str:
-    """README: the side-by-side summary, the T4 stand-in runs, the context runs, the
-    generation runs (results/generate/, or `folder` itself when it is not results/bench/)."""
-    train = load_records(folder)
-    table = render_summary([r for r in train if not is_t4_standin(r)])
-    t4 = [r for r in train if is_t4_standin(r)]
-    if t4:
-        table += (
-            "\n\nT4 stand-in (`slothkit bench train --t4`: fp16 under a 15 GiB cap, "
-            "4-bit, batch 1), measured peaks against the memory planner's prediction "
-            "(`slothkit plan MODEL --gpu t4`):\n\n" + render_t4(t4)
-        )
-    context = render_context(load_records(folder, "context"))
-    if context:
-        table += (
-            "\n\nLongest batch-1 training sequence under a GPU memory cap "
-            "(`slothkit bench context`):\n\n" + context
-        )
-    generate = render_generate(load_records(GENERATE_RESULTS if folder == RESULTS else folder, "generate"))
-    if generate:
-        table += (
-            "\n\nGeneration after `FastModel.for_inference` (`slothkit bench generate`: LoRA r=16 "
-            "on random weights, 128-token prompts and 128 new tokens greedy unless the mode says "
-            "otherwise, batch 8 left-padded; "
-            "time to first token on a 2,048-token prompt):\n\n" + generate
-        )
-    return table
+    """README: the overview, one line per model and mode."""
+    return overview(
+        load_records(folder),
+        load_records(_generate_folder(folder), "generate"),
+        load_records(folder, "context"),
+    )
 
 
 def readme_with_table(readme: str, table: str) -> str:
@@ -394,8 +496,44 @@ def readme_with_table(readme: str, table: str) -> str:
 
 
 def full_table(folder: Path = RESULTS) -> str:
-    """docs/benchmarks.md: every row of every record, repeated runs included."""
-    return render(load_records(folder))
+    """docs/benchmarks.md: the side-by-side summary per setting, the T4 stand-in runs, the
+    context runs, the generation runs, then every row of every training record."""
+    train = load_records(folder)
+    sections = [
+        (
+            "Side by side",
+            "One line per setting: the latest run, and an earlier one where it had more "
+            "implementations (columns: [What the columns mean](#what-the-columns-mean)).",
+            render_summary([r for r in train if not is_t4_standin(r)]),
+        ),
+        (
+            "T4 stand-in",
+            "`slothkit bench train --t4`: fp16 under a 15 GiB cap, 4-bit, batch 1; measured "
+            "peaks against the memory planner's prediction (`slothkit plan MODEL --gpu t4`).",
+            render_t4([r for r in train if is_t4_standin(r)]),
+        ),
+        (
+            "Longest context",
+            "Longest batch-1 training sequence under a GPU memory cap (`slothkit bench context`).",
+            render_context(load_records(folder, "context")),
+        ),
+        (
+            "Generation",
+            "Generation after `FastModel.for_inference` (`slothkit bench generate`: LoRA r=16 "
+            "on random weights, 128-token prompts and 128 new tokens greedy unless the mode says "
+            "otherwise, batch 8 left-padded; time to first token on a 2,048-token prompt).",
+            render_generate(load_records(_generate_folder(folder), "generate")),
+        ),
+        (
+            "Every run",
+            "Every row of every record in `results/bench/`, repeated runs and A/B trees included.",
+            render(train),
+        ),
+    ]
+    # A table with no line under its header (no such records) is left out.
+    return "\n\n".join(
+        f"### {title}\n\n{lead}\n\n{table}" for title, lead, table in sections if table.count("\n") > 1
+    )
 
 
 def main(argv=None) -> int:
@@ -405,7 +543,7 @@ def main(argv=None) -> int:
         for path, table in ((ROOT / "README.md", readme_part), (FULL_TABLE, full)):
             path.write_text(readme_with_table(path.read_text(), table))
     else:
-        print(readme_part + "\n\nEvery run (docs/benchmarks.md):\n\n" + full)
+        print(readme_part + "\n\ndocs/benchmarks.md:\n\n" + full)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The README's benchmark table is the one generated from the committed records."""
+"""The README's overview and docs/benchmarks.md's tables are the ones generated from the
+committed records."""
 
 import json
 
@@ -9,6 +10,7 @@ from slothkit.bench.report import (
     ROOT,
     full_table,
     load_records,
+    overview,
     readme_table,
     readme_with_table,
     render,
@@ -138,7 +140,7 @@ def test_settings_and_context_records_are_shown(tmp_path):
         ],
         pending=["liger"],
     )
-    table = readme_table(tmp_path)
+    table = full_table(tmp_path)
     assert (
         "qlora (bf16, no autocast, 15 GiB cap)" in table
         and "| 1,234 (1.00x), 3.0 / \u2014 / \u2014 GiB |" in table
@@ -186,7 +188,7 @@ def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
         rank=16,
         rows=[{**row, "tokens_per_s": 9876.0}, {**row, "impl": "hf", "tokens_per_s": 6000.0}],
     )
-    table = readme_table(tmp_path)
+    table = full_table(tmp_path)
     speed, t4 = table.split("T4 stand-in", 1)
     assert "9,876" in speed and "5,000" not in speed
     predicted = plan("llama-3-8b", gpu="t4", seq=2048, batch=1, mode="qlora", rank=16)
@@ -202,7 +204,7 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
         {"impl": "hf", "batch": 8, "status": "out of memory"},
     ]
     _record(tmp_path, "g.json", kind="generate", batches=[1, 8], rows=rows)
-    table = readme_table(tmp_path)
+    table = full_table(tmp_path)
     generation = table.split("Generation after", 1)[1]
     lines = [line for line in generation.splitlines() if line.startswith("| GPU X")]
     assert "| 1 | 90.5 (10.00x) | 9.1 (1.00x) | not in this run | 0.110 / 0.100 |" in lines[0]
@@ -210,12 +212,12 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
     assert all("(bf16) |" in line for line in lines)  # the usual lengths: not repeated
 
     _record(tmp_path, "g.json", kind="generate", batches=[1], rows=rows[:2], new_tokens=256, prompt_len=64)
-    generation = readme_table(tmp_path).split("Generation after", 1)[1]
+    generation = full_table(tmp_path).split("Generation after", 1)[1]
     assert "| qlora (bf16, 64-token prompt, 256 new tokens) | 1 | 90.5 (10.00x) |" in generation
 
     # A run stopped at a time limit: what it never started says so, not "not in this run".
     _record(tmp_path, "g.json", kind="generate", batches=[1, 8], rows=rows[:3], pending=["hf batch 8"])
-    generation = readme_table(tmp_path).split("Generation after", 1)[1]
+    generation = full_table(tmp_path).split("Generation after", 1)[1]
     assert "| 8 | 600.0 (7.50x) | not reached | not in this run | - |" in generation
 
 
@@ -282,3 +284,144 @@ def test_a_best_run_says_which_layers_went_on_the_gpu_for_want_of_host_memory(tm
     _record(tmp_path, "best.json", kind="train", batch=1, seq=65536, memory_gib=40.0, best=True, rows=rows)
     summary = render_summary(load_records(tmp_path))
     assert "2 of 32 layers kept, 11 checkpointed on the GPU (host memory)" in summary
+
+
+def _overview_line(tmp_path, model="llama-3-8b", mode="qlora"):
+    train = load_records(tmp_path)
+    table = overview(train, load_records(tmp_path, "generate"), load_records(tmp_path, "context"))
+    label = {"lora": "LoRA", "qlora": "QLoRA"}[mode]
+    (line,) = [line for line in table.splitlines() if line.startswith(f"| {model} | {label} |")]
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_the_overview_shows_the_latest_comparison_run_per_model_and_mode(tmp_path):
+    setting = {"kind": "train", "batch": 2, "seq": 2048, "autocast": False}
+    memory = {"peak_allocated_gib": 6.84, "peak_reserved_gib": 10.76}
+    _record(
+        tmp_path,
+        "old.json",
+        date="2026-01-01T10:00:00",
+        **setting,
+        rows=[_ok("slothkit", 1500.0), _ok("hf", 1000.0), _ok("unsloth", 1200.0)],
+    )
+    _record(
+        tmp_path,
+        "latest.json",
+        date="2026-01-01T12:00:00",
+        **setting,
+        rows=[
+            {**_ok("slothkit", 2040.0), **memory},
+            {**_ok("hf", 1000.0), "peak_reserved_gib": 15.2},
+            _ok("unsloth", 1700.0),
+        ],
+    )
+    # Later, but not comparisons: an A/B without HF, a --best run, a T4 stand-in.
+    _record(tmp_path, "ab.json", date="2026-01-02T10:00:00", **setting, rows=[_ok("slothkit", 2100.0)])
+    _record(
+        tmp_path,
+        "best.json",
+        date="2026-01-02T11:00:00",
+        **{**setting, "memory_gib": 24.0, "best": True},
+        rows=[_ok("slothkit", 2500.0), _ok("hf", 1000.0)],
+    )
+    _record(
+        tmp_path,
+        "t4.json",
+        date="2026-01-02T12:00:00",
+        **{**setting, "dtype": "fp16", "memory_gib": 15.0},
+        rows=[_ok("slothkit", 900.0), _ok("hf", 450.0)],
+    )
+    assert _overview_line(tmp_path) == [
+        "llama-3-8b",
+        "QLoRA",
+        "bf16, no autocast, 2 x 2048",
+        "2,040",
+        "2.04x",
+        "1.20x",  # 2,040 / 1,700, in the same run
+        "6.8 / 10.8",
+        "5.0 / 15.2",
+        "-",
+        "-",
+        "-",
+    ]
+
+    # Unsloth that failed says so; one that was not in the run is "-".
+    _record(
+        tmp_path,
+        "latest.json",
+        date="2026-01-01T12:00:00",
+        **setting,
+        rows=[_ok("slothkit", 2040.0), _ok("hf", 1000.0), {"impl": "unsloth", "status": "out of memory"}],
+    )
+    assert _overview_line(tmp_path)[5] == "out of memory"
+    _record(
+        tmp_path,
+        "latest.json",
+        date="2026-01-01T12:00:00",
+        **setting,
+        rows=[_ok("slothkit", 2040.0), _ok("hf", 1000.0)],
+    )
+    assert _overview_line(tmp_path)[5] == "-"
+
+
+def test_the_overview_takes_decode_per_batch_and_context_from_their_latest_runs(tmp_path):
+    def decode(impl, batch, tokens, vs_hf=None):
+        return {"impl": impl, "batch": batch, "status": "ok", "tokens_per_s": tokens, "vs_hf": vs_hf}
+
+    _record(
+        tmp_path,
+        "g1.json",
+        kind="generate",
+        date="2026-01-01T10:00:00",
+        batches=[1, 8],
+        rows=[decode("slothkit", 1, 90.0, 9.0), decode("slothkit", 8, 600.0, 7.5)],
+    )
+    # Later: batch 1 only, no HF (no ratio); its batch 8 never ran.
+    _record(
+        tmp_path,
+        "g2.json",
+        kind="generate",
+        date="2026-01-01T11:00:00",
+        batches=[1, 8],
+        rows=[decode("slothkit", 1, 120.5)],
+        pending=["slothkit batch 8"],
+    )
+    # Latest, but under a memory cap (the T4 stand-in): not the headline figure.
+    _record(
+        tmp_path,
+        "g3.json",
+        kind="generate",
+        date="2026-01-01T12:00:00",
+        memory_gib=15.0,
+        batches=[1],
+        rows=[decode("slothkit", 1, 80.0, 10.0)],
+    )
+    _record(
+        tmp_path,
+        "c1.json",
+        kind="context",
+        date="2026-01-01T10:00:00",
+        memory_gib=24.0,
+        rows=[{"impl": "slothkit", "status": "ok", "longest_seq": 90112, "first_failing_seq": 94208}],
+    )
+    _record(
+        tmp_path,
+        "c2.json",
+        kind="context",
+        date="2026-01-01T11:00:00",
+        memory_gib=24.0,
+        rows=[{"impl": "slothkit", "status": "ok", "longest_seq": 131072, "first_failing_seq": None}],
+    )
+    line = _overview_line(tmp_path)
+    assert line[2:8] == ["-"] * 6  # no training run of this model and mode
+    assert line[8:] == ["120.5", "600.0 (7.5x)", "131,072 or more under 24 GiB"]
+
+    _record(
+        tmp_path,
+        "c2.json",
+        kind="context",
+        date="2026-01-01T11:00:00",
+        memory_gib=24.0,
+        rows=[{"impl": "slothkit", "status": "ok", "longest_seq": 131072, "first_failing_seq": 135168}],
+    )
+    assert _overview_line(tmp_path)[10] == "131,072 under 24 GiB"
