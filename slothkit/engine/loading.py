@@ -5,12 +5,39 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 
 import torch
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# bitsandbytes' CPU backend, when bitsandbytes is first imported (by peft in get_peft_model,
+# by transformers for a 4-bit load) on a CPU with AVX512-BF16, tries to fetch an optional
+# matmul kernel from the Hugging Face Hub through the `kernels` package and logs this when
+# it cannot.  bitsandbytes then uses its own CPU code, which is what slothkit expects; the
+# line asks a notebook user for a package nothing here needs.
+BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _WithoutKernelNotice(logging.Filter):
+    """Drops that one record; every other record of the logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(BITSANDBYTES_KERNEL_NOTICE)
+
+
+def quiet_bitsandbytes_kernel_notice() -> None:
+    """Filter BITSANDBYTES_KERNEL_NOTICE out of bitsandbytes' CPU-backend logger, once; the
+    logger exists (and keeps the filter) before bitsandbytes is imported."""
+    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
+    if not any(isinstance(f, _WithoutKernelNotice) for f in logger.filters):
+        logger.addFilter(_WithoutKernelNotice())
+
+
+quiet_bitsandbytes_kernel_notice()  # every model load imports this module first
 
 
 def pick_dtype(dtype: torch.dtype | str | None) -> torch.dtype:

@@ -1,6 +1,6 @@
 """A local checkpoint that cannot be read is named with what is wrong, before transformers
 tries it (its own messages say "no such directory" or "No such file" for files that are
-there)."""
+there); bitsandbytes' notice about an optional Hub kernel never reaches a user."""
 
 import builtins
 import errno
@@ -82,3 +82,41 @@ def test_an_adapter_export_names_a_damaged_base_before_loading(checkpoint, tmp_p
     (checkpoint / "config.json").write_text("not json")
     with pytest.raises(ValueError, match=r"config\.json' is not valid JSON"):
         export_adapter(adapter, "merged_16bit", output=tmp_path / "out")
+
+
+def test_the_bitsandbytes_kernel_notice_is_dropped_and_that_loggers_other_records_kept():
+    import logging
+
+    logger = logging.getLogger(loading.BITSANDBYTES_CPU_LOGGER)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # a logger's filters run before its handlers
+    logger.addHandler(handler)
+    try:
+        loading.quiet_bitsandbytes_kernel_notice()  # a second call adds no second filter
+        logger.warning(
+            f"{loading.BITSANDBYTES_KERNEL_NOTICE}: %s. Please make sure ...", "No module named 'x'"
+        )
+        logger.warning("Failed to load the CPU library")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in seen] == ["Failed to load the CPU library"]
+    assert len(logger.filters) == 1
+
+
+@pytest.mark.slow
+def test_importing_bitsandbytes_after_slothkit_prints_nothing(tmp_path):
+    """The notice as bitsandbytes prints it, on a CPU where it does (AVX512-BF16, without
+    the `kernels` package), and not once slothkit's loading module is imported."""
+    import subprocess
+    import sys
+
+    def stderr_of(code):
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        ).stderr
+
+    bare = stderr_of("import bitsandbytes")
+    if loading.BITSANDBYTES_KERNEL_NOTICE not in bare:
+        pytest.skip("bitsandbytes prints no kernel notice on this machine")
+    assert stderr_of("import slothkit.engine.loading, bitsandbytes") == ""
