@@ -75,10 +75,15 @@ class NF4Weight:
         if getattr(quant_state, "quant_type", "nf4") != "nf4":
             raise ValueError(f"only NF4 weights are supported, got quant_type={quant_state.quant_type!r}")
         if getattr(quant_state, "packing_format_for_cpu", False):
+            # Repacking regroups the codes in tiles of output rows and rounds the block
+            # scales to bf16; bitsandbytes' inverse quantises the rounded scales again, so
+            # neither layout dequantises to the values the weight was quantised to.
             raise ValueError(
                 "this weight was repacked for bitsandbytes' CPU kernels "
-                "(quant_state.packing_format_for_cpu); move it to the GPU (param.cuda()) "
-                "or undo the repacking before wrapping it"
+                "(quant_state.packing_format_for_cpu), which rounds its block scales to "
+                "bfloat16, so it no longer dequantises to its NF4 values; wrap the weight "
+                "before bitsandbytes repacks it (at its first eval-mode forward whose input "
+                "needs no gradient, on a CPU with AVX512-BF16)"
             )
         if packed.dtype != torch.uint8:
             # quant_storage other than uint8 (e.g. bf16 for FSDP) holds the same bytes.

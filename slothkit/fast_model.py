@@ -31,6 +31,7 @@ from slothkit.engine.loading import (
     require_bitsandbytes,
     resolve_checkpoint,
 )
+from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
@@ -235,6 +236,9 @@ class FastModel:
             attn_implementation=attn_implementation,
             **hf_kwargs,
         )
+        # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
+        # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
+        keep_nf4_layout(model)
         model.max_seq_length = max_seq_length
         tokenizer.model_max_length = max_seq_length
         tokenizer.padding_side = "right"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slothkit.engine.inspection import is_4bit_parameter
+from slothkit.engine.nf4_layout import is_repacked_for_cpu, repacked_weight_error
 from slothkit_kernels.lora import LoRAProjection
 from slothkit_kernels.nf4_weight import NF4Weight
 
@@ -38,6 +39,8 @@ def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
         key = (param.data_ptr(), param.device, id(state))
         if cached is not None and cached[0] == key:
             return cached[1]
+        if is_repacked_for_cpu(state):
+            raise repacked_weight_error(layer)
         weight = NF4Weight.from_bitsandbytes(param.data, state)
         param._slothkit_nf4 = (key, weight)
         return weight

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slothkit.engine.lora_projection import describe
+from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
@@ -65,6 +66,11 @@ class SharedInputProjections:
 
     def __init__(self, layers: Sequence[nn.Module], dtype: torch.dtype):
         self.layers = list(layers)
+        for layer in self.layers:
+            # One row goes through bitsandbytes' layer, more through the NF4Weight read
+            # here: both must see the weight as it was quantised, not repacked for
+            # bitsandbytes' CPU kernels at its first eval forward (engine/nf4_layout.py).
+            keep_nf4_layout(layer)
         with torch.no_grad():  # describe() refuses trainable bases only under autograd
             described = [describe(layer) for layer in self.layers]
         self.own_forward = any(isinstance(d, str) for d in described)

@@ -1,6 +1,6 @@
 """Fixtures shared by the slothkit tests: the kernels' torch references and a quiet
-folder for trainer runs, call recorders for the fused path, the real models, and a local
-Hub server."""
+folder for trainer runs, call recorders for the fused path, bitsandbytes as on a CPU
+with AVX512-BF16, the real models, and a local Hub server."""
 
 import warnings
 
@@ -77,6 +77,22 @@ def checkpointing_asked(monkeypatch):
 
     monkeypatch.setattr(fast_model, "enable_checkpointing", recording)
     return calls
+
+
+@pytest.fixture
+def bitsandbytes_repacks_on_cpu(monkeypatch):
+    """bitsandbytes' Linear4bit layers built from here on take this CPU for one with
+    AVX512-BF16 (an AMD EPYC, a recent Xeon), on any machine: their first forward in eval
+    mode on an input that needs no gradient repacks their weight for bitsandbytes' CPU
+    kernels unless slothkit turned that off (slothkit/engine/nf4_layout.py)."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    modules = pytest.importorskip("bitsandbytes.nn.modules")
+    if not hasattr(functional, "_convert_weight_packed_for_cpu"):
+        pytest.skip("this bitsandbytes does not repack 4-bit weights for its CPU kernels")
+    # Linear4bit.__init__ reads the CPU's features through this name; if bitsandbytes
+    # repacks but decides it some other way, the forcing (and slothkit's switch) need updating.
+    assert hasattr(modules, "has_avx512bf16"), "bitsandbytes decides CPU repacking another way"
+    monkeypatch.setattr(modules, "has_avx512bf16", lambda: True)
 
 
 @pytest.fixture(scope="session")
