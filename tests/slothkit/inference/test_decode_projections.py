@@ -34,9 +34,9 @@ def _adapted(seed: int, **lora):
     return model, [block.q, block.k, block.v]
 
 
-def _assert_outputs_equal(layers, projections, rows=(1, 3)):
+def _assert_outputs_equal(layers, projections, rows=(1, 3), width=32):
     for shape in (rows, (2, 5)):
-        x = torch.randn(*shape, 32)
+        x = torch.randn(*shape, width)
         with torch.no_grad():
             expected = [layer(x) for layer in layers]
             got = projections(x)
@@ -114,6 +114,12 @@ def test_bf16_copies_match_the_fp32_adapters_to_bf16_precision():
         torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2)
 
 
+# Rows of whole 64-element blocks, as in every real model: bitsandbytes 0.50's AVX512 CPU
+# dequantisation (its forward's too) gives the wrong scales to rows that are a multiple
+# of 16 elements but not of the block (32 or 96 with blocks of 64).
+NF4_WIDTH = 64
+
+
 def _nf4_block(compute_dtype):
     """q, k, v as bitsandbytes NF4 Linear4bit layers (quantised on the CPU) with LoRA."""
     import bitsandbytes as bnb
@@ -123,9 +129,10 @@ def _nf4_block(compute_dtype):
     for name in ("q", "k", "v"):
         dense = getattr(block, name)
         quantised = bnb.nn.Linear4bit(
-            32, dense.out_features, bias=True, compute_dtype=compute_dtype, quant_type="nf4"
+            NF4_WIDTH, dense.out_features, bias=True, compute_dtype=compute_dtype, quant_type="nf4"
         )
-        quantised.load_state_dict({"weight": dense.weight.detach(), "bias": torch.randn(dense.out_features)})
+        weight = torch.randn(dense.out_features, NF4_WIDTH) / NF4_WIDTH**0.5
+        quantised.load_state_dict({"weight": weight, "bias": torch.randn(dense.out_features)})
         setattr(block, name, quantised.to("cpu"))
     model = get_peft_model(block, LoraConfig(r=4, lora_alpha=8, target_modules=["q", "k", "v"]))
     with torch.no_grad():
@@ -136,9 +143,11 @@ def _nf4_block(compute_dtype):
     return [model.base_model.model.q, model.base_model.model.k, model.base_model.model.v]
 
 
-def test_nf4_bases_dequantise_with_slothkit_for_several_rows_only(monkeypatch):
+def test_nf4_bases_dequantise_with_slothkit_for_several_rows_only(monkeypatch, bitsandbytes_repacks_on_cpu):
     """One row: bitsandbytes' own layer (its GEMV); several rows (prefill, a batch):
-    slothkit's dequantisation, which gives bitsandbytes' weight bit for bit, then F.linear."""
+    slothkit's dequantisation, which gives bitsandbytes' weight bit for bit, then F.linear.
+    bitsandbytes takes the CPU for one with AVX512-BF16, where it would repack the weights
+    at their first eval forward (48 and 16 rows: it could not) unless slothkit kept them."""
     from slothkit_kernels import nf4
 
     layers = _nf4_block(torch.float32)
@@ -149,8 +158,8 @@ def test_nf4_bases_dequantise_with_slothkit_for_several_rows_only(monkeypatch):
     monkeypatch.setattr(
         nf4, "dequantize_nf4", lambda weight: calls.append(weight.shape) or dequantize(weight)
     )
-    _assert_outputs_equal(layers, projections, rows=(1, 1))  # (1, 1, 32) then (2, 5, 32)
-    assert calls == [(48, 32), (16, 32), (16, 32)]  # the (2, 5) call only
+    _assert_outputs_equal(layers, projections, rows=(1, 1), width=NF4_WIDTH)  # (1, 1, 64), (2, 5, 64)
+    assert calls == [(48, NF4_WIDTH), (16, NF4_WIDTH), (16, NF4_WIDTH)]  # the (2, 5) call only
     weight = projections.nf4[0][0]
     base = layers[0].base_layer
     import bitsandbytes.functional as bnbf
