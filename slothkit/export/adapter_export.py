@@ -151,16 +151,17 @@ def check_writable(output: str | os.PathLike) -> None:
 def _check_room_for_the_export(adapter: pathlib.Path, base: pathlib.Path, to: str, quant, output) -> None:
     """Refuse an export that cannot fit on its disk, before the model is loaded.
 
-    The sizes come from the files: the base checkpoint's weights are what a 16-bit merge
-    writes (loaded in their stored dtype); a GGUF export first writes that merged copy beside
-    the output, removes it, then writes the GGUF files (slothkit.export.disk_space).
+    The sizes come from the files: a merged_16bit export writes two bytes a parameter of the
+    base checkpoint; merged_4bit and GGUF exports first write a merged copy in the base's
+    stored dtype (as big as its weights) beside the output, remove it, then write their own
+    files (slothkit.export.disk_space).
     """
     where = output if output is not None else tempfile.gettempdir()
     base_bytes = checkpoint_bytes(base)
     if to == "lora":
         needed = sum(p.stat().st_size for p in adapter.iterdir() if p.is_file())
     elif to == "merged_16bit":
-        needed = base_bytes
+        needed = 2 * checkpoint_parameter_count(base)
     elif to == "merged_4bit":
         needed = base_bytes + checkpoint_parameter_count(base) // 2
     else:

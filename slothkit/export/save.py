@@ -1,7 +1,7 @@
 """save_pretrained_merged: write a fine-tuned model as a folder that plain libraries load.
 
     save_method      what the folder holds                           loads with
-    "merged_16bit"   base + LoRA merged, unquantised safetensors     transformers
+    "merged_16bit"   base + LoRA merged, 16-bit safetensors          transformers
     "merged_4bit"    the same, re-quantised to bitsandbytes 4-bit    transformers + bitsandbytes
     "lora"           the adapter only (adapter_config.json, ...)     peft, on top of the base
 
@@ -33,6 +33,7 @@ from slothkit.export.model_card import CardFacts, lora_facts, render
 
 SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass
@@ -85,6 +86,27 @@ def _check_dtype(dtype):
     if dtype is None or dtype in DTYPES:
         return dtype
     return pick_dtype(dtype)  # names such as "bfloat16"; raises naming the accepted ones
+
+
+def merged_16bit_dtype(model: nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a merged_16bit save stores: `dtype` when given, else the model's own 16-bit
+    dtype (its weights'), else bfloat16.  A model held in float32 (as on a CPU) has lost the
+    dtype it was published in (transformers sets config.dtype to the loaded one), and
+    bfloat16 keeps float32's range, so no weight that fits float32 overflows.
+
+    Raises:
+        ValueError: `dtype` is not 16-bit.
+    """
+    if dtype is not None:
+        if dtype not in SIXTEEN_BIT:
+            raise ValueError(
+                f"save_method='merged_16bit' stores 16-bit weights and dtype={dtype} is not 16-bit; "
+                "accepted: torch.bfloat16, torch.float16, or None for the model's own 16-bit dtype "
+                "(bfloat16 for a model held in float32)"
+            )
+        return dtype
+    own = weights_dtype(model)
+    return own if own in SIXTEEN_BIT else torch.bfloat16
 
 
 @torch.no_grad()
@@ -196,7 +218,7 @@ def save_pretrained_merged(
         tokenizer: the tokenizer to save beside the weights; None (default) takes the one
             ``FastModel.from_pretrained`` returned with the model, and is an error for a
             model without one.
-        save_method: "merged_16bit" (default: base and LoRA merged, unquantised
+        save_method: "merged_16bit" (default: base and LoRA merged, 16-bit
             safetensors), "merged_4bit" (the same, re-quantised to bitsandbytes 4-bit) or
             "lora" (the adapter only).
         overwrite: replace the model files (weights, configs, tokenizer, model card) of a
@@ -211,9 +233,12 @@ def save_pretrained_merged(
             used.
         max_shard_size: the largest safetensors file, as bytes (int) or a string such as
             "5GB" (default) or "500MiB"; larger checkpoints are sharded with an index.
-        dtype: store the merged weights in this dtype: torch.float16, torch.bfloat16,
-            torch.float32 or a name such as "bf16".  None (default): the base weights' own
-            dtype.  For merged_4bit, the compute dtype of the re-quantised model.
+        dtype: for merged_16bit, the 16-bit dtype to store the merged weights in:
+            torch.bfloat16, torch.float16 or a name such as "bf16"; None (default): the
+            model's own 16-bit dtype, bfloat16 for a model held in float32
+            (``merged_16bit_dtype``).  The merge itself sums in float32 and rounds once.
+            For merged_4bit, the compute dtype of the re-quantised model (float32 too);
+            None: the base weights' dtype.
         training_settings: a dict recorded in the model card (learning rate, epochs, ...);
             default None.
 
@@ -223,7 +248,8 @@ def save_pretrained_merged(
         whether the input and output embeddings had to be untied.
 
     Raises:
-        ValueError: an unknown save_method or dtype, "lora" for a model without adapters,
+        ValueError: an unknown save_method or dtype (for merged_16bit, one that is not
+            16-bit), "lora" for a model without adapters,
             no tokenizer, or base_weights that is not an unquantised checkpoint.
         FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
         NotEnoughSpaceError: the save's estimated size exceeds the free space of its disk
@@ -236,6 +262,8 @@ def save_pretrained_merged(
     check_not_an_input(target, input_folders(model, base_weights))
     tokenizer = resolve_tokenizer(model, tokenizer)
     dtype = _check_dtype(dtype)
+    if save_method == "merged_16bit":
+        dtype = merged_16bit_dtype(model, dtype)
     config = merge.active_lora_config(model)
     if save_method == "lora" and config is None:
         raise ValueError(
@@ -302,15 +330,17 @@ def merged_plain_model(
 ) -> nn.Module:
     """A plain transformers model (no adapters, not quantised) holding the merged weights, for
     writers that take a model rather than a folder (GGUF). Built by writing the merged
-    checkpoint to a temporary folder and loading it back, so it is exactly what
-    save_pretrained_merged(..., "merged_16bit") would give; the generation config keeps the
-    EOS list of write_generation_config.
+    checkpoint to a temporary folder and loading it back, as save_pretrained_merged(...,
+    "merged_16bit") writes it but in the base weights' own dtype (float32 stays float32, so
+    that GGUF types are quantised from unrounded weights and an F32 file is exact); the
+    generation config keeps the EOS list of write_generation_config.
 
     Args:
         model: a ``peft.PeftModel`` with LoRA adapters, or a 4-bit model.
         tokenizer: the tokenizer, for the EOS list of the generation config.
         base_weights: where W comes from, as for ``save_pretrained_merged``.
-        dtype: the merged weights' dtype, as for ``save_pretrained_merged``.
+        dtype: the merged weights' dtype: torch.float32, torch.bfloat16, torch.float16 or
+            a name; None (default): the base weights' own.
         scratch_dir: the folder the temporary checkpoint (the full merged model) is written
             under; None (default): the system's temporary folder (TMPDIR).  Callers that
             write an export pass the export's parent folder, so that the space needed is

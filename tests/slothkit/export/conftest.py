@@ -81,3 +81,31 @@ def relative_error():
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
     return error
+
+
+@pytest.fixture
+def assert_merged_16bit(input_ids, logits, relative_error):
+    """assert_merged_16bit(folder, model, tokenizer, expected, **merge_options) -> the merge
+    of `model` in float32.
+
+    A merged_16bit save rounds the merged weights once, to 16 bits.  So: the merge kept in
+    float32 (merged_plain_model, as the GGUF writer takes it, with the same base_weights
+    options) computes `expected` to 1e-4, and the checkpoint in `folder`, loaded with plain
+    transformers, holds exactly those weights rounded to bfloat16 (the 16-bit dtype of a
+    model held in float32), every tensor, tied ones included."""
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.export.save import merged_plain_model
+
+    def check(folder, model, tokenizer, expected, **merge_options):
+        merged = merged_plain_model(model, tokenizer, **merge_options)
+        assert merged.dtype == torch.float32
+        assert relative_error(logits(merged, input_ids), expected) < 1e-4
+        saved = AutoModelForCausalLM.from_pretrained(folder)
+        assert saved.dtype == torch.bfloat16
+        reference = merged.state_dict()
+        for name, tensor in saved.state_dict().items():
+            assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+        return merged
+
+    return check

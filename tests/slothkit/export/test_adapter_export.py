@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.export import EXPORT_TARGETS, attach_export_methods, export_adapter, save_pretrained_merged
 
@@ -26,7 +26,9 @@ def adapter_dir(make_lora_model, tmp_path):
     return folder, model, path
 
 
-def test_export_merges_into_the_original_16bit_base(adapter_dir, input_ids, logits, relative_error, tmp_path):
+def test_export_merges_into_the_original_16bit_base(
+    adapter_dir, input_ids, logits, assert_merged_16bit, tmp_path
+):
     folder, _, base_path = adapter_dir
     result = export_adapter(folder, "merged_16bit", output=tmp_path / "merged")
     assert result.output == tmp_path / "merged" and result.push is None
@@ -37,8 +39,8 @@ def test_export_merges_into_the_original_16bit_base(adapter_dir, input_ids, logi
     reference = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32), folder
     )
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    assert relative_error(logits(merged, input_ids), logits(reference, input_ids)) < SAME
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert_merged_16bit(tmp_path / "merged", reference, tokenizer, logits(reference, input_ids))
 
     card = (tmp_path / "merged" / "README.md").read_text()
     for fact in (

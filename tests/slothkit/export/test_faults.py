@@ -450,7 +450,7 @@ def test_the_size_estimate_is_a_lower_bound_of_what_a_save_writes(make_lora_mode
     from slothkit.export.disk_space import estimated_save_bytes, parameter_count
 
     model, tokenizer, _ = make_lora_model("llama", seed=51)
-    estimate = estimated_save_bytes(model, save_method, torch.float32)
+    estimate = estimated_save_bytes(model, save_method, torch.bfloat16)  # merged_16bit of a float32 model
     save_pretrained_merged(model, tmp_path / "out", tokenizer, save_method=save_method)
     written = _folder_size(tmp_path / "out")
     assert 0.5 * written < estimate <= written  # errs low, never refuses a save that fits
@@ -458,19 +458,21 @@ def test_the_size_estimate_is_a_lower_bound_of_what_a_save_writes(make_lora_mode
         save_method == "merged_16bit"
     ):  # merged_4bit (bitsandbytes, GPU only): the scratch copy and the 4-bit one
         assert (
-            estimated_save_bytes(model, "merged_4bit", torch.float32)
+            estimated_save_bytes(model, "merged_4bit", torch.bfloat16)
             == estimate + parameter_count(model) // 2
         )
 
 
 def test_a_save_that_cannot_fit_is_refused_before_any_work(make_lora_model, monkeypatch, tmp_path):
+    import torch
+
     from slothkit.export import save as save_module
     from slothkit.export.disk_space import NotEnoughSpaceError, estimated_save_bytes, megabytes
 
     model, tokenizer, _ = make_lora_model("llama", seed=52)
     monkeypatch.setattr(save_module, "write_merged_checkpoint", lambda *a, **k: pytest.fail("merged anyway"))
     _disk_with_free(monkeypatch, 100_000)
-    needed = megabytes(estimated_save_bytes(model, "merged_16bit", model.dtype))
+    needed = megabytes(estimated_save_bytes(model, "merged_16bit", torch.bfloat16))
     with pytest.raises(
         NotEnoughSpaceError,
         match=rf"^not enough space in '{tmp_path}' for the merged_16bit save: it needs about {needed} and "
@@ -497,17 +499,20 @@ def test_a_gguf_export_that_cannot_fit_is_refused_before_writing(monkeypatch, tm
 
 def test_an_adapter_export_that_cannot_fit_is_refused_before_loading(make_lora_model, monkeypatch, tmp_path):
     from slothkit.export import adapter_export
-    from slothkit.export.disk_space import NotEnoughSpaceError, megabytes
+    from slothkit.export.disk_space import NotEnoughSpaceError, checkpoint_parameter_count, megabytes
 
     model, tokenizer, base = make_lora_model("llama", seed=53)
     model.save_pretrained(tmp_path / "adapter")
     monkeypatch.setattr(adapter_export, "load_adapter_model", lambda *a, **k: pytest.fail("loaded anyway"))
     _disk_with_free(monkeypatch, 10_000)
-    weights = megabytes((base / "model.safetensors").stat().st_size)  # the merged copy, also GGUF's scratch
+    needed = {
+        "merged_16bit": megabytes(2 * checkpoint_parameter_count(base)),  # 16 bits a parameter
+        "gguf": megabytes((base / "model.safetensors").stat().st_size),  # the fp32 merged scratch copy
+    }
     for to, quant in (("merged_16bit", None), ("gguf", "q4_k_m,q8_0")):
         with pytest.raises(
             NotEnoughSpaceError,
-            match=rf"for the {to} export of adapter: it needs about {weights} and 10 kB are free",
+            match=rf"for the {to} export of adapter: it needs about {needed[to]} and 10 kB are free",
         ):
             adapter_export.export_adapter(tmp_path / "adapter", to, quant=quant, output=tmp_path / to)
 

@@ -23,7 +23,7 @@ def _repo_files(hub, repo_id=REPO):
 
 @pytest.mark.parametrize("arch,save_method", [("llama", "merged_16bit"), ("gemma", "lora")])
 def test_push_download_load_round_trip(arch, save_method, local_hub, make_lora_model, input_ids, logits,
-                                       relative_error, tmp_path):  # fmt: skip
+                                       relative_error, assert_merged_16bit, tmp_path):  # fmt: skip
     model, tokenizer, path = make_lora_model(arch, seed=20)
     result = push_to_hub_merged(model, REPO, tokenizer, save_method=save_method, token="hf_writer",
                                 endpoint=local_hub.endpoint, private=True)  # fmt: skip
@@ -43,9 +43,9 @@ def test_push_download_load_round_trip(arch, save_method, local_hub, make_lora_m
 
         base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         loaded = PeftModel.from_pretrained(base, folder)
+        assert relative_error(logits(loaded, input_ids), logits(model, input_ids)) < SAME
     else:
-        loaded = AutoModelForCausalLM.from_pretrained(folder)
-    assert relative_error(logits(loaded, input_ids), logits(model, input_ids)) < SAME
+        assert_merged_16bit(folder, model, tokenizer, logits(model, input_ids))
     card = (tmp_path / "download" / "README.md").read_text()
     assert f"`{save_method}`" in card and str(path) in card
 

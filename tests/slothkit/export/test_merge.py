@@ -3,7 +3,9 @@
 Every comparison is in fp32 on the tiny offline models, with lora_B set to random values
 (PEFT's zero init would make any merge look right). "Same logits" means a relative error
 (max |diff| / max |logit|) below 1e-4; each test also checks that the adapter moves the
-logits far more than that, so dropping or mis-scaling it fails.
+logits far more than that, so dropping or mis-scaling it fails.  A merged_16bit checkpoint
+holds the fp32 merge rounded once to 16 bits (assert_merged_16bit in conftest.py checks
+both: the merge's logits in fp32, and the stored tensors bit for bit).
 """
 
 import json
@@ -25,7 +27,7 @@ def _plain_base(path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_merged_16bit_gives_the_lora_models_logits(
-    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+    arch, make_lora_model, input_ids, logits, relative_error, assert_merged_16bit, tmp_path
 ):
     model, tokenizer, path = make_lora_model(arch)
     expected = logits(model, input_ids)
@@ -37,9 +39,9 @@ def test_merged_16bit_gives_the_lora_models_logits(
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "quantization_config" not in config
     assert config["use_cache"] is True  # training switched it off; inference wants it on
+    assert config["dtype"] == "bfloat16"  # a model held in float32: bfloat16
+    assert_merged_16bit(tmp_path / "merged", model, tokenizer, expected)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # plain transformers
-    assert merged.dtype == torch.float32
-    assert relative_error(logits(merged, input_ids), expected) < SAME
     if arch == "gemma":  # nothing touched the embeddings: still tied, stored once
         assert config["tie_word_embeddings"] is True and not result.ties_broken
         assert merged.lm_head.weight.data_ptr() == merged.model.embed_tokens.weight.data_ptr()
@@ -47,7 +49,7 @@ def test_merged_16bit_gives_the_lora_models_logits(
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_merge_from_4bit_uses_the_dequantized_weights(
-    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+    arch, make_lora_model, input_ids, logits, assert_merged_16bit, tmp_path
 ):
     # Merged into the dequantised NF4 weights, the checkpoint holds exactly the W the 4-bit
     # LoRA model computes with, so it reproduces that model to fp32 rounding.
@@ -60,14 +62,12 @@ def test_merge_from_4bit_uses_the_dequantized_weights(
     assert "dequantised 4-bit" in (tmp_path / "m" / "README.md").read_text()
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert "quantization_config" not in config
-
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
-    assert relative_error(logits(merged, input_ids), expected) < SAME
+    assert_merged_16bit(tmp_path / "m", model, tokenizer, expected, base_weights=None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_merge_from_4bit_into_the_original_checkpoint(
-    arch, make_lora_model, input_ids, logits, relative_error, tmp_path
+    arch, make_lora_model, input_ids, logits, relative_error, assert_merged_16bit, tmp_path
 ):
     # The adapter's base_model_name_or_path is the local fp32 checkpoint, so "auto" merges into
     # it: the result is the fp32 base with the adapter on top, with no NF4 error in W.
@@ -83,9 +83,8 @@ def test_merge_from_4bit_into_the_original_checkpoint(
     from peft import PeftModel
 
     reference = PeftModel.from_pretrained(_plain_base(path), tmp_path / "adapter").eval()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    merged = assert_merged_16bit(tmp_path / "m", model, tokenizer, logits(reference, input_ids))
     merged_logits = logits(merged, input_ids)
-    assert relative_error(merged_logits, logits(reference, input_ids)) < SAME
 
     # Against the 4-bit LoRA model the only difference is NF4's error in the base weights:
     # documented tolerance = twice the gap between the fp32 and the NF4 *base* models.
@@ -96,7 +95,7 @@ def test_merge_from_4bit_into_the_original_checkpoint(
     assert relative_error(merged_logits, logits(model, input_ids)) < 2 * quantization_gap
 
 
-def test_rslora_scaling_and_embedding_lora(make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_rslora_scaling_and_embedding_lora(make_lora_model, input_ids, logits, assert_merged_16bit, tmp_path):
     # rsLoRA scales by alpha / sqrt(r) (= 4 here, not alpha / r = 2); LoRA on the embedding
     # stores A as (r, vocab) and B as (dim, r), so its delta is transposed.
     targets = ["q_proj", "v_proj", "down_proj", "embed_tokens"]
@@ -111,12 +110,11 @@ def test_rslora_scaling_and_embedding_lora(make_lora_model, input_ids, logits, r
     assert not any("lora" in name or "base_layer" in name for name in state)
 
     save_pretrained_merged(model, tmp_path / "m", tokenizer)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
-    assert relative_error(logits(merged, input_ids), logits(model, input_ids)) < SAME
+    assert_merged_16bit(tmp_path / "m", model, tokenizer, logits(model, input_ids))
 
 
 def test_gemma_trained_lm_head_unties_the_embeddings(
-    make_lora_model, input_ids, logits, relative_error, tmp_path
+    make_lora_model, input_ids, logits, assert_merged_16bit, tmp_path
 ):
     # Gemma ties lm_head to the embeddings. A trained lm_head (modules_to_save) differs from
     # them, so the merged checkpoint must store both and say tie_word_embeddings=False.
@@ -132,9 +130,8 @@ def test_gemma_trained_lm_head_unties_the_embeddings(
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
     assert "untied" in (tmp_path / "m" / "README.md").read_text()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    merged = assert_merged_16bit(tmp_path / "m", model, tokenizer, expected)
     assert torch.equal(merged.lm_head.weight, head.weight.cpu())
-    assert relative_error(logits(merged, input_ids), expected) < SAME
 
 
 def test_merge_sums_in_fp32_and_rounds_once(make_lora_model):

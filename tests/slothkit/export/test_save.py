@@ -170,15 +170,54 @@ def test_interrupted_save_leaves_the_old_contents_or_nothing(
     assert _siblings(target) == []
 
 
-def test_sharded_checkpoint_loads(make_lora_model, input_ids, logits, relative_error, tmp_path):
+def test_sharded_checkpoint_loads(make_lora_model, input_ids, logits, assert_merged_16bit, tmp_path):
     model, tokenizer, _ = make_lora_model("gemma", seed=13)
     result = save_pretrained_merged(model, tmp_path / "m", tokenizer, max_shard_size="200KB")
     shards = [f for f in result.files if f.startswith("model-") and f.endswith(".safetensors")]
     assert len(shards) > 2 and "model.safetensors.index.json" in result.files
     index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
-    assert relative_error(logits(merged, input_ids), logits(model, input_ids)) < SAME
+    assert_merged_16bit(tmp_path / "m", model, tokenizer, logits(model, input_ids))
+
+
+@pytest.mark.parametrize(
+    ("held_in", "asked", "stored"),
+    [
+        (torch.float32, None, torch.bfloat16),  # a model held in float32 (as on a CPU): bfloat16
+        (torch.bfloat16, None, torch.bfloat16),  # else the model's own 16-bit dtype
+        (torch.float16, None, torch.float16),
+        (torch.float32, torch.float16, torch.float16),  # or the 16-bit dtype asked for
+        (torch.bfloat16, "fp16", torch.float16),
+    ],
+)
+def test_merged_16bit_writes_16bit_weights(held_in, asked, stored, make_lora_model, tmp_path):
+    """Two bytes a weight, whatever dtype the model was held in: 538 MB of float32 for a
+    135M-parameter model was the bug."""
+    from safetensors import safe_open
+
+    from slothkit.export.disk_space import checkpoint_parameter_count
+
+    model, tokenizer, base = make_lora_model("llama", dtype=held_in, seed=15)
+    result = save_pretrained_merged(model, tmp_path / "m", tokenizer, dtype=asked)
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as weights:
+        dtypes = {weights.get_tensor(name).dtype for name in weights.keys()}
+    assert dtypes == {stored}
+    parameters = checkpoint_parameter_count(base)  # the merge adds no tensor to the base's
+    assert checkpoint_parameter_count(tmp_path / "m") == parameters
+    header = 64 * 1024  # safetensors' JSON header, far smaller for these tensors
+    assert 2 * parameters < (tmp_path / "m" / "model.safetensors").stat().st_size < 2 * parameters + header
+    name = str(stored).removeprefix("torch.")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["dtype"] == name
+    assert f"{name} safetensors, not quantised" in (tmp_path / "m" / "README.md").read_text()
+    assert result.save_method == "merged_16bit"
+
+
+def test_merged_16bit_refuses_a_dtype_that_is_not_16bit(make_lora_model, tmp_path):
+    model, tokenizer, _ = make_lora_model("llama")
+    for dtype in (torch.float32, "fp32"):
+        with pytest.raises(ValueError, match=r"merged_16bit.*dtype=torch\.float32 is not 16-bit; accepted: "):
+            save_pretrained_merged(model, tmp_path / "m", tokenizer, dtype=dtype)
+    assert not (tmp_path / "m").exists()
 
 
 def test_overwrite_without_atomic_exchange_still_replaces(monkeypatch, tmp_path):
