@@ -530,13 +530,16 @@ def _stop_token_ids(model) -> list[int]:
 
 # Folder names that tempfile.mkdtemp and slothkit's own scratch folders give: never a model's name.
 _TEMPORARY_NAME = re.compile(r"^(\.|tmp\w{8}$|slothkit-(gguf|export|push|tiny-models)-)")
+# What slothkit's checkpoint caches (slothkit.testing: real and tiny models) append to the
+# model's name in a folder's name: 12 hex digits of a content hash, then the stored dtype.
+_CACHE_SUFFIX = re.compile(r"-(?=[0-9]*[a-f])[0-9a-f]{12}(-(float32|bfloat16|float16))?$")
 
 
 def model_name(model, fallback: str) -> str:
     """The model's name for GGUF file names and general.name (what Ollama and LM Studio
     show): the last part of config._name_or_path (a Hub id's name, a local checkpoint
-    folder's name, the repo of a Hugging Face cache snapshot), or `fallback` when that is
-    empty or a temporary folder's name.
+    folder's name less a cache's hash and dtype, the repo of a Hugging Face cache
+    snapshot), or `fallback` when that is empty or a temporary folder's name.
 
     Args:
         model: the model being exported; slothkit.export.save.merged_plain_model gives
@@ -551,7 +554,7 @@ def model_name(model, fallback: str) -> str:
         ]  # ~/.cache/huggingface/hub/models--org--name/snapshots/SHA
     if not name or _TEMPORARY_NAME.match(name):
         return fallback
-    return name
+    return _CACHE_SUFFIX.sub("", name) or fallback
 
 
 def _quantization_device(model) -> torch.device:

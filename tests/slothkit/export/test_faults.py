@@ -406,11 +406,13 @@ def test_gguf_files_and_their_general_name_are_named_after_the_model(make_lora_m
 
     # A LoRA model is merged through a scratch folder first: its name must not leak out.
     model, tokenizer, base = make_lora_model("llama", seed=50)
-    [path, _] = model.save_pretrained_gguf(
+    assert base.name.startswith("llama-")  # the tiny-model cache's folder: llama-<hash>
+    [path, modelfile] = model.save_pretrained_gguf(
         tmp_path / "gguf", tokenizer, quantization_method="q8_0", verify=False
     )
-    assert path.name == f"{base.name}.Q8_0.gguf"  # was gguf.Q8_0.gguf
-    assert _general_name(path) == base.name  # was .slothkit-merged-XXXXXXXX
+    assert path.name == "llama.Q8_0.gguf"  # was gguf.Q8_0.gguf, then llama-<hash>.Q8_0.gguf
+    assert _general_name(path) == "llama"  # was .slothkit-merged-XXXXXXXX
+    assert modelfile.read_text().startswith("FROM ./llama.Q8_0.gguf\n")
 
     plain, tokenizer = _plain_tiny()
     cases = {
@@ -420,6 +422,12 @@ def test_gguf_files_and_their_general_name_are_named_after_the_model(make_lora_m
         "": "my-export",  # no name: the output folder's
         "/tmp/tmpa1b2c3d4": "my-export",  # a temporary folder's name is never used
         "/work/.slothkit-merged-x8y7": "my-export",
+        # slothkit's caches add a content hash and the stored dtype to the model's name
+        "/root/.cache/slothkit/real-models/smollm2-135m-instruct-b179c9523d0e-float32": "smollm2-135m-instruct",
+        "/root/.cache/slothkit/real-models/gemma-3-270m-a5fd3b62230a-bfloat16": "gemma-3-270m",
+        "/tmp/slothkit-tiny-models-k2j4/mistral-0c9e1d2f3a4b": "mistral",
+        "/data/checkpoints/run-202501311200": "run-202501311200",  # a date, not a hash
+        "/data/checkpoints/Llama-3-8B-float16": "Llama-3-8B-float16",  # a dtype alone stays
     }
     for i, (name_or_path, expected) in enumerate(cases.items()):
         named = copy.copy(plain)

@@ -439,7 +439,7 @@ def test_token_types_scores_and_merges(arch, exported):
 
 def test_save_writes_one_file_per_method_and_modelfiles(tmp_path):
     model, tokenizer = tiny("gemma")
-    name = tiny_model_path("gemma", **SIZES).name  # files are named after the model
+    name = "gemma"  # files are named after the model (its cache folder's name less the hash)
     paths = save_pretrained_gguf(model, tmp_path / "out", tokenizer, ["q4_k_m", "Q8_0"], verify=False)
     assert paths == [
         tmp_path / "out" / n
@@ -469,7 +469,7 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
     """As notebooks use it: one folder, one save per quantisation, beside other files. A
     save never deletes what it did not write; replacing its own files needs overwrite."""
     model, tokenizer = tiny("llama")
-    name = tiny_model_path("llama", **SIZES).name
+    name = "llama"
     target = tmp_path / "out"
     target.mkdir()
     (target / "old.txt").write_text("keep me")
@@ -544,7 +544,7 @@ def test_push_to_hub_gguf(local_hub, tmp_path):
     from slothkit.export.gguf import push_to_hub_gguf
 
     model, tokenizer = tiny("llama")
-    file = f"{tiny_model_path('llama', **SIZES).name}.Q4_K_M.gguf"  # named after the model, not the repo
+    file = "llama.Q4_K_M.gguf"  # named after the model, not the repo
     result = push_to_hub_gguf(
         model, "local-user/tiny-gguf", tokenizer, "q4_k_m", token="hf_writer", verify=False
     )
