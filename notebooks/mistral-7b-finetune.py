@@ -104,16 +104,34 @@ model = FastModel.get_peft_model(
 )
 
 # %% [markdown]
-# ## 5. How it answers before training
+# ## 5. Ask it: an Alpaca prompt, then generate, streamed as it comes
 
 # %%
-from slothkit.notebook.inference import answer_prompts
+from transformers import TextStreamer
 
-TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]
-before = answer_prompts(model, tokenizer, TEST_PROMPTS)
+from slothkit.data import alpaca_prompt
+
+
+def ask(instruction, max_new_tokens=48):
+    """The model's greedy answer to one instruction, printed token by token."""
+    inputs = tokenizer(alpaca_prompt(instruction), return_tensors="pt").to(model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    print(f">>> {instruction}")
+    output = model.generate(**inputs, streamer=streamer, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
 
 # %% [markdown]
-# ## 6. Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
+# ## 6. How it answers before training
+
+# %%
+TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]
+FastModel.for_inference(model)  # eval mode with the KV cache (on a GPU, slothkit's fast decode loop)
+before = {prompt: ask(prompt) for prompt in TEST_PROMPTS}
+FastModel.for_training(model)  # back to training mode before the trainer takes it
+
+# %% [markdown]
+# ## 7. Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
 
 # %%
 from slothkit.data import format_alpaca
@@ -124,7 +142,7 @@ print(dataset)
 print(dataset[0]["text"])
 
 # %% [markdown]
-# ## 7. Train
+# ## 8. Train
 
 # %%
 from slothkit.notebook.training import trainer_defaults
@@ -162,21 +180,51 @@ result = report_training(trainer, trainer_stats)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
 # %% [markdown]
-# ## 8. Try it: the same prompts after training
+# ## 9. Try it: the same prompts after training
 
 # %%
 from slothkit.notebook.inference import compare_answers
 
-# Ask your own the same way: answer_prompts(model, tokenizer, ["..."])
-after = answer_prompts(model, tokenizer, TEST_PROMPTS)
+FastModel.for_inference(model)
+after = {prompt: ask(prompt) for prompt in TEST_PROMPTS}  # ask your own: ask("...")
 compare_answers(before, after)
 
 # %% [markdown]
-# ## 9. Save and publish (each behind its Config flag)
+# ## 10. Save: the LoRA adapter, the merged 16-bit model, GGUF files (each behind its Config flag)
 
 # %%
-from slothkit.notebook.saving import save_all
+from slothkit.distributed import is_main_process
+from slothkit.notebook.saving import list_files
 
-saved = save_all(model, tokenizer, config)
-for kind, path in saved.items():
-    print(f"{kind:12s} {path}")
+out = config.output_dir
+if is_main_process():  # under a multi-GPU launch every process holds the same adapters: one saves
+    if config.save_lora:  # the adapter alone (megabytes), loaded on top of the base model
+        model.save_pretrained(f"{out}/lora")
+        tokenizer.save_pretrained(f"{out}/lora")
+    if config.save_merged:  # base and adapter as one 16-bit checkpoint, for transformers, vLLM, ...
+        model.save_pretrained_merged(
+            f"{out}/merged-16bit", tokenizer, save_method="merged_16bit", overwrite=True
+        )
+    if config.save_gguf:  # for llama.cpp, Ollama (a Modelfile beside each file) and LM Studio
+        model.save_pretrained_gguf(
+            f"{out}/gguf", tokenizer, quantization_method=config.gguf_quants, overwrite=True
+        )
+    list_files(out)
+
+# %% [markdown]
+# ## 11. Publish to the Hugging Face Hub (when HUB_REPO is set)
+
+# %%
+if config.hub_repo and is_main_process():
+    token = config.hub_token or None  # None: HF_TOKEN, else the login `hf auth login` saved
+    if config.save_lora:
+        pushed = model.push_to_hub_merged(f"{config.hub_repo}-lora", tokenizer, save_method="lora", token=token)
+        print(pushed.commit_url)
+    if config.save_merged:
+        pushed = model.push_to_hub_merged(config.hub_repo, tokenizer, save_method="merged_16bit", token=token)
+        print(pushed.commit_url)
+    if config.save_gguf:
+        pushed = model.push_to_hub_gguf(
+            f"{config.hub_repo}-gguf", tokenizer, quantization_method=config.gguf_quants, token=token
+        )
+        print(pushed.commit_url)

@@ -1,5 +1,5 @@
 # %% How it answers before training
-from slothkit.notebook.inference import answer_prompts
-
 TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is the capital of France?"]
-before = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+FastModel.for_inference(model)  # eval mode with the KV cache (on a GPU, slothkit's fast decode loop)
+before = {prompt: ask(prompt) for prompt in TEST_PROMPTS}
+FastModel.for_training(model)  # back to training mode before the trainer takes it

@@ -47,6 +47,8 @@ config.show()
 
 # %include load_chat
 
+# %include ask_chat
+
 # %include chat_before
 
 # %% Data: conversations (ShareGPT or role/content), rendered with the chat template
@@ -94,6 +96,6 @@ trainer_stats = trainer.train()
 result = report_training(trainer, trainer_stats)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %include chat_test
+# %include try_it
 
 # %include save

@@ -48,6 +48,8 @@ config.show()
 
 # %include load_chat
 
+# %include ask_chat
+
 # %include chat_before
 
 # %% Data: prompt / chosen / rejected records (conversational or plain text)
@@ -92,6 +94,6 @@ trainer_stats = trainer.train()
 result = report_training(trainer, trainer_stats)
 assert result.loss_went_down, f"the DPO loss did not go down: {result.losses}"
 
-# %include chat_test
+# %include try_it
 
 # %include save

@@ -61,11 +61,26 @@ model = FastModel.get_peft_model(
     batch_size=config.batch_size,
 )
 
-# %% How it answers before training
-from slothkit.notebook.inference import answer_prompts
+# %% Ask it: an Alpaca prompt, then generate, streamed as it comes
+from transformers import TextStreamer
 
+from slothkit.data import alpaca_prompt
+
+
+def ask(instruction, max_new_tokens=48):
+    """The model's greedy answer to one instruction, printed token by token."""
+    inputs = tokenizer(alpaca_prompt(instruction), return_tensors="pt").to(model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    print(f">>> {instruction}")
+    output = model.generate(**inputs, streamer=streamer, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+# %% How it answers before training
 TEST_PROMPTS = ["Convert 3 kilometres to metres.", "What is 12 plus 30?"]
-before = answer_prompts(model, tokenizer, TEST_PROMPTS)
+FastModel.for_inference(model)  # eval mode with the KV cache (on a GPU, slothkit's fast decode loop)
+before = {prompt: ask(prompt) for prompt in TEST_PROMPTS}
+FastModel.for_training(model)  # back to training mode before the trainer takes it
 
 # %% Data: instruction / input / response records, formatted as Alpaca prompts ending in EOS
 from slothkit.data import format_alpaca
@@ -110,11 +125,6 @@ trainer_stats = trainer.train()
 result = report_training(trainer, trainer_stats)
 assert result.loss_went_down, f"the loss did not go down: {result.losses}"
 
-# %% Try it: the same prompts after training
-from slothkit.notebook.inference import compare_answers
-
-# Ask your own the same way: answer_prompts(model, tokenizer, ["..."])
-after = answer_prompts(model, tokenizer, TEST_PROMPTS)
-compare_answers(before, after)
+# %include try_it
 
 # %include save

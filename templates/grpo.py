@@ -80,11 +80,13 @@ def correct_reward(completions, answer, **kwargs):
     ]
 
 
-# %% How it answers before training
-from slothkit.notebook.inference import answer_prompts
+# %include ask_chat
 
+# %% How it answers before training
 TEST_PROMPTS = [record["prompt"][-1]["content"] for record in dataset.select(range(2))]
-before = answer_prompts(model, tokenizer, TEST_PROMPTS, kind="chat")
+FastModel.for_inference(model)  # eval mode with the KV cache (on a GPU, slothkit's fast decode loop)
+before = {prompt: ask(prompt) for prompt in TEST_PROMPTS}
+FastModel.for_training(model)  # back to training mode before the trainer takes it
 
 # %% Train with GRPO
 from slothkit.notebook.training import trainer_defaults
@@ -123,6 +125,6 @@ from slothkit.notebook.training import report_training
 trainer_stats = trainer.train()
 result = report_training(trainer, trainer_stats)
 
-# %include chat_test
+# %include try_it
 
 # %include save

@@ -44,10 +44,12 @@ class NotEnoughSpaceError(OSError):
 
 
 def megabytes(size: float) -> str:
-    """Bytes as '812 MB' or '3.4 GB' (decimal units, as disk tools show them)."""
+    """Bytes as '295 B', '5 kB', '812 MB' or '3.4 GB' (decimal units, as disk tools show them)."""
     if size >= 1e9:
         return f"{size / 1e9:.1f} GB"
-    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+    if size >= 1e6:
+        return f"{size / 1e6:.0f} MB"
+    return f"{size / 1e3:.0f} kB" if size >= 1e3 else f"{size:.0f} B"
 
 
 def free_space(path: str | os.PathLike) -> tuple[pathlib.Path, int]:

@@ -70,6 +70,13 @@ class NotebookConfig:
                 raise ValueError(f"{name.upper()} = {value!r}; expected a positive integer")
         if not self.learning_rate > 0:
             raise ValueError(f"LEARNING_RATE = {self.learning_rate!r}; expected a positive number")
+        if self.save_gguf:  # refused here, not after the training run, in the save cell
+            from slothkit.export.gguf import quantization_methods
+
+            try:
+                quantization_methods(self.gguf_quants)
+            except ValueError as error:
+                raise ValueError(f"GGUF_QUANTS = {self.gguf_quants!r}: {error}") from None
         if self.max_completion_length is not None and not _positive_int(self.max_completion_length):
             raise ValueError(
                 f"MAX_COMPLETION_LENGTH = {self.max_completion_length!r}; expected a positive integer"

@@ -1,66 +1,29 @@
-"""The notebook's last cell: save (and publish) what the config asks for."""
+"""The save cell's listing of what it wrote (the cell itself calls the save methods)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from slothkit.export.disk_space import megabytes
 
-def save_all(model, tokenizer, config) -> dict[str, str]:
-    """LoRA adapter, merged 16-bit model and GGUF files, each behind its config flag;
-    each pushed to config.hub_repo (with a suffix per kind) when one is set.
+
+def list_files(folder: str | os.PathLike, skip: tuple[str, ...] = ("checkpoints",)) -> list[Path]:
+    """Print every file under `folder` with its size, one a line, and return their paths.
 
     Args:
-        model: the trained model, with the export methods FastModel attaches.
-        tokenizer: its tokenizer.
-        config: the notebook's NotebookConfig (save_lora, save_merged, save_gguf,
-            gguf_quants, output_dir, hub_repo, hub_token).
-
-    Under a launcher (the notebook run as a script on several GPUs) only the main
-    process saves: the others hold the same adapters (DDP keeps them equal) and would
-    write the same files at the same time.
+        folder: the notebook's OUTPUT_DIR.
+        skip: top-level folders left out (default the trainer's checkpoints).
 
     Returns:
-        What was written or pushed, by name ({} in the processes that leave it to the
-        main one).
+        The files listed, sorted by path.
     """
-    from slothkit.distributed import is_main_process
-
-    if not is_main_process():
-        return {}
-    out = Path(config.output_dir)
-    token = config.hub_token or None
-    saved: dict[str, str] = {}
-    if config.save_gguf:  # a bad GGUF_QUANTS is refused before anything is saved
-        from slothkit.export.gguf import quantization_methods
-
-        gguf_methods = quantization_methods(config.gguf_quants)
-    if config.save_lora:
-        result = model.save_pretrained_merged(out / "lora", tokenizer, save_method="lora", overwrite=True)
-        saved["lora"] = str(result.path)
-        if config.hub_repo:
-            push = model.push_to_hub_merged(
-                f"{config.hub_repo}-lora", tokenizer, save_method="lora", token=token
-            )
-            saved["lora (hub)"] = str(getattr(push, "url", push))
-    if config.save_merged:
-        result = model.save_pretrained_merged(
-            out / "merged-16bit", tokenizer, save_method="merged_16bit", overwrite=True
-        )
-        saved["merged_16bit"] = str(result.path)
-        if config.hub_repo:
-            push = model.push_to_hub_merged(
-                config.hub_repo, tokenizer, save_method="merged_16bit", token=token
-            )
-            saved["merged (hub)"] = str(getattr(push, "url", push))
-    if config.save_gguf:
-        paths = model.save_pretrained_gguf(
-            out / "gguf", tokenizer, quantization_method=gguf_methods, overwrite=True
-        )
-        for path in paths if isinstance(paths, (list, tuple)) else [paths]:
-            saved[f"gguf {Path(str(path)).name}"] = str(path)
-        if config.hub_repo:
-            push = model.push_to_hub_gguf(
-                f"{config.hub_repo}-gguf", tokenizer, quantization_method=gguf_methods, token=token
-            )
-            saved["gguf (hub)"] = str(getattr(push, "url", push))
-    return saved
+    root = Path(folder)
+    files = sorted(
+        path for path in root.rglob("*") if path.is_file() and path.relative_to(root).parts[0] not in skip
+    )
+    names = [str(path.relative_to(root)) for path in files]
+    width = max(map(len, names), default=0)
+    for name, path in zip(names, files):
+        print(f"{name:{width}s}  {megabytes(path.stat().st_size):>8s}")
+    return files

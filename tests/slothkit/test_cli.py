@@ -1,5 +1,6 @@
 """The command line: parsing, the environment report, and the embedded demo."""
 
+import re
 import shutil
 
 import pytest
@@ -67,6 +68,7 @@ def test_demo_renders_and_runs_a_notebook_to_adapter_merged_and_gguf(tmp_path, c
     code_cells = [c for c in notebook.cells if c.cell_type == "code"]
     assert all(c.execution_count for c in code_cells), "a cell did not run"
     assert not any(o.get("output_type") == "error" for c in code_cells for o in c.outputs)
+    assert _stderr_not_slothkits(code_cells) == ""
     (train_cell,) = [c for c in code_cells if "trainer.train()" in c.source]
     plots = [o for o in train_cell.outputs if "image/png" in o.get("data", {})]
     assert len(plots) == 1, "the training cell shows no loss plot"
@@ -87,8 +89,6 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
     SmolLM2-135M-Instruct and the shipped Alpaca records (short answers such as "50 + 55 =
     105." and "8 metres is 800 centimetres."). Before training the model rambles on past
     its answer; after 24 steps it answers in the records' form and stops."""
-    import re
-
     import nbformat
 
     out = tmp_path / "demo"
@@ -109,8 +109,8 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
     before, after = answers["Convert 3 kilometres to metres."]
     assert re.fullmatch(r"3 kilometres is \d+ metres\.", after) and after != before
 
-    # What the cells print for a notebook user: no deprecation or optional-kernel noise,
-    # only slothkit's one-line notice that a CPU keeps the Hugging Face modules.
+    # What the cells print for a notebook user: no deprecation, optional-kernel or other
+    # library's noise, only slothkit's one-line notice that a CPU keeps the Hugging Face modules.
     warnings = [
         line
         for cell in code_cells
@@ -120,6 +120,43 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
         if "Warning" in line
     ]
     assert all("slothkit: Triton cannot run on the cpu" in line for line in warnings), warnings
+    assert _stderr_not_slothkits(code_cells) == ""
+
+    # The save cell's files: 16 bits a weight, and the GGUF file named after the model (not
+    # after the cache folder, whose name adds a hash and the dtype).
+    import gguf
+    from safetensors import safe_open
+
+    from slothkit.export.disk_space import checkpoint_parameter_count
+
+    merged = out / "outputs" / "merged-16bit"
+    with safe_open(str(merged / "model.safetensors"), framework="pt") as weights:
+        assert {weights.get_slice(name).get_dtype() for name in weights.keys()} == {"BF16"}
+    parameters = checkpoint_parameter_count(merged)
+    assert parameters == checkpoint_parameter_count(smollm2_path)
+    assert (merged / "model.safetensors").stat().st_size < 2 * parameters + 1_000_000  # not 4 a weight
+    (gguf_file,) = (out / "outputs" / "gguf").glob("*.gguf")
+    assert gguf_file.name == "smollm2-135m-instruct.Q8_0.gguf"
+    assert gguf.GGUFReader(gguf_file).fields["general.name"].contents() == "smollm2-135m-instruct"
+    modelfile = (out / "outputs" / "gguf" / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./smollm2-135m-instruct.Q8_0.gguf\n")
+    printed_files = "".join(
+        o.get("text", "") for c in code_cells if "list_files(" in c.source for o in c.outputs
+    )
+    assert re.search(r"^merged-16bit/model\.safetensors +2\d\d MB$", printed_files, re.MULTILINE), (
+        printed_files
+    )
+
+
+# A warning as Python shows it (FILE:LINE: CATEGORY: message, then the line that raised it,
+# indented), from slothkit: its message starts with "slothkit: ".
+_SLOTHKIT_WARNING = re.compile(r"^\S+:\d+: \w*Warning: slothkit: .*\n(?:  .*\n)?", re.MULTILINE)
+
+
+def _stderr_not_slothkits(code_cells) -> str:
+    """What the cells wrote to stderr other than slothkit's warnings: "" when nothing."""
+    stderr = "".join(o.text for cell in code_cells for o in cell.outputs if o.get("name") == "stderr")
+    return _SLOTHKIT_WARNING.sub("", stderr)
 
 
 def test_a_demo_cell_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
@@ -154,7 +191,7 @@ def test_demo_names_the_failing_step(tmp_path, capsys, monkeypatch):
     assert main(command) == 1
     err = capsys.readouterr().err
     assert "failed: ValueError: the training dataset lacks ['chosen', 'rejected']" in err
-    assert "step 7. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
+    assert "step 8. Train with DPO failed" in err and "mistral-7b-dpo.ipynb" in err
     assert "\x1b[" not in err  # no terminal colour codes from the kernel's traceback
 
 

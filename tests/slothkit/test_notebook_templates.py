@@ -1,5 +1,6 @@
 """Committed notebooks equal what their templates render; the CLI's answers."""
 
+import types
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,87 @@ def test_grpo_rewards_score_the_form_and_the_number_of_the_example_answers():
     }
     assert namespace["format_reward"](**keywords) == [form for *_, form, _ in replies]
     assert namespace["correct_reward"](**keywords) == [number for *_, number in replies]
+
+
+class _Recorder:
+    """Stands in for the trained model and its tokenizer in the save cells: records every
+    save and push call, and answers a push with its commit URL."""
+
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def __getattr__(self, method):
+        if not method.startswith(("save_", "push_")):
+            raise AttributeError(method)
+
+        def call(*args, **kwargs):
+            self.calls.append((f"{self.name}.{method}", *args, kwargs))
+            return types.SimpleNamespace(commit_url=f"https://hub/{args[0]}/commit/1")
+
+        return call
+
+
+def _run_save_cells(template, tmp_path, monkeypatch, environ=None, **settings):
+    from slothkit.notebook.config import NotebookConfig
+
+    for name, value in {"WORLD_SIZE": "", "RANK": "", **(environ or {})}.items():
+        monkeypatch.setenv(name, value)
+    cells = [c.source for c in render_notebook(template, "llama-3-8b").cells if c.cell_type == "code"]
+    save, publish = cells[-2:]
+    calls = []
+    config = NotebookConfig(model_name="m", output_dir=str(tmp_path), hub_token="hf_x", **settings)
+    namespace = {
+        "model": _Recorder("model", calls),
+        "tokenizer": _Recorder("tokenizer", calls),
+        "config": config,
+    }
+    exec(save, namespace)
+    exec(publish, namespace)
+    return calls
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES))
+def test_save_cells_call_each_save_and_push_behind_its_flag(template, tmp_path, monkeypatch, capsys):
+    """The save and publish cells call the methods a user types (PEFT's save_pretrained and
+    slothkit's save_pretrained_merged, save_pretrained_gguf, push_to_hub_merged and
+    push_to_hub_gguf), each only when its Config flag asks, with the notebook's folders,
+    quantisations, repo names and token."""
+    out = str(tmp_path)
+    calls = _run_save_cells(
+        template,
+        tmp_path,
+        monkeypatch,
+        save_merged=True,
+        save_gguf=True,
+        gguf_quants="q4_k_m,q8_0",
+        hub_repo="me/m",
+    )
+    assert [call[:2] for call in calls] == [
+        ("model.save_pretrained", f"{out}/lora"),
+        ("tokenizer.save_pretrained", f"{out}/lora"),
+        ("model.save_pretrained_merged", f"{out}/merged-16bit"),
+        ("model.save_pretrained_gguf", f"{out}/gguf"),
+        ("model.push_to_hub_merged", "me/m-lora"),
+        ("model.push_to_hub_merged", "me/m"),
+        ("model.push_to_hub_gguf", "me/m-gguf"),
+    ]
+    assert [call[2].name for call in calls[2:]] == ["tokenizer"] * 5  # every export gets the tokenizer
+    assert [call[-1] for call in calls] == [
+        {},
+        {},
+        {"save_method": "merged_16bit", "overwrite": True},
+        {"quantization_method": "q4_k_m,q8_0", "overwrite": True},
+        {"save_method": "lora", "token": "hf_x"},
+        {"save_method": "merged_16bit", "token": "hf_x"},
+        {"quantization_method": "q4_k_m,q8_0", "token": "hf_x"},
+    ]
+    assert "https://hub/me/m-gguf/commit/1" in capsys.readouterr().out
+
+    # Flags off, no repo: only the adapter.
+    calls = _run_save_cells(template, tmp_path, monkeypatch, save_merged=False, save_gguf=False, hub_repo="")
+    assert [call[0] for call in calls] == ["model.save_pretrained", "tokenizer.save_pretrained"]
+    # Under a launcher, process 1 writes and pushes nothing: process 0 does.
+    calls = _run_save_cells(
+        template, tmp_path, monkeypatch, {"WORLD_SIZE": "2", "RANK": "1"}, save_gguf=True, hub_repo="me/m"
+    )
+    assert calls == []

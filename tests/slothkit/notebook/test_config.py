@@ -43,11 +43,22 @@ def test_a_notebook_without_generation_neither_shows_nor_checks_those_fields(cap
             r"BATCH_SIZE x GRAD_ACCUM = 6 completions per step is not a multiple of NUM_GENERATIONS = 4",
         ),
         ({"MAX_STEPS": True}, r"MAX_STEPS = True; expected a positive integer"),
+        (
+            {"SAVE_GGUF": True, "GGUF_QUANTS": "q4_k_m,q3_k_s"},
+            r"GGUF_QUANTS = 'q4_k_m,q3_k_s': unknown GGUF quantization_method 'q3_k_s'; valid: 'f32'",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_the_variable_named(values, message):
     with pytest.raises(ValueError, match=message):
         NotebookConfig.from_cell(_cell(**values), environ={})
+
+
+def test_gguf_quants_are_checked_only_when_gguf_files_are_saved():
+    config = NotebookConfig.from_cell(_cell(SAVE_GGUF=False, GGUF_QUANTS="q3_k_s"), environ={})
+    assert config.gguf_quants == "q3_k_s"
+    config = NotebookConfig.from_cell(_cell(SAVE_GGUF=True, GGUF_QUANTS="Q4_K_M, q8_0"), environ={})
+    assert config.gguf_quants == "Q4_K_M, q8_0"  # passed as written to quantization_method=
 
 
 def test_whole_groups_per_step_are_accepted():
