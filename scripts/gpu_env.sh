@@ -20,10 +20,21 @@ if [ -n "$wheels" ] && [ "$(cat "$site/.wheels" 2>/dev/null)" != "$installed" ];
     fi
     grep -v "^WARNING\|already exists" "$site/.pip.log" | tail -n 5
 fi
-# slothkit_kernels / slothkit_templates are kernels/ and templates/ under other names
-# (see pyproject.toml).
-ln -sfn "$PWD/kernels" "$site/slothkit_kernels"
-ln -sfn "$PWD/templates" "$site/slothkit_templates"
-export PYTHONPATH="$site:$PWD"
+if ls .whl/slothkit/slothkit-*.whl > /dev/null 2>&1; then
+    # A slothkit wheel travelled (built here with `pip wheel --no-deps -w .whl/slothkit .`):
+    # it is what users install, so it is what runs. PYTHONSAFEPATH keeps `python3 -m` from
+    # putting the checkout's slothkit/ ahead of it on the path.
+    for link in "$site/slothkit_kernels" "$site/slothkit_templates"; do  # left by a source run
+        if [ -L "$link" ]; then rm "$link"; fi
+    done
+    export PYTHONPATH="$site" PYTHONSAFEPATH=1
+    (cd /tmp && python3 -c "import slothkit; print('slothkit from', slothkit.__file__)") | tee -a "$OUT/gpu.txt"
+else
+    # slothkit_kernels / slothkit_templates are kernels/ and templates/ under other names
+    # (see pyproject.toml).
+    ln -sfn "$PWD/kernels" "$site/slothkit_kernels"
+    ln -sfn "$PWD/templates" "$site/slothkit_templates"
+    export PYTHONPATH="$site:$PWD"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
