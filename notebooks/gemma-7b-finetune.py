@@ -25,7 +25,7 @@
 # Colab, a panel in Jupyter and Kaggle).
 
 # %% [markdown]
-# ## 1. Install what is missing (never replaces Colab's torch or ipywidgets)
+# ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
 
 # %%
 import glob

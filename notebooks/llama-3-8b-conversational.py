@@ -23,7 +23,7 @@
 # a free Colab or Kaggle T4.
 
 # %% [markdown]
-# ## 1. Install what is missing (never replaces Colab's torch or ipywidgets)
+# ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
 
 # %%
 import glob

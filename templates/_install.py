@@ -1,4 +1,4 @@
-# %% Install what is missing (never replaces Colab's torch or ipywidgets)
+# %% Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
 import glob
 import importlib.util
 import os
