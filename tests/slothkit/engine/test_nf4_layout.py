@@ -62,7 +62,7 @@ def test_a_model_loaded_in_4bit_keeps_its_layout(bitsandbytes_repacks_on_cpu):
     assert len(quantised) == 7 * model.config.num_hidden_layers
     assert not any(getattr(m, REPACK_SWITCH) for m in quantised)
     torch.manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    ids = torch.randint(3, model.config.vocab_size, (2, 9)).to(model.device)
     with torch.no_grad():
         model.train()
         expected = model(input_ids=ids).logits
