@@ -113,12 +113,12 @@ def one_step_counts(
     impl: str, model_name: str, layers: int, seq: int, timed_steps: int = 0, mode: str = "lora"
 ):
     """(launch counts of one forward and backward, fastest host ms of ``timed_steps`` more)."""
-    from slothkit.bench import shapes
+    from slothkit import models
     from slothkit.bench.train_worker import build_model, prepare
 
-    base = shapes.shape_by_name(model_name)
+    base = models.shape_by_name(model_name)
     name = f"{model_name}-{layers}-layers"
-    shapes.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
+    models.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
     torch.manual_seed(0)
     # bf16 weights and fp32 adapters, as the benchmark trains on a GPU
     model = prepare(impl, build_model(name, torch.bfloat16, "cpu", 0, quantize_nf4=mode == "qlora"), 8)

@@ -211,11 +211,11 @@ def main() -> None:
     if DEVICE == "cpu":
         import dataclasses
 
-        from slothkit.bench import shapes
+        from slothkit import models
 
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
         small.update(num_key_value_heads=2, vocab_size=1024)
-        shapes.SHAPES["cpu-check"] = dataclasses.replace(shapes.shape_by_name(args.model), **small)
+        models.SHAPES["cpu-check"] = dataclasses.replace(models.shape_by_name(args.model), **small)
         args.model = "cpu-check"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -31,12 +31,12 @@ from slothkit.bench.train_worker import build_model, prepare
 
 
 def build(model_name: str, mode: str, layers: int | None, device: str, dtype):
-    from slothkit.bench import shapes
+    from slothkit import models
 
     if layers:  # a shallower copy of the shape, registered under a derived name
-        base = shapes.shape_by_name(model_name)
+        base = models.shape_by_name(model_name)
         name = f"{model_name}-{layers}-layers"
-        shapes.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
+        models.SHAPES[name] = dataclasses.replace(base, num_hidden_layers=layers)
         model_name = name
     model = build_model(model_name, dtype, device, 0, quantize_nf4=mode == "qlora")
     return prepare("slothkit", model, 16)

@@ -14,8 +14,8 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
                flight; per token about e * (6 H + 4 I + 2 (Hq + 2 Hkv) D), plus the
                fused loss's d_hidden (e H) and one chunk of logits.  In steps of more
                than 16,384 tokens with every layer offloaded the MLP runs in
-               8,192-token chunks, so its 4 I counts for 8,192 tokens only.  Plain checkpointing
-               adds one layer input (e H) per layer; each layer that is not
+               8,192-token chunks, so its 4 I counts for 8,192 tokens only.  Plain
+               checkpointing adds one layer input (e H) per layer; each layer that is not
                checkpointed adds what it saves for backward (``kept_layer_bytes``).
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
@@ -31,10 +31,12 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
                0.5 (keep sums: the kept sums' prefetched copies) and 3 (CUDA graphs: the
                graphs' private pool) hidden-state-sized tensors (tokens x H x e).
 
-The fitted constants (the working set, the slack, the keep-sums and graph terms) come
-from `slothkit bench train` records on an H200 (results/bench/);
-tests/slothkit/test_plan.py holds every committed record to them and docs/planner.md
-compares predictions with measured peaks.
+Where the engine changes what it does with the step's size (graphs and kept sums up to
+16,384 tokens, the MLP's chunks beyond, the pinned pieces) is the engine's own rule,
+slothkit.engine.sizes, which this model reads.  The fitted constants (the working set, the
+slack, the keep-sums and graph terms) come from `slothkit bench train` records on an H200
+(results/bench/); the report's test (tests/slothkit/bench/test_report.py) holds every
+committed record to them and docs/planner.md compares predictions with measured peaks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slothkit.engine.sizes import SHORT_STEP_TOKENS, mlp_token_chunk, pinned_bytes
 from slothkit.models import architecture_for
 from slothkit.models.shape import Shape
 
@@ -61,19 +64,6 @@ KEEP_SUMS_RESERVE = 0.5
 GRAPH_POOL_RESERVE = 3.0
 # The default budget leaves this share of the free memory unused.
 BUDGET_MARGIN = 0.05
-# Steps of more tokens than this run each MLP in chunks of MLP_TOKEN_CHUNK tokens
-# (slothkit_kernels.lora.lora_mlp's token_chunk; the fused MLP asks ``mlp_token_chunk``):
-# beyond the layer graphs' and kept sums' 16,384 tokens, where the (tokens,
-# intermediate) tensors are most of a layer's working memory.  8,192-token chunks keep
-# every GEMM large.
-MLP_CHUNK_ABOVE = 16384
-MLP_TOKEN_CHUNK = 8192
-
-
-def mlp_token_chunk(tokens: int) -> int | None:
-    """The MLP's token_chunk for a step of ``tokens`` tokens: None (whole) up to
-    MLP_CHUNK_ABOVE, MLP_TOKEN_CHUNK beyond."""
-    return MLP_TOKEN_CHUNK if tokens > MLP_CHUNK_ABOVE else None
 
 
 def _head_dim(shape: Shape) -> int:
@@ -258,7 +248,7 @@ class TrainingMemory:
     element_bytes: int = 2
     cuda_graphs: bool = False
     keep_sums: bool = False
-    graph_max_tokens: int = 16384
+    graph_max_tokens: int = SHORT_STEP_TOKENS
 
     @property
     def layers(self) -> int:
@@ -379,27 +369,6 @@ class TrainingMemory:
             host_budget_bytes=host_budget_bytes,
             host_bytes=offloaded * self.host_checkpoint_bytes(tokens),
         )
-
-
-# Pinned host copies (slothkit.engine.pinned_pieces) are held in power-of-two pieces,
-# because torch's pinned-memory allocator rounds each request up to one.  Bytes below
-# this go in one last piece (rounded by the allocator, so less than this is
-# wasted per tensor); above it, one copy per set bit of the size.
-MIN_PIECE = 1 << 20
-
-
-def piece_sizes(nbytes: int, min_piece: int = MIN_PIECE) -> list[int]:
-    """Byte sizes, largest first, that sum to ``nbytes``: the powers of two of its bits
-    from ``min_piece`` up, then the remainder below ``min_piece`` (if any) as one."""
-    remainder = nbytes % min_piece
-    high = nbytes - remainder
-    sizes = [1 << bit for bit in reversed(range(high.bit_length())) if high >> bit & 1]
-    return sizes + [remainder] if remainder else sizes
-
-
-def pinned_bytes(nbytes: int, min_piece: int = MIN_PIECE) -> int:
-    """The host memory the pieces of ``nbytes`` take once the allocator has rounded them."""
-    return sum(1 << (size - 1).bit_length() for size in piece_sizes(nbytes, min_piece))
 
 
 def budget_from_free(free_bytes: float) -> float:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from slothkit.bench.shapes import Shape, shape_by_name
 from slothkit.memory_model import (
     GIB,
     MemoryBudgetError,
@@ -41,6 +40,7 @@ from slothkit.memory_model import (
     lora_bytes,
     weights_bytes,
 )
+from slothkit.models import Shape, shape_by_name
 from slothkit.models.shape import shape_from_config
 
 __all__ = ["MemoryPlan", "plan", "shape_from_config"]
@@ -121,7 +121,7 @@ def plan(
     use_gradient_checkpointing="auto" would keep.
 
     Args:
-        model: a shape name (``slothkit.bench.shapes``), a local checkpoint folder (its
+        model: a shape name (``slothkit.models.SHAPES``), a local checkpoint folder (its
             config.json is read), or a Shape.
         gpu: "auto" (this machine's GPU and its free memory; none on a CPU) or a name of
             ``GPU_MEMORY_GIB``, any case.

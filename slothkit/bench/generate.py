@@ -13,9 +13,9 @@ import os
 import subprocess
 import sys
 
-from slothkit.bench.shapes import SHAPES, shape_by_name
 from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
+from slothkit.models import SHAPES, shape_by_name
 
 IMPLEMENTATIONS = ("slothkit", "hf", "unsloth")
 

@@ -54,8 +54,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from slothkit.bench.shapes import shape_by_name
-    from slothkit.models import architecture_for
+    from slothkit.models import architecture_for, shape_by_name
 
     config = shape_by_name(shape_name).config()
     neutral_norm = 0.0 if architecture_for(config).norm_adds_one else 1.0

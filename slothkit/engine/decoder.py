@@ -23,7 +23,7 @@ from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import recomputing
-from slothkit.memory_model import mlp_token_chunk
+from slothkit.engine.sizes import mlp_token_chunk
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy

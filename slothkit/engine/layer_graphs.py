@@ -72,6 +72,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from slothkit.engine.sizes import SHORT_STEP_TOKENS
+
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -199,7 +201,7 @@ class LayerGraphs:
     def __init__(
         self,
         max_signatures: int = 4,
-        max_tokens: int = 16384,
+        max_tokens: int = SHORT_STEP_TOKENS,
         phases: tuple[str, ...] = ("forward", "backward"),
     ):
         self.enabled = True

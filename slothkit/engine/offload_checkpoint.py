@@ -49,7 +49,7 @@ import torch
 
 from slothkit.engine.layer_graphs import LayerGraphs
 from slothkit.engine.pinned_pieces import PinnedPieces
-from slothkit.memory_model import pinned_bytes
+from slothkit.engine.sizes import SHORT_STEP_TOKENS, pinned_bytes
 
 _state = threading.local()  # backward may run on autograd's device threads
 
@@ -318,7 +318,7 @@ class OffloadedCheckpointer:
         marks_recompute: bool = False,
         cuda_graphs: bool | str = False,
         keeps: bool = False,
-        keep_max_tokens: int = 16384,
+        keep_max_tokens: int = SHORT_STEP_TOKENS,
         host_limit_bytes: float | None = None,
     ):
         self.on_device = DeviceCheckpointer(self)

@@ -4,8 +4,11 @@ architecture_for(model.config)     # the fused path's record by config.model_typ
 record_for(model.config)           # any record by config.model_type (GGUF export); None when unknown
 architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
+shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
 
-RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches. Gemma 3
+RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches; SHAPES
+the shapes the fused records name, by name (`slothkit plan` predicts from them, `slothkit bench`
+builds them with random weights). Gemma 3
 is a record without a fused path: FastModel trains it through plain Hugging Face + PEFT, and
 slothkit exports it.
 """
@@ -21,10 +24,12 @@ from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, GEMMA3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
+SHAPES: dict[str, Shape] = {name: shape for arch in ARCHITECTURES for name, shape in arch.shapes.items()}
 
 __all__ = [
     "ARCHITECTURES",
     "RECORDS",
+    "SHAPES",
     "Architecture",
     "GGUFLayout",
     "Shape",
@@ -33,6 +38,7 @@ __all__ = [
     "architecture_named",
     "architecture_of_shape",
     "record_for",
+    "shape_by_name",
     "supported_summary",
 ]
 
@@ -69,6 +75,16 @@ def architecture_of_shape(shape_name: str) -> Architecture:
             return arch
     known = ", ".join(name for arch in RECORDS for name in arch.shapes)
     raise ValueError(f"no architecture names the shape {shape_name!r}; named shapes: {known}")
+
+
+def shape_by_name(name: str) -> Shape:
+    """The named shape ("llama-3-8b"); a ValueError naming the known ones otherwise."""
+    if name not in SHAPES:
+        raise ValueError(
+            f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)} "
+            f"(or pass a local checkpoint directory)"
+        )
+    return SHAPES[name]
 
 
 def supported_summary() -> str:

@@ -18,7 +18,7 @@ rest of slothkit reads what differs between families from it and from nowhere el
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
     gguf              GGUF export (slothkit.export.gguf: layout, writer, verify)
     tiny              slothkit.testing.tiny_models
-    shapes            slothkit.bench.shapes (bench, planner), the notebooks' tiny model
+    shapes            slothkit.models.SHAPES (planner, bench), the notebooks' tiny model
     families          messages
     embedding_scale   the fast decode step (slothkit.inference), where transformers' embedding
                       module does not scale by sqrt(hidden) itself

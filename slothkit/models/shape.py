@@ -2,7 +2,7 @@
 `slothkit plan` predicts memory from.
 
 Each architecture record (slothkit.models) names the real checkpoints' shapes of its
-family; slothkit.bench.shapes collects them by name.
+family; slothkit.models.SHAPES collects them by name.
 """
 
 from __future__ import annotations

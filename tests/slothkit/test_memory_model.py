@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from slothkit import FastModel
-from slothkit.bench.shapes import shape_by_name
 from slothkit.memory_model import (
     GIB,
     MemoryBudgetError,
@@ -15,6 +14,7 @@ from slothkit.memory_model import (
     kept_layer_bytes,
     lora_bytes,
 )
+from slothkit.models import shape_by_name
 from slothkit.models.shape import shape_from_config
 from slothkit.testing import build_tiny_model
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from slothkit.bench.shapes import SHAPES
 from slothkit.cli import main
+from slothkit.models import SHAPES
 from slothkit.notebook.render import TEMPLATES, architecture_of, model_data, render_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"

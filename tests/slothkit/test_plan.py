@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from slothkit.bench.shapes import shape_by_name
-from slothkit.memory_model import GIB, MLP_CHUNK_ABOVE, TrainingMemory, lora_bytes
+from slothkit.engine.sizes import SHORT_STEP_TOKENS
+from slothkit.memory_model import GIB, TrainingMemory, lora_bytes
+from slothkit.models import shape_by_name
 from slothkit.plan import plan
 
 RESULTS = Path(__file__).resolve().parents[2] / "results" / "bench"
@@ -87,7 +88,7 @@ def test_reserved_prediction_is_on_the_safe_side_of_the_measured_peak(record, ro
     if record["_file"] in BUILT_IN_16_BITS:
         pytest.skip("reserved holds the 16-bit build's freed blocks")
     _, predicted, _, reserved = _predicted(record, row)
-    if record.get("memory_gib") is None and record["batch"] * record["seq"] > MLP_CHUNK_ABOVE:
+    if record.get("memory_gib") is None and record["batch"] * record["seq"] > SHORT_STEP_TOKENS:
         # An uncapped long step: the caching allocator, with the whole GPU free, allocates
         # anew rather than reuse the long step's odd-sized cached blocks (Llama-3-8B QLoRA
         # at 1 x 32,768: 13.1 GiB reserved for 9.8 allocated).  Under a cap, or on a GPU

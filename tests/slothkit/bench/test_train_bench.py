@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from slothkit.bench.shapes import SHAPES, shape_by_name
 from slothkit.bench.train_worker import build_model
 from slothkit.cli import main
+from slothkit.models import SHAPES, shape_by_name
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma"])

@@ -1,10 +1,11 @@
-"""Long steps run each decoder layer's MLP over token chunks (slothkit.memory_model's
-MLP_CHUNK_ABOVE / MLP_TOKEN_CHUNK, slothkit_kernels.lora.lora_mlp's token_chunk): the
+"""Long steps run each decoder layer's MLP over token chunks (slothkit.engine.sizes'
+SHORT_STEP_TOKENS / MLP_TOKEN_CHUNK, slothkit_kernels.lora.lora_mlp's token_chunk): the
 same training, step for step, as the whole MLP."""
 
 import pytest
 import torch
 
+import slothkit.engine.sizes as sizes
 import slothkit.memory_model as memory_model
 import slothkit_kernels.lora as lora
 from slothkit import FastModel
@@ -54,8 +55,8 @@ def test_a_long_step_trains_as_the_whole_mlp(tiny_path, reference_kernels, monke
     monkeypatch.setattr(lora._ChunkedLoRAMLPRecompute, "apply", counted_recompute)
     monkeypatch.setattr(lora, "_chunked_mlp_forward", counted_forward)
     # 48 tokens per step: "long" above 16, in chunks of 20 (20, 20, 8).
-    monkeypatch.setattr(memory_model, "MLP_CHUNK_ABOVE", 16)
-    monkeypatch.setattr(memory_model, "MLP_TOKEN_CHUNK", 20)
+    monkeypatch.setattr(sizes, "SHORT_STEP_TOKENS", 16)
+    monkeypatch.setattr(sizes, "MLP_TOKEN_CHUNK", 20)
     chunked_losses, chunked_params = _train(tiny_path)
 
     # Each step: every layer's checkpointed forward, then its recompute, in chunks.
@@ -70,21 +71,20 @@ def test_a_long_step_trains_as_the_whole_mlp(tiny_path, reference_kernels, monke
 
 
 def test_the_memory_model_counts_one_chunk_of_the_mlp_in_long_offloaded_steps():
-    from slothkit.bench.shapes import shape_by_name
+    from slothkit.models import shape_by_name
 
     shape = shape_by_name("llama-3-8b")
     i, e = shape.intermediate_size, 2
-    long, longer = 2 * memory_model.MLP_CHUNK_ABOVE, 4 * memory_model.MLP_CHUNK_ABOVE
+    long, longer = 2 * sizes.SHORT_STEP_TOKENS, 4 * sizes.SHORT_STEP_TOKENS
     # Beyond the threshold the MLP's share stops growing: only the per-token rest does.
     step = memory_model.activation_bytes(shape, longer) - memory_model.activation_bytes(shape, long)
     per_token_rest = (step - e * shape.vocab_size * (longer - long) // 16) / (longer - long)
     assert per_token_rest < e * 4 * i  # the 4 I per token is gone
-    short = memory_model.MLP_CHUNK_ABOVE
+    short = sizes.SHORT_STEP_TOKENS
     whole = memory_model.activation_bytes(shape, short) - memory_model.activation_bytes(shape, short // 2)
     assert whole / (short // 2) > e * 4 * i
     # Kept layers and torch's checkpoint run the MLP whole.
     assert (
         memory_model.activation_bytes(shape, long, kept_layers=1) - memory_model.activation_bytes(shape, long)
-        > e * 4 * i * (long - memory_model.MLP_TOKEN_CHUNK)
-        + memory_model.kept_layer_bytes(shape, long) * 0.99
+        > e * 4 * i * (long - sizes.MLP_TOKEN_CHUNK) + memory_model.kept_layer_bytes(shape, long) * 0.99
     )

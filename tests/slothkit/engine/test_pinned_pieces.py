@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from slothkit.bench.shapes import shape_by_name
 from slothkit.engine.pinned_pieces import PinnedPieces
-from slothkit.memory_model import MIN_PIECE, TrainingMemory, lora_bytes, piece_sizes, pinned_bytes
+from slothkit.engine.sizes import MIN_PIECE, piece_sizes, pinned_bytes
+from slothkit.memory_model import TrainingMemory, lora_bytes
+from slothkit.models import shape_by_name
 
 GIB = 2**30
 

@@ -11,7 +11,8 @@ import torch
 from slothkit import FastModel
 from slothkit.engine import recompute_policy
 from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
-from slothkit.memory_model import BUDGET_MARGIN, GIB, MIN_PIECE, MemoryBudgetError
+from slothkit.engine.sizes import MIN_PIECE
+from slothkit.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
 from slothkit.testing import build_tiny_model
 
 LAYERS = 4

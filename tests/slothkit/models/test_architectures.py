@@ -7,10 +7,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from slothkit.bench.shapes import SHAPES
 from slothkit.models import (
     ARCHITECTURES,
     RECORDS,
+    SHAPES,
     architecture_for,
     architecture_named,
     architecture_of_shape,
