@@ -23,7 +23,6 @@ from slothkit_kernels.lora import (
     lora_qkv_rope,
 )
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
-from slothkit_kernels.nf4_gemv import nf4_matmul, nf4_matmul_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference
 from slothkit_kernels.rope import rope, rope_reference, rotate
@@ -48,8 +47,6 @@ __all__ = [
     "lora_qkv",
     "lora_qkv_reference",
     "lora_qkv_rope",
-    "nf4_matmul",
-    "nf4_matmul_reference",
     "rms_norm",
     "rms_norm_reference",
     "rope",

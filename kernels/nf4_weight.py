@@ -38,12 +38,9 @@ class NF4Weight:
     nested_code: torch.Tensor | None = None  # fp32, 256-entry table for absmax codes
     nested_blocksize: int | None = None  # absmax codes per nested scale
     offset: torch.Tensor | float | None = None  # added to every dequantised absmax
-    # Checked, flattened kernel arguments, filled by the first dequantize_nf4 or nf4_matmul
-    # call: a record describes frozen tensors, so the checks need not run at every call.
+    # Checked, flattened kernel arguments, filled by the first dequantize_nf4 call: a record
+    # describes frozen tensors, so the checks need not run at every call.
     launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    # The 256 level pairs of a packed byte (kernels/nf4_gemv.py), built by the first
-    # nf4_matmul call from ``code``.
-    code_pairs: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def column_slabs(self, max_bytes: int) -> list[tuple[int, int]] | None:
         """Column ranges that split the weight into slabs of at most about ``max_bytes``

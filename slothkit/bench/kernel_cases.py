@@ -356,66 +356,6 @@ def nf4_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     return cases
 
 
-# --- nf4_gemv ------------------------------------------------------------------------
-
-
-def _bitsandbytes_matmul() -> Impl:
-    import bitsandbytes as bnb
-
-    # What a bitsandbytes Linear4bit runs without autograd: its 4-bit GEMV kernel
-    # (gemm_4bit) for a few rows.
-    return lambda i: bnb.matmul_4bit(i["x"], i["packed"].t(), quant_state=i["state"])
-
-
-def _dequantize_then_matmul() -> Impl:
-    from slothkit_kernels.nf4 import dequantize_nf4
-
-    return lambda i: F.linear(i["x"], dequantize_nf4(i["weight"]))
-
-
-def nf4_gemv_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
-    # (rows of x, out_features, in_features): decoding at batch 1 and 8 through
-    # Llama-3-8B's projections (q and o; k and v; gate and up; down).
-    llama = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
-    sizes = {
-        "full": [(m, n, k) for m in (1, 8) for n, k in llama],
-        "quick": [(1, 4096, 4096), (1, 14336, 4096), (8, 14336, 4096)],
-        "tiny": [(1, 40, 256), (3, 40, 256)],
-    }
-
-    def bind(fn, i):
-        return fn(i["x"], i["weight"])
-
-    cases = []
-    for m, n, k in sizes[shapes]:
-
-        def make(device, grad, m=m, n=n, k=k):
-            inputs = _nf4_inputs(n, k, dtype, device)
-            inputs["x"] = _randn((m, k), device, dtype)
-            return inputs
-
-        cases.append(
-            Case(
-                "nf4_gemv",
-                f"M{m} x {n}x{k}",
-                dtype,
-                make,
-                {
-                    "eager": _kernel("nf4_gemv", "nf4_matmul_reference", bind),
-                    "slothkit": _kernel("nf4_gemv", "nf4_matmul", bind),
-                    "bitsandbytes": _bitsandbytes_matmul,
-                    "dequantize+matmul": _dequantize_then_matmul,
-                },
-                # read the NF4 record and x; write y
-                bytes_fwd=_nf4_record_bytes(n, k) + dtype.itemsize * (m * k + m * n),
-                bytes_fwd_bwd=None,
-                note="y = x W^T from a double-quantised NF4 W (blocksize 64); GB/s counts "
-                "the NF4 record, x and y; eager = fp32 reference",
-            )
-        )
-    return cases
-
-
 # --- lora_mlp ------------------------------------------------------------------------
 
 LORA_RANK = 16
@@ -493,7 +433,6 @@ BUILDERS: dict[str, Callable[[str, torch.dtype], list[Case]]] = {
     "cross_entropy": cross_entropy_cases,
     "fused_linear_cross_entropy": fused_linear_cross_entropy_cases,
     "nf4": nf4_cases,
-    "nf4_gemv": nf4_gemv_cases,
     "lora_mlp": lora_mlp_cases,
 }
 OPS = tuple(BUILDERS)

@@ -242,10 +242,6 @@ def test_byte_counts_of_the_full_shapes():
     nf4 = cases["nf4", "dequant 14336x4096"]
     assert nf4.bytes_fwd_bwd is None
     assert nf4.bytes_fwd == pytest.approx(14336 * 4096 * 2.5, rel=0.02)  # 0.5 B in, 2 B out
-    gemv = cases["nf4_gemv", "M8 x 4096x14336"]
-    assert gemv.bytes_fwd_bwd is None
-    # 0.5 byte of codes and 1/64 byte of absmax code per weight, x and y in bf16
-    assert gemv.bytes_fwd == pytest.approx(4096 * 14336 * (0.5 + 1 / 64) + 2 * 8 * (4096 + 14336), rel=1e-3)
     for case in cases.values():
         assert case.bytes_fwd > 0
         assert case.bytes_fwd_bwd is None or case.bytes_fwd_bwd > case.bytes_fwd
