@@ -231,6 +231,9 @@ def test_demo_arch_choices_are_the_architecture_records():
             "slothkit plan: batch=0; expected a positive",
         ),
         (["plan", "llama-3-8b", "--gpu", "t4", "--seq", "-2048"], 2, "slothkit plan: seq=-2048; expected"),
+        (["plan", "llama-3-8b", "--gpu", "t4", "--seq", "0"], 2, "slothkit plan: seq=0; expected"),
+        (["plan", "llama-3-8b", "--gpu", "t4", "--batch", "-1"], 2, "slothkit plan: batch=-1; expected"),
+        (["plan", "llama-3-8b", "--gpu", "t4", "--rank", "0"], 2, "slothkit plan: rank=0; expected"),
         (["plan", "no-such-model", "--gpu", "t4"], 2, "slothkit plan: "),
         (["plan", "llama-3-8b", "--gpu", "b200"], 2, "slothkit plan: unknown GPU 'b200'; known: auto, t4"),
     ],
@@ -239,6 +242,17 @@ def test_ordinary_errors_are_one_line_without_a_traceback(argv, status, message,
     assert main(argv) == status
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_misspelt_option_is_refused_by_argparse_before_any_work(tmp_path, capsys):
+    """`export DIR --too gguf`: argparse's usage and one error line naming what is missing,
+    exit 2, and nothing written."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["export", str(tmp_path), "--too", "gguf"])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "slothkit export: error: the following arguments are required: --to"
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
 def test_debug_and_slothkit_debug_show_the_traceback(monkeypatch):
