@@ -136,10 +136,17 @@ def run(args) -> dict:
         seed=0,
     )
     if args.impl == "slothkit":
-        from slothkit.trainers import grpo_config, grpo_trainer
+        from slothkit.trl import GRPOTrainer
+        from slothkit.trl.defaults import grpo_config
 
         config = grpo_config(model, **settings)
-        trainer = grpo_trainer(model, tokenizer, [_length_reward], dataset, args=config)
+        trainer = GRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=[_length_reward],
+            train_dataset=dataset,
+            args=config,
+        )
     else:
         import trl
 

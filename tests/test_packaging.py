@@ -128,7 +128,7 @@ def test_wheel_ships_every_module_and_data_file(dist):
     assert {
         "slothkit/inference/__init__.py",
         "slothkit/trl/__init__.py",
-        "slothkit/trainers/__init__.py",
+        "slothkit/export/gguf/__init__.py",
     } <= expected
     missing = sorted(expected - names)
     assert not missing, f"the wheel lacks {missing}"

@@ -65,7 +65,7 @@ def trainer_defaults(model) -> dict:
     """
     from transformers import TrainingArguments
 
-    from slothkit.trainers import checkpointing_off, machine_defaults
+    from slothkit.trl.defaults import checkpointing_off, machine_defaults
 
     settings = {**machine_defaults(model), **checkpointing_off(TrainingArguments)}
     print("for this machine: " + ", ".join(f"{name}={value!r}" for name, value in settings.items()))
@@ -116,7 +116,7 @@ def train(
 ) -> TrainResult:
     """The train cell in one call: SFT (or DPO) for config.max_steps with the config's batch,
     accumulation, learning rate and sequence length, slothkit's defaults for the rest
-    (slothkit.trainers), then ``report_training``.
+    (slothkit.trl.defaults), then ``report_training``.
 
     Args:
         model: the model from ``FastModel.get_peft_model``.
@@ -131,12 +131,12 @@ def train(
     Returns:
         The TrainResult.
     """
-    from slothkit import trainers
+    from slothkit.trl import DPOTrainer, SFTTrainer, defaults
 
     if method not in ("sft", "dpo"):
         raise ValueError(f"method={method!r}; accepted: 'sft', 'dpo'")
-    make_config = trainers.sft_config if method == "sft" else trainers.dpo_config
-    make_trainer = trainers.sft_trainer if method == "sft" else trainers.dpo_trainer
+    make_config = defaults.sft_config if method == "sft" else defaults.dpo_config
+    trainer_class = SFTTrainer if method == "sft" else DPOTrainer
     args = make_config(
         model,
         output_dir=f"{config.output_dir}/checkpoints",
@@ -148,7 +148,7 @@ def train(
         save_strategy="no",
         **overrides,
     )
-    trainer = make_trainer(model, tokenizer, dataset, args=args)
+    trainer = trainer_class(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
     if responses_only:
         from slothkit.data import train_on_responses_only
 

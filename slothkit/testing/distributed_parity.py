@@ -145,7 +145,7 @@ def loop_run(model_path: str, setting: str = "offload", parallel: str = "ddp", d
 
 
 def sft_run(model_path: str, output_dir: str) -> dict:
-    """TRL's SFTTrainer through slothkit.trainers (its config from ``sft_config``), with
+    """slothkit.trl's SFTTrainer (its config from ``sft_config``), with
     offloaded checkpointing; under a launcher the Trainer wraps the model in DDP itself.
 
     Args:
@@ -158,14 +158,17 @@ def sft_run(model_path: str, output_dir: str) -> dict:
     """
     from slothkit.data import apply_chat_template, example_dataset, train_on_responses_only
     from slothkit.testing.training_parity import RUN, history, lora_weights
-    from slothkit.trainers import sft_config, sft_trainer
+    from slothkit.trl import SFTTrainer
+    from slothkit.trl.defaults import sft_config
 
     _, world = _process_group()
     model, tokenizer = _load(model_path, checkpointing="offload")
     dataset = apply_chat_template(example_dataset("chat").select(range(GLOBAL_BATCH * STEPS)), tokenizer)
     run = {**RUN, "per_device_train_batch_size": GLOBAL_BATCH // world}
     args = sft_config(model, max_steps=STEPS, learning_rate=2e-3, max_length=96, output_dir=output_dir, **run)
-    trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+    trainer = train_on_responses_only(
+        SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+    )
     trainer.train()
     return {
         "losses": [entry[0] for entry in history(trainer, "loss")],

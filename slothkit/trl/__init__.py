@@ -1,13 +1,50 @@
-"""TRL's trainers and configs under the names older notebooks import, taking the keywords
-those notebooks pass (``tokenizer=``, options given to the trainer instead of its config,
-``TrainingArguments`` where a TRL config is expected, ``warmup_ratio``) and saying once how
-each is written now.
+"""TRL's trainers and configs for slothkit models, under TRL's names: what a user builds.
 
-    from slothkit.trl import SFTTrainer, SFTConfig, TrainingArguments
+    from slothkit.trl import SFTTrainer, SFTConfig
+    from slothkit.trl.defaults import sft_config  # slothkit's defaults for this machine
 
-The classes are subclasses: TRL and transformers themselves are left as they are.
-slothkit.trl.configs lists what the configs translate, slothkit.trl.trainers what the
-trainers do.
+    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset,
+                         args=sft_config(model, max_steps=60))
+    trainer.train()
+
+One layer: each trainer is a subclass of TRL's (TRL and transformers themselves are left
+as they are), and slothkit's hardware-aware defaults are config factories in
+slothkit.trl.defaults that the trainers use when given no config.  Each trainer takes the
+keywords older notebooks pass, checks the setup and the data before TRL sees them, keeps
+the adapters in float32 and explains a CUDA out-of-memory error (slothkit.trl.setup).
+
+    method  trainer, config            defaults factory  data (columns)                        module
+    SFT     SFTTrainer, SFTConfig      sft_config        text | conversations | prompt+completion  supervised
+    DPO     DPOTrainer, DPOConfig      dpo_config        prompt, chosen, rejected              preference
+    ORPO    ORPOTrainer, ORPOConfig    orpo_config       prompt, chosen, rejected              preference
+    KTO     KTOTrainer, KTOConfig      kto_config        prompt, completion, label             preference
+    GRPO    GRPOTrainer, GRPOConfig    grpo_config       prompt, and reward functions          online
+    RLOO    RLOOTrainer, RLOOConfig    rloo_config       prompt, and reward functions          online
+    reward  RewardTrainer, RewardConfig reward_config    [prompt,] chosen, rejected            reward
+
+The other modules: configs (the configs taking older keywords), library (TRL's version
+floor and where it keeps each class), on_policy_generation (GRPO's and RLOO's sampling
+through the fast decode loop), out_of_memory, unsloth (Unsloth's trainer names).
+
+How the trainers meet slothkit's fused model (TRL >= 1.16):
+
+* SFT, DPO, KTO, GRPO and RLOO give the model TRL's own fused LM head (``trl.trainer.utils.
+  add_fused_lm_head``): the loss, log-probabilities, entropy and accuracy are computed in
+  tiles from the last hidden state, so the (batch, seq, vocab) logits are never built.
+  The decoder layers still run slothkit's kernels; only the head's cross-entropy is TRL's.
+* transformers' Trainer calls the model with labels: slothkit's forward returns its fused
+  loss and logits=None.  Older TRL SFTTrainers did the same with ``loss_type="nll"`` (the
+  default before TRL 1.x made "chunked_nll" the default) and then read ``outputs.logits``
+  for their entropy and token-accuracy metrics, which fails on None: hence the version
+  floor (slothkit.trl.library).
+* Gradient accumulation: both paths divide the summed token losses by the number of
+  trainable tokens of the whole accumulated batch (``num_items_in_batch``), so 2 x batch 1
+  trains like batch 2.
+* ORPO (trl.experimental in TRL 1.16) computes the logits with the model's own forward:
+  slothkit's decoder layers, the plain LM head.  The reward model (a sequence classifier,
+  ``FastModel.from_pretrained(..., num_labels=1)``) has no LM head.
+* TRL's trainers cast a quantized model's adapters to bf16; these keep the dtype
+  get_peft_model gave them (float32).
 """
 
 from slothkit.trl.configs import (
@@ -21,18 +58,11 @@ from slothkit.trl.configs import (
     TrainingArguments,
     UnslothTrainingArguments,
 )
-from slothkit.trl.trainers import (
-    DPOTrainer,
-    GRPOTrainer,
-    KTOTrainer,
-    ORPOTrainer,
-    PatchDPOTrainer,
-    RewardTrainer,
-    RLOOTrainer,
-    SFTTrainer,
-    UnslothTrainer,
-    unsloth_train,
-)
+from slothkit.trl.online import GRPOTrainer, RLOOTrainer
+from slothkit.trl.preference import DPOTrainer, KTOTrainer, ORPOTrainer
+from slothkit.trl.reward import RewardTrainer
+from slothkit.trl.supervised import SFTTrainer
+from slothkit.trl.unsloth import PatchDPOTrainer, UnslothTrainer, unsloth_train
 
 __all__ = [
     "DPOConfig",

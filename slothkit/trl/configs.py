@@ -22,7 +22,7 @@ What is translated, for every config:
 and per config: ``max_seq_length`` -> ``max_length`` (SFTConfig); ``max_prompt_length``
 (DPOConfig, ORPOConfig, KTOConfig, GRPOConfig, RLOOConfig) and ``max_completion_length``
 (KTOConfig), which TRL 1.16 dropped, are kept as attributes that slothkit.trl's trainers
-apply (slothkit.trl.trainers says how).
+apply (slothkit.trl.preference and slothkit.trl.online say how).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import dataclasses
 import transformers
 
 from slothkit.notices import say_once
+from slothkit.trl.library import trl_class
 
 # old keyword -> (new keyword, how the value converts); None: dropped when the value is
 # the one the library now always uses.
@@ -163,8 +164,6 @@ class TrainingArguments(transformers.TrainingArguments):
 
 
 def _config_class(name: str, doc: str, extra_keywords=()):
-    from slothkit.trainers.configs import trl_class
-
     base = trl_class(name)
 
     def __init__(self, *args, **kwargs):

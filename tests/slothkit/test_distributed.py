@@ -64,7 +64,7 @@ def test_ddp_defaults_only_under_a_launcher():
 
 
 def test_config_builders_take_the_ddp_defaults(monkeypatch):
-    from slothkit.trainers import machine_defaults
+    from slothkit.trl.defaults import machine_defaults
 
     assert "ddp_find_unused_parameters" not in machine_defaults()
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -94,7 +94,7 @@ def test_trainer_setup_checks_the_ddp_settings(monkeypatch):
     config slothkit did not build, knowing whether the model's checkpointing nests."""
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
-    from slothkit.trainers import check_setup
+    from slothkit.trl.setup import check_setup
 
     model, tokenizer = FastModel.from_pretrained(
         str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False, fused=True

@@ -79,7 +79,7 @@ def test_fsdp2_matches_one_process_and_ddp(reference_kernels, tmp_path):
 
 
 def test_sft_trainer_under_ddp_matches_one_process(reference_kernels, tmp_path):
-    """TRL's SFTTrainer from slothkit.trainers under torchrun (the Trainer wraps the model
+    """slothkit.trl's SFTTrainer under torchrun (the Trainer wraps the model
     in DDP itself), offloaded checkpointing, per-device batch 2 x 2 processes against one
     process with batch 4: the same samples in the same order, losses and adapters equal."""
     model = str(tiny_model_path("llama"))

@@ -144,12 +144,12 @@ def test_train_cell_builds_the_config_slothkit_chooses(
     template, trainer_name, make_config, monkeypatch, tmp_path
 ):
     """The values the train cell writes out in its SFTConfig(...) / DPOConfig(...) are
-    slothkit's defaults (slothkit.trainers) with the notebook config's batch, accumulation,
+    slothkit's defaults (slothkit.trl.defaults) with the notebook config's batch, accumulation,
     steps, rate and length: the cell shows them, and cannot drift from them."""
     import slothkit.data
     import slothkit.trl
-    from slothkit import trainers
     from slothkit.notebook.config import NotebookConfig
+    from slothkit.trl import defaults
 
     (cell,) = [
         c for c in render_notebook(template, "llama-3-8b").cells if f"trainer = {trainer_name}(" in c.source
@@ -164,7 +164,7 @@ def test_train_cell_builds_the_config_slothkit_chooses(
     namespace = {"model": None, "tokenizer": "the tokenizer", "dataset": "the data", "config": config}
     exec(cell.source, namespace)
 
-    expected = getattr(trainers, make_config)(
+    expected = getattr(defaults, make_config)(
         None,
         output_dir=f"{tmp_path}/checkpoints",
         per_device_train_batch_size=3,
@@ -195,8 +195,8 @@ def test_grpo_train_cell_builds_the_config_slothkit_chooses(monkeypatch, tmp_pat
     with the notebook config's values, generation settings included, and the trainer gets
     the notebook's reward functions."""
     import slothkit.trl
-    from slothkit import trainers
     from slothkit.notebook.config import NotebookConfig
+    from slothkit.trl import defaults
 
     built = {}
     monkeypatch.setattr(slothkit.trl, "GRPOTrainer", lambda **kwargs: built.update(kwargs) or "the trainer")
@@ -214,7 +214,7 @@ def test_grpo_train_cell_builds_the_config_slothkit_chooses(monkeypatch, tmp_pat
     }
     exec(_grpo_cell("trainer = GRPOTrainer(").source, namespace)
 
-    expected = trainers.grpo_config(
+    expected = defaults.grpo_config(
         None,
         output_dir=f"{tmp_path}/checkpoints",
         per_device_train_batch_size=3,

@@ -26,6 +26,7 @@ from slothkit.data import (
     get_chat_template,
     train_on_responses_only,
 )
+from slothkit.notices import LegacySpellingWarning
 from slothkit.testing import tiny_model_path
 from slothkit.testing.training_parity import (
     MAX_SEQ,
@@ -35,17 +36,9 @@ from slothkit.testing.training_parity import (
     load_for_training,
     lora_weights,
 )
-from slothkit.trainers import (
-    dpo_config,
-    dpo_trainer,
-    grpo_config,
-    grpo_trainer,
-    hardware_defaults,
-    require_trl,
-    sft_config,
-    sft_trainer,
-    training_arguments,
-)
+from slothkit.trl import DPOTrainer, GRPOTrainer, SFTTrainer
+from slothkit.trl.defaults import dpo_config, grpo_config, hardware_defaults, sft_config, training_arguments
+from slothkit.trl.library import require_trl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("quiet_training")  # tests/slothkit/conftest.py
@@ -61,7 +54,9 @@ def _sft(kind, load_in_4bit=False, steps=3, records=12, max_length=MAX_SEQ, arch
     args = sft_config(
         model, max_steps=steps, learning_rate=2e-3, max_length=max_length, output_dir=f"unused-{kind}", **RUN
     )
-    trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+    trainer = train_on_responses_only(
+        SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+    )
     trainer.train()
     return trainer, model, initial
 
@@ -93,7 +88,12 @@ def _dpo(kind, load_in_4bit, arch="llama", steps=2):
     model, tokenizer = load_for_training(kind, load_in_4bit, arch=arch, template=TEMPLATES[arch])
     initial = lora_weights(model)
     args = dpo_config(model, max_steps=steps, learning_rate=1e-2, output_dir=f"unused-{kind}", **RUN)
-    trainer = dpo_trainer(model, tokenizer, example_dataset("preference").select(range(8)), args=args)
+    trainer = DPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        train_dataset=example_dataset("preference").select(range(8)),
+        args=args,
+    )
     trainer.train()
     return trainer, model, initial
 
@@ -150,7 +150,13 @@ def _grpo(kind, load_in_4bit):
         output_dir=f"unused-{kind}",
         **RUN,
     )
-    trainer = grpo_trainer(model, tokenizer, [_digits_reward], prompts, args=args)
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[_digits_reward],
+        train_dataset=prompts,
+        args=args,
+    )
     trainer.train()
     return trainer, model, initial
 
@@ -199,7 +205,9 @@ def _sgd_step(kind_of_trainer, batch, accumulation):
         output_dir="unused",
     )
     if kind_of_trainer == "sft":
-        trainer = sft_trainer(model, tokenizer, dataset, args=sft_config(model, **common))
+        trainer = SFTTrainer(
+            model=model, processing_class=tokenizer, train_dataset=dataset, args=sft_config(model, **common)
+        )
     else:
         from transformers import Trainer
 
@@ -304,6 +312,22 @@ def test_batched_generation_with_left_padding_matches_one_by_one(reference_kerne
 # --- configs and checks ---------------------------------------------------------------------
 
 
+def test_a_trainer_given_no_config_builds_slothkits(reference_kernels):
+    """slothkit.trl's trainers use slothkit.trl.defaults' factory when given no config,
+    with the config options given to the trainer."""
+    model, tokenizer = load_for_training("slothkit")
+    dataset = apply_chat_template(example_dataset("chat").select(range(2)), tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LegacySpellingWarning)  # max_seq_length: said once per process
+        trainer = SFTTrainer(
+            model=model, processing_class=tokenizer, train_dataset=dataset, max_seq_length=40
+        )
+    expected = sft_config(model, max_length=40)
+    names = ("learning_rate", "max_length", "optim", "bf16", "seed", "output_dir", "gradient_checkpointing")
+    assert [getattr(trainer.args, n) for n in names] == [getattr(expected, n) for n in names]
+    assert trainer.args.learning_rate == 2e-4 and trainer.args.max_length == 40
+
+
 def test_configs_fit_the_hardware(reference_kernels, monkeypatch):
     model, _ = load_for_training("slothkit", load_in_4bit=True)
     args = sft_config(model, output_dir="unused")
@@ -332,12 +356,17 @@ def test_setup_checks(reference_kernels):
         output_dir="unused", bf16=False, report_to="none"
     )  # TRL's default turns checkpointing on
     with pytest.warns(UserWarning, match="would replace the checkpointing FastModel.get_peft_model set up"):
-        sft_trainer(model, tokenizer, dataset, args=args)
+        SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
     # activation_checkpointing: transformers >= 5.24's name; earlier ones have gradient_checkpointing only
     assert args.gradient_checkpointing is False and getattr(args, "activation_checkpointing", False) is False
     tokenizer.add_tokens([f"<extra_{i}>" for i in range(600)])
     with pytest.raises(ValueError, match="embeddings 768 rows; call get_chat_template"):
-        sft_trainer(model, tokenizer, dataset, args=sft_config(model, output_dir="unused"))
+        SFTTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=dataset,
+            args=sft_config(model, output_dir="unused"),
+        )
 
 
 @pytest.mark.parametrize(
@@ -356,8 +385,11 @@ def test_bad_data_is_refused_before_trl(reference_kernels, records, match):
 
     model, tokenizer = load_for_training("slothkit")
     with pytest.raises(ValueError, match=match):
-        sft_trainer(
-            model, tokenizer, datasets.Dataset.from_list(records), args=sft_config(model, output_dir="unused")
+        SFTTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_list(records),
+            args=sft_config(model, output_dir="unused"),
         )
 
 
@@ -377,14 +409,18 @@ def test_over_long_samples_are_truncated_or_refused_clearly(reference_kernels):
     dataset = apply_chat_template(records, tokenizer)
     assert len(tokenizer(dataset[0]["text"])["input_ids"]) > MAX_SEQ
     args = sft_config(model, max_steps=1, max_length=40, output_dir="unused", **RUN)
-    trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+    trainer = train_on_responses_only(
+        SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+    )
     assert [len(ids) for ids in trainer.train_dataset["input_ids"]] == [40, 40]
     trainer.train()
     assert torch.isfinite(torch.tensor(history(trainer, "loss"))).all()
 
     args = sft_config(model, max_steps=1, max_length=22, output_dir="unused", **RUN)
     with pytest.raises(NoTrainableTokensError, match="none of the 2 samples.*Tell me a story"):
-        train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+        train_on_responses_only(
+            SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+        )
 
 
 def test_old_trl_is_refused(monkeypatch):
@@ -398,12 +434,14 @@ def test_old_trl_is_refused(monkeypatch):
 
 
 def test_out_of_memory_in_training_names_the_settings_to_change(reference_kernels, monkeypatch):
-    from slothkit.trainers import TrainingOutOfMemoryError
+    from slothkit.trl.out_of_memory import TrainingOutOfMemoryError
 
     model, tokenizer = load_for_training("slothkit")
     dataset = apply_chat_template(example_dataset("chat").select(range(4)), tokenizer)
     args = sft_config(model, max_steps=1, max_length=MAX_SEQ, output_dir="unused-oom", **RUN)
-    trainer = train_on_responses_only(sft_trainer(model, tokenizer, dataset, args=args))
+    trainer = train_on_responses_only(
+        SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+    )
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
@@ -421,23 +459,17 @@ def test_out_of_memory_in_training_names_the_settings_to_change(reference_kernel
 def test_a_list_of_records_is_taken_and_a_list_of_anything_else_explained(reference_kernels):
     import datasets
 
-    from slothkit.trl import SFTTrainer
-
     model, tokenizer = load_for_training("slothkit")
     records = [{"text": f"Record {i}: the sloth sleeps."} for i in range(4)]
-    for build in (
-        lambda data: sft_trainer(model, tokenizer, data, args=sft_config(model, output_dir="unused")),
-        lambda data: SFTTrainer(
-            model=model,
-            processing_class=tokenizer,
-            train_dataset=data,
-            args=sft_config(model, output_dir="unused"),
-        ),
+
+    def build(data):
+        args = sft_config(model, output_dir="unused")
+        return SFTTrainer(model=model, processing_class=tokenizer, train_dataset=data, args=args)
+
+    trainer = build(records)  # was AttributeError: 'list' object has no attribute ...
+    assert isinstance(trainer.train_dataset, datasets.Dataset) and len(trainer.train_dataset) == 4
+    with pytest.raises(
+        ValueError,
+        match=r"train_dataset: records must be dicts; record 0 is str; pass a datasets\.Dataset",
     ):
-        trainer = build(records)  # was AttributeError: 'list' object has no attribute ...
-        assert isinstance(trainer.train_dataset, datasets.Dataset) and len(trainer.train_dataset) == 4
-        with pytest.raises(
-            ValueError,
-            match=r"train_dataset: records must be dicts; record 0 is str; pass a datasets\.Dataset",
-        ):
-            build([r["text"] for r in records])
+        build([r["text"] for r in records])

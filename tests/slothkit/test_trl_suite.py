@@ -7,6 +7,7 @@ must the trained LoRA weights.  The kernels run their plain-torch references
 (reference_kernels, tests/slothkit/conftest.py).
 """
 
+import functools
 import os
 
 import pytest
@@ -17,17 +18,8 @@ pytest.importorskip("trl")
 from slothkit import FastModel
 from slothkit.data import example_dataset
 from slothkit.testing.training_parity import RUN, assert_same_lora, history, load_for_training, lora_weights
-from slothkit.trainers import (
-    LEARNING_RATES,
-    kto_config,
-    kto_trainer,
-    orpo_config,
-    orpo_trainer,
-    reward_config,
-    reward_trainer,
-    rloo_config,
-    rloo_trainer,
-)
+from slothkit.trl import KTOTrainer, ORPOTrainer, RewardTrainer, RLOOTrainer
+from slothkit.trl.defaults import LEARNING_RATES, kto_config, orpo_config, reward_config, rloo_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("quiet_training", "reference_kernels")  # tests/slothkit/conftest.py
@@ -63,7 +55,7 @@ def _compare(fused, plain, keys, moves="loss", rtol=1e-4, atol=1e-5):
     return fused_log
 
 
-def _run(kind, make_config, make_trainer, dataset, load_kwargs, learning_rate, **config):
+def _run(kind, make_config, trainer_class, dataset, load_kwargs, learning_rate, **config):
     load_kwargs = dict(load_kwargs)
     arch = load_kwargs.setdefault("arch", "llama")
     model, tokenizer = load_for_training(kind, template=TEMPLATES[arch], **load_kwargs)
@@ -71,7 +63,7 @@ def _run(kind, make_config, make_trainer, dataset, load_kwargs, learning_rate, *
     args = make_config(
         model, max_steps=STEPS, learning_rate=learning_rate, output_dir=f"unused-{kind}", **RUN, **config
     )
-    trainer = make_trainer(model, tokenizer, dataset, args=args)
+    trainer = trainer_class(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
     trainer.train()
     return trainer, model, initial
 
@@ -89,7 +81,7 @@ def _both(*args, **kwargs):
 )
 def test_orpo_matches_hf_peft(load_kwargs):
     fused, plain, fused_model, plain_model, initial = _both(
-        orpo_config, orpo_trainer, _pairs(), load_kwargs, 1e-3, beta=0.1
+        orpo_config, ORPOTrainer, _pairs(), load_kwargs, 1e-3, beta=0.1
     )
     keys = ("loss", "nll_loss", "log_odds_ratio", "rewards/chosen", "rewards/rejected", "logps/chosen")
     _compare(fused, plain, keys)
@@ -105,7 +97,7 @@ def test_kto_matches_hf_peft(load_kwargs):
     """KTO's reference is the model with its adapters off; its KL estimate pairs each
     completion with the other prompt of its batch."""
     fused, plain, fused_model, plain_model, initial = _both(
-        kto_config, kto_trainer, _unpaired(), load_kwargs, 1e-3, beta=0.1
+        kto_config, KTOTrainer, _unpaired(), load_kwargs, 1e-3, beta=0.1
     )
     keys = ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm")
     log = _compare(fused, plain, keys)
@@ -128,13 +120,9 @@ def test_rloo_matches_hf_peft(load_kwargs):
     """RLOO samples completions, so the runs agree only if both models sample the same
     tokens from the same seed; beta > 0 also runs the reference (adapters off) pass."""
     prompts = _pairs(10).remove_columns(["chosen", "rejected"])
-
-    def make_trainer(model, tokenizer, dataset, args):
-        return rloo_trainer(model, tokenizer, [_digits_reward], dataset, args=args)
-
     fused, plain, fused_model, plain_model, initial = _both(
         rloo_config,
-        make_trainer,
+        functools.partial(RLOOTrainer, reward_funcs=[_digits_reward]),
         prompts,
         load_kwargs,
         1e-2,
@@ -167,7 +155,7 @@ def test_reward_model_matches_hf_peft(load_kwargs):
     """A LoRA reward model: FastModel.from_pretrained(num_labels=1), its decoder on the
     fused path, the score head trained in full (PEFT's SEQ_CLS modules_to_save)."""
     fused, plain, fused_model, plain_model, initial = _both(
-        reward_config, reward_trainer, _pairs(), {"num_labels": 1, **load_kwargs}, 1e-3
+        reward_config, RewardTrainer, _pairs(), {"num_labels": 1, **load_kwargs}, 1e-3
     )
     keys = ("loss", "accuracy", "margin", "mean_reward", "min_reward", "max_reward")
     _compare(fused, plain, keys)
@@ -218,7 +206,12 @@ def test_reward_trainer_refuses_a_causal_lm():
     with pytest.raises(
         ValueError, match="this model is a LlamaForCausalLM; load it as one with .*num_labels=1"
     ):
-        reward_trainer(model, tokenizer, _pairs(2), args=reward_config(model, output_dir="unused"))
+        RewardTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=_pairs(2),
+            args=reward_config(model, output_dir="unused"),
+        )
 
 
 @pytest.mark.parametrize(
@@ -240,8 +233,11 @@ def test_kto_data_is_refused_before_trl(records, match):
 
     model, tokenizer = load_for_training("slothkit")
     with pytest.raises(ValueError, match=match):
-        kto_trainer(
-            model, tokenizer, datasets.Dataset.from_list(records), args=kto_config(model, output_dir="unused")
+        KTOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_list(records),
+            args=kto_config(model, output_dir="unused"),
         )
 
 
@@ -283,7 +279,8 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, 
     from slothkit.engine.inspection import causal_lm_of
     from slothkit.inference import DECODER_ATTRIBUTE
     from slothkit.inference.fast_decoder import FastDecoder
-    from slothkit.trainers import grpo_config, grpo_trainer
+    from slothkit.trl import GRPOTrainer
+    from slothkit.trl.defaults import grpo_config
 
     sampled_in_training = []
     original = FastDecoder.generate
@@ -293,14 +290,16 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, 
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FastDecoder, "generate", recording)
-    make_config, make = {"grpo": (grpo_config, grpo_trainer), "rloo": (rloo_config, rloo_trainer)}[method]
+    make_config, trainer_class = {"grpo": (grpo_config, GRPOTrainer), "rloo": (rloo_config, RLOOTrainer)}[
+        method
+    ]
     prompts = _pairs(10).remove_columns(["chosen", "rejected"])
 
     settings = dict(num_generations=2, max_completion_length=6, beta=0.1)
     fused, fused_model, initial = _run(
         "slothkit",
         make_config,
-        lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=True, **k),
+        functools.partial(trainer_class, reward_funcs=[_digits_reward], fast_generation=True),
         prompts,
         {"arch": arch},
         1e-2,
@@ -311,7 +310,7 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, 
     plain, plain_model, _ = _run(
         "hf",
         make_config,
-        lambda *a, **k: make(*a[:2], [_digits_reward], a[2], fast_generation=False, **k),
+        functools.partial(trainer_class, reward_funcs=[_digits_reward], fast_generation=False),
         prompts,
         {"arch": arch},
         1e-2,
