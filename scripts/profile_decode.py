@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from slothkit.bench.generate_worker import prepare
+    from slothkit.model_state import state_of
 
     args.rank, args.seed, args.prompt_len, args.new_tokens = 16, 0, 128, 128
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -77,7 +78,7 @@ def main() -> None:
     causal_lm = model.get_base_model()
     prompt = torch.randint(3, causal_lm.config.vocab_size, (args.batch, args.prompt_len), device="cuda")
     model.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    captured = causal_lm._slothkit_fast_decoder.captured
+    captured = state_of(causal_lm).fast_decoder.captured
     assert captured.graph is not None, "the decode step was not captured"
     token = prompt[:, -1]
     position = torch.full((args.batch,), args.prompt_len + 8, device="cuda")

@@ -36,6 +36,7 @@ from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
 from slothkit.memory_model import host_budget_bytes
+from slothkit.model_state import attach_state, state_of
 from slothkit.models import architecture_for, supported_summary
 from slothkit.notices import say_once
 from slothkit.saved_adapter import is_adapter_folder, load_saved_adapter
@@ -239,7 +240,8 @@ class FastModel:
         # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
         # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
         keep_nf4_layout(model)
-        model.max_seq_length = max_seq_length
+        model.max_seq_length = max_seq_length  # Unsloth's attribute, for user code
+        attach_state(model).max_seq_length = max_seq_length
         tokenizer.model_max_length = max_seq_length
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:
@@ -251,7 +253,6 @@ class FastModel:
         arch = architecture_for(model.config)
         if _takes_fused_path(model, arch, fused):
             patch_decoder(model, arch)
-        model._slothkit_tokenizer = tokenizer
         _link_instances(model, tokenizer)
         return model, tokenizer
 
@@ -405,7 +406,7 @@ class FastModel:
         causal_lm.config.use_cache = (
             False  # a KV cache is of no use in training, and clashes with checkpointing
         )
-        tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        tokenizer = _tokenizer_of(model)
         if tokenizer is not None:
             tokenizer.padding_side = "right"
         return model
@@ -436,7 +437,7 @@ class FastModel:
         causal_lm.config.use_cache = True
         accept_encoding_in_generate(model)
         enable_fast_decode(model, fast_decode)
-        tokenizer = getattr(model, "_slothkit_tokenizer", None)
+        tokenizer = _tokenizer_of(model)
         if tokenizer is not None:
             tokenizer.padding_side = "left"
         return model
@@ -489,7 +490,7 @@ def ready_for_training(
         # Checkpointed layers recompute in backward; their input must require grad.
         causal_lm.enable_input_require_grads()
     if auto:
-        seq = getattr(causal_lm, "max_seq_length", None)
+        seq = attach_state(causal_lm).max_seq_length
         if batch_size is not None and seq is None:
             raise ValueError(
                 f"batch_size={batch_size} needs the sequence length too: pass max_seq_length= "
@@ -497,7 +498,6 @@ def ready_for_training(
             )
         tokens = batch_size * seq if batch_size is not None else None
         enable_recompute_policy(causal_lm, peft_model, layers, max_memory, tokens)
-    peft_model._slothkit_tokenizer = getattr(model, "_slothkit_tokenizer", None)
     from slothkit.export import attach_export_methods
 
     attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
@@ -653,8 +653,10 @@ def _embeddings_trained_in_full(target_modules: list, modules_to_save):
 def _set_max_seq_length(model, max_seq_length: int) -> None:
     causal_lm = causal_lm_of(model)
     check_max_seq_length(causal_lm.config, max_seq_length)
-    causal_lm.max_seq_length = max_seq_length
-    tokenizer = getattr(model, "_slothkit_tokenizer", None)
+    causal_lm.max_seq_length = max_seq_length  # Unsloth's attribute, for user code
+    state = attach_state(causal_lm)
+    state.max_seq_length = max_seq_length
+    tokenizer = state.tokenizer
     if tokenizer is not None:
         tokenizer.model_max_length = max_seq_length
 
@@ -662,6 +664,13 @@ def _set_max_seq_length(model, max_seq_length: int) -> None:
 def _link_instances(model, tokenizer) -> None:
     """Instance-level glue for code written against transformers 4 and Unsloth: the
     tokenizer knows its model (so get_chat_template can grow the embeddings without
-    model=), and generate takes apply_chat_template's dict (slothkit.generation)."""
+    model=), the model its tokenizer (slothkit.model_state), and generate takes
+    apply_chat_template's dict (slothkit.generation)."""
+    attach_state(model).tokenizer = tokenizer
     link_model(tokenizer, model)
     accept_encoding_in_generate(model)
+
+
+def _tokenizer_of(model):
+    state = state_of(model)
+    return state.tokenizer if state is not None else None

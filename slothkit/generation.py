@@ -29,11 +29,22 @@ def accept_encoding_in_generate(model):
         The same model (unchanged when it has no ``generate``: a sequence classifier).
     """
     generate = getattr(model, "generate", None)
-    if generate is None or getattr(generate, "_slothkit_unpacks_encoding", False):
+    if generate is None or isinstance(generate, UnpackingGenerate):
         return model
+    model.generate = UnpackingGenerate(model, generate)
+    return model
 
-    @functools.wraps(generate)
-    def generate_unpacking(*args, **kwargs):
+
+class UnpackingGenerate:
+    """A model's ``generate`` that unpacks a BatchEncoding passed as ``input_ids`` and
+    hands the call to the fast loop first (``accept_encoding_in_generate``)."""
+
+    def __init__(self, model, generate):
+        self.model = model
+        self.generate = generate
+        functools.update_wrapper(self, generate)
+
+    def __call__(self, *args, **kwargs):
         encoding = kwargs.get("input_ids")
         if encoding is None and args and isinstance(args[0], Mapping):
             encoding, args = args[0], args[1:]
@@ -49,11 +60,7 @@ def accept_encoding_in_generate(model):
                 kwargs.setdefault(key, value)
         from slothkit.inference import fast_generate
 
-        sequences = fast_generate(model, args, kwargs)  # None: not on for_inference's fast path
+        sequences = fast_generate(self.model, args, kwargs)  # None: not on for_inference's fast path
         if sequences is not None:
             return sequences
-        return generate(*args, **kwargs)
-
-    generate_unpacking._slothkit_unpacks_encoding = True
-    model.generate = generate_unpacking
-    return model
+        return self.generate(*args, **kwargs)

@@ -74,7 +74,6 @@ def load_saved_adapter(
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-        model._slothkit_tokenizer = tokenizer
         _link_instances(model, tokenizer)
     rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:  # tokens added in training; the adapter holds their rows

@@ -21,6 +21,7 @@ import torch
 
 from slothkit.bench.train_worker import LORA_TARGETS, RESULT_TAG, build_model, load_with_unsloth
 from slothkit.environment import allocator_settings
+from slothkit.model_state import state_of
 
 # Tokens of each row compared between implementations (the first 32).
 COMPARED_TOKENS = 32
@@ -148,7 +149,8 @@ def run(args) -> dict:
         "allocator": allocator_settings(),  # as the imports left it (Unsloth sets its own)
     }
     result["generation_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
-    decoder = getattr(getattr(model, "get_base_model", lambda: model)(), "_slothkit_fast_decoder", None)
+    state = state_of(model)
+    decoder = state.fast_decoder if state is not None else None
     if decoder is not None:
         result["kv_cache_gib"] = decoder.nbytes / 2**30
         result["graph_captured"] = decoder.captured is not None and decoder.captured.graph is not None

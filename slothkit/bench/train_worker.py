@@ -33,6 +33,7 @@ from slothkit.bench.multi_gpu import gather, parameters_checksum, start_process_
 from slothkit.distributed import launch
 from slothkit.environment import allocator_settings
 from slothkit.memory_model import MemoryBudgetError
+from slothkit.model_state import state_of
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -239,7 +240,8 @@ def slothkit_settings(model) -> dict:
             settings["keep_sums"] = checkpointer.keeps
             break
     for module in model.modules():
-        policy = getattr(module, "_slothkit_recompute_policy", None)
+        state = state_of(module)  # the model may be wrapped (DDP): its causal LM carries it
+        policy = state.recompute_policy if state is not None else None
         if policy is not None and policy.choice is not None:
             choice = policy.choice
             settings["recompute"] = {

@@ -4,9 +4,8 @@ through slothkit_kernels by patching the *instance*.
 Only the given model's modules get new ``forward`` methods (bound with
 ``types.MethodType``); transformers' classes are never touched, so a plain and a
 fused model can live in one process and importing slothkit changes nothing.
-The original forward of each patched module is kept as
-``module._slothkit_original_forward`` and is what runs whenever the fused path
-cannot (an unsupported LoRA setting, a trainable lm_head, evaluation with
+The original forward of each patched module is kept in its ``PatchedModule`` record
+(slothkit.model_state) and is what runs whenever the fused path cannot (an unsupported LoRA setting, a trainable lm_head, evaluation with
 logits requested).
 """
 
@@ -24,6 +23,14 @@ from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import recomputing
 from slothkit.engine.sizes import mlp_token_chunk
+from slothkit.model_state import (
+    PatchedModule,
+    attach_patched_module,
+    attach_state,
+    detach_patched_module,
+    patched_module,
+    state_of,
+)
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
@@ -31,29 +38,31 @@ from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
 from slothkit_kernels.rms_norm import rms_norm
 from slothkit_kernels.rope import rope
 
-PATCHED_MARK = "_slothkit_architecture"
 
-
-def _bind(module: nn.Module, forward) -> None:
-    if not hasattr(module, "_slothkit_original_forward"):
-        module._slothkit_original_forward = module.forward
+def _bind(module: nn.Module, forward, **record) -> None:
+    """Replace ``module``'s forward (on this instance) with ``forward``, keeping its own
+    and ``record``'s fields in its PatchedModule record."""
+    attach_patched_module(module, PatchedModule(original_forward=module.forward, **record))
     module.forward = types.MethodType(forward, module)
+
+
+def _original(module: nn.Module):
+    return patched_module(module).original_forward
 
 
 # --- RMSNorm -----------------------------------------------------------------
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states, self.weight, self._slothkit_eps, gemma=self._slothkit_adds_one)
+    record = patched_module(self)
+    return rms_norm(hidden_states, self.weight, record.eps, gemma=record.adds_one)
 
 
 def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = norm.eps
-    norm._slothkit_eps = float(eps)
-    norm._slothkit_adds_one = adds_one
-    _bind(norm, _rms_norm_forward)
+    _bind(norm, _rms_norm_forward, eps=float(eps), adds_one=adds_one)
 
 
 # --- MLP ---------------------------------------------------------------------
@@ -62,7 +71,7 @@ def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     projections = projections_or_none("the MLP", self.gate_proj, self.up_proj, self.down_proj)
     if projections is None:
-        return self._slothkit_original_forward(x)
+        return _original(self)(x)
     # In the backward re-run of an offload-checkpointed layer the MLP output only feeds
     # the layer output, which nobody reads: skip the down projection (a hook on the MLP
     # might read it, so not then).
@@ -70,7 +79,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return lora_mlp(
         x,
         *projections,
-        activation=self._slothkit_activation,
+        activation=patched_module(self).activation,
         backward_only=backward_only,
         token_chunk=mlp_token_chunk(x.numel() // x.shape[-1]),
     )
@@ -79,8 +88,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def patch_mlp(mlp: nn.Module, activation: str) -> None:
     """Only for decoder layers whose MLP output goes straight into the residual sum
     that is the layer's output (Llama, Mistral, Gemma), as ``_mlp_forward`` assumes."""
-    mlp._slothkit_activation = activation
-    _bind(mlp, _mlp_forward)
+    _bind(mlp, _mlp_forward, activation=activation)
 
 
 # --- attention ---------------------------------------------------------------
@@ -160,9 +168,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
 
 
 def patch_attention(attention: nn.Module) -> None:
-    _bind(attention, _attention_forward)
-    # The decoder layer's forward calls this to apply o_proj with the residual sum itself.
-    attention._slothkit_values = types.MethodType(attention_values, attention)
+    # The decoder layer's forward calls attention_values to apply o_proj with the residual
+    # sum itself.
+    _bind(attention, _attention_forward, attention_values=types.MethodType(attention_values, attention))
 
 
 # --- the decoder layer -----------------------------------------------------------
@@ -171,8 +179,7 @@ def patch_attention(attention: nn.Module) -> None:
 def patch_decoder_layer(layer: nn.Module) -> None:
     """Only for layers whose forward is the two residual sums ``decoder_layer_forward``
     computes (Llama, Mistral, Gemma), with these four submodules patched."""
-    layer._slothkit_checkpoints_forward = checkpoints_in_forward(layer)
-    _bind(layer, decoder_layer_forward)
+    _bind(layer, decoder_layer_forward, checkpoints_in_forward=checkpoints_in_forward(layer))
 
 
 # --- the language-model head and loss ------------------------------------------
@@ -186,7 +193,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     head = self.get_output_embeddings()
     fusable_head = type(head) is nn.Linear and head.bias is None
     if labels is None or not self.training or not fusable_head:
-        return self._slothkit_original_forward(
+        return _original(self)(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -246,7 +253,8 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
     the fused kernels.  A sequence classifier (a reward model) keeps its score head and
     loss: only its decoder is patched.  Idempotent; returns the model."""
     causal_lm, layers = decoder_layers(model)
-    if getattr(causal_lm, PATCHED_MARK, None) == arch.name:
+    state = state_of(causal_lm)
+    if state is not None and state.architecture == arch.name:
         return model
     activation = arch.activation(causal_lm.config)
     for layer in layers:
@@ -258,7 +266,7 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
     patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
     if causal_lm.get_output_embeddings() is not None:  # an LM head: the fused loss applies
         patch_causal_lm(causal_lm)
-    setattr(causal_lm, PATCHED_MARK, arch.name)
+    attach_state(causal_lm).architecture = arch.name
     return model
 
 
@@ -266,11 +274,9 @@ def unpatch_decoder(model: nn.Module) -> nn.Module:
     """Restore every patched module's own forward."""
     causal_lm, _ = decoder_layers(model)
     for module in causal_lm.modules():
-        original = module.__dict__.pop("_slothkit_original_forward", None)
-        if original is not None:
+        if detach_patched_module(module) is not None:
             module.__dict__.pop("forward", None)
-            module.__dict__.pop("_slothkit_values", None)
-            module.__dict__.pop("_slothkit_checkpoints_forward", None)
-    if hasattr(causal_lm, PATCHED_MARK):
-        delattr(causal_lm, PATCHED_MARK)
+    state = state_of(causal_lm)
+    if state is not None:
+        state.architecture = None
     return model

@@ -40,6 +40,7 @@ from torch import nn
 
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.offload_checkpoint import keep, kept, recomputing, unread_sum
+from slothkit.model_state import patched_module
 from slothkit_kernels.lora import lora_o_residual
 
 ATTENTION_SUM = "attention_sum"  # the name h is kept under
@@ -48,7 +49,7 @@ ATTENTION_SUM = "attention_sum"  # the name h is kept under
 def checkpoints_in_forward(layer: nn.Module) -> bool:
     """Whether transformers checkpoints this layer by wrapping its class's forward (which
     an instance forward bypasses) rather than in ``__call__``.  Settled once, when the
-    layer is patched: ``decoder_layer_forward`` reads ``_slothkit_checkpoints_forward``."""
+    layer is patched: ``decoder_layer_forward`` reads it from the layer's PatchedModule."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # no such base class: the model's loop does the checkpointing
@@ -86,7 +87,7 @@ def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
 
 def decoder_layer_forward(self, *args, **kwargs):
     if (
-        self._slothkit_checkpoints_forward
+        patched_module(self).checkpoints_in_forward
         and self.gradient_checkpointing
         and self.training
         and torch.is_grad_enabled()
@@ -100,7 +101,8 @@ def _fused_attention_sum(self, hidden_states, normed, attention_mask, position_i
     """h through the patched attention and ``lora_o_residual``, or None where that path
     does not apply (the caller then calls the attention module)."""
     attention = self.self_attn
-    values = getattr(attention, "_slothkit_values", None)
+    record = patched_module(attention)
+    values = record.attention_values if record is not None else None
     if values is None or attention._forward_hooks or attention._forward_pre_hooks:
         return None
     o_proj = projections_or_none("attention o_proj", attention.o_proj)

@@ -17,6 +17,7 @@ from torch import nn
 
 from slothkit.engine.inspection import is_4bit_parameter
 from slothkit.engine.nf4_layout import is_repacked_for_cpu, repacked_weight_error
+from slothkit.model_state import keep_nf4_cache, nf4_cache
 from slothkit_kernels.lora import LoRAProjection
 from slothkit_kernels.nf4_weight import NF4Weight
 
@@ -35,14 +36,14 @@ def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:
         state = param.quant_state
         if getattr(state, "quant_type", None) != "nf4":
             return None
-        cached = getattr(param, "_slothkit_nf4", None)
+        cached = nf4_cache(param)
         key = (param.data_ptr(), param.device, id(state))
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None and cached.key == key:
+            return cached.weight
         if is_repacked_for_cpu(state):
             raise repacked_weight_error(layer)
         weight = NF4Weight.from_bitsandbytes(param.data, state)
-        param._slothkit_nf4 = (key, weight)
+        keep_nf4_cache(param, key, weight)
         return weight
     if isinstance(layer, nn.Linear):
         return layer.weight

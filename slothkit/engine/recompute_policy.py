@@ -38,7 +38,6 @@ import warnings
 import torch
 from torch import nn
 
-from slothkit.engine.decoder import PATCHED_MARK
 from slothkit.memory_model import (
     RecomputeChoice,
     TrainingMemory,
@@ -46,6 +45,7 @@ from slothkit.memory_model import (
     free_bytes,
     gib_or_bytes,
 )
+from slothkit.model_state import attach_state, state_of
 from slothkit.models.shape import shape_from_config
 
 
@@ -208,7 +208,7 @@ def enable_recompute_policy(
     from ``max_host_memory``): the plan is made within the limit the checkpointer keeps.
 
     Returns:
-        The policy, also kept as the first layer's ``_slothkit_recompute_policy``; None
+        The policy, also kept as the model's ``state_of(model).recompute_policy``; None
         where there is no budget or the model is not on slothkit's fused path (then the
         layers stay offloaded, said once).
 
@@ -225,7 +225,8 @@ def enable_recompute_policy(
         if device.type != "cpu":
             _notice_no_budget(device.type)
         return None
-    if getattr(causal_lm, PATCHED_MARK, None) is None:
+    state = state_of(causal_lm)
+    if state is None or state.architecture is None:
         _notice_unfused(causal_lm.config.model_type)
         return None
     layers = list(layers)
@@ -235,5 +236,5 @@ def enable_recompute_policy(
     if tokens is not None:
         policy.decide(tokens)
     causal_lm.model.register_forward_pre_hook(policy.before_decoder, with_kwargs=True)
-    layers[0]._slothkit_recompute_policy = policy
+    attach_state(causal_lm).recompute_policy = policy
     return policy

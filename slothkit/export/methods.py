@@ -24,7 +24,7 @@ from torch import nn
 
 from slothkit.engine.inspection import is_4bit_model
 from slothkit.export.hub import push_to_hub_merged
-from slothkit.export.save import merged_plain_model, save_pretrained_merged
+from slothkit.export.save import merged_plain_model, save_pretrained_merged, tokenizer_of
 
 GGUF_MODULE = "slothkit.export.gguf"
 GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
@@ -63,7 +63,7 @@ def _gguf_method(name: str):
             raise AttributeError(f"{GGUF_MODULE} has no {name}(); this slothkit build cannot export GGUF")
         if needs_merging(model):
             tokenizer = args[1] if len(args) > 1 else kwargs.get("tokenizer")
-            tokenizer = tokenizer if tokenizer is not None else getattr(model, "_slothkit_tokenizer", None)
+            tokenizer = tokenizer if tokenizer is not None else tokenizer_of(model)
             model = merged_plain_model(model, tokenizer, scratch_dir=_scratch_dir_for(name, args, kwargs))
         return function(model, *args, **kwargs)
 

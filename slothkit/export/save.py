@@ -30,6 +30,7 @@ from slothkit.export.disk_space import check_free_space, estimated_save_bytes
 from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
+from slothkit.model_state import state_of
 
 SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,8 +73,14 @@ def input_folders(model: nn.Module, base_weights=None) -> dict[str, str | None]:
     return folders
 
 
+def tokenizer_of(model: nn.Module):
+    """The tokenizer FastModel loaded with ``model``, or None."""
+    state = state_of(model)
+    return state.tokenizer if state is not None else None
+
+
 def resolve_tokenizer(model: nn.Module, tokenizer):
-    tokenizer = tokenizer if tokenizer is not None else getattr(model, "_slothkit_tokenizer", None)
+    tokenizer = tokenizer if tokenizer is not None else tokenizer_of(model)
     if tokenizer is None:
         raise ValueError(
             "pass the tokenizer (save_pretrained_merged(save_directory, tokenizer, ...)): the saved folder "
@@ -184,7 +191,8 @@ def _check_adapter_weights(model: nn.Module) -> None:
 
 def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
     facts = dict(training_settings or {})
-    max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None)
+    state = state_of(model)
+    max_seq_length = state.max_seq_length if state is not None else None
     if max_seq_length is not None:
         facts.setdefault("max_seq_length", max_seq_length)
     if is_4bit_model(model):

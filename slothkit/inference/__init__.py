@@ -16,12 +16,12 @@ import torch
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.sampling import generation_config_for, unsupported_settings
+from slothkit.model_state import attach_state, state_of
 from slothkit.models import architecture_for
 from slothkit.notices import say_once
 
-__all__ = ["DECODER_ATTRIBUTE", "FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
+__all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
 
-DECODER_ATTRIBUTE = "_slothkit_fast_decoder"
 # generate's keywords that are not generation settings and that the fast loop reads.
 _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 
@@ -68,19 +68,21 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
         if reason:
             say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate")
         return False
-    if getattr(causal_lm, DECODER_ATTRIBUTE, None) is None:
+    state = attach_state(causal_lm)
+    if state.fast_decoder is None:
         arch = architecture_for(causal_lm.config)
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
-        setattr(causal_lm, DECODER_ATTRIBUTE, FastDecoder(causal_lm, arch.embedding_scale, use_graph))
-    getattr(causal_lm, DECODER_ATTRIBUTE).while_training = while_training
+        state.fast_decoder = FastDecoder(causal_lm, arch.embedding_scale, use_graph)
+    state.fast_decoder.while_training = while_training
     return True
 
 
 def disable_fast_decode(model) -> None:
     """Drop the model's FastDecoder, freeing its cache and graph."""
-    causal_lm = causal_lm_of(model)
-    decoder = causal_lm.__dict__.pop(DECODER_ATTRIBUTE, None)
+    state = state_of(model)
+    decoder = state.fast_decoder if state is not None else None
     if decoder is not None:
+        state.fast_decoder = None
         decoder.release()
 
 
@@ -88,7 +90,8 @@ def fast_generate(model, args: tuple, kwargs: dict):
     """``model.generate(*args, **kwargs)`` through the model's FastDecoder, or None when it
     has none or the call asks for something the fast loop does not do (said once)."""
     causal_lm = causal_lm_of(model)
-    decoder = getattr(causal_lm, DECODER_ATTRIBUTE, None)
+    state = state_of(causal_lm)
+    decoder = state.fast_decoder if state is not None else None
     if decoder is None or (causal_lm.training and not decoder.while_training):
         return None
     kwargs = dict(kwargs)

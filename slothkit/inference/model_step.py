@@ -20,6 +20,7 @@ from torch import nn
 
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
+from slothkit.model_state import patched_module
 from slothkit_kernels import geglu, rope, swiglu
 
 
@@ -70,7 +71,11 @@ class _DecodeMLP:
         if self.gated:
             self.gate_up = SharedInputProjections([mlp.gate_proj, mlp.up_proj], dtype)
             self.down = SharedInputProjections([mlp.down_proj], dtype)
-        self.activation = mlp.__dict__.get("_slothkit_activation")
+        record = patched_module(mlp)
+        self.activation = record.activation if record is not None else None
+        # slothkit's fused training MLP dequantises whole 4-bit matrices per call; for a
+        # few tokens the module's own forward reads less.
+        self.own_forward = record.original_forward if record is not None else mlp
 
     def refresh(self) -> None:
         if self.gated:
@@ -79,10 +84,7 @@ class _DecodeMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
-            # slothkit's fused training MLP dequantises whole 4-bit matrices per call; for
-            # a few tokens the module's own forward reads less.
-            forward = getattr(self.mlp, "_slothkit_original_forward", None) or self.mlp
-            return forward(x)
+            return self.own_forward(x)
         gate, up = self.gate_up(x)
         if self.activation == "swiglu" and x.is_cuda:
             hidden = swiglu(gate, up)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from slothkit.model_state import state_of
+
 MAX_SEQ = 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Trainer settings every parity run shares: no warmup, so the first step already moves;
@@ -76,7 +78,7 @@ def load_for_training(
         model = FastModel.get_peft_model(
             model, r=8, lora_alpha=16, use_gradient_checkpointing=checkpointing, random_state=SEED
         )
-        assert model.get_base_model()._slothkit_architecture == arch  # the fused path is on
+        assert state_of(model).architecture == arch  # the fused path is on
         return model, tokenizer
 
     from peft import LoraConfig, get_peft_model

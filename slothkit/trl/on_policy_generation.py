@@ -13,8 +13,8 @@ graph stay allocated across steps and are freed when ``train`` returns.
 
 from __future__ import annotations
 
-from slothkit.engine.inspection import causal_lm_of
-from slothkit.inference import DECODER_ATTRIBUTE, disable_fast_decode, enable_fast_decode
+from slothkit.inference import disable_fast_decode, enable_fast_decode
+from slothkit.model_state import state_of
 
 
 def generate_on_fast_path(trainer, model, fast: bool | None = None):
@@ -34,7 +34,8 @@ def generate_on_fast_path(trainer, model, fast: bool | None = None):
     train = trainer.train
 
     def train_sampling_fast(*args, **kwargs):
-        had_decoder = getattr(causal_lm_of(model), DECODER_ATTRIBUTE, None) is not None
+        state = state_of(model)
+        had_decoder = state is not None and state.fast_decoder is not None
         enabled = enable_fast_decode(model, fast, while_training=True)
         try:
             return train(*args, **kwargs)

@@ -23,6 +23,7 @@ import torch
 from slothkit.distributed import check_ddp_settings
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.offload_checkpoint import uses_offloaded_checkpoint
+from slothkit.model_state import state_of
 from slothkit.notices import say_once
 from slothkit.trl.configs import convert_arguments, field_names
 from slothkit.trl.defaults import default_config
@@ -54,9 +55,8 @@ def check_setup(model, tokenizer, args) -> None:
             f"the tokenizer has {len(tokenizer)} ids but the model's embeddings {rows} rows; call "
             "get_chat_template(..., model=model) before FastModel.get_peft_model so that they grow together"
         )
-    patched = getattr(causal_lm, "_slothkit_architecture", None) is not None or hasattr(
-        model, "_slothkit_tokenizer"
-    )
+    state = state_of(causal_lm)  # patched, or loaded through FastModel
+    patched = state is not None and (state.architecture is not None or state.tokenizer is not None)
     # transformers 5's Trainer reads activation_checkpointing; gradient_checkpointing is its
     # deprecated mirror, which TRL still reads: both are turned off.
     names = [

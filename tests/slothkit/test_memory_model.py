@@ -14,6 +14,7 @@ from slothkit.memory_model import (
     kept_layer_bytes,
     lora_bytes,
 )
+from slothkit.model_state import state_of
 from slothkit.models import shape_by_name
 from slothkit.models.shape import shape_from_config
 from slothkit.testing import build_tiny_model
@@ -84,7 +85,7 @@ def test_each_kept_layer_adds_what_it_saves_to_the_peak_on_a_gpu(tmp_path):
     for kept in (0, 6):
         model, _ = FastModel.from_pretrained(str(path), dtype=torch.bfloat16, load_in_4bit=False)
         model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="auto", max_memory=2**40)
-        policy = model.get_base_model().model.layers[0]._slothkit_recompute_policy
+        policy = state_of(model).recompute_policy
         tokens = batch * seq
         # A budget between the peaks of `kept` and `kept + 1` kept layers.
         policy.budget = (policy.memory.reserved(tokens, kept) + policy.memory.reserved(tokens, kept + 1)) / 2

@@ -17,6 +17,7 @@ pytest.importorskip("trl")
 
 from slothkit import FastModel
 from slothkit.data import example_dataset
+from slothkit.model_state import state_of
 from slothkit.testing.training_parity import RUN, assert_same_lora, history, load_for_training, lora_weights
 from slothkit.trl import KTOTrainer, ORPOTrainer, RewardTrainer, RLOOTrainer
 from slothkit.trl.defaults import LEARNING_RATES, kto_config, orpo_config, reward_config, rloo_config
@@ -182,7 +183,7 @@ def test_reward_model_saves_and_reloads_as_an_adapter(tmp_path):
         str(tmp_path / "reward"), dtype=torch.float32, load_in_4bit=False, fused=True
     )
     assert type(reloaded.get_base_model()).__name__ == "LlamaForSequenceClassification"
-    assert reloaded.get_base_model()._slothkit_architecture == "llama"
+    assert state_of(reloaded).architecture == "llama"
     reloaded.eval()
     with torch.no_grad():
         again = reloaded(**reloaded_tokenizer(texts, return_tensors="pt", padding=True)).logits
@@ -276,8 +277,6 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, 
     fast_generation=True) in training mode; the sampled tokens, and so every logged
     metric, equal Hugging Face + PEFT's run with Hugging Face's generate.  After train()
     the loop's cache is freed."""
-    from slothkit.engine.inspection import causal_lm_of
-    from slothkit.inference import DECODER_ATTRIBUTE
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.trl import GRPOTrainer
     from slothkit.trl.defaults import grpo_config
@@ -306,7 +305,7 @@ def test_on_policy_sampling_through_the_fast_loop_matches_hf_peft(method, arch, 
         **settings,
     )
     assert len(sampled_in_training) == STEPS and all(sampled_in_training)
-    assert getattr(causal_lm_of(fused_model), DECODER_ATTRIBUTE, None) is None, "the cache was kept"
+    assert state_of(fused_model).fast_decoder is None, "the cache was kept"
     plain, plain_model, _ = _run(
         "hf",
         make_config,

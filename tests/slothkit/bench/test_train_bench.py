@@ -10,6 +10,7 @@ import torch
 
 from slothkit.bench.train_worker import build_model
 from slothkit.cli import main
+from slothkit.model_state import state_of
 from slothkit.models import SHAPES, shape_by_name
 
 
@@ -601,7 +602,7 @@ def test_the_record_says_how_auto_split_the_layers(tmp_path):
     path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
     model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="auto", max_memory=1000)
-    policy = model.get_base_model().model.layers[0]._slothkit_recompute_policy
+    policy = state_of(model).recompute_policy
     tokens = 2 * 24
     per_layer = policy.memory.host_checkpoint_bytes(tokens)  # as pinned host memory holds it
     policy.host_budget = 2.5 * per_layer  # two layers' inputs

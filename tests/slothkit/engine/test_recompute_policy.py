@@ -13,6 +13,7 @@ from slothkit.engine import recompute_policy
 from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
 from slothkit.engine.sizes import MIN_PIECE
 from slothkit.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
+from slothkit.model_state import state_of
 from slothkit.testing import build_tiny_model
 
 LAYERS = 4
@@ -117,7 +118,7 @@ def test_decided_at_the_first_training_step_and_again_for_longer_ones(tiny_path,
     longer = 2 * BATCH * SEQ  # a budget that keeps one layer at this many tokens
     free_memory(_free_for(memory, 1, tokens=longer))
     model = _model(tiny_path, "auto")
-    policy = _layers(model)[0]._slothkit_recompute_policy
+    policy = state_of(model).recompute_policy
     vocab = memory.shape.vocab_size
     assert policy.choice is None  # nothing decided before a step
     with torch.no_grad():
@@ -205,7 +206,7 @@ def test_no_budget_on_the_cpu_offloads_every_layer(tiny_path, reference_kernels,
     recompute_policy._notice_no_budget.cache_clear()
     model = _model(tiny_path, "auto")
     assert all(layer.gradient_checkpointing for layer in _layers(model))
-    assert not hasattr(_layers(model)[0], "_slothkit_recompute_policy")
+    assert state_of(model).recompute_policy is None
     said = [str(w.message) for w in recwarn if w.category is RecomputeNotice]
     assert said == [], "a CPU has nothing to budget, and its loading notice says so already"
 

@@ -10,6 +10,7 @@ from slothkit.export import DirectoryNotEmptyError, save_pretrained_merged
 from slothkit.export import atomic as atomic_module
 from slothkit.export.atomic import atomic_directory
 from slothkit.export.merge import merged_state_dict
+from slothkit.model_state import attach_state
 
 ARCHS = ["llama", "mistral", "gemma"]
 SAME = 1e-4
@@ -114,7 +115,7 @@ def test_unknown_save_method_lists_the_valid_ones(make_lora_model, tmp_path):
 
 def test_missing_tokenizer_is_an_error(make_lora_model, tmp_path):
     model, _, _ = make_lora_model("llama")
-    model._slothkit_tokenizer = None
+    attach_state(model).tokenizer = None
     with pytest.raises(ValueError, match="pass the tokenizer"):
         save_pretrained_merged(model, tmp_path / "x")
 

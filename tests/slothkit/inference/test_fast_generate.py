@@ -10,6 +10,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 
 from slothkit import FastModel
 from slothkit.inference import disable_fast_decode, enable_fast_decode
+from slothkit.model_state import state_of
 from slothkit.notices import say_once
 from slothkit.testing import tiny_model_path
 
@@ -50,7 +51,7 @@ def _hf_then_fast(model, **kwargs):
 
 
 def _fast_decoder(model):
-    return getattr(model, "get_base_model", lambda: model)()._slothkit_fast_decoder
+    return state_of(model).fast_decoder
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
@@ -229,11 +230,11 @@ def test_for_training_frees_the_cache_and_training_is_unaffected():
     inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
     FastModel.for_inference(model, fast_decode=True)
     before = model.generate(**inputs, max_new_tokens=8)
-    decoder = model.get_base_model()._slothkit_fast_decoder
+    decoder = state_of(model).fast_decoder
     assert decoder.nbytes > 0
 
     FastModel.for_training(model)
-    assert not hasattr(model.get_base_model(), "_slothkit_fast_decoder")
+    assert state_of(model).fast_decoder is None
     assert decoder.nbytes == 0 and decoder.captured is None
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
@@ -311,7 +312,7 @@ def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monk
         str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False
     )
     assert enable_fast_decode(model, None) is False
-    assert not hasattr(model, "_slothkit_fast_decoder")
+    assert state_of(model).fast_decoder is None
     notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
     assert len(notices) == 1 and "generate stays Hugging Face's" in notices[0], notices
     disable_fast_decode(model)
