@@ -13,8 +13,12 @@ same settings, then the adapter onto it as a trainable ``peft.PeftModel``, prepa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+
+from slothkit.load_model import LoadOptions, link_tokenizer, load_model, load_tokenizer, prepare_tokenizer
+from slothkit.training_mode import CheckpointingOptions, ready_for_training
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -30,15 +34,16 @@ def is_adapter_folder(name_or_path) -> bool:
 
 
 def load_saved_adapter(
-    folder: str, *, max_seq_length: int = 2048, use_gradient_checkpointing="offload", **load_kwargs
+    folder: str,
+    options: LoadOptions,
+    checkpointing: CheckpointingOptions | None = None,
 ):
     """The base model named in `folder`'s adapter_config.json with the adapter on it.
 
     Args:
         folder: a folder written by ``PeftModel.save_pretrained``.
-        max_seq_length: as ``FastModel.from_pretrained``.
-        use_gradient_checkpointing: as ``FastModel.get_peft_model`` (default "offload").
-        **load_kwargs: ``FastModel.from_pretrained``'s other arguments, for the base model.
+        options: ``FastModel.from_pretrained``'s options, for the base model.
+        checkpointing: as ``FastModel.get_peft_model``; None: its default ("offload").
 
     An adapter of a sequence classifier (task_type SEQ_CLS: a reward model) loads the base
     as one, with as many outputs as its saved score head.
@@ -51,9 +56,6 @@ def load_saved_adapter(
         FileNotFoundError: adapter_config.json names no base model.
     """
     from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from slothkit.fast_model import FastModel, _link_instances, ready_for_training
 
     with open(os.path.join(folder, "adapter_config.json")) as handle:
         adapter_config = json.load(handle)
@@ -64,22 +66,19 @@ def load_saved_adapter(
             "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
             "with peft.PeftModel.from_pretrained(model, folder)"
         )
-    if adapter_config.get("task_type") == "SEQ_CLS" and load_kwargs.get("num_labels") is None:
-        load_kwargs["num_labels"] = _saved_score_outputs(folder)
-    model, tokenizer = FastModel.from_pretrained(base, max_seq_length=max_seq_length, **load_kwargs)
+    if adapter_config.get("task_type") == "SEQ_CLS" and options.num_labels is None:
+        options = dataclasses.replace(options, num_labels=_saved_score_outputs(folder))
+    model, tokenizer = load_model(base, options)
     if any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         # The folder's tokenizer carries what training changed (a chat template, new tokens).
-        base_tokenizer, tokenizer = tokenizer, AutoTokenizer.from_pretrained(folder)
-        tokenizer.model_max_length = base_tokenizer.model_max_length
-        tokenizer.padding_side = "right"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
-        _link_instances(model, tokenizer)
+        tokenizer = load_tokenizer(folder)
+        prepare_tokenizer(tokenizer, options.max_seq_length)
+        link_tokenizer(model, tokenizer)
     rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:  # tokens added in training; the adapter holds their rows
         model.resize_token_embeddings(len(tokenizer))
     peft_model = PeftModel.from_pretrained(model, folder, is_trainable=True)
-    return ready_for_training(peft_model, model, use_gradient_checkpointing), tokenizer
+    return ready_for_training(peft_model, checkpointing or CheckpointingOptions()), tokenizer
 
 
 def _saved_score_outputs(folder: str) -> int:

@@ -66,16 +66,16 @@ def checkpointing_asked(monkeypatch):
     """The switches FastModel.get_peft_model gives enable_checkpointing (its keyword
     arguments but the host memory limit, which depends on the machine), one dict per
     call (the call itself still runs)."""
-    from slothkit import fast_model
+    from slothkit import training_mode
 
     calls = []
-    enable = fast_model.enable_checkpointing
+    enable = training_mode.enable_checkpointing
 
     def recording(layers, mode, **kwargs):
         calls.append({k: v for k, v in kwargs.items() if k != "host_limit_bytes"})
         return enable(layers, mode, **kwargs)
 
-    monkeypatch.setattr(fast_model, "enable_checkpointing", recording)
+    monkeypatch.setattr(training_mode, "enable_checkpointing", recording)
     return calls
 
 

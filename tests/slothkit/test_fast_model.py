@@ -312,7 +312,7 @@ def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhe
     """Automatic: fused on a CUDA device or under the Triton interpreter; on a CPU without
     it the plain Hugging Face modules stay (they are faster there than the kernels' torch
     references), said once.  fused=True / False override; a bad value is refused."""
-    from slothkit import fast_model
+    from slothkit import load_model
 
     path = str(tiny_model_path("llama"))
 
@@ -326,7 +326,7 @@ def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhe
     )
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    fast_model._notice_plain_path.cache_clear()
+    load_model._notice_plain_path.cache_clear()
     device_map = {"": "cpu"}
     with pytest.warns(
         UserWarning, match="Triton cannot run on the cpu, so the model keeps its Hugging Face modules"

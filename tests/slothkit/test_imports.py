@@ -150,15 +150,7 @@ def _shortest_cycle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 @pytest.mark.parametrize(
     "package, some_modules",
     [
-        pytest.param(
-            "slothkit",
-            {"slothkit", "slothkit.plan", "slothkit.engine.decoder", "slothkit.export.gguf.writer"},
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="slothkit.fast_model -> slothkit.saved_adapter -> slothkit.fast_model (function-level "
-                "imports both ways), being broken with the typed model state; drop this mark with it",
-            ),
-        ),
+        ("slothkit", {"slothkit", "slothkit.plan", "slothkit.engine.decoder", "slothkit.export.gguf.writer"}),
         ("slothkit_kernels", {"slothkit_kernels", "slothkit_kernels.lora", "slothkit_kernels.utils"}),
     ],
 )

@@ -235,7 +235,7 @@ def test_a_fine_tune_learns_a_reply_format_that_carries_to_held_out_prompts(smol
 
 @pytest.mark.slow
 def test_gemma3_trains_through_the_plain_path(gemma3_path, device):
-    from slothkit.fast_model import _warn_unsupported
+    from slothkit.load_model import _warn_unsupported
 
     _warn_unsupported.cache_clear()
     with pytest.warns(UserWarning, match="no fused path for model_type 'gemma3_text'"):

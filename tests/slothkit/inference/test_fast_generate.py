@@ -303,7 +303,7 @@ def test_disabled_adapters_are_seen_by_the_fast_loop():
 def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monkeypatch):
     if DEVICE == "cuda":
         pytest.skip("the CPU default")
-    from slothkit.fast_model import _notice_plain_path
+    from slothkit.load_model import _notice_plain_path
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a plain CPU: no Triton
 

@@ -1,0 +1,216 @@
+"""Load a checkpoint and its tokenizer the way FastModel.from_pretrained does: checks
+before loading, NF4 through bitsandbytes, the fused path patched onto the instance where
+it runs, and the tokenizer set up and linked to the model.
+
+    model, tokenizer = load_model("path/or/hub-id", LoadOptions(load_in_4bit=True))
+
+A folder holding a saved adapter loads through slothkit.saved_adapter, which calls this
+for the base model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+
+from slothkit.data.chat_templates import link_model
+from slothkit.distributed import device_map_for_process
+from slothkit.engine.decoder import patch_decoder
+from slothkit.engine.inspection import causal_lm_of
+from slothkit.engine.loading import (
+    check_max_seq_length,
+    extend_context,
+    nf4_settings,
+    pick_dtype,
+    require_bitsandbytes,
+    resolve_checkpoint,
+)
+from slothkit.engine.nf4_layout import keep_nf4_layout
+from slothkit.generation import accept_encoding_in_generate
+from slothkit.model_state import attach_state
+from slothkit.models import architecture_for, supported_summary
+from slothkit_kernels.utils import triton_runs_on
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """from_pretrained's loading options, which travel together (its docstring says what
+    each means); checked when made.
+
+    Attributes:
+        max_seq_length, dtype, load_in_4bit, device_map, token, attn_implementation,
+        fused, num_labels: as FastModel.from_pretrained.
+        hf_kwargs: further keywords for transformers' ``from_pretrained``.
+    """
+
+    max_seq_length: int = 2048
+    dtype: torch.dtype | str | None = None
+    load_in_4bit: bool = True
+    device_map: object = None
+    token: str | None = None
+    attn_implementation: str = "sdpa"
+    fused: bool | None = None
+    num_labels: int | None = None
+    hf_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.fused not in (None, True, False):
+            raise ValueError(f"fused={self.fused!r}; accepted: None (automatic), True or False")
+        labels = self.num_labels
+        if labels is not None and (isinstance(labels, bool) or not isinstance(labels, int) or labels < 1):
+            raise ValueError(
+                f"num_labels={labels!r}; accepted: None (a causal LM) or a positive integer, the outputs of a "
+                "sequence classifier's score head (1 for a reward model)"
+            )
+
+
+def load_model(model_name: str, options: LoadOptions):
+    """``(model, tokenizer)`` from a checkpoint directory or Hub id, as
+    FastModel.from_pretrained returns them (its docstring says what each option does)."""
+    device_map = options.device_map
+    if device_map is None:
+        # Under torchrun: this process's GPU, made current before anything here starts
+        # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.
+        device_map = device_map_for_process()
+    config = resolve_checkpoint(model_name, token=options.token)
+    hf_kwargs = dict(options.hf_kwargs)
+    if extend_context(config, options.max_seq_length):
+        hf_kwargs["config"] = config
+    if options.num_labels is not None:
+        hf_kwargs["num_labels"] = options.num_labels
+    dtype = pick_dtype(options.dtype)
+    tokenizer = load_tokenizer(model_name, options.token)
+    model = _auto_class(options.num_labels).from_pretrained(
+        model_name,
+        dtype=dtype,
+        quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
+        device_map=device_map,
+        token=options.token,
+        attn_implementation=options.attn_implementation,
+        **hf_kwargs,
+    )
+    # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
+    # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
+    keep_nf4_layout(model)
+    prepare_tokenizer(tokenizer, options.max_seq_length)
+    if options.num_labels is not None:
+        # The classifier reads the last token before the first pad of each row.
+        model.config.pad_token_id = tokenizer.pad_token_id
+    arch = architecture_for(model.config)
+    if takes_fused_path(model, arch, options.fused):
+        patch_decoder(model, arch)
+    link_tokenizer(model, tokenizer)
+    set_max_seq_length(model, options.max_seq_length, checked=True)
+    return model, tokenizer
+
+
+def load_tokenizer(model_name: str, token: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_name, token=token)
+    except (OSError, ValueError, TypeError) as error:
+        raise FileNotFoundError(
+            f"{model_name!r} has no usable tokenizer (tokenizer.json or tokenizer.model "
+            f"with tokenizer_config.json); save one with the checkpoint "
+            f"(underlying error: {error})"
+        ) from None
+
+
+def prepare_tokenizer(tokenizer, max_seq_length: int) -> None:
+    """Right padding with a pad token (its unk or EOS token when it had none), and the
+    model's longest sequence as ``model_max_length``."""
+    tokenizer.model_max_length = max_seq_length
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+
+
+def _quantization_config(config, load_in_4bit: bool, dtype: torch.dtype):
+    """bitsandbytes' NF4 settings for a 16-bit checkpoint loaded in 4 bits, else None (a
+    checkpoint already quantised carries its own)."""
+    already_quantized = getattr(config, "quantization_config", None) is not None
+    if load_in_4bit or already_quantized:
+        require_bitsandbytes()
+    if not load_in_4bit or already_quantized:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(**nf4_settings(dtype))
+
+
+def _auto_class(num_labels: int | None):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
+
+
+@functools.cache
+def _warn_unsupported(model_type: str) -> None:
+    warnings.warn(
+        f"slothkit has no fused path for model_type {model_type!r}; it will train through the "
+        f"plain Hugging Face + PEFT path. Fused architectures: {supported_summary()}.",
+        stacklevel=4,
+    )
+
+
+@functools.cache
+def _notice_plain_path(device_type: str) -> None:
+    warnings.warn(
+        f"slothkit: Triton cannot run on the {device_type}, so the model keeps its Hugging Face "
+        f"modules (faster there than the fused kernels' torch references) and generate stays "
+        f"Hugging Face's; fused=True asks for slothkit's fused path anyway.",
+        stacklevel=5,  # the caller of FastModel.from_pretrained
+    )
+
+
+def takes_fused_path(model, arch, fused: bool | None) -> bool:
+    """Whether to patch the fused path onto `model`: always with fused=True (refused for an
+    architecture slothkit has no fused path for), never with fused=False, and with None
+    where slothkit knows the architecture and its Triton kernels can run on the model's
+    device.  Elsewhere (a CPU without the Triton interpreter) the kernels would run their
+    plain-torch references, which compute the same numbers but are slower than the
+    Hugging Face modules they replace, so the model keeps those."""
+    if arch is None:
+        if fused:
+            raise ValueError(
+                f"fused=True, but slothkit has no fused path for model_type "
+                f"{model.config.model_type!r}; fused architectures: {supported_summary()}"
+            )
+        if fused is None:
+            _warn_unsupported(model.config.model_type)
+        return False
+    if fused is not None:
+        return fused
+    device = next(model.parameters()).device
+    if triton_runs_on(device):
+        return True
+    _notice_plain_path(device.type)
+    return False
+
+
+def link_tokenizer(model, tokenizer) -> None:
+    """The model knows its tokenizer (slothkit.model_state) and the tokenizer its model
+    (weakly: get_chat_template grows the embeddings without model=); generate takes
+    apply_chat_template's dict (slothkit.generation): glue for code written against
+    transformers 4 and Unsloth."""
+    attach_state(model).tokenizer = tokenizer
+    link_model(tokenizer, model)
+    accept_encoding_in_generate(model)
+
+
+def set_max_seq_length(model, max_seq_length: int, checked: bool = False) -> None:
+    """Make ``max_seq_length`` the model's (its state, and Unsloth's
+    ``model.max_seq_length`` for user code) and its tokenizer's, after checking it
+    against the model's context unless ``checked``."""
+    causal_lm = causal_lm_of(model)
+    if not checked:
+        check_max_seq_length(causal_lm.config, max_seq_length)
+    causal_lm.max_seq_length = max_seq_length
+    state = attach_state(causal_lm)
+    state.max_seq_length = max_seq_length
+    if state.tokenizer is not None:
+        state.tokenizer.model_max_length = max_seq_length

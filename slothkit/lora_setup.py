@@ -1,0 +1,154 @@
+"""Add LoRA adapters to a loaded model: check the settings against the model, build
+PEFT's LoraConfig, and wrap the model in a ``peft.PeftModel``.
+
+    peft_model = add_lora(model, LoraSettings(r=16, target_modules=None), max_seq_length=4096)
+
+FastModel.get_peft_model calls it, then sets the result up to train
+(slothkit.training_mode).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from slothkit.engine.inspection import causal_lm_of, is_sequence_classifier
+from slothkit.engine.loading import ALL_PROJECTIONS, linear_module_leaves, matching_modules
+from slothkit.load_model import set_max_seq_length
+from slothkit.unsloth_options import embeddings_trained_in_full
+
+ALL_LINEAR = "all-linear"  # PEFT's target_modules value for every linear layer but the head
+BIASES = ("none", "all", "lora_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """get_peft_model's LoRA options, which travel together into ``peft.LoraConfig``
+    (its docstring says what each means).
+
+    Attributes:
+        r, lora_alpha, lora_dropout, bias, use_rslora, modules_to_save: as LoraConfig.
+        target_modules: names of linear layers, one name, "all-linear", or None (all
+            seven projections).
+        random_state: the seed of the adapters' initialisation.
+        extra: further LoraConfig keywords.
+    """
+
+    r: int = 16
+    target_modules: object = None
+    lora_alpha: float = 16
+    lora_dropout: float = 0.0
+    bias: str = "none"
+    random_state: int = 3407
+    use_rslora: bool = False
+    modules_to_save: object = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def add_lora(model, settings: LoraSettings, max_seq_length: int | None = None):
+    """``model`` wrapped by PEFT with the adapters ``settings`` describe, after checking
+    them against the model; with ``max_seq_length``, that set first (set_max_seq_length).
+
+    Raises:
+        ValueError: the model is already a PeftModel, or a setting is not accepted (the
+            message says what is).
+    """
+    from peft import PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        raise ValueError("this model already has LoRA adapters (it is a PeftModel)")
+    config = lora_config(model, settings)
+    if max_seq_length is not None:
+        set_max_seq_length(model, max_seq_length)
+    torch.manual_seed(settings.random_state)
+    with warnings.catch_warnings():
+        # PEFT reads transformers' deprecated ``is_gradient_checkpointing``: a
+        # FutureWarning between two other libraries that no user of slothkit can act on.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+        return get_peft_model(model, config)
+
+
+def lora_config(model, settings: LoraSettings):
+    """The ``peft.LoraConfig`` for ``settings`` on ``model``, checked."""
+    from peft import LoraConfig
+
+    r = settings.r
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
+    target_modules, modules_to_save = lora_targets(settings.target_modules), settings.modules_to_save
+    if target_modules != ALL_LINEAR:
+        target_modules, modules_to_save = embeddings_trained_in_full(target_modules, modules_to_save)
+    check_lora_shape(model, target_modules, r, settings.lora_alpha)
+    if settings.bias not in BIASES:
+        raise ValueError(f"bias={settings.bias!r}; accepted: 'none', 'all', 'lora_only'")
+    return LoraConfig(
+        r=r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        bias=settings.bias,
+        target_modules=target_modules,
+        use_rslora=settings.use_rslora,
+        modules_to_save=modules_to_save,
+        # SEQ_CLS: PEFT trains the score head in full (modules_to_save) and saves it.
+        task_type="SEQ_CLS" if is_sequence_classifier(model) else "CAUSAL_LM",
+        **settings.extra,
+    )
+
+
+def lora_targets(target_modules):
+    """target_modules as PEFT takes it: a list of names, or "all-linear" as it is (a string
+    is not split into characters)."""
+    if target_modules is None:
+        return list(ALL_PROJECTIONS)
+    if isinstance(target_modules, str):
+        return ALL_LINEAR if target_modules == ALL_LINEAR else [target_modules]
+    return list(target_modules)
+
+
+def _adapted_linears(model, target_modules) -> list:
+    """The linear layers LoRA will wrap (PEFT leaves the output head out of "all-linear")."""
+    names = set(matching_modules(model, target_modules)) if target_modules != ALL_LINEAR else None
+    head = causal_lm_of(model).get_output_embeddings()
+    return [
+        module
+        for name, module in model.named_modules()
+        if hasattr(module, "in_features") and hasattr(module, "out_features")
+        and (name in names if names is not None else module is not head)
+    ]  # fmt: skip
+
+
+def check_lora_shape(model, target_modules, r: int, lora_alpha) -> None:
+    """Refuse LoRA settings that would train silently wrong: a target name that matches no
+    layer, an alpha that scales the update to nothing (or flips it), and a rank above
+    min(in, out) of an adapted layer: B @ A then has no more rank than at min(in, out),
+    only more parameters."""
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
+        raise ValueError(
+            f"lora_alpha={lora_alpha!r}; expected a positive number (the update is scaled by lora_alpha / r: "
+            f"0 trains adapters with no effect), e.g. 16, or 2 * r"
+        )
+    if target_modules != ALL_LINEAR:
+        _check_targets_exist(model, target_modules)
+    widths = [min(m.in_features, m.out_features) for m in _adapted_linears(model, target_modules)]
+    if widths and r > min(widths):
+        raise ValueError(
+            f"r={r} exceeds {min(widths)}, the smallest min(in_features, out_features) of the adapted "
+            f"layers: a LoRA update B @ A cannot have a higher rank than that, so the extra parameters "
+            f"add memory and nothing else; use r <= {min(widths)}"
+        )
+
+
+def _check_targets_exist(model, target_modules: list) -> None:
+    unknown = [name for name in target_modules if not matching_modules(model, [name])]
+    if unknown == list(target_modules):
+        raise ValueError(
+            f"target_modules={target_modules} match no layer of this model; its linear "
+            f"layers are named {linear_module_leaves(model)}"
+        )
+    if unknown:
+        raise ValueError(
+            f"target_modules: {unknown} match no layer of this model (the others do, and only they "
+            f"would be trained); its linear layers are named {linear_module_leaves(model)}"
+        )
