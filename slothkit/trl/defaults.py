@@ -33,8 +33,9 @@ import importlib.util
 import torch
 
 from slothkit.distributed import ddp_defaults
-from slothkit.engine.inspection import causal_lm_of, compute_dtype
+from slothkit.engine.inspection import compute_dtype
 from slothkit.engine.loading import pick_dtype
+from slothkit.model_state import state_of
 from slothkit.trl import configs
 
 COMMON_DEFAULTS = dict(
@@ -143,7 +144,8 @@ def default_config(method: str, config_class, model=None, **overrides):
     """
     model = None if isinstance(model, str) else model
     defaults = {**COMMON_DEFAULTS, "learning_rate": LEARNING_RATES[method], **machine_defaults(model)}
-    max_seq_length = getattr(causal_lm_of(model), "max_seq_length", None) if model is not None else None
+    state = state_of(model) if model is not None else None
+    max_seq_length = state.max_seq_length if state is not None else None
     # GRPO's and RLOO's configs have no max_length: max_completion_length bounds what they
     # generate, the data their prompts.
     if max_seq_length is not None and "max_length" in configs.field_names(config_class):

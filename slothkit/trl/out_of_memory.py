@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model
+from slothkit.model_state import state_of
 
 
 class TrainingOutOfMemoryError(torch.cuda.OutOfMemoryError):
@@ -46,7 +47,8 @@ def out_of_memory_advice(args, model, error) -> str:
     causal_lm = causal_lm_of(model)
     batch = getattr(args, "per_device_train_batch_size", None)
     accumulation = getattr(args, "gradient_accumulation_steps", 1)
-    seq = getattr(args, "max_length", None) or getattr(causal_lm, "max_seq_length", None) or 2048
+    state = state_of(causal_lm)
+    seq = getattr(args, "max_length", None) or (state.max_seq_length if state is not None else None) or 2048
     mode = "qlora" if is_4bit_model(causal_lm) else "lora"
     lines = [
         f"CUDA ran out of memory while training ({mode}, per_device_train_batch_size={batch}, "
