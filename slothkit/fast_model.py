@@ -87,7 +87,7 @@ class FastModel:
                 (``AutoModelForSequenceClassification``), read at each sequence's last
                 token that is not padding; the head is new (random) unless the
                 checkpoint has one.  num_labels=1 is a reward model
-                (slothkit.trainers.reward_trainer).  The decoder runs slothkit's fused
+                (slothkit.trl.RewardTrainer).  The decoder runs slothkit's fused
                 layers as a causal LM's does; ``get_peft_model`` then trains the head in
                 full beside the adapters, and the saved adapter holds it.
             **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (or
