@@ -1,7 +1,8 @@
 """slothkit: fast, memory-efficient LoRA and QLoRA fine-tuning of open LLMs.
 
 Importing slothkit changes nothing in other libraries: every speed-up is applied
-to the model instance it is given.
+to the model instance it is given. (Loading a model adds one filter to one logger of
+bitsandbytes, dropping a notice about an optional kernel package: slothkit.engine.loading.)
 
 The names older Unsloth notebooks import from their package are here too
 (``is_bfloat16_supported``, ``UnslothTrainer``, ...; the chat template helpers in

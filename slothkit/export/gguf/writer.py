@@ -548,10 +548,9 @@ def model_name(model, fallback: str) -> str:
     """
     source = pathlib.PurePath(getattr(model.config, "_name_or_path", "") or "")
     name = source.name
+    # A Hugging Face cache snapshot: ~/.cache/huggingface/hub/models--org--name/snapshots/SHA
     if source.parent.name == "snapshots" and source.parent.parent.name.startswith("models--"):
-        name = source.parent.parent.name.split("--")[
-            -1
-        ]  # ~/.cache/huggingface/hub/models--org--name/snapshots/SHA
+        name = source.parent.parent.name.split("--")[-1]
     if not name or _TEMPORARY_NAME.match(name):
         return fallback
     return _CACHE_SUFFIX.sub("", name) or fallback
