@@ -12,7 +12,6 @@ from slothkit_kernels.fused_linear_cross_entropy import (
 )
 from slothkit_kernels.geglu import geglu, geglu_reference
 from slothkit_kernels.lora import (
-    LoRAProjection,
     lora_linear,
     lora_mlp,
     lora_mlp_reference,
@@ -22,6 +21,7 @@ from slothkit_kernels.lora import (
     lora_qkv_reference,
     lora_qkv_rope,
 )
+from slothkit_kernels.lora_projection import LoRAProjection
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference

@@ -1,5 +1,5 @@
 """How long backward's dX = dY W takes for an NF4 W dequantised whole or a column slab at a
-time (``slothkit_kernels.lora._add_base_term``), at the MLP shapes of the benchmark's models.
+time (``slothkit_kernels.lora_gemms._add_base_term``), at the MLP shapes of the benchmark's models.
 
     python scripts/slab_gemm_timing.py            # on a CUDA GPU, bitsandbytes installed
 
@@ -16,7 +16,8 @@ import statistics
 
 import torch
 
-import slothkit_kernels.lora as lora
+from slothkit_kernels.lora_gemms import _add_in_slabs
+from slothkit_kernels.lora_projection import _base_weight
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
@@ -58,9 +59,9 @@ def main() -> None:
             slabs = (weight.column_slabs(bound * 2**20) if bound else None) or [(0, in_f)]
             widest = max(stop - start for start, stop in slabs)
             if len(slabs) == 1:
-                run = lambda: dy @ lora._base_weight(weight, dtype)  # noqa: E731
+                run = lambda: dy @ _base_weight(weight, dtype)  # noqa: E731
             else:
-                run = lambda: lora._add_in_slabs(None, dy, weight, slabs)  # noqa: E731
+                run = lambda: _add_in_slabs(None, dy, weight, slabs)  # noqa: E731
             ms = median_ms(run)
             print(
                 f"| ({out_f}, {in_f}) | {bound or 'whole'} | {len(slabs)} | "

@@ -20,7 +20,6 @@ from peft.tuners.lora import Linear as PeftLoraLinear
 from transformers.activations import ACT2FN
 
 from slothkit_kernels.lora import (
-    LoRAProjection,
     lora_linear,
     lora_linear_reference,
     lora_mlp,
@@ -31,6 +30,7 @@ from slothkit_kernels.lora import (
     lora_qkv_reference,
     lora_qkv_rope,
 )
+from slothkit_kernels.lora_projection import LoRAProjection
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rope import rope
 from slothkit_kernels.testing import relative_error
@@ -706,7 +706,7 @@ def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkey
     """With the slab bound below a weight's size, backward dequantises it a column slab
     at a time (forward still whole), and every gradient equals the whole-weight run's;
     also where no adapter term comes first (frozen projections: dX starts empty)."""
-    import slothkit_kernels.lora as lora_module
+    import slothkit_kernels.lora_gemms as gemms_module
     import slothkit_kernels.nf4 as nf4_module
 
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -741,7 +741,7 @@ def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkey
     # 128 x 192 x itemsize bytes per weight: a bound of a third splits down's weight
     # (128 x 192, wider than tall) into three 64-column slabs; gate's and up's
     # (192 x 128, taller than wide) stay whole.
-    monkeypatch.setattr(lora_module, "NF4_SLAB_BYTES", hidden * inter * dtype.itemsize // 3)
+    monkeypatch.setattr(gemms_module, "NF4_SLAB_BYTES", hidden * inter * dtype.itemsize // 3)
     slabbed = _run(lambda: lora_mlp(x, *projs), params)
     assert columns == [
         ((inter, hidden), None),
