@@ -2,7 +2,7 @@
 
 Prints, per setting, the median time and the share of the device-to-device copy
 bandwidth (bytes read + written, measured here).  Used to pick the constants in
-kernels/rms_norm.py, kernels/swiglu.py and kernels/rope.py; the numbers go to
+kernels/rms_norm.py, kernels/swiglu.py and kernels/rope_kernel.py; the numbers go to
 docs/kernel-benchmarks.md.
 
     python scripts/tune_kernels.py            # everything but nf4
@@ -24,7 +24,7 @@ import triton.testing
 # functions named like their modules, and `import a.b as m` binds the attribute a.b.
 geglu_mod = importlib.import_module("slothkit_kernels.geglu")
 rms_mod = importlib.import_module("slothkit_kernels.rms_norm")
-rope_mod = importlib.import_module("slothkit_kernels.rope")
+rope_mod = importlib.import_module("slothkit_kernels.rope_kernel")
 swiglu_mod = importlib.import_module("slothkit_kernels.swiglu")
 nf4_mod = importlib.import_module("slothkit_kernels.nf4")
 
