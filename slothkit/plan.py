@@ -56,7 +56,7 @@ GPU_MEMORY_GIB = {
     "h200": 141.0,
 }
 # Compute capability below 8.0: no bfloat16, and neither CUDA graphs nor kept sums by
-# default (slothkit.engine.offload_checkpoint.enable_checkpointing).
+# default (slothkit.engine.checkpointing.enable_checkpointing).
 NO_BF16 = {"t4", "v100"}
 # Memory a GPU has that no process can allocate: the CUDA context and its kernels.
 CUDA_CONTEXT_GIB = 0.5

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 from slothkit.configuration import environment_defaults
+from slothkit.engine.checkpointing import enable_checkpointing
 from slothkit.engine.decoder import decoder_layers
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model
-from slothkit.engine.offload_checkpoint import enable_checkpointing
 from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
 from slothkit.memory_model import host_budget_bytes

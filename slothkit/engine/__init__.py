@@ -5,7 +5,10 @@
 - lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record.
 - decoder, decoder_layer: the decoder glue, written once for every architecture record
   in slothkit.models, patched onto the model instance.
-- offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory.
+- offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory
+  (offloaded_activation: one layer's host copies; recomputation: what the modules inside
+  a layer's re-run see of it).
+- checkpointing: which checkpointer the decoder layers get (enable_checkpointing).
 - recompute_policy: use_gradient_checkpointing="auto", which layers keep their activations
   under a memory budget (slothkit.memory_model's arithmetic).
 - layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing.

@@ -21,8 +21,8 @@ import warnings
 import torch
 
 from slothkit.distributed import check_ddp_settings
+from slothkit.engine.checkpointing import uses_offloaded_checkpoint
 from slothkit.engine.inspection import causal_lm_of
-from slothkit.engine.offload_checkpoint import uses_offloaded_checkpoint
 from slothkit.model_state import state_of
 from slothkit.notices import say_once
 from slothkit.trl.configs import convert_arguments, field_names

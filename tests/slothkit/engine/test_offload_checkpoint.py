@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from slothkit.engine.offload_checkpoint import enable_checkpointing, keep, kept, unread_sum
+from slothkit.engine.checkpointing import enable_checkpointing
+from slothkit.engine.recomputation import keep, kept, unread_sum
 
 
 def test_unread_sum_sends_the_gradient_to_both_terms():
