@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from slothkit.engine.layer_graphs import LayerGraphs, _Call, _has_active_dropout
+from slothkit.engine.layer_graph_calls import _Call, _has_active_dropout
+from slothkit.engine.layer_graphs import LayerGraphs
 from slothkit.testing.layer_graphs_on_cpu import GraphsOnCPU
 
 
@@ -132,7 +133,7 @@ def test_replayed_layers_train_like_eager_ones(arch, load_in_4bit, setting):
 
 @pytest.mark.parametrize("through_autograd", [False, True], ids=["foreach", "accumulator-nodes"])
 def test_gradients_are_added_as_autograd_would(through_autograd):
-    from slothkit.engine.layer_graphs import _accumulate
+    from slothkit.engine.layer_graph_buffers import _accumulate
 
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, requires_grad=True)]
     params[1].grad = torch.ones(2, 2)
@@ -150,11 +151,11 @@ def test_gradients_are_added_as_autograd_would(through_autograd):
 
 
 def test_gradients_go_through_autograd_under_a_process_group(monkeypatch):
-    from slothkit.engine import layer_graphs
+    from slothkit.engine import layer_graph_buffers
 
-    assert not layer_graphs._gradients_watched()  # no process group in this test process
+    assert not layer_graph_buffers._gradients_watched()  # no process group in this test process
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    assert layer_graphs._gradients_watched()
+    assert layer_graph_buffers._gradients_watched()
 
 
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
