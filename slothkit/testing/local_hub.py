@@ -31,13 +31,14 @@ client must run with Xet disabled (HF_HUB_DISABLE_XET=1 before import, or
         HfApi(endpoint=hub.endpoint, token=hub.token).create_repo("local-user/demo")
 
 Failures can be injected to test retries: `hub.fail_next("POST", r"/commit/", status=500)`.
+
+The Hub API's operations are in ``local_hub_api``, the HTTP plumbing and the routes in
+``local_hub_http``, the stored records (repos, commits, files) in ``local_hub_records``.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
 import datetime
 import fnmatch
 import hashlib
@@ -52,75 +53,26 @@ import secrets
 import shutil
 import tempfile
 import threading
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from slothkit.testing.local_hub_api import HubAPI
+from slothkit.testing.local_hub_http import _Handler
+from slothkit.testing.local_hub_records import (
+    DEFAULT_GITATTRIBUTES,
+    LFS_SIZE_THRESHOLD,
+    HubError,
+    _Commit,
+    _Entry,
+    _Failure,
+    _Repo,
+    git_blob_oid,
+    lfs_pointer,
+)
 
 DEFAULT_USER = "local-user"
 DEFAULT_TOKEN = "hf_local_write_token"
-LFS_SIZE_THRESHOLD = 10 * 1024 * 1024  # the Hub stores files above 10 MB in LFS whatever their name
-DEFAULT_GITATTRIBUTES = "".join(
-    f"{pattern} filter=lfs diff=lfs merge=lfs -text\n"
-    for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.model", "*.onnx",
-                    "*.h5", "*.msgpack", "*.npy", "*.npz", "*.pkl", "*.tar.*", "*.zip")
-)  # fmt: skip
-
-_REPO = r"(?P<repo>[\w.-]+/[\w.-]+)"
 
 
-def git_blob_oid(content: bytes) -> str:
-    """Git's object id of a blob: sha1 of 'blob <size>\\0<content>'."""
-    return hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
-
-
-def lfs_pointer(sha256: str, size: int) -> bytes:
-    return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    sha256: str
-    size: int
-    lfs: bool
-    git_oid: str  # blob oid of the content (regular) or of the LFS pointer (LFS)
-
-
-@dataclasses.dataclass
-class _Commit:
-    oid: str
-    parent: str | None
-    tree: dict[str, _Entry]
-    title: str
-    message: str
-    date: str
-    author: str
-
-
-@dataclasses.dataclass
-class _Repo:
-    repo_id: str
-    private: bool
-    commits: dict[str, _Commit] = dataclasses.field(default_factory=dict)
-    refs: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def resolve(self, revision: str) -> _Commit | None:
-        oid = self.refs.get(revision, revision)
-        return self.commits.get(oid)
-
-
-@dataclasses.dataclass
-class _Failure:
-    method: str
-    pattern: re.Pattern
-    status: float  # the HTTP status to answer with; for a stall, the seconds to stay silent
-    remaining: int
-
-
-class HubError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
-class LocalHub:
+class LocalHub(HubAPI):
     """The server: `start()` it (or use it as a context manager), point clients at `endpoint`."""
 
     def __init__(
@@ -245,6 +197,17 @@ class LocalHub:
                 commit = repo.commits.get(commit.parent) if commit.parent else None
             return out
 
+    def take_stall(self, method: str, path: str) -> float | None:
+        return self.take_failure(method, path, self._stalls)
+
+    def take_failure(self, method: str, path: str, failures: list | None = None) -> int | None:
+        with self._lock:
+            for failure in self._failures if failures is None else failures:
+                if failure.remaining > 0 and failure.method == method and failure.pattern.search(path):
+                    failure.remaining -= 1
+                    return failure.status
+        return None
+
     # --- storage ----------------------------------------------------------------------
 
     def _blob(self, sha256: str) -> pathlib.Path:
@@ -327,377 +290,6 @@ class LocalHub:
         if repo_id.split("/")[0] != user:
             raise HubError(403, f"{user} cannot write to {repo_id}")
         return repo
-
-    # --- API --------------------------------------------------------------------------
-
-    def whoami(self, headers) -> dict:
-        user = self._user(headers, None)
-        if user is None:
-            raise HubError(401, "Invalid credentials in Authorization header")
-        token = (headers.get("Authorization") or "")[7:].strip()
-        role = self.tokens[token][1]
-        return {"type": "user", "name": user, "fullname": user, "orgs": [],
-                "auth": {"type": "access_token", "accessToken": {"displayName": "local", "role": role}}}  # fmt: skip
-
-    def create_repo(self, headers, body: dict) -> tuple[int, dict]:
-        user = self._user(headers, "write")
-        if body.get("type", "model") not in (None, "model"):
-            raise HubError(400, "this local hub serves model repos only")
-        namespace = body.get("organization") or user
-        if namespace != user:
-            raise HubError(403, f"{user} cannot create repos in {namespace}")
-        name = body.get("name") or ""
-        if not re.fullmatch(r"[\w.-]+", name):
-            raise HubError(400, f"invalid repo name {name!r}")
-        repo_id = f"{namespace}/{name}"
-        with self._lock:
-            url = f"{self.endpoint}/{repo_id}"
-            if repo_id in self._repos:
-                return 409, {"error": "You already created this model repo", "url": url}
-            private = body.get("private")
-            if private is None:
-                private = body.get("visibility") == "private"
-            repo = _Repo(repo_id, bool(private))
-            tree = {".gitattributes": self._entry(DEFAULT_GITATTRIBUTES.encode(), lfs=False)}
-            repo.refs["main"] = self._new_commit(repo, None, tree, "initial commit", "", user).oid
-            self._repos[repo_id] = repo
-        return 200, {"url": url, "name": repo_id, "id": repo_id}
-
-    def validate_yaml(self, body: dict) -> tuple[int, dict]:
-        content = body.get("content") or ""
-        match = re.match(r"^---\n(.*?)\n---", content, flags=re.DOTALL)
-        if match is None:
-            return 200, {
-                "errors": [],
-                "warnings": [{"message": "empty or missing yaml metadata in repo card"}],
-            }
-        try:
-            import yaml
-
-            metadata = yaml.safe_load(match.group(1)) or {}
-        except ImportError:
-            return 200, {"errors": [], "warnings": []}
-        except Exception as error:  # yaml.YAMLError
-            return 400, {"errors": [{"message": f"invalid YAML: {error}"}]}
-        base = metadata.get("base_model") if isinstance(metadata, dict) else None
-        for name in [base] if isinstance(base, str) else (base or []):
-            if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)):
-                return 400, {"errors": [{"message": f'"base_model" must be a valid model id, got {name!r}'}]}
-        return 200, {"errors": [], "warnings": []}
-
-    def repo_info(self, repo_id: str, revision: str, headers) -> dict:
-        with self._lock:
-            repo = self._readable(repo_id, headers)
-            commit = self._commit(repo, revision)
-            return {"id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0], "sha": commit.oid,
-                    "private": repo.private, "lastModified": commit.date, "tags": [], "disabled": False,
-                    "siblings": [{"rfilename": path} for path in sorted(commit.tree)]}  # fmt: skip
-
-    def _commit(self, repo: _Repo, revision: str) -> _Commit:
-        commit = repo.resolve(revision)
-        if commit is None:
-            raise HubError(404, f"Invalid rev id: {revision}", "RevisionNotFound")
-        return commit
-
-    def preupload(self, repo_id: str, revision: str, headers, body: dict) -> dict:
-        with self._lock:
-            repo = self._writable(repo_id, headers)
-            tree = self._commit(repo, revision).tree
-            files = []
-            for item in body.get("files", []):
-                path, size = item["path"], int(item["size"])
-                existing = tree.get(path)
-                oid = None
-                if existing is not None:  # what the client compares its local oid with
-                    oid = existing.sha256 if existing.lfs else existing.git_oid
-                mode = "lfs" if self._is_lfs_path(tree, path, size) else "regular"
-                files.append({"path": path, "uploadMode": mode, "shouldIgnore": False, "oid": oid})
-            return {"files": files, "commitOid": self._commit(repo, revision).oid}
-
-    def lfs_batch(self, repo_id: str, headers, body: dict) -> dict:
-        with self._lock:
-            self._writable(repo_id, headers)
-        if body.get("operation") != "upload":
-            raise HubError(400, "this local hub serves LFS uploads only (downloads go through /resolve)")
-        if "basic" not in body.get("transfers", ["basic"]):
-            raise HubError(400, "this local hub supports the 'basic' LFS transfer only")
-        objects = []
-        for item in body.get("objects", []):
-            oid, size = item["oid"], int(item["size"])
-            entry = {"oid": oid, "size": size, "authenticated": True}
-            blob = self._blob(oid)
-            if not (blob.exists() and blob.stat().st_size == size):
-                sig = self._lfs_signature(repo_id, oid)
-                entry["actions"] = {
-                    "upload": {"href": f"{self.endpoint}/lfs-upload/{repo_id}/{oid}?sig={sig}", "header": {}},
-                    "verify": {"href": f"{self.endpoint}/lfs-verify/{repo_id}", "header": {}},
-                }
-            objects.append(entry)
-        return {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}
-
-    def lfs_upload(self, repo_id: str, oid: str, query: dict, content: bytes) -> dict:
-        # Upload URLs stand for presigned storage URLs: no Authorization, a signature instead.
-        expected = self._lfs_signature(repo_id, oid)
-        if not hmac.compare_digest(query.get("sig", [""])[0], expected):
-            raise HubError(403, "invalid or missing upload signature")
-        if hashlib.sha256(content).hexdigest() != oid:
-            raise HubError(400, f"uploaded content does not hash to {oid}")
-        self._store_blob(content)
-        return {}
-
-    def lfs_verify(self, repo_id: str, headers, body: dict) -> dict:
-        with self._lock:
-            self._writable(repo_id, headers)
-        blob = self._blob(body.get("oid", ""))
-        if not (blob.exists() and blob.stat().st_size == int(body.get("size", -1))):
-            raise HubError(404, f"LFS object {body.get('oid')} was not uploaded")
-        return {}
-
-    def commit(self, repo_id: str, revision: str, headers, params: dict, lines: list[dict]) -> dict:
-        if params.get("create_pr"):
-            raise HubError(400, "this local hub does not support pull requests")
-        with self._lock:
-            repo = self._writable(repo_id, headers)
-            user = self._user(headers, "write")
-            head = self._commit(repo, revision)
-            if revision not in repo.refs:
-                raise HubError(400, f"can only commit to a branch; {revision!r} is not one")
-            if not lines or lines[0].get("key") != "header":
-                raise HubError(400, "the commit payload must start with a header line")
-            header = lines[0]["value"]
-            parent = header.get("parentCommit")
-            if parent is not None and parent != head.oid:
-                raise HubError(412, f"parentCommit {parent} is not the head of {revision} ({head.oid})")
-            tree = dict(head.tree)  # applied to a copy: the commit lands whole or not at all
-            for line in lines[1:]:
-                key, value = line.get("key"), line.get("value", {})
-                path = value.get("path", "")
-                if key == "file":
-                    if value.get("encoding", "base64") != "base64":
-                        raise HubError(400, f"unsupported encoding {value.get('encoding')!r} for {path}")
-                    content = base64.b64decode(value["content"])
-                    tree[path] = self._entry(content, lfs=False)
-                elif key == "lfsFile":
-                    sha256, size = value["oid"], int(value["size"])
-                    blob = self._blob(sha256)
-                    if not (blob.exists() and blob.stat().st_size == size):
-                        raise HubError(422, f"LFS object {sha256} for {path} has not been uploaded")
-                    tree[path] = _Entry(sha256, size, True, git_blob_oid(lfs_pointer(sha256, size)))
-                elif key == "deletedFile":
-                    if path not in tree:
-                        raise HubError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
-                    del tree[path]
-                elif key == "deletedFolder":
-                    prefix = path.rstrip("/") + "/"
-                    removed = [p for p in tree if p.startswith(prefix)]
-                    if not removed:
-                        raise HubError(404, f"A folder with this name doesn't exist: {path}", "EntryNotFound")
-                    for p in removed:
-                        del tree[p]
-                else:
-                    raise HubError(400, f"unsupported commit operation {key!r}")
-            commit = self._new_commit(
-                repo, head, tree, header.get("summary", ""), header.get("description", ""), user
-            )
-            repo.refs[revision] = commit.oid
-            return {"commitUrl": f"{self.endpoint}/{repo_id}/commit/{commit.oid}", "commitOid": commit.oid,
-                    "pullRequestUrl": None}  # fmt: skip
-
-    def tree(self, repo_id: str, revision: str, path: str, recursive: bool, headers) -> list[dict]:
-        with self._lock:
-            commit = self._commit(self._readable(repo_id, headers), revision)
-            prefix = path.strip("/") + "/" if path.strip("/") else ""
-            if prefix and not any(p.startswith(prefix) for p in commit.tree):
-                raise HubError(404, f"{path} does not exist at {revision}", "EntryNotFound")
-            out, folders = [], set()
-            for file_path in sorted(commit.tree):
-                if not file_path.startswith(prefix):
-                    continue
-                rest = file_path[len(prefix) :]
-                parts = rest.split("/")
-                for depth in range(1, len(parts)):
-                    folder = prefix + "/".join(parts[:depth])
-                    if folder not in folders and (recursive or depth == 1):
-                        folders.add(folder)
-                        out.append({"type": "directory", "path": folder,
-                                    "oid": hashlib.sha1(f"{commit.oid}:{folder}".encode()).hexdigest()})  # fmt: skip
-                if len(parts) > 1 and not recursive:
-                    continue
-                entry = commit.tree[file_path]
-                item = {"type": "file", "path": file_path, "size": entry.size, "oid": entry.git_oid}
-                if entry.lfs:
-                    item["lfs"] = {"oid": entry.sha256, "size": entry.size,
-                                   "pointerSize": len(lfs_pointer(entry.sha256, entry.size))}  # fmt: skip
-                out.append(item)
-            return out
-
-    def list_commits(self, repo_id: str, revision: str, headers) -> list[dict]:
-        with self._lock:
-            repo = self._readable(repo_id, headers)
-            commit, out = self._commit(repo, revision), []
-            while commit is not None:
-                out.append({"id": commit.oid, "title": commit.title, "message": commit.message,
-                            "date": commit.date, "authors": [{"user": commit.author}]})  # fmt: skip
-                commit = repo.commits.get(commit.parent) if commit.parent else None
-            return out
-
-    def resolve(self, repo_id: str, revision: str, path: str, headers) -> tuple[_Commit, _Entry]:
-        with self._lock:
-            commit = self._commit(self._readable(repo_id, headers), revision)
-            entry = commit.tree.get(path)
-            if entry is None:
-                raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
-            return commit, entry
-
-    def take_stall(self, method: str, path: str) -> float | None:
-        return self.take_failure(method, path, self._stalls)
-
-    def take_failure(self, method: str, path: str, failures: list | None = None) -> int | None:
-        with self._lock:
-            for failure in self._failures if failures is None else failures:
-                if failure.remaining > 0 and failure.method == method and failure.pattern.search(path):
-                    failure.remaining -= 1
-                    return failure.status
-        return None
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    hub: LocalHub  # set on the per-server subclass
-    protocol_version = "HTTP/1.1"  # keep-alive, as the client expects; every reply has a length
-
-    def log_message(self, format, *args):  # quiet: tests read hub.requests instead
-        pass
-
-    def do_GET(self):
-        self._dispatch("GET")
-
-    def do_HEAD(self):
-        self._dispatch("HEAD")
-
-    def do_POST(self):
-        self._dispatch("POST")
-
-    def do_PUT(self):
-        self._dispatch("PUT")
-
-    # --- plumbing ---------------------------------------------------------------------
-
-    def _body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
-
-    def _reply(
-        self, status: int, body: bytes = b"", headers: dict | None = None, content_type="application/json"
-    ):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, status: int, obj, headers: dict | None = None):
-        self._reply(status, json.dumps(obj).encode(), headers)
-
-    def _error(self, error: HubError):
-        headers = {"X-Error-Message": error.message}
-        if error.code:
-            headers["X-Error-Code"] = error.code
-        self._json(error.status, {"error": error.message}, headers)
-
-    def _dispatch(self, method: str):
-        split = urlsplit(self.path)
-        path, query = split.path, parse_qs(split.query)
-        body = self._body() if method in ("POST", "PUT") else b""
-        hub = self.hub
-        with hub._lock:
-            hub.requests.append((method, path))
-        stall = hub.take_stall(method, path)
-        if stall is not None:
-            hub._stopping.wait(stall)
-            self.close_connection = True
-            return
-        status = hub.take_failure(method, path)
-        if status is not None:
-            return self._error(HubError(status, f"injected failure for {method} {path}"))
-        try:
-            self._route(method, path, query, body)
-        except HubError as error:
-            self._error(error)
-        except (KeyError, ValueError, TypeError) as error:
-            self._error(HubError(400, f"malformed request: {error!r}"))
-
-    def _route(self, method: str, path: str, query: dict, body: bytes):
-        hub, headers = self.hub, self.headers
-
-        def payload() -> dict:
-            return json.loads(body or b"{}")
-
-        def match(pattern: str):
-            return re.fullmatch(pattern, path)
-
-        if method == "GET" and path == "/api/whoami-v2":
-            return self._json(200, hub.whoami(headers))
-        if method == "POST" and path == "/api/repos/create":
-            status, obj = hub.create_repo(headers, payload())
-            return self._json(status, obj)
-        if method == "POST" and path == "/api/validate-yaml":
-            status, obj = hub.validate_yaml(payload())
-            return self._json(status, obj)
-        if method == "GET" and (m := match(rf"/api/models/{_REPO}(?:/revision/(?P<rev>[^/]+))?")):
-            return self._json(200, hub.repo_info(m["repo"], unquote(m["rev"] or "main"), headers))
-        if method == "POST" and (m := match(rf"/api/models/{_REPO}/preupload/(?P<rev>[^/]+)")):
-            return self._json(200, hub.preupload(m["repo"], unquote(m["rev"]), headers, payload()))
-        if method == "POST" and (m := match(rf"/api/models/{_REPO}/commit/(?P<rev>[^/]+)")):
-            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
-            params = {k: v[0] for k, v in query.items()}
-            return self._json(200, hub.commit(m["repo"], unquote(m["rev"]), headers, params, lines))
-        if method == "GET" and (m := match(rf"/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.+))?")):
-            recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
-            items = hub.tree(m["repo"], unquote(m["rev"]), unquote(m["path"] or ""), recursive, headers)
-            return self._json(200, items)
-        if method == "GET" and (m := match(rf"/api/models/{_REPO}/commits/(?P<rev>[^/]+)")):
-            return self._json(200, hub.list_commits(m["repo"], unquote(m["rev"]), headers))
-        if method == "POST" and (m := match(rf"/{_REPO}\.git/info/lfs/objects/batch")):
-            batch = hub.lfs_batch(m["repo"], headers, payload())
-            return self._reply(200, json.dumps(batch).encode(), content_type="application/vnd.git-lfs+json")
-        if method == "PUT" and (m := match(rf"/lfs-upload/{_REPO}/(?P<oid>[0-9a-f]{{64}})")):
-            return self._json(200, hub.lfs_upload(m["repo"], m["oid"], query, body))
-        if method == "POST" and (m := match(rf"/lfs-verify/{_REPO}")):
-            return self._json(200, hub.lfs_verify(m["repo"], headers, payload()))
-        if method in ("GET", "HEAD") and (m := match(rf"/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)")):
-            return self._send_file(m["repo"], unquote(m["rev"]), unquote(m["path"]))
-        raise HubError(404, f"no route for {method} {path} on this local hub")
-
-    def _send_file(self, repo_id: str, revision: str, path: str):
-        commit, entry = self.hub.resolve(repo_id, revision, path, self.headers)
-        content = self.hub._blob(entry.sha256).read_bytes()
-        etag = entry.sha256 if entry.lfs else entry.git_oid
-        headers = {"X-Repo-Commit": commit.oid, "ETag": f'"{etag}"', "Accept-Ranges": "bytes",
-                   "Content-Disposition": f"inline; filename*=UTF-8''{quote(path.rsplit('/', 1)[-1])}"}  # fmt: skip
-        if entry.lfs:
-            headers["X-Linked-Etag"] = f'"{etag}"'
-            headers["X-Linked-Size"] = str(entry.size)
-        status = 200
-        requested = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "") or "")
-        if requested and self.command == "GET":
-            start = int(requested[1])
-            end = int(requested[2]) if requested[2] else len(content) - 1
-            headers["Content-Range"] = f"bytes {start}-{end}/{len(content)}"
-            content, status = content[start : end + 1], 206
-        self._reply(status, content, headers, content_type="application/octet-stream")
 
 
 def _interrupt(signum, frame):

@@ -11,7 +11,8 @@ import pytest
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, hf_hub_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RevisionNotFoundError
 
-from slothkit.testing.local_hub import LocalHub, git_blob_oid
+from slothkit.testing.local_hub import LocalHub
+from slothkit.testing.local_hub_records import git_blob_oid
 
 REPO = "local-user/scratch"
 
