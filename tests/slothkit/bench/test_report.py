@@ -10,13 +10,11 @@ from slothkit.bench.report import (
     ROOT,
     full_table,
     load_records,
-    overview,
     readme_table,
     readme_with_table,
-    render,
-    render_context,
-    render_summary,
 )
+from slothkit.bench.report_overview import overview
+from slothkit.bench.report_tables import render, render_context, render_summary
 
 
 def test_readme_and_full_table_match_the_records():
