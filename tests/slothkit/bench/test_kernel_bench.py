@@ -19,6 +19,7 @@ import torch
 
 from slothkit.bench import kernels as bench
 from slothkit.bench.kernel_cases import OPS, build_cases
+from slothkit.bench.kernel_report import COLUMNS
 
 ENV_KEYS = {
     "date",
@@ -118,8 +119,8 @@ def test_record_and_table_are_complete(tiny_run):
     assert all(r["mode"] == "fwd" for r in rows if r["op"] == "nf4")  # no backward to time
 
     header, separator, *body = table_lines(markdown)
-    assert header == list(bench.COLUMNS)
-    assert separator == ["---"] * len(bench.COLUMNS)
+    assert header == list(COLUMNS)
+    assert separator == ["---"] * len(COLUMNS)
     assert len(body) == len(rows)
     assert all(len(cells) == len(header) for cells in body)
     assert [cells[:5] for cells in body] == [
