@@ -114,7 +114,7 @@ def one_step_counts(
 ):
     """(launch counts of one forward and backward, fastest host ms of ``timed_steps`` more)."""
     from slothkit import models
-    from slothkit.bench.train_worker import build_model, prepare
+    from slothkit.bench.model_setup import build_model, prepare
 
     base = models.shape_by_name(model_name)
     name = f"{model_name}-{layers}-layers"

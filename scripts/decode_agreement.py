@@ -18,7 +18,7 @@ import json
 import torch
 
 from slothkit.bench.generate_worker import _randomise_adapters
-from slothkit.bench.train_worker import LORA_TARGETS, build_model
+from slothkit.bench.model_setup import LORA_TARGETS, build_model
 
 
 def _errors(logits: torch.Tensor, reference: torch.Tensor) -> dict:

@@ -1,7 +1,7 @@
 """One GRPO step on a GPU, its sampling and the rest of it timed apart, for one
 implementation per process.
 
-The model is the named shape with random weights (slothkit.bench.train_worker.build_model),
+The model is the named shape with random weights (slothkit.bench.model_setup.build_model),
 LoRA r=16 on the seven projections, trained by TRL's GRPOTrainer on prompts of the tiny
 test tokenizer's text (its ids are valid for any vocabulary; sampled ids it lacks decode
 to nothing, which the length reward below does not mind).  Each step samples
@@ -72,7 +72,7 @@ def _prompts(tokenizer, length: int, count: int):
 def build(impl: str, args, dtype):
     from transformers import AutoTokenizer
 
-    from slothkit.bench.train_worker import LORA_TARGETS, build_model
+    from slothkit.bench.model_setup import LORA_TARGETS, build_model
     from slothkit.testing import tiny_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("llama")))
@@ -81,7 +81,7 @@ def build(impl: str, args, dtype):
         # As Unsloth's GRPO notebooks run it without vLLM: its own 4-bit loading from a
         # checkpoint on disk, its LoRA with offloaded checkpointing, and TRL's GRPOTrainer
         # as Unsloth patches it on import (sampling through Unsloth's generate).
-        from slothkit.bench.train_worker import load_with_unsloth
+        from slothkit.bench.model_setup import load_with_unsloth
 
         setting = argparse.Namespace(
             seq=args.prompt_len + args.completion_len + 64, mode=args.mode, rank=16, seed=0

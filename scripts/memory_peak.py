@@ -29,7 +29,7 @@ import sys
 import torch
 
 from slothkit.bench.memory_trace import allocated_peak, pools, reserved_peak
-from slothkit.bench.train_worker import build_model, prepare
+from slothkit.bench.model_setup import build_model, prepare
 from slothkit.environment import allocator_settings
 
 

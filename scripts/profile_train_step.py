@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from slothkit.bench.train_worker import build_model, prepare
+from slothkit.bench.model_setup import build_model, prepare
 
 
 def build(model_name: str, mode: str, layers: int | None, device: str, dtype):

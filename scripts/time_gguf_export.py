@@ -69,7 +69,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from slothkit.bench.train_worker import build_model
+    from slothkit.bench.model_setup import build_model
     from slothkit.export.gguf import save_pretrained_gguf, write_gguf
     from slothkit.export.gguf.tensor_types import quantization_method
     from slothkit.export.gguf.verify import quantize_with_llama_cpp

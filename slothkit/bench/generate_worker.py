@@ -2,7 +2,7 @@
 (``python -m slothkit.bench.generate_worker``).
 
 Every implementation decodes the same thing: the named shape with the same random weights
-(slothkit.bench.train_worker.build_model), LoRA r=16 on the seven projections with the
+(slothkit.bench.model_setup.build_model), LoRA r=16 on the seven projections with the
 same random adapter weights (so that the adapters change the output), the same random
 prompts, greedy, ``min_new_tokens = max_new_tokens`` so that every run makes the same
 number of tokens.  Prints one JSON line prefixed with RESULT_TAG.
@@ -19,7 +19,8 @@ import traceback
 
 import torch
 
-from slothkit.bench.train_worker import LORA_TARGETS, RESULT_TAG, build_model, load_with_unsloth
+from slothkit.bench.model_setup import LORA_TARGETS, build_model, load_with_unsloth
+from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.environment import allocator_settings
 from slothkit.model_state import state_of
 

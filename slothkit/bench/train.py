@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
+from slothkit.bench.model_setup import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS
 from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, with_scaling
-from slothkit.bench.train_worker import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS, RESULT_TAG
+from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.configuration import environment_defaults
 from slothkit.models import SHAPES, shape_by_name
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slothkit.bench.train_worker import build_model
+from slothkit.bench.model_setup import build_model
 from slothkit.cli import main
 from slothkit.model_state import state_of
 from slothkit.models import SHAPES, shape_by_name
@@ -53,7 +53,8 @@ def test_flops_count_the_re_run_only_for_the_layers_that_re_run():
 def test_recomputed_share_reads_the_layers_flags(checkpointing):
     from peft import LoraConfig, get_peft_model
 
-    from slothkit.bench.train_worker import LORA_TARGETS, recomputed_share
+    from slothkit.bench.model_setup import LORA_TARGETS
+    from slothkit.bench.train_measures import recomputed_share
 
     model = build_model("tiny-llama", torch.float32, "cpu", seed=0)
     if checkpointing:
@@ -249,7 +250,7 @@ def test_a_variable_left_to_auto_is_recorded_and_passed_as_a_flag(
 
 def test_the_worker_hands_its_switches_to_fast_model(monkeypatch):
     from slothkit import FastModel
-    from slothkit.bench.train_worker import prepare
+    from slothkit.bench.model_setup import prepare
 
     seen = []
     monkeypatch.setattr(FastModel, "get_peft_model", lambda model, **kwargs: seen.append(kwargs))
@@ -311,7 +312,7 @@ def _check_switch(tmp_path, monkeypatch, flag, word, key, expected, environ=None
 def test_quantising_while_building_gives_the_same_nf4_weights():
     # The --t4 runs build QLoRA models layer by layer under a 15 GiB cap; they must train
     # exactly the weights that quantising the whole 16-bit model gives.
-    from slothkit.bench.train_worker import quantize_to_nf4
+    from slothkit.bench.model_setup import quantize_to_nf4
 
     whole = quantize_to_nf4(build_model("tiny-llama", torch.float32, "cpu", seed=3), torch.float32)
     streamed = build_model("tiny-llama", torch.float32, "cpu", seed=3, quantize_nf4=True)
@@ -331,7 +332,7 @@ def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
     import sys
     import types
 
-    from slothkit.bench import train_worker
+    from slothkit.bench import model_setup
 
     seen = {}
 
@@ -357,7 +358,7 @@ def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
     monkeypatch.setattr(tempfile, "tempdir", None)
     model = build_model("tiny-llama", torch.float32, "cpu", 0)
     args = argparse.Namespace(seq=64, mode="lora", rank=4, seed=0)
-    train_worker.load_with_unsloth(model, args, torch.float32)
+    model_setup.load_with_unsloth(model, args, torch.float32)
     assert "model.safetensors" in seen["files"] and "tokenizer.json" in seen["files"]
     assert not Path(seen["folder"]).exists()
     assert not list(tmp_path.glob("slothkit-bench-unsloth-*"))
@@ -432,7 +433,7 @@ def test_t4_stand_in_runs_slothkit_as_on_a_t4(monkeypatch):
 
 def test_the_worker_hands_auto_its_budget_and_step_and_turns_hf_checkpointing_off(monkeypatch):
     from slothkit import FastModel
-    from slothkit.bench.train_worker import prepare
+    from slothkit.bench.model_setup import prepare
 
     seen = []
     monkeypatch.setattr(FastModel, "get_peft_model", lambda model, **kwargs: seen.append(kwargs))
@@ -579,7 +580,7 @@ def test_a_budget_auto_cannot_meet_is_reported_as_out_of_memory(capsys):
 def test_the_host_peak_restarts_from_the_current_resident_memory():
     """The host column reports the training steps' peak, not the loading's: after a
     512 MiB buffer is touched and freed, the reset brings the peak back below it."""
-    from slothkit.bench.train_worker import peak_host_bytes, reset_peak_host
+    from slothkit.bench.train_measures import peak_host_bytes, reset_peak_host
 
     buffer = torch.ones(512 * 2**20, dtype=torch.uint8)  # touched: resident
     with_buffer = peak_host_bytes()
@@ -596,7 +597,7 @@ def test_the_record_says_how_auto_split_the_layers(tmp_path):
     """A slothkit row under "auto" records the split: layers kept, checkpointed on the GPU
     for want of host memory, the predicted pinned host memory and the host budget."""
     from slothkit import FastModel
-    from slothkit.bench.train_worker import slothkit_settings
+    from slothkit.bench.train_measures import slothkit_settings
     from slothkit.testing import build_tiny_model
 
     path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)

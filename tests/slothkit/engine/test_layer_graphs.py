@@ -410,7 +410,7 @@ def test_a_model_quantised_after_loading_counts_as_4bit(checkpointing_asked, mon
     """The benchmark swaps bitsandbytes NF4 layers into a built model: no
     is_loaded_in_4bit flag, but 4-bit weights all the same."""
     from slothkit import FastModel
-    from slothkit.bench.train_worker import build_model
+    from slothkit.bench.model_setup import build_model
 
     monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
     monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
