@@ -191,13 +191,16 @@ class _RMSNormFunction(torch.autograd.Function):
         weight = weight.contiguous()
         n_rows = x_rows.shape[0]
         out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
-        y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+        # Allocated in x's shape and returned as itself, not as a view of a (rows, H)
+        # tensor: a caller may then modify it in place (Qwen3's q/k norms feed the in-place
+        # RoPE), which autograd forbids on views made inside a custom Function.
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block_size, num_warps = calculate_settings(n_cols)
         _rms_norm_forward_kernel[(n_rows,)](
             x_rows,
             weight,
-            y,
+            y.view(n_rows, n_cols),
             rstd,
             x_rows.stride(0),
             n_cols,
@@ -209,7 +212,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x_rows, weight, rstd)
         ctx.gemma = gemma
         ctx.x_shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):

@@ -86,7 +86,9 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     )
     embeddings = shape.vocab_size * h
     arch = architecture_for(shape)
-    head = 0 if arch is not None and arch.tied_embeddings else shape.vocab_size * h
+    # A shape may say itself (Qwen's small sizes tie, its large ones do not).
+    tied = shape.extra.get("tie_word_embeddings", arch is not None and arch.tied_embeddings)
+    head = 0 if tied else shape.vocab_size * h
     norms = (2 * shape.num_hidden_layers + 1) * h
     per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
     return projections * per_projection + element_bytes * (embeddings + head + norms)

@@ -84,6 +84,7 @@ class PatchedModule:
             decoder layer's forward calls to fuse o_proj with the residual sum.
         checkpoints_in_forward: whether transformers checkpoints the decoder layer by
             wrapping its class's forward (slothkit.engine.decoder_layer).
+        qk_norm: whether an attention normalises each head's q and k before RoPE (Qwen3).
     """
 
     original_forward: Callable
@@ -92,6 +93,7 @@ class PatchedModule:
     activation: str | None = None
     attention_values: Callable | None = None
     checkpoints_in_forward: bool = False
+    qk_norm: bool = False
 
 
 @dataclasses.dataclass

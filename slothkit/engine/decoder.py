@@ -1,4 +1,4 @@
-"""Decoder glue shared by Llama, Mistral and Gemma: route a loaded model's modules
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2 and Qwen3: route a loaded model's modules
 through slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with
@@ -21,7 +21,7 @@ from torch import nn
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
-from slothkit.engine.offload_checkpoint import recomputing
+from slothkit.engine.recomputation import recomputing
 from slothkit.engine.sizes import mlp_token_chunk
 from slothkit.model_state import (
     PatchedModule,
@@ -34,7 +34,7 @@ from slothkit.model_state import (
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv_rope
+from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv, lora_qkv_rope
 from slothkit_kernels.rms_norm import rms_norm
 from slothkit_kernels.rope import rope
 
@@ -125,22 +125,35 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
     batch, seq = hidden_states.shape[:-1]
     cos, sin = position_embeddings
     projections = projections_or_none("attention q/k/v", self.q_proj, self.k_proj, self.v_proj)
+    qk_norm = patched_module(self).qk_norm
     if projections is None:
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    elif qk_norm:  # the norms come between the projections and RoPE
+        q, k, v = lora_qkv(hidden_states, *projections)
     else:  # RoPE inside the projections' autograd Function: less work in backward
         q, k, v = lora_qkv_rope(hidden_states, *projections, cos, sin, self.head_dim)
-    # (B, T, heads * D) -> (B, heads, T, D)
-    q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-    k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    # (B, T, heads * D) -> (B, T, heads, D)
+    q = q.view(batch, seq, -1, self.head_dim)
+    k = k.view(batch, seq, -1, self.head_dim)
+    if qk_norm:  # Qwen3: RMSNorm over each head's D values (patched: slothkit's kernel)
+        q, k = self.q_norm(q), self.k_norm(k)
+    # (B, T, heads, D) -> (B, heads, T, D)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-    if projections is None:
+    if projections is None or qk_norm:
         q, k = rope(q, k, cos, sin)
 
     if cache is not None:
         k, v = _update_cache(cache, k, v, self.layer_idx, kwargs)
 
     extra = {}
-    window = getattr(self.config, "sliding_window", None)
+    # Qwen2/Qwen3 give each attention module its own window (None on full-attention layers);
+    # Mistral's reads the config's.
+    window = (
+        self.sliding_window
+        if hasattr(self, "sliding_window")
+        else getattr(self.config, "sliding_window", None)
+    )
     if window is not None:
         extra["sliding_window"] = window
     attn_output, attn_weights = _attention_function(self.config)(
@@ -167,10 +180,17 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     return lora_o(attn_output, out_projection[0]), attn_weights
 
 
-def patch_attention(attention: nn.Module) -> None:
+def patch_attention(attention: nn.Module, qk_norm: bool = False) -> None:
+    """qk_norm: the module normalises each head's q and k (its q_norm and k_norm, patched
+    by the caller) before RoPE (Qwen3)."""
     # The decoder layer's forward calls attention_values to apply o_proj with the residual
     # sum itself.
-    _bind(attention, _attention_forward, attention_values=types.MethodType(attention_values, attention))
+    _bind(
+        attention,
+        _attention_forward,
+        attention_values=types.MethodType(attention_values, attention),
+        qk_norm=qk_norm,
+    )
 
 
 # --- the decoder layer -----------------------------------------------------------
@@ -260,7 +280,10 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
     for layer in layers:
         patch_rms_norm(layer.input_layernorm, arch.norm_adds_one)
         patch_rms_norm(layer.post_attention_layernorm, arch.norm_adds_one)
-        patch_attention(layer.self_attn)
+        if arch.qk_norm:
+            patch_rms_norm(layer.self_attn.q_norm, arch.norm_adds_one)
+            patch_rms_norm(layer.self_attn.k_norm, arch.norm_adds_one)
+        patch_attention(layer.self_attn, qk_norm=arch.qk_norm)
         patch_mlp(layer.mlp, activation)
         patch_decoder_layer(layer)
     patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)

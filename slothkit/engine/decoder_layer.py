@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from slothkit.engine.lora_projection import projections_or_none
-from slothkit.engine.offload_checkpoint import keep, kept, recomputing, unread_sum
+from slothkit.engine.recomputation import keep, kept, recomputing, unread_sum
 from slothkit.model_state import patched_module
 from slothkit_kernels.lora import lora_o_residual
 

@@ -35,12 +35,6 @@ import torch
 from slothkit.engine.layer_graphs import LayerGraphs
 from slothkit.engine.offloaded_activation import _OffloadedActivation
 from slothkit.engine.recomputation import _collecting, _output_may_be_read, _recomputation
-
-# Imported from here by the decoder glue (decoder.py, decoder_layer.py): re-exported.
-from slothkit.engine.recomputation import keep as keep
-from slothkit.engine.recomputation import kept as kept
-from slothkit.engine.recomputation import recomputing as recomputing
-from slothkit.engine.recomputation import unread_sum as unread_sum
 from slothkit.engine.sizes import SHORT_STEP_TOKENS, pinned_bytes
 
 

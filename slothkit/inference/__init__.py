@@ -15,9 +15,10 @@ import torch
 
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.inference.fast_decoder import FastDecoder
+from slothkit.inference.model_step import layer_windows
 from slothkit.inference.sampling import generation_config_for, unsupported_settings
 from slothkit.model_state import attach_state, state_of
-from slothkit.models import architecture_for
+from slothkit.models import ARCHITECTURES, architecture_for
 from slothkit.notices import say_once
 
 __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
@@ -30,7 +31,10 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
     FastModel.from_pretrained's notice has already named)."""
     if architecture_for(causal_lm.config) is None:
-        return f"fast generation covers Llama, Mistral and Gemma, not {causal_lm.config.model_type!r}"
+        covered = ", ".join(arch.name for arch in ARCHITECTURES)
+        return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
+    if len(set(layer_windows(causal_lm))) > 1:
+        return "fast generation does not cover models mixing sliding-window and full-attention layers"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)

@@ -95,11 +95,25 @@ class _DecodeMLP:
         return self.down(hidden)[0]
 
 
+def layer_windows(causal_lm: nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention). Qwen2/Qwen3 give each
+    attention module its own; Mistral's comes from the config."""
+    config = causal_lm.config
+    layers = causal_lm.model.layers[: config.num_hidden_layers]
+    shared = getattr(config, "sliding_window", None)
+    return [getattr(layer.self_attn, "sliding_window", shared) for layer in layers]
+
+
 class _DecodeLayer:
-    """One decoder layer's projections, grouped by shared input."""
+    """One decoder layer's projections, grouped by shared input, and its q/k norms where
+    the attention has them (Qwen3: RMSNorm over each head before RoPE)."""
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype):
         attention = layer.self_attn
+        # Read off the modules, not the patch record: a model loaded with fused=False
+        # decodes through here too.
+        has_qk_norm = hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
+        self.qk_norm = (attention.q_norm, attention.k_norm) if has_qk_norm else None
         self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
         self.mlp = _DecodeMLP(layer.mlp, dtype)
@@ -128,7 +142,7 @@ class ModelStep:
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.scaling = float(attention.scaling)
-        self.window = getattr(config, "sliding_window", None)
+        self.window = layer_windows(causal_lm)[0]  # one for all layers (enable_fast_decode checks)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         embeddings = causal_lm.get_input_embeddings()
         base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
@@ -196,8 +210,12 @@ class ModelStep:
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
             q, k, v = projections.qkv(layer.input_layernorm(hidden))
-            q = q.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            k = k.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+            q = q.view(batch, tokens, -1, self.head_dim)
+            k = k.view(batch, tokens, -1, self.head_dim)
+            if projections.qk_norm is not None:
+                q_norm, k_norm = projections.qk_norm
+                q, k = q_norm(q), k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
             q, k = _rotate_pair(q, k, cos, sin)
             keys, values = cache.write(index, slots, k, v)

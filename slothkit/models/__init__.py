@@ -20,9 +20,11 @@ from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.llama import LLAMA
 from slothkit.models.mistral import MISTRAL
+from slothkit.models.qwen2 import QWEN2
+from slothkit.models.qwen3 import QWEN3
 from slothkit.models.shape import Shape
 
-RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, GEMMA3)
+RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 SHAPES: dict[str, Shape] = {name: shape for arch in ARCHITECTURES for name, shape in arch.shapes.items()}
 
@@ -61,7 +63,7 @@ def record_for(config) -> Architecture | None:
 
 
 def architecture_named(name: str) -> Architecture:
-    """The record called `name` ("llama", "mistral", "gemma", "gemma3")."""
+    """The record called `name` ("llama", "qwen3", ...: RECORDS)."""
     for arch in RECORDS:
         if arch.name == name:
             return arch

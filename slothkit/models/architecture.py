@@ -1,6 +1,6 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, qwen2.py, qwen3.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
@@ -22,6 +22,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
     families          messages
     embedding_scale   the fast decode step (slothkit.inference), where transformers' embedding
                       module does not scale by sqrt(hidden) itself
+    qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
+                      norm each head's q and k before RoPE
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -66,7 +68,7 @@ class TinyTraits:
     rms_norm_eps: float
     head_dim: int | None  # None: hidden_size // num_heads
     sliding_window: int | None  # default window; None where the family has none
-    tokenizer: str  # default flavour: "bpe" (Llama 3's byte-level BPE) or "sentencepiece"
+    tokenizer: str  # default flavour: "bpe" (Llama 3's byte-level BPE), "qwen" (Qwen's) or "sentencepiece"
     chat_template: str  # Jinja, in the format of the family's instruct models
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
@@ -104,6 +106,9 @@ class Architecture:
     # The token embeddings are multiplied by sqrt(hidden size) before the first layer
     # (Gemma); transformers does it in the model's forward or in its embedding module.
     embedding_scale: bool = False
+    # An RMSNorm over each head's queries and keys (attention modules' q_norm and k_norm)
+    # before the rotation (Qwen3); the norms scale by w, or 1 + w as the family's others.
+    qk_norm: bool = False
 
     def activation(self, config) -> str:
         """The gated MLP's activation name for slothkit_kernels.lora.lora_mlp."""

@@ -18,6 +18,12 @@ kernels and patching code must get right; each architecture record (slothkit.mod
     gemma3   as gemma, q/k norms, four  GeGLU      (1 + w) * x tied   1000000 /   SentencePiece-style
              norms per layer; sliding window (16) on every                    10000 (sliding)
              second layer, the others global
+    qwen2    GQA, q/k/v biases         SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
+    qwen3    GQA, q/k norms per head,  SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
+             head_dim 32 (not hidden / heads)
+
+Qwen's tokenizer adds no BOS, splits every digit alone, ends an instruct turn with
+<|im_end|> (its eos) and pads with <|endoftext|>, as Qwen2.5 Instruct's does.
 
 The tokenizers are trained here, with the `tokenizers` library, on a few paragraphs of
 plain English embedded below; they have a few hundred tokens, so most words split into
@@ -44,7 +50,7 @@ from slothkit.models import RECORDS as _RECORDS
 from slothkit.models import Architecture, architecture_named
 
 ARCHITECTURES = tuple(arch.name for arch in _RECORDS)
-TOKENIZER_FLAVOURS = ("bpe", "sentencepiece")
+TOKENIZER_FLAVOURS = ("bpe", "qwen", "sentencepiece")
 LARGE_VOCAB_SIZE = 256_000  # Gemma's real vocabulary
 
 # ---------------------------------------------------------------------------------------
@@ -115,6 +121,8 @@ _LLAMA3_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's: Llama 3's with every digit alone.
+_QWEN_SPLIT_PATTERN = _LLAMA3_SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 _BPE_TRAINED_VOCAB = 640  # byte-level BPE before special tokens
 _SENTENCEPIECE_VOCAB = 640  # SentencePiece-style, specials and byte tokens included
 
@@ -126,6 +134,7 @@ class _FlavourSpecials:
     pad: str
     unk: str | None
     extra: tuple[str, ...]  # further special tokens that come with the flavour
+    adds_bos: bool = True  # the tokenizer puts bos in front of every text
 
 
 _FLAVOUR_SPECIALS = {
@@ -135,6 +144,15 @@ _FLAVOUR_SPECIALS = {
         pad="<|finetune_right_pad_id|>",
         unk=None,  # byte-level: every string is representable
         extra=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    ),
+    # Qwen's config names <|endoftext|> as bos, but its tokenizer never adds one.
+    "qwen": _FlavourSpecials(
+        bos="<|endoftext|>",
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        unk=None,
+        extra=("<|im_start|>",),
+        adds_bos=False,
     ),
     "sentencepiece": _FlavourSpecials(bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", extra=()),
 }
@@ -163,12 +181,13 @@ def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str
     extra = _extra_specials(flavour, chat_specials)
     paragraphs = [p + "\n" for p in CORPUS.split("\n\n")]
 
-    if flavour == "bpe":
-        # Llama 3: byte-level BPE; the special tokens come after the learned vocabulary.
+    if flavour in ("bpe", "qwen"):
+        # Llama 3 and Qwen: byte-level BPE; the special tokens come after the learned vocabulary.
+        split = _LLAMA3_SPLIT_PATTERN if flavour == "bpe" else _QWEN_SPLIT_PATTERN
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
@@ -179,7 +198,7 @@ def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str
         )
         tok.train_from_iterator(paragraphs, trainer)
         tok.decoder = decoders.ByteLevel()
-        named = (specials.bos, specials.eos, specials.pad)
+        named = tuple(dict.fromkeys((specials.bos, specials.eos, specials.pad)))  # Qwen's bos is its pad
     else:
         # Llama 2 / Mistral / Gemma style: "▁" marks a word start, characters unseen in
         # training fall back to byte tokens <0x00>..<0xFF>. Special and byte tokens take the
@@ -209,6 +228,8 @@ def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str
         )
 
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in named + extra])
+    if not specials.adds_bos:
+        return tok.to_str()
     bos_id = tok.token_to_id(specials.bos)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{specials.bos} $A",
@@ -220,8 +241,10 @@ def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str
 
 def _extra_specials(flavour: str, chat_specials: tuple[str, ...]) -> tuple[str, ...]:
     """Special tokens beyond bos/eos/pad/unk: the flavour's own, then those the chat template needs."""
-    own = _FLAVOUR_SPECIALS[flavour].extra
-    return own + tuple(t for t in chat_specials if t not in own)
+    specials = _FLAVOUR_SPECIALS[flavour]
+    own = specials.extra
+    named = (specials.bos, specials.eos, specials.pad)
+    return own + tuple(t for t in chat_specials if t not in own and t not in named)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,14 +265,18 @@ def _write_tokenizer(flavour: str, arch: str, path: pathlib.Path, model_max_leng
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    special_map = {"bos_token": specials.bos, "eos_token": specials.eos, "pad_token": specials.pad}
+    special_map = {"eos_token": specials.eos, "pad_token": specials.pad}
+    if specials.adds_bos:  # Qwen's tokenizer has none (tokenizer_config.json: null)
+        special_map["bos_token"] = specials.bos
     if specials.unk is not None:
         special_map["unk_token"] = specials.unk
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,  # as Qwen's and byte-level vocabularies write a token they lack
+        "unk_token": None,  # (else a tokenizer class may fill in its own default)
         **special_map,
         "additional_special_tokens": list(extra),
-        "add_bos_token": True,
+        "add_bos_token": specials.adds_bos,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
@@ -285,8 +312,9 @@ def build_tiny_tokenizer(
 ) -> pathlib.Path:
     """Write a tokenizer trained on `CORPUS` to `path` (a fresh temporary folder when None).
 
-    flavour: "bpe" (Llama 3 style byte-level BPE, no unk) or "sentencepiece" (BPE over "▁"-marked
-        words with byte fallback, `<unk> <s> </s> <pad>`).
+    flavour: "bpe" (Llama 3 style byte-level BPE, no unk), "qwen" (Qwen's: byte-level BPE,
+        digits alone, no BOS) or "sentencepiece" (BPE over "▁"-marked words with byte
+        fallback, `<unk> <s> </s> <pad>`).
     arch: whose chat template (and its special tokens) to include; defaults to the first
         architecture whose tiny checkpoint uses the flavour ("llama" for "bpe", "mistral" for
         "sentencepiece").
@@ -328,20 +356,23 @@ def build_tiny_model(
 ) -> pathlib.Path:
     """Write a random-initialised checkpoint of `arch` with its tokenizer; return the folder.
 
-    arch: "llama", "mistral", "gemma" or "gemma3" (see the module docstring for what each keeps).
+    arch: "llama", "mistral", "gemma", "qwen2", "qwen3" or "gemma3" (see the module docstring
+        for what each keeps).
     path: where to write; a fresh temporary folder (left for the caller) when None.
     intermediate_size: MLP width; default 3 * hidden_size.
-    head_dim: default hidden_size // num_heads, except Gemma's and Gemma 3's 256.
+    head_dim: default hidden_size // num_heads, except Gemma's and Gemma 3's 256 and Qwen3's 32.
     vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
         to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
     sliding_window: Mistral and Gemma 3 only; default 32 (Gemma 3: 16), so sequences longer
         than that hit it.
-    tokenizer: "bpe" or "sentencepiece"; default Llama: "bpe", the others: "sentencepiece".
+    tokenizer: "bpe", "qwen" or "sentencepiece"; default the record's (Llama: "bpe", Qwen:
+        "qwen", the others: "sentencepiece").
     seed: the weights are a pure function of the arguments.
 
     When hidden_size, intermediate_size and num_heads * head_dim are multiples of 256 (as with
-    hidden_size=256, intermediate_size=512 and the other defaults, for every arch) every
-    weight row is a multiple of 256 long, as GGUF K-quants need.
+    hidden_size=256, intermediate_size=512 and the other defaults, for every arch but Qwen3,
+    which also needs head_dim=64) every weight row is a multiple of 256 long, as GGUF
+    K-quants need.
 
     Weights are normal with std 1/sqrt(fan_in), so every layer changes its input by a
     comparable amount and the logits spread over a few units rather than collapsing to a
@@ -505,7 +536,9 @@ def _random_weights(config, record: Architecture, seed: int) -> dict[str, torch.
     for name, param in skeleton.named_parameters():
         if record.tied_embeddings and name == "lm_head.weight":
             continue  # tied to model.embed_tokens.weight; safetensors stores it once
-        if param.ndim == 1:  # RMSNorm weights (the only vectors: no biases here)
+        if name.endswith(".bias"):  # Qwen2's q/k/v biases: large enough to matter
+            value = 0.5 * torch.randn(param.shape, generator=generator)
+        elif param.ndim == 1:  # RMSNorm weights
             value = norm_neutral + 0.1 * torch.randn(param.shape, generator=generator)
         else:  # Linear (out, in) and Embedding (vocab, hidden) both have the fan-in last
             value = torch.randn(param.shape, generator=generator) * param.shape[-1] ** -0.5

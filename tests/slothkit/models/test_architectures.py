@@ -108,7 +108,7 @@ def test_tiny_traits_are_consistent(arch):
 def test_lookups_name_what_is_known():
     assert architecture_named("gemma").model_types == ("gemma",)
     with pytest.raises(
-        ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma, gemma3$"
+        ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma, qwen2, qwen3, gemma3$"
     ):
         architecture_named("gpt2")
     assert architecture_of_shape("mistral-7b") is architecture_named("mistral")
@@ -116,8 +116,8 @@ def test_lookups_name_what_is_known():
         ValueError, match="no architecture names the shape 'llama-9'; named shapes: llama-3-8b"
     ):
         architecture_of_shape("llama-9")
-    assert architecture_for(AutoConfig.for_model("qwen2")) is None
-    assert record_for(AutoConfig.for_model("qwen2")) is None
+    assert architecture_for(AutoConfig.for_model("phi3")) is None
+    assert record_for(AutoConfig.for_model("phi3")) is None
     gemma3 = AutoConfig.for_model("gemma3_text")
     assert architecture_for(gemma3) is None  # no fused path: FastModel runs plain HF + PEFT
     assert record_for(gemma3) is architecture_named("gemma3")  # GGUF export knows it

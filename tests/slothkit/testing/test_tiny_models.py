@@ -81,12 +81,15 @@ def test_builds_and_loads_offline(arch, tmp_path, no_network):
         "mistral": "MistralForCausalLM",
         "gemma": "GemmaForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
     }
     assert type(model).__name__ == expected_class[arch]
     assert tokenizer.is_fast
     assert len(tokenizer) <= model.config.vocab_size
     assert model.config.vocab_size % 256 == 0
-    assert model.generation_config.bos_token_id == tokenizer.bos_token_id
+    if tokenizer.bos_token_id is not None:  # Qwen's tokenizer has none, its config does
+        assert model.generation_config.bos_token_id == tokenizer.bos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
     assert tokenizer.eos_token_id in _eos_ids(model)
 
@@ -101,6 +104,8 @@ TRAITS = [
     ("llama", "silu", 500_000.0, False, 16, None, 1.0),
     ("mistral", "silu", 10_000.0, False, 16, 32, 1.0),
     ("gemma", "gelu_pytorch_tanh", 10_000.0, True, 256, None, 0.0),
+    ("qwen2", "silu", 1_000_000.0, False, 16, None, 1.0),
+    ("qwen3", "silu", 1_000_000.0, False, 32, None, 1.0),
 ]
 
 
@@ -243,7 +248,9 @@ def test_large_vocab_gives_gemma_256000_rows():
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_hidden_256_gives_rows_of_multiples_of_256(arch):
     """GGUF K-quants pack rows in blocks of 256 values."""
-    path = tiny_model_path(arch, hidden_size=256, intermediate_size=512)
+    # Qwen3's tiny head_dim (32) is not hidden_size // num_heads; 4 x 64 gives 256.
+    head_dim = {"head_dim": 64} if arch == "qwen3" else {}
+    path = tiny_model_path(arch, hidden_size=256, intermediate_size=512, **head_dim)
     config = _config_json(path)
     assert config["hidden_size"] == 256 and config["vocab_size"] % 256 == 0
     matrices = {name: t for name, t in _tensors(path).items() if t.ndim == 2}
@@ -274,7 +281,7 @@ def test_tokenizer_round_trips_text(arch, text):
         assert tokenizer.unk_token_id not in ids  # byte fallback instead of <unk>
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [arch for arch in ARCHITECTURES if not arch.startswith("qwen")])
 def test_encoding_adds_exactly_one_bos(arch):
     _, _, tokenizer = _load(arch)
     ids = tokenizer("Sloths are good swimmers.")["input_ids"]
@@ -285,6 +292,20 @@ def test_encoding_adds_exactly_one_bos(arch):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     chat_ids = _input_ids(tokenizer.apply_chat_template(messages, tokenize=True))
     assert chat_ids[0] == tokenizer.bos_token_id and chat_ids.count(tokenizer.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_tokenizer_adds_no_bos_and_splits_digits(arch):
+    """Qwen's tokenizer has no BOS (its config's bos_token_id, <|endoftext|>, is never
+    added), ends turns with <|im_end|> and pads with <|endoftext|>; digits go one by one."""
+    path, model, tokenizer = _load(arch)
+    assert tokenizer.bos_token_id is None
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert model.config.bos_token_id == tokenizer.pad_token_id
+    ids = tokenizer("Sloths are good swimmers.")["input_ids"]
+    assert tokenizer.pad_token_id not in ids and tokenizer.eos_token_id not in ids
+    digits = tokenizer("2024", add_special_tokens=False)["input_ids"]
+    assert [tokenizer.decode([i]) for i in digits] == ["2", "0", "2", "4"]
 
 
 MESSAGES = [
@@ -320,6 +341,32 @@ EXPECTED_CHAT = {
     ),
 }
 EXPECTED_CHAT["gemma3"] = EXPECTED_CHAT["gemma"]  # Gemma 3 keeps Gemma's turn format
+_CHATML = (
+    "<|im_start|>system\nBe brief.<|im_end|>\n"
+    "<|im_start|>user\nHi there<|im_end|>\n"
+    "<|im_start|>assistant\nHello!<|im_end|>\n"
+    "<|im_start|>user\nHow are you?<|im_end|>\n"
+    "<|im_start|>assistant\nFine, thanks.<|im_end|>\n",
+    "Fine, thanks.<|im_end|>\n",
+)
+EXPECTED_CHAT["qwen2"] = EXPECTED_CHAT["qwen3"] = _CHATML
+
+
+def test_qwen_chat_templates_default_system_and_thinking_switch():
+    """Qwen2.5 adds its default system turn when none is given; Qwen3 adds none, and with
+    enable_thinking=False closes an empty think block after the generation prompt."""
+    user = [{"role": "user", "content": "Hi"}]
+    _, _, qwen2 = _load("qwen2")
+    assert qwen2.apply_chat_template(user, tokenize=False).startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    )
+    _, _, qwen3 = _load("qwen3")
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert qwen3.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == prompt
+    no_thinking = qwen3.apply_chat_template(
+        user, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert no_thinking == prompt + "<think>\n\n</think>\n\n"
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -26,7 +26,7 @@ from slothkit.models import architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
-ARCHS = ("llama", "mistral", "gemma")
+ARCHS = ("llama", "mistral", "gemma", "qwen2", "qwen3")
 METHODS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
 SIZES = dict(hidden_size=256, intermediate_size=512)  # every row a multiple of 256 (K-quants)
 needs_llama_cpp = pytest.mark.skipif(
@@ -39,6 +39,13 @@ EXPECTED = {
     "llama": dict(arch="llama", head_dim=64, rope_base=500000.0, eps=1e-5, tokenizer="gpt2", tied=False),
     "mistral": dict(arch="llama", head_dim=64, rope_base=10000.0, eps=1e-5, tokenizer="llama", tied=False),
     "gemma": dict(arch="gemma", head_dim=256, rope_base=10000.0, eps=1e-6, tokenizer="llama", tied=True),
+    "qwen2": dict(arch="qwen2", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
+    "qwen3": dict(arch="qwen3", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
+}
+# Tensors beyond Llama's, per layer: Qwen2's q/k/v biases, Qwen3's per-head q/k norms.
+EXTRA_LAYER_TENSORS = {
+    "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight"),
 }
 # The type of each 2-D weight, written out by hand from llama.cpp's rules (not from our code):
 # _M mixes: attn_v and ffn_down of layer 1 (of 2) get Q6_K; the output (Gemma: the tied
@@ -65,7 +72,7 @@ FILE_TYPES = {
 
 
 def expected_type(method: str, name: str, tied: bool):
-    if name.endswith("_norm.weight"):
+    if name.endswith("_norm.weight") or name.endswith(".bias"):
         return T.F32
     is_output = name == "output.weight" or (tied and name == "token_embd.weight")
     if is_output and method in ("q4_0", "q4_k_m", "q5_k_m", "q6_k"):
@@ -77,7 +84,8 @@ def expected_type(method: str, name: str, tied: bool):
 
 @functools.cache
 def tiny(arch: str, dtype: torch.dtype = torch.float32):
-    path = tiny_model_path(arch, **SIZES)
+    # Qwen3's tiny head_dim (32) is not hidden_size // num_heads; 4 x 64 keeps rows of 256.
+    path = tiny_model_path(arch, **SIZES, **({"head_dim": 64} if arch == "qwen3" else {}))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
@@ -129,9 +137,11 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
     assert field(reader, "tokenizer.ggml.model") == spec["tokenizer"]
     tokens = field(reader, "tokenizer.ggml.tokens")
     assert len(tokens) == model.config.vocab_size == 768  # one token per embedding row
-    assert field(reader, "tokenizer.ggml.bos_token_id") == tokenizer.bos_token_id
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    assert (bos.contents() if bos else None) == tokenizer.bos_token_id
     assert field(reader, "tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
-    assert field(reader, "tokenizer.ggml.add_bos_token") is True
+    # Qwen's tokenizer adds no BOS (and has none).
+    assert field(reader, "tokenizer.ggml.add_bos_token") is (not arch.startswith("qwen"))
     assert field(reader, "tokenizer.chat_template") == tokenizer.chat_template
 
     names = {"token_embd.weight", "output_norm.weight"} | {
@@ -149,6 +159,7 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
             "ffn_down",
         )
     }
+    names |= {f"blk.{i}.{t}" for i in range(2) for t in EXTRA_LAYER_TENSORS.get(arch, ())}
     if not spec["tied"]:
         names.add("output.weight")
     tensors = {t.name: t for t in reader.tensors}
@@ -186,6 +197,16 @@ def test_weights_are_transformed_as_llama_cpp_expects(arch, exported):
     if arch == "gemma":  # no permutation; norms hold 1 + w, in F32
         assert torch.allclose(_stored(reader, "blk.0.attn_q.weight"), q, rtol=1e-3, atol=1e-4)
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm.float() + 1)
+    elif arch.startswith("qwen"):  # no permutation (neox rotation); norms and biases as they are
+        assert torch.allclose(_stored(reader, "blk.0.attn_q.weight"), q, rtol=1e-3, atol=1e-4)
+        assert torch.allclose(_stored(reader, "blk.0.attn_k.weight"), k, rtol=1e-3, atol=1e-4)
+        assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm)
+        if arch == "qwen2":
+            assert torch.equal(_stored(reader, "blk.0.attn_k.bias"), layer.self_attn.k_proj.bias.detach())
+        else:
+            assert torch.equal(
+                _stored(reader, "blk.0.attn_q_norm.weight"), layer.self_attn.q_norm.weight.detach()
+            )
     else:  # Q rows permuted within 4 heads, K rows within 2 KV heads
         assert torch.allclose(
             _stored(reader, "blk.0.attn_q.weight"), permute_rotary_rows(q, 4), rtol=1e-3, atol=1e-4
@@ -333,7 +354,7 @@ def test_llama_cpp_tokenises_plain_text_like_hf(arch, exported):
             )
             decoded = llm.detokenize(tokenizer(text, add_special_tokens=False)["input_ids"]).decode()
             # llama-cpp-python joins token pieces: the "▁" that starts SentencePiece text stays a space
-            assert decoded == (text if arch == "llama" else " " + text)
+            assert decoded == (text if arch in ("llama", "qwen2", "qwen3") else " " + text)
     finally:
         llm.close()
 
@@ -415,8 +436,8 @@ def test_token_types_scores_and_merges(arch, exported):
         tokens[700] == "[PAD700]" and types[700] == gguf.TokenType.UNUSED
     )  # embedding rows past the tokenizer
     assert all(tokens[i] == t for t, i in vocab.items())
-    if arch == "llama":  # byte-level BPE: merges and Llama 3's pre-tokenizer
-        assert field(reader, "tokenizer.ggml.pre") == "llama-bpe"
+    if arch in ("llama", "qwen2", "qwen3"):  # byte-level BPE: merges and the family's pre-tokenizer
+        assert field(reader, "tokenizer.ggml.pre") == ("llama-bpe" if arch == "llama" else "qwen2")
         merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
         assert field(reader, "tokenizer.ggml.merges") == [
             m if isinstance(m, str) else " ".join(m) for m in merges
@@ -497,13 +518,15 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256))  # fmt: skip
+    model = Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       pad_token_id=0))  # fmt: skip
     _, tokenizer = tiny("llama")
     with pytest.raises(
-        ValueError, match="supports the architectures 'llama', 'mistral', 'gemma', 'gemma3_text'; .* 'qwen2'"
+        ValueError,
+        match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'; .* 'phi3'",
     ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
