@@ -14,7 +14,7 @@ from slothkit.model_state import state_of
 from slothkit.models import SHAPES, shape_by_name
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3"])
 def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     from transformers import AutoModelForCausalLM
 
