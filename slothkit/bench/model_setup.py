@@ -93,6 +93,8 @@ def _replace_with_nf4(model, name: str, module, compute_dtype: torch.dtype) -> N
         quant_type="nf4",
         quant_storage=torch.uint8,
     ).to(module.weight.device)
+    if module.bias is not None:  # Qwen2's q/k/v: the bias stays 16-bit and frozen
+        quantized.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name), leaf, quantized)
     module._parameters.clear()  # callers hold the old module (a named_modules() list): free its weight

@@ -27,6 +27,21 @@ def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
+def test_nf4_build_keeps_the_projection_biases():
+    """Qwen2's q/k/v biases survive the swap to NF4 layers: the same values as the 16-bit
+    build (one generator, parameters in the same order), and a finite loss."""
+    pytest.importorskip("bitsandbytes")
+    plain = build_model("tiny-qwen2", torch.float32, "cpu", seed=0)
+    quantized = build_model("tiny-qwen2", torch.float32, "cpu", seed=0, quantize_nf4=True)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        expected = getattr(plain.model.layers[1].self_attn, name).bias
+        got = getattr(quantized.model.layers[1].self_attn, name)
+        assert type(got).__name__ == "Linear4bit" and not got.bias.requires_grad
+        torch.testing.assert_close(got.bias, expected)
+    ids = torch.randint(0, quantized.config.vocab_size, (1, 16))
+    assert torch.isfinite(quantized(input_ids=ids, labels=ids).loss)
+
+
 def test_unknown_shape_lists_the_known_ones():
     with pytest.raises(ValueError, match="llama-3-8b.*gemma-7b"):
         shape_by_name("llama-9")
