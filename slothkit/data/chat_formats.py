@@ -19,6 +19,9 @@ Each format is written from its authors' public description:
     llama-2   [INST] <<SYS>>\ns\n<</SYS>>\n\nu [/INST] a </s><s>[INST] u [/INST] ...     Meta Llama 2 Chat
     qwen-2.5  ChatML, with "You are Qwen, created by Alibaba Cloud. You are a helpful      Qwen2.5 Instruct
               assistant." as the system text of conversations that have none
+    qwen3     ChatML; an answer after the last user turn opens with an empty               Qwen3 (hybrid thinking)
+              <think>\n\n</think>\n\n unless it holds its own; the generation prompt
+              closes one itself with enable_thinking=False
     phi-3     <|system|>\ns<|end|>\n<|user|>\nu<|end|>\n<|assistant|>\na<|end|>\n         Microsoft Phi-3 / 3.5 Instruct
     vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
                                                                                          layout ("### Human:" /
@@ -87,6 +90,41 @@ _CHATML = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+# Qwen3's: the model writes its reasoning between <think> and </think> before the answer
+# of the current exchange (the turns after the last user turn); an answer given there
+# without reasoning is rendered with an empty block, as Qwen3's own template renders it,
+# and is trained that way. Earlier answers are rendered plain.
+_QWEN3 = r"""
+{%- if system is not none -%}
+    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- generation -%}
+            {%- if loop.index0 > ns.last_user and '<think>' not in message[content_key] -%}
+                {{- '<think>\n\n</think>\n\n' -}}
+            {%- endif -%}
+            {{- message[content_key] + '<|im_end|>\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
 {%- endif -%}
 """
 
@@ -368,6 +406,17 @@ FORMATS: dict[str, ChatFormat] = {
             source="Qwen2.5 Instruct (ChatML with Qwen's default system text)",
         ),
         ChatFormat(
+            name="qwen3",
+            body=_QWEN3,
+            instruction_part="<|im_start|>user\n",
+            response_part="<|im_start|>assistant\n",
+            turn_end="<|im_end|>",
+            special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+            default_system=None,
+            alternate=False,
+            source="Qwen3 (ChatML with its thinking block)",
+        ),
+        ChatFormat(
             name="phi-3",
             body=_PHI_3,
             instruction_part="<|user|>\n",
@@ -410,6 +459,7 @@ ALIASES = {
     "qwen2.5": "qwen-2.5",
     "qwen-25": "qwen-2.5",
     "qwen25": "qwen-2.5",
+    "qwen-3": "qwen3",
     "phi3": "phi-3",
     "phi-3.5": "phi-3",
     "phi-35": "phi-3",

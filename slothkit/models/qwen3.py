@@ -16,10 +16,22 @@ attn_k_norm per layer; neox rotation).
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# ChatML with Qwen3's thinking switch; no default system turn.
+# ChatML with Qwen3's thinking block: the answer of the current exchange (after the last
+# user turn) opens with an empty <think></think> when it holds none; enable_thinking=False
+# closes one in the generation prompt. No default system turn.
 _CHAT_TEMPLATE = r"""
+{%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
-    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
+    {%- if message['role'] == 'user' -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {{- '<|im_start|>' + message['role'] + '\n' -}}
+    {%- if message['role'] == 'assistant' and loop.index0 > ns.last_user and '<think>' not in message['content'] -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
+    {{- message['content'] + '<|im_end|>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|im_start|>assistant\n' -}}

@@ -162,7 +162,7 @@ def write_notebook(
     Args:
         template: a name in TEMPLATES.
         model: a key of templates/models.json.
-        output: the path of both files, without suffix.
+        output: the path of both files, without suffix (a trailing .ipynb or .py is dropped).
         overrides: values for the template's ``${key}`` placeholders (``--set``).
         overwrite: replace files an earlier call wrote.
         config_values: settings written into the config cell (``with_config_values``).
@@ -170,8 +170,10 @@ def write_notebook(
     import jupytext
 
     output = Path(output)
-    notebook_path = output.with_suffix(".ipynb")
-    script_path = output.with_suffix(".py")
+    # Only a notebook's own suffix is dropped: "qwen2.5-7b-finetune" keeps its dot.
+    stem = output.name.removesuffix(".ipynb").removesuffix(".py")
+    notebook_path = output.with_name(stem + ".ipynb")
+    script_path = output.with_name(stem + ".py")
     for path in (notebook_path, script_path):
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass --force (overwrite=True) to replace it")

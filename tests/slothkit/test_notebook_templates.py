@@ -45,7 +45,14 @@ def test_every_model_has_a_committed_finetune_notebook():
 
 def test_each_model_is_a_shape_its_architecture_record_names():
     """models.json holds notebook data only; what the model is comes from the record."""
-    expected = {"llama-3-8b": "llama", "gemma-2b": "gemma", "gemma-7b": "gemma", "mistral-7b": "mistral"}
+    expected = {
+        "llama-3-8b": "llama",
+        "gemma-2b": "gemma",
+        "gemma-7b": "gemma",
+        "mistral-7b": "mistral",
+        "qwen3-8b": "qwen3",
+        "qwen2.5-7b": "qwen2",
+    }
     assert {model: architecture_of(model).name for model in model_data()} == expected
     for model, data in model_data().items():
         assert model in architecture_of(model).shapes and model in SHAPES  # bench and plan know it
@@ -62,9 +69,24 @@ def test_new_notebook_refuses_to_overwrite_and_explains_bad_names(tmp_path, caps
     assert "--force" in capsys.readouterr().err
     assert main(["new-notebook", "gemma-7b", "-o", str(out), "--force"]) == 0
     assert main(["new-notebook", "gemma-9b"]) == 2
-    assert "valid models: llama-3-8b, gemma-2b, gemma-7b, mistral-7b" in capsys.readouterr().err
+    assert (
+        "valid models: llama-3-8b, gemma-2b, gemma-7b, mistral-7b, qwen3-8b, qwen2.5-7b"
+        in capsys.readouterr().err
+    )
     assert main(["new-notebook", "gemma-7b", "-o", str(out), "--force", "--set", "colour=red"]) == 2
     assert "valid keys" in capsys.readouterr().err
+
+
+def test_a_dotted_model_name_keeps_its_dot_in_the_file_names(tmp_path, monkeypatch):
+    """The default output MODEL-TEMPLATE of qwen2.5-7b is qwen2.5-7b-finetune.ipynb, not qwen2.ipynb."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["new-notebook", "qwen2.5-7b"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "qwen2.5-7b-finetune.ipynb",
+        "qwen2.5-7b-finetune.py",
+    ]
+    assert main(["new-notebook", "qwen2.5-7b", "-o", str(tmp_path / "named.ipynb")]) == 0
+    assert (tmp_path / "named.ipynb").is_file() and (tmp_path / "named.py").is_file()
 
 
 def test_list_shows_models_templates_and_defaults(capsys):

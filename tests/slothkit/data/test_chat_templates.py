@@ -123,6 +123,12 @@ GOLDEN.update(
             GOLDEN["chatml"][1],
             B + f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n" + GOLDEN["chatml"][2].removeprefix(B),
         ),
+        # Qwen3: the answer after the last user turn opens with an empty thinking block.
+        "qwen3": (
+            GOLDEN["chatml"][0].replace("assistant\n4", "assistant\n<think>\n\n</think>\n\n4"),
+            GOLDEN["chatml"][1].replace("assistant\nBlue", "assistant\n<think>\n\n</think>\n\nBlue"),
+            GOLDEN["chatml"][2],
+        ),
         "phi-3": (
             B + "<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n"
             "<|user|>\nWhat is 2 + 2?<|end|>\n<|assistant|>\n4<|end|>\n",
@@ -150,6 +156,7 @@ KEPT = {
     "mistral": " Hello!" + E + " 4" + E,
     "llama-2": " Hello! " + E + " 4 " + E,
     "qwen-2.5": "Hello!<|im_end|>\n4<|im_end|>\n",
+    "qwen3": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
     "phi-3": "Hello!<|end|>\n4<|end|>\n",
     "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",
 }
@@ -175,6 +182,18 @@ def _templated(name, arch="llama", **kwargs):
 
 def _ids(encoded):
     return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+
+
+def test_qwen3_thinking_switch_and_an_answer_with_its_own_reasoning():
+    tokenizer = _templated("qwen3")
+    no_thinking = tokenizer.apply_chat_template(
+        PROMPT, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert no_thinking == GOLDEN["qwen3"][2] + "<think>\n\n</think>\n\n"
+    reasoned = [*PROMPT, {"role": "assistant", "content": "<think>\nA primary one.\n</think>\n\nBlue."}]
+    assert tokenizer.apply_chat_template(reasoned, tokenize=False).endswith(
+        "<|im_start|>assistant\n<think>\nA primary one.\n</think>\n\nBlue.<|im_end|>\n"
+    )
 
 
 def test_every_format_has_golden_strings():

@@ -349,7 +349,12 @@ _CHATML = (
     "<|im_start|>assistant\nFine, thanks.<|im_end|>\n",
     "Fine, thanks.<|im_end|>\n",
 )
-EXPECTED_CHAT["qwen2"] = EXPECTED_CHAT["qwen3"] = _CHATML
+EXPECTED_CHAT["qwen2"] = _CHATML
+# Qwen3: the answer after the last user turn opens with an empty thinking block.
+EXPECTED_CHAT["qwen3"] = (
+    _CHATML[0].replace("assistant\nFine", "assistant\n<think>\n\n</think>\n\nFine"),
+    "<think>\n\n</think>\n\nFine, thanks.<|im_end|>\n",
+)
 
 
 def test_qwen_chat_templates_default_system_and_thinking_switch():
