@@ -238,8 +238,8 @@ class FastModel:
         Args:
             model: a model from ``FastModel.from_pretrained`` or ``get_peft_model``.
             fast_decode: None: the fast loop on a CUDA GPU (compute capability 7.0 or
-                newer) for Llama, Mistral and Gemma, else Hugging Face's generate with a
-                one-line notice; True: the fast loop on a CPU too (no graph: for
+                newer) for the fused families (slothkit.models.ARCHITECTURES), else
+                Hugging Face's generate with a one-line notice; True: the fast loop on a CPU too (no graph: for
                 checking); False: Hugging Face's generate.
 
         Returns:

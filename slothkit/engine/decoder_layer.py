@@ -1,5 +1,5 @@
-"""The decoder layer of Llama, Mistral and Gemma, patched on the instance so that the
-re-run of offloaded checkpointing does less.
+"""The decoder layer of Llama, Mistral, Gemma, Qwen2 and Qwen3, patched on the instance so
+that the re-run of offloaded checkpointing does less.
 
 transformers' layer forward is two residual sums:
 

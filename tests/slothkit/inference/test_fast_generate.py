@@ -323,4 +323,6 @@ def test_an_architecture_without_the_fast_path_says_so_once(recwarn):
         str(tiny_model_path("gemma3")), dtype=torch.float32, load_in_4bit=False
     )
     assert enable_fast_decode(model, True) is False
-    assert any("fast generation covers Llama, Mistral and Gemma, not" in str(w.message) for w in recwarn)
+    assert any(
+        "fast generation covers llama, mistral, gemma, qwen2, qwen3, not" in str(w.message) for w in recwarn
+    )
