@@ -39,14 +39,16 @@ format's ``instruction_part`` / ``response_part`` markers.
 
 A template is assembled from a prelude generated here (the dataset's field and role names,
 the default system message, whether to emit BOS, and the checks every format shares) and
-the format's own body.  The first line names the format, so that the markers can be found
-again from ``tokenizer.chat_template`` after a save and reload.
+the format's own body (chat_format_bodies.py).  The first line names the format, so that
+the markers can be found again from ``tokenizer.chat_template`` after a save and reload.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+
+from slothkit.data import chat_format_bodies as bodies
 
 TEMPLATE_TAG = "{#- slothkit chat template: "
 _TAG_PATTERN = re.compile(r"^\{#- slothkit chat template: ([a-z0-9._-]+) -#\}")
@@ -70,239 +72,12 @@ class ChatFormat:
     source: str
 
 
-# --- bodies --------------------------------------------------------------------------
-# `system` is a string or none, `turns` the messages after a leading system message;
-# `message[content_key]`, `message[role_key] == user_role` read the dataset's names.
-
-_CHATML = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
-    {%- else -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + '<|im_end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
-
-# Qwen3's: the model writes its reasoning between <think> and </think> before the answer
-# of the current exchange (the turns after the last user turn); an answer given there
-# without reasoning is rendered with an empty block, as Qwen3's own template renders it,
-# and is trained that way. Earlier answers are rendered plain.
-_QWEN3 = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set ns.last_user = loop.index0 -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
-    {%- else -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- generation -%}
-            {%- if loop.index0 > ns.last_user and '<think>' not in message[content_key] -%}
-                {{- '<think>\n\n</think>\n\n' -}}
-            {%- endif -%}
-            {{- message[content_key] + '<|im_end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- if enable_thinking is defined and enable_thinking is false -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
-{%- endif -%}
-"""
-
-# FastChat's ADD_COLON_TWO style: system + " ", then "USER: u" + " " and
-# "ASSISTANT: a" + "</s>"; an open assistant turn is "ASSISTANT:".
-_VICUNA = r"""
-{%- if system -%}
-    {{- system + ' ' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- 'USER: ' + message[content_key] + ' ' -}}
-    {%- else -%}
-        {{- 'ASSISTANT:' -}}
-        {%- generation -%}
-            {{- ' ' + message[content_key] + eos_token -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- 'ASSISTANT:' -}}
-{%- endif -%}
-"""
-
-_ZEPHYR = r"""
-{%- if system is not none -%}
-    {{- '<|system|>\n' + system + eos_token + '\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|user|>\n' + message[content_key] + eos_token + '\n' -}}
-    {%- else -%}
-        {{- '<|assistant|>\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + eos_token + '\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|assistant|>\n' -}}
-{%- endif -%}
-"""
-
-# One turn is Stanford Alpaca's prompt exactly ("<preamble>\n\n### Instruction:\n...\n\n
-# ### Response:\n") followed by the response and EOS; further turns repeat the two headers.
-_ALPACA = r"""
-{%- if system -%}
-    {{- system + '\n\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '### Instruction:\n' + message[content_key] + '\n\n' -}}
-    {%- else -%}
-        {{- '### Response:\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + eos_token + '\n\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '### Response:\n' -}}
-{%- endif -%}
-"""
-
-_LLAMA_3 = r"""
-{%- if system is not none -%}
-    {{- '<|start_header_id|>system<|end_header_id|>\n\n' + system | trim + '<|eot_id|>' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|start_header_id|>user<|end_header_id|>\n\n' + message[content_key] | trim + '<|eot_id|>' -}}
-    {%- else -%}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-        {%- generation -%}
-            {{- message[content_key] | trim + '<|eot_id|>' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-"""
-
-_GEMMA = r"""
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set prefix = system | trim + '\n\n' if loop.first and system else '' -%}
-        {{- '<start_of_turn>user\n' + prefix + message[content_key] | trim + '<end_of_turn>\n' -}}
-    {%- else -%}
-        {{- '<start_of_turn>model\n' -}}
-        {%- generation -%}
-            {{- message[content_key] | trim + '<end_of_turn>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-"""
-
-# The prompt of an open assistant turn is the user turn itself: no generation prompt.
-_MISTRAL = r"""
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set prefix = system + '\n\n' if loop.first and system else '' -%}
-        {{- '[INST] ' + prefix + message[content_key] + ' [/INST]' -}}
-    {%- else -%}
-        {%- generation -%}
-            {{- ' ' + message[content_key] + eos_token -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-"""
-
-# Meta's layout: the system text inside the first [INST], every later exchange opened by
-# BOS (when the tokenizer has one), each reply followed by " " and EOS.
-_LLAMA_2 = r"""
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- if not loop.first and bos_token -%}
-            {{- bos_token -}}
-        {%- endif -%}
-        {%- set prefix = '<<SYS>>\n' + system + '\n<</SYS>>\n\n' if loop.first and system else '' -%}
-        {{- '[INST] ' + prefix + message[content_key] | trim + ' [/INST]' -}}
-    {%- else -%}
-        {%- generation -%}
-            {{- ' ' + message[content_key] | trim + ' ' + eos_token -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-"""
-
-_PHI_3 = r"""
-{%- if system is not none -%}
-    {{- '<|system|>\n' + system + '<|end|>\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|user|>\n' + message[content_key] + '<|end|>\n' -}}
-    {%- else -%}
-        {{- '<|assistant|>\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + '<|end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|assistant|>\n' -}}
-{%- endif -%}
-"""
-
-# FastChat's first Vicuna layout (turns "### Human: " and "### Assistant: ", one per line),
-# with EOS closing each reply so that generation stops there.
-_VICUNA_OLD = r"""
-{%- if system -%}
-    {{- system + '\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '### Human: ' + message[content_key] + '\n' -}}
-    {%- else -%}
-        {{- '### Assistant:' -}}
-        {%- generation -%}
-            {{- ' ' + message[content_key] + eos_token + '\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '### Assistant:' -}}
-{%- endif -%}
-"""
-
 FORMATS: dict[str, ChatFormat] = {
     f.name: f
     for f in (
         ChatFormat(
             name="chatml",
-            body=_CHATML,
+            body=bodies.CHATML,
             instruction_part="<|im_start|>user\n",
             response_part="<|im_start|>assistant\n",
             turn_end="<|im_end|>",
@@ -313,7 +88,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="vicuna",
-            body=_VICUNA,
+            body=bodies.VICUNA,
             instruction_part="USER:",
             response_part="ASSISTANT:",
             turn_end=None,
@@ -327,7 +102,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="zephyr",
-            body=_ZEPHYR,
+            body=bodies.ZEPHYR,
             instruction_part="<|user|>\n",
             response_part="<|assistant|>\n",
             turn_end=None,
@@ -338,7 +113,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="alpaca",
-            body=_ALPACA,
+            body=bodies.ALPACA,
             instruction_part="### Instruction:\n",
             response_part="### Response:\n",
             turn_end=None,
@@ -352,7 +127,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="llama-3",
-            body=_LLAMA_3,
+            body=bodies.LLAMA_3,
             instruction_part="<|start_header_id|>user<|end_header_id|>\n\n",
             response_part="<|start_header_id|>assistant<|end_header_id|>\n\n",
             turn_end="<|eot_id|>",
@@ -363,7 +138,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="gemma",
-            body=_GEMMA,
+            body=bodies.GEMMA,
             instruction_part="<start_of_turn>user\n",
             response_part="<start_of_turn>model\n",
             turn_end="<end_of_turn>",
@@ -374,7 +149,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="mistral",
-            body=_MISTRAL,
+            body=bodies.MISTRAL,
             instruction_part="[INST]",
             response_part="[/INST]",
             turn_end=None,
@@ -385,7 +160,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="llama-2",
-            body=_LLAMA_2,
+            body=bodies.LLAMA_2,
             instruction_part="[INST]",
             response_part="[/INST]",
             turn_end=None,
@@ -396,7 +171,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="qwen-2.5",
-            body=_CHATML,
+            body=bodies.CHATML,
             instruction_part="<|im_start|>user\n",
             response_part="<|im_start|>assistant\n",
             turn_end="<|im_end|>",
@@ -407,7 +182,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="qwen3",
-            body=_QWEN3,
+            body=bodies.QWEN3,
             instruction_part="<|im_start|>user\n",
             response_part="<|im_start|>assistant\n",
             turn_end="<|im_end|>",
@@ -418,7 +193,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="phi-3",
-            body=_PHI_3,
+            body=bodies.PHI_3,
             instruction_part="<|user|>\n",
             response_part="<|assistant|>\n",
             turn_end="<|end|>",
@@ -429,7 +204,7 @@ FORMATS: dict[str, ChatFormat] = {
         ),
         ChatFormat(
             name="vicuna_old",
-            body=_VICUNA_OLD,
+            body=bodies.VICUNA_OLD,
             instruction_part="### Human:",
             response_part="### Assistant:",
             turn_end=None,

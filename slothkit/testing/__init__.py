@@ -19,14 +19,12 @@ from slothkit.testing.real_models import (
     real_model_path,
 )
 from slothkit.testing.real_tokenizers import REAL_TOKENIZERS, real_tokenizer_path
-from slothkit.testing.tiny_models import (
+from slothkit.testing.tiny_models import LARGE_VOCAB_SIZE, build_tiny_model, tiny_model_path
+from slothkit.testing.tiny_tokenizers import (
     ARCHITECTURES,
     CORPUS,
-    LARGE_VOCAB_SIZE,
     TOKENIZER_FLAVOURS,
-    build_tiny_model,
     build_tiny_tokenizer,
-    tiny_model_path,
 )
 
 __all__ = [

@@ -3,7 +3,8 @@
     from slothkit.export.gguf import save_pretrained_gguf, push_to_hub_gguf
     paths = save_pretrained_gguf(model, "out/gguf", tokenizer, quantization_method=["q4_k_m", "q8_0"])
 
-- writer: the file's tensors and metadata (save_pretrained_gguf, push_to_hub_gguf, write_gguf).
+- writer: the file's tensors (save_pretrained_gguf, push_to_hub_gguf, write_gguf).
+- metadata: the model's hyperparameters as the metadata llama.cpp builds its graph from.
 - layout: where each Hugging Face weight goes in the file and how it is transformed on the way
   (Q/K row permutation, norm offset), from the architecture record; and the way back
   (hf_weights_from_gguf).
@@ -17,7 +18,7 @@
 
 Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
 functions included): layout and tensor_types need neither writer nor verify; verify reads
-files back through layout; writer uses all three.
+files back through layout; metadata reads layout and attention; writer uses all of them.
 """
 
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, QuantizationMethod, quantization_methods

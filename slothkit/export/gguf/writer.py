@@ -13,15 +13,12 @@ slothkit.export.merge turns a LoRA/QLoRA model into one. Where each weight goes 
 transformed on the way (llama.cpp's convert_hf_to_gguf.py, architecture by architecture):
 slothkit.export.gguf.layout, from the model's architecture record (slothkit.models).
 
-Metadata: context length, embedding length, block count, feed-forward length, head counts,
-key/value length (head_dim), rope dimension count and base, RMS epsilon, Mistral's sliding
-window (`llama.attention.sliding_window`; llama.cpp's llama graph does not apply it, as with
-its own converter, so the GGUF matches HF up to the window length), rope scaling (linear as
-metadata; "llama3" as the rope_freqs tensor of per-frequency divisors, as the converter
-writes it), file type and quantization version; the tokenizer as described in slothkit.export.gguf.tokenizer.
-Gemma 3 (a record with windowed_layers) adds which layers slide and their rope base
-(slothkit.export.gguf.attention), and is refused where llama.cpp would compute another
-attention than HF's.
+Metadata (slothkit.export.gguf.metadata): the hyperparameters llama.cpp builds its graph from,
+and the tokenizer as described in slothkit.export.gguf.tokenizer. Mistral's sliding window is
+written but llama.cpp's llama graph does not apply it (as with its own converter), so the
+GGUF matches HF up to the window length; Gemma 3 (a record with windowed_layers) adds which
+layers slide and their rope base (slothkit.export.gguf.attention), and is refused where
+llama.cpp would compute another attention than HF's.
 
 Which tensor gets which type: slothkit.export.gguf.tensor_types. K-quants are encoded in torch on the GPU when
 there is one (kquants), everything else with the `gguf` package.
@@ -32,7 +29,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import math
 import os
 import pathlib
 import re
@@ -42,7 +38,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, RopeScalingType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quant_shape_to_byte_shape
 
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
@@ -54,9 +50,14 @@ from slothkit.export.disk_space import (
     megabytes,
 )
 from slothkit.export.finite import finite_tensors
-from slothkit.export.gguf import attention
 from slothkit.export.gguf import tensor_types as types
-from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, head_counts, to_gguf
+from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, to_gguf
+from slothkit.export.gguf.metadata import (
+    HyperParameters,
+    hyperparameters,
+    llama3_rope_divisors,
+    write_metadata,
+)
 from slothkit.export.gguf.modelfile import write_modelfile
 from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_methods
 from slothkit.export.gguf.tokenizer import gguf_vocab
@@ -241,7 +242,7 @@ def write_gguf(
     path = pathlib.Path(path)
     vocab = gguf_vocab(tokenizer, hp.vocab_size, _stop_token_ids(model))
     writer = GGUFWriter(path, arch.gguf.arch)
-    _write_metadata(writer, hp, method, name=name or model_name(model, fallback=path.name.split(".")[0]))
+    write_metadata(writer, hp, method, name=name or model_name(model, fallback=path.name.split(".")[0]))
     vocab.write(writer)
     for tensor in plan:
         nbytes = types.encoded_nbytes(tensor.qtype, tensor.shape)
@@ -290,9 +291,9 @@ class _PlannedTensor:
 
 def _plan(
     model, method: QuantizationMethod, arch: Architecture
-) -> tuple[_HyperParameters, list[_PlannedTensor]]:
+) -> tuple[HyperParameters, list[_PlannedTensor]]:
     """The file's tensors in order, with the type each is stored in."""
-    hp = _hyperparameters(model.config, arch)
+    hp = hyperparameters(model.config, arch)
     tensors = list(_gguf_tensors(model, arch, hp))
     tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
     plan = []
@@ -345,113 +346,7 @@ def _warn_about_fallbacks(file_name: str, method, fallbacks: list[_PlannedTensor
 # ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _HyperParameters:
-    vocab_size: int
-    hidden: int
-    intermediate: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    context: int
-    rope_theta: float
-    rope_type: str
-    rope: dict
-    sliding_window: int | None
-    sliding_layers: tuple[bool, ...] | None  # per layer, True: within the window (windowed_layers)
-    rope_theta_sliding: float | None  # the sliding layers' rope base (windowed_layers)
-
-
-def _hyperparameters(config, arch: Architecture) -> _HyperParameters:
-    n_heads, n_kv_heads = head_counts(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    rope, sliding_rope = attention.rope_parameters(config)
-    rope_type = rope["rope_type"]
-    if rope_type not in ("default", "linear", "llama3"):
-        raise NotImplementedError(
-            f"GGUF export supports the rope types 'default', 'linear' and 'llama3'; this model uses {rope_type!r}"
-        )
-    sliding_layers, rope_theta_sliding = None, None
-    if arch.gguf.windowed_layers:
-        attention.check_windowed_attention(config, arch, head_dim, sliding_rope)
-        sliding_layers = attention.sliding_layers(config)
-        rope_theta_sliding = sliding_rope["rope_theta"] if sliding_rope else rope["rope_theta"]
-    return _HyperParameters(
-        vocab_size=config.vocab_size,
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        n_layers=config.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        rms_eps=config.rms_norm_eps,
-        context=config.max_position_embeddings,
-        rope_theta=rope["rope_theta"],
-        rope_type=rope_type,
-        rope=rope,
-        sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
-        sliding_layers=sliding_layers,
-        rope_theta_sliding=rope_theta_sliding,
-    )
-
-
-def _write_metadata(writer: GGUFWriter, hp: _HyperParameters, method, name: str) -> None:
-    writer.add_name(name)
-    writer.add_file_type(int(method.file_type))
-    writer.add_quantization_version(GGML_QUANT_VERSION)
-    writer.add_context_length(hp.context)
-    writer.add_embedding_length(hp.hidden)
-    writer.add_block_count(hp.n_layers)
-    writer.add_feed_forward_length(hp.intermediate)
-    writer.add_head_count(hp.n_heads)
-    writer.add_head_count_kv(hp.n_kv_heads)
-    writer.add_key_length(hp.head_dim)
-    writer.add_value_length(hp.head_dim)
-    writer.add_rope_dimension_count(hp.head_dim)
-    writer.add_rope_freq_base(hp.rope_theta)
-    writer.add_layer_norm_rms_eps(hp.rms_eps)
-    writer.add_vocab_size(hp.vocab_size)
-    if hp.rope_type == "linear":
-        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(hp.rope["factor"]))
-    if hp.sliding_window:
-        writer.add_sliding_window(int(hp.sliding_window))
-    if hp.sliding_layers is not None:
-        writer.add_sliding_window_pattern(list(hp.sliding_layers))
-        writer.add_rope_freq_base_swa(hp.rope_theta_sliding)
-
-
-def _llama3_rope_divisors(hp: _HyperParameters) -> torch.Tensor:
-    """Llama 3.1's frequency rescaling as llama.cpp's rope_freqs: per frequency, the number the
-    rotation frequency is divided by. Long wavelengths (beyond the original context / low
-    factor) are slowed by `factor`, short ones (below / high factor) kept, and the band in
-    between blends the two smoothly in 1 / frequency."""
-    p = hp.rope
-    factor = float(p.get("factor", 8.0))
-    low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
-    original = float(p.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.float32) / hp.head_dim))
-    divisors = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < original / high:
-            divisors.append(1.0)
-        elif wavelen > original / low:
-            divisors.append(factor)
-        else:
-            smooth = (original / wavelen - low) / (high - low)
-            divisors.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(divisors, dtype=torch.float32)
-
-
-# ---------------------------------------------------------------------------------------
-# Tensors
-# ---------------------------------------------------------------------------------------
-
-
-def _gguf_tensors(model, arch: Architecture, hp: _HyperParameters) -> Iterator[tuple]:
+def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tuple]:
     """(gguf name, () -> tensor, shape, layer or None) for every tensor of the file, in order;
     the producer applies the layout's transformation (layout.to_gguf) only when called."""
     state = model.state_dict()
@@ -471,7 +366,7 @@ def _gguf_tensors(model, arch: Architecture, hp: _HyperParameters) -> Iterator[t
     if hp.rope_type == "llama3":
         if arch.gguf.arch != "llama":
             raise NotImplementedError("'llama3' rope scaling is supported for the llama architecture only")
-        divisors = _llama3_rope_divisors(hp)
+        divisors = llama3_rope_divisors(hp)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
 
     unknown = []

@@ -1,0 +1,126 @@
+"""The model's hyperparameters as GGUF metadata: what llama.cpp reads to build its graph.
+
+Context length, embedding length, block count, feed-forward length, head counts, key/value
+length (head_dim), rope dimension count and base, RMS epsilon, the sliding window where the
+family has one, rope scaling (linear as metadata; "llama3" as the rope_freqs tensor of
+per-frequency divisors, as llama.cpp's converter writes it), file type and quantization
+version. Layers that slide, and their rope base, come from slothkit.export.gguf.attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
+
+from slothkit.export.gguf import attention
+from slothkit.export.gguf.layout import head_counts
+from slothkit.models import Architecture
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperParameters:
+    vocab_size: int
+    hidden: int
+    intermediate: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    context: int
+    rope_theta: float
+    rope_type: str
+    rope: dict
+    sliding_window: int | None
+    sliding_layers: tuple[bool, ...] | None  # per layer, True: within the window (windowed_layers)
+    rope_theta_sliding: float | None  # the sliding layers' rope base (windowed_layers)
+
+
+def hyperparameters(config, arch: Architecture) -> HyperParameters:
+    n_heads, n_kv_heads = head_counts(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    rope, sliding_rope = attention.rope_parameters(config)
+    rope_type = rope["rope_type"]
+    if rope_type not in ("default", "linear", "llama3"):
+        raise NotImplementedError(
+            f"GGUF export supports the rope types 'default', 'linear' and 'llama3'; this model uses {rope_type!r}"
+        )
+    sliding_layers, rope_theta_sliding = None, None
+    if arch.gguf.windowed_layers:
+        attention.check_windowed_attention(config, arch, head_dim, sliding_rope)
+        sliding_layers = attention.sliding_layers(config)
+        rope_theta_sliding = sliding_rope["rope_theta"] if sliding_rope else rope["rope_theta"]
+    return HyperParameters(
+        vocab_size=config.vocab_size,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rms_eps=config.rms_norm_eps,
+        context=config.max_position_embeddings,
+        rope_theta=rope["rope_theta"],
+        rope_type=rope_type,
+        rope=rope,
+        sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
+        sliding_layers=sliding_layers,
+        rope_theta_sliding=rope_theta_sliding,
+    )
+
+
+def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -> None:
+    writer.add_name(name)
+    writer.add_file_type(int(method.file_type))
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_context_length(hp.context)
+    writer.add_embedding_length(hp.hidden)
+    writer.add_block_count(hp.n_layers)
+    writer.add_feed_forward_length(hp.intermediate)
+    writer.add_head_count(hp.n_heads)
+    writer.add_head_count_kv(hp.n_kv_heads)
+    writer.add_key_length(hp.head_dim)
+    writer.add_value_length(hp.head_dim)
+    writer.add_rope_dimension_count(hp.head_dim)
+    writer.add_rope_freq_base(hp.rope_theta)
+    writer.add_layer_norm_rms_eps(hp.rms_eps)
+    writer.add_vocab_size(hp.vocab_size)
+    if hp.rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(hp.rope["factor"]))
+    if hp.sliding_window:
+        writer.add_sliding_window(int(hp.sliding_window))
+    if hp.sliding_layers is not None:
+        writer.add_sliding_window_pattern(list(hp.sliding_layers))
+        writer.add_rope_freq_base_swa(hp.rope_theta_sliding)
+
+
+def llama3_rope_divisors(hp: HyperParameters) -> torch.Tensor:
+    """Llama 3.1's frequency rescaling as llama.cpp's rope_freqs: per frequency, the number the
+    rotation frequency is divided by. Long wavelengths (beyond the original context / low
+    factor) are slowed by `factor`, short ones (below / high factor) kept, and the band in
+    between blends the two smoothly in 1 / frequency."""
+    p = hp.rope
+    factor = float(p.get("factor", 8.0))
+    low, high = float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
+    original = float(p.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / (hp.rope_theta ** (torch.arange(0, hp.head_dim, 2, dtype=torch.float32) / hp.head_dim))
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(divisors, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------
