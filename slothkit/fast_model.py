@@ -43,8 +43,9 @@ class FastModel:
         **hf_kwargs,
     ):
         """Load a causal LM and its tokenizer, with the fused kernels patched onto the
-        instance when slothkit knows its architecture (else a warning, and the plain
-        Hugging Face path); with ``num_labels``, the same checkpoint as a sequence
+        instance when slothkit knows its architecture (else the generic path, said once:
+        Hugging Face's modules, and the fused loss on the head where it is the model's
+        own, slothkit.engine.generic_head); with ``num_labels``, the same checkpoint as a sequence
         classifier (a reward model, with num_labels=1).
 
         Args:
@@ -73,8 +74,10 @@ class FastModel:
                 None (default): where slothkit knows the architecture and Triton can
                 run on the model's device (a CUDA GPU, or the CPU under
                 TRITON_INTERPRET=1); elsewhere the plain Hugging Face path, which is
-                faster there, with a one-line notice.  True: always (on a CPU the
-                kernels then run their torch references); False: never.
+                faster there, with a one-line notice.  For an architecture without a
+                record, None fuses the loss on a CUDA GPU only.  True: always (on a CPU
+                the kernels then run their torch references; without a record, the loss,
+                or an error saying why it cannot be); False: never.
             load_in_8bit: False (default); True is refused: slothkit's kernels read 16-bit
                 or 4-bit NF4 weights.
             full_finetuning: False (default); True is refused: slothkit trains LoRA

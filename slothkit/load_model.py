@@ -19,6 +19,7 @@ import torch
 from slothkit.data.chat_templates import link_model
 from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import patch_decoder
+from slothkit.engine.generic_head import fuse_generic_head
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.loading import (
     check_max_seq_length,
@@ -100,7 +101,9 @@ def load_model(model_name: str, options: LoadOptions):
         # The classifier reads the last token before the first pad of each row.
         model.config.pad_token_id = tokenizer.pad_token_id
     arch = architecture_for(model.config)
-    if takes_fused_path(model, arch, options.fused):
+    if arch is None and options.num_labels is None:
+        take_generic_path(model, options.fused)
+    elif takes_fused_path(model, arch, options.fused):
         patch_decoder(model, arch)
     link_tokenizer(model, tokenizer)
     set_max_seq_length(model, options.max_seq_length, checked=True)
@@ -155,6 +158,42 @@ def _warn_unsupported(model_type: str) -> None:
         f"plain Hugging Face + PEFT path. Fused architectures: {supported_summary()}.",
         stacklevel=4,
     )
+
+
+@functools.cache
+def _notice_generic_path(model_type: str, head: str) -> None:
+    warnings.warn(
+        f"slothkit has no fused path for model_type {model_type!r}; it trains through its Hugging Face "
+        f"modules with slothkit's offloaded checkpointing and {head}. Fused architectures: "
+        f"{supported_summary()}.",
+        stacklevel=5,
+    )
+
+
+def take_generic_path(model, fused: bool | None) -> None:
+    """A causal LM slothkit has no record for keeps its modules; where Triton runs (a CUDA
+    GPU by default, anywhere with fused=True) its head gets the fused linear cross-entropy
+    if its loss is the plain one (slothkit.engine.generic_head). Said once, with what runs.
+
+    Raises:
+        ValueError: fused=True and not even the loss can be fused (the reason named).
+    """
+    if fused is False:
+        return
+    causal_lm = causal_lm_of(model)
+    model_type = causal_lm.config.model_type
+    device = next(model.parameters()).device
+    if fused is None and (device.type != "cuda" or not triton_runs_on(device)):
+        _warn_unsupported(model_type)
+        return
+    reason = fuse_generic_head(causal_lm)
+    if reason is not None and fused:
+        raise ValueError(
+            f"fused=True, but slothkit has no fused path for model_type {model_type!r} and cannot "
+            f"fuse its loss: {reason}; fused architectures: {supported_summary()}"
+        )
+    head = "its fused cross-entropy on the head" if reason is None else f"the model's own loss ({reason})"
+    _notice_generic_path(model_type, head)
 
 
 @functools.cache

@@ -5,6 +5,8 @@
 - lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record.
 - decoder, decoder_layer: the decoder glue, written once for every architecture record
   in slothkit.models, patched onto the model instance.
+- generic_head: the fused loss on the head of a model without a record, where its own
+  loss is the plain one.
 - offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory
   (offloaded_activation: one layer's host copies; recomputation: what the modules inside
   a layer's re-run see of it).

@@ -255,7 +255,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def patch_causal_lm(model: nn.Module) -> None:
-    _bind(model, _causal_lm_forward)
+    if patched_module(model) is None:  # idempotent
+        _bind(model, _causal_lm_forward)
 
 
 # --- the whole model ---------------------------------------------------------------

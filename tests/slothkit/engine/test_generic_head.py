@@ -1,0 +1,117 @@
+"""The generic path: a model slothkit has no record for keeps its modules and gets the fused
+linear cross-entropy on its head, where its own loss is the plain one."""
+
+import warnings
+
+import pytest
+import torch
+
+from slothkit import FastModel
+from slothkit.engine.generic_head import why_head_stays
+from slothkit.model_state import patched_module
+from slothkit.testing import build_tiny_tokenizer, tiny_model_path
+
+STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices():
+    from slothkit.load_model import _notice_generic_path, _warn_unsupported
+
+    _notice_generic_path.cache_clear()
+    _warn_unsupported.cache_clear()
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _checkpoint(tmp_path, model_type: str, **config):
+    """A tiny random checkpoint of `model_type` (any transformers causal LM) with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=768, max_position_embeddings=2048, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **config))
+    path = tmp_path / model_type
+    model.save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    return path
+
+
+def _train(model, ids, labels):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-3)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _plain_peft(path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(3407)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
+    return get_peft_model(model, config).train()
+
+
+@pytest.mark.parametrize("source", ["gemma3", "olmo"])
+def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
+    """Gemma 3 (a record without a fused path) and OLMo (no record at all): the decoder
+    layers stay Hugging Face's, the head computes the fused loss, and 8 steps give HF +
+    PEFT's losses."""
+    path = tiny_model_path("gemma3") if source == "gemma3" else _checkpoint(tmp_path, "olmo")
+    with pytest.warns(UserWarning, match="fused cross-entropy on the head"):
+        fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    fast = FastModel.get_peft_model(fast, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    causal_lm = fast.get_base_model()
+    assert patched_module(causal_lm) is not None  # the head's loss is slothkit's
+    assert patched_module(causal_lm.model.layers[0].mlp) is None  # the layers are not
+    plain = _plain_peft(path)
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 600, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    fast_losses, plain_losses = _train(fast, ids, labels), _train(plain, ids, labels)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    assert fast(input_ids=ids, labels=labels).logits is None  # no (tokens x vocabulary) logits built
+
+
+def test_a_model_that_scales_its_logits_keeps_its_own_loss(tmp_path):
+    """Granite divides its logits by logits_scaling: the fused loss would be another one, so
+    the check finds it and the model keeps its loss (fused=True: refused, with the reason)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _checkpoint(tmp_path, "granite", logits_scaling=4.0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert "transforms its logits" in why_head_stays(model)
+    assert patched_module(model) is None and model.training is False  # left as it was
+    with pytest.raises(ValueError, match="cannot fuse its loss: its own loss .* transforms its logits"):
+        FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+
+    unscaled = AutoModelForCausalLM.from_pretrained(
+        _checkpoint(tmp_path / "plain", "granite", logits_scaling=1.0), dtype=torch.float32
+    )
+    assert why_head_stays(unscaled) is None
+
+
+def test_fused_false_and_a_cpu_keep_the_model_as_it_is(tmp_path):
+    path = _checkpoint(tmp_path, "olmo")
+    fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=False)
+    assert patched_module(fast) is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    assert patched_module(cpu) is None  # fused=None patches the head on a CUDA GPU only
+    assert any("plain Hugging Face + PEFT path" in str(w.message) for w in caught)
