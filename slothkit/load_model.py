@@ -90,7 +90,7 @@ def load_model(model_name: str, options: LoadOptions):
         quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
         device_map=device_map,
         token=options.token,
-        attn_implementation=options.attn_implementation,
+        attn_implementation=attention_for(config, options),
         **hf_kwargs,
     )
     # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
@@ -108,6 +108,44 @@ def load_model(model_name: str, options: LoadOptions):
     link_tokenizer(model, tokenizer)
     set_max_seq_length(model, options.max_seq_length, checked=True)
     return model, tokenizer
+
+
+def attention_for(config, options: LoadOptions) -> str:
+    """The attention implementation to load with: the one asked for, except that a model
+    whose class cannot run SDPA (Gemma 2: SDPA cannot soft-cap the attention logits) runs
+    eager attention, said once, rather than failing in transformers."""
+    asked = options.attn_implementation
+    if asked != "sdpa":
+        return asked
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
+
+    mapping = (
+        MODEL_FOR_CAUSAL_LM_MAPPING
+        if options.num_labels is None
+        else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    )
+    try:
+        model_class = mapping[type(config)]
+    except KeyError:  # transformers will say what is wrong with the checkpoint
+        return asked
+    if getattr(model_class, "_supports_sdpa", True):
+        return asked
+    _notice_eager_attention(model_class.__name__)
+    return "eager"
+
+
+@functools.cache
+def _notice_eager_attention(class_name: str) -> None:
+    warnings.warn(
+        f"slothkit: {class_name} cannot run SDPA attention (transformers: it does not support it, "
+        f"e.g. for attention-logit soft-capping); it runs eager attention, which is slower and "
+        f"holds the attention weights (pass attn_implementation='flash_attention_2' where "
+        f"flash-attn is installed)",
+        stacklevel=5,
+    )
 
 
 def load_tokenizer(model_name: str, token: str | None = None):

@@ -10,6 +10,7 @@ FastModel.get_peft_model calls it, then sets the result up to train
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -80,6 +81,7 @@ def lora_config(model, settings: LoraSettings):
     target_modules, modules_to_save = lora_targets(settings.target_modules), settings.modules_to_save
     if target_modules != ALL_LINEAR:
         target_modules, modules_to_save = embeddings_trained_in_full(target_modules, modules_to_save)
+        target_modules = onto_fused_projections(model, target_modules)
     check_lora_shape(model, target_modules, r, settings.lora_alpha)
     if settings.bias not in BIASES:
         raise ValueError(f"bias={settings.bias!r}; accepted: 'none', 'all', 'lora_only'")
@@ -105,6 +107,36 @@ def lora_targets(target_modules):
     if isinstance(target_modules, str):
         return ALL_LINEAR if target_modules == ALL_LINEAR else [target_modules]
     return list(target_modules)
+
+
+# Models that compute several projections as one layer (Phi-3: qkv_proj, gate_up_proj):
+# the separate names a notebook asks for -> the one layer that computes all of them.
+FUSED_PROJECTIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
+
+
+def onto_fused_projections(model, target_modules: list) -> list:
+    """``target_modules`` with each complete group of separate projection names replaced
+    by the fused layer the model has instead (q_proj, k_proj, v_proj -> qkv_proj on
+    Phi-3), said once: LoRA on the fused layer adapts the same weights, through one rank-r
+    update for the group rather than one per projection. A partial group (q_proj alone) is left, to be refused by name."""
+    present = set(linear_module_leaves(model))
+    names = list(target_modules)
+    for group, fused in FUSED_PROJECTIONS.items():
+        if fused in present and not present.intersection(group) and all(n in names for n in group):
+            at = min(names.index(n) for n in group)
+            names = [n for n in names if n not in group]
+            names.insert(at, fused)
+            _notice_fused_projection(group, fused)
+    return names
+
+
+@functools.cache
+def _notice_fused_projection(group: tuple[str, ...], fused: str) -> None:
+    warnings.warn(
+        f"slothkit: this model computes {', '.join(group)} as one layer, {fused}; LoRA adapts it there "
+        f"with one rank-r update for the whole group, not one per projection",
+        stacklevel=6,
+    )
 
 
 def _adapted_linears(model, target_modules) -> list:

@@ -1,5 +1,7 @@
 """The generic path: a model slothkit has no record for keeps its modules and gets the fused
-linear cross-entropy on its head, where its own loss is the plain one."""
+linear cross-entropy on its head, where its own loss is the plain one; it loads with an
+attention it can run (Gemma 2: eager) and takes the default LoRA targets (Phi-3's fused
+projections)."""
 
 import warnings
 
@@ -16,10 +18,16 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def fresh_notices():
-    from slothkit.load_model import _notice_generic_path, _warn_unsupported
+    from slothkit.load_model import _notice_eager_attention, _notice_generic_path, _warn_unsupported
+    from slothkit.lora_setup import _notice_fused_projection
 
-    _notice_generic_path.cache_clear()
-    _warn_unsupported.cache_clear()
+    for notice in (
+        _notice_eager_attention,
+        _notice_generic_path,
+        _warn_unsupported,
+        _notice_fused_projection,
+    ):
+        notice.cache_clear()
 
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,29 +62,32 @@ def _train(model, ids, labels):
     return losses
 
 
-def _plain_peft(path):
+def _plain_peft(path, attention="sdpa"):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     torch.manual_seed(3407)
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
     return get_peft_model(model, config).train()
 
 
-@pytest.mark.parametrize("source", ["gemma3", "olmo"])
+@pytest.mark.parametrize("source", ["gemma3", "olmo", "gemma2"])
 def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
-    """Gemma 3 (a record without a fused path) and OLMo (no record at all): the decoder
-    layers stay Hugging Face's, the head computes the fused loss, and 8 steps give HF +
-    PEFT's losses."""
-    path = tiny_model_path("gemma3") if source == "gemma3" else _checkpoint(tmp_path, "olmo")
+    """Gemma 3 (a record without a fused path), OLMo and Gemma 2 (no record at all): the
+    decoder layers stay Hugging Face's, the head computes the fused loss (Gemma 2's with its
+    final-logit soft-capping at 30), and 8 steps give HF + PEFT's losses. Gemma 2 cannot
+    run SDPA (its attention logits are soft-capped too): it loads with eager attention."""
+    path = tiny_model_path("gemma3") if source == "gemma3" else _checkpoint(tmp_path, source)
     with pytest.warns(UserWarning, match="fused cross-entropy on the head"):
         fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
     fast = FastModel.get_peft_model(fast, r=8, lora_alpha=16, use_gradient_checkpointing=False)
     causal_lm = fast.get_base_model()
     assert patched_module(causal_lm) is not None  # the head's loss is slothkit's
     assert patched_module(causal_lm.model.layers[0].mlp) is None  # the layers are not
-    plain = _plain_peft(path)
+    attention = "eager" if source == "gemma2" else "sdpa"
+    assert causal_lm.config._attn_implementation == attention
+    plain = _plain_peft(path, attention)
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 600, (2, 12), generator=g)
@@ -115,3 +126,22 @@ def test_fused_false_and_a_cpu_keep_the_model_as_it_is(tmp_path):
         cpu, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
     assert patched_module(cpu) is None  # fused=None patches the head on a CUDA GPU only
     assert any("plain Hugging Face + PEFT path" in str(w.message) for w in caught)
+
+
+def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
+    """Phi-3 computes q, k, v as qkv_proj and gate, up as gate_up_proj: the default (and
+    a notebook's seven names) adapt those, said once; a partial group is refused by name."""
+    path = _checkpoint(tmp_path, "phi3")
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.warns(UserWarning, match="computes q_proj, k_proj, v_proj as one layer, qkv_proj"):
+        peft_model = FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=TARGETS)
+    adapted = {name.split(".")[-2] for name, _ in peft_model.named_modules() if name.endswith("lora_A")}
+    assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    ids = torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(peft_model(input_ids=ids, labels=ids).loss)
+
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(
+        ValueError, match=r"\['q_proj'\] match no layer .* named \['down_proj', 'gate_up_proj'"
+    ):
+        FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"])
