@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from slothkit.arguments import positive_int
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.quick:
         from slothkit.demo import run_demo
 
         arch = args.arch or "llama"
-        result = run_demo(output_dir=args.output_dir, steps=args.steps or 8, arch=arch)
+        result = run_demo(
+            output_dir=args.output_dir, steps=8 if args.steps is None else args.steps, arch=arch
+        )
         return 0 if result["losses"][-1] < result["losses"][0] else 1
 
     from slothkit.notebook.execute import run_notebook_demo
@@ -210,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         default=None,
         help="training steps (default 24 on the real model, 16 with --tiny, 8 with --quick)",
     )
@@ -289,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
     kernels = bench_sub.add_parser(
         "kernels",
-        help="per-kernel table against torch eager and torch.compile (options: see --help)",
+        help="per-kernel table against torch eager and torch.compile (its options: slothkit bench kernels --help)",
         add_help=False,
     )
     kernels.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -326,6 +330,18 @@ def build_parser() -> argparse.ArgumentParser:
 USAGE_ERRORS = (ValueError, LookupError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
+def _split_kernel_bench_arguments(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``slothkit bench kernels ARGS``: ARGS belong to slothkit.bench.kernels' own parser
+    (argparse would take its options for this one's); the rest, and ARGS without a
+    leading "--" (None when the command is another)."""
+    positional = [i for i, word in enumerate(argv) if not word.startswith("-")]
+    if len(positional) >= 2 and argv[positional[0]] == "bench" and argv[positional[1]] == "kernels":
+        cut = positional[1] + 1
+        rest = argv[cut:]
+        return argv[:cut], rest[1:] if rest[:1] == ["--"] else rest
+    return argv, None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `slothkit` command line; returns the exit status.
 
@@ -333,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments; None (default): sys.argv[1:].
     """
     parser = build_parser()
+    argv, kernel_args = _split_kernel_bench_arguments(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if kernel_args is not None:
+        args.bench_args = kernel_args
     from slothkit.configuration import debug_tracebacks
 
     try:

@@ -156,7 +156,19 @@ def plan(
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
         raise ValueError(f"mode={mode!r}; accepted: 'lora' (16-bit base) or 'qlora' (4-bit base)")
+    head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
+    smallest = min(shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * head_dim)
+    if rank > smallest:
+        raise ValueError(
+            f"rank={rank} exceeds {smallest}, the smallest width of the adapted projections: a LoRA "
+            f"update cannot have a higher rank, and get_peft_model refuses it; use rank <= {smallest}"
+        )
     gpu_gib, gpu_name, free_gib = _gpu_memory(gpu)
+    if max_memory is not None and gpu_gib is not None and max_memory > gpu_gib:
+        raise ValueError(
+            f"max_memory={max_memory:g} GiB exceeds the {gpu_name}'s {gpu_gib:g} GiB; give a budget "
+            f"within the GPU's memory (or leave it out: the GPU's memory less a margin)"
+        )
     newer = gpu_name not in NO_BF16 and gpu_name != "cpu"  # compute capability 8.0 and up
     memory = TrainingMemory(
         shape,

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from slothkit.arguments import positive_int
 from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.models import SHAPES, shape_by_name
@@ -142,12 +143,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=positive_int, default=128)
+    parser.add_argument("--new-tokens", type=positive_int, default=256)
     parser.add_argument(
         "--ttft-len", type=int, default=2048, help="prompt length of the time-to-first-token run (batch 1)"
     )
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rank", type=positive_int, default=16)
     parser.add_argument(
         "--impl", default="slothkit,hf,unsloth", help="comma-separated: slothkit, hf, unsloth"
     )

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slothkit.arguments import non_negative_int, positive_int
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
 from slothkit.bench.model_setup import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS
 from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, with_scaling
@@ -393,12 +394,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="llama-3-8b", help=f"a known shape ({', '.join(SHAPES)})")
     parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per implementation, alternating")
+    parser.add_argument("--batch", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=2048)
+    parser.add_argument("--steps", type=positive_int, default=8, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first")
+    parser.add_argument("--rank", type=positive_int, default=16)
+    parser.add_argument(
+        "--repeats", type=positive_int, default=1, help="runs per implementation, alternating"
+    )
     parser.add_argument(
         "--impl",
         default="slothkit,hf,liger,unsloth",

@@ -219,7 +219,7 @@ def test_export_parses_quant_once_and_passes_the_methods(tmp_path, capsys, monke
 def test_demo_arch_choices_are_the_architecture_records():
     assert build_parser().parse_args(["demo", "--arch", "mistral"]).arch == "mistral"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--arch", "qwen2"])
+        build_parser().parse_args(["demo", "--arch", "phi3"])
 
 
 @pytest.mark.parametrize(
@@ -345,3 +345,51 @@ def test_exporting_the_demos_adapter_gives_hints_in_the_commands_words(
     assert f"the adapter's base model '{base}' is not a local checkpoint folder" in err
     assert err.rstrip().endswith("pass --base-model PATH")
     assert "huggingface-cli" not in err and "base_model=" not in err
+
+
+def test_bench_kernels_takes_its_own_options(capsys):
+    """`slothkit bench kernels --help` (or --quick, --ops) reaches slothkit.bench.kernels'
+    parser rather than being refused as unrecognized by this one."""
+    from slothkit.cli import _split_kernel_bench_arguments
+
+    assert _split_kernel_bench_arguments(["bench", "kernels", "--quick", "--ops", "rope"]) == (
+        ["bench", "kernels"],
+        ["--quick", "--ops", "rope"],
+    )
+    assert _split_kernel_bench_arguments(["--debug", "bench", "kernels", "--", "--quick"]) == (
+        ["--debug", "bench", "kernels"],
+        ["--quick"],
+    )
+    assert _split_kernel_bench_arguments(["bench", "train", "--steps", "2"]) == (
+        ["bench", "train", "--steps", "2"],
+        None,
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "kernels", "--help"])
+    assert exit_info.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["bench", "train", "--steps", "0"], "--steps"),
+        (["bench", "train", "--seq", "-5"], "--seq"),
+        (["bench", "train", "--warmup", "-1"], "--warmup"),
+        (["bench", "context", "--max-seq", "0"], "--max-seq"),
+        (["bench", "generate", "--new-tokens", "x"], "--new-tokens"),
+        (["demo", "--quick", "--steps", "0"], "--steps"),
+    ],
+)
+def test_a_size_that_is_not_positive_is_refused_where_it_is_typed(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_rank_above_the_widths_and_a_budget_above_the_gpu(capsys):
+    assert main(["plan", "llama-3-8b", "--rank", "100000"]) == 2
+    assert "rank=100000 exceeds 1024" in capsys.readouterr().err
+    assert main(["plan", "llama-3-8b", "--gpu", "t4", "--max-memory", "1e9"]) == 2
+    assert "exceeds the t4's 15 GiB" in capsys.readouterr().err
