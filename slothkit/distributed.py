@@ -67,8 +67,9 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch:
         The ``Launch``; ``Launch()`` (one process) when WORLD_SIZE is unset.
 
     Raises:
-        ValueError: a variable is not a whole number, or RANK / LOCAL_RANK is outside
-            0..WORLD_SIZE-1; the message names the variable and its value.
+        ValueError: a variable is not a whole number, RANK / LOCAL_RANK is outside
+            0..WORLD_SIZE-1, or WORLD_SIZE > 1 comes without either (no launcher); the
+            message names the variable and its value.
     """
     environ = os.environ if environ is None else environ
     values = {}
@@ -83,6 +84,14 @@ def launch(environ: Mapping[str, str] | None = None) -> Launch:
                 f"{name}={text!r}; a launcher (torchrun, accelerate launch) sets it to a whole number"
             ) from None
     world_size = values.get("WORLD_SIZE", 1)
+    if world_size > 1 and "RANK" not in values and "LOCAL_RANK" not in values:
+        # A launcher sets all three; WORLD_SIZE alone (left in a shell, or set by hand) would
+        # have the trainer wait forever for processes nobody started.
+        raise ValueError(
+            f"WORLD_SIZE={world_size} but RANK is unset: this process was not started by a launcher, "
+            f"and training would wait forever for the other {world_size - 1}; start it with "
+            f"`torchrun --nproc_per_node={world_size} script.py` (or accelerate launch), or unset WORLD_SIZE"
+        )
     rank = values.get("RANK", 0)
     local_rank = values.get("LOCAL_RANK", rank)
     if world_size < 1 or not 0 <= rank < world_size or not 0 <= local_rank < world_size:

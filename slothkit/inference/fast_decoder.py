@@ -29,6 +29,7 @@ from slothkit.inference.sampling import (
     next_tokens,
     setting,
 )
+from slothkit.model_state import state_of
 from slothkit.notices import say_once
 
 # Cache lengths are rounded up to a multiple of this, so that prompts of nearby lengths
@@ -117,6 +118,21 @@ class _CapturedStep:
         return self.logits
 
 
+def _warn_past_context(causal_lm, length: int) -> None:
+    """Say (once per length) that a call decodes past the positions the model was made
+    for, as Hugging Face's generate does: RoPE still extrapolates, the text degrades."""
+    limit = getattr(causal_lm.config, "max_position_embeddings", None)
+    state = state_of(causal_lm)
+    if state is not None and state.max_seq_length is not None:
+        limit = max(limit or 0, state.max_seq_length)  # extended at load (linear RoPE scaling)
+    if limit and length > limit:
+        say_once(
+            f"slothkit: this generate call reaches {length} tokens (prompt + max_new_tokens), past the "
+            f"model's {limit} positions; what it generates beyond them degrades. Lower max_new_tokens, "
+            f"or load with a longer max_seq_length (RoPE scaling)"
+        )
+
+
 class FastDecoder:
     """Greedy and sampled decoding of one causal LM over a static cache.
 
@@ -199,6 +215,7 @@ class FastDecoder:
             max_new = setting(config, "max_length") - prompt
         if max_new <= 0:
             return input_ids
+        _warn_past_context(self.causal_lm, prompt + max_new)
         eos = eos_ids(config)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
         slots = math.ceil((prompt + max_new) / SLOT_ROUNDING) * SLOT_ROUNDING

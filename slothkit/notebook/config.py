@@ -39,7 +39,7 @@ class NotebookConfig:
     gguf_quants: str = "q4_k_m,q8_0"  # comma-separated; parsed by slothkit.export.gguf.quantization_methods
     output_dir: str = "outputs"
     hub_repo: str = ""
-    hub_token: str = ""
+    hub_token: str = dataclasses.field(default="", repr=False)  # a secret: never printed
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -42,6 +42,8 @@ def test_launch_reads_the_launchers_variables(environ, expected):
         ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two'; a launcher (torchrun, accelerate launch) sets it"),
         ({"WORLD_SIZE": "2", "RANK": "2"}, "WORLD_SIZE=2, RANK=2, LOCAL_RANK=2; accepted"),
         ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0, RANK=0, LOCAL_RANK=0; accepted: WORLD_SIZE >= 1"),
+        # WORLD_SIZE with MASTER_ADDR but no launcher: refused before anything waits.
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}, "WORLD_SIZE=2 but RANK is unset"),
     ],
 )
 def test_a_mis_set_launcher_variable_is_named(environ, message):

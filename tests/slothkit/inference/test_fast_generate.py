@@ -326,3 +326,23 @@ def test_an_architecture_without_the_fast_path_says_so_once(recwarn):
     assert any(
         "fast generation covers llama, mistral, gemma, qwen2, qwen3, not" in str(w.message) for w in recwarn
     )
+
+
+def test_decoding_past_the_models_positions_is_said_once(recwarn):
+    """A call whose prompt + max_new_tokens passes the model's positions says so, as Hugging
+    Face's generate does (the tokens past them degrade); a call within them says nothing."""
+    model, tokenizer = FastModel.from_pretrained(
+        str(tiny_model_path("llama", max_position_embeddings=64)),
+        max_seq_length=64,
+        dtype=torch.float32,
+        load_in_4bit=False,
+        fused=False,
+    )
+    FastModel.for_inference(model, fast_decode=True)
+    prompt = tokenizer(["Sloths"], return_tensors="pt")["input_ids"].to(DEVICE)
+    model.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert not [w for w in recwarn if "past the model's" in str(w.message)]
+    out = model.generate(input_ids=prompt, max_new_tokens=70, min_new_tokens=70, do_sample=False)
+    assert out.shape[1] == prompt.shape[1] + 70
+    notices = [str(w.message) for w in recwarn if "past the model's 64 positions" in str(w.message)]
+    assert len(notices) == 1 and f"reaches {prompt.shape[1] + 70} tokens" in notices[0]

@@ -76,3 +76,11 @@ def test_the_panel_has_a_widget_per_shown_field():
     assert type(widget).__name__ == "IntText" and widget.value == 4
     widget.value = 8
     assert grpo.num_generations == 8
+
+
+def test_the_hub_token_is_never_printed(capsys):
+    config = NotebookConfig(model_name="x", hub_token="hf_secretvalue")
+    assert "hf_secretvalue" not in repr(config) and "hf_secretvalue" not in str(config)
+    config.show()
+    shown = capsys.readouterr().out
+    assert "hf_secretvalue" not in shown and "***" in shown
