@@ -45,6 +45,8 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
+from slothkit.export.model_card import CARD_MARKER
+
 try:
     import fcntl
 except ImportError:  # Windows: leftovers are reported, not removed
@@ -54,7 +56,7 @@ except ImportError:  # Windows: leftovers are reported, not removed
 SAVED_FILE_PATTERNS = (
     "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf",
     "Modelfile", "Modelfile.*", "adapter_config.json", "config.json", "generation_config.json",
-    "README.md", "chat_template.jinja", "chat_template.json", "tokenizer.json",
+    "README.md", "README.slothkit.md", "chat_template.jinja", "chat_template.json", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
     "vocab.json", "merges.txt",
 )  # fmt: skip
@@ -171,7 +173,29 @@ def is_saved_file(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in SAVED_FILE_PATTERNS)
 
 
+def _keep_users_readme(old: pathlib.Path, staging: pathlib.Path) -> None:
+    """A README.md in the old folder that slothkit did not write is the user's: it stays, and
+    the new model card goes beside it as README.slothkit.md (said once per save)."""
+    readme, card = old / "README.md", staging / "README.md"
+    if not (readme.is_file() and card.is_file()) or readme.is_symlink():
+        return
+    try:
+        text = readme.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    if CARD_MARKER in text:
+        return  # an earlier slothkit card: replaced like every saved file
+    os.replace(card, staging / "README.slothkit.md")
+    _link_or_copy(readme, card)
+    warnings.warn(
+        f"kept your {str(readme)!r}; slothkit's model card for this save is README.slothkit.md beside it "
+        f"(a Hub push shows README.md: merge the two if the card should be seen there)",
+        stacklevel=4,
+    )
+
+
 def _carry_other_files(old: pathlib.Path, staging: pathlib.Path, saved_kinds_too: bool = False) -> None:
+    _keep_users_readme(old, staging)
     for entry in old.iterdir():
         destination = staging / entry.name
         if destination.exists() or destination.is_symlink():

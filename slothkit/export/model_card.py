@@ -83,6 +83,11 @@ def _table(rows: list[tuple[str, object]]) -> str:
     return "\n".join(lines)
 
 
+# The line every card slothkit writes holds: a README.md without it is the user's own
+# (slothkit.export.atomic keeps it on overwrite).
+CARD_MARKER = "Saved with [slothkit](https://pypi.org/project/slothkit/)"
+
+
 def render(facts: CardFacts) -> str:
     from slothkit import __version__
 
@@ -121,7 +126,7 @@ def render(facts: CardFacts) -> str:
         "",
         f"# {facts.save_method} export of a LoRA fine-tune",
         "",
-        f"Saved with [slothkit](https://pypi.org/project/slothkit/) {__version__}.",
+        f"{CARD_MARKER} {__version__}.",
         "",
         _table(summary),
     ]

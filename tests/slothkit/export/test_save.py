@@ -260,6 +260,30 @@ def test_overwrite_replaces_the_model_files_and_keeps_everything_else(make_lora_
     assert _siblings(target) == []
 
 
+def test_overwrite_keeps_the_users_readme_and_writes_the_card_beside_it(make_lora_model, tmp_path):
+    """A README.md slothkit did not write stays (PEFT keeps it too); the card goes to
+    README.slothkit.md, said once, and is replaced by the next save. An earlier slothkit
+    card in README.md is replaced like every saved file."""
+    model, tokenizer, _ = make_lora_model("llama", seed=15)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "README.md").write_text("# My experiment\n\nNotes I want to keep.\n")
+    with pytest.warns(
+        UserWarning, match="kept your .*README.md'; slothkit's model card .* README.slothkit.md"
+    ):
+        save_pretrained_merged(model, target, tokenizer, save_method="lora", overwrite=True)
+    assert (target / "README.md").read_text() == "# My experiment\n\nNotes I want to keep.\n"
+    assert "Saved with [slothkit]" in (target / "README.slothkit.md").read_text()
+    save_pretrained_merged(model, target, tokenizer, save_method="lora", overwrite=True)
+    assert (target / "README.md").read_text().startswith("# My experiment")
+
+    card_only = tmp_path / "card"
+    save_pretrained_merged(model, card_only, tokenizer, save_method="lora")
+    save_pretrained_merged(model, card_only, tokenizer, save_method="lora", overwrite=True)
+    assert "Saved with [slothkit]" in (card_only / "README.md").read_text()
+    assert not (card_only / "README.slothkit.md").exists()
+
+
 def test_save_refuses_to_replace_the_base_checkpoint_it_was_loaded_from(tmp_path):
     from slothkit import FastModel
     from slothkit.testing import build_tiny_model
