@@ -168,6 +168,42 @@ def atomic_directory(
             os.close(lock)
 
 
+@contextlib.contextmanager
+def scratch_directory(prefix: str, parent: str | os.PathLike | None) -> Iterator[pathlib.Path]:
+    """A temporary folder ``PARENT/PREFIXxxxx``, locked while in use and removed after.
+
+    Scratch folders of the same prefix that a killed process left in ``parent`` (unlocked)
+    are removed first, with a warning naming each and its size, as remove_leftovers does
+    for staging folders; one still locked belongs to a save in progress and stays.
+    """
+    parent = pathlib.Path(parent if parent is not None else tempfile.gettempdir())
+    if fcntl is not None and parent.is_dir():
+        stale = [
+            (entry, _size(entry))
+            for entry in sorted(parent.iterdir())
+            if entry.name.startswith(prefix)
+            and entry.is_dir()
+            and not entry.is_symlink()
+            and _unlocked(entry)
+        ]
+        for entry, _ in stale:
+            shutil.rmtree(entry, ignore_errors=True)
+        if stale:
+            warnings.warn(
+                "removed what interrupted exports left: "
+                + ", ".join(f"{str(entry)!r} ({_megabytes(size)})" for entry, size in stale),
+                stacklevel=3,
+            )
+    folder = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    lock = _lock(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
 def is_saved_file(name: str) -> bool:
     """A file name of the kinds a slothkit save writes (SAVED_FILE_PATTERNS)."""
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in SAVED_FILE_PATTERNS)

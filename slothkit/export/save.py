@@ -24,7 +24,7 @@ from torch import nn
 from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtype
 from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
-from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target
+from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target, scratch_directory
 from slothkit.export.checkpoint_files import write_sharded
 from slothkit.export.disk_space import check_free_space, estimated_save_bytes
 from slothkit.export.finite import finite_tensors
@@ -370,7 +370,8 @@ def merged_plain_model(
     )
     if scratch_dir is not None:
         pathlib.Path(scratch_dir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".slothkit-merged-", dir=scratch_dir) as scratch:
+    # Locked while in use: a later export removes one a killed export left (atomic.py).
+    with scratch_directory(".slothkit-merged-", scratch_dir) as scratch:
         try:
             _, _, saved_dtype = write_merged_checkpoint(model, pathlib.Path(scratch), source, "5GB", dtype)
         except OSError as error:

@@ -188,6 +188,28 @@ def test_a_save_killed_with_sigkill_is_cleaned_up_by_the_next_save(tmp_path):
     assert (target / "model.safetensors").read_bytes() == b"new"
 
 
+def test_a_killed_exports_merged_scratch_is_removed_by_the_next_export(make_lora_model, tmp_path):
+    """kill -9 during save_pretrained_gguf's merge leaves `.slothkit-merged-*` (the full
+    16-bit model) beside the output; the next export removes it, naming it, and leaves a
+    scratch folder another export still holds (locked) alone."""
+    from slothkit.export.save import merged_plain_model
+
+    model, tokenizer, _ = make_lora_model("llama", seed=44)
+    dead = tmp_path / ".slothkit-merged-dead"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 1_500_000)
+    live = tmp_path / ".slothkit-merged-live"
+    live.mkdir()
+    held = atomic_module._lock(live)  # an export in progress in another process
+    try:
+        with pytest.warns(UserWarning, match=rf"removed what interrupted exports left: '{dead}' \(1.5 MB\)"):
+            merged_plain_model(model, tokenizer, scratch_dir=tmp_path)
+    finally:
+        os.close(held)
+    assert not dead.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".slothkit-merged-live"]  # its own is gone too
+
+
 def test_a_set_aside_folder_is_reported_not_removed(tmp_path):
     # `.NAME.replaced-*` may hold the only copy of a save (a crash between two renames).
     aside = tmp_path / ".out.replaced-abc"
