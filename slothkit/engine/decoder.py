@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
-from slothkit.engine.inspection import causal_lm_of
+from slothkit.engine.inspection import attention_window, causal_lm_of
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.recomputation import recomputing
 from slothkit.engine.sizes import mlp_token_chunk
@@ -147,13 +147,7 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
         k, v = _update_cache(cache, k, v, self.layer_idx, kwargs)
 
     extra = {}
-    # Qwen2/Qwen3 give each attention module its own window (None on full-attention layers);
-    # Mistral's reads the config's.
-    window = (
-        self.sliding_window
-        if hasattr(self, "sliding_window")
-        else getattr(self.config, "sliding_window", None)
-    )
+    window = attention_window(self)
     if window is not None:
         extra["sliding_window"] = window
     attn_output, attn_weights = _attention_function(self.config)(
@@ -207,6 +201,11 @@ def patch_decoder_layer(layer: nn.Module) -> None:
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
 
+def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Position t predicts token t+1; the last position predicts nothing."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
     """With labels in training mode, return the loss from the fused linear
     cross-entropy and no logits; otherwise run the model's own forward."""
@@ -227,8 +226,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     kwargs.pop("logits_to_keep", None)
     kwargs.pop("return_dict", None)
     if shift_labels is None:
-        # Position t predicts token t+1; the last position predicts nothing.
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shift_labels = next_token_labels(labels)
     # Both reads to the host happen before the layers run, not at the loss: a bad label
     # is reported before the expensive work, and each read waits only for what is queued
     # at the start of the step, where after the forward it would wait for all of it and

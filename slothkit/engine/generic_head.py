@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slothkit.engine.decoder import IGNORE_INDEX, patch_causal_lm
+from slothkit.engine.decoder import IGNORE_INDEX, next_token_labels, patch_causal_lm
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 CHECK_TOKENS = 16  # the random batch the two losses are compared on: 1 x CHECK_TOKENS
@@ -56,7 +56,7 @@ def why_head_stays(causal_lm: nn.Module) -> str | None:
             fused = fused_linear_cross_entropy(
                 hidden.reshape(-1, hidden.shape[-1]),
                 head.weight,
-                nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1),
+                next_token_labels(labels).reshape(-1),
                 ignore_index=IGNORE_INDEX,
                 softcap=getattr(causal_lm.config, "final_logit_softcapping", None),
             ).float()

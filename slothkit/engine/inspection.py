@@ -59,3 +59,11 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
         if isinstance(dtype, torch.dtype):
             return dtype
     return weights_dtype(model)
+
+
+def attention_window(attention: nn.Module) -> int | None:
+    """The sliding window of one attention module (None: full attention). Qwen2/Qwen3 give
+    each module its own (None on full-attention layers); Mistral's comes from the config."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(attention.config, "sliding_window", None)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slothkit.engine.inspection import attention_window
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.model_state import patched_module
@@ -96,12 +97,9 @@ class _DecodeMLP:
 
 
 def layer_windows(causal_lm: nn.Module) -> list[int | None]:
-    """Each decoder layer's sliding window (None: full attention). Qwen2/Qwen3 give each
-    attention module its own; Mistral's comes from the config."""
-    config = causal_lm.config
-    layers = causal_lm.model.layers[: config.num_hidden_layers]
-    shared = getattr(config, "sliding_window", None)
-    return [getattr(layer.self_attn, "sliding_window", shared) for layer in layers]
+    """Each decoder layer's sliding window (None: full attention)."""
+    layers = causal_lm.model.layers[: causal_lm.config.num_hidden_layers]
+    return [attention_window(layer.self_attn) for layer in layers]
 
 
 class _DecodeLayer:

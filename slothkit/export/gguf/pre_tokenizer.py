@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import hashlib
 
+from slothkit.models.tokenizer_splits import LLAMA3_SPLIT, QWEN2_SPLIT
+
 # llama.cpp's converter encodes this text and hashes the ids (copied from convert_hf_to_gguf.py
 # of llama.cpp, MIT licence; the hashes below are only valid for exactly this text).
 CHECK_TEXT = "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
@@ -141,16 +143,9 @@ KNOWN_HASHES = {
 
 # GPT-2's split regex: what ByteLevel(use_regex=True) applies before its byte mapping.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# Llama 3: tiktoken's cl100k regex (case-insensitive contractions, digits in groups of 1-3).
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2: Llama 3's regex with every digit alone.
-QWEN2_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# Llama 3's and Qwen2's: slothkit.models.tokenizer_splits.
+LLAMA3_PATTERN = LLAMA3_SPLIT
+QWEN2_PATTERN = QWEN2_SPLIT
 DIGIT_PATTERN = r"\p{N}"  # Digits(individual_digits=True)
 DIGITS_PATTERN = r"\p{N}+"  # Digits(individual_digits=False)
 
