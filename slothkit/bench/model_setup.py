@@ -26,10 +26,10 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from slothkit.models import architecture_for, shape_by_name
+    from slothkit.models import record_for, shape_by_name
 
     config = shape_by_name(shape_name).config()
-    neutral_norm = 0.0 if architecture_for(config).norm_adds_one else 1.0
+    neutral_norm = 0.0 if record_for(config).norm_adds_one else 1.0
 
     # Parameters on the meta device (no memory, no init time), made real one module at a
     # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
@@ -160,10 +160,8 @@ def prepare(
         return model
     if impl == "slothkit":
         from slothkit import FastModel
-        from slothkit.engine.decoder import patch_decoder
-        from slothkit.models import architecture_for
 
-        patch_decoder(model, architecture_for(model.config))
+        take_slothkit_path(model)
         mode = CHECKPOINTING[checkpointing]
         auto = {}
         if mode == "auto":
@@ -178,6 +176,21 @@ def prepare(
             **auto,
         )
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def take_slothkit_path(model) -> None:
+    """What FastModel.from_pretrained does to a loaded model: the fused decoder where slothkit
+    has a fused record for the family, else the generic path (its own modules, the fused
+    cross-entropy on its head where that passes its self-check)."""
+    from slothkit.engine.decoder import patch_decoder
+    from slothkit.load_model import take_generic_path
+    from slothkit.models import architecture_for
+
+    arch = architecture_for(model.config)
+    if arch is not None:
+        patch_decoder(model, arch)
+    else:
+        take_generic_path(model, None)
 
 
 def load_with_unsloth(model, args, dtype):

@@ -7,10 +7,10 @@ architecture_of_shape("gemma-7b")  # the family a named shape belongs to
 shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
 
 RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches; SHAPES
-the shapes the fused records name, by name (`slothkit plan` predicts from them, `slothkit bench`
-builds them with random weights). Gemma 3
-is a record without a fused path: FastModel trains it through plain Hugging Face + PEFT, and
-slothkit exports it.
+the shapes every record names, by name (`slothkit plan` predicts from them, `slothkit bench`
+builds them with random weights). Gemma 3 is a record without a fused path: FastModel trains
+it on the generic path (its Hugging Face modules, slothkit's checkpointing and fused head), the
+bench measures that path on its shapes, and slothkit exports it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
-SHAPES: dict[str, Shape] = {name: shape for arch in ARCHITECTURES for name, shape in arch.shapes.items()}
+SHAPES: dict[str, Shape] = {name: shape for arch in RECORDS for name, shape in arch.shapes.items()}
 
 __all__ = [
     "ARCHITECTURES",

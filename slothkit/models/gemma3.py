@@ -17,6 +17,13 @@ file (slothkit.export.gguf.attention).
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.gemma import GEMMA
+from slothkit.models.shape import Shape
+
+# Every Gemma 3 text tower: 256-wide heads (27B: 128, with its own query scale), every sixth
+# layer global (transformers' default layer_types), tied embeddings; the 270M and 1B slide
+# over 512 tokens, the larger ones over 1,024.
+_SMALL = {"head_dim": 256, "sliding_window": 512, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6}
+_LARGE = {**_SMALL, "sliding_window": 1024}
 
 GEMMA3 = Architecture(
     name="gemma3",
@@ -57,8 +64,23 @@ GEMMA3 = Architecture(
         # one of each kind.
         config={"sliding_window_pattern": 2},
     ),
-    # No named shapes: the bench and the planner measure the fused path.
-    shapes={},
+    # The bench measures the generic path (HF modules, slothkit's checkpointing and fused
+    # head) on these; the planner predicts from them.
+    shapes={
+        "gemma-3-270m": Shape("gemma3_text", 640, 2048, 18, 4, 1, 262144, 32768, _SMALL),
+        "gemma-3-1b": Shape("gemma3_text", 1152, 6912, 26, 4, 1, 262144, 32768, _SMALL),
+        "gemma-3-4b": Shape("gemma3_text", 2560, 10240, 34, 8, 4, 262208, 131072, _LARGE),
+        "gemma-3-12b": Shape("gemma3_text", 3840, 15360, 48, 16, 8, 262208, 131072, _LARGE),
+        "gemma-3-27b": Shape(
+            "gemma3_text", 5376, 21504, 62, 32, 16, 262208, 131072,
+            {**_LARGE, "head_dim": 128, "query_pre_attn_scalar": 168},
+        ),
+        "tiny-gemma3": Shape(
+            "gemma3_text", 64, 192, 2, 4, 1, 512, 2048,
+            {**_SMALL, "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+             "sliding_window_pattern": 2},
+        ),
+    },
     families=("Gemma 3 (text)",),
     embedding_scale=True,
 )

@@ -14,7 +14,9 @@ from slothkit.model_state import state_of
 from slothkit.models import SHAPES, shape_by_name
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
+)
 def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     from transformers import AutoModelForCausalLM
 
@@ -629,3 +631,29 @@ def test_the_record_says_how_auto_split_the_layers(tmp_path):
     assert (recompute["kept_layers"], recompute["on_gpu_layers"], recompute["layers"]) == (1, 1, 4)
     assert recompute["predicted_host_gib"] == pytest.approx(2 * per_layer / 2**30)
     assert recompute["host_budget_gib"] == pytest.approx(2.5 * per_layer / 2**30)
+
+
+def test_a_model_without_a_fused_record_is_benched_on_the_generic_path(tmp_path):
+    """Gemma 3 has a record but no fused path: slothkit's row trains its Hugging Face modules
+    (what FastModel.from_pretrained gives it), from the same weights as HF + PEFT's row."""
+    output = tmp_path / "record.json"
+    args = ["bench", "train", "--model", "tiny-gemma3", "--dtype", "fp32", "--seq", "32"]
+    args += ["--steps", "2", "--warmup", "1", "--impl", "slothkit,hf", "--output", str(output)]
+    assert main(args) == 0
+    rows = {row["impl"]: row for row in json.loads(output.read_text())["rows"]}
+    assert rows["slothkit"]["status"] == rows["hf"]["status"] == "ok"
+    assert rows["slothkit"]["losses"][0] == pytest.approx(rows["hf"]["losses"][0], rel=1e-4)
+    assert rows["slothkit"]["cuda_graphs"] == 0  # layer graphs replay fused layers only
+
+
+def test_the_slothkit_row_takes_the_path_from_pretrained_would(monkeypatch):
+    from slothkit.bench.model_setup import take_slothkit_path
+
+    fused = build_model("tiny-qwen3", torch.float32, "cpu", seed=0)
+    take_slothkit_path(fused)
+    assert state_of(fused).architecture == "qwen3"
+    generic = build_model("tiny-gemma3", torch.float32, "cpu", seed=0)
+    taken = []
+    monkeypatch.setattr("slothkit.load_model.take_generic_path", lambda model, fused: taken.append(fused))
+    take_slothkit_path(generic)
+    assert taken == [None] and state_of(generic) is None

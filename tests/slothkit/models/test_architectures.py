@@ -92,7 +92,7 @@ def test_named_shapes_build_configs_of_the_family(arch):
 
 
 def test_shape_names_are_unique_across_records():
-    names = [name for arch in ARCHITECTURES for name in arch.shapes]
+    names = [name for arch in RECORDS for name in arch.shapes]
     assert len(names) == len(set(names)) == len(SHAPES)
 
 
@@ -124,6 +124,12 @@ def test_lookups_name_what_is_known():
     assert architecture_named("gemma3") not in ARCHITECTURES
 
 
-def test_records_without_a_fused_path_name_no_bench_shapes():
-    """The bench and the planner build fused models from named shapes."""
-    assert all(arch.fused for arch in RECORDS if arch.shapes)
+@EVERY_RECORD
+def test_every_record_names_shapes_of_its_family(arch):
+    """The bench builds them (the fused path or, for a record without one, the generic
+    path) and the planner predicts from them."""
+    assert f"tiny-{arch.name}" in arch.shapes  # the CPU shape of the bench and its tests
+    for name, shape in arch.shapes.items():
+        config = shape.config()
+        assert record_for(config) is arch and architecture_of_shape(name) is arch, name
+        assert architecture_for(config) is (arch if arch.fused else None), name
