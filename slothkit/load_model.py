@@ -31,6 +31,7 @@ from slothkit.engine.loading import (
 )
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.generation import accept_encoding_in_generate
+from slothkit.loaded_weights import check_loading_info
 from slothkit.model_state import attach_state
 from slothkit.models import architecture_for, supported_summary
 from slothkit_kernels.utils import triton_runs_on
@@ -78,21 +79,24 @@ def load_model(model_name: str, options: LoadOptions):
         device_map = device_map_for_process()
     config = resolve_checkpoint(model_name, token=options.token)
     hf_kwargs = dict(options.hf_kwargs)
+    hf_kwargs.pop("output_loading_info", None)  # slothkit reads the report itself
     if extend_context(config, options.max_seq_length):
         hf_kwargs["config"] = config
     if options.num_labels is not None:
         hf_kwargs["num_labels"] = options.num_labels
     dtype = pick_dtype(options.dtype)
     tokenizer = load_tokenizer(model_name, options.token)
-    model = _auto_class(options.num_labels).from_pretrained(
+    model, loading_info = _auto_class(options.num_labels).from_pretrained(
         model_name,
         dtype=dtype,
         quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
         device_map=device_map,
         token=options.token,
         attn_implementation=attention_for(config, options),
+        output_loading_info=True,
         **hf_kwargs,
     )
+    check_loading_info(model, loading_info, model_name)
     # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
     # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
     keep_nf4_layout(model)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 
 from slothkit.load_model import LoadOptions, link_tokenizer, load_model, load_tokenizer, prepare_tokenizer
+from slothkit.loaded_weights import NewHeadWarning
 from slothkit.training_mode import CheckpointingOptions, ready_for_training
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -68,7 +70,10 @@ def load_saved_adapter(
         )
     if adapter_config.get("task_type") == "SEQ_CLS" and options.num_labels is None:
         options = dataclasses.replace(options, num_labels=_saved_score_outputs(folder))
-    model, tokenizer = load_model(base, options)
+    with warnings.catch_warnings():
+        # The base has no score head, and the adapter brings the one it trained.
+        warnings.simplefilter("ignore", NewHeadWarning)
+        model, tokenizer = load_model(base, options)
     if any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         # The folder's tokenizer carries what training changed (a chat template, new tokens).
         tokenizer = load_tokenizer(folder)

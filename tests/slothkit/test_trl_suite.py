@@ -9,6 +9,7 @@ must the trained LoRA weights.  The kernels run their plain-torch references
 
 import functools
 import os
+import warnings
 
 import pytest
 import torch
@@ -179,9 +180,12 @@ def test_reward_model_saves_and_reloads_as_an_adapter(tmp_path):
     model.save_pretrained(tmp_path / "reward")
     tokenizer.save_pretrained(tmp_path / "reward")
 
-    reloaded, reloaded_tokenizer = FastModel.from_pretrained(
-        str(tmp_path / "reward"), dtype=torch.float32, load_in_4bit=False, fused=True
-    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        reloaded, reloaded_tokenizer = FastModel.from_pretrained(
+            str(tmp_path / "reward"), dtype=torch.float32, load_in_4bit=False, fused=True
+        )
+    assert not [w for w in seen if "score head" in str(w.message)]  # the adapter holds it
     assert type(reloaded.get_base_model()).__name__ == "LlamaForSequenceClassification"
     assert state_of(reloaded).architecture == "llama"
     reloaded.eval()

@@ -139,6 +139,22 @@ def test_export_messages_name_the_flags_and_the_real_problem(adapter_dir, tmp_pa
         export_adapter(folder, "merged_16bit")
 
 
+def test_export_refuses_a_base_that_lacks_a_tensor(adapter_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder, _, base_path = adapter_dir
+    base = tmp_path / "base"
+    shutil.copytree(base_path, base)
+    weights = load_file(base / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 tensor.*: model.layers.1.mlp.down_proj.weight"):
+        export_adapter(folder, "merged_16bit", output=tmp_path / "merged", base_model=str(base))
+    assert not (tmp_path / "merged").exists()
+
+
 def test_export_and_push(adapter_dir, local_hub):
     folder, _, _ = adapter_dir
     result = export_adapter(folder, "merged_16bit", push="local-user/exported", token="hf_writer",
