@@ -31,7 +31,7 @@ from slothkit.engine.loading import (
 )
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.generation import accept_encoding_in_generate
-from slothkit.loaded_weights import check_loading_info
+from slothkit.loaded_weights import check_loaded_weights
 from slothkit.model_state import attach_state
 from slothkit.models import architecture_for, supported_summary
 from slothkit_kernels.utils import triton_runs_on
@@ -96,7 +96,7 @@ def load_model(model_name: str, options: LoadOptions):
         output_loading_info=True,
         **hf_kwargs,
     )
-    check_loading_info(model, loading_info, model_name)
+    check_loaded_weights(model, loading_info, model_name)
     # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
     # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
     keep_nf4_layout(model)

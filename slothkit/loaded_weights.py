@@ -6,13 +6,22 @@ loads and trains without a word, from noise.  slothkit refuses such a load, nami
 tensors.  What is legitimately not in the file passes: a head tied to the embeddings
 (transformers ties it and does not report it missing) and the score head of a sequence
 classifier made from a causal LM's checkpoint, which is new by design and said once.
+
+A checkpoint whose bytes were overwritten (0xFF bytes are NaN in every float format) or
+that was saved from a diverged run loads as well, and answers with garbage; slothkit
+refuses weights holding NaN or Inf, naming the tensors.  That costs one isfinite pass over
+the parameters where they lie (on the GPU for a GPU model).  A 4-bit weight's packed codes
+cannot hold NaN, but its block scales can: a NaN or Inf value in the checkpoint makes the
+scale of its block (its absmax) NaN or Inf, so those are checked instead.
 """
 
 from __future__ import annotations
 
 import warnings
 
-_SHOWN = 8  # tensor names listed in a message
+import torch
+
+from slothkit.export.finite import NonFiniteWeightsError, listing, named_problems, problem
 
 
 class IncompleteCheckpointError(ValueError):
@@ -21,6 +30,22 @@ class IncompleteCheckpointError(ValueError):
 
 class NewHeadWarning(UserWarning):
     """A sequence classifier's score head is not in the checkpoint and starts random."""
+
+
+def check_loaded_weights(model, loading_info: dict, checkpoint: str) -> None:
+    """Refuse a model that loaded with tensors missing or holding NaN or Inf (module docstring).
+
+    Args:
+        model: the model transformers built.
+        loading_info: its ``from_pretrained(..., output_loading_info=True)`` report.
+        checkpoint: the name or folder loaded, for the messages.
+
+    Raises:
+        IncompleteCheckpointError: check_loading_info's.
+        NonFiniteWeightsError: check_finite_weights'.
+    """
+    check_loading_info(model, loading_info, checkpoint)
+    check_finite_weights(model, checkpoint)
 
 
 def check_loading_info(model, loading_info: dict, checkpoint: str) -> None:
@@ -47,14 +72,11 @@ def check_loading_info(model, loading_info: dict, checkpoint: str) -> None:
             f"slothkit: the score head ({', '.join(head)}) is new: {checkpoint!r} does not hold it, so it "
             f"starts from random values; get_peft_model trains it in full beside the adapters",
             NewHeadWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of FastModel.from_pretrained
         )
     if missing:
-        listed = ", ".join(missing[:_SHOWN]) + (
-            f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
-        )
         raise IncompleteCheckpointError(
-            f"{checkpoint!r} lacks {len(missing)} tensor(s) the model needs: {listed}; they would start "
+            f"{checkpoint!r} lacks {len(missing)} tensor(s) the model needs: {listing(missing)}; they would start "
             f"from random values. The checkpoint is incomplete (a shard or a download cut short) or made "
             f"for another architecture than its config.json names: fetch or save it again"
         )
@@ -62,3 +84,40 @@ def check_loading_info(model, loading_info: dict, checkpoint: str) -> None:
 
 def _is_classifier(model) -> bool:
     return type(model).__name__.endswith("ForSequenceClassification")
+
+
+def check_finite_weights(model, checkpoint: str) -> None:
+    """Refuse a loaded model whose weights hold NaN or Inf (module docstring).
+
+    Args:
+        model: the model as loaded.
+        checkpoint: the name or folder loaded, for the message.
+
+    Raises:
+        NonFiniteWeightsError: (a ValueError) naming every bad tensor.
+    """
+    bad = []
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":  # offloaded to disk by accelerate: not read here
+            continue
+        found = next(filter(None, map(problem, _stored_values(param))), None)
+        if found is not None:
+            bad.append((name, found))
+    if bad:
+        raise NonFiniteWeightsError(
+            f"refusing to load {checkpoint!r}: {len(bad)} tensor(s) hold values a model must not: "
+            f"{named_problems(bad)}. The checkpoint is damaged or was saved from a training run that "
+            f"diverged: fetch it again, or load an earlier checkpoint"
+        )
+
+
+def _stored_values(param) -> list[torch.Tensor]:
+    """The floating tensors that hold `param`'s values: the parameter itself, or for a 4-bit
+    weight (bitsandbytes' Params4bit) its block scales, the second level's with double
+    quantisation (and the mean subtracted from the first level's before they are quantised)."""
+    state = getattr(param, "quant_state", None)
+    if state is None:
+        return [param]
+    nested = getattr(state, "state2", None)
+    candidates = [state.absmax, getattr(state, "offset", None), getattr(nested, "absmax", None)]
+    return [t for t in candidates if isinstance(t, torch.Tensor) and t.is_floating_point()]

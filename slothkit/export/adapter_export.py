@@ -25,7 +25,6 @@ from slothkit.export.disk_space import check_free_space, checkpoint_bytes, check
 from slothkit.export.hub import PushResult, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
 from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
-from slothkit.loaded_weights import check_loading_info
 
 EXPORT_TARGETS = (*SAVE_METHODS, "gguf")
 
@@ -181,12 +180,16 @@ def load_adapter_model(adapter_dir: str | os.PathLike, base_model: str | None = 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Here, not at the top: slothkit.loaded_weights reads slothkit.export.finite, and
+    # importing that runs this package's __init__, which imports this module.
+    from slothkit.loaded_weights import check_loaded_weights
+
     folder = pathlib.Path(adapter_dir).expanduser()
     base_path = resolve_base_model(read_adapter_config(folder), base_model)
     base, loading_info = AutoModelForCausalLM.from_pretrained(
         base_path, dtype="auto", output_loading_info=True
     )
-    check_loading_info(base, loading_info, str(base_path))
+    check_loaded_weights(base, loading_info, str(base_path))
     model = PeftModel.from_pretrained(base, folder)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder if _has_tokenizer(folder) else base_path)

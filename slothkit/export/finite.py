@@ -21,7 +21,7 @@ _SHOWN = 8  # tensor names listed in the error
 
 
 class NonFiniteWeightsError(ValueError):
-    """Weights to be saved hold NaN or Inf values."""
+    """Weights to be saved, or just loaded (slothkit.loaded_weights), hold NaN or Inf values."""
 
 
 def problem(tensor: torch.Tensor, saved_as: torch.dtype | None = None) -> str | None:
@@ -71,9 +71,18 @@ def finite_tensors(
         raise NonFiniteWeightsError(message(bad, what))
 
 
+def listing(names: list[str]) -> str:
+    """The first few of `names`, comma-separated, with how many more there are."""
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def named_problems(bad: list[tuple[str, str]]) -> str:
+    """(name, problem) pairs listed as NAME (NaN), NAME (Inf), ..."""
+    return listing([f"{name} ({found})" for name, found in bad])
+
+
 def message(bad: list[tuple[str, str]], what: str) -> str:
-    listed = ", ".join(f"{name} ({found})" for name, found in bad[:_SHOWN])
-    more = f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
     overflow = any("range" in found for _, found in bad)
     cause = (
         "save in bfloat16 or float32 (dtype=torch.bfloat16), whose range holds them"
@@ -81,6 +90,6 @@ def message(bad: list[tuple[str, str]], what: str) -> str:
         else "the training diverged (check the loss; lower the learning rate) or the weights were damaged"
     )
     return (
-        f"refusing to write {what}: {len(bad)} tensor(s) hold values a file must not: {listed}{more}; "
+        f"refusing to write {what}: {len(bad)} tensor(s) hold values a file must not: {named_problems(bad)}; "
         f"nothing was written. {cause[0].upper()}{cause[1:]}"
     )

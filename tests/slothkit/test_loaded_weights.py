@@ -48,3 +48,30 @@ def test_a_tied_head_and_a_new_score_head_are_not_missing(tmp_path):
     _rewrite_weights(folder, lambda weights: weights.pop(Q_PROJ))
     with pytest.raises(ValueError, match=f"lacks 1 tensor\\(s\\) the model needs: {Q_PROJ}"):
         FastModel.from_pretrained(str(folder), dtype=torch.float32, load_in_4bit=False, num_labels=1)
+
+
+def _fill_with_ff_bytes(folder, name):
+    """Overwrite tensor `name`'s bytes in model.safetensors with 0xFF, as damage would:
+    every float32 value becomes NaN."""
+    import json
+
+    path = folder / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    header_length = int.from_bytes(raw[:8], "little")
+    start, end = json.loads(raw[8 : 8 + header_length])[name]["data_offsets"]
+    raw[8 + header_length + start : 8 + header_length + end] = b"\xff" * (end - start)
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+def test_a_checkpoint_holding_nan_or_inf_is_refused_naming_the_tensors(tmp_path, load_in_4bit):
+    folder = _copy("llama", tmp_path)
+    up = "model.layers.1.mlp.up_proj.weight"
+    _fill_with_ff_bytes(folder, up)
+    _rewrite_weights(folder, lambda weights: weights["model.norm.weight"].__setitem__(3, float("inf")))
+    with pytest.raises(
+        ValueError,
+        match=rf"refusing to load '{folder}': 2 tensor\(s\) hold values a model must not: "
+        rf"{up} \(NaN\), model.norm.weight \(Inf\)",
+    ):
+        FastModel.from_pretrained(str(folder), dtype=torch.float32, load_in_4bit=load_in_4bit)
