@@ -147,8 +147,10 @@ def _as_flags(message: str) -> str:
     """The library's advice (Python arguments) in the export command's words (its flags)."""
     from slothkit.export.adapter_export import BASE_MODEL_HELP
 
-    return message.replace(BASE_MODEL_HELP, "pass --base-model PATH").replace(
-        "pass overwrite=True", "pass --overwrite"
+    return (
+        message.replace(BASE_MODEL_HELP, "pass --base-model PATH")
+        .replace("pass overwrite=True", "pass --overwrite")
+        .replace("pass allow_other_base=True", "pass --allow-other-base")
     )
 
 
@@ -170,6 +172,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             token=args.token,
             overwrite=args.overwrite,
             base_model=args.base_model,
+            allow_other_base=args.allow_other_base,
         )
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as error:
         print(f"slothkit export: {_as_flags(str(error))}", file=sys.stderr)
@@ -284,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--token", help="Hub token (default: HF_TOKEN or the saved login)")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     export.add_argument("--base-model", help="base checkpoint, if not the adapter's base_model_name_or_path")
+    export.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="merge even into a base whose weights differ from those the adapter recorded it was trained on",
+    )
     export.set_defaults(func=_cmd_export)
 
     env = sub.add_parser("env", help="show versions and the GPU slothkit would use")

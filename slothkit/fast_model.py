@@ -40,6 +40,7 @@ class FastModel:
         full_finetuning: bool = False,
         fast_inference: bool = False,
         num_labels: int | None = None,
+        allow_other_base: bool = False,
         **hf_kwargs,
     ):
         """Load a causal LM and its tokenizer, with the fused kernels patched onto the
@@ -93,6 +94,9 @@ class FastModel:
                 (slothkit.trl.RewardTrainer).  The decoder runs slothkit's fused
                 layers as a causal LM's does; ``get_peft_model`` then trains the head in
                 full beside the adapters, and the saved adapter holds it.
+            allow_other_base: for a saved adapter folder: load it onto its base even
+                when the base's weights are not those the adapter recorded it was trained
+                on (slothkit.export.base_fingerprint); default False: refused.
             **hf_kwargs: passed on to ``AutoModelForCausalLM.from_pretrained`` (or
                 ``AutoModelForSequenceClassification``'s).
 
@@ -107,7 +111,9 @@ class FastModel:
 
         Raises:
             FileNotFoundError: no such checkpoint, or it has no usable tokenizer.
-            ValueError: ``max_seq_length``, ``dtype`` or ``num_labels`` is not accepted.
+            ValueError: ``max_seq_length``, ``dtype`` or ``num_labels`` is not accepted;
+                the checkpoint lacks tensors or holds NaN or Inf (slothkit.loaded_weights);
+                a saved adapter's base holds other weights than it was trained on.
             ImportError: ``load_in_4bit`` without bitsandbytes installed.
         """
         check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs)
@@ -117,7 +123,7 @@ class FastModel:
             hf_kwargs=hf_kwargs,
         )  # fmt: skip
         if is_adapter_folder(model_name):
-            return load_saved_adapter(model_name, options)
+            return load_saved_adapter(model_name, options, allow_other_base=allow_other_base)
         return load_model(model_name, options)
 
     @staticmethod

@@ -18,6 +18,7 @@ import json
 import os
 import warnings
 
+from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.load_model import LoadOptions, link_tokenizer, load_model, load_tokenizer, prepare_tokenizer
 from slothkit.loaded_weights import NewHeadWarning
 from slothkit.training_mode import CheckpointingOptions, ready_for_training
@@ -39,6 +40,7 @@ def load_saved_adapter(
     folder: str,
     options: LoadOptions,
     checkpointing: CheckpointingOptions | None = None,
+    allow_other_base: bool = False,
 ):
     """The base model named in `folder`'s adapter_config.json with the adapter on it.
 
@@ -46,6 +48,8 @@ def load_saved_adapter(
         folder: a folder written by ``PeftModel.save_pretrained``.
         options: ``FastModel.from_pretrained``'s options, for the base model.
         checkpointing: as ``FastModel.get_peft_model``; None: its default ("offload").
+        allow_other_base: load onto the base even when its weights are not those the
+            adapter recorded it was trained on (slothkit.export.base_fingerprint).
 
     An adapter of a sequence classifier (task_type SEQ_CLS: a reward model) loads the base
     as one, with as many outputs as its saved score head.
@@ -56,6 +60,8 @@ def load_saved_adapter(
 
     Raises:
         FileNotFoundError: adapter_config.json names no base model.
+        BaseMismatchError: (a ValueError) the base holds other weights than the adapter
+            was trained on, and allow_other_base is False.
     """
     from peft import PeftModel
 
@@ -68,6 +74,13 @@ def load_saved_adapter(
             "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
             "with peft.PeftModel.from_pretrained(model, folder)"
         )
+    check_base_fingerprint(
+        folder,
+        base,
+        allow_other_base,
+        f"Set base_model_name_or_path in {os.path.join(folder, 'adapter_config.json')!r} to the base it was "
+        "trained on, or pass allow_other_base=True to load it onto this one anyway",
+    )
     if adapter_config.get("task_type") == "SEQ_CLS" and options.num_labels is None:
         options = dataclasses.replace(options, num_labels=_saved_score_outputs(folder))
     with warnings.catch_warnings():

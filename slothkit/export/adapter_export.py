@@ -21,6 +21,7 @@ import tempfile
 
 from slothkit.engine.loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
+from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
 from slothkit.export.hub import PushResult, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
@@ -39,6 +40,10 @@ class ExportResult:
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 BASE_MODEL_HELP = "pass base_model=PATH (`--base-model PATH` on the command line)"
+OTHER_BASE_HELP = (
+    f"Point at the base it was trained on ({BASE_MODEL_HELP}), or pass allow_other_base=True "
+    f"to merge it into this one anyway"
+)
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
@@ -207,6 +212,7 @@ def export_adapter(
     base_model: str | None = None,
     overwrite: bool = False,
     endpoint: str | None = None,
+    allow_other_base: bool = False,
 ) -> ExportResult:
     """Load the adapter on its base and export it.
 
@@ -228,13 +234,17 @@ def export_adapter(
         overwrite: replace the model files of a non-empty output folder, keeping its other
             files.
         endpoint: another Hub's URL for push.
+        allow_other_base: merge into the base even when its weights are not those the
+            adapter recorded it was trained on (slothkit.export.base_fingerprint); default
+            False: refused.
 
     Returns:
         An ``ExportResult``.
 
     Raises:
         ValueError: an unknown target or quantisation, a bad repo id, an output that
-            overlaps the adapter or base folder.
+            overlaps the adapter or base folder, a base with other weights than the
+            adapter was trained on (BaseMismatchError).
         FileNotFoundError: no adapter (or no weights) in adapter_dir, or no local base.
         FileExistsError: the output is not empty and overwrite is False.
         NotEnoughSpaceError: the export's estimated size exceeds the free space of its
@@ -256,6 +266,7 @@ def export_adapter(
     folder = pathlib.Path(adapter_dir).expanduser()
     config = read_adapter_config(folder)
     base_path = resolve_base_model(config, base_model)
+    check_base_fingerprint(folder, base_path, allow_other_base, OTHER_BASE_HELP)
     if output is None and push is None:
         output = folder.with_name(f"{folder.resolve().name}-{to}")
     if output is not None:

@@ -45,6 +45,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
+from slothkit.export.base_fingerprint import FINGERPRINT_FILE
 from slothkit.export.model_card import CARD_MARKER
 
 try:
@@ -58,7 +59,7 @@ SAVED_FILE_PATTERNS = (
     "Modelfile", "Modelfile.*", "adapter_config.json", "config.json", "generation_config.json",
     "README.md", "README.slothkit.md", "chat_template.jinja", "chat_template.json", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt",
+    "vocab.json", "merges.txt", FINGERPRINT_FILE,
 )  # fmt: skip
 
 

@@ -145,6 +145,20 @@ class SafetensorsCheckpoint:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {str(self.folder)!r}")
         return self._open(self._weight_map[name]).get_tensor(name)
 
+    def shape_of(self, name: str) -> list[int]:
+        """The stored shape, read from the header."""
+        if name not in self._weight_map:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {str(self.folder)!r}")
+        return list(self._open(self._weight_map[name]).get_slice(name).get_shape())
+
+    def rows(self, name: str, indices: list[int]) -> torch.Tensor:
+        """Rows `indices` of tensor `name` (along its first dimension), read without
+        loading the rest; a scalar, or a tensor without rows, whole."""
+        if not self.shape_of(name) or not indices:
+            return self.get(name)
+        stored = self._open(self._weight_map[name]).get_slice(name)
+        return torch.cat([stored[i : i + 1] for i in indices])
+
 
 def is_unquantized_safetensors_checkpoint(folder: pathlib.Path) -> bool:
     """A folder with config.json (no quantization_config) and safetensors weights."""

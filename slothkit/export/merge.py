@@ -122,22 +122,28 @@ def base_model_name(model: nn.Module) -> str | None:
 # ---------------------------------------------------------------------------------------
 
 
-def find_original_checkpoint(name: str | None) -> pathlib.Path | None:
-    """A local unquantised safetensors checkpoint for `name`: the folder itself, or the Hub
-    id's snapshot already in the local Hugging Face cache (never downloads)."""
+def local_checkpoint_folder(name: str | None) -> pathlib.Path | None:
+    """The folder on this machine that holds checkpoint `name`: the folder itself, or the
+    Hub id's snapshot already in the local Hugging Face cache (never downloads); else None."""
     if not name:
         return None
     folder = pathlib.Path(name).expanduser()
-    if not folder.is_dir():
-        if folder.is_absolute() or name.startswith("."):
-            return None
-        try:
-            from huggingface_hub import snapshot_download
+    if folder.is_dir():
+        return folder
+    if folder.is_absolute() or name.startswith("."):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
 
-            folder = pathlib.Path(snapshot_download(name, local_files_only=True))
-        except Exception:  # not a Hub id, or not cached: nothing to detect
-            return None
-    return folder if is_unquantized_safetensors_checkpoint(folder) else None
+        return pathlib.Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not a Hub id, or not cached: nothing to detect
+        return None
+
+
+def find_original_checkpoint(name: str | None) -> pathlib.Path | None:
+    """A local unquantised safetensors checkpoint for `name` (local_checkpoint_folder)."""
+    folder = local_checkpoint_folder(name)
+    return folder if folder is not None and is_unquantized_safetensors_checkpoint(folder) else None
 
 
 def choose_merge_source(model: nn.Module, base_weights: str | os.PathLike | None = "auto") -> MergeSource:

@@ -9,7 +9,9 @@
 Only the instance gets the attributes (types.MethodType); no class is patched. The GGUF
 methods call `slothkit.export.gguf.save_pretrained_gguf` / `push_to_hub_gguf`, imported when
 called (and attached only when that module is installed), with the model merged first
-(`merged_plain_model`): the GGUF writer takes a plain 16-bit model.
+(`merged_plain_model`): the GGUF writer takes a plain 16-bit model.  A PEFT model's
+``save_pretrained`` (what Trainer checkpoints call too) is PEFT's, followed by writing the
+fingerprint of the base weights beside the adapter (slothkit.export.base_fingerprint).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import types
 from torch import nn
 
 from slothkit.engine.inspection import is_4bit_model
+from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, save_pretrained_merged, tokenizer_of
 
@@ -81,6 +84,23 @@ def attach_export_methods(model: nn.Module) -> nn.Module:
     }
     if _gguf_available():
         methods.update({name: _gguf_method(name) for name in GGUF_FUNCTIONS})
+    if hasattr(model, "peft_config"):
+        methods["save_pretrained"] = _save_pretrained_recording_the_base(type(model).save_pretrained)
     for name, function in methods.items():
         setattr(model, name, types.MethodType(function, model))
     return model
+
+
+def _save_pretrained_recording_the_base(save_pretrained):
+    """PEFT's save_pretrained (what Trainer checkpoints call too), then the fingerprint of
+    the base weights beside the adapter (slothkit.export.base_fingerprint)."""
+
+    def method(model, save_directory, *args, **kwargs):
+        result = save_pretrained(model, save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):  # under DDP, the process that wrote the adapter
+            write_base_fingerprint(model, save_directory)
+        return result
+
+    method.__name__ = "save_pretrained"
+    method.__doc__ = save_pretrained.__doc__
+    return method

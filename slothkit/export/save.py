@@ -25,6 +25,7 @@ from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtyp
 from slothkit.engine.loading import nf4_settings, pick_dtype
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target, scratch_directory
+from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.checkpoint_files import write_sharded
 from slothkit.export.disk_space import check_free_space, estimated_save_bytes
 from slothkit.export.finite import finite_tensors
@@ -306,6 +307,7 @@ def save_pretrained_merged(
         else:
             _check_adapter_weights(model)
             model.save_pretrained(str(staging))
+            write_base_fingerprint(model, staging)  # also for a model save_pretrained does not write it for
             base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
             facts.weights = f"LoRA adapter weights; the base was {base} during training"
         if report is not None:
