@@ -30,6 +30,7 @@ from slothkit.engine.loading import (
     resolve_checkpoint,
 )
 from slothkit.engine.nf4_layout import keep_nf4_layout
+from slothkit.folder_paths import check_folder_path
 from slothkit.generation import accept_encoding_in_generate
 from slothkit.loaded_weights import check_loaded_weights
 from slothkit.model_state import attach_state
@@ -72,6 +73,8 @@ class LoadOptions:
 def load_model(model_name: str, options: LoadOptions):
     """``(model, tokenizer)`` from a checkpoint directory or Hub id, as
     FastModel.from_pretrained returns them (its docstring says what each option does)."""
+    if options.hf_kwargs.get("cache_dir") is not None:  # transformers would say "File exists"
+        check_folder_path(options.hf_kwargs["cache_dir"], "cache_dir")
     device_map = options.device_map
     if device_map is None:
         # Under torchrun: this process's GPU, made current before anything here starts

@@ -47,6 +47,7 @@ from collections.abc import Iterator
 
 from slothkit.export.base_fingerprint import FINGERPRINT_FILE
 from slothkit.export.model_card import CARD_MARKER
+from slothkit.folder_paths import check_folder_path
 
 try:
     import fcntl
@@ -81,8 +82,7 @@ def check_target(target: str | os.PathLike, overwrite: bool) -> pathlib.Path:
     Called before any expensive work (merging a model) so that the refusal comes first.
     """
     target = pathlib.Path(target).expanduser()
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"{str(target)!r} exists and is a file; the save target must be a directory")
+    check_folder_path(target, "the save folder")
     if is_non_empty_directory(target) and not overwrite:
         raise DirectoryNotEmptyError(
             f"{str(target)!r} is not empty; pass overwrite=True to replace its contents "

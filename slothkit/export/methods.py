@@ -28,6 +28,7 @@ from slothkit.engine.inspection import is_4bit_model
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, save_pretrained_merged, tokenizer_of
+from slothkit.folder_paths import check_folder_path
 
 GGUF_MODULE = "slothkit.export.gguf"
 GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
@@ -47,15 +48,12 @@ def needs_merging(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") or is_4bit_model(model)
 
 
-def _scratch_dir_for(name: str, args: tuple, kwargs: dict):
-    """Where the temporary merged checkpoint goes: beside the GGUF output folder (on the disk
-    the user chose for it), or the system's temporary folder for a push."""
+def _gguf_save_directory(name: str, args: tuple, kwargs: dict) -> pathlib.Path | None:
+    """The output folder of a save_pretrained_gguf call; None for a push."""
     if name != "save_pretrained_gguf":
         return None
     directory = args[0] if args else kwargs.get("save_directory")
-    if directory is None:
-        return None
-    return pathlib.Path(directory).expanduser().absolute().parent
+    return None if directory is None else pathlib.Path(directory).expanduser().absolute()
 
 
 def _gguf_method(name: str):
@@ -64,10 +62,16 @@ def _gguf_method(name: str):
         function = getattr(module, name, None)
         if function is None:
             raise AttributeError(f"{GGUF_MODULE} has no {name}(); this slothkit build cannot export GGUF")
+        directory = _gguf_save_directory(name, args, kwargs)
+        if directory is not None:  # before the merge, which writes beside it
+            check_folder_path(directory, "the save folder")
         if needs_merging(model):
             tokenizer = args[1] if len(args) > 1 else kwargs.get("tokenizer")
             tokenizer = tokenizer if tokenizer is not None else tokenizer_of(model)
-            model = merged_plain_model(model, tokenizer, scratch_dir=_scratch_dir_for(name, args, kwargs))
+            # The temporary merged checkpoint goes beside the GGUF output folder (on the disk
+            # the user chose for it), or in the system's temporary folder for a push.
+            scratch_dir = directory.parent if directory is not None else None
+            model = merged_plain_model(model, tokenizer, scratch_dir=scratch_dir)
         return function(model, *args, **kwargs)
 
     method.__name__ = name
@@ -96,6 +100,7 @@ def _save_pretrained_recording_the_base(save_pretrained):
     the base weights beside the adapter (slothkit.export.base_fingerprint)."""
 
     def method(model, save_directory, *args, **kwargs):
+        check_folder_path(save_directory, "the save folder")
         result = save_pretrained(model, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):  # under DDP, the process that wrote the adapter
             write_base_fingerprint(model, save_directory)

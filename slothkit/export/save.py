@@ -31,6 +31,7 @@ from slothkit.export.disk_space import check_free_space, estimated_save_bytes
 from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
+from slothkit.folder_paths import check_folder_path
 from slothkit.model_state import state_of
 
 SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
@@ -365,6 +366,8 @@ def merged_plain_model(
 
     source = merge.choose_merge_source(model, base_weights)
     dtype = _check_dtype(dtype)
+    if scratch_dir is not None:
+        check_folder_path(scratch_dir, "the folder for the temporary merged checkpoint")
     check_free_space(
         scratch_dir if scratch_dir is not None else tempfile.gettempdir(),
         estimated_save_bytes(model, "merged_16bit", dtype or weights_dtype(model)),

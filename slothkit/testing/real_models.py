@@ -50,6 +50,8 @@ import zipfile
 
 import torch
 
+from slothkit.folder_paths import check_folder_path
+
 
 @dataclasses.dataclass(frozen=True)
 class PinnedWheel:
@@ -186,6 +188,7 @@ def cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
         from slothkit.configuration import real_model_cache_dir
 
         cache_dir = real_model_cache_dir()
+    check_folder_path(cache_dir, "cache_dir")
     return pathlib.Path(cache_dir).expanduser()
 
 
