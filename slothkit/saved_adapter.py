@@ -18,12 +18,14 @@ import json
 import os
 import warnings
 
+from slothkit.export.adapter_export import looks_like_repo_id
 from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.load_model import LoadOptions, link_tokenizer, load_model, load_tokenizer, prepare_tokenizer
 from slothkit.loaded_weights import NewHeadWarning
 from slothkit.training_mode import CheckpointingOptions, ready_for_training
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_POINT_AT_ANOTHER_BASE = "set base_model_name_or_path in {config!r} to the base's folder or Hub id"
 
 
 def is_adapter_folder(name_or_path) -> bool:
@@ -59,7 +61,8 @@ def load_saved_adapter(
         (set up as from_pretrained sets up the base's), else the base model's.
 
     Raises:
-        FileNotFoundError: adapter_config.json names no base model.
+        FileNotFoundError: adapter_config.json names no base model, or a folder that is
+            not there.
         BaseMismatchError: (a ValueError) the base holds other weights than the adapter
             was trained on, and allow_other_base is False.
     """
@@ -74,6 +77,7 @@ def load_saved_adapter(
             "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
             "with peft.PeftModel.from_pretrained(model, folder)"
         )
+    _check_base_is_here(folder, base)
     check_base_fingerprint(
         folder,
         base,
@@ -86,7 +90,14 @@ def load_saved_adapter(
     with warnings.catch_warnings():
         # The base has no score head, and the adapter brings the one it trained.
         warnings.simplefilter("ignore", NewHeadWarning)
-        model, tokenizer = load_model(base, options)
+        try:
+            model, tokenizer = load_model(base, options)
+        except FileNotFoundError as error:  # say whose base it is, and how to point at another
+            raise FileNotFoundError(
+                f"the adapter {folder!r} names its base model {base!r} (base_model_name_or_path in its "
+                f"adapter_config.json), which cannot be loaded: {error}. To use another base, "
+                f"{_POINT_AT_ANOTHER_BASE.format(config=os.path.join(folder, 'adapter_config.json'))}"
+            ) from None
     if any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
         # The folder's tokenizer carries what training changed (a chat template, new tokens).
         tokenizer = load_tokenizer(folder)
@@ -97,6 +108,19 @@ def load_saved_adapter(
         model.resize_token_embeddings(len(tokenizer))
     peft_model = PeftModel.from_pretrained(model, folder, is_trainable=True)
     return ready_for_training(peft_model, checkpointing or CheckpointingOptions()), tokenizer
+
+
+def _check_base_is_here(folder: str, base: str) -> None:
+    """Refuse a base named by path that is not there, as the adapter's base: transformers
+    would say only that the model cannot be found (a Hub id is left to it: it may download)."""
+    if os.path.isdir(os.path.expanduser(base)) or looks_like_repo_id(base):
+        return
+    config = os.path.join(folder, "adapter_config.json")
+    raise FileNotFoundError(
+        f"the adapter {folder!r} names its base model {base!r} (base_model_name_or_path in its "
+        f"adapter_config.json), and there is no such folder on this machine; put the base there, or "
+        f"{_POINT_AT_ANOTHER_BASE.format(config=config)}"
+    )
 
 
 def _saved_score_outputs(folder: str) -> int:

@@ -67,7 +67,8 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{str(config_file)!r} is not valid JSON ({error})") from None
 
 
-def _looks_like_repo_id(name: str) -> bool:
+def looks_like_repo_id(name: str) -> bool:
+    """Whether a base model's name reads as a Hub id (OWNER/NAME) rather than a path."""
     return not name.startswith(("/", ".", "~")) and name.count("/") <= 1 and "\\" not in name
 
 
@@ -87,7 +88,7 @@ def resolve_base_model(adapter_config: dict, base_model: str | None = None) -> p
         raise FileNotFoundError(
             f"the base model folder {name!r} has no config.json, so it is no checkpoint; {BASE_MODEL_HELP}"
         )
-    if _looks_like_repo_id(name):
+    if looks_like_repo_id(name):
         fetch = f"download it first (e.g. `huggingface-cli download {name}`) or "
         where = "is not a local checkpoint folder nor in the local Hugging Face cache"
     else:
