@@ -335,7 +335,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Errors in what the user asked for (exit 2); every other exception is a failure while
 # running (exit 1). Both are one line unless --debug or SLOTHKIT_DEBUG=1.
-USAGE_ERRORS = (ValueError, LookupError, FileNotFoundError, FileExistsError, NotADirectoryError)
+USAGE_ERRORS = (
+    ValueError,
+    LookupError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
 
 
 def _split_kernel_bench_arguments(argv: list[str]) -> tuple[list[str], list[str] | None]:

@@ -19,7 +19,9 @@ can leave the target missing, with the old files still in the `.NAME.replaced-XX
 What overwrite replaces: with keep_other_files=True, only the files a save writes
 (SAVED_FILE_PATTERNS: weights, configs, tokenizer, model card, GGUF files) are replaced;
 every other file and folder of the old directory (notes, scripts, checkpoints) is carried
-into the new one as a hard link (a copy where links are not possible) before the swap.
+into the new one as a hard link (a copy where links are not possible) before the swap.  A
+folder is never replaced by a file: a save that writes a file under the name of a folder
+there is refused, before the swap.
 
 Durability and leftovers: every file and the staging directory are fsync'ed before the
 rename, and the parent after it, so a power cut leaves the old or the new directory, not an
@@ -232,10 +234,22 @@ def _keep_users_readme(old: pathlib.Path, staging: pathlib.Path) -> None:
 
 
 def _carry_other_files(old: pathlib.Path, staging: pathlib.Path, saved_kinds_too: bool = False) -> None:
+    """Carry the old folder's entries that this save did not write into the staging folder.
+
+    Raises:
+        IsADirectoryError: the save wrote a file where the old folder holds a folder (a
+            user's folder named like a saved file): the folder is not replaced.
+    """
     _keep_users_readme(old, staging)
     for entry in old.iterdir():
         destination = staging / entry.name
         if destination.exists() or destination.is_symlink():
+            if entry.is_dir() and not entry.is_symlink() and not destination.is_dir():
+                raise IsADirectoryError(
+                    f"{str(entry)!r} is a folder, and this save writes a file of that name; slothkit does not "
+                    f"replace a folder with a file: rename or move the folder, or save elsewhere (nothing was "
+                    f"changed)"
+                )
             continue  # written by this save: the new file wins
         if entry.is_symlink():
             os.symlink(os.readlink(entry), destination)

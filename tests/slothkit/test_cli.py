@@ -325,6 +325,31 @@ def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, ca
     assert "pass --overwrite" in capsys.readouterr().err
 
 
+def test_export_over_a_folder_named_like_a_saved_file_is_a_usage_error(tmp_path, capsys):
+    import warnings
+
+    import torch
+
+    from slothkit import FastModel
+    from slothkit.testing import tiny_model_path
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, tokenizer = FastModel.from_pretrained(
+            str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False
+        )
+        model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=False)
+    model.save_pretrained_merged(str(tmp_path / "adapter"), tokenizer, save_method="lora")
+    (tmp_path / "out" / "adapter_model.safetensors").mkdir(parents=True)
+    argv = ["export", str(tmp_path / "adapter"), "--to", "lora", "--output", str(tmp_path / "out"),
+            "--overwrite"]  # fmt: skip
+    assert main(argv) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the base's loading progress
+    assert last.startswith("slothkit export: ")
+    assert "adapter_model.safetensors' is a folder, and this save writes a file of that name" in last
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_dir()
+
+
 def test_exporting_the_demos_adapter_gives_hints_in_the_commands_words(
     tmp_path, capsys, monkeypatch, reference_kernels
 ):

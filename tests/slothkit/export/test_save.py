@@ -260,6 +260,25 @@ def test_overwrite_replaces_the_model_files_and_keeps_everything_else(make_lora_
     assert _siblings(target) == []
 
 
+def test_overwrite_refuses_to_replace_a_folder_with_a_file(make_lora_model, tmp_path):
+    """A user's folder named like a file the save writes (here adapter_model.safetensors/)
+    is not replaced by that file: the save is refused naming it, and nothing changes."""
+    model, tokenizer, _ = make_lora_model("llama", seed=16)
+    target = tmp_path / "out"
+    (target / "adapter_model.safetensors").mkdir(parents=True)
+    (target / "adapter_model.safetensors" / "notes.md").write_text("mine")
+    (target / "config.json").write_text("{}")
+    with pytest.raises(
+        IsADirectoryError,
+        match=rf"'{target}/adapter_model.safetensors' is a folder, and this save writes a file of that name",
+    ):
+        save_pretrained_merged(model, target, tokenizer, save_method="lora", overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["adapter_model.safetensors", "config.json"]
+    assert (target / "adapter_model.safetensors" / "notes.md").read_text() == "mine"
+    assert (target / "config.json").read_text() == "{}"
+    assert _siblings(target) == []
+
+
 def test_overwrite_keeps_the_users_readme_and_writes_the_card_beside_it(make_lora_model, tmp_path):
     """A README.md slothkit did not write stays (PEFT keeps it too); the card goes to
     README.slothkit.md, said once, and is replaced by the next save. An earlier slothkit
