@@ -13,10 +13,12 @@ file of the export appears in the repo or none does. Retrying after a failure is
 
 Transient failures (connection errors, HTTP 5xx, 408, 429) are retried here a few times with
 a growing pause; authentication problems are reported with how to log in.  huggingface_hub's
-HTTP client waits forever by default, so a server that stops answering mid-upload would
-hang the push: while slothkit pushes, every client huggingface_hub builds gets connect and
-read timeouts (`timeout_s`, hub_timeouts), and a push that still fails ends in
-HubConnectionError naming the URL and the cause.
+HTTP client waits forever by default, and retries each request itself, so a server that stops
+answering mid-upload would hang the push: while slothkit pushes, every request huggingface_hub
+makes gets connect, read and write timeouts (`timeout_s`), and the whole push one deadline,
+`stall_timeout_s` without a byte sent or received, that huggingface_hub's retries and
+slothkit's do not extend (hub_client).  A push that fails ends in HubConnectionError naming
+the URL and the cause; one that ran out of time also says what had been uploaded.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import tempfile
 import time
 
 from torch import nn
 
+from slothkit.export.disk_space import megabytes
+from slothkit.export.hub_client import PushStalled, StallClock, hub_client, stalled_in, url_without_query
 from slothkit.export.save import SaveResult, check_save_method, save_pretrained_merged
 
 LOGIN_HELP = (
@@ -46,14 +51,16 @@ MODEL_FILE_PATTERNS = (
     "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
 )  # fmt: skip
 
+# A push's defaults: any one read or write may wait a minute; the whole push gives up after
+# three minutes without a byte moving, room for two stalled tries and huggingface_hub's pauses.
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_STALL_TIMEOUT_S = 180.0
+
 _TRANSIENT_STATUS = {408, 429}
 _NETWORK_ERROR_NAMES = {
     "ConnectError", "ConnectTimeout", "ReadError", "ReadTimeout", "WriteError", "WriteTimeout",
     "PoolTimeout", "RemoteProtocolError", "NetworkError", "TimeoutException", "ConnectionError",
 }  # fmt: skip
-
-
-CONNECT_TIMEOUT_S = 10.0
 
 
 class HubAuthError(PermissionError):
@@ -73,7 +80,7 @@ def _request_url(error: BaseException) -> str | None:
                 request = None
             url = getattr(request, "url", None)
             if url is not None:
-                return str(url)
+                return url_without_query(url)
     return None
 
 
@@ -85,6 +92,8 @@ def _cause_text(error: BaseException) -> str:
     cause = network[0] if network else causes[-1]
     # httpx's status errors add a second line (a link to MDN's page on the status): one line.
     first_line = next(iter(str(cause).strip().splitlines()), "")
+    # An upload URL's query is a signature (a credential): left out.
+    first_line = re.sub(r"(https?://[^\s'\"?]+)\?[^\s'\"]*", r"\1", first_line)
     text = f"{type(cause).__name__}: {first_line}".rstrip(": ")
     if "Timeout" in type(cause).__name__ or isinstance(cause, TimeoutError):
         text += " (the server stopped answering)"
@@ -98,44 +107,52 @@ def connection_error(error: BaseException, what: str, fallback_url: str, attempt
     return HubConnectionError(f"{what} failed{tries}: {url}: {_cause_text(error)}")
 
 
-@contextlib.contextmanager
-def hub_timeouts(timeout_s: float | None):
-    """Give every HTTP client huggingface_hub uses in the block connect and read timeouts.
-
-    Its default client has none, so a server that accepts a request and never answers
-    hangs the caller.  Setting them on the shared client alone is not enough: after a
-    connection error huggingface_hub closes that client and builds a new one from its
-    client factory.  So the factory is wrapped for the block
-    (``huggingface_hub.set_client_factory``, which also drops the current client): each
-    client built in the block, the first one included, gets the timeouts.  The factory
-    is put back afterwards (a user's own factory, proxies and all, is the one wrapped).
-
-    Args:
-        timeout_s: seconds to wait for any read or write (the connect timeout is the
-            smaller of this and CONNECT_TIMEOUT_S); None: no change.
-    """
-    if timeout_s is None:
-        yield
-        return
-    import huggingface_hub
-    from huggingface_hub.utils import _http
-
-    # The factory in use has no public getter; the default stands in where it is missing.
-    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
-    timeout = type(huggingface_hub.get_session().timeout)(
-        timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)
+def stall_error(stalled: PushStalled, repo_id: str) -> HubConnectionError:
+    """A HubConnectionError for a push that ran out of time: how long it waited, on what,
+    what the Hub had confirmed, and how to resume."""
+    if stalled.waited_s >= stalled.stall_s:
+        waited = f"nothing was sent to or received from the Hub for {stalled.stall_s:g} s (stall_timeout_s)"
+    else:
+        left = stalled.stall_s - stalled.waited_s
+        waited = (
+            f"a request failed with {left:.1f} s left of stall_timeout_s={stalled.stall_s:g}, too little "
+            "for the pause before another try"
+        )
+    cause = f" ({_cause_text(stalled.cause)})" if stalled.cause is not None else ""
+    # A PUT the storage confirmed is a whole file, or one part of a large one (multipart).
+    if stalled.uploads_confirmed:
+        uploaded = (
+            f"Before that, the Hub's storage had confirmed {stalled.uploads_confirmed} upload(s), "
+            f"{megabytes(stalled.bytes_confirmed)}."
+        )
+    else:
+        uploaded = "No upload had been confirmed."
+    if stalled.commit_unanswered:
+        committed = "The commit was sent and not answered: it may have landed."
+    elif stalled.commits_confirmed:
+        committed = f"{stalled.commits_confirmed} commit(s) landed."
+    else:
+        committed = "Nothing was committed: the repo is as it was."
+    return HubConnectionError(
+        f"pushing to {repo_id} gave up: {waited}; last request: {stalled.request}{cause}. {uploaded} "
+        f"{committed} Push again to resume: a file the Hub holds in full is not uploaded again, and "
+        "a commit that landed is not made twice."
     )
 
-    def factory_with_timeouts():
-        client = factory()
-        client.timeout = timeout
-        return client
 
-    huggingface_hub.set_client_factory(factory_with_timeouts)
-    try:
-        yield
-    finally:
-        huggingface_hub.set_client_factory(factory)
+@contextlib.contextmanager
+def hub_session(timeout_s: float | None, stall_timeout_s: float | None, repo_id: str):
+    """Requests of a push to `repo_id` in the block: with timeouts and a stall deadline
+    (hub_client); a push that runs out of time ends in HubConnectionError (stall_error).
+    Yields the block's StallClock (None without a deadline)."""
+    with hub_client(timeout_s, stall_timeout_s) as clock:
+        try:
+            yield clock
+        except Exception as error:
+            stalled = stalled_in(error)
+            if stalled is None:
+                raise
+            raise stall_error(stalled, repo_id) from error
 
 
 @dataclasses.dataclass
@@ -220,8 +237,18 @@ def resolve_token(token: str | None, api) -> str:
     return token
 
 
+def _upload_failure(error: BaseException) -> RuntimeError | None:
+    """huggingface_hub's wrapper of a failed file upload: a bare RuntimeError, "Error while
+    uploading 'NAME' to the Hub.", whose cause is the HTTP or network error."""
+    for cause in _causes(error):
+        if type(cause) is RuntimeError and str(cause).startswith("Error while uploading"):
+            return cause
+    return None
+
+
 def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message: str,
-            replace_model_files: bool, retries: int, retry_wait_s: float):  # fmt: skip
+            replace_model_files: bool, retries: int, retry_wait_s: float,
+            clock: StallClock | None):  # fmt: skip
     for attempt in range(retries + 1):
         try:
             return api.upload_folder(
@@ -233,20 +260,28 @@ def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message:
                 delete_patterns=list(MODEL_FILE_PATTERNS) if replace_model_files else None,
             )
         except Exception as error:
+            if stalled_in(error) is not None:
+                raise  # out of time: hub_session reports it
             auth_error = _auth_error_or_none(error, repo_id)
             if auth_error is not None:
                 raise auth_error from error
-            if not is_transient(error):
+            upload_failure = _upload_failure(error)
+            transient = is_transient(error)
+            if not transient and upload_failure is None:
                 raise
-            if attempt == retries:
-                url = f"{api.endpoint}/{repo_id}"
-                raise connection_error(error, f"uploading {folder} to {repo_id}", url, attempt + 1) from error
-            time.sleep(retry_wait_s * 2**attempt)
+            if not transient or attempt == retries:
+                what = f"uploading {folder} to {repo_id}"
+                if upload_failure is not None:  # it names the file
+                    what += f" ({str(upload_failure).rstrip('.')})"
+                raise connection_error(error, what, f"{api.endpoint}/{repo_id}", attempt + 1) from error
+            pause = retry_wait_s * 2**attempt
+            clock.pause(pause) if clock is not None else time.sleep(pause)
     raise AssertionError("unreachable")
 
 
 def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, commit_message: str,
-          replace_model_files: bool, retries: int, retry_wait_s: float) -> PushResult:  # fmt: skip
+          replace_model_files: bool, retries: int, retry_wait_s: float,
+          clock: StallClock | None) -> PushResult:  # fmt: skip
     try:
         repo_url = api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
     except Exception as error:
@@ -259,7 +294,9 @@ def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, co
             ) from error
         raise
     repo_id = getattr(repo_url, "repo_id", None) or repo_id  # "name" alone gains the user's namespace
-    info = _upload(api, folder, repo_id, token, commit_message, replace_model_files, retries, retry_wait_s)
+    info = _upload(
+        api, folder, repo_id, token, commit_message, replace_model_files, retries, retry_wait_s, clock
+    )
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     return PushResult(repo_id=repo_id, commit_oid=info.oid, commit_url=info.commit_url, files=files)
 
@@ -275,7 +312,8 @@ def push_folder_to_hub(
     replace_model_files: bool = True,
     retries: int = 2,
     retry_wait_s: float = 2.0,
-    timeout_s: float | None = 60.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
 ) -> PushResult:
     """Upload a saved folder (any export: merged, adapter, GGUF) to `repo_id` in one commit.
 
@@ -292,11 +330,17 @@ def push_folder_to_hub(
         retry_wait_s: the pause before the first retry, doubled at each (default 2.0).
         timeout_s: seconds to wait for the server to answer a read or accept a write
             before the attempt counts as failed (default 60); None: wait forever.
+        stall_timeout_s: seconds the push may go without a byte sent to or received from
+            the Hub, across every request and retry (huggingface_hub's own included); then
+            it gives up with HubConnectionError saying what had been uploaded; pushing
+            again resumes (default 180); None: no limit.  Time spent hashing files or in
+            an Xet transfer does not count.
 
     Raises:
         HubAuthError: no usable token.
-        HubConnectionError: the Hub did not answer, or kept failing, after the retries;
-            the message names the URL and the cause.
+        HubConnectionError: the Hub did not answer, or kept failing, after the retries, or
+            the push ran out of time (stall_timeout_s); the message names the URL and the
+            cause, and for the latter what had been uploaded.
     """
     from huggingface_hub import HfApi
 
@@ -304,11 +348,11 @@ def push_folder_to_hub(
     if not folder.is_dir() or not any(folder.iterdir()):
         raise FileNotFoundError(f"{str(folder)!r} is not a non-empty folder; nothing to push")
     api = HfApi(endpoint=endpoint)
-    with hub_timeouts(timeout_s):
+    with hub_session(timeout_s, stall_timeout_s, repo_id) as clock:
         token = resolve_token(token, api)
         message = commit_message or f"Upload {folder.name} with slothkit"
         return _push(
-            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s
+            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s, clock
         )
 
 
@@ -324,7 +368,8 @@ def push_to_hub_merged(
     endpoint: str | None = None,
     retries: int = 2,
     retry_wait_s: float = 2.0,
-    timeout_s: float | None = 60.0,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     **save_kwargs,
 ) -> PushResult:
     """Save `model` as ``save_pretrained_merged`` does, into a temporary folder, and push
@@ -356,6 +401,11 @@ def push_to_hub_merged(
             (default 2.0).
         timeout_s: seconds to wait for the server to answer a read or accept a write
             before the attempt counts as failed (default 60); None: wait forever.
+        stall_timeout_s: seconds the push may go without a byte sent to or received from
+            the Hub, across every request and retry (huggingface_hub's own included); then
+            it gives up with HubConnectionError saying what had been uploaded; pushing
+            again resumes (default 180); None: no limit.  Time spent saving, hashing files
+            or in an Xet transfer does not count.
         **save_kwargs: passed to ``save_pretrained_merged``: base_weights,
             max_shard_size, dtype, training_settings.
 
@@ -367,20 +417,22 @@ def push_to_hub_merged(
         HubAuthError: no token, or one that is invalid, read-only or without access to
             the repo; the message says how to log in.
         ConnectionError: HF_HUB_OFFLINE is set; HubConnectionError (a ConnectionError):
-            the Hub did not answer, or kept failing, after the retries.
+            the Hub did not answer, or kept failing, after the retries, or the push ran
+            out of time (stall_timeout_s).
         ValueError: an unknown save_method, or another error of the save.
     """
     from huggingface_hub import HfApi
 
     check_save_method(save_method)
     api = HfApi(endpoint=endpoint)
-    with hub_timeouts(timeout_s):
+    with hub_session(timeout_s, stall_timeout_s, repo_id):
         token = resolve_token(token, api)
     with tempfile.TemporaryDirectory(prefix="slothkit-push-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
         saved = save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **save_kwargs)
         message = commit_message or f"Upload {save_method} model with slothkit"
-        with hub_timeouts(timeout_s):
-            result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s)
+        # A deadline of its own: the save's time is not the Hub's.
+        with hub_session(timeout_s, stall_timeout_s, repo_id) as clock:
+            result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s, clock)
     result.save = saved
     return result

@@ -30,7 +30,10 @@ client must run with Xet disabled (HF_HUB_DISABLE_XET=1 before import, or
     with LocalHub() as hub, hub.patched_client():
         HfApi(endpoint=hub.endpoint, token=hub.token).create_repo("local-user/demo")
 
-Failures can be injected to test retries: `hub.fail_next("POST", r"/commit/", status=500)`.
+Failures can be injected to test retries: `hub.fail_next("POST", r"/commit/", status=500)`;
+a request that is never answered: `stall_next`; the whole server stopped (SIGSTOP: no answers,
+connects that never complete) or killed mid-request (SIGKILL: connection reset, later
+connects refused): `freeze_at`, `kill_at`.
 
 The Hub API's operations are in ``local_hub_api``, the HTTP plumbing and the routes in
 ``local_hub_http``, the stored records (repos, commits, files) in ``local_hub_records``.
@@ -51,6 +54,7 @@ import pathlib
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 
@@ -93,6 +97,11 @@ class LocalHub(HubAPI):
         self._repos: dict[str, _Repo] = {}
         self._failures: list[_Failure] = []
         self._stalls: list[_Failure] = []  # status holds the seconds to stall
+        self._freezes: list[_Failure] = []  # process-level faults: status unused
+        self._kills: list[_Failure] = []
+        self.frozen = threading.Event()  # stopped: nothing is answered or accepted any more
+        self.killed = threading.Event()  # dead: connections are reset, connects refused
+        self._backlog_fillers: list[socket.socket] = []
         self._stopping = threading.Event()
         self._lock = threading.RLock()
         self._secret = secrets.token_bytes(16)
@@ -130,10 +139,12 @@ class LocalHub(HubAPI):
     def stop(self) -> None:
         self._stopping.set()  # stalled requests end now
         if self._server is not None:
-            self._server.shutdown()
+            self._server.shutdown()  # a no-op when a freeze or a kill already stopped the loop
             self._server.server_close()
             self._thread.join(timeout=10)
             self._server = None
+        for filler in self._backlog_fillers:
+            filler.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -179,6 +190,21 @@ class LocalHub(HubAPI):
         with self._lock:
             self._stalls.append(_Failure(method.upper(), re.compile(path_pattern), seconds, times))
 
+    def freeze_at(self, method: str, path_pattern: str) -> None:
+        """At the next request matching (method, regex on the path), stop as a process sent
+        SIGSTOP does: that request and every later one on an open connection get no answer
+        (until stop()), and new connections are never accepted: the accept backlog is filled,
+        so a connect waits for the operating system's connect timeout (minutes)."""
+        with self._lock:
+            self._freezes.append(_Failure(method.upper(), re.compile(path_pattern), 0, 1))
+
+    def kill_at(self, method: str, path_pattern: str) -> None:
+        """At the next request matching (method, regex on the path), die as a process sent
+        SIGKILL does: read part of the request's body, reset the connection (and any other
+        that sends a request), close the listening socket so later connects are refused."""
+        with self._lock:
+            self._kills.append(_Failure(method.upper(), re.compile(path_pattern), 0, 1))
+
     def files(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         """{path: content} of a revision."""
         with self._lock:
@@ -199,6 +225,34 @@ class LocalHub(HubAPI):
 
     def take_stall(self, method: str, path: str) -> float | None:
         return self.take_failure(method, path, self._stalls)
+
+    def take_freeze(self, method: str, path: str) -> bool:
+        return self.take_failure(method, path, self._freezes) is not None
+
+    def take_kill(self, method: str, path: str) -> bool:
+        return self.take_failure(method, path, self._kills) is not None
+
+    def freeze(self) -> None:
+        """Stop accepting connections and fill the accept backlog (see freeze_at)."""
+        self.frozen.set()
+        self._server.shutdown()  # the accept loop ends; the listening socket stays open
+        host, port = self._server.server_address[:2]
+        # The kernel completes handshakes until the backlog is full, then drops new SYNs.
+        for _ in range(self._server.request_queue_size + 2):
+            filler = socket.socket()
+            filler.settimeout(0.2)
+            try:
+                filler.connect((host, port))
+            except OSError:  # the backlog is full: this connect is the first that hangs
+                filler.close()
+                break
+            self._backlog_fillers.append(filler)
+
+    def kill(self) -> None:
+        """Close the listening socket: later connects are refused (see kill_at)."""
+        self.killed.set()
+        self._server.shutdown()
+        self._server.socket.close()
 
     def take_failure(self, method: str, path: str, failures: list | None = None) -> int | None:
         with self._lock:

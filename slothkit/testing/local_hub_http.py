@@ -7,6 +7,8 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import socket
+import struct
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -77,10 +79,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self, method: str):
         split = urlsplit(self.path)
         path, query = split.path, parse_qs(split.query)
-        body = self._body() if method in ("POST", "PUT") else b""
         hub = self.hub
         with hub._lock:
             hub.requests.append((method, path))
+        if hub.killed.is_set() or hub.take_kill(method, path):
+            return self._die()
+        if hub.frozen.is_set() or hub.take_freeze(method, path):
+            return self._freeze()
+        body = self._body() if method in ("POST", "PUT") else b""
         stall = hub.take_stall(method, path)
         if stall is not None:
             hub._stopping.wait(stall)
@@ -95,6 +101,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._error(error)
         except (KeyError, ValueError, TypeError) as error:
             self._error(HubError(400, f"malformed request: {error!r}"))
+
+    def _freeze(self):
+        """No answer, ever (until the hub stops); the body is left unread, as a stopped
+        process leaves it in the socket's buffer."""
+        if not self.hub.frozen.is_set():
+            self.hub.freeze()
+        self.hub._stopping.wait()
+        self.close_connection = True
+
+    def _die(self):
+        """Read part of the body (the process dies mid-upload), then reset the connection."""
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length // 2)
+        if not self.hub.killed.is_set():
+            self.hub.kill()
+        # SO_LINGER with a zero timeout: close() sends a reset, as the kernel does for a killed process.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
 
     def _route(self, method: str, path: str, query: dict, body: bytes):
         hub, headers = self.hub, self.headers

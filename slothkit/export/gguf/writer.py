@@ -61,6 +61,7 @@ from slothkit.export.gguf.metadata import (
 from slothkit.export.gguf.modelfile import write_modelfile
 from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_methods
 from slothkit.export.gguf.tokenizer import gguf_vocab
+from slothkit.export.hub import DEFAULT_STALL_TIMEOUT_S
 from slothkit.models import Architecture
 
 T = GGMLQuantizationType
@@ -167,6 +168,7 @@ def push_to_hub_gguf(
     verify: bool | None = None,
     endpoint: str | None = None,
     commit_message: str | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
 ):
     """Write the GGUF files and Modelfile(s) as save_pretrained_gguf does, into a temporary
     folder, and upload it to `repo_id` in one commit.
@@ -186,17 +188,22 @@ def push_to_hub_gguf(
         verify: as for save_pretrained_gguf.
         endpoint: another Hub; by default huggingface_hub's, i.e. HF_ENDPOINT or huggingface.co.
         commit_message: default "Upload GGUF (<labels>) with slothkit".
+        stall_timeout_s: seconds the push may go without a byte sent to or received from
+            the Hub, across every request and retry; then it gives up with
+            HubConnectionError saying what had been uploaded; pushing again resumes
+            (default 180; as for push_folder_to_hub); None: no limit.
 
     Returns:
         The hub module's PushResult.
     """
     from huggingface_hub import HfApi
 
-    from slothkit.export.hub import push_folder_to_hub, resolve_token
+    from slothkit.export.hub import DEFAULT_TIMEOUT_S, hub_session, push_folder_to_hub, resolve_token
 
     methods = quantization_methods(quantization_method)  # refuse bad input before any work
     architecture_of(model)
-    token = resolve_token(token, HfApi(endpoint=endpoint))
+    with hub_session(DEFAULT_TIMEOUT_S, stall_timeout_s, repo_id):
+        token = resolve_token(token, HfApi(endpoint=endpoint))
     labels = ", ".join(m.label for m in methods)
     with tempfile.TemporaryDirectory(prefix="slothkit-gguf-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
@@ -209,6 +216,7 @@ def push_to_hub_gguf(
             commit_message=commit_message or f"Upload GGUF ({labels}) with slothkit",
             endpoint=endpoint,
             replace_model_files=False,
+            stall_timeout_s=stall_timeout_s,
         )
 
 

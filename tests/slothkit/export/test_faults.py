@@ -15,6 +15,7 @@ import pytest
 from slothkit.export import atomic as atomic_module
 from slothkit.export import save_pretrained_merged
 from slothkit.export.atomic import atomic_directory
+from slothkit.export.disk_space import megabytes
 
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -302,6 +303,164 @@ def test_the_timeouts_hold_for_a_client_built_mid_push(local_hub, make_lora_mode
                            endpoint=local_hub.endpoint, retries=0, timeout_s=0.5)  # fmt: skip
     assert time.monotonic() - start < 15  # the new client waited the full 30 s before
     assert huggingface_hub.get_session().timeout.read is None  # the factory is given back
+
+
+STALL_S = 2.0  # the push's deadline in these tests: stall_timeout_s
+
+
+def _push_until_it_gives_up(local_hub, folder, repo, **options):
+    """Push `folder`; return the HubConnectionError it ends in and the seconds it took."""
+    from slothkit.export import HubConnectionError, push_folder_to_hub
+
+    start = time.monotonic()
+    with pytest.raises(HubConnectionError) as error:
+        push_folder_to_hub(folder, repo, token="hf_writer", endpoint=local_hub.endpoint, **options)
+    return str(error.value), time.monotonic() - start
+
+
+def test_a_hub_that_freezes_during_the_lfs_upload_gives_up_at_the_stall_deadline(
+    local_hub, make_lora_model, tmp_path
+):
+    """The Hub stops (as with SIGSTOP) while the weights go up: no answer, and no connect
+    completes.  The 60 s read timeout, huggingface_hub's six tries of the upload with 10 s
+    connect timeouts and slothkit's retries added up to minutes; the deadline ends it."""
+    model, tokenizer, _ = make_lora_model("llama", seed=47)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    before = _tree(tmp_path / "export")
+    repo = "local-user/frozen"
+    local_hub.freeze_at("PUT", r"/lfs-upload/")
+    message, elapsed = _push_until_it_gives_up(local_hub, tmp_path / "export", repo, stall_timeout_s=STALL_S)
+    assert STALL_S <= elapsed < STALL_S + 1.5  # took over 150 s before
+    assert f"pushing to {repo} gave up: nothing was sent to or received from the Hub for 2 s" in message
+    assert f"last request: PUT {local_hub.endpoint}/lfs-upload/{repo}/" in message
+    assert "Timeout: timed out (the server stopped answering)" in message
+    assert "sig=" not in message  # the upload URL's signature (a credential) is left out
+    assert "No upload had been confirmed. Nothing was committed: the repo is as it was." in message
+    assert "Push again to resume" in message
+    assert set(local_hub.files(repo)) == {".gitattributes"}
+    assert _tree(tmp_path / "export") == before
+
+
+def test_a_frozen_hub_whose_connects_never_complete_gives_up_at_the_stall_deadline(
+    local_hub, make_lora_model, monkeypatch, tmp_path
+):
+    """huggingface_hub lists the repo (GET .../tree/main) with timeout=None, which overrides
+    the client's timeouts: a connect to a stopped server waited for the operating system's
+    limit (over two minutes), once per try."""
+    import huggingface_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=48)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    before = _tree(tmp_path / "export")
+    create_repo = huggingface_hub.HfApi.create_repo
+
+    def create_repo_then_the_hub_stops(self, *args, **kwargs):
+        result = create_repo(self, *args, **kwargs)
+        local_hub.freeze()  # its accept backlog is full: a connect never completes
+        huggingface_hub.close_session()  # the listing opens a new connection
+        return result
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo_then_the_hub_stops)
+    repo = "local-user/unreachable"
+    message, elapsed = _push_until_it_gives_up(local_hub, tmp_path / "export", repo, stall_timeout_s=STALL_S)
+    assert elapsed < STALL_S + 1.5  # hung until the test was stopped before
+    assert f"last request: GET {local_hub.endpoint}/api/models/{repo}/tree/main (ConnectTimeout" in message
+    assert local_hub.requests[-1] == ("POST", "/api/repos/create")  # nothing reached the server after
+    assert set(local_hub.files(repo)) == {".gitattributes"}
+    assert _tree(tmp_path / "export") == before
+
+
+def test_a_hub_killed_mid_upload_ends_in_a_hub_connection_error_within_the_deadline(
+    local_hub, make_lora_model, tmp_path
+):
+    """Connections reset, then refused: huggingface_hub tried the upload six times with pauses
+    of 1 to 8 s (24 s a push attempt) before; now its retries stop where a pause would
+    outlast the deadline (here after two tries and 3 s)."""
+    model, tokenizer, _ = make_lora_model("llama", seed=49)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    before = _tree(tmp_path / "export")
+    repo = "local-user/killed"
+    local_hub.kill_at("PUT", r"/lfs-upload/")
+    message, elapsed = _push_until_it_gives_up(local_hub, tmp_path / "export", repo, stall_timeout_s=10)
+    assert elapsed < 10
+    assert f"pushing to {repo} gave up: a request failed with " in message
+    assert "s left of stall_timeout_s=10, too little for the pause before another try" in message
+    assert f"{local_hub.endpoint}/lfs-upload/{repo}/" in message and "sig=" not in message
+    assert "ConnectError" in message  # the last try found nothing listening
+    assert set(local_hub.files(repo)) == {".gitattributes"}
+    assert _tree(tmp_path / "export") == before
+
+
+def test_an_upload_the_storage_refuses_is_a_hub_connection_error_naming_the_file(
+    local_hub, make_lora_model, tmp_path
+):
+    """huggingface_hub wraps a failed file upload in a bare RuntimeError("Error while
+    uploading 'NAME' to the Hub."), which reached the user as it was."""
+    model, tokenizer, _ = make_lora_model("llama", seed=50)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    repo = "local-user/refused"
+    local_hub.fail_next("PUT", r"/lfs-upload/", status=400)
+    message, _ = _push_until_it_gives_up(local_hub, tmp_path / "export", repo)
+    assert (
+        f"uploading {tmp_path / 'export'} to {repo} (Error while uploading 'adapter_model.safetensors' to "
+        f"the Hub) failed: {local_hub.endpoint}/lfs-upload/{repo}/"
+    ) in message
+    assert "HTTP 400" in message and "sig=" not in message
+    assert set(local_hub.files(repo)) == {".gitattributes"}
+
+
+def test_pushing_again_after_a_stalled_commit_sends_no_file_twice(local_hub, make_lora_model, tmp_path):
+    """What the stall report promises: the next push sends only the files the Hub lacks, and
+    a commit that did not land is made."""
+    from slothkit.export import push_folder_to_hub
+
+    model, tokenizer, _ = make_lora_model("llama", seed=51)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    repo = "local-user/resumed"
+    local_hub.stall_next("POST", r"/commit/", seconds=30)
+    message, elapsed = _push_until_it_gives_up(local_hub, tmp_path / "export", repo, stall_timeout_s=STALL_S)
+    assert elapsed < STALL_S + 1.5
+    weights = (tmp_path / "export" / "adapter_model.safetensors").stat().st_size
+    assert f"Before that, the Hub's storage had confirmed 1 upload(s), {megabytes(weights)}." in message
+    assert "The commit was sent and not answered: it may have landed." in message
+    uploads = [request for request in local_hub.requests if request[0] == "PUT"]
+    assert len(uploads) == 1
+    push_folder_to_hub(tmp_path / "export", repo, token="hf_writer", endpoint=local_hub.endpoint)
+    assert [request for request in local_hub.requests if request[0] == "PUT"] == uploads
+    assert set(local_hub.files(repo)) == {".gitattributes", *_tree(tmp_path / "export")}
+
+
+def test_a_client_the_users_factory_keeps_leaves_the_push_as_it_came(local_hub, tmp_path):
+    """A factory may hand out one client for good; the push's timeouts and deadline (its
+    transports) must not stay on it, or a later request would meet a deadline long past."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    from slothkit.export import push_folder_to_hub
+
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    previous = _http._GLOBAL_CLIENT_FACTORY
+    client = _http.default_client_factory()
+    transport = client._transport
+    huggingface_hub.set_client_factory(lambda: client)
+    try:
+        push_folder_to_hub(tmp_path / "export", "local-user/kept", token="hf_writer",
+                           endpoint=local_hub.endpoint, stall_timeout_s=STALL_S)  # fmt: skip
+    finally:
+        huggingface_hub.set_client_factory(previous)
+    assert client._transport is transport and client.timeout.read is None
+
+
+def test_a_stall_timeout_that_is_not_positive_is_refused(tmp_path):
+    from slothkit.export import push_folder_to_hub
+
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    with pytest.raises(
+        ValueError, match=r"stall_timeout_s=0: expected a positive number of seconds, or None"
+    ):
+        push_folder_to_hub(tmp_path / "export", "me/x", token="hf_x", stall_timeout_s=0)
 
 
 def _plain_tiny(arch: str = "llama"):
