@@ -40,7 +40,7 @@ from slothkit.memory_model import (
     lora_bytes,
     weights_bytes,
 )
-from slothkit.models import Shape, shape_by_name
+from slothkit.models import Shape, architecture_for, shape_by_name
 from slothkit.models.shape import shape_from_config
 
 __all__ = ["MemoryPlan", "plan", "shape_from_config"]
@@ -132,7 +132,8 @@ def plan(
         target_batch: the effective batch gradient accumulation keeps near.
         max_memory: the budget in GiB; None: the GPU's memory less a margin.
         cuda_graphs: whether the checkpointed layers replay from CUDA graphs; None: as
-            FastModel chooses (4-bit models on GPUs of compute capability 8.0 and up).
+            FastModel chooses (on GPUs of compute capability 8.0 and up, for 4-bit models
+            and for families with per-head q/k norms, Qwen3).
         keep_sums: whether they keep their residual sums; None: as FastModel chooses
             (GPUs of compute capability 8.0 and up).
         max_host_memory: the host memory budget in GiB for the offloaded inputs; None:
@@ -170,12 +171,16 @@ def plan(
             f"within the GPU's memory (or leave it out: the GPU's memory less a margin)"
         )
     newer = gpu_name not in NO_BF16 and gpu_name != "cpu"  # compute capability 8.0 and up
+    # FastModel's default (slothkit.training_mode.is_launch_bound): graphs where the host
+    # limits the layers, 4-bit weights or a fused family's per-head q/k norms.
+    fused = architecture_for(shape)
+    launch_bound = mode == "qlora" or (fused is not None and fused.qk_norm)
     memory = TrainingMemory(
         shape,
         mode,
         lora_bytes(shape, rank),
         rank,
-        cuda_graphs=(mode == "qlora" and newer) if cuda_graphs is None else cuda_graphs,
+        cuda_graphs=(launch_bound and newer) if cuda_graphs is None else cuda_graphs,
         keep_sums=newer if keep_sums is None else keep_sums,
     )
     budget = None
@@ -210,6 +215,16 @@ def plan(
                 f"the weights alone do not fit in {budget / GIB:.1f} GiB"
                 + ("; try load_in_4bit=True (qlora)" if mode == "lora" else "")
             )
+    fits = None if budget is None else recompute is not None
+    if fused is None:
+        # The generic path keeps the model's own modules, which "auto" cannot budget: it
+        # offloads every layer, and a layer's recompute holds more than a fused one's.
+        recompute = None
+        notes.append(
+            f"slothkit has no fused path for {shape.model_type}: it trains on its Hugging Face "
+            f"modules with every layer offloaded ('auto' too); the figures are the fused "
+            f"layers', so leave some margin"
+        )
     tokens = batch * seq
     return MemoryPlan(
         model=model,
@@ -227,7 +242,7 @@ def plan(
         total_gib=memory.reserved(tokens) / GIB,
         gpu_gib=gpu_gib,
         budget_gib=None if budget is None else budget / GIB,
-        fits=None if budget is None else recompute is not None,
+        fits=fits,
         recompute=recompute,
         notes=notes,
     )

@@ -21,6 +21,7 @@ from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.generation import accept_encoding_in_generate
 from slothkit.memory_model import host_budget_bytes
 from slothkit.model_state import attach_state, state_of
+from slothkit.models import architecture_named
 
 CHECKPOINTING_CHOICES = ("offload", "auto", "unsloth", True, False)
 _OFFLOADING = ("offload", "unsloth", "auto")
@@ -120,10 +121,19 @@ def _enable_checkpointing(causal_lm, layers, options: CheckpointingOptions) -> N
         layers,
         "offload" if options.mode == "auto" else options.mode,
         cuda_graphs=defaults.cuda_graphs if options.cuda_graphs is None else options.cuda_graphs,
-        quantized=is_4bit_model(causal_lm),
+        launch_bound=is_launch_bound(causal_lm),
         keep_sums=defaults.keep_sums if options.keep_sums is None else options.keep_sums,
         host_limit_bytes=host_budget_bytes(options.max_host_memory) if options.offloads else None,
     )
+
+
+def is_launch_bound(causal_lm) -> bool:
+    """Whether the host issuing kernels, not the GPU running them, limits a decoder layer on a
+    fast GPU: 4-bit weights (a dequantisation per projection) or per-head q/k RMSNorms (four
+    more kernels each way per layer, Qwen3), which CUDA graphs replay without the host."""
+    state = state_of(causal_lm)
+    fused = state is not None and state.architecture is not None
+    return is_4bit_model(causal_lm) or (fused and architecture_named(state.architecture).qk_norm)
 
 
 def _enable_recompute_policy(causal_lm, peft_model, layers, options: CheckpointingOptions) -> None:

@@ -36,22 +36,23 @@ def enable_checkpointing(
     layers,
     mode,
     cuda_graphs: bool | str | None = None,
-    quantized: bool = False,
+    launch_bound: bool = False,
     keep_sums: bool | None = None,
     host_limit_bytes: float | None = None,
 ) -> None:
     """Turn on checkpointing for transformers decoder layers (GradientCheckpointingLayer).
 
-    Measured for the automatic choices, on an H200 (Llama-3-8B and Mistral-7B, 2 x 2048
-    tokens, same-run A/Bs): QLoRA 11,306 tokens/s with both graphs against 10,285
-    without, since every NF4 weight adds dequantisation launches and the host could not
-    keep up in either phase.  16-bit LoRA: both graphs 11,858 against 12,021 without (its
-    backward is bound by the GPU's kernels); the forward graphs alone remove the
-    forward's host-bound idle time (29 -> 8 ms per step in the Mistral-7B profile) but
-    gain only 0.4% (Llama) and 1.3% (Mistral), for 64 MB more allocated and 1 GiB more
-    reserved by the graphs' pool, so they are there to ask for, not the default
-    (docs/performance.md).  T4/V100-class GPUs run a layer far slower than the host
-    issues it, and their memory is tight.
+    Measured for the automatic choices, on an H200 (2 x 2048 tokens, same-run A/Bs): QLoRA
+    (Llama-3-8B) 11,306 tokens/s with both graphs against 10,285 without, since every NF4
+    weight adds dequantisation launches and the host could not keep up in either phase.
+    Qwen3-8B 16-bit LoRA, whose per-head q/k RMSNorms add launches to every layer: 11,922
+    against 8,373 (results/bench/h200-2026-12-03-qwen3-8b-lora-no-autocast-*-d442f7f.json).
+    Llama/Mistral 16-bit LoRA: both graphs 11,858 against 12,021 without (its backward is
+    bound by the GPU's kernels); the forward graphs alone remove the forward's host-bound
+    idle time (29 -> 8 ms per step in the Mistral-7B profile) but gain only 0.4% (Llama) and
+    1.3% (Mistral), for 64 MB more allocated and 1 GiB more reserved by the graphs' pool, so
+    they are there to ask for, not the default (docs/performance.md).  T4/V100-class GPUs
+    run a layer far slower than the host issues it, and their memory is tight.
 
     Args:
         layers: the decoder layers (each with transformers' ``gradient_checkpointing``
@@ -61,10 +62,12 @@ def enable_checkpointing(
         cuda_graphs: offload only. Replay the layers from CUDA graphs where possible
             (slothkit.engine.layer_graphs): True for both the checkpointed forward and
             the recompute with backward, "forward" for the forward only, False for
-            neither. None (default): both for 4-bit (``quantized``) models on GPUs of
-            compute capability 8.0 and up; none for 16-bit models, older GPUs and the
-            CPU.
-        quantized: whether the model holds 4-bit weights (for the cuda_graphs default).
+            neither. None (default): both for launch-bound layers (``launch_bound``) on
+            GPUs of compute capability 8.0 and up; none for other layers, older GPUs and
+            the CPU.
+        launch_bound: whether the host, not the GPU, limits the layers' speed: 4-bit
+            weights (dequantisation launches) or per-head q/k norms (for the cuda_graphs
+            default).
         keep_sums: offload only. Let the layers keep the residual sum after attention
             for their re-runs, which then skip o_proj (one more B x T x hidden tensor per
             layer in pinned host memory, copied each way). None (default): on for GPUs
@@ -86,7 +89,7 @@ def enable_checkpointing(
     if keep_sums is None:
         keep_sums = fast_gpu
     if cuda_graphs is None:
-        cuda_graphs = fast_gpu and bool(quantized)
+        cuda_graphs = fast_gpu and bool(launch_bound)
     if mode not in (True, False, "offload", "unsloth"):
         raise ValueError(f"use_gradient_checkpointing={mode!r}; accepted: 'offload', True, False")
     if mode is False:

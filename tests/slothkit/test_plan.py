@@ -205,3 +205,24 @@ def test_a_budget_below_the_least_the_step_needs_is_said():
     result = plan("llama-3-8b", gpu="t4", mode="qlora", batch=1, seq=256, max_memory=4)
     assert result.fits is False and result.recompute is None
     assert any("do not fit in 4.0 GiB" in note for note in result.notes)
+
+
+def test_graphs_are_planned_where_fast_model_turns_them_on():
+    """Layer graphs' pool is in the reserve where FastModel replays them by default: 4-bit
+    models and Qwen3's q/k-normed layers, on GPUs of compute capability 8.0 and up."""
+
+    def reserved(model, gpu="h200", **options):
+        return plan(model, mode="lora", gpu=gpu, **options).total_gib
+
+    assert reserved("qwen3-8b") > reserved("qwen3-8b", cuda_graphs=False)
+    assert reserved("qwen2.5-7b") == reserved("qwen2.5-7b", cuda_graphs=False)
+    assert reserved("qwen3-8b", gpu="t4") == reserved("qwen3-8b", gpu="t4", cuda_graphs=False)
+
+
+def test_a_family_without_a_fused_path_is_planned_with_a_caveat():
+    """Gemma 3 trains on its Hugging Face modules: the plan does not claim what "auto" would
+    keep, since on that path it offloads every layer, and it says so."""
+    result = plan("gemma-3-4b", mode="qlora", gpu="t4")
+    assert result.fits and result.recompute is None
+    assert any("no fused path for gemma3_text" in note for note in result.notes)
+    assert plan("llama-3-8b", mode="qlora", gpu="t4").recompute is not None

@@ -356,24 +356,25 @@ def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
     class Layer(nn.Module):
         gradient_checkpointing = False
 
-    def graphs_for(capability, setting=None, quantized=True):
+    def graphs_for(capability, setting=None, launch_bound=True):
         """The phases replayed from graphs, () for none."""
         monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
         layer = Layer()
-        enable_checkpointing([layer], "offload", cuda_graphs=setting, quantized=quantized)
+        enable_checkpointing([layer], "offload", cuda_graphs=setting, launch_bound=launch_bound)
         graphs = layer._gradient_checkpointing_func.graphs
         return () if graphs is None else graphs.phases
 
     both, forward = ("forward", "backward"), ("forward",)
     assert graphs_for((9, 0)) == both and graphs_for((8, 0)) == both
     assert graphs_for((7, 5)) == () and graphs_for(None) == ()  # T4, CPU
-    # 16-bit LoRA: eager unless asked (the forward graphs' gain is small, their pool is not).
-    assert graphs_for((9, 0), quantized=False) == ()
-    assert graphs_for((9, 0), "forward", quantized=False) == forward
-    assert graphs_for((7, 5), quantized=False) == ()
+    # 16-bit Llama-like layers: eager unless asked (the forward graphs' gain is small, their
+    # pool is not).
+    assert graphs_for((9, 0), launch_bound=False) == ()
+    assert graphs_for((9, 0), "forward", launch_bound=False) == forward
+    assert graphs_for((7, 5), launch_bound=False) == ()
     assert graphs_for((7, 5), True) == both and graphs_for((9, 0), False) == ()
-    assert graphs_for((9, 0), True, quantized=False) == both
+    assert graphs_for((9, 0), True, launch_bound=False) == both
     assert graphs_for((9, 0), "forward") == forward
     with pytest.raises(ValueError, match="cuda_graphs='yes'; accepted: None .*True, False, 'forward'"):
         graphs_for((9, 0), "yes")
@@ -392,18 +393,33 @@ def test_batches_over_max_tokens_run_eagerly():
         assert ("capture" in graphs.log) == captured
 
 
-@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
-def test_fast_model_asks_for_graphs_for_4bit_models(load_in_4bit, checkpointing_asked, monkeypatch):
+@pytest.mark.parametrize(
+    "family, load_in_4bit, fused, launch_bound",
+    [
+        ("llama", False, None, False),
+        ("llama", True, None, True),  # a dequantisation per projection
+        ("qwen3", False, True, True),  # per-head q/k RMSNorms on the fused path
+        ("qwen3", False, False, False),  # Hugging Face's modules: no layer graphs to replay
+    ],
+    ids=["llama-16bit", "llama-4bit", "qwen3-fused-16bit", "qwen3-unfused-16bit"],
+)
+def test_fast_model_asks_for_graphs_where_the_host_limits_the_layers(
+    family, load_in_4bit, fused, launch_bound, checkpointing_asked, monkeypatch
+):
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 
     monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
     monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
     model, _ = FastModel.from_pretrained(
-        str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=load_in_4bit, device_map={"": "cpu"}
+        str(tiny_model_path(family)),
+        dtype=torch.float32,
+        load_in_4bit=load_in_4bit,
+        device_map={"": "cpu"},
+        fused=fused,
     )
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
-    assert checkpointing_asked == [{"cuda_graphs": None, "quantized": load_in_4bit, "keep_sums": None}]
+    assert checkpointing_asked == [{"cuda_graphs": None, "launch_bound": launch_bound, "keep_sums": None}]
 
 
 def test_a_model_quantised_after_loading_counts_as_4bit(checkpointing_asked, monkeypatch):
@@ -417,4 +433,4 @@ def test_a_model_quantised_after_loading_counts_as_4bit(checkpointing_asked, mon
     model = build_model("tiny-llama", torch.float32, "cpu", seed=0, quantize_nf4=True)
     assert not getattr(model, "is_loaded_in_4bit", False)
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
-    assert checkpointing_asked == [{"cuda_graphs": None, "quantized": True, "keep_sums": None}]
+    assert checkpointing_asked == [{"cuda_graphs": None, "launch_bound": True, "keep_sums": None}]
