@@ -90,7 +90,8 @@ def get_chat_template(
             None) for the tokenizer's own template, replaced by slothkit's equivalent when
             it renders the same text (so that it gains the ``{% generation %}`` marks) and
             kept otherwise; or a ``(jinja_template, eos_token)`` pair, installed as written
-            with that token as the end of a turn.
+            with that token as the end of a turn (the word "eos_token", as Unsloth's
+            notebooks write it, names the tokenizer's own EOS: nothing is added).
         mapping: the dataset's key and role names, e.g. {"role": "from", "content":
             "value", "user": "human", "assistant": "gpt"}, to render ShareGPT records
             directly with slothkit.data.apply_chat_template.  None (default): "role" and
@@ -147,6 +148,10 @@ def get_chat_template(
     return tokenizer
 
 
+# The end-of-turn token of a custom (template, eos_token) pair that means "the tokenizer's
+# own EOS": Unsloth's notebooks pass this word rather than the token itself.
+KEEP_EOS = "eos_token"
+
 # tokenizer -> weak reference to the model FastModel.from_pretrained loaded with it.  Kept
 # here rather than on the tokenizer: datasets.map pickles the tokenizer into its worker
 # processes with dill, which pickles what a weak reference points at, so a reference on
@@ -185,6 +190,13 @@ def _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_t
             f"{type(chat_template).__name__} of {len(chat_template)}"
         )
     template, eos_token = chat_template
+    if eos_token == KEEP_EOS:
+        eos_token = tokenizer.eos_token
+        if eos_token is None:
+            raise ValueError(
+                f"chat_template=(template, {KEEP_EOS!r}) keeps the tokenizer's EOS, but this tokenizer has "
+                "none: name the token that ends a turn instead of 'eos_token'"
+            )
     if "{%" not in template and "{{" not in template:
         raise ValueError(
             "a custom chat_template must be a Jinja template over `messages` ({% for message in messages %}"

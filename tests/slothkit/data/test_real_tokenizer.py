@@ -1,6 +1,7 @@
 """Chat templates and response masking on a real tokenizer: SmolLM2-135M-Instruct's
 49,152-token byte-level BPE with its own ChatML template (which adds a system turn of
-its own to conversations that have none)."""
+its own to conversations that have none), and Gemma 3's 262,144-token SentencePiece BPE
+where a case concerns every tokenizer."""
 
 import os
 import types
@@ -103,3 +104,23 @@ def test_responses_only_keeps_exactly_the_assistant_replies(tokenizer):
         )
         assert marked["input_ids"] == ids
         assert torch.tensor(marked["assistant_masks"]).bool().tolist() == inside
+
+
+def test_the_eos_token_sentinel_keeps_each_real_tokenizers_own_eos(smollm2_path, gemma3_path):
+    """Unsloth's notebooks pass (template, "eos_token") to mean the tokenizer's own EOS: the
+    template renders that EOS, and no token is added (so no model is needed)."""
+    from transformers import AutoTokenizer
+
+    template = "{% for message in messages %}{{ message['content'] }}{{ eos_token }}{% endfor %}"
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    for path, eos in ((smollm2_path, "<|im_end|>"), (gemma3_path, "<eos>")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        size = len(tokenizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing added, the EOS unchanged: nothing to warn of
+            get_chat_template(tokenizer, (template, "eos_token"))
+        assert (tokenizer.eos_token, len(tokenizer)) == (eos, size)
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        assert text == f"Hi{eos}Yo{eos}"
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids.count(tokenizer.eos_token_id) == 2 and max(ids) < size
