@@ -201,6 +201,43 @@ def test_mistral_v03_alpaca(notebook_folder):
     _assert_gguf(folder / "mistral_v0_finetune")
 
 
+def _assert_replies_alone_are_learned(ns, turn_end):
+    """The notebook's check cell: the prompt is masked in the trainer's dataset itself, and
+    what is left of each row is its replies, each closed by the turn's end."""
+    tokenizer, trainer, dataset = ns["tokenizer"], ns["trainer"], ns["dataset"]
+    for index, record in enumerate(dataset):
+        labels = trainer.train_dataset[index]["labels"]
+        assert labels[0] == -100
+        kept = tokenizer.decode([label for label in labels if label != -100])
+        replies = [m["content"] for m in record["conversations"] if m["role"] == "assistant"]
+        assert kept == "".join(reply + turn_end for reply in replies)
+
+
+def _assert_eight_bit_adam(trainer):
+    """optim="adamw_8bit" ran bitsandbytes' Adam with 8-bit moments, on a CPU too (tensors
+    under its min_8bit_size, such as a tiny model's LoRA matrices, keep 32-bit moments)."""
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert type(optimizer).__module__.startswith("bitsandbytes.optim") and optimizer.args.optim_bits == 8
+    states = [(p, optimizer.state[p]) for group in optimizer.param_groups for p in group["params"]]
+    assert states and all(len(state) > 0 for _, state in states)  # every tensor took a step
+    assert all(
+        state["state1"].dtype == (torch.uint8 if p.numel() >= optimizer.args.min_8bit_size else torch.float32)
+        for p, state in states
+    )
+
+
+def _assert_merged_4bit(folder, ns):
+    """The merged 4-bit model loads with transformers and bitsandbytes (NF4) on this device,
+    within NF4's rounding of every projection of the trained model (about 0.3 of the logits'
+    rms on the tiny random models, see tests/slothkit/export/test_save.py)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder)).to(ns["model"].device)
+    assert type(loaded.get_parameter("model.layers.0.self_attn.q_proj.weight")).__name__ == "Params4bit"
+    got, expected = _logits(loaded, ns["tokenizer"]), _logits(ns["model"], ns["tokenizer"])
+    assert ((got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt()).item() < 0.5
+
+
 def test_llama32_conversational(notebook_folder):
     folder, caught = notebook_folder
     ns = _run("llama32_conversational")
@@ -216,14 +253,9 @@ def test_llama32_conversational(notebook_folder):
     assert [row["input_ids"].count(tokenizer.bos_token_id) for row in trainer.train_dataset] == [1] * len(
         dataset
     )
-    # The notebook's check cell: the prompt is masked in the trainer's dataset itself.
-    for index, record in enumerate(dataset):
-        labels = trainer.train_dataset[index]["labels"]
-        assert labels[0] == -100
-        kept = tokenizer.decode([label for label in labels if label != -100])
-        replies = [m["content"] for m in record["conversations"] if m["role"] == "assistant"]
-        assert kept == "".join(reply + "<|eot_id|>" for reply in replies)
+    _assert_replies_alone_are_learned(ns, "<|eot_id|>")
     _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
     assert any("is written model.generate(**inputs)" in n for n in _notices(caught))
     inputs, model = ns["inputs"], ns["model"]
     given_as_ids = model.generate(input_ids=inputs, max_new_tokens=6, do_sample=False)
@@ -231,6 +263,7 @@ def test_llama32_conversational(notebook_folder):
     _assert_answers_decode(ns)
     _assert_reloaded(ns, trainer)
     _assert_merged(folder / "llama_finetune_16bit", ns)
+    _assert_merged_4bit(folder / "llama_finetune_4bit", ns)
     _assert_gguf(folder / "llama_finetune")
 
 

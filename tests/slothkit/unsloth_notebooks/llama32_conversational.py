@@ -17,7 +17,8 @@
 #   gives one; a few ShareGPT conversations in memory, with FineTome's columns), and
 #   `max_steps` is 2;
 # - on a machine without CUDA: `.to("cuda")` is `.to(model.device)`, the GPU memory cells
-#   report nothing, and `optim="adamw_8bit"` is "adamw_torch" (each marked below);
+#   report nothing, and the model loads in 16 bits (each marked below); `optim="adamw_8bit"`
+#   and the merged 4-bit save run as written (bitsandbytes runs both on a CPU);
 # - the cells behind `if False:` that save or reload locally run (users flip them);
 #   pushing to the Hub stays off (no network).
 
@@ -32,7 +33,10 @@ ON_GPU = torch.cuda.is_available()
 
 max_seq_length = 2048
 dtype = None
-load_in_4bit = ON_GPU  # bitsandbytes' 4-bit layers want a GPU; 16-bit LoRA on the CPU runner
+# bitsandbytes loads 4-bit on a CPU too; 16-bit there keeps the merged and reloaded models
+# comparable with the trained one to fp32 rounding (a 4-bit model's merged_16bit save
+# merges into the original 16-bit weights, not the 4-bit ones it trained on).
+load_in_4bit = ON_GPU
 
 model, tokenizer = FastLanguageModel.from_pretrained(
     model_name=MODEL,
@@ -119,7 +123,7 @@ trainer = SFTTrainer(
         max_steps=2,
         learning_rate=2e-4,
         logging_steps=1,
-        optim="adamw_8bit" if ON_GPU else "adamw_torch",  # bitsandbytes' 8-bit Adam wants a GPU
+        optim="adamw_8bit",
         weight_decay=0.001,
         lr_scheduler_type="linear",
         seed=3407,
@@ -234,7 +238,7 @@ if False:
     model.push_to_hub_merged(
         "HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
     )
-if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
+if True:
     model.save_pretrained_merged("llama_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
     model.push_to_hub_merged(
