@@ -85,6 +85,10 @@ class PatchedModule:
         checkpoints_in_forward: whether transformers checkpoints the decoder layer by
             wrapping its class's forward (slothkit.engine.decoder_layer).
         qk_norm: whether an attention normalises each head's q and k before RoPE (Qwen3).
+        output_unread_in_recompute: whether a gated MLP's output goes straight into the
+            layer's output sum, so that a checkpoint's re-run may skip its down projection.
+        sandwich_norms: whether a decoder layer normalises its attention's and MLP's
+            outputs before their residual sums (Gemma 3).
     """
 
     original_forward: Callable
@@ -94,6 +98,8 @@ class PatchedModule:
     attention_values: Callable | None = None
     checkpoints_in_forward: bool = False
     qk_norm: bool = False
+    output_unread_in_recompute: bool = False
+    sandwich_norms: bool = False
 
 
 @dataclasses.dataclass

@@ -133,9 +133,9 @@ def plan(
         max_memory: the budget in GiB; None: the GPU's memory less a margin.
         cuda_graphs: whether the checkpointed layers replay from CUDA graphs; None: as
             FastModel chooses (on GPUs of compute capability 8.0 and up, for 4-bit models
-            and for families with per-head q/k norms, Qwen3).
+            and for families with per-head q/k norms, Qwen3 and Gemma 3).
         keep_sums: whether they keep their residual sums; None: as FastModel chooses
-            (GPUs of compute capability 8.0 and up).
+            (GPUs of compute capability 8.0 and up). Gemma 3's layers keep none either way.
         max_host_memory: the host memory budget in GiB for the offloaded inputs; None:
             this machine's available memory less 10 % with gpu="auto", none for a
             named GPU.
@@ -175,13 +175,14 @@ def plan(
     # limits the layers, 4-bit weights or a fused family's per-head q/k norms.
     fused = architecture_for(shape)
     launch_bound = mode == "qlora" or (fused is not None and fused.qk_norm)
+    layers_keep_sums = fused is None or fused.keeps_attention_sum  # not Gemma 3's
     memory = TrainingMemory(
         shape,
         mode,
         lora_bytes(shape, rank),
         rank,
         cuda_graphs=(launch_bound and newer) if cuda_graphs is None else cuda_graphs,
-        keep_sums=newer if keep_sums is None else keep_sums,
+        keep_sums=layers_keep_sums and (newer if keep_sums is None else keep_sums),
     )
     budget = None
     if max_memory is not None:

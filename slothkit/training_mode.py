@@ -122,15 +122,28 @@ def _enable_checkpointing(causal_lm, layers, options: CheckpointingOptions) -> N
         "offload" if options.mode == "auto" else options.mode,
         cuda_graphs=defaults.cuda_graphs if options.cuda_graphs is None else options.cuda_graphs,
         launch_bound=is_launch_bound(causal_lm),
-        keep_sums=defaults.keep_sums if options.keep_sums is None else options.keep_sums,
+        keep_sums=_layers_keep_sums(causal_lm)
+        and (defaults.keep_sums if options.keep_sums is None else options.keep_sums),
         host_limit_bytes=host_budget_bytes(options.max_host_memory) if options.offloads else None,
     )
+
+
+def _layers_keep_sums(causal_lm) -> bool:
+    """Whether the fused layers offer their sum after attention to the re-run: not Gemma 3's
+    (Architecture.keeps_attention_sum). There the checkpointer is built not to keep, so that
+    the "auto" policy's memory model counts no kept sums either."""
+    state = state_of(causal_lm)
+    fused = state is not None and state.architecture is not None
+    return not fused or architecture_named(state.architecture).keeps_attention_sum
 
 
 def is_launch_bound(causal_lm) -> bool:
     """Whether the host issuing kernels, not the GPU running them, limits a decoder layer on a
     fast GPU: 4-bit weights (a dequantisation per projection) or per-head q/k RMSNorms (four
-    more kernels each way per layer, Qwen3), which CUDA graphs replay without the host."""
+    more kernels each way per layer, Qwen3; Gemma 3 adds two more norms), which CUDA graphs
+    replay without the host. Gemma 3's layers replay like the others: their extra norms and
+    per-layer rotary tables and masks are tensors the graph reads (the CPU harness of
+    tests/slothkit/engine/test_layer_graphs.py replays them)."""
     state = state_of(causal_lm)
     fused = state is not None and state.architecture is not None
     return is_4bit_model(causal_lm) or (fused and architecture_named(state.architecture).qk_norm)

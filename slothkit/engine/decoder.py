@@ -1,4 +1,4 @@
-"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2 and Qwen3: route a loaded model's modules
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3 and Gemma 3: route a loaded model's modules
 through slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with
@@ -74,21 +74,29 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         return _original(self)(x)
     # In the backward re-run of an offload-checkpointed layer the MLP output only feeds
     # the layer output, which nobody reads: skip the down projection (a hook on the MLP
-    # might read it, so not then).
-    backward_only = recomputing() and not (self._forward_hooks or self._forward_pre_hooks)
+    # might read it, so not then). Where a norm reads the output (Gemma 3's
+    # post_feedforward_layernorm), that norm's backward needs it: never skip there.
+    record = patched_module(self)
+    backward_only = (
+        record.output_unread_in_recompute
+        and recomputing()
+        and not (self._forward_hooks or self._forward_pre_hooks)
+    )
     return lora_mlp(
         x,
         *projections,
-        activation=patched_module(self).activation,
+        activation=record.activation,
         backward_only=backward_only,
         token_chunk=mlp_token_chunk(x.numel() // x.shape[-1]),
     )
 
 
-def patch_mlp(mlp: nn.Module, activation: str) -> None:
-    """Only for decoder layers whose MLP output goes straight into the residual sum
-    that is the layer's output (Llama, Mistral, Gemma), as ``_mlp_forward`` assumes."""
-    _bind(mlp, _mlp_forward, activation=activation)
+def patch_mlp(mlp: nn.Module, activation: str, output_unread_in_recompute: bool = True) -> None:
+    """output_unread_in_recompute: the MLP's output goes straight into the residual sum
+    that is the layer's output (Llama, Mistral, Gemma, Qwen), so a checkpoint's re-run may
+    skip the down projection; False where something reads it first (Gemma 3's
+    post_feedforward_layernorm)."""
+    _bind(mlp, _mlp_forward, activation=activation, output_unread_in_recompute=output_unread_in_recompute)
 
 
 # --- attention ---------------------------------------------------------------
@@ -135,7 +143,7 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
     # (B, T, heads * D) -> (B, T, heads, D)
     q = q.view(batch, seq, -1, self.head_dim)
     k = k.view(batch, seq, -1, self.head_dim)
-    if qk_norm:  # Qwen3: RMSNorm over each head's D values (patched: slothkit's kernel)
+    if qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's D values (patched: slothkit's kernel)
         q, k = self.q_norm(q), self.k_norm(k)
     # (B, T, heads, D) -> (B, heads, T, D)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -190,10 +198,16 @@ def patch_attention(attention: nn.Module, qk_norm: bool = False) -> None:
 # --- the decoder layer -----------------------------------------------------------
 
 
-def patch_decoder_layer(layer: nn.Module) -> None:
+def patch_decoder_layer(layer: nn.Module, sandwich_norms: bool = False) -> None:
     """Only for layers whose forward is the two residual sums ``decoder_layer_forward``
-    computes (Llama, Mistral, Gemma), with these four submodules patched."""
-    _bind(layer, decoder_layer_forward, checkpoints_in_forward=checkpoints_in_forward(layer))
+    computes (Llama, Mistral, Gemma, Qwen; with ``sandwich_norms`` Gemma 3's, a norm on
+    each sum's second term), with their submodules patched."""
+    _bind(
+        layer,
+        decoder_layer_forward,
+        checkpoints_in_forward=checkpoints_in_forward(layer),
+        sandwich_norms=sandwich_norms,
+    )
 
 
 # --- the language-model head and loss ------------------------------------------
@@ -276,15 +290,18 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
     if state is not None and state.architecture == arch.name:
         return model
     activation = arch.activation(causal_lm.config)
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if arch.sandwich_norms:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for layer in layers:
-        patch_rms_norm(layer.input_layernorm, arch.norm_adds_one)
-        patch_rms_norm(layer.post_attention_layernorm, arch.norm_adds_one)
+        for name in norms:
+            patch_rms_norm(getattr(layer, name), arch.norm_adds_one)
         if arch.qk_norm:
             patch_rms_norm(layer.self_attn.q_norm, arch.norm_adds_one)
             patch_rms_norm(layer.self_attn.k_norm, arch.norm_adds_one)
         patch_attention(layer.self_attn, qk_norm=arch.qk_norm)
-        patch_mlp(layer.mlp, activation)
-        patch_decoder_layer(layer)
+        patch_mlp(layer.mlp, activation, output_unread_in_recompute=not arch.sandwich_norms)
+        patch_decoder_layer(layer, sandwich_norms=arch.sandwich_norms)
     patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
     if causal_lm.get_output_embeddings() is not None:  # an LM head: the fused loss applies
         patch_causal_lm(causal_lm)

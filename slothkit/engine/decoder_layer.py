@@ -1,5 +1,5 @@
-"""The decoder layer of Llama, Mistral, Gemma, Qwen2 and Qwen3, patched on the instance so
-that the re-run of offloaded checkpointing does less.
+"""The decoder layer of Llama, Mistral, Gemma, Qwen2, Qwen3 and Gemma 3, patched on the
+instance so that the re-run of offloaded checkpointing does less.
 
 transformers' layer forward is two residual sums:
 
@@ -20,6 +20,16 @@ Everything else (the norms, q/k/v, attention, gate and up) is recomputed as befo
 since those activations are what backward needs.  Where the attention has hooks, its
 module was not patched, or o_proj cannot take the fused path, h is computed by calling
 the attention module as transformers does.
+
+Gemma 3's layer (``sandwich_norms`` in its PatchedModule) normalises both terms it adds:
+
+    h = x + post_attention_layernorm(attention(input_layernorm(x)))
+    y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+
+The backward of an RMSNorm needs its input, here o_proj's and the MLP's outputs, so the
+re-run computes both (the MLP is patched not to skip its down projection) and h is not
+kept: with nothing to skip there is nothing to gain from it.  The last sum is still
+``unread_sum`` in the re-run.
 
 Checkpointing: transformers (5.2x and later) checkpoints the class's ``forward`` through
 a wrapper, which this instance method replaces; so where the class is wrapped that way
@@ -86,15 +96,17 @@ def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
 
 
 def decoder_layer_forward(self, *args, **kwargs):
+    record = patched_module(self)
+    layer_body = _sandwich_layer_body if record.sandwich_norms else _layer_body
     if (
-        patched_module(self).checkpoints_in_forward
+        record.checkpoints_in_forward
         and self.gradient_checkpointing
         and self.training
         and torch.is_grad_enabled()
     ):
-        body = functools.partial(_layer_body, self, **_without_cache(self, kwargs))
+        body = functools.partial(layer_body, self, **_without_cache(self, kwargs))
         return self._gradient_checkpointing_func(body, *args)
-    return _layer_body(self, *args, **kwargs)
+    return layer_body(self, *args, **kwargs)
 
 
 def _fused_attention_sum(self, hidden_states, normed, attention_mask, position_ids, kwargs):
@@ -123,6 +135,21 @@ def _layer_body(self, hidden_states, attention_mask=None, position_ids=None, **k
         )
         hidden = hidden_states + attn
     mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+    if recomputing():  # the re-run's output is never read
+        return unread_sum(hidden, mlp_out)
+    return hidden + mlp_out
+
+
+def _sandwich_layer_body(self, hidden_states, attention_mask=None, position_ids=None, **kwargs):
+    """Gemma 3's layer (module docstring): the patched attention applies o_proj itself."""
+    attn, _ = self.self_attn(
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        **kwargs,
+    )
+    hidden = hidden_states + self.post_attention_layernorm(attn)
+    mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
     if recomputing():  # the re-run's output is never read
         return unread_sum(hidden, mlp_out)
     return hidden + mlp_out

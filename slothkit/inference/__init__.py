@@ -30,8 +30,11 @@ _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 def _why_not(causal_lm, fast: bool | None) -> str | None:
     """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
     FastModel.from_pretrained's notice has already named)."""
-    if architecture_for(causal_lm.config) is None:
-        covered = ", ".join(arch.name for arch in ARCHITECTURES)
+    arch = architecture_for(causal_lm.config)
+    if arch is None or arch.sandwich_norms:
+        # The decode step runs Llama's layer with one rotary table for all layers; Gemma 3
+        # adds two norms per layer and gives each layer type its own rope base.
+        covered = ", ".join(arch.name for arch in ARCHITECTURES if not arch.sandwich_norms)
         return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
     if len(set(layer_windows(causal_lm))) > 1:
         return "fast generation does not cover models mixing sliding-window and full-attention layers"

@@ -6,11 +6,10 @@ architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
 shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
 
-RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches; SHAPES
-the shapes every record names, by name (`slothkit plan` predicts from them, `slothkit bench`
-builds them with random weights). Gemma 3 is a record without a fused path: FastModel trains
-it on the generic path (its Hugging Face modules, slothkit's checkpointing and fused head), the
-bench measures that path on its shapes, and slothkit exports it.
+RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (today
+all of them; a record with fused=False would serve export only, its family training on the
+generic path); SHAPES the shapes every record names, by name (`slothkit plan` predicts from
+them, `slothkit bench` builds them with random weights).
 """
 
 from __future__ import annotations

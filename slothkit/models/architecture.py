@@ -6,8 +6,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
     field             read by
     model_types       architecture_for (fused records only): FastModel's loading and patching,
                       the bench, the planner; record_for (every record): GGUF export
-    fused             which lookup finds the record: False for a family that FastModel trains
-                      through plain Hugging Face + PEFT (Gemma 3) and slothkit only exports
+    fused             which lookup finds the record: False for a family that FastModel would
+                      train through plain Hugging Face + PEFT and slothkit only exports
     causal_lm_class   the tiny fixtures' config.json (slothkit.testing)
     hidden_act        the tiny fixtures' config
     activation_keys   activation(): a loaded config's activation, mapped to the fused MLP's;
@@ -24,6 +24,10 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       module does not scale by sqrt(hidden) itself
     qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
                       norm each head's q and k before RoPE
+    sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
+                      attention and after the MLP too (Gemma 3); such layers keep no residual
+                      sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
+                      and the fast decode loop leaves them to Hugging Face's generate
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -97,7 +101,8 @@ class Architecture:
     gguf: GGUFLayout
     tiny: TinyTraits
     # slothkit's fused decoder (slothkit.engine) patches this family. False: FastModel
-    # trains it through plain Hugging Face + PEFT and architecture_for does not find it.
+    # trains it on the generic path (its Hugging Face modules) and architecture_for does
+    # not find it; export still reads the record (record_for).
     fused: bool
     # Real checkpoints' sizes by name ("llama-3-8b"), and "tiny-<name>" for CPU runs.
     shapes: Mapping[str, Shape] = field(compare=False)
@@ -109,6 +114,20 @@ class Architecture:
     # An RMSNorm over each head's queries and keys (attention modules' q_norm and k_norm)
     # before the rotation (Qwen3); the norms scale by w, or 1 + w as the family's others.
     qk_norm: bool = False
+    # Four norms per layer (Gemma 3): the attention's and the MLP's outputs are normalised
+    # before their residual sums (post_attention_layernorm, post_feedforward_layernorm), and
+    # pre_feedforward_layernorm normalises the MLP's input:
+    #     h = x + post_attention_layernorm(attn(input_layernorm(x)))
+    #     y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+    sandwich_norms: bool = False
+
+    @property
+    def keeps_attention_sum(self) -> bool:
+        """Whether a checkpointed fused layer keeps h = x + o_proj(attn) for its re-run, which
+        then skips o_proj (slothkit.engine.decoder_layer). A sandwich layer's h adds the
+        post-attention norm of o_proj's output, whose backward needs that output: nothing to
+        skip, so nothing is kept."""
+        return not self.sandwich_norms
 
     def activation(self, config) -> str:
         """The gated MLP's activation name for slothkit_kernels.lora.lora_mlp."""

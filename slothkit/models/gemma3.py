@@ -9,10 +9,13 @@ The four norms, in transformers' Gemma3DecoderLayer:
 q_norm and k_norm normalise each head's queries and keys before the rotation. Every one of
 them, like the final norm, scales by (1 + w).
 
-slothkit has no fused path for it (fused=False): FastModel trains it through plain Hugging
-Face + PEFT, and the record serves GGUF export and the tiny test checkpoint. llama.cpp runs
-it as its "gemma3" graph; which layer slides, and the sliding layers' rope base, go into the
-file (slothkit.export.gguf.attention).
+slothkit's fused decoder runs it with Gemma's norm and MLP, Qwen3's per-head q/k norms and
+the sandwich layer (slothkit.engine.decoder_layer, `sandwich_norms`). transformers gives
+each layer its own rotary tables (by layer type) and each attention module its window and
+its scale, query_pre_attn_scalar ** -0.5, which the fused attention reads off the module.
+The fast decode loop does not cover it: generate stays Hugging Face's. llama.cpp runs it as
+its "gemma3" graph; which layer slides, and the sliding layers' rope base, go into the file
+(slothkit.export.gguf.attention).
 """
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
@@ -50,7 +53,9 @@ GEMMA3 = Architecture(
         ),
         windowed_layers=True,
     ),
-    fused=False,
+    fused=True,
+    qk_norm=True,
+    sandwich_norms=True,
     tiny=TinyTraits(
         rope_theta=1_000_000.0,  # the global layers'; the sliding ones keep the config's 10,000
         rms_norm_eps=1e-6,
@@ -64,8 +69,7 @@ GEMMA3 = Architecture(
         # one of each kind.
         config={"sliding_window_pattern": 2},
     ),
-    # The bench measures the generic path (HF modules, slothkit's checkpointing and fused
-    # head) on these; the planner predicts from them.
+    # The bench builds these and the planner predicts from them.
     shapes={
         "gemma-3-270m": Shape("gemma3_text", 640, 2048, 18, 4, 1, 262144, 32768, _SMALL),
         "gemma-3-1b": Shape("gemma3_text", 1152, 6912, 26, 4, 1, 262144, 32768, _SMALL),

@@ -11,7 +11,7 @@ import torch
 from slothkit import FastModel
 from slothkit.engine.generic_head import why_head_stays
 from slothkit.model_state import patched_module
-from slothkit.testing import build_tiny_tokenizer, tiny_model_path
+from slothkit.testing import build_tiny_tokenizer
 
 STEPS = 8
 
@@ -72,13 +72,14 @@ def _plain_peft(path, attention="sdpa"):
     return get_peft_model(model, config).train()
 
 
-@pytest.mark.parametrize("source", ["gemma3", "olmo", "gemma2"])
+@pytest.mark.parametrize("source", ["olmo2", "olmo", "gemma2"])
 def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
-    """Gemma 3 (a record without a fused path), OLMo and Gemma 2 (no record at all): the
-    decoder layers stay Hugging Face's, the head computes the fused loss (Gemma 2's with its
-    final-logit soft-capping at 30), and 8 steps give HF + PEFT's losses. Gemma 2 cannot
-    run SDPA (its attention logits are soft-capped too): it loads with eager attention."""
-    path = tiny_model_path("gemma3") if source == "gemma3" else _checkpoint(tmp_path, source)
+    """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and Gemma 2, none of which
+    has a record: the decoder layers stay Hugging Face's, the head computes the fused loss
+    (Gemma 2's with its final-logit soft-capping at 30), and 8 steps give HF + PEFT's
+    losses. Gemma 2 cannot run SDPA (its attention logits are soft-capped too): it loads
+    with eager attention."""
+    path = _checkpoint(tmp_path, source)
     with pytest.warns(UserWarning, match="fused cross-entropy on the head"):
         fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
     fast = FastModel.get_peft_model(fast, r=8, lora_alpha=16, use_gradient_checkpointing=False)

@@ -220,9 +220,24 @@ def test_graphs_are_planned_where_fast_model_turns_them_on():
 
 
 def test_a_family_without_a_fused_path_is_planned_with_a_caveat():
-    """Gemma 3 trains on its Hugging Face modules: the plan does not claim what "auto" would
-    keep, since on that path it offloads every layer, and it says so."""
-    result = plan("gemma-3-4b", mode="qlora", gpu="t4")
+    """OLMo 2 (no record) trains on its Hugging Face modules: the plan does not claim what
+    "auto" would keep, since on that path it offloads every layer, and it says so."""
+    from slothkit.models import Shape
+
+    olmo2 = Shape("olmo2", 2048, 8192, 16, 16, 16, 100352, 4096, {})
+    result = plan(olmo2, mode="qlora", gpu="t4")
     assert result.fits and result.recompute is None
-    assert any("no fused path for gemma3_text" in note for note in result.notes)
+    assert any("no fused path for olmo2" in note for note in result.notes)
     assert plan("llama-3-8b", mode="qlora", gpu="t4").recompute is not None
+    assert plan("gemma-3-4b", mode="qlora", gpu="t4").recompute is not None  # fused
+
+
+def test_gemma3_layers_are_planned_without_kept_sums():
+    """Gemma 3's sandwich layers keep no residual sum (Architecture.keeps_attention_sum):
+    asking for kept sums changes nothing in its plan, as it does in Llama's."""
+
+    def reserved(model, **options):
+        return plan(model, mode="lora", gpu="h200", **options).total_gib
+
+    assert reserved("gemma-3-4b", keep_sums=True) == reserved("gemma-3-4b", keep_sums=False)
+    assert reserved("llama-3-8b", keep_sums=True) > reserved("llama-3-8b", keep_sums=False)

@@ -318,14 +318,24 @@ def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monk
     disable_fast_decode(model)
 
 
-def test_an_architecture_without_the_fast_path_says_so_once(recwarn):
+@pytest.mark.parametrize("layers", [2, 1], ids=["sliding-and-global", "sliding-only"])
+def test_an_architecture_without_the_fast_path_says_so_once(layers, recwarn):
+    """Gemma 3 (fused for training) keeps Hugging Face's generate, also where all its layers
+    share one window (one layer here): the decode step has neither its post-attention and
+    post-MLP norms nor its per-layer-type rotary tables (test_fast_model compares the fused
+    model's greedy tokens with HF + PEFT's after training)."""
     model, _ = FastModel.from_pretrained(
-        str(tiny_model_path("gemma3")), dtype=torch.float32, load_in_4bit=False
+        str(tiny_model_path("gemma3", num_layers=layers)), dtype=torch.float32, load_in_4bit=False, fused=False
     )
-    assert enable_fast_decode(model, True) is False
-    assert any(
-        "fast generation covers llama, mistral, gemma, qwen2, qwen3, not" in str(w.message) for w in recwarn
-    )
+    recwarn.clear()
+    for _ in range(2):
+        assert enable_fast_decode(model, True) is False
+    assert state_of(model).fast_decoder is None
+    notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
+    assert notices == [
+        "slothkit: fast generation covers llama, mistral, gemma, qwen2, qwen3, not 'gemma3_text'; "
+        "model.generate runs Hugging Face's generate"
+    ]
 
 
 def test_decoding_past_the_models_positions_is_said_once(recwarn):

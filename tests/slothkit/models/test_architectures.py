@@ -68,6 +68,19 @@ def test_norm_flavour_and_tied_head_agree_with_transformers_model(arch):
 
 
 @EVERY_RECORD
+def test_layer_variant_agrees_with_transformers_layer(arch):
+    """qk_norm: the attention holds q_norm and k_norm; sandwich_norms: the layer normalises
+    the attention's and the MLP's outputs too (four norms), which the fused layer patches."""
+    config = AutoConfig.for_model(arch.model_types[0], **TINY)
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    attention = layer.self_attn
+    assert (hasattr(attention, "q_norm") and hasattr(attention, "k_norm")) is arch.qk_norm
+    four_norms = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+    assert four_norms is arch.sandwich_norms
+    assert arch.keeps_attention_sum is not arch.sandwich_norms
+
+
+@EVERY_RECORD
 def test_gguf_layout_agrees_with_gguf_package(arch):
     """The GGUF architecture exists, and has an output matrix unless the record says the
     head is always the token embeddings."""
@@ -119,9 +132,8 @@ def test_lookups_name_what_is_known():
     assert architecture_for(AutoConfig.for_model("phi3")) is None
     assert record_for(AutoConfig.for_model("phi3")) is None
     gemma3 = AutoConfig.for_model("gemma3_text")
-    assert architecture_for(gemma3) is None  # no fused path: FastModel runs plain HF + PEFT
-    assert record_for(gemma3) is architecture_named("gemma3")  # GGUF export knows it
-    assert architecture_named("gemma3") not in ARCHITECTURES
+    assert architecture_for(gemma3) is record_for(gemma3) is architecture_named("gemma3")
+    assert architecture_named("gemma3") in ARCHITECTURES
 
 
 @EVERY_RECORD
