@@ -129,19 +129,54 @@ def check_local_checkpoint(folder: str | os.PathLike) -> None:
                 f"the weights file {str(path)!r} is a link to {os.readlink(path)!r}, which does not exist; "
                 f"fetch the checkpoint again"
             )
-        try:
-            with open(path, "rb") as file:
-                head = file.read(8)
-        except OSError as error:
-            raise _unreadable(path, error) from None
-        # A safetensors file starts with the length of its JSON header (8 bytes, little-endian).
-        if path.suffix == ".safetensors" and (
-            len(head) < 8 or int.from_bytes(head, "little") > path.stat().st_size - 8
-        ):
-            raise ValueError(
-                f"the weights file {str(path)!r} is not a complete safetensors file ({path.stat().st_size} "
-                f"bytes); the download or save that wrote it did not finish: fetch or save it again"
-            )
+        if path.suffix == ".safetensors":
+            check_safetensors_complete(path)
+        else:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as error:
+                raise _unreadable(path, error) from None
+
+
+def check_safetensors_complete(path: pathlib.Path) -> None:
+    """Refuse a safetensors file cut short or overwritten, before safetensors says
+    "incomplete metadata" about it.
+
+    The file is the length of its JSON header (8 bytes, little-endian), the header (each
+    tensor's dtype, shape and byte range), then the tensors' bytes: complete when the
+    header parses and the last tensor's range ends inside the file.  Reading the header
+    costs a few kilobytes per shard.
+    """
+    size = path.stat().st_size
+
+    def incomplete(expected: str = "") -> ValueError:
+        return ValueError(
+            f"the weights file {str(path)!r} is not a complete safetensors file ({size} bytes{expected}); "
+            f"the download or save that wrote it did not finish: fetch or save it again"
+        )
+
+    try:
+        with open(path, "rb") as file:
+            head = file.read(8)
+            length = int.from_bytes(head, "little")
+            if len(head) < 8 or length > size - 8:
+                raise incomplete()
+            header = file.read(length)
+    except OSError as error:
+        raise _unreadable(path, error) from None
+    try:
+        entries = json.loads(header)
+        ends = [entry["data_offsets"][1] for name, entry in entries.items() if name != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+        raise ValueError(
+            f"the weights file {str(path)!r} is not a safetensors file: its header is not the JSON "
+            f"table of tensors safetensors writes (the file was overwritten or is of another kind); "
+            f"fetch or save it again"
+        ) from None
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        raise incomplete(f" of the {needed} its header lists")
 
 
 def _unreadable(path: pathlib.Path, error: OSError) -> OSError:

@@ -70,6 +70,24 @@ def test_a_cut_short_or_dangling_weights_file_is_named(checkpoint):
         FastModel.from_pretrained(str(checkpoint))
 
 
+def test_a_weights_file_cut_inside_its_tensors_or_with_a_garbled_header_is_named(checkpoint):
+    """Cut after its header (the header whole, the tensors not): safetensors' own
+    "incomplete metadata, file not fully covered" named nothing; a header that is not
+    safetensors' JSON table: named too."""
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        ValueError,
+        match=rf"is not a complete safetensors file \({len(data) // 2} bytes of the {len(data)} its header lists\)",
+    ):
+        FastModel.from_pretrained(str(checkpoint))
+    length = int.from_bytes(data[:8], "little")
+    weights.write_bytes(data[:8] + b"\xff" * length + data[8 + length :])  # overwritten bytes
+    with pytest.raises(ValueError, match="is not a safetensors file: its header is not the JSON table"):
+        FastModel.from_pretrained(str(checkpoint))
+
+
 def test_an_adapter_export_names_a_damaged_base_before_loading(checkpoint, tmp_path):
     import json
 
