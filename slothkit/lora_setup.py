@@ -76,7 +76,7 @@ def lora_config(model, settings: LoraSettings):
     from peft import LoraConfig
 
     r = settings.r
-    if not isinstance(r, int) or r <= 0:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:  # r=True would be rank 1
         raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
     target_modules, modules_to_save = lora_targets(settings.target_modules), settings.modules_to_save
     if target_modules != ALL_LINEAR:
