@@ -353,3 +353,54 @@ def test_zephyr_dpo_on_the_real_checkpoint(notebook_folder, smollm2_path):
     logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
     assert logged and all(math.isfinite(entry["logps/chosen"]) for entry in logged)
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_llama32_conversational_on_the_real_checkpoint(notebook_folder, smollm2_path):
+    """The conversational notebook on SmolLM2-135M-Instruct, saves included: Llama 3.1's
+    turn tokens are new to SmolLM2's tokenizer, so the embeddings and the tied head grow by
+    three rows, and every save must carry them. llama.cpp judges the GGUF files on a prompt
+    rendered with the chat template: its tokens, logits and greedy continuation."""
+    from slothkit.export.gguf import verify_gguf
+
+    folder, _ = notebook_folder
+    ns = _run("llama32_conversational", MODEL=str(smollm2_path))
+    trainer, tokenizer = ns["trainer"], ns["tokenizer"]  # the tokenizer saved with the adapter
+    added = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    assert tokenizer.convert_tokens_to_ids(added) == [49152, 49153, 49154] and len(tokenizer) == 49155
+    assert tokenizer.eos_token == "<|eot_id|>"
+    assert trainer.model.get_input_embeddings().weight.shape[0] == 49155
+    _assert_replies_alone_are_learned(ns, "<|eot_id|>")
+    _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
+    _assert_reloaded(ns, trainer)  # the adapter folder holds the grown rows
+    merged = _assert_merged(folder / "llama_finetune_16bit", ns)
+    _assert_merged_4bit(folder / "llama_finetune_4bit", ns)
+
+    conversation = [{"role": "user", "content": "What is 7 times 6?"}]
+    prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0, 0].item() == 49152 and ids[0, -1].item() != 49153  # the template's tokens, whole
+    trained = trainer.model.eval()
+    # The merged model continues the chat greedily as the trained model does, wherever the
+    # trained model's best token leads its second by more than 16-bit weights can move it.
+    greedy = merged.generate(ids, max_new_tokens=8, do_sample=False)
+    expected = trained.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        logits = trained(input_ids=greedy).logits[0, ids.shape[1] - 1 : -1].float()
+    top2 = logits.topk(2).values
+    decided = (top2[:, 0] - top2[:, 1]) > 3e-2 * logits.abs().max()
+    assert decided[0] and torch.equal(greedy[0, ids.shape[1] :][decided], logits.argmax(-1)[decided])
+    assert torch.equal(greedy[0, : ids.shape[1] + 1], expected[0, : ids.shape[1] + 1])
+
+    from gguf import GGUFReader
+
+    for label, method in (("Q8_0", "q8_0"), ("F16", "f16")):
+        (path,) = (folder / "llama_finetune").glob(f"*.{label}.gguf")
+        tokens = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
+        assert len(tokens.data) == 49155
+        assert [bytes(tokens.parts[tokens.data[i]]).decode() for i in (49152, 49153, 49154)] == added
+        # llama.cpp tokenises the rendered chat as HF does, and its logits and greedy tokens
+        # agree with the trained model within the type's tolerance.
+        report = verify_gguf(path, trained, tokenizer, method, prompts=(prompt,), greedy_tokens=8)
+        assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report

@@ -3,7 +3,9 @@
 llama-cpp-python (the optional extra `slothkit[gguf]`) loads the file; a few prompts are
 tokenised by both sides, run through both models, and compared:
 
-  1. tokenisation: llama.cpp's tokens for each plain-text prompt equal HF's (BOS included);
+  1. tokenisation: llama.cpp's tokens for each prompt equal HF's (BOS included); special
+     tokens written in a prompt are parsed as Hugging Face parses them, so a prompt rendered
+     with the chat template checks that the file holds the template's tokens;
   2. next-token logits at every prompt position (HF token ids fed to both):
          relative error = rms(llama.cpp - HF) / std(HF)   (std over the vocabulary)
      must stay within the tolerance;
@@ -225,7 +227,8 @@ def verify_gguf(
         tokenizer: the model's tokenizer.
         method: the quantisation the file was written with, a name ("q8_0") or a parsed
             QuantizationMethod; it sets the tolerance.
-        prompts: the texts both sides run.
+        prompts: the texts both sides run: plain text, or text rendered with the chat
+            template (its special tokens written out).
         greedy_tokens: how many tokens llama.cpp generates after each prompt.
         reference: "model" compares with the model as it is, within the method's tolerance
             (TOLERANCES); "gguf_weights" runs the HF model on the file's own weights,
@@ -262,7 +265,7 @@ def verify_gguf(
     try:
         for prompt in prompts:
             hf_ids = tokenizer(prompt)["input_ids"][: window - greedy_tokens]
-            cpp_ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)[: len(hf_ids)]
+            cpp_ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)[: len(hf_ids)]
             if cpp_ids != hf_ids:
                 raise GGUFVerificationError(
                     f"{path}: llama.cpp tokenises {prompt!r} as {cpp_ids}, Hugging Face as {hf_ids}"
