@@ -124,3 +124,21 @@ def test_the_eos_token_sentinel_keeps_each_real_tokenizers_own_eos(smollm2_path,
         assert text == f"Hi{eos}Yo{eos}"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert ids.count(tokenizer.eos_token_id) == 2 and max(ids) < size
+
+
+def test_a_format_whose_markers_the_real_tokenizer_holds_adds_no_token(smollm2_path, gemma3_path):
+    """ChatML on SmolLM2 and gemma on Gemma 3 use the tokenizer's own marker tokens: nothing
+    is added, so no model is needed and the embeddings keep their size; each marker is one id."""
+    from transformers import AutoTokenizer
+
+    for path, name, markers in (
+        (smollm2_path, "chatml", ("<|im_start|>", "<|im_end|>")),
+        (gemma3_path, "gemma", ("<start_of_turn>", "<end_of_turn>")),
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        size, own_ids = len(tokenizer), tokenizer.convert_tokens_to_ids(list(markers))
+        get_chat_template(tokenizer, name, model=None)  # would raise if a token had to be added
+        assert len(tokenizer) == size and tokenizer.eos_token == markers[1]
+        text = tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert [ids.count(i) for i in own_ids] == [4, 4]
