@@ -23,6 +23,10 @@ into the new one as a hard link (a copy where links are not possible) before the
 folder is never replaced by a file: a save that writes a file under the name of a folder
 there is refused, before the swap.
 
+A target that is a symbolic link is saved into the folder the link points to (the link
+stays); a target that is a mount point, which cannot be renamed over, is written as
+slothkit.export.mount_point says.
+
 Durability and leftovers: every file and the staging directory are fsync'ed before the
 rename, and the parent after it, so a power cut leaves the old or the new directory, not an
 empty one.  The staging directory gets the permissions of a directory made with the
@@ -49,6 +53,7 @@ from collections.abc import Iterator
 
 from slothkit.export.base_fingerprint import FINGERPRINT_FILE
 from slothkit.export.model_card import CARD_MARKER
+from slothkit.export.mount_point import STAGING_PREFIX, is_mount_point, move_staged_entries, staged_leftovers
 from slothkit.folder_paths import check_folder_path
 
 try:
@@ -84,6 +89,11 @@ def check_target(target: str | os.PathLike, overwrite: bool) -> pathlib.Path:
     Called before any expensive work (merging a model) so that the refusal comes first.
     """
     target = pathlib.Path(target).expanduser()
+    if target.is_symlink():
+        # A link to a folder (a mounted drive's folder linked into the working directory):
+        # the save goes where it points and the link stays. Renaming over the link itself
+        # would replace it with a folder, or fail ("Not a directory").
+        target = target.resolve()
     check_folder_path(target, "the save folder")
     if is_non_empty_directory(target) and not overwrite:
         raise DirectoryNotEmptyError(
@@ -149,9 +159,13 @@ def atomic_directory(
             another quantisation beside earlier ones).
     """
     target = check_target(target, overwrite)
+    if is_mount_point(target):
+        with _staged_in_mount_point(target, overwrite, keep_other_files, keep_unwritten_files) as staging:
+            yield staging
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(target)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    staging = _make_staging(prefix=f".{target.name}.partial-", parent=target.parent)
     lock = _lock(staging)
     try:
         yield staging
@@ -169,6 +183,50 @@ def atomic_directory(
     finally:
         if lock is not None:
             os.close(lock)
+
+
+@contextlib.contextmanager
+def _staged_in_mount_point(
+    target: pathlib.Path, overwrite: bool, keep_other_files: bool, keep_unwritten_files: bool
+) -> Iterator[pathlib.Path]:
+    """atomic_directory for a mount point, which cannot be renamed over
+    (slothkit.export.mount_point): staged inside it, moved in entry by entry."""
+    remove_leftovers(target)
+    staging = _make_staging(prefix=STAGING_PREFIX, parent=target)
+    lock = _lock(staging)
+    try:
+        yield staging
+        others = [e for e in target.iterdir() if not e.name.startswith(STAGING_PREFIX)]
+        if others and not overwrite:  # filled by another process while we were writing
+            raise DirectoryNotEmptyError(
+                f"{str(target)!r} is not empty; pass overwrite=True to replace its contents, or choose "
+                f"a new directory"
+            )
+        os.chmod(staging, 0o777 & ~_umask())
+        _fsync_tree(staging)
+        remove_old = "none" if keep_unwritten_files else "saved" if keep_other_files else "all"
+        move_staged_entries(staging, target, remove_old, is_saved_file, _keep_users_readme)
+        _fsync_directory(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _make_staging(prefix: str, parent: pathlib.Path) -> pathlib.Path:
+    """A new staging folder in `parent`; a read-only filesystem or a folder without write
+    permission named as such."""
+    try:
+        return pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as error:
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            reason = "is on a read-only filesystem" if error.errno == errno.EROFS else "is not writable"
+            raise type(error)(
+                error.errno, f"cannot save there: {str(parent)!r} {reason}; choose a folder you can write to"
+            ) from None
+        raise
 
 
 @contextlib.contextmanager
@@ -325,11 +383,12 @@ def leftovers(target: str | os.PathLike) -> list[pathlib.Path]:
     if not target.parent.is_dir():
         return []
     prefixes = (f".{target.name}.partial-", f".{target.name}.replaced-")
-    return sorted(
+    beside = (
         p
         for p in target.parent.iterdir()
         if p.name.startswith(prefixes) and p.is_dir() and not p.is_symlink()
     )
+    return sorted([*beside, *staged_leftovers(target)])
 
 
 def remove_leftovers(target: str | os.PathLike) -> list[tuple[pathlib.Path, int]]:
