@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from slothkit.bench.model_setup import LORA_TARGETS, build_model, load_with_unsloth, take_slothkit_path
+from slothkit.bench.model_setup import LORA_TARGETS, build_model, load_with_unsloth, take_fast_model_path
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.environment import allocator_settings
 from slothkit.model_state import state_of
@@ -73,7 +73,7 @@ def prepare(impl: str, args, dtype, device):
         from slothkit import FastModel
         from slothkit.generation import accept_encoding_in_generate
 
-        take_slothkit_path(model)
+        take_fast_model_path(model)
         accept_encoding_in_generate(model)
         model = FastModel.get_peft_model(
             model, r=args.rank, lora_alpha=args.rank, use_gradient_checkpointing=False

@@ -29,7 +29,8 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from slothkit.models import record_for, shape_by_name
 
     config = shape_by_name(shape_name).config()
-    neutral_norm = 0.0 if record_for(config).norm_adds_one else 1.0
+    record = record_for(config)  # None for a generic shape: its norms scale by w
+    neutral_norm = 0.0 if record is not None and record.norm_adds_one else 1.0
 
     # Parameters on the meta device (no memory, no init time), made real one module at a
     # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
@@ -161,7 +162,7 @@ def prepare(
     if impl == "slothkit":
         from slothkit import FastModel
 
-        take_slothkit_path(model)
+        take_fast_model_path(model)
         mode = CHECKPOINTING[checkpointing]
         auto = {}
         if mode == "auto":
@@ -178,7 +179,7 @@ def prepare(
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def take_slothkit_path(model) -> None:
+def take_fast_model_path(model) -> None:
     """What FastModel.from_pretrained does to a loaded model: the fused decoder where slothkit
     has a fused record for the family, else the generic path (its own modules, the fused
     cross-entropy on its head where that passes its self-check)."""

@@ -8,8 +8,9 @@ shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench
 
 RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (today
 all of them; a record with fused=False would serve export only, its family training on the
-generic path); SHAPES the shapes every record names, by name (`slothkit plan` predicts from
-them, `slothkit bench` builds them with random weights).
+generic path); SHAPES the shapes every record names and those of record-less families
+(generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
+`slothkit bench` builds them with random weights).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma3 import GEMMA3
+from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.llama import LLAMA
 from slothkit.models.mistral import MISTRAL
 from slothkit.models.qwen2 import QWEN2
@@ -25,7 +27,10 @@ from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
-SHAPES: dict[str, Shape] = {name: shape for arch in RECORDS for name, shape in arch.shapes.items()}
+SHAPES: dict[str, Shape] = {
+    **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
+    **GENERIC_SHAPES,
+}
 
 __all__ = [
     "ARCHITECTURES",

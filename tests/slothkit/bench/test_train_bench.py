@@ -15,7 +15,7 @@ from slothkit.models import SHAPES, shape_by_name
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3"]
+    "name", ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-olmo2"]
 )
 def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     from transformers import AutoModelForCausalLM
@@ -634,10 +634,10 @@ def test_the_record_says_how_auto_split_the_layers(tmp_path):
 
 
 def test_a_model_without_a_fused_record_is_benched_on_the_generic_path(tmp_path):
-    """Gemma 3 has a record but no fused path: slothkit's row trains its Hugging Face modules
-    (what FastModel.from_pretrained gives it), from the same weights as HF + PEFT's row."""
+    """OLMo 2 has no record: slothkit's row trains its Hugging Face modules (what
+    FastModel.from_pretrained gives it), from the same weights as HF + PEFT's row."""
     output = tmp_path / "record.json"
-    args = ["bench", "train", "--model", "tiny-gemma3", "--dtype", "fp32", "--seq", "32"]
+    args = ["bench", "train", "--model", "tiny-olmo2", "--dtype", "fp32", "--seq", "32"]
     args += ["--steps", "2", "--warmup", "1", "--impl", "slothkit,hf", "--output", str(output)]
     assert main(args) == 0
     rows = {row["impl"]: row for row in json.loads(output.read_text())["rows"]}
@@ -647,13 +647,13 @@ def test_a_model_without_a_fused_record_is_benched_on_the_generic_path(tmp_path)
 
 
 def test_the_slothkit_row_takes_the_path_from_pretrained_would(monkeypatch):
-    from slothkit.bench.model_setup import take_slothkit_path
+    from slothkit.bench.model_setup import take_fast_model_path
 
     fused = build_model("tiny-qwen3", torch.float32, "cpu", seed=0)
-    take_slothkit_path(fused)
+    take_fast_model_path(fused)
     assert state_of(fused).architecture == "qwen3"
-    generic = build_model("tiny-gemma3", torch.float32, "cpu", seed=0)
+    generic = build_model("tiny-olmo2", torch.float32, "cpu", seed=0)
     taken = []
     monkeypatch.setattr("slothkit.load_model.take_generic_path", lambda model, fused: taken.append(fused))
-    take_slothkit_path(generic)
+    take_fast_model_path(generic)
     assert taken == [None] and state_of(generic) is None

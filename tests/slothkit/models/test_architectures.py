@@ -105,8 +105,22 @@ def test_named_shapes_build_configs_of_the_family(arch):
 
 
 def test_shape_names_are_unique_across_records():
-    names = [name for arch in RECORDS for name in arch.shapes]
+    from slothkit.models.generic_shapes import GENERIC_SHAPES
+
+    names = [name for arch in RECORDS for name in arch.shapes] + list(GENERIC_SHAPES)
     assert len(names) == len(set(names)) == len(SHAPES)
+
+
+def test_generic_shapes_are_of_families_without_a_record():
+    """The bench's generic-path shapes: transformers builds them, slothkit knows nothing of
+    them (FastModel keeps their modules)."""
+    from slothkit.models.generic_shapes import GENERIC_SHAPES
+
+    for name, shape in GENERIC_SHAPES.items():
+        config = shape.config()
+        assert record_for(config) is None, name
+        with torch.device("meta"):  # no memory: a 7B model in fp32 would take 28 GB
+            AutoModelForCausalLM.from_config(config)  # a causal LM transformers knows
 
 
 @EVERY_RECORD
