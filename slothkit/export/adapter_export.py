@@ -23,7 +23,7 @@ from slothkit.engine.loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
 from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
-from slothkit.export.hub import PushResult, push_folder_to_hub
+from slothkit.export.hub import PushResult, check_repo_id, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
 from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
 
@@ -127,20 +127,6 @@ def training_settings_from(adapter_dir: pathlib.Path) -> dict | None:
     if losses:
         facts["last logged training loss"] = losses[-1]
     return facts or None
-
-
-def check_repo_id(repo_id: str) -> None:
-    """Refuse a Hub repo id that the Hub would refuse, before any work."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise ValueError(
-            f"--push {repo_id!r} is not a Hub repo id: expected NAME or OWNER/NAME of letters, digits, "
-            f"'-', '_' and '.' ({error})"
-        ) from None
 
 
 def check_writable(output: str | os.PathLike) -> None:
@@ -263,7 +249,7 @@ def export_adapter(
         if quant is not None:
             quantization_methods(quant)  # raises naming the valid names
     if push is not None:
-        check_repo_id(push)
+        check_repo_id(push, "--push")
     folder = pathlib.Path(adapter_dir).expanduser()
     config = read_adapter_config(folder)
     base_path = resolve_base_model(config, base_model)

@@ -71,6 +71,30 @@ class HubConnectionError(ConnectionError):
     """The Hub did not answer (in time, or at all), or kept failing, after the retries."""
 
 
+REPO_ID_FORM = (
+    '"user-or-org/name" (or a bare "name" for the token\'s user): each part 1 to 96 letters, '
+    "digits, '-', '_' or '.', not starting or ending with '-' or '.', without '--' or '..', "
+    "and not ending in '.git'"
+)
+
+
+def check_repo_id(repo_id, what: str = "repo_id") -> None:
+    """Refuse a repo id the Hub would refuse, before any request or any saving: "user/.."
+    would otherwise name the parent of the push's scratch folder as the save folder.
+    `what` names the argument in the message ("--push" on the command line)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        if not isinstance(repo_id, str):  # validate_repo_id lets None through
+            raise HFValidationError("not a string")
+        validate_repo_id(repo_id)  # refuses ".", "..", "../x", "user/a/b", "", spaces
+    except HFValidationError:
+        raise ValueError(
+            f"{what} {repo_id!r} is not a Hub repo id; a repo id looks like {REPO_ID_FORM}"
+        ) from None
+
+
 def _request_url(error: BaseException) -> str | None:
     for cause in _causes(error):
         for holder in (cause, getattr(cause, "response", None)):
@@ -337,6 +361,7 @@ def push_folder_to_hub(
             an Xet transfer does not count.
 
     Raises:
+        ValueError: a repo_id the Hub would refuse (check_repo_id), before any request.
         HubAuthError: no usable token.
         HubConnectionError: the Hub did not answer, or kept failing, after the retries, or
             the push ran out of time (stall_timeout_s); the message names the URL and the
@@ -344,6 +369,7 @@ def push_folder_to_hub(
     """
     from huggingface_hub import HfApi
 
+    check_repo_id(repo_id)
     folder = pathlib.Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise FileNotFoundError(f"{str(folder)!r} is not a non-empty folder; nothing to push")
@@ -419,10 +445,12 @@ def push_to_hub_merged(
         ConnectionError: HF_HUB_OFFLINE is set; HubConnectionError (a ConnectionError):
             the Hub did not answer, or kept failing, after the retries, or the push ran
             out of time (stall_timeout_s).
-        ValueError: an unknown save_method, or another error of the save.
+        ValueError: a repo_id the Hub would refuse, an unknown save_method, or another
+            error of the save.
     """
     from huggingface_hub import HfApi
 
+    check_repo_id(repo_id)
     check_save_method(save_method)
     api = HfApi(endpoint=endpoint)
     with hub_session(timeout_s, stall_timeout_s, repo_id):

@@ -198,8 +198,15 @@ def push_to_hub_gguf(
     """
     from huggingface_hub import HfApi
 
-    from slothkit.export.hub import DEFAULT_TIMEOUT_S, hub_session, push_folder_to_hub, resolve_token
+    from slothkit.export.hub import (
+        DEFAULT_TIMEOUT_S,
+        check_repo_id,
+        hub_session,
+        push_folder_to_hub,
+        resolve_token,
+    )
 
+    check_repo_id(repo_id)
     methods = quantization_methods(quantization_method)  # refuse bad input before any work
     architecture_of(model)
     with hub_session(DEFAULT_TIMEOUT_S, stall_timeout_s, repo_id):

@@ -155,3 +155,40 @@ def test_offline_mode_is_named_not_crashed(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConnectionError, match="HF_HUB_OFFLINE"):
         resolve_token("hf_anything", HfApi())
+
+
+@pytest.mark.parametrize(
+    "repo_id", ["user/..", "user/.", "..", "../x", "user/a/b", "", "user/", "user/my model", None]
+)
+def test_an_invalid_repo_id_is_refused_before_any_request_or_save(
+    repo_id, local_hub, make_lora_model, monkeypatch, tmp_path
+):
+    from slothkit.export import save as save_module
+    from slothkit.export.gguf import push_to_hub_gguf
+    from slothkit.export.gguf import writer as gguf_writer
+
+    model, tokenizer, _ = make_lora_model("llama")
+    saves = []
+    monkeypatch.setattr(save_module, "write_merged_checkpoint", lambda *a, **k: saves.append("merged"))
+    monkeypatch.setattr(gguf_writer, "save_pretrained_gguf", lambda *a, **k: saves.append("gguf"))
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    pushes = {
+        "push_to_hub_merged": lambda: push_to_hub_merged(
+            model, repo_id, tokenizer, token="hf_writer", endpoint=local_hub.endpoint
+        ),
+        "push_to_hub_gguf": lambda: push_to_hub_gguf(
+            model, repo_id, tokenizer, token="hf_writer", endpoint=local_hub.endpoint
+        ),
+        "push_folder_to_hub": lambda: push_folder_to_hub(
+            folder, repo_id, token="hf_writer", endpoint=local_hub.endpoint
+        ),
+    }
+    for name, push in pushes.items():
+        with pytest.raises(ValueError) as error:
+            push()
+        message = str(error.value)
+        assert message.startswith(f"repo_id {repo_id!r} is not a Hub repo id"), (name, message)
+        assert '"user-or-org/name"' in message and "'-', '_' or '.'" in message and "\n" not in message
+    assert local_hub.requests == [] and saves == []  # no whoami, no merge, no GGUF written
