@@ -119,6 +119,18 @@ def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: i
     the two norms' 1/rms.  That is what slothkit's fused layer saves
     (tests/slothkit/test_memory_model.py counts it through autograd's saved-tensor hooks).
 
+    The architecture's record adds what its further norms keep.  slothkit_kernels'
+    RMSNorm saves its input (element_bytes each) and 1/rms per row (fp32); its weight is
+    a parameter, held anyway.  So, per token:
+
+        qk_norm         q and k before their norms, (Hq + Hkv) D elements, and one 1/rms
+                        per head, 4 (Hq + Hkv) bytes; the normed q and k, rotated in
+                        place, are the attention's q and k counted above.
+        sandwich_norms  post_attention_layernorm's input, o_proj's output, and
+                        post_feedforward_layernorm's, the MLP's output: 2 H elements and
+                        two 1/rms, 8 bytes; pre_feedforward_layernorm keeps what Llama's
+                        post_attention_layernorm keeps (the sum after attention).
+
     Args:
         shape: the model's shape.
         tokens: tokens per step (batch x sequence).
@@ -130,6 +142,11 @@ def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: i
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = element_bytes * (4 * h + 2 * i + 2 * (heads + kv_heads) * d + 7 * rank)
     per_token += 4 * (heads + 2)
+    arch = architecture_for(shape)
+    if arch is not None and arch.qk_norm:
+        per_token += (element_bytes * d + 4) * (heads + kv_heads)
+    if arch is not None and arch.sandwich_norms:
+        per_token += 2 * (element_bytes * h + 4)
     return float(tokens * per_token)
 
 

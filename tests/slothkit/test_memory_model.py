@@ -22,20 +22,35 @@ from slothkit.testing import build_tiny_model
 
 def _saved_bytes_per_layer(model, ids) -> list[int]:
     """Bytes each decoder layer's forward hands autograd to keep for backward: distinct
-    storages, parameters (frozen or trained) left out, as they are held anyway."""
+    storages, parameters (frozen or trained) left out, as they are held anyway, and so are
+    the layer's inputs other than its hidden states (the position embeddings' cos and sin, the
+    mask): the model makes them once per step and every layer reads the same ones."""
     layers = model.get_base_model().model.layers
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    current, saved = [None], [dict() for _ in layers]
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    current, saved, shared = [None], [dict() for _ in layers], set()
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if current[0] is not None and storage.data_ptr() not in parameters:
+        if current[0] is not None and storage.data_ptr() not in held and storage.data_ptr() not in shared:
             saved[current[0]][storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    def enter(index, args, kwargs):
+        current[0] = index
+        inputs = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+        shared.clear()
+        for value in inputs:
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    shared.add(tensor.untyped_storage().data_ptr())
+
     handles = []
     for index, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda *_, i=index: current.__setitem__(0, i)))
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda _, args, kwargs, i=index: enter(i, args, kwargs), with_kwargs=True
+            )
+        )
         handles.append(layer.register_forward_hook(lambda *_: current.__setitem__(0, None)))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -47,12 +62,18 @@ def _saved_bytes_per_layer(model, ids) -> list[int]:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
 )
-@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3"])
 def test_a_kept_layer_saves_what_the_model_says(arch, tmp_path):
     """Layer by layer, the fused path (the kernels' own autograd Functions, under the
-    Triton interpreter) keeps exactly ``kept_layer_bytes``.  The first layer is left out:
-    its input, the embeddings, needs no gradient, so its first norm saves nothing."""
-    path = build_tiny_model(arch, tmp_path, num_layers=3, num_heads=4, num_kv_heads=2)
+    Triton interpreter) keeps exactly ``kept_layer_bytes``, to the byte: in fp32 on the CPU
+    nothing is rounded or padded.  Qwen3's and Gemma 3's q/k norms and Gemma 3's sandwich
+    norms keep their inputs and 1/rms on top of Llama's layer.  The first layer is left
+    out: its input, the embeddings, needs no gradient, so its first norm saves nothing.
+    Gemma 3's window is wider than the sequence, so its sliding layers run unmasked like
+    the others: given a mask, transformers' SDPA repeats K and V to every query head and
+    the layer keeps those copies, which the model does not count."""
+    window = {"sliding_window": 32} if arch == "gemma3" else {}
+    path = build_tiny_model(arch, tmp_path, num_layers=3, num_heads=4, num_kv_heads=2, **window)
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
     model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
     batch, seq = 2, 20
