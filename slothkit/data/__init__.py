@@ -9,7 +9,8 @@
 
 Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
 (installing one), sharegpt, conversations, alpaca, responses_only, loading, examples,
-packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trl's trainers run before handing data to TRL.
+packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trl's trainers run before handing data to TRL; text_encoding finds
+text that is not UTF-8.
 """
 
 from slothkit.data.alpaca import alpaca_prompt, format_alpaca

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import pathlib
 
+from slothkit.data.text_encoding import first_invalid_utf8, is_decoding_failure, not_utf8_error
+
 # File extension -> the `datasets` builder that reads it.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -102,13 +104,13 @@ def load_data(source, split: str = "train", **load_kwargs):
                 f"cannot read {str(path)!r}: unknown file type; accepted: {', '.join(sorted(FILE_BUILDERS))}"
             )
         _check_not_empty(path)
-        return _without_stop_iteration(
-            path, lambda: datasets.load_dataset(builder, data_files=str(path), split=split, **load_kwargs)
+        return _read(
+            path,
+            load_kwargs,
+            lambda: datasets.load_dataset(builder, data_files=str(path), split=split, **load_kwargs),
         )
     if path.is_dir():
-        return _without_stop_iteration(
-            path, lambda: datasets.load_dataset(str(path), split=split, **load_kwargs)
-        )
+        return _read(path, load_kwargs, lambda: datasets.load_dataset(str(path), split=split, **load_kwargs))
     if _extension(path) in FILE_BUILDERS or str(source).startswith((".", "/", "~")):
         raise FileNotFoundError(f"no such data file or folder: {str(path)!r}")
     return _load_from_hub(str(source), split, load_kwargs)
@@ -132,12 +134,36 @@ def _check_not_empty(path: pathlib.Path) -> None:
         )
 
 
-def _without_stop_iteration(path: pathlib.Path, load):
-    # datasets' readers let a bare StopIteration out of files without a record.
+def _read(path: pathlib.Path, load_kwargs: dict, load):
+    """load(), with the failures datasets' readers leave unexplained named: a bare
+    StopIteration from files without a record, and bytes that are not UTF-8 (text_encoding),
+    located by scanning the file(s) once the load has failed."""
+    import datasets
+
     try:
-        return load()
+        dataset = load()
+        if isinstance(dataset, datasets.Dataset):
+            # pyarrow's JSON reader keeps a .jsonl file's bytes that are not UTF-8, which then
+            # fail when a record is read, in training; the full check reads gigabytes a second.
+            dataset.data.table.validate(full=True)
+        return dataset
     except StopIteration:
         raise ValueError(f"{str(path)!r} holds no records to read (empty files?)") from None
+    except Exception as error:
+        if "encoding" in load_kwargs or not is_decoding_failure(error):
+            raise
+        for file in _text_files(path):
+            found = first_invalid_utf8(file)
+            if found is not None:
+                raise not_utf8_error(file, found) from error
+        raise
+
+
+def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
+    if path.is_file():
+        return [path]
+    text_kinds = {ext for ext, builder in FILE_BUILDERS.items() if builder != "parquet"}
+    return sorted(p for p in path.rglob("*") if p.is_file() and _extension(p) in text_kinds)
 
 
 def _extension(path: pathlib.Path) -> str:

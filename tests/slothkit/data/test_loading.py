@@ -114,3 +114,42 @@ def test_an_empty_file_says_it_is_empty(tmp_path, name, content, expected):
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=expected):  # was a bare StopIteration
         load_data(str(tmp_path / name))
+
+
+@pytest.mark.parametrize(
+    "name, content, offset, line",
+    [
+        ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', 28, 2),
+        ("latin1.json", b'[{"text": "ok"},\n {"text": "caf\xe9"}]', 31, 2),
+        ("latin1.csv", b"text,label\nhello,1\ncaf\xe9,2\n", 22, 3),
+    ],
+)
+def test_a_file_that_is_not_utf8_names_the_file_the_byte_and_the_fix(tmp_path, name, content, offset, line):
+    path = tmp_path / name
+    path.write_bytes(content)
+    assert content[offset] == 0xE9
+    for source in (path, tmp_path):  # the file, and a folder holding it
+        with pytest.raises(ValueError) as error:  # was UnicodeDecodeError or DatasetGenerationError
+            load_data(source)
+        message = str(error.value)
+        assert message.startswith(f"{str(path)!r} is not UTF-8: byte 0xe9 at offset {offset} (line {line})")
+        assert "(in latin-1, 0xe9 is 'é')" in message and "iconv -f latin1 -t utf-8" in message
+    advises_encoding = 'load_data(path, encoding="latin-1")' in message
+    assert advises_encoding == (path.suffix != ".json")  # datasets decodes a .json array as UTF-8 regardless
+    if advises_encoding:
+        assert load_data(path, encoding="latin-1")["text"][-1] == "café"
+
+
+def test_the_utf8_scan_finishes_characters_cut_by_its_chunks(monkeypatch, tmp_path):
+    from slothkit.data import text_encoding
+
+    monkeypatch.setattr(text_encoding, "_CHUNK", 3)
+    path = tmp_path / "x.jsonl"
+    path.write_bytes("aé\n€😀\n".encode() + b"\xe9z")  # 2-, 3- and 4-byte characters across chunk ends
+    found = text_encoding.first_invalid_utf8(path)
+    assert (found.offset, found.line, found.byte) == (12, 3, 0xE9)
+    path.write_bytes("aé\n€😀\n".encode())
+    assert text_encoding.first_invalid_utf8(path) is None
+    path.write_bytes(b"ab\xe2\x82")  # cut short at the end of the file
+    found = text_encoding.first_invalid_utf8(path)
+    assert (found.offset, found.line, found.byte) == (2, 1, 0xE2)
