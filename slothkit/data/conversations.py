@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from slothkit.data.chat_formats import DEFAULT_MAPPING, mapping_of_template
 from slothkit.data.chat_templates import adds_bos
+from slothkit.data.text_encoding import check_no_lone_surrogate
 
 MESSAGE_FIELDS = ("messages", "conversations")
 
@@ -76,6 +77,7 @@ def check_conversation(
                 f"{where}, message {position}: {content_key!r} must be a string; got "
                 f"{type(message[content_key]).__name__}"
             )
+        check_no_lone_surrogate(message[content_key], f"{where}, message {position} ({content_key!r})")
     if need_assistant and not any(roles.get(m[role_key]) == "assistant" for m in messages):
         raise ValueError(f"{where} has no {mapping['assistant']!r} message, so nothing to train on")
 

@@ -14,7 +14,15 @@ from __future__ import annotations
 import os
 import pathlib
 
-from slothkit.data.text_encoding import first_invalid_utf8, is_decoding_failure, not_utf8_error
+from slothkit.data.text_encoding import (
+    LoneSurrogateError,
+    check_json_file,
+    check_records,
+    first_invalid_utf8,
+    is_decoding_failure,
+    is_surrogate_failure,
+    not_utf8_error,
+)
 
 # File extension -> the `datasets` builder that reads it.
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -37,7 +45,12 @@ def as_dataset(data):
             raise ValueError(
                 f"a dict of records must map column names to lists of one length; got lengths {lengths}"
             )
-        return datasets.Dataset.from_dict(data)
+        return _with_surrogates_named(
+            lambda: datasets.Dataset.from_dict(data),
+            lambda: (
+                {column: data[column][i] for column in data} for i in range(next(iter(lengths.values())))
+            ),
+        )
     if isinstance(data, (list, tuple)):
         if len(data) == 0:
             raise ValueError("the list of records is empty")
@@ -46,13 +59,26 @@ def as_dataset(data):
             raise ValueError(
                 f"records must be dicts; record {not_dicts[0]} is {type(data[not_dicts[0]]).__name__}"
             )
-        return datasets.Dataset.from_list(list(data))
+        return _with_surrogates_named(lambda: datasets.Dataset.from_list(list(data)), lambda: data)
     if type(data).__name__ == "DataFrame":
-        return datasets.Dataset.from_pandas(data, preserve_index=False)
+        return _with_surrogates_named(
+            lambda: datasets.Dataset.from_pandas(data, preserve_index=False), lambda: data.to_dict("records")
+        )
     raise TypeError(
         f"cannot use {type(data).__name__} as a dataset; accepted: datasets.Dataset, a list of dicts, "
         "a dict of lists, a pandas DataFrame (or a path or Hub name through load_data)"
     )
+
+
+def _with_surrogates_named(convert, records):
+    """convert(), with pyarrow's "surrogates not allowed" (which names no record) replaced
+    by an error naming the record and column that hold the lone surrogate; the records are
+    searched only once the conversion has failed."""
+    try:
+        return convert()
+    except UnicodeEncodeError:
+        check_records(records())
+        raise
 
 
 def records_as_dataset(data, argument: str):
@@ -71,6 +97,8 @@ def records_as_dataset(data, argument: str):
         return data
     try:
         return as_dataset(data)
+    except LoneSurrogateError as error:
+        raise LoneSurrogateError(f"{argument}: {error}") from None
     except ValueError as error:
         raise ValueError(
             f"{argument}: {error}; pass a datasets.Dataset, or a list of dicts with one training "
@@ -150,6 +178,10 @@ def _read(path: pathlib.Path, load_kwargs: dict, load):
     except StopIteration:
         raise ValueError(f"{str(path)!r} holds no records to read (empty files?)") from None
     except Exception as error:
+        if is_surrogate_failure(error):
+            for file in _text_files(path):
+                if _extension(file) in (".json", ".jsonl"):
+                    check_json_file(file)  # raises LoneSurrogateError naming the record
         if "encoding" in load_kwargs or not is_decoding_failure(error):
             raise
         for file in _text_files(path):

@@ -5,12 +5,22 @@ error that names neither the file nor the place ("'utf-8' codec can't decode byt
 position 3", the position counted from the start of a block it read, or "An error occurred
 while generating the dataset").  load_data catches such a failure and scans the file once
 to say where it is; a load that succeeds pays nothing.
+
+A lone surrogate (a code point U+D800 to U+DFFF: half of a UTF-16 pair, alone) is no
+character: a JSON escape such as "\\ud800" or text decoded with errors="surrogateescape"
+puts one in a Python string, which UTF-8, pyarrow and the tokenizers then refuse ("The
+surrogate pair in string is invalid. in row 0", "surrogates not allowed", "TextEncodeInput
+must be Union[...]").  The record and column that hold it are named where slothkit first
+sees the text: records in memory (as_dataset), the trainers' checks (validation), and a file
+whose load failed on one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+import re
 
 _CHUNK = 1 << 20
 
@@ -77,3 +87,93 @@ def not_utf8_error(path: pathlib.Path, found: InvalidByte) -> ValueError:
         f"{str(path)!r} is not UTF-8: byte {byte} at offset {found.offset} (line {found.line}) is not "
         f"valid UTF-8{latin1}; {fix}"
     )
+
+
+class LoneSurrogateError(ValueError):
+    """Text holds a lone surrogate; the message names the record, the column and the place."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_FIX = (
+    "half of a UTF-16 pair, which is no character and cannot be written as UTF-8 or tokenized; "
+    "fix the text that produced it, or replace it: text.encode('utf-8', 'replace').decode() puts '?' there"
+)
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """The index of the first surrogate code point in `text`, or None.  ASCII text, most
+    text, costs nothing: a str knows whether it is ASCII."""
+    if text.isascii():
+        return None
+    match = _SURROGATE.search(text)
+    return match.start() if match else None
+
+
+def check_no_lone_surrogate(text: str, where: str) -> None:
+    index = lone_surrogate_at(text)
+    if index is not None:
+        raise LoneSurrogateError(
+            f"{where} holds a lone surrogate {text[index]!r} at character {index} "
+            f"(after {text[max(0, index - 20) : index]!r}): {SURROGATE_FIX}"
+        )
+
+
+def check_records(records, where: str = "record") -> None:
+    """LoneSurrogateError for the first string in `records` (dicts) holding a lone surrogate,
+    naming the record's index and its column (and, inside lists and dicts, the path)."""
+    for index, record in enumerate(records):
+        if isinstance(record, dict):
+            check_record(record, f"{where} {index}")
+
+
+def check_record(record: dict, where: str) -> None:
+    for column, value in record.items():
+        for path, text in _strings(value, repr(column)):
+            check_no_lone_surrogate(text, f"{where} ({path})")
+
+
+def _strings(value, path: str):
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for position, item in enumerate(value):
+            yield from _strings(item, f"{path}[{position}]")
+
+
+def is_surrogate_failure(error: BaseException) -> bool:
+    """Whether `error` (or what it wraps) is pyarrow's or a codec's refusal of a surrogate."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if "surrogate" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def check_json_file(path: pathlib.Path) -> None:
+    """LoneSurrogateError naming the record (and line) of a .json or .jsonl file that holds a
+    lone surrogate; run after a load failed on one, so it may read the whole file."""
+    if path.suffix.lower() == ".jsonl":
+        with open(path, encoding="utf-8") as file:
+            index = 0
+            for line_number, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return  # not JSON Lines after all: datasets' own error stands
+                if isinstance(record, dict):
+                    check_record(record, f"{str(path)!r}, line {line_number}: record {index}")
+                index += 1
+        return
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return
+    if isinstance(records, list):
+        check_records(records, f"{str(path)!r}: record")

@@ -22,6 +22,7 @@ import itertools
 from slothkit.data.chat_formats import DEFAULT_MAPPING
 from slothkit.data.conversations import check_conversation, dataset_mapping
 from slothkit.data.sharegpt import standardize_conversation
+from slothkit.data.text_encoding import check_no_lone_surrogate
 
 _STREAMED_CHECKED = 100  # records checked from a streamed (iterable) dataset
 
@@ -53,6 +54,7 @@ def _check_text(value, where: str) -> None:
         raise ValueError(f"{where}: expected a string; got {type(value).__name__}")
     if not value.strip():
         raise ValueError(f"{where} is empty")
+    check_no_lone_surrogate(value, where)  # a streamed record's text has not been through pyarrow
 
 
 def _is_conversation(value) -> bool:

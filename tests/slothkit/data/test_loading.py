@@ -153,3 +153,32 @@ def test_the_utf8_scan_finishes_characters_cut_by_its_chunks(monkeypatch, tmp_pa
     path.write_bytes(b"ab\xe2\x82")  # cut short at the end of the file
     found = text_encoding.first_invalid_utf8(path)
     assert (found.offset, found.line, found.byte) == (2, 1, 0xE2)
+
+
+SURROGATE = "lone surrogate '\\\\ud800' at character 1 \\(after 'a'\\): half of a UTF-16 pair"
+
+
+def test_a_lone_surrogate_names_the_file_or_the_record_and_column(tmp_path):
+    import pandas as pd
+
+    from slothkit.data.loading import records_as_dataset
+
+    path = tmp_path / "train.jsonl"  # "\ud800" escapes, as json.dumps writes half an emoji
+    path.write_text('{"text": "ok"}\n\n{"text": "ok"}\n{"text": "a\\ud800b"}\n')
+    with pytest.raises(ValueError, match=f"^'{path}', line 4: record 2 \\('text'\\) holds a {SURROGATE}"):
+        load_data(path)  # was DatasetGenerationError: "An error occurred while generating the dataset"
+    bad = "a\ud800b"
+    for records in (
+        [{"text": "ok"}, {"text": bad}],
+        {"id": [1, 2], "text": ["ok", bad]},
+        pd.DataFrame({"text": pd.Series(["ok", bad], dtype=object)}),
+    ):
+        with pytest.raises(ValueError, match=f"^record 1 \\('text'\\) holds a {SURROGATE}"):
+            load_data(records)  # was UnicodeEncodeError: "... surrogates not allowed", naming no record
+    messages = [
+        {"messages": [{"role": "user", "content": "ok"}]},
+        {"messages": [{"role": "user", "content": bad}]},
+    ]
+    match = f"^train_dataset: record 1 \\('messages'\\[0\\]\\['content'\\]\\) holds a {SURROGATE}"
+    with pytest.raises(ValueError, match=match):
+        records_as_dataset(messages, "train_dataset")

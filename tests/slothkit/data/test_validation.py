@@ -85,3 +85,26 @@ def test_streamed_datasets_are_checked_on_their_first_records():
     stream = datasets.Dataset.from_list([{"text": "ok"}, {"text": ""}]).to_iterable_dataset()
     with pytest.raises(ValueError, match="record 1 \\('text'\\) is empty"):
         check_sft_dataset(stream)
+
+
+def test_a_lone_surrogate_in_streamed_text_is_named_before_the_tokenizer_meets_it():
+    bad = "caf\udce9"  # bytes.decode("utf-8", "surrogateescape") of latin-1 "café"
+    with pytest.raises(TypeError, match="TextEncodeInput"):
+        _tokenizer()(bad)  # what training would meet
+    cases = [
+        ({"text": bad}, "training record 1 \\('text'\\)"),
+        (
+            {"messages": [{"role": "user", "content": bad}, GOOD[1]]},
+            "training record 1 \\('messages'\\), message 0",
+        ),
+        ({"prompt": "2 + 2 =", "completion": bad}, "training record 1 \\('completion'\\)"),
+    ]
+    for record, where in cases:
+        records = [{key: (GOOD if key == "messages" else "ok") for key in record}, record]
+        stream = datasets.IterableDataset.from_generator(lambda records=records: iter(records))
+        with pytest.raises(ValueError, match=f"^{where}.* holds a lone surrogate '\\\\udce9' at character 3"):
+            check_sft_dataset(stream)
+    with pytest.raises(ValueError, match="training record 0 \\('chosen'\\) holds a lone surrogate"):
+        check_preference_dataset(
+            datasets.IterableDataset.from_generator(lambda: iter([{"chosen": bad, "rejected": "x"}]))
+        )
