@@ -1,10 +1,11 @@
 """Text that is not UTF-8, found where it is: the file, the byte and the line.
 
-datasets reads .json, .jsonl and .csv files as UTF-8, and fails on other bytes with an
-error that names neither the file nor the place ("'utf-8' codec can't decode byte 0xe9 in
-position 3", the position counted from the start of a block it read, or "An error occurred
-while generating the dataset").  load_data catches such a failure and scans the file once
-to say where it is; a load that succeeds pays nothing.
+datasets reads .json, .jsonl and .csv files as UTF-8.  Other bytes fail with an error that
+names neither the file nor the place ("An error occurred while generating the dataset"),
+or, in a .jsonl file, pass pyarrow's reader and fail when a record is read ("'utf-8' codec
+can't decode byte 0xe9 in position 3", counted from the start of the string).  load_data
+checks the loaded table's strings (pyarrow's full validation, gigabytes a second) and, once
+a load has failed, scans the file to say where the byte is.
 
 A lone surrogate (a code point U+D800 to U+DFFF: half of a UTF-16 pair, alone) is no
 character: a JSON escape such as "\\ud800" or text decoded with errors="surrogateescape"
