@@ -75,4 +75,3 @@ def move_staged_entries(
         else:
             entry.unlink()
     staging.rmdir()
-

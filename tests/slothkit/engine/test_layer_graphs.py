@@ -426,7 +426,9 @@ def test_fast_model_asks_for_graphs_where_the_host_limits_the_layers(
     FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing="offload")
     # Gemma 3's fused layers have no sum to keep (Architecture.keeps_attention_sum).
     keep_sums = False if family == "gemma3" and fused else None
-    assert checkpointing_asked == [{"cuda_graphs": None, "launch_bound": launch_bound, "keep_sums": keep_sums}]
+    assert checkpointing_asked == [
+        {"cuda_graphs": None, "launch_bound": launch_bound, "keep_sums": keep_sums}
+    ]
 
 
 def test_a_model_quantised_after_loading_counts_as_4bit(checkpointing_asked, monkeypatch):

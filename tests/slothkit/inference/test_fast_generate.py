@@ -325,7 +325,10 @@ def test_an_architecture_without_the_fast_path_says_so_once(layers, recwarn):
     post-MLP norms nor its per-layer-type rotary tables (test_fast_model compares the fused
     model's greedy tokens with HF + PEFT's after training)."""
     model, _ = FastModel.from_pretrained(
-        str(tiny_model_path("gemma3", num_layers=layers)), dtype=torch.float32, load_in_4bit=False, fused=False
+        str(tiny_model_path("gemma3", num_layers=layers)),
+        dtype=torch.float32,
+        load_in_4bit=False,
+        fused=False,
     )
     recwarn.clear()
     for _ in range(2):
