@@ -15,8 +15,8 @@
 #   gives one; a few Alpaca-style preference records in memory), and `max_steps` is 2;
 #   `max_seq_length` stays 4096, twice the tiny model's context, so RoPE is scaled as for
 #   a short-context checkpoint;
-# - on a machine without CUDA: `.to("cuda")` is `.to(model.device)` and
-#   `optim="adamw_8bit"` is "adamw_torch" (each marked below);
+# - on a machine without CUDA: `.to("cuda")` is `.to(model.device)` and the model loads in
+#   16 bits (each marked below);
 # - the cells behind `if False:` that save or reload locally run (users flip them);
 #   pushing to the Hub stays off (no network).
 
@@ -31,7 +31,7 @@ ON_GPU = torch.cuda.is_available()
 
 max_seq_length = 4096
 dtype = None
-load_in_4bit = ON_GPU  # bitsandbytes' 4-bit layers want a GPU; 16-bit LoRA on the CPU runner
+load_in_4bit = ON_GPU  # 16-bit LoRA on the CPU runner: bitsandbytes' CPU 4-bit path is slow
 
 model, tokenizer = FastLanguageModel.from_pretrained(
     model_name=MODEL,
@@ -127,7 +127,7 @@ orpo_trainer = ORPOTrainer(
         gradient_accumulation_steps=4,
         beta=0.1,
         logging_steps=1,
-        optim="adamw_8bit" if ON_GPU else "adamw_torch",  # bitsandbytes' 8-bit Adam wants a GPU
+        optim="adamw_8bit",
         lr_scheduler_type="linear",
         max_steps=2,
         output_dir="outputs",
@@ -197,7 +197,7 @@ if False:
     model.push_to_hub_merged(
         "HF_USERNAME/llama_finetune_16bit", tokenizer, save_method="merged_16bit", token=""
     )
-if ON_GPU:  # merged_4bit quantises with bitsandbytes, which wants a GPU
+if True:
     model.save_pretrained_merged("llama_finetune_4bit", tokenizer, save_method="merged_4bit")
 if False:
     model.push_to_hub_merged(

@@ -19,7 +19,7 @@
 #   twice the tiny model's context, so RoPE is scaled as for a short-context checkpoint;
 # - `r=64` exceeds the tiny model's narrowest projection (k_proj, 32 wide), which slothkit
 #   refuses: 32 here unless the model is wider;
-# - on a machine without CUDA: `optim="adamw_8bit"` is "adamw_torch" (marked below).
+# - on a machine without CUDA the model loads in 16 bits (marked below).
 #
 # The notebook ends with training: it has no inference or saving cells.
 
@@ -39,7 +39,7 @@ ON_GPU = torch.cuda.is_available()
 
 max_seq_length = 4096
 dtype = None
-load_in_4bit = ON_GPU  # bitsandbytes' 4-bit layers want a GPU; 16-bit LoRA on the CPU runner
+load_in_4bit = ON_GPU  # 16-bit LoRA on the CPU runner: bitsandbytes' CPU 4-bit path is slow
 
 model, tokenizer = FastLanguageModel.from_pretrained(
     model_name=MODEL,
@@ -158,7 +158,7 @@ dpo_trainer = DPOTrainer(
         max_steps=2,  # the notebook: num_train_epochs=3
         learning_rate=5e-6,
         logging_steps=1,
-        optim="adamw_8bit" if ON_GPU else "adamw_torch",  # bitsandbytes' 8-bit Adam wants a GPU
+        optim="adamw_8bit",
         weight_decay=0.0,
         lr_scheduler_type="linear",
         seed=42,
