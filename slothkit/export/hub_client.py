@@ -2,7 +2,7 @@
 one stall deadline over the whole push.
 
 Left alone, huggingface_hub's client waits forever; some of its requests pass ``timeout=None``,
-which in httpx2 overrides a client's own timeouts (the repo listing, ``GET
+which in httpx and httpx2 overrides a client's own timeouts (the repo listing, ``GET
 /api/models/REPO/tree/main``, is one: a connect to a stopped server then waits for the
 operating system's limit, over two minutes); it tries each request up to six times, pausing
 1 to 8 s between tries; and slothkit retries the whole upload. Limits per request multiply
@@ -32,7 +32,11 @@ import dataclasses
 import threading
 import time
 
-import httpx2
+from huggingface_hub.utils import _http as hub_http
+
+# The HTTP library huggingface_hub sends through: httpx2 from huggingface_hub 2.x, httpx (the
+# same API under its former name) before; the transports wrapped here must be its classes.
+http = getattr(hub_http, "httpx2", None) or hub_http.httpx
 
 CONNECT_TIMEOUT_S = 10.0
 # huggingface_hub's http_backoff pauses at most max_wait_time=8 s before its next try.
@@ -45,7 +49,7 @@ def url_without_query(url) -> str:
     return str(url).split("?", 1)[0]
 
 
-def _is_commit(request: httpx2.Request) -> bool:
+def _is_commit(request: http.Request) -> bool:
     return request.method == "POST" and "/commit/" in request.url.path
 
 
@@ -71,7 +75,7 @@ class PushStalled(Exception):
 class _Exchange:
     """One request of the push, from its start to the end of its response."""
 
-    request: httpx2.Request
+    request: http.Request
     remaining_s: float  # to the deadline, when it started
     sent: int = 0
     ended: bool = False
@@ -88,7 +92,7 @@ class StallClock:
         # waiting (no request in flight, and none failed since the last complete exchange).
         self._waiting_since: float | None = None
         self._in_flight = 0
-        self._last: tuple[httpx2.Request, BaseException | None] | None = None
+        self._last: tuple[http.Request, BaseException | None] | None = None
         self._uploads_confirmed = 0
         self._bytes_confirmed = 0
         self._commits_confirmed = 0
@@ -99,9 +103,7 @@ class StallClock:
             return self.stall_s
         return self._waiting_since + self.stall_s - now
 
-    def stalled(
-        self, request: httpx2.Request | None = None, cause: BaseException | None = None
-    ) -> PushStalled:
+    def stalled(self, request: http.Request | None = None, cause: BaseException | None = None) -> PushStalled:
         """What the push had done, for the report; the request defaults to the latest one."""
         with self._lock:
             if request is None and self._last is not None:
@@ -118,7 +120,7 @@ class StallClock:
                 commit_unanswered=self._commit_unanswered,
             )
 
-    def begin(self, request: httpx2.Request) -> _Exchange:
+    def begin(self, request: http.Request) -> _Exchange:
         with self._lock:
             now = time.monotonic()
             remaining = self._remaining(now)
@@ -175,10 +177,10 @@ class StallClock:
         time.sleep(seconds)
 
 
-class _SentBytes(httpx2.SyncByteStream):
+class _SentBytes(http.SyncByteStream):
     """A request body that tells the clock as each chunk goes out."""
 
-    def __init__(self, stream: httpx2.SyncByteStream, clock: StallClock, exchange: _Exchange):
+    def __init__(self, stream: http.SyncByteStream, clock: StallClock, exchange: _Exchange):
         self.stream, self.clock, self.exchange = stream, clock, exchange
 
     def __iter__(self):
@@ -190,10 +192,10 @@ class _SentBytes(httpx2.SyncByteStream):
         self.stream.close()
 
 
-class _ReceivedBytes(httpx2.SyncByteStream):
+class _ReceivedBytes(http.SyncByteStream):
     """A response body that tells the clock as each chunk comes in, and when it is done."""
 
-    def __init__(self, stream: httpx2.SyncByteStream, clock: StallClock, exchange: _Exchange, status: int):
+    def __init__(self, stream: http.SyncByteStream, clock: StallClock, exchange: _Exchange, status: int):
         self.stream, self.clock, self.exchange, self.status = stream, clock, exchange, status
 
     def __iter__(self):
@@ -201,7 +203,7 @@ class _ReceivedBytes(httpx2.SyncByteStream):
             for chunk in self.stream:
                 self.clock.moved(self.exchange)
                 yield chunk
-        except httpx2.TransportError as error:
+        except http.TransportError as error:
             self.clock.failed(self.exchange, error)
             raise
 
@@ -212,13 +214,13 @@ class _ReceivedBytes(httpx2.SyncByteStream):
             self.clock.answered(self.exchange, self.status)
 
 
-class WatchedTransport(httpx2.BaseTransport):
+class WatchedTransport(http.BaseTransport):
     """Sends through `transport` with the push's timeouts, and keeps its stall clock (module docstring)."""
 
-    def __init__(self, transport: httpx2.BaseTransport, limits: dict, clock: StallClock | None):
+    def __init__(self, transport: http.BaseTransport, limits: dict, clock: StallClock | None):
         self.transport, self.limits, self.clock = transport, limits, clock
 
-    def _timeouts(self, request: httpx2.Request, remaining_s: float | None) -> dict:
+    def _timeouts(self, request: http.Request, remaining_s: float | None) -> dict:
         own = request.extensions.get("timeout") or {}
         timeouts = {}
         for kind in TIMEOUT_KINDS:
@@ -227,7 +229,7 @@ class WatchedTransport(httpx2.BaseTransport):
             timeouts[kind] = min(finite) if finite else None
         return timeouts
 
-    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+    def handle_request(self, request: http.Request) -> http.Response:
         if self.clock is None:
             request.extensions = {**request.extensions, "timeout": self._timeouts(request, None)}
             return self.transport.handle_request(request)
@@ -238,7 +240,7 @@ class WatchedTransport(httpx2.BaseTransport):
         request.stream = _SentBytes(request.stream, self.clock, exchange)
         try:
             response = self.transport.handle_request(request)
-        except httpx2.TransportError as error:
+        except http.TransportError as error:
             self.clock.failed(exchange, error)
             raise
         except BaseException:
@@ -263,8 +265,8 @@ def _limits(timeout_s: float | None) -> dict:
     }
 
 
-def _watch(client: httpx2.Client, limits: dict, clock: StallClock | None) -> None:
-    # httpx2 has no public way to change a built client's transports, and the client comes from
+def _watch(client: http.Client, limits: dict, clock: StallClock | None) -> None:
+    # httpx(2) has no public way to change a built client's transports, and the client comes from
     # the factory in use (a user's may carry proxies and certificates, as mounts): each of its
     # transports is wrapped in place.
     client._transport = WatchedTransport(client._transport, limits, clock)
@@ -304,9 +306,9 @@ def hub_client(timeout_s: float | None, stall_timeout_s: float | None):
     factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
     clock = StallClock(stall_timeout_s) if stall_timeout_s is not None else None
     limits = _limits(timeout_s)
-    unwatched: dict[int, tuple[httpx2.Client, httpx2.BaseTransport, dict]] = {}
+    unwatched: dict[int, tuple[http.Client, http.BaseTransport, dict]] = {}
 
-    def watched_client() -> httpx2.Client:
+    def watched_client() -> http.Client:
         client = factory()
         if id(client) not in unwatched:  # a factory may hand out the same client again
             unwatched[id(client)] = (client, client._transport, client._mounts)

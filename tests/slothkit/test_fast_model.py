@@ -232,26 +232,26 @@ def test_switches_are_keyword_arguments_that_beat_the_environment(checkpointing_
     monkeypatch.delenv("SLOTHKIT_CUDA_GRAPHS", raising=False)
     monkeypatch.delenv("SLOTHKIT_KEEP_SUMS", raising=False)
     model = _fused(path, load_in_4bit=False, checkpointing="offload")
-    assert asked.pop() == {"cuda_graphs": None, "quantized": False, "keep_sums": None}
+    assert asked.pop() == {"cuda_graphs": None, "launch_bound": False, "keep_sums": None}
     hardware = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
     assert _switches(model) == ((), hardware)
 
     monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "0")
     monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "0")
     model = _fused(path, load_in_4bit=False, checkpointing="offload", cuda_graphs="forward", keep_sums=True)
-    assert asked.pop() == {"cuda_graphs": "forward", "quantized": False, "keep_sums": True}
+    assert asked.pop() == {"cuda_graphs": "forward", "launch_bound": False, "keep_sums": True}
     assert _switches(model) == (forward, True)
     model = _fused(path, load_in_4bit=False, checkpointing="offload")
-    assert asked.pop() == {"cuda_graphs": False, "quantized": False, "keep_sums": False}
+    assert asked.pop() == {"cuda_graphs": False, "launch_bound": False, "keep_sums": False}
     assert _switches(model) == ((), False)
 
     monkeypatch.setenv("SLOTHKIT_CUDA_GRAPHS", "1")
     monkeypatch.setenv("SLOTHKIT_KEEP_SUMS", "1")
     model = _fused(path, load_in_4bit=False, checkpointing="offload")
-    assert asked.pop() == {"cuda_graphs": True, "quantized": False, "keep_sums": True}
+    assert asked.pop() == {"cuda_graphs": True, "launch_bound": False, "keep_sums": True}
     assert _switches(model) == (both, True)
     model = _fused(path, load_in_4bit=False, checkpointing="offload", cuda_graphs=False, keep_sums=False)
-    assert asked.pop() == {"cuda_graphs": False, "quantized": False, "keep_sums": False}
+    assert asked.pop() == {"cuda_graphs": False, "launch_bound": False, "keep_sums": False}
     assert _switches(model) == ((), False)
 
 
