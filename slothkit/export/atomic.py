@@ -79,14 +79,17 @@ class OverlappingPathsError(ValueError):
     """The output folder is, contains, or lies inside a folder the save reads from."""
 
 
-def is_non_empty_directory(path: pathlib.Path) -> bool:
-    return path.is_dir() and any(path.iterdir())
+def is_non_empty_directory(path: pathlib.Path, ignoring: pathlib.Path | None = None) -> bool:
+    return path.is_dir() and any(entry != ignoring for entry in path.iterdir())
 
 
-def check_target(target: str | os.PathLike, overwrite: bool) -> pathlib.Path:
+def check_target(
+    target: str | os.PathLike, overwrite: bool, ignoring: pathlib.Path | None = None
+) -> pathlib.Path:
     """Refuse a target that would lose data without overwrite=True; return it as a Path.
 
     Called before any expensive work (merging a model) so that the refusal comes first.
+    `ignoring`: a save's own staging folder inside the target (a mount point).
     """
     target = pathlib.Path(target).expanduser()
     if target.is_symlink():
@@ -95,7 +98,7 @@ def check_target(target: str | os.PathLike, overwrite: bool) -> pathlib.Path:
         # would replace it with a folder, or fail ("Not a directory").
         target = target.resolve()
     check_folder_path(target, "the save folder")
-    if is_non_empty_directory(target) and not overwrite:
+    if is_non_empty_directory(target, ignoring) and not overwrite:
         raise DirectoryNotEmptyError(
             f"{str(target)!r} is not empty; pass overwrite=True to replace its contents "
             f"(the replacement is atomic), or choose a new directory"
@@ -159,54 +162,32 @@ def atomic_directory(
             another quantisation beside earlier ones).
     """
     target = check_target(target, overwrite)
-    if is_mount_point(target):
-        with _staged_in_mount_point(target, overwrite, keep_other_files, keep_unwritten_files) as staging:
-            yield staging
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
+    in_mount_point = is_mount_point(target)  # cannot be renamed over: staged inside it
+    if not in_mount_point:
+        target.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(target)
-    staging = _make_staging(prefix=f".{target.name}.partial-", parent=target.parent)
+    if in_mount_point:
+        prefix, parent = STAGING_PREFIX, target
+    else:
+        prefix, parent = f".{target.name}.partial-", target.parent
+    staging = _make_staging(prefix, parent)
     lock = _lock(staging)
     try:
         yield staging
         # Checked again: another process may have filled the target while we were writing.
-        check_target(target, overwrite)
+        check_target(target, overwrite, ignoring=staging)
+        os.chmod(staging, 0o777 & ~_umask())
+        if in_mount_point:
+            _fsync_tree(staging)
+            remove_old = "none" if keep_unwritten_files else "saved" if keep_other_files else "all"
+            move_staged_entries(staging, target, remove_old, is_saved_file, _keep_users_readme)
+            _fsync_directory(target)
+            return
         if (keep_other_files or keep_unwritten_files) and target.is_dir():
             _carry_other_files(target, staging, saved_kinds_too=keep_unwritten_files)
-        os.chmod(staging, 0o777 & ~_umask())
         _fsync_tree(staging)
         _move_into_place(staging, target)
         _fsync_directory(target.parent)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        if lock is not None:
-            os.close(lock)
-
-
-@contextlib.contextmanager
-def _staged_in_mount_point(
-    target: pathlib.Path, overwrite: bool, keep_other_files: bool, keep_unwritten_files: bool
-) -> Iterator[pathlib.Path]:
-    """atomic_directory for a mount point, which cannot be renamed over
-    (slothkit.export.mount_point): staged inside it, moved in entry by entry."""
-    remove_leftovers(target)
-    staging = _make_staging(prefix=STAGING_PREFIX, parent=target)
-    lock = _lock(staging)
-    try:
-        yield staging
-        others = [e for e in target.iterdir() if not e.name.startswith(STAGING_PREFIX)]
-        if others and not overwrite:  # filled by another process while we were writing
-            raise DirectoryNotEmptyError(
-                f"{str(target)!r} is not empty; pass overwrite=True to replace its contents, or choose "
-                f"a new directory"
-            )
-        os.chmod(staging, 0o777 & ~_umask())
-        _fsync_tree(staging)
-        remove_old = "none" if keep_unwritten_files else "saved" if keep_other_files else "all"
-        move_staged_entries(staging, target, remove_old, is_saved_file, _keep_users_readme)
-        _fsync_directory(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

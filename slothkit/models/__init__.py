@@ -6,8 +6,8 @@ architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
 shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
 
-RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (today
-all of them; a record with fused=False would serve export only, its family training on the
+RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (every
+record; a record with fused=False would serve export only, its family training on the
 generic path); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
