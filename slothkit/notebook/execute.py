@@ -239,21 +239,32 @@ def run_notebook_demo(
 def _logged_loss(notebook) -> tuple[float, float] | None:
     """(first, final) training loss from the line the train cell prints
     ("N steps in S s; loss A -> B"), or None when it printed none."""
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []):
-            match = re.search(r"; loss ([0-9.]+) -> ([0-9.]+)", output.get("text", ""))
-            if match:
-                return float(match.group(1)), float(match.group(2))
+    for printed in _printed_per_cell(notebook):
+        match = re.search(r"; loss ([0-9.]+) -> ([0-9.]+)", printed)
+        if match:
+            return float(match.group(1)), float(match.group(2))
     return None
 
 
 def _compared_answers(notebook) -> list[tuple[str, str, str]]:
     """(prompt, before, after) from what ``compare_answers`` printed."""
-    for cell in notebook.cells:
-        for output in cell.get("outputs", []):
-            found = re.findall(
-                r"^(.*)\n  before: (.*)\n  after:  (.*)$", output.get("text", ""), re.MULTILINE
-            )
-            if found:
-                return found
+    for printed in _printed_per_cell(notebook):
+        found = re.findall(r"^(.*)\n  before: (.*)\n  after:  (.*)$", printed, re.MULTILINE)
+        if found:
+            return found
     return []
+
+
+def _printed_per_cell(notebook) -> list[str]:
+    """What each code cell printed to stdout, as one text. The kernel sends a cell's
+    stdout in pieces as its buffer flushes (every 0.2 s or so), and the executor keeps
+    each piece as its own output, so one printed table can span several outputs, split
+    anywhere, even mid-line."""
+    return [
+        "".join(
+            output.get("text", "")
+            for output in cell.get("outputs", [])
+            if output.get("output_type") == "stream" and output.get("name") == "stdout"
+        )
+        for cell in notebook.cells
+    ]
