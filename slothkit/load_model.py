@@ -10,6 +10,7 @@ for the base model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -35,6 +36,7 @@ from slothkit.generation import accept_encoding_in_generate
 from slothkit.loaded_weights import check_loaded_weights
 from slothkit.model_state import attach_state
 from slothkit.models import architecture_for, supported_summary
+from slothkit.text_tower import TEXT_TOWER_KEYS, text_tower_config, unreported_vision_weights
 from slothkit_kernels.utils import triton_runs_on
 
 
@@ -83,22 +85,27 @@ def load_model(model_name: str, options: LoadOptions):
     config = resolve_checkpoint(model_name, token=options.token)
     hf_kwargs = dict(options.hf_kwargs)
     hf_kwargs.pop("output_loading_info", None)  # slothkit reads the report itself
+    text_config = text_tower_config(config, model_name) if options.num_labels is None else None
+    if text_config is not None:  # a multimodal checkpoint: its text model alone
+        config = hf_kwargs["config"] = text_config
+        hf_kwargs["key_mapping"] = TEXT_TOWER_KEYS
     if extend_context(config, options.max_seq_length):
         hf_kwargs["config"] = config
     if options.num_labels is not None:
         hf_kwargs["num_labels"] = options.num_labels
     dtype = pick_dtype(options.dtype)
     tokenizer = load_tokenizer(model_name, options.token)
-    model, loading_info = _auto_class(options.num_labels).from_pretrained(
-        model_name,
-        dtype=dtype,
-        quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
-        device_map=device_map,
-        token=options.token,
-        attn_implementation=attention_for(config, options),
-        output_loading_info=True,
-        **hf_kwargs,
-    )
+    with unreported_vision_weights() if text_config is not None else contextlib.nullcontext():
+        model, loading_info = _auto_class(options.num_labels).from_pretrained(
+            model_name,
+            dtype=dtype,
+            quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
+            device_map=device_map,
+            token=options.token,
+            attn_implementation=attention_for(config, options),
+            output_loading_info=True,
+            **hf_kwargs,
+        )
     check_loaded_weights(model, loading_info, model_name)
     # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
     # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).

@@ -28,6 +28,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       attention and after the MLP too (Gemma 3); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
                       and the fast decode loop leaves them to Hugging Face's generate
+    text_tower_of     loading (slothkit.text_tower): a multimodal checkpoint of these
+                      model_types loads as this family's text model
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -120,6 +122,10 @@ class Architecture:
     #     h = x + post_attention_layernorm(attn(input_layernorm(x)))
     #     y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
     sandwich_norms: bool = False
+    # Multimodal model_types whose checkpoints hold this family's text model as their
+    # language model (Gemma 3's 4B, 12B and 27B: "gemma3"); FastModel loads that text tower
+    # alone (slothkit.text_tower).
+    text_tower_of: tuple[str, ...] = ()
 
     @property
     def keeps_attention_sum(self) -> bool:

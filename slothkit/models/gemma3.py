@@ -106,4 +106,5 @@ GEMMA3 = Architecture(
     },
     families=("Gemma 3 (text)",),
     embedding_scale=True,
+    text_tower_of=("gemma3",),  # the 4B, 12B and 27B checkpoints hold a vision tower too
 )
