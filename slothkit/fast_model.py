@@ -17,7 +17,7 @@ from slothkit.load_model import LoadOptions, load_model
 from slothkit.lora_setup import LoraSettings, add_lora
 from slothkit.saved_adapter import is_adapter_folder, load_saved_adapter
 from slothkit.training_mode import CheckpointingOptions, ready_for_training
-from slothkit.unsloth_options import check_loading_options
+from slothkit.unsloth_options import check_loading_options, targets_from_layer_flags
 
 
 class FastModel:
@@ -200,7 +200,11 @@ class FastModel:
                 available memory less 10 %.  The layers it cannot take are checkpointed
                 on the GPU ("auto" plans for it; "offload" keeps the next layers'
                 inputs on the GPU once it is spent, said once).
-            **lora_kwargs: passed on to ``peft.LoraConfig``.
+            **lora_kwargs: passed on to ``peft.LoraConfig``, except Unsloth's
+                finetune_attention_modules and finetune_mlp_modules (False: those
+                projections get no adapter), finetune_language_layers and
+                finetune_vision_layers (slothkit loads text models: language layers
+                only; slothkit.unsloth_options).
 
         Returns:
             The ``peft.PeftModel``, in training mode.
@@ -216,6 +220,7 @@ class FastModel:
             mode=use_gradient_checkpointing, cuda_graphs=cuda_graphs, keep_sums=keep_sums,
             max_memory=max_memory, batch_size=batch_size, max_host_memory=max_host_memory,
         )  # fmt: skip
+        target_modules = targets_from_layer_flags(target_modules, lora_kwargs)  # Unsloth's finetune_* flags
         lora = LoraSettings(
             r=r, target_modules=target_modules, lora_alpha=lora_alpha, lora_dropout=lora_dropout, bias=bias,
             random_state=random_state, use_rslora=use_rslora, modules_to_save=modules_to_save, extra=lora_kwargs,

@@ -36,7 +36,12 @@ from slothkit.generation import accept_encoding_in_generate
 from slothkit.loaded_weights import check_loaded_weights
 from slothkit.model_state import attach_state
 from slothkit.models import architecture_for, supported_summary
-from slothkit.text_tower import TEXT_TOWER_KEYS, text_tower_config, unreported_vision_weights
+from slothkit.text_tower import (
+    TEXT_TOWER_KEYS,
+    renders_text_by_default,
+    text_tower_config,
+    unreported_vision_weights,
+)
 from slothkit_kernels.utils import triton_runs_on
 
 
@@ -95,6 +100,8 @@ def load_model(model_name: str, options: LoadOptions):
         hf_kwargs["num_labels"] = options.num_labels
     dtype = pick_dtype(options.dtype)
     tokenizer = load_tokenizer(model_name, options.token)
+    if text_config is not None:
+        renders_text_by_default(tokenizer)
     with unreported_vision_weights() if text_config is not None else contextlib.nullcontext():
         model, loading_info = _auto_class(options.num_labels).from_pretrained(
             model_name,

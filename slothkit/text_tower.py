@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 
 from slothkit.models import RECORDS
@@ -53,7 +54,9 @@ def text_tower_config(config, model_name: str):
         f"slothkit: {model_name} is a multimodal {config.model_type} checkpoint "
         f"({', '.join(config.architectures or [config.model_type])}); slothkit loads its text "
         f"model alone ({text.model_type}) and trains that, so the vision tower is not loaded and "
-        f"the adapter, merged and GGUF saves are of the text model (they read no images)"
+        f"the adapter, merged and GGUF saves are of the text model (they read no images); its "
+        f"tokenizer's apply_chat_template returns text unless asked to tokenize, as the checkpoint's "
+        f"processor does"
     )
     return text
 
@@ -86,3 +89,22 @@ def unreported_vision_weights():
         yield
     finally:
         report_logger.removeFilter(not_the_report)
+
+
+def renders_text_by_default(tokenizer) -> None:
+    """Make this tokenizer's apply_chat_template return the text when the call asks for no
+    tokens (no tokenize, return_tensors or return_dict), as the checkpoint's processor
+    does: what Unsloth returns for such a checkpoint is that processor, and its notebooks
+    pass the result to tokenizer([text]). A tokenizer's own default is token ids."""
+    apply = tokenizer.apply_chat_template
+    if getattr(apply, "renders_text_by_default", False):
+        return
+
+    @functools.wraps(apply)
+    def apply_chat_template(conversation, *args, **kwargs):
+        if not args and not {"tokenize", "return_tensors", "return_dict"} & kwargs.keys():
+            kwargs["tokenize"] = False
+        return apply(conversation, *args, **kwargs)
+
+    apply_chat_template.renders_text_by_default = True
+    tokenizer.apply_chat_template = apply_chat_template

@@ -53,3 +53,92 @@ def embeddings_trained_in_full(target_modules: list, modules_to_save):
     )
     saved = list(modules_to_save or [])
     return [m for m in target_modules if m not in named], saved + [m for m in named if m not in saved]
+
+
+# Unsloth's get_peft_model chooses the adapted layers of its FastModel by kind with these
+# flags (its Gemma 3, Gemma 3n and Qwen3-VL notebooks pass them). slothkit loads text models
+# only (a multimodal checkpoint as its text model: slothkit.text_tower), so the language
+# layers are all there is; the attention and MLP flags pick among their projections.
+LAYER_FLAGS = (
+    "finetune_vision_layers",
+    "finetune_language_layers",
+    "finetune_attention_modules",
+    "finetune_mlp_modules",
+)
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def targets_from_layer_flags(target_modules, lora_kwargs: dict):
+    """target_modules narrowed by Unsloth's finetune_* flags, which are taken out of
+    ``lora_kwargs`` (PEFT's LoraConfig does not know them).
+
+    Args:
+        target_modules: get_peft_model's (None: the seven projections).
+        lora_kwargs: get_peft_model's further keywords; the flags are removed from it.
+
+    Returns:
+        target_modules unchanged when no flag turns a kind of layer off, else the list of
+        names left.
+
+    Raises:
+        ValueError: the flags leave nothing to adapt, or turn a kind off while
+            target_modules is "all-linear" (which names no kinds).
+    """
+    flags = {name: lora_kwargs.pop(name) for name in LAYER_FLAGS if name in lora_kwargs}
+    if flags.get("finetune_vision_layers"):
+        say_once(
+            "get_peft_model(finetune_vision_layers=True): slothkit loads text models (a multimodal "
+            "checkpoint as its text model alone), so only the language layers get adapters"
+        )
+    if flags.get("finetune_language_layers", True) is False:
+        raise ValueError(
+            "finetune_language_layers=False leaves nothing to adapt: slothkit loads text models, whose "
+            "layers are all language layers (slothkit has no vision fine-tuning)"
+        )
+    dropped = [
+        kind
+        for kind, flag in (("attention", "finetune_attention_modules"), ("MLP", "finetune_mlp_modules"))
+        if flags.get(flag, True) is False
+    ]
+    if not dropped:
+        return target_modules
+    if target_modules == "all-linear":
+        raise ValueError(
+            f"target_modules='all-linear' with finetune_{dropped[0].lower()}_modules=False: name the "
+            f"layers to adapt in target_modules instead"
+        )
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if target_modules is not None:
+        names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    off = (ATTENTION_PROJECTIONS if "attention" in dropped else ()) + (
+        MLP_PROJECTIONS if "MLP" in dropped else ()
+    )
+    kept = [name for name in names if name not in off]
+    if not kept:
+        raise ValueError(
+            f"finetune_attention_modules and finetune_mlp_modules leave none of target_modules={names!r} "
+            f"to adapt: turn one of them on, or name other layers"
+        )
+    return kept
+
+
+def gguf_method_keyword(kwargs: dict) -> dict:
+    """save_pretrained_gguf / push_to_hub_gguf keywords with Unsloth FastModel's spelling,
+    quantization_type="Q8_0" (its Gemma 3 and Qwen3 notebooks), written quantization_method
+    as slothkit's functions take it, said once.
+
+    Raises:
+        TypeError: both spellings are given.
+    """
+    if "quantization_type" not in kwargs:
+        return kwargs
+    kwargs = dict(kwargs)
+    if "quantization_method" in kwargs:
+        raise TypeError("give quantization_method or quantization_type (Unsloth's spelling of it), not both")
+    kwargs["quantization_method"] = kwargs.pop("quantization_type")
+    say_once(
+        f"save_pretrained_gguf(quantization_type={kwargs['quantization_method']!r}) is written "
+        f"quantization_method={kwargs['quantization_method']!r} in slothkit"
+    )
+    return kwargs

@@ -304,7 +304,9 @@ def jinja_string(value: str) -> str:
     return '"' + "".join(ch if ch in safe else f"\\U{ord(ch):08x}" for ch in value) + '"'
 
 
-# Shared by every format: the dataset's names, the default system text, the split of a
+# Shared by every format: the dataset's names, the default system text, each message's
+# content as text (a list of typed parts, as transformers' multimodal chat messages and
+# Unsloth's Gemma 3 notebooks write it, is joined from its text parts), the split of a
 # leading system message from the turns, the role checks, and BOS.  @NAME@-style fields are
 # filled in by template_source (names are restricted to characters safe in a Jinja string).
 _PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
@@ -314,12 +316,28 @@ _PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
 {%- set assistant_role = @ASSISTANT_ROLE@ -%}
 {%- set system_role = @SYSTEM_ROLE@ -%}
 {%- set default_system = @DEFAULT_SYSTEM@ -%}
-{%- if messages and messages[0][role_key] == system_role -%}
-    {%- set system = messages[0][content_key] -%}
-    {%- set turns = messages[1:] -%}
+{%- macro text_of(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- else -%}
+        {%- for part in content -%}
+            {%- if part['type'] != 'text' -%}
+                {{- raise_exception('chat template @NAME@: a message part of type ' ~ part['type'] ~ ' cannot be rendered; slothkit trains text models, whose messages hold text parts only') -}}
+            {%- endif -%}
+            {{- part['text'] -}}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set text = namespace(messages=[]) -%}
+{%- for message in messages -%}
+    {%- set text.messages = text.messages + [{role_key: message[role_key], content_key: text_of(message[content_key])}] -%}
+{%- endfor -%}
+{%- if text.messages and text.messages[0][role_key] == system_role -%}
+    {%- set system = text.messages[0][content_key] -%}
+    {%- set turns = text.messages[1:] -%}
 {%- else -%}
     {%- set system = default_system -%}
-    {%- set turns = messages -%}
+    {%- set turns = text.messages -%}
 {%- endif -%}
 {%- for message in turns -%}
     {%- if message[role_key] not in [user_role, assistant_role] -%}

@@ -27,8 +27,9 @@ from torch import nn
 from slothkit.engine.inspection import is_4bit_model
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.hub import push_to_hub_merged
-from slothkit.export.save import merged_plain_model, save_pretrained_merged, tokenizer_of
+from slothkit.export.save import merged_plain_model, resolve_tokenizer, save_pretrained_merged
 from slothkit.folder_paths import check_folder_path
+from slothkit.unsloth_options import gguf_method_keyword
 
 GGUF_MODULE = "slothkit.export.gguf"
 GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
@@ -58,6 +59,7 @@ def _gguf_save_directory(name: str, args: tuple, kwargs: dict) -> pathlib.Path |
 
 def _gguf_method(name: str):
     def method(model, *args, **kwargs):
+        kwargs = gguf_method_keyword(kwargs)
         module = importlib.import_module(GGUF_MODULE)
         function = getattr(module, name, None)
         if function is None:
@@ -65,9 +67,11 @@ def _gguf_method(name: str):
         directory = _gguf_save_directory(name, args, kwargs)
         if directory is not None:  # before the merge, which writes beside it
             check_folder_path(directory, "the save folder")
+        # The tokenizer may be left out (Unsloth's FastModel spelling): the model's own.
+        if len(args) < 2 and kwargs.get("tokenizer") is None:
+            kwargs["tokenizer"] = resolve_tokenizer(model, None)
+        tokenizer = args[1] if len(args) > 1 else kwargs["tokenizer"]
         if needs_merging(model):
-            tokenizer = args[1] if len(args) > 1 else kwargs.get("tokenizer")
-            tokenizer = tokenizer if tokenizer is not None else tokenizer_of(model)
             # The temporary merged checkpoint goes beside the GGUF output folder (on the disk
             # the user chose for it), or in the system's temporary folder for a push.
             scratch_dir = directory.parent if directory is not None else None

@@ -19,6 +19,7 @@ from slothkit.testing.real_models import (
     real_model_path,
 )
 from slothkit.testing.real_tokenizers import REAL_TOKENIZERS, real_tokenizer_path
+from slothkit.testing.tiny_image_text import build_tiny_image_text_gemma3, tiny_image_text_gemma3_path
 from slothkit.testing.tiny_models import LARGE_VOCAB_SIZE, build_tiny_model, tiny_model_path
 from slothkit.testing.tiny_tokenizers import (
     ARCHITECTURES,
@@ -36,10 +37,12 @@ __all__ = [
     "REAL_TOKENIZERS",
     "LocalHub",
     "RealModelUnavailable",
+    "build_tiny_image_text_gemma3",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "real_model_path",
     "real_tokenizer_path",
+    "tiny_image_text_gemma3_path",
     "tiny_model_path",
 ]
 

@@ -10,42 +10,18 @@ import pytest
 import torch
 
 from slothkit import FastModel
-from slothkit.testing import tiny_model_path
+from slothkit.testing import tiny_image_text_gemma3_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
-def multimodal_gemma3(tmp_path_factory):
-    """A tiny Gemma3ForConditionalGeneration whose language model is the tiny Gemma 3 text
-    checkpoint, saved as transformers saves it (the published layout:
-    language_model.model.*), with that checkpoint's tokenizer."""
-    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+def multimodal_gemma3():
+    """The tiny image-text Gemma 3 checkpoint and the model transformers loads from it."""
+    from transformers import Gemma3ForConditionalGeneration
 
-    text_path = tiny_model_path("gemma3")
-    text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)  # fmt: skip
-    vocab = text_model.config.vocab_size
-    config = Gemma3Config(
-        text_config=text_model.config.to_dict(),
-        vision_config=vision,
-        mm_tokens_per_image=4,
-        image_token_index=vocab - 1,
-        boi_token_index=vocab - 2,
-        eoi_token_index=vocab - 3,
-    )
-    torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(config)
-    missing = model.model.language_model.load_state_dict(text_model.model.state_dict())
-    assert not missing.missing_keys and not missing.unexpected_keys
-    model.lm_head.weight = model.model.language_model.embed_tokens.weight
-    path = tmp_path_factory.mktemp("gemma3-multimodal")
-    model.save_pretrained(path)
-    for name in os.listdir(text_path):
-        if "token" in name or name.endswith((".model", ".jinja")):
-            shutil.copy(text_path / name, path / name)
-    return path, model.eval()
+    path = tiny_image_text_gemma3_path()
+    return path, Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _load(path, **kwargs):

@@ -290,6 +290,42 @@ def test_codegemma_conversational(notebook_folder):
     _assert_gguf(folder / "codegemma_finetune", rope_factor=2.0)
 
 
+def test_gemma3_conversational(notebook_folder):
+    """Unsloth's Gemma 3 (4B) notebook on an image-text Gemma 3, as gemma-3-4b-it is: its
+    finetune_* flags, content as typed parts, apply_chat_template's text into
+    tokenizer([text]), and save_pretrained_gguf without a tokenizer and with
+    quantization_type."""
+    from peft import PeftModel
+
+    from slothkit import FastModel
+
+    folder, caught = notebook_folder
+    ns = _run("gemma3_conversational")
+    model, tokenizer, trainer = ns["model"], ns["tokenizer"], ns["trainer"]
+    assert type(model.get_base_model()).__name__ == "Gemma3ForCausalLM"
+    adapted = {name.split(".")[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    notices = _notices(caught)
+    assert sum("multimodal gemma3 checkpoint" in n for n in notices) == 1
+    assert any("quantization_type='Q8_0') is written quantization_method='Q8_0'" in n for n in notices)
+    assert ns["text"].endswith("<start_of_turn>model\n") and "1, 1, 2, 3, 5, 8," in ns["text"]
+    # The replies alone are learned, each closed by its turn's end; TRL appends EOS
+    # (<end_of_turn>, map_eos_token) to the text, which ends in a newline.
+    for index, record in enumerate(ns["dataset"]):
+        labels = trainer.train_dataset[index]["labels"]
+        kept = tokenizer.decode([label for label in labels if label != -100])
+        replies = [m["content"] for m in record["conversations"] if m["role"] == "assistant"]
+        assert kept == "".join(reply + "<end_of_turn>\n" for reply in replies) + "<end_of_turn>"
+    _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
+    _assert_answers_decode(ns)
+    reloaded, _ = FastModel.from_pretrained("gemma-3", load_in_4bit=False)
+    assert isinstance(reloaded, PeftModel)
+    _assert_close(_logits(reloaded, tokenizer), _logits(model, tokenizer))
+    _assert_merged(folder / "gemma-3-finetune", ns)
+    _assert_gguf(folder / "gemma-3-finetune", labels=("Q8_0",))
+
+
 def test_zephyr_dpo(notebook_folder):
     _, caught = notebook_folder
     ns = _run("zephyr_dpo")

@@ -210,6 +210,29 @@ def test_renders_golden_strings(name):
     assert format_of_template(tokenizer.chat_template).name == name
 
 
+def _as_parts(text: str) -> list[dict]:
+    """Content as transformers' multimodal chat messages write it: typed parts, here the
+    text cut in two."""
+    half = len(text) // 2
+    return [{"type": "text", "text": text[:half]}, {"type": "text", "text": text[half:]}]
+
+
+@pytest.mark.parametrize("name", list(GOLDEN))
+def test_content_given_as_text_parts_renders_as_the_text(name):
+    """Unsloth's Gemma 3 notebooks write each message's content as a list of typed parts."""
+    tokenizer = _templated(name)
+    two, system, prompt = GOLDEN[name]
+    as_parts = [{**m, "content": _as_parts(m["content"])} for m in WITH_SYSTEM]
+    assert tokenizer.apply_chat_template(as_parts, tokenize=False) == system
+    as_parts = [{**m, "content": _as_parts(m["content"])} for m in PROMPT]
+    assert tokenizer.apply_chat_template(as_parts, tokenize=False, add_generation_prompt=True) == prompt
+    image = [
+        {"role": "user", "content": [{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What?"}]}
+    ]
+    with pytest.raises(Exception, match="part of type image cannot be rendered; slothkit trains text models"):
+        tokenizer.apply_chat_template(image, tokenize=False)
+
+
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_assistant_masks_keep_the_replies(name):
     tokenizer = _templated(name)
