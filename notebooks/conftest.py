@@ -22,6 +22,10 @@ TEMPLATE_ENVIRONMENT = {
         "SLOTHKIT_MAX_COMPLETION_LENGTH": "8",
     },
 }
+# Notebook models whose real checkpoints are image-text models (FastModel loads their text
+# model alone, slothkit.text_tower): they run on a tiny image-text stand-in, so that the
+# notebook meets what a user's load meets.
+IMAGE_TEXT_MODELS = {"gemma-3-4b"}
 _state = {}
 
 
@@ -47,14 +51,15 @@ def _hub():
 
 def notebook_environment(stem: str) -> dict[str, str]:
     from slothkit.notebook.render import architecture_of
-    from slothkit.testing import tiny_model_path
+    from slothkit.testing import tiny_image_text_gemma3_path, tiny_model_path
 
     hub = _hub()
-    arch = architecture_of(_model_key(stem)).name
+    model = _model_key(stem)
+    stand_in = tiny_image_text_gemma3_path() if model in IMAGE_TEXT_MODELS else tiny_model_path(architecture_of(model).name)
     return {
         **hub.client_env(),
         "SLOTHKIT_NO_INSTALL": "1",
-        "SLOTHKIT_MODEL_NAME": str(tiny_model_path(arch)),
+        "SLOTHKIT_MODEL_NAME": str(stand_in),
         "SLOTHKIT_LOAD_IN_4BIT": "0",
         "SLOTHKIT_MAX_STEPS": "16",
         "SLOTHKIT_LEARNING_RATE": "0.002",
