@@ -15,7 +15,6 @@ import torch
 
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.inference.fast_decoder import FastDecoder
-from slothkit.inference.model_step import layer_windows
 from slothkit.inference.sampling import generation_config_for, unsupported_settings
 from slothkit.model_state import attach_state, state_of
 from slothkit.models import ARCHITECTURES, architecture_for
@@ -31,13 +30,9 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
     FastModel.from_pretrained's notice has already named)."""
     arch = architecture_for(causal_lm.config)
-    if arch is None or arch.sandwich_norms:
-        # The decode step runs Llama's layer with one rotary table for all layers; Gemma 3
-        # adds two norms per layer and gives each layer type its own rope base.
-        covered = ", ".join(arch.name for arch in ARCHITECTURES if not arch.sandwich_norms)
+    if arch is None:
+        covered = ", ".join(arch.name for arch in ARCHITECTURES)
         return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
-    if len(set(layer_windows(causal_lm))) > 1:
-        return "fast generation does not cover models mixing sliding-window and full-attention layers"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)

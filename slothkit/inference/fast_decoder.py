@@ -229,7 +229,7 @@ class FastDecoder:
         first = torch.zeros(1, dtype=torch.long, device=device)
         # Without padding or a window shorter than the prompt, the prefill is plain causal
         # attention: the flash kernel, as Hugging Face's prefill uses.
-        window = self.step.window
+        window = self.step.shortest_window
         causal = bool(attention_mask.all()) and (window is None or window >= prompt)
         logits = self.step(input_ids, positions, cache, first, visible=prompt, causal=causal)
 

@@ -1,4 +1,4 @@
-"""One forward step of a Llama-family decoder over a static KV cache.
+"""One forward step of a decoder (Llama's layer, or Gemma 2/3's sandwich layer) over a static KV cache.
 
 The model's own modules compute the norms and the base projections (16-bit or 4-bit
 weights, read where they are); the LoRA adapters are applied without a merge by
@@ -13,6 +13,8 @@ H query heads, G = H / KV query heads per key/value head, D head size.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +52,22 @@ def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> tor
     return mask[:, None].repeat(1, 1, group, 1)
 
 
-def _grouped_attention(q, keys, values, mask, scaling: float) -> torch.Tensor:
+def _grouped_attention(q, keys, values, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of q (B, H, T, D) over keys/values (B, KV, S, D) with the additive
     ``mask`` (B, 1, G*T, S).  The G query heads that share a key/value head are stacked
-    as G*T rows of one head, so the cache is read once and never repeated G times."""
+    as G*T rows of one head, so the cache is read once and never repeated G times.
+
+    ``softcap`` (Gemma 2's attention-logit soft-capping, which SDPA cannot do): the scores
+    s = q k^T * scaling become softcap * tanh(s / softcap) before the mask and softmax."""
     batch, heads, tokens, dim = q.shape
     kv_heads = keys.shape[1]
     q = q.reshape(batch, kv_heads, (heads // kv_heads) * tokens, dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # (B, KV, G*T, S)
+        scores = torch.tanh(scores / softcap) * softcap + mask
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
     return out.reshape(batch, heads, tokens, dim)
 
 
@@ -103,8 +113,11 @@ def layer_windows(causal_lm: nn.Module) -> list[int | None]:
 
 
 class _DecodeLayer:
-    """One decoder layer's projections, grouped by shared input, and its q/k norms where
-    the attention has them (Qwen3: RMSNorm over each head before RoPE)."""
+    """One decoder layer's projections, grouped by shared input; its q/k norms where the
+    attention has them (Qwen3, Gemma 3: RMSNorm over each head before RoPE); its window,
+    rotary table (by layer type: Gemma 3's sliding and global layers have their own rope
+    bases) and attention-logit softcap (Gemma 2); and, in a sandwich layer (Gemma 2 and 3),
+    the norms after attention and around the MLP."""
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype):
         attention = layer.self_attn
@@ -112,6 +125,16 @@ class _DecodeLayer:
         # decodes through here too.
         has_qk_norm = hasattr(attention, "q_norm") and hasattr(attention, "k_norm")
         self.qk_norm = (attention.q_norm, attention.k_norm) if has_qk_norm else None
+        self.window = attention_window(attention)
+        self.layer_type = getattr(attention, "layer_type", None)
+        self.softcap = getattr(attention, "attn_logit_softcapping", None)
+        self.scaling = float(attention.scaling)
+        sandwich = all(hasattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
+        #   h = x + post_attention_norm(attn(input_norm(x)));  y = h + post_mlp_norm(mlp(mlp_norm(h)))
+        # (a Llama layer: y = h + mlp(post_attention_layernorm(h)), h = x + attn(input_norm(x)))
+        self.attention_out_norm = layer.post_attention_layernorm if sandwich else None
+        self.mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        self.mlp_out_norm = layer.post_feedforward_layernorm if sandwich else None
         self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
         self.mlp = _DecodeMLP(layer.mlp, dtype)
@@ -139,9 +162,13 @@ class ModelStep:
         self.layers = list(self.decoder.layers[: config.num_hidden_layers])
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
-        self.scaling = float(attention.scaling)
-        self.window = layer_windows(causal_lm)[0]  # one for all layers (enable_fast_decode checks)
+        self.windows = sorted(set(layer_windows(causal_lm)), key=lambda w: (w is None, w))
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        # transformers gives each layer type its own rope base through one rotary module
+        # called with the layer's type (Gemma 3), or one table for all layers.
+        self.rotary_by_layer_type = (
+            "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
+        )
         embeddings = causal_lm.get_input_embeddings()
         base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
         scales_itself = getattr(base, "embed_scale", None) is not None
@@ -162,15 +189,23 @@ class ModelStep:
         for decode_layer in self.decode_layers:
             decode_layer.refresh()
 
-    def allowed_slots(self, filled: torch.Tensor, first_slot: torch.Tensor, tokens: int) -> torch.Tensor:
+    @property
+    def shortest_window(self) -> int | None:
+        """The narrowest sliding window of any layer; None when every layer attends fully."""
+        return self.windows[0]
+
+    @staticmethod
+    def allowed_slots(
+        filled: torch.Tensor, first_slot: torch.Tensor, tokens: int, window: int | None
+    ) -> torch.Tensor:
         """(B, T, S) for the S slots of ``filled`` (B, S): query t (at slot first_slot + t) reads slot s when s holds a real
-        token, s <= its own slot, and s is inside the sliding window; its own slot always
+        token, s <= its own slot, and s is inside the sliding ``window``; its own slot always
         (a left-padding query then reads itself and stays finite, as in Hugging Face)."""
         slots = torch.arange(filled.shape[1], device=filled.device)
         own = first_slot + torch.arange(tokens, device=filled.device)  # (T,)
         allowed = filled[:, None, :] & (slots[None, None, :] <= own[None, :, None])
-        if self.window is not None:
-            allowed = allowed & (slots[None, None, :] > own[None, :, None] - self.window)
+        if window is not None:
+            allowed = allowed & (slots[None, None, :] > own[None, :, None] - window)
         return allowed | (slots[None, None, :] == own[None, :, None])
 
     @torch.no_grad()
@@ -199,14 +234,22 @@ class ModelStep:
         hidden = self.decoder.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        cos, sin = self.decoder.rotary_emb(hidden, positions)  # (B, T, D) each
+        if self.rotary_by_layer_type:
+            layer_types = {projections.layer_type for projections in self.decode_layers}
+            tables = {kind: self.decoder.rotary_emb(hidden, positions, kind) for kind in layer_types}
+        else:
+            tables = dict.fromkeys(
+                {p.layer_type for p in self.decode_layers}, self.decoder.rotary_emb(hidden, positions)
+            )
         visible = cache.slots if visible is None else visible
-        mask = None
+        masks = {}  # by window: built once per step, read by every layer with that window
         if not causal:
-            allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens)
-            mask = _additive_mask(allowed, self.group, hidden.dtype)
+            for window in self.windows:
+                allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens, window)
+                masks[window] = _additive_mask(allowed, self.group, hidden.dtype)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
+            cos, sin = tables[projections.layer_type]  # (B, T, D) each
             q, k, v = projections.qkv(layer.input_layernorm(hidden))
             q = q.view(batch, tokens, -1, self.head_dim)
             k = k.view(batch, tokens, -1, self.head_dim)
@@ -218,15 +261,26 @@ class ModelStep:
             q, k = _rotate_pair(q, k, cos, sin)
             keys, values = cache.write(index, slots, k, v)
             keys, values = keys[:, :, :visible], values[:, :, :visible]
-            if causal:
+            if causal and projections.softcap is None:
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=True
+                    q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
                 )
             else:
-                out = _grouped_attention(q, keys, values, mask, self.scaling)
-            out = out.transpose(1, 2).reshape(batch, tokens, -1)
-            hidden = hidden + projections.o(out)[0]
-            hidden = hidden + projections.mlp(layer.post_attention_layernorm(hidden))
+                if causal:  # a soft-capped layer needs the explicit causal mask
+                    allowed = self.allowed_slots(
+                        cache.filled[:, :visible], first_slot, tokens, projections.window
+                    )
+                    masks[projections.window] = _additive_mask(allowed, self.group, hidden.dtype)
+                mask = masks[projections.window]
+                out = _grouped_attention(q, keys, values, mask, projections.scaling, projections.softcap)
+            out = projections.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
+            if projections.attention_out_norm is not None:
+                out = projections.attention_out_norm(out)
+            hidden = hidden + out
+            out = projections.mlp(projections.mlp_norm(hidden))
+            if projections.mlp_out_norm is not None:
+                out = projections.mlp_out_norm(out)
+            hidden = hidden + out
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.causal_lm.get_output_embeddings()(self.decoder.norm(hidden)).float()

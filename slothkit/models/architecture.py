@@ -27,7 +27,7 @@ rest of slothkit reads what differs between families from it and from nowhere el
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
                       attention and after the MLP too (Gemma 3); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
-                      and the fast decode loop leaves them to Hugging Face's generate
+                      (the fast decode step reads the extra norms off the layer)
     text_tower_of     loading (slothkit.text_tower): a multimodal checkpoint of these
                       model_types loads as this family's text model
 

@@ -13,7 +13,8 @@ slothkit's fused decoder runs it with Gemma's norm and MLP, Qwen3's per-head q/k
 the sandwich layer (slothkit.engine.decoder_layer, `sandwich_norms`). transformers gives
 each layer its own rotary tables (by layer type) and each attention module its window and
 its scale, query_pre_attn_scalar ** -0.5, which the fused attention reads off the module.
-The fast decode loop does not cover it: generate stays Hugging Face's. llama.cpp runs it as
+The fast decode loop runs its sandwich layers with each layer type's rotary table and each
+window's mask (slothkit.inference.model_step). llama.cpp runs it as
 its "gemma3" graph; which layer slides, and the sliding layers' rope base, go into the file
 (slothkit.export.gguf.attention).
 """
