@@ -16,13 +16,16 @@ import torch
 from slothkit.testing.tiny_models import tiny_model_path
 
 
-def build_tiny_image_text_gemma3(path: str | pathlib.Path) -> pathlib.Path:
-    """Write the checkpoint to `path` and return it; its language model's weights equal
-    tiny_model_path("gemma3")'s."""
+def build_tiny_image_text_gemma3(
+    path: str | pathlib.Path, text_path: str | pathlib.Path | None = None
+) -> pathlib.Path:
+    """Write the checkpoint to `path` and return it; its language model's weights and its
+    tokenizer are those of the Gemma 3 text checkpoint at `text_path` (default
+    tiny_model_path("gemma3"); the real Gemma 3 270M makes a real-weights stand-in)."""
     from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
     path = pathlib.Path(path)
-    text_path = tiny_model_path("gemma3")
+    text_path = pathlib.Path(text_path) if text_path is not None else tiny_model_path("gemma3")
     text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
     vocab = text_model.config.vocab_size
     config = Gemma3Config(

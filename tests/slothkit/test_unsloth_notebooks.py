@@ -440,3 +440,36 @@ def test_llama32_conversational_on_the_real_checkpoint(notebook_folder, smollm2_
         # agree with the trained model within the type's tolerance.
         report = verify_gguf(path, trained, tokenizer, method, prompts=(prompt,), greedy_tokens=8)
         assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+
+
+@pytest.mark.slow
+def test_gemma3_conversational_on_the_real_checkpoint(notebook_folder, gemma3_path):
+    """Unsloth's Gemma 3 (4B) notebook on real weights: the real Gemma 3 270M as the language
+    model of an image-text checkpoint (what gemma-3-4b-it is), saves included. Gemma's
+    turn markers are tokens its tokenizer already holds, so nothing is added and the
+    adapter holds no embedding rows; llama.cpp judges the GGUF file on a prompt rendered
+    with the chat template: its tokens, logits and greedy continuation."""
+    from safetensors import safe_open
+
+    from slothkit import FastModel
+    from slothkit.export.gguf import verify_gguf
+    from slothkit.testing import build_tiny_image_text_gemma3
+
+    folder, _ = notebook_folder
+    checkpoint = build_tiny_image_text_gemma3(folder / "gemma-3-270m-image-text", text_path=gemma3_path)
+    ns = _run("gemma3_conversational", MODEL=str(checkpoint))
+    trainer, tokenizer, model = ns["trainer"], ns["tokenizer"], ns["model"]
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert len(tokenizer) <= rows == 262144 and tokenizer.eos_token == "<end_of_turn>"
+    with safe_open(str(folder / "gemma-3" / "adapter_model.safetensors"), "pt") as adapter:
+        assert all("lora_" in name for name in adapter.keys())  # no embedding rows saved
+    _assert_trained(trainer)
+    reloaded, _ = FastModel.from_pretrained("gemma-3", load_in_4bit=False, dtype=torch.float32)
+    _assert_close(_logits(reloaded, tokenizer), _logits(model, tokenizer))
+    _assert_merged(folder / "gemma-3-finetune", ns)
+
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "What is 7 times 6?"}]}]
+    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    (path,) = (folder / "gemma-3-finetune").glob("*.Q8_0.gguf")
+    report = verify_gguf(path, model.eval(), tokenizer, "q8_0", prompts=(prompt,), greedy_tokens=8)
+    assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
