@@ -16,6 +16,7 @@ import pathlib
 
 from slothkit.data.text_encoding import (
     LoneSurrogateError,
+    check_json_array_file,
     check_json_file,
     check_records,
     first_invalid_utf8,
@@ -174,7 +175,6 @@ def _read(path: pathlib.Path, load_kwargs: dict, load):
             # pyarrow's JSON reader keeps a .jsonl file's bytes that are not UTF-8, which then
             # fail when a record is read, in training; the full check reads gigabytes a second.
             dataset.data.table.validate(full=True)
-        return dataset
     except StopIteration:
         raise ValueError(f"{str(path)!r} holds no records to read (empty files?)") from None
     except Exception as error:
@@ -189,6 +189,11 @@ def _read(path: pathlib.Path, load_kwargs: dict, load):
             if found is not None:
                 raise not_utf8_error(file, found) from error
         raise
+    # datasets' reader of a .json array drops a lone surrogate's escape without a word.
+    for file in _text_files(path):
+        if _extension(file) == ".json":
+            check_json_array_file(file)
+    return dataset
 
 
 def _text_files(path: pathlib.Path) -> list[pathlib.Path]:

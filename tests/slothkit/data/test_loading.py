@@ -175,6 +175,13 @@ def test_a_lone_surrogate_names_the_file_or_the_record_and_column(tmp_path):
     ):
         with pytest.raises(ValueError, match=f"^record 1 \\('text'\\) holds a {SURROGATE}"):
             load_data(records)  # was UnicodeEncodeError: "... surrogates not allowed", naming no record
+    # A .json array: datasets drops the escape without a word (the text read "ab").
+    path = tmp_path / "train.json"
+    path.write_text('[{"text": "ok \\ud83d\\ude00"}, {"text": "a\\ud800b"}]')
+    with pytest.raises(ValueError, match=f"^'{path}': record 1 \\('text'\\) holds a {SURROGATE}"):
+        load_data(path)
+    path.write_text('[{"text": "ok \\ud83d\\ude00"}, {"text": "ab"}]')  # an escaped pair is an emoji
+    assert load_data(path)["text"] == ["ok \U0001f600", "ab"]
     messages = [
         {"messages": [{"role": "user", "content": "ok"}]},
         {"messages": [{"role": "user", "content": bad}]},
