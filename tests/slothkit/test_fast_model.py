@@ -17,7 +17,11 @@ from slothkit.testing import tiny_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What FastModel adapts for the seven names (slothkit.lora_setup), and so what HF + PEFT
+# is given: Phi-3's fused projections.
+PEFT_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 STEPS = 8
 
 
@@ -29,7 +33,7 @@ def _batch(vocab_size, seed=0, batch=2, seq=12):
     return ids, labels
 
 
-def _plain_peft(path, load_in_4bit, device):
+def _plain_peft(path, load_in_4bit, device, targets=SEVEN):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -54,7 +58,7 @@ def _plain_peft(path, load_in_4bit, device):
         lora_alpha=16,
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=targets,
     )
     model = get_peft_model(model, config)
     model.train()
@@ -87,7 +91,7 @@ def _train(model, ids, labels, steps):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     path = tiny_model_path(arch)
-    plain = _plain_peft(path, load_in_4bit, device)
+    plain = _plain_peft(path, load_in_4bit, device, PEFT_TARGETS.get(arch, SEVEN))
     fused = _fused(path, load_in_4bit)
     ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
 
@@ -519,7 +523,7 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_path(arch)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = PEFT_TARGETS.get(arch, SEVEN)
     plain = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float16, attn_implementation="sdpa", device_map={"": device}
     )
