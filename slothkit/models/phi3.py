@@ -25,8 +25,8 @@ configs train on the generic path (slothkit.models.generic_path_reason), said on
 Phi-3-mini-4k and Phi-3-medium-4k set sliding_window 2047 (the 128k ones 262144, beyond
 their context): transformers builds a sliding-window mask from it and passes it to the
 attention function, and the fused attention does the same (attention_window). The class
-default is no window, and llama.cpp's phi3 graph ignores the window, so the record says
-none: the tiny checkpoint has none, and GGUF files are checked on prompts within it.
+default is no window, so the record says none: the tiny checkpoint has none and GGUF files
+carry none (llama.cpp attends over the whole context, which differs past 2,047 tokens).
 
 Chat: Phi-3 and 3.5 close each turn with <|end|> after <|user|>/<|assistant|> headers;
 Phi-4 uses ChatML-like <|im_start|>role<|im_sep|>...<|im_end|>. llama.cpp runs all of them
@@ -36,8 +36,10 @@ as its "phi3" graph (neox rotation: Q/K rows as stored).
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# Phi-3's turn format: a header per role, each turn closed by <|end|>; BOS first, as in
-# slothkit's "phi-3" chat format (slothkit.data.chat_formats).
+# Phi-3's turn format: a header per role, each turn closed by <|end|>, a finished
+# conversation by <|endoftext|> (Phi-3's eos_token); BOS first, as in slothkit's "phi-3"
+# chat format (slothkit.data.chat_formats). llama.cpp looks <|endoftext|> up in the
+# vocabulary of any model whose name holds "phi3", so the tiny tokenizer has it too.
 _CHAT_TEMPLATE = r"""
 {{- bos_token -}}
 {%- for message in messages -%}
@@ -52,6 +54,8 @@ _CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}
     {{- '<|assistant|>\n' -}}
+{%- else -%}
+    {{- '<|endoftext|>' -}}
 {%- endif -%}
 """.strip()
 
@@ -78,7 +82,7 @@ PHI3 = Architecture(
         sliding_window=None,
         tokenizer="sentencepiece",  # Phi-3's is Llama 2's SentencePiece vocabulary
         chat_template=_CHAT_TEMPLATE,
-        chat_specials=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        chat_specials=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"),
         end_of_turn="<|end|>",
     ),
     shapes={

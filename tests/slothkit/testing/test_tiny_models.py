@@ -360,11 +360,11 @@ EXPECTED_CHAT["qwen3"] = (
     "<think>\n\n</think>\n\nFine, thanks.<|im_end|>\n",
 )
 
-# Phi-3: a header per role, each turn closed by <|end|>.
+# Phi-3: a header per role, each turn closed by <|end|>, the conversation by <|endoftext|>.
 EXPECTED_CHAT["phi3"] = (
     "<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n"
-    "<|user|>\nHow are you?<|end|>\n<|assistant|>\nFine, thanks.<|end|>\n",
-    "Fine, thanks.<|end|>\n",
+    "<|user|>\nHow are you?<|end|>\n<|assistant|>\nFine, thanks.<|end|>\n<|endoftext|>",
+    "Fine, thanks.<|end|>\n<|endoftext|>",
 )
 
 
