@@ -24,6 +24,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       module does not scale by sqrt(hidden) itself
     qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
                       norm each head's q and k before RoPE
+    fused_projections the planner's adapter bytes (slothkit.memory_model.lora_bytes): q/k/v
+                      and gate/up are one layer each (Phi-3), so one A serves each group
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
                       attention and after the MLP too (Gemma 3); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
@@ -120,6 +122,10 @@ class Architecture:
     #     h = x + post_attention_layernorm(attn(input_layernorm(x)))
     #     y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
     sandwich_norms: bool = False
+    # q, k, v are one layer (qkv_proj) and gate, up another (gate_up_proj), adapted as they
+    # are (Phi-3): one LoRA A per group. The fused path reads them as row slices
+    # (slothkit.engine.lora_projection.describe_rows) by the modules it finds.
+    fused_projections: bool = False
 
     @property
     def keeps_attention_sum(self) -> bool:

@@ -75,6 +75,7 @@ PHI3 = Architecture(
     sliding_window=False,  # the class default; a checkpoint's window is read per module
     gguf=GGUFLayout(arch="phi3", permute_qk=False, output_always_tied=False),
     fused=True,
+    fused_projections=True,
     tiny=TinyTraits(
         rope_theta=10_000.0,
         rms_norm_eps=1e-5,
@@ -90,7 +91,8 @@ PHI3 = Architecture(
         "phi-3.5-mini": Shape("phi3", 3072, 8192, 32, 32, 32, 32064, 131072, _PHI3),
         "phi-3-medium-4k": Shape("phi3", 5120, 17920, 40, 40, 10, 32064, 4096, _PHI3),
         "phi-4": Shape("phi3", 5120, 17920, 40, 40, 10, 100352, 16384, {**_PHI3, "rope_theta": 250000.0}),
-        "tiny-phi3": Shape("phi3", 64, 192, 2, 4, 2, 512, 2048, _PHI3),
+        # Phi3Config's default pad_token_id (32000) lies outside a 512-row vocabulary.
+        "tiny-phi3": Shape("phi3", 64, 192, 2, 4, 2, 512, 2048, {**_PHI3, "pad_token_id": 0}),
     },
     families=("Phi-3", "Phi-3.5", "Phi-4"),
 )

@@ -78,6 +78,7 @@ def test_layer_variant_agrees_with_transformers_layer(arch):
     assert (hasattr(attention, "q_norm") and hasattr(attention, "k_norm")) is arch.qk_norm
     four_norms = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
     assert four_norms is arch.sandwich_norms
+    assert hasattr(attention, "qkv_proj") is hasattr(layer.mlp, "gate_up_proj") is arch.fused_projections
     assert arch.keeps_attention_sum is not arch.sandwich_norms
 
 
