@@ -118,8 +118,33 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     assert torch.equal(a, b)
 
 
+def test_phi3_default_setup_trains_like_hf_peft_on_its_fused_layers(device, recwarn):
+    """FastModel's defaults on Phi-3 (the seven target names, offloaded checkpointing) against
+    HF + PEFT given the fused layers' names: 8 steps, the losses and the trained adapters
+    within 1e-5, and every projection on the fused path (no fallback warning)."""
+    path = tiny_model_path("phi3")
+    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    fused = FastModel.get_peft_model(model, r=8, lora_alpha=16)
+    assert fused.peft_config["default"].target_modules == set(PEFT_TARGETS["phi3"])
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 24), generator=g).to(device)
+    labels = ids.clone()
+    labels[1, :5] = -100
+
+    plain_losses, _ = _train(plain, ids, labels, STEPS)
+    fused_losses, _ = _train(fused, ids, labels, STEPS)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    trained = {n: p for n, p in fused.named_parameters() if p.requires_grad}
+    for name, param in plain.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(trained[name], param, rtol=1e-5, atol=1e-6, msg=name)
+    assert not [w for w in recwarn if "plain PEFT path" in str(w.message)]
+
+
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "phi3"])
 def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
     """Gemma 3's sandwich layer normalises the MLP's output, so its re-run keeps the down
     projection, and it adds o_proj's output through a norm: no fused residual sum, and no
