@@ -223,10 +223,11 @@ def test_demo_arch_choices_are_the_architecture_records():
 
 
 def test_demo_of_an_architecture_without_a_notebook_model_says_how_to_run_it(capsys):
-    assert main(["demo", "--arch", "phi3"]) == 2
-    assert "no notebook model of architecture 'phi3'; architectures with one: gemma, llama" in (
-        capsys.readouterr().err
-    )
+    assert main(["demo", "--arch", "gemma3"]) == 2
+    assert (
+        "no notebook model of architecture 'gemma3'; architectures with one: gemma, llama, mistral, "
+        "phi3, qwen2, qwen3 (or run `slothkit demo --quick --arch gemma3`)"
+    ) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,7 @@ def test_each_model_is_a_shape_its_architecture_record_names():
         "mistral-7b": "mistral",
         "qwen3-8b": "qwen3",
         "qwen2.5-7b": "qwen2",
+        "phi-3-mini-4k": "phi3",
     }
     assert {model: architecture_of(model).name for model in model_data()} == expected
     for model, data in model_data().items():
