@@ -143,6 +143,32 @@ def test_phi3_default_setup_trains_like_hf_peft_on_its_fused_layers(device, recw
     assert not [w for w in recwarn if "plain PEFT path" in str(w.message)]
 
 
+def test_phi3_longrope_tables_reach_the_fused_attention(device, tmp_path):
+    """Phi-3.5's longrope: the rotary tables come from transformers' model forward (long
+    factors past the original context, their attention factor folded into cos and sin), and
+    the fused attention rotates with them as they are: HF + PEFT's losses over 8 steps."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path("phi3"), tmp_path / "phi3-longrope")
+    config = json.loads((path / "config.json").read_text())
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    config["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0 + 0.1 * k for k in range(half)], "long_factor": [2.0 + k for k in range(half)],
+    }  # fmt: skip
+    config["original_max_position_embeddings"] = 8  # the batch's 12 tokens take the long factors
+    (path / "config.json").write_text(json.dumps(config))
+    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    fused = _fused(path, load_in_4bit=False)
+    assert fused.config.rope_parameters["rope_type"] == "longrope"
+    ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
+    plain_losses, _ = _train(plain, ids, labels, STEPS)
+    fused_losses, _ = _train(fused, ids, labels, STEPS)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "phi3"])
 def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
