@@ -1,4 +1,4 @@
-"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3 and Gemma 3: route a loaded model's modules
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 3 and Phi-3: route a loaded model's modules
 through slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with

@@ -169,6 +169,28 @@ def test_phi3_longrope_tables_reach_the_fused_attention(device, tmp_path):
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
 
 
+def test_phi3_sliding_window_is_applied_as_transformers_applies_it(device, tmp_path):
+    """Phi-3-mini-4k's config sets sliding_window (2047): transformers masks keys beyond it
+    and hands the window to the attention function, and so does the fused attention. A
+    window of 4 over 12 tokens: HF + PEFT's losses over 8 steps, and not the losses
+    without the window."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path("phi3"), tmp_path / "phi3-window")
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 4
+    (path / "config.json").write_text(json.dumps(config))
+    ids, labels = (t.to(device) for t in _batch(config["vocab_size"]))
+    fused_losses, _ = _train(_fused(path, load_in_4bit=False), ids, labels, STEPS)
+    plain_losses, _ = _train(_plain_peft(path, False, device, PEFT_TARGETS["phi3"]), ids, labels, STEPS)
+    unwindowed, _ = _train(
+        _plain_peft(tiny_model_path("phi3"), False, device, PEFT_TARGETS["phi3"]), ids, labels, 1
+    )
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    assert abs(unwindowed[0] - plain_losses[0]) > 1e-3  # the window changes the attention
+
+
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "phi3"])
 def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
