@@ -58,6 +58,45 @@ class NF4Weight:
         width = -(-blocks // pieces) * self.blocksize
         return [(start, min(start + width, cols)) for start in range(0, cols, width)]
 
+    def rows(self, start: int, stop: int) -> NF4Weight | None:
+        """Rows [start, stop) of a 2-D weight as a record of its own, sharing the packed
+        bytes and scales (views, no copy), or None where row ``start`` does not begin a
+        block (a block would then straddle two slices).
+
+        Rows are contiguous in the flattened weight, so the slice is the element range
+        [start * cols, stop * cols): whole blocks from its start, and a last block that
+        may end inside a block of the full weight, which keeps that block's scale. With
+        double quantisation the absmax codes are grouped too: a slice starting inside a
+        group gets its block scales dequantised to fp32 instead (a non-nested record; the
+        same values, 4 bytes per block instead of 1).
+        """
+        rows, cols = self.shape
+        if not 0 <= start < stop <= rows:
+            raise ValueError(f"rows [{start}, {stop}) are not within the weight's {rows} rows")
+        first, end = start * cols, stop * cols  # element range in the flattened weight
+        if first % self.blocksize:
+            return None
+        block0, block1 = first // self.blocksize, -(-end // self.blocksize)
+        packed = self.packed.reshape(-1)[first // 2 : (end + 1) // 2]
+        absmax = self.absmax.reshape(-1)[block0:block1]
+        shape = torch.Size((stop - start, cols))
+        if not self.is_nested:
+            return NF4Weight(packed, absmax, self.code, self.blocksize, shape, self.dtype)
+        if block0 % self.nested_blocksize == 0:
+            group0, group1 = block0 // self.nested_blocksize, -(-block1 // self.nested_blocksize)
+            return NF4Weight(
+                packed, absmax, self.code, self.blocksize, shape, self.dtype,
+                nested_absmax=self.nested_absmax.reshape(-1)[group0:group1],
+                nested_code=self.nested_code,
+                nested_blocksize=self.nested_blocksize,
+                offset=self.offset,
+            )  # fmt: skip
+        groups = torch.arange(block0, block1, device=absmax.device) // self.nested_blocksize
+        # Two roundings, the product then the offset, as bitsandbytes dequantises them.
+        scales = self.nested_code.float()[absmax.long()] * self.nested_absmax.reshape(-1).float()[groups]
+        scales = scales + torch.as_tensor(self.offset, dtype=torch.float32, device=absmax.device)
+        return NF4Weight(packed, scales, self.code, self.blocksize, shape, self.dtype)
+
     @property
     def is_nested(self) -> bool:
         return self.nested_absmax is not None

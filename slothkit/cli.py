@@ -23,7 +23,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     model = args.model
     if args.arch:  # --arch picks the first model of that architecture
-        model = next(name for name in model_data() if architecture_of(name).name == args.arch)
+        model = next((name for name in model_data() if architecture_of(name).name == args.arch), None)
+        if model is None:  # a record without a notebook model (Gemma 3, Phi-3): --quick runs it
+            with_notebooks = sorted({architecture_of(name).name for name in model_data()})
+            print(
+                f"slothkit demo: no notebook model of architecture {args.arch!r}; architectures with "
+                f"one: {', '.join(with_notebooks)} (or run `slothkit demo --quick --arch {args.arch}`)",
+                file=sys.stderr,
+            )
+            return 2
     if model not in model_data():
         print(
             f"slothkit demo: unknown model {model!r}; valid models: {', '.join(model_data())}",

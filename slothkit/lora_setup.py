@@ -10,7 +10,6 @@ FastModel.get_peft_model calls it, then sets the result up to train
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from slothkit.engine.inspection import causal_lm_of, is_sequence_classifier
 from slothkit.engine.loading import ALL_PROJECTIONS, linear_module_leaves, matching_modules
 from slothkit.load_model import set_max_seq_length
+from slothkit.notices import say_once
 from slothkit.unsloth_options import embeddings_trained_in_full
 
 ALL_LINEAR = "all-linear"  # PEFT's target_modules value for every linear layer but the head
@@ -126,17 +126,12 @@ def onto_fused_projections(model, target_modules: list) -> list:
             at = min(names.index(n) for n in group)
             names = [n for n in names if n not in group]
             names.insert(at, fused)
-            _notice_fused_projection(group, fused)
+            say_once(
+                f"slothkit: this model computes {', '.join(group)} as one layer, {fused}; LoRA adapts "
+                f"it there with one rank-r update for the whole group, not one per projection "
+                f"(target_modules={fused!r} says so directly)"
+            )
     return names
-
-
-@functools.cache
-def _notice_fused_projection(group: tuple[str, ...], fused: str) -> None:
-    warnings.warn(
-        f"slothkit: this model computes {', '.join(group)} as one layer, {fused}; LoRA adapts it there "
-        f"with one rank-r update for the whole group, not one per projection",
-        stacklevel=6,
-    )
 
 
 def _adapted_linears(model, target_modules) -> list:

@@ -96,7 +96,9 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
 
 def lora_bytes(shape: Shape, rank: int) -> float:
     """LoRA adapters on all seven projections, trained in fp32, with their gradients and
-    AdamW's two moments.
+    AdamW's two moments. Each adapter is r * (in + out): A reads the input, B writes the
+    output; where q/k/v and gate/up are one layer each (Phi-3: the record's
+    fused_projections), one A reads the input for the group.
 
     Args:
         shape: the model's shape.
@@ -105,8 +107,11 @@ def lora_bytes(shape: Shape, rank: int) -> float:
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    per_layer = rank * ((h + q) * 2 + (h + kv) * 2 + 3 * (h + i))
-    return 16.0 * shape.num_hidden_layers * per_layer
+    arch = architecture_for(shape)
+    reads_hidden = 2 if arch is not None and arch.fused_projections else 5  # q, k, v, gate, up
+    a_columns = reads_hidden * h + q + i  # ... and o_proj (reads q), down_proj (reads i)
+    b_rows = q + 2 * kv + h + 2 * i + h  # q, k, v, o, gate, up, down
+    return 16.0 * shape.num_hidden_layers * rank * (a_columns + b_rows)
 
 
 def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:

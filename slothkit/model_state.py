@@ -105,10 +105,12 @@ class PatchedModule:
 @dataclasses.dataclass
 class NF4Cache:
     """A 4-bit weight's NF4Weight description and the key it was made for (storage,
-    device and quant_state: a moved or re-quantised weight needs a new one)."""
+    device and quant_state: a moved or re-quantised weight needs a new one), and the row
+    slices of it read so far (a fused projection's parts: Phi-3's q, k, v), by (start, stop)."""
 
     key: tuple
     weight: Any
+    rows: dict = dataclasses.field(default_factory=dict)
 
 
 _Record = TypeVar("_Record", ModelState, PatchedModule, NF4Cache)

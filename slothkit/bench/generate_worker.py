@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from slothkit.bench.model_setup import LORA_TARGETS, build_model, load_with_unsloth, take_fast_model_path
+from slothkit.bench.model_setup import build_model, load_with_unsloth, lora_targets, take_fast_model_path
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.environment import allocator_settings
 from slothkit.model_state import state_of
@@ -63,7 +63,9 @@ def prepare(impl: str, args, dtype, device):
 
         model = get_peft_model(
             model,
-            LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"),
+            LoraConfig(
+                r=args.rank, lora_alpha=args.rank, target_modules=lora_targets(model), task_type="CAUSAL_LM"
+            ),
         )
         _randomise_adapters(model, args.seed + 2)
         model.eval()

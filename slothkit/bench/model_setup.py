@@ -70,7 +70,28 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
 
 
 def _is_projection(name: str, module) -> bool:
-    return name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear)
+    from slothkit.lora_setup import FUSED_PROJECTIONS
+
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in (*LORA_TARGETS, *FUSED_PROJECTIONS.values()) and isinstance(module, torch.nn.Linear)
+
+
+def lora_targets(model) -> list[str]:
+    """LORA_TARGETS as ``model`` names its layers: a fused layer in place of the group it
+    computes (Phi-3's qkv_proj, gate_up_proj: slothkit.lora_setup.FUSED_PROJECTIONS), the
+    layers FastModel adapts for the seven names, so that HF + PEFT adapts the same ones."""
+    from slothkit.lora_setup import FUSED_PROJECTIONS
+
+    leaves = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    targets = list(LORA_TARGETS)
+    for group, fused in FUSED_PROJECTIONS.items():
+        if fused in leaves:
+            targets = [name for name in targets if name not in group] + [fused]
+    return targets
 
 
 def _replace_with_nf4(model, name: str, module, compute_dtype: torch.dtype) -> None:
@@ -150,7 +171,11 @@ def prepare(
         model = get_peft_model(
             model,
             LoraConfig(
-                r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+                r=rank,
+                lora_alpha=rank,
+                lora_dropout=0.0,
+                target_modules=lora_targets(model),
+                task_type="CAUSAL_LM",
             ),
         )
         if hf_checkpointing == "on":

@@ -209,6 +209,26 @@ PHI_3 = r"""
 {%- endif -%}
 """
 
+# Phi-4: ChatML's tokens with <|im_sep|> after the role and no newline anywhere.
+PHI_4 = r"""
+{%- if system is not none -%}
+    {{- '<|im_start|>system<|im_sep|>' + system + '<|im_end|>' -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|im_start|>user<|im_sep|>' + message[content_key] + '<|im_end|>' -}}
+    {%- else -%}
+        {{- '<|im_start|>assistant<|im_sep|>' -}}
+        {%- generation -%}
+            {{- message[content_key] + '<|im_end|>' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant<|im_sep|>' -}}
+{%- endif -%}
+"""
+
 # FastChat's first Vicuna layout (turns "### Human: " and "### Assistant: ", one per line),
 # with EOS closing each reply so that generation stops there.
 VICUNA_OLD = r"""

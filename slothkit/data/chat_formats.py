@@ -23,6 +23,7 @@ Each format is written from its authors' public description:
               <think>\n\n</think>\n\n unless it holds its own; the generation prompt
               closes one itself with enable_thinking=False
     phi-3     <|system|>\ns<|end|>\n<|user|>\nu<|end|>\n<|assistant|>\na<|end|>\n         Microsoft Phi-3 / 3.5 Instruct
+    phi-4     <|im_start|>user<|im_sep|>u<|im_end|><|im_start|>assistant<|im_sep|>a<|im_end|>  Microsoft Phi-4
     vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
                                                                                          layout ("### Human:" /
                                                                                          "### Assistant:" turns)
@@ -203,6 +204,17 @@ FORMATS: dict[str, ChatFormat] = {
             source="Microsoft Phi-3 / Phi-3.5 Instruct",
         ),
         ChatFormat(
+            name="phi-4",
+            body=bodies.PHI_4,
+            instruction_part="<|im_start|>user<|im_sep|>",
+            response_part="<|im_start|>assistant<|im_sep|>",
+            turn_end="<|im_end|>",
+            special_tokens=("<|im_start|>", "<|im_sep|>", "<|im_end|>"),
+            default_system=None,
+            alternate=False,
+            source="Microsoft Phi-4",
+        ),
+        ChatFormat(
             name="vicuna_old",
             body=bodies.VICUNA_OLD,
             instruction_part="### Human:",
@@ -238,6 +250,7 @@ ALIASES = {
     "phi3": "phi-3",
     "phi-3.5": "phi-3",
     "phi-35": "phi-3",
+    "phi4": "phi-4",
 }
 
 # Names older notebooks use for formats slothkit does not ship, and what to write instead.

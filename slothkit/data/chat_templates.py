@@ -84,7 +84,7 @@ def get_chat_template(
     Args:
         tokenizer: a Hugging Face tokenizer; changed in place.
         chat_template: the format's name: "chatml" (default), "vicuna", "zephyr",
-            "alpaca", "llama-3", "gemma", "mistral", "llama-2", "qwen-2.5", "qwen3", "phi-3"
+            "alpaca", "llama-3", "gemma", "mistral", "llama-2", "qwen-2.5", "qwen3", "phi-3", "phi-4"
             or "vicuna_old" (aliases such as "llama-3.1", "gemma-3", "llama" for llama-2,
             "qwen2.5", "phi-3.5": slothkit.data.chat_formats.ALIASES); or "model" (or
             None) for the tokenizer's own template, replaced by slothkit's equivalent when

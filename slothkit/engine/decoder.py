@@ -1,4 +1,4 @@
-"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3 and Gemma 3: route a loaded model's modules
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 3 and Phi-3: route a loaded model's modules
 through slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with
@@ -20,7 +20,7 @@ from torch import nn
 
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
 from slothkit.engine.inspection import attention_window, causal_lm_of
-from slothkit.engine.lora_projection import projections_or_none
+from slothkit.engine.lora_projection import projections_or_none, row_projections_or_none
 from slothkit.engine.recomputation import recomputing
 from slothkit.engine.sizes import mlp_token_chunk
 from slothkit.model_state import (
@@ -68,8 +68,19 @@ def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
 # --- MLP ---------------------------------------------------------------------
 
 
+def _mlp_projections(mlp: nn.Module) -> list | None:
+    """gate, up and down as LoRAProjections; Phi-3's gate_up_proj read as its two halves of
+    rows, gate then up (transformers' Phi3MLP chunks its output in that order)."""
+    if not hasattr(mlp, "gate_up_proj"):
+        return projections_or_none("the MLP", mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    width = mlp.gate_up_proj.out_features // 2
+    gate_up = row_projections_or_none("the MLP's gate_up_proj", mlp.gate_up_proj, (0, width, 2 * width))
+    down = projections_or_none("the MLP", mlp.down_proj)
+    return None if gate_up is None or down is None else [*gate_up, *down]
+
+
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    projections = projections_or_none("the MLP", self.gate_proj, self.up_proj, self.down_proj)
+    projections = _mlp_projections(self)
     if projections is None:
         return _original(self)(x)
     # In the backward re-run of an offload-checkpointed layer the MLP output only feeds
@@ -120,6 +131,31 @@ def _update_cache(cache, key, value, layer_idx, kwargs):
     return cache.update(key, value, layer_idx)
 
 
+def _qkv_rows(attention: nn.Module) -> tuple[int, int, int, int]:
+    """Where q, k and v start and end in the rows of a fused qkv_proj (Phi-3): q's heads,
+    then k's, then v's, as transformers' Phi3Attention splits its output."""
+    q = attention.config.num_attention_heads * attention.head_dim
+    kv = attention.config.num_key_value_heads * attention.head_dim
+    return (0, q, q + kv, q + 2 * kv)
+
+
+def _qkv_projections(attention: nn.Module) -> list | None:
+    """q, k and v as LoRAProjections (a fused qkv_proj read as three row ranges), or None
+    where they cannot take the fused path."""
+    if hasattr(attention, "qkv_proj"):
+        return row_projections_or_none("attention qkv_proj", attention.qkv_proj, _qkv_rows(attention))
+    return projections_or_none("attention q/k/v", attention.q_proj, attention.k_proj, attention.v_proj)
+
+
+def _qkv_unfused(attention: nn.Module, hidden_states: torch.Tensor) -> tuple:
+    """q, k and v through the modules' own forwards."""
+    if hasattr(attention, "qkv_proj"):
+        _, q_end, k_end, _ = _qkv_rows(attention)
+        qkv = attention.qkv_proj(hidden_states)
+        return qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+    return attention.q_proj(hidden_states), attention.k_proj(hidden_states), attention.v_proj(hidden_states)
+
+
 def attention_values(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
     """The patched attention's output before its output projection: (B, T, heads * D),
     and the attention weights (None from SDPA and flash)."""
@@ -132,10 +168,10 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
 
     batch, seq = hidden_states.shape[:-1]
     cos, sin = position_embeddings
-    projections = projections_or_none("attention q/k/v", self.q_proj, self.k_proj, self.v_proj)
+    projections = _qkv_projections(self)
     qk_norm = patched_module(self).qk_norm
     if projections is None:
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = _qkv_unfused(self, hidden_states)
     elif qk_norm:  # the norms come between the projections and RoPE
         q, k, v = lora_qkv(hidden_states, *projections)
     else:  # RoPE inside the projections' autograd Function: less work in backward

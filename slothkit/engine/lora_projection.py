@@ -90,6 +90,48 @@ def describe(layer: nn.Module) -> LoRAProjection | str:
     return LoRAProjection(weight, lora_a[name].weight, lora_b.weight, float(layer.scaling[name]), bias)
 
 
+def describe_rows(layer: nn.Module, splits: tuple[int, ...]) -> list[LoRAProjection] | str:
+    """``layer``, one projection computing several (Phi-3's qkv_proj: q, k and v stacked by
+    rows), as one LoRAProjection per row range [splits[i], splits[i + 1]), or the reason
+    it cannot be.
+
+    Each part reads the rows of the same tensors, as views: the base weight's (an NF4
+    weight's packed bytes and scales: NF4Weight.rows), B's and the bias's; A is the one
+    tensor every part shares. LoRA on the fused layer is y = x W^T + s (x A^T) B^T, whose
+    rows [a, b) are x W[a:b]^T + s (x A^T) B[a:b]^T: each part is a projection of its own
+    with A shared. Autograd sums A's gradient over the parts, and B's row views send
+    theirs into the one B leaf.
+    """
+    described = describe(layer)
+    if isinstance(described, str):
+        return described
+    base = getattr(layer, "base_layer", layer)
+    weight, a, b, scaling, bias = described.fields()
+    parts = []
+    for start, stop in zip(splits, splits[1:]):
+        rows = _weight_rows(base.weight, weight, start, stop)
+        if rows is None:
+            return (
+                f"its 4-bit weight's rows from {start} do not start on a quantisation block "
+                f"(of {weight.blocksize} values), so they cannot be read as a weight of their own"
+            )
+        part_b = None if b is None else b[start:stop]
+        part_bias = None if bias is None else bias[start:stop]
+        parts.append(LoRAProjection(rows, a, part_b, scaling, part_bias))
+    return parts
+
+
+def _weight_rows(param, weight, start: int, stop: int):
+    """Rows [start, stop) of a base weight: a view of a tensor, or an NF4Weight over views
+    of the packed one (kept on the parameter's NF4Cache; None where a block is cut)."""
+    if not isinstance(weight, NF4Weight):
+        return weight[start:stop]
+    rows = nf4_cache(param).rows
+    if (start, stop) not in rows:
+        rows[start, stop] = weight.rows(start, stop)
+    return rows[start, stop]
+
+
 def why_not_fusable(layer: nn.Module) -> str | None:
     """None when ``layer`` can run through the fused LoRA functions, else the reason."""
     described = describe(layer)
@@ -111,6 +153,17 @@ def warn_fallback_once(module_kind: str, reason: str) -> None:
         f"because {reason}. Results are the same; training is slower.",
         stacklevel=3,
     )
+
+
+def row_projections_or_none(
+    kind: str, layer: nn.Module, splits: tuple[int, ...]
+) -> list[LoRAProjection] | None:
+    """describe_rows(layer, splits), or None (after one warning) where it cannot be fused."""
+    described = describe_rows(layer, splits)
+    if isinstance(described, str):
+        warn_fallback_once(kind, described)
+        return None
+    return described
 
 
 def projections_or_none(kind: str, *layers: nn.Module) -> list[LoRAProjection] | None:

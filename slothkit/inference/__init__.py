@@ -33,6 +33,11 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     if arch is None:
         covered = ", ".join(arch.name for arch in ARCHITECTURES)
         return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
+    rope = getattr(causal_lm.config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        # Phi-3's long-context tables switch from short to long factors past the original
+        # context, and its generate re-runs the prompt there: a step the captured loop lacks.
+        return "fast generation does not cover longrope models (Phi-3 128k, Phi-3.5)"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)

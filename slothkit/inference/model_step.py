@@ -78,9 +78,17 @@ class _DecodeMLP:
 
     def __init__(self, mlp: nn.Module, dtype: torch.dtype):
         self.mlp = mlp
-        self.gated = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        # Phi-3 computes gate and up as one gate_up_proj (gate's rows first) and calls its
+        # activation activation_fn.
+        self.fused_gate_up = hasattr(mlp, "gate_up_proj")
+        self.act_fn = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        separate = all(hasattr(mlp, name) for name in ("gate_proj", "up_proj"))
+        self.gated = (
+            (self.fused_gate_up or separate) and hasattr(mlp, "down_proj") and self.act_fn is not None
+        )
         if self.gated:
-            self.gate_up = SharedInputProjections([mlp.gate_proj, mlp.up_proj], dtype)
+            gate_up = [mlp.gate_up_proj] if self.fused_gate_up else [mlp.gate_proj, mlp.up_proj]
+            self.gate_up = SharedInputProjections(gate_up, dtype)
             self.down = SharedInputProjections([mlp.down_proj], dtype)
         record = patched_module(mlp)
         self.activation = record.activation if record is not None else None
@@ -96,13 +104,13 @@ class _DecodeMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.own_forward(x)
-        gate, up = self.gate_up(x)
+        gate, up = self.gate_up(x)[0].chunk(2, dim=-1) if self.fused_gate_up else self.gate_up(x)
         if self.activation == "swiglu" and x.is_cuda:
             hidden = swiglu(gate, up)
         elif self.activation in ("geglu_tanh", "geglu") and x.is_cuda:
             hidden = geglu(gate, up, "tanh" if self.activation == "geglu_tanh" else "none")
         else:
-            hidden = self.mlp.act_fn(gate) * up
+            hidden = self.act_fn(gate) * up
         return self.down(hidden)[0]
 
 
@@ -135,9 +143,22 @@ class _DecodeLayer:
         self.attention_out_norm = layer.post_attention_layernorm if sandwich else None
         self.mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         self.mlp_out_norm = layer.post_feedforward_layernorm if sandwich else None
-        self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
+        if hasattr(attention, "qkv_proj"):  # Phi-3: one layer, q's rows, then k's, then v's
+            config = attention.config
+            kv = config.num_key_value_heads * attention.head_dim
+            self.qkv_split = (config.num_attention_heads * attention.head_dim, kv, kv)
+            self.qkv = SharedInputProjections([attention.qkv_proj], dtype)
+        else:
+            self.qkv_split = None
+            self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
         self.mlp = _DecodeMLP(layer.mlp, dtype)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple:
+        """q, k and v of ``x``, (B, T, heads * D) each."""
+        if self.qkv_split is None:
+            return self.qkv(x)
+        return self.qkv(x)[0].split(self.qkv_split, dim=-1)
 
     def refresh(self) -> None:
         self.qkv.refresh()
@@ -250,7 +271,7 @@ class ModelStep:
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
             cos, sin = tables[projections.layer_type]  # (B, T, D) each
-            q, k, v = projections.qkv(layer.input_layernorm(hidden))
+            q, k, v = projections.project_qkv(layer.input_layernorm(hidden))
             q = q.view(batch, tokens, -1, self.head_dim)
             k = k.view(batch, tokens, -1, self.head_dim)
             if projections.qk_norm is not None:

@@ -15,17 +15,21 @@ generic path); SHAPES the shapes every record names and those of record-less fam
 
 from __future__ import annotations
 
-from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
+import functools
+import warnings
+
+from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits, generic_path_reason
 from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.llama import LLAMA
 from slothkit.models.mistral import MISTRAL
+from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
 from slothkit.models.shape import Shape
 
-RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3)
+RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, PHI3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
@@ -51,9 +55,23 @@ __all__ = [
 
 def architecture_for(config) -> Architecture | None:
     """The Architecture for a transformers config (or anything with a `model_type`, such as
-    a Shape), or None if slothkit has no fused path for it."""
+    a Shape), or None if slothkit has no fused path for it (nor for this config of a fused
+    family: generic_path_reason, said once)."""
     arch = record_for(config)
-    return arch if arch is not None and arch.fused else None
+    if arch is None or not arch.fused:
+        return None
+    reason = generic_path_reason(config)
+    if reason is not None:
+        _notice_generic_config(arch.name, reason)
+        return None
+    return arch
+
+
+@functools.cache
+def _notice_generic_config(name: str, reason: str) -> None:
+    warnings.warn(
+        f"slothkit: this {name} model trains on the generic path, not the fused one: {reason}", stacklevel=3
+    )
 
 
 def record_for(config) -> Architecture | None:

@@ -1,6 +1,6 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py, qwen2.py, qwen3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, qwen2.py, qwen3.py, phi3.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
@@ -24,6 +24,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       module does not scale by sqrt(hidden) itself
     qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
                       norm each head's q and k before RoPE
+    fused_projections the planner's adapter bytes (slothkit.memory_model.lora_bytes): q/k/v
+                      and gate/up are one layer each (Phi-3), so one A serves each group
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
                       attention and after the MLP too (Gemma 3); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
@@ -126,6 +128,10 @@ class Architecture:
     # language model (Gemma 3's 4B, 12B and 27B: "gemma3"); FastModel loads that text tower
     # alone (slothkit.text_tower).
     text_tower_of: tuple[str, ...] = ()
+    # q, k, v are one layer (qkv_proj) and gate, up another (gate_up_proj), adapted as they
+    # are (Phi-3): one LoRA A per group. The fused path reads them as row slices
+    # (slothkit.engine.lora_projection.describe_rows) by the modules it finds.
+    fused_projections: bool = False
 
     @property
     def keeps_attention_sum(self) -> bool:
@@ -148,3 +154,23 @@ class Architecture:
             f"{self.name}: MLP activation {act!r} is not supported by the fused MLP "
             f"(supported: silu, gelu, gelu_pytorch_tanh)"
         )
+
+
+def generic_path_reason(config) -> str | None:
+    """Why a config of a fused family still trains on the generic path, or None.
+
+    Some checkpoints of a family set what the fused layers do not compute: RoPE over part
+    of each head (Phi-4-mini's partial_rotary_factor 0.75; the RoPE kernel rotates whole
+    heads) and dropout on the residual terms (Phi-3's resid_pdrop; the fused layer adds
+    them as they are). Any object without these fields (a Shape) has neither.
+    """
+    rope = getattr(config, "rope_parameters", None)
+    factor = getattr(config, "partial_rotary_factor", None)
+    if isinstance(rope, Mapping) and "partial_rotary_factor" in rope:
+        factor = rope["partial_rotary_factor"]
+    if factor not in (None, 1, 1.0):
+        return f"partial_rotary_factor={factor} rotates part of each head, the fused RoPE whole heads"
+    dropout = getattr(config, "resid_pdrop", None)
+    if dropout:
+        return f"resid_pdrop={dropout}: the fused decoder layer has no dropout on its residual terms"
+    return None

@@ -21,6 +21,8 @@ kernels and patching code must get right; each architecture record (slothkit.mod
     qwen2    GQA, q/k/v biases         SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
     qwen3    GQA, q/k norms per head,  SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
              head_dim 32 (not hidden / heads)
+    phi3     GQA, one qkv_proj         SiLU GLU,  w * x       own    10000       SentencePiece-style
+                                       one gate_up_proj
 
 The tokenizers (slothkit.testing.tiny_tokenizers) have a few hundred tokens; the model's
 vocabulary is padded up to a multiple of 256 (or to Gemma's real 256,000 rows with

@@ -389,3 +389,36 @@ def test_llama3_8b_mlp_shape_cuda(dtype, nested):
         f"slothkit {ours * 1e6:.1f} us ({moved / ours / 1e9:.0f} GB/s), "
         f"bitsandbytes {theirs * 1e6:.1f} us ({moved / theirs / 1e9:.0f} GB/s)"
     )
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "flat_absmax"])
+@pytest.mark.parametrize(
+    ("shape", "start", "stop"),
+    [
+        ((96, 64), 0, 32),  # q of a fused qkv: the first rows
+        ((96, 64), 64, 96),  # the last rows
+        ((640, 192), 256, 640),  # starts on a group of 256 absmax codes (block 768)
+        ((640, 192), 100, 640),  # starts inside a group (block 300): nested gets fp32 scales
+        ((12, 48), 4, 9),  # rows of 48: starts on a block (4 * 48 = 192), ends inside one
+    ],
+)
+def test_rows_dequantise_to_the_rows_of_the_weight(shape, start, stop, nested, device):
+    """A fused projection's row slice (Phi-3's q, k, v, gate, up): a record over views of
+    the packed bytes and scales dequantises bit-exactly to those rows of bitsandbytes'
+    own dequantisation."""
+    _, packed, state = quantize(shape, torch.bfloat16, nested, 64, device, seed=4)
+    weight = NF4Weight.from_bitsandbytes(packed, state)
+    part = weight.rows(start, stop)
+    assert part.shape == (stop - start, shape[1])
+    assert part.packed.data_ptr() == weight.packed.data_ptr() + start * shape[1] // 2  # a view
+    within_group = nested and (start * shape[1] // 64) % state.state2.blocksize == 0
+    assert part.is_nested == within_group
+    assert_bit_equal(dequantize_nf4(part), bnb_dequantize(packed, state)[start:stop], f"rows {start}:{stop}")
+
+
+def test_rows_starting_inside_a_block_are_refused(device):
+    _, packed, state = quantize((12, 48), torch.bfloat16, True, 64, device, seed=5)
+    weight = NF4Weight.from_bitsandbytes(packed, state)
+    assert weight.rows(1, 5) is None  # 48 elements in: inside the first block
+    with pytest.raises(ValueError, match=r"rows \[8, 13\) are not within the weight's 12 rows"):
+        weight.rows(8, 13)

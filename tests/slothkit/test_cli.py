@@ -216,7 +216,15 @@ def test_export_parses_quant_once_and_passes_the_methods(tmp_path, capsys, monke
 def test_demo_arch_choices_are_the_architecture_records():
     assert build_parser().parse_args(["demo", "--arch", "mistral"]).arch == "mistral"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--arch", "phi3"])
+        build_parser().parse_args(["demo", "--arch", "olmo2"])
+
+
+def test_demo_of_an_architecture_without_a_notebook_model_says_how_to_run_it(capsys):
+    assert main(["demo", "--arch", "gemma3"]) == 2
+    assert (
+        "no notebook model of architecture 'gemma3'; architectures with one: gemma, llama, mistral, "
+        "phi3, qwen2, qwen3 (or run `slothkit demo --quick --arch gemma3`)"
+    ) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

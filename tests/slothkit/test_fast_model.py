@@ -17,7 +17,11 @@ from slothkit.testing import tiny_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What FastModel adapts for the seven names (slothkit.lora_setup), and so what HF + PEFT
+# is given: Phi-3's fused projections.
+PEFT_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 STEPS = 8
 
 
@@ -29,7 +33,7 @@ def _batch(vocab_size, seed=0, batch=2, seq=12):
     return ids, labels
 
 
-def _plain_peft(path, load_in_4bit, device):
+def _plain_peft(path, load_in_4bit, device, targets=SEVEN):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -54,7 +58,7 @@ def _plain_peft(path, load_in_4bit, device):
         lora_alpha=16,
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=targets,
     )
     model = get_peft_model(model, config)
     model.train()
@@ -87,7 +91,7 @@ def _train(model, ids, labels, steps):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     path = tiny_model_path(arch)
-    plain = _plain_peft(path, load_in_4bit, device)
+    plain = _plain_peft(path, load_in_4bit, device, PEFT_TARGETS.get(arch, SEVEN))
     fused = _fused(path, load_in_4bit)
     ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
 
@@ -114,8 +118,81 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     assert torch.equal(a, b)
 
 
+def test_phi3_default_setup_trains_like_hf_peft_on_its_fused_layers(device, recwarn):
+    """FastModel's defaults on Phi-3 (the seven target names, offloaded checkpointing) against
+    HF + PEFT given the fused layers' names: 8 steps, the losses and the trained adapters
+    within 1e-5, and every projection on the fused path (no fallback warning)."""
+    path = tiny_model_path("phi3")
+    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    fused = FastModel.get_peft_model(model, r=8, lora_alpha=16)
+    assert fused.peft_config["default"].target_modules == set(PEFT_TARGETS["phi3"])
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, plain.config.vocab_size, (2, 24), generator=g).to(device)
+    labels = ids.clone()
+    labels[1, :5] = -100
+
+    plain_losses, _ = _train(plain, ids, labels, STEPS)
+    fused_losses, _ = _train(fused, ids, labels, STEPS)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    trained = {n: p for n, p in fused.named_parameters() if p.requires_grad}
+    for name, param in plain.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(trained[name], param, rtol=1e-5, atol=1e-6, msg=name)
+    assert not [w for w in recwarn if "plain PEFT path" in str(w.message)]
+
+
+def test_phi3_longrope_tables_reach_the_fused_attention(device, tmp_path):
+    """Phi-3.5's longrope: the rotary tables come from transformers' model forward (long
+    factors past the original context, their attention factor folded into cos and sin), and
+    the fused attention rotates with them as they are: HF + PEFT's losses over 8 steps."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path("phi3"), tmp_path / "phi3-longrope")
+    config = json.loads((path / "config.json").read_text())
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    config["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0 + 0.1 * k for k in range(half)], "long_factor": [2.0 + k for k in range(half)],
+    }  # fmt: skip
+    config["original_max_position_embeddings"] = 8  # the batch's 12 tokens take the long factors
+    (path / "config.json").write_text(json.dumps(config))
+    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    fused = _fused(path, load_in_4bit=False)
+    assert fused.config.rope_parameters["rope_type"] == "longrope"
+    ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
+    plain_losses, _ = _train(plain, ids, labels, STEPS)
+    fused_losses, _ = _train(fused, ids, labels, STEPS)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+
+
+def test_phi3_sliding_window_is_applied_as_transformers_applies_it(device, tmp_path):
+    """Phi-3-mini-4k's config sets sliding_window (2047): transformers masks keys beyond it
+    and hands the window to the attention function, and so does the fused attention. A
+    window of 4 over 12 tokens: HF + PEFT's losses over 8 steps, and not the losses
+    without the window."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path("phi3"), tmp_path / "phi3-window")
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 4
+    (path / "config.json").write_text(json.dumps(config))
+    ids, labels = (t.to(device) for t in _batch(config["vocab_size"]))
+    fused_losses, _ = _train(_fused(path, load_in_4bit=False), ids, labels, STEPS)
+    plain_losses, _ = _train(_plain_peft(path, False, device, PEFT_TARGETS["phi3"]), ids, labels, STEPS)
+    unwindowed, _ = _train(
+        _plain_peft(tiny_model_path("phi3"), False, device, PEFT_TARGETS["phi3"]), ids, labels, 1
+    )
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    assert abs(unwindowed[0] - plain_losses[0]) > 1e-3  # the window changes the attention
+
+
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "phi3"])
 def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
     """Gemma 3's sandwich layer normalises the MLP's output, so its re-run keeps the down
     projection, and it adds o_proj's output through a norm: no fused residual sum, and no
@@ -519,7 +596,7 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_path(arch)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = PEFT_TARGETS.get(arch, SEVEN)
     plain = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float16, attn_implementation="sdpa", device_map={"": device}
     )

@@ -19,13 +19,13 @@ STEPS = 8
 @pytest.fixture(autouse=True)
 def fresh_notices():
     from slothkit.load_model import _notice_eager_attention, _notice_generic_path, _warn_unsupported
-    from slothkit.lora_setup import _notice_fused_projection
+    from slothkit.notices import say_once
 
     for notice in (
         _notice_eager_attention,
         _notice_generic_path,
         _warn_unsupported,
-        _notice_fused_projection,
+        say_once,
     ):
         notice.cache_clear()
 
@@ -62,13 +62,13 @@ def _train(model, ids, labels):
     return losses
 
 
-def _plain_peft(path, attention="sdpa"):
+def _plain_peft(path, attention="sdpa", targets=TARGETS):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     torch.manual_seed(3407)
-    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets)
     return get_peft_model(model, config).train()
 
 
@@ -133,13 +133,36 @@ def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
     """Phi-3 computes q, k, v as qkv_proj and gate, up as gate_up_proj: the default (and
     a notebook's seven names) adapt those, said once; a partial group is refused by name."""
     path = _checkpoint(tmp_path, "phi3")
-    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=False)
     with pytest.warns(UserWarning, match="computes q_proj, k_proj, v_proj as one layer, qkv_proj"):
         peft_model = FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=TARGETS)
     adapted = {name.split(".")[-2] for name, _ in peft_model.named_modules() if name.endswith("lora_A")}
     assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     ids = torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(peft_model(input_ids=ids, labels=ids).loss)
+
+    # The default (target_modules=None) is the same four layers, and trains as HF + PEFT
+    # given those names does; the notice was given once, above.
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        default = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    assert not [w for w in caught if "as one layer" in str(w.message)]
+    assert default.peft_config["default"].target_modules == {
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    }
+    plain = _plain_peft(path, targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    labels = ids.clone()
+    labels[0, :3] = -100
+    default_losses, plain_losses = _train(default, ids, labels), _train(plain, ids, labels)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(default_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    for name, value in plain.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(default.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
     with pytest.raises(

@@ -62,7 +62,7 @@ def _saved_bytes_per_layer(model, ids) -> list[int]:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
 )
-@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3", "phi3"])
 def test_a_kept_layer_saves_what_the_model_says(arch, tmp_path):
     """Layer by layer, the fused path (the kernels' own autograd Functions, under the
     Triton interpreter) keeps exactly ``kept_layer_bytes``, to the byte: in fp32 on the CPU
@@ -71,7 +71,8 @@ def test_a_kept_layer_saves_what_the_model_says(arch, tmp_path):
     out: its input, the embeddings, needs no gradient, so its first norm saves nothing.
     Gemma 3's window is wider than the sequence, so its sliding layers run unmasked like
     the others: given a mask, transformers' SDPA repeats K and V to every query head and
-    the layer keeps those copies, which the model does not count."""
+    the layer keeps those copies, which the model does not count.  Phi-3's fused qkv_proj
+    and gate_up_proj, read as row slices, save what Llama's separate projections do."""
     window = {"sliding_window": 32} if arch == "gemma3" else {}
     path = build_tiny_model(arch, tmp_path, num_layers=3, num_heads=4, num_kv_heads=2, **window)
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
@@ -132,6 +133,17 @@ def test_each_kept_layer_adds_what_it_saves_to_the_peak_on_a_gpu(tmp_path):
         torch.cuda.empty_cache()
     per_layer = (peaks[6] - peaks[0]) / 6
     assert per_layer == pytest.approx(kept_layer_bytes(shape, batch * seq, rank=8), rel=0.15)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_lora_bytes_count_the_adapters_get_peft_model_adds(arch, tmp_path):
+    """16 bytes (fp32 weight, gradient, two AdamW moments) per adapter parameter; Phi-3's
+    fused qkv_proj and gate_up_proj have one A per group."""
+    path = build_tiny_model(arch, tmp_path, num_layers=2, num_heads=4, num_kv_heads=2)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=False)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_bytes(shape_from_config(model.config), 8) == 16 * trained
 
 
 def _memory(**switches) -> TrainingMemory:

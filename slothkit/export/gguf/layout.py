@@ -13,6 +13,7 @@ Architecture.gguf) and its norm flavour, matching llama.cpp's convert_hf_to_gguf
     mistral         llama       permuted           w                  output.weight unless tied
     gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
     gemma3_text     gemma3      as stored          1 + w (in F32)     output.weight unless tied
+    phi3            phi3        as stored (fused)  w                  output.weight unless tied
 
 The per-layer norms are named by the record (GGUFLayout.norms): Llama's two are attn_norm and
 ffn_norm; Gemma 3's six are attn_norm, attn_q_norm, attn_k_norm, post_attention_norm,
@@ -53,6 +54,10 @@ _PROJECTIONS = {  # every architecture's; the norms come from the record
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Phi-3's fused layers, written as they are: llama.cpp's phi3 graph splits attn_qkv's rows
+    # into q, k, v and ffn_up's into gate (the first half, under SiLU) and up.
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 

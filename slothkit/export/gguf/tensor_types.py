@@ -19,6 +19,7 @@ The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense mo
   - _M variants: attn_v.weight and ffn_down.weight get Q6_K in the layers where
     `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
     (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31);
+  - attn_qkv.weight (Phi-3's fused q/k/v): Q5_K in Q4_K_M, Q6_K in Q5_K_M, in every layer;
   - every other 2-D weight, token_embd included when untied: the base type.
 Fallback for rows that a type's block cannot tile (tensor_type_fallback): Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0 when the row length is not a multiple of 256; then F16 when it is
@@ -147,6 +148,10 @@ def tensor_type(
     return intended if intended == T.F32 else fallback_type(intended, shape[-1])
 
 
+# A fused attn_qkv holds attn_v's rows too: the _M mixes give the whole tensor one step up.
+_QKV_STEP = {LlamaFileType.MOSTLY_Q4_K_M: T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M: T.Q6_K}
+
+
 def mix_type(
     method: QuantizationMethod,
     name: str,
@@ -164,6 +169,8 @@ def mix_type(
     is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
     if is_output:
         return T.Q6_K if method.base != T.Q8_0 else method.base
+    if name.endswith(".attn_qkv.weight") and method.file_type in _QKV_STEP:
+        return _QKV_STEP[method.file_type]
     if (
         method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
         and name.endswith((".attn_v.weight", ".ffn_down.weight"))

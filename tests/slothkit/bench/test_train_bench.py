@@ -16,7 +16,16 @@ from slothkit.models import SHAPES, shape_by_name
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-olmo2"],
+    [
+        "tiny-llama",
+        "tiny-mistral",
+        "tiny-gemma",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-phi3",
+        "tiny-olmo2",
+    ],
 )
 def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     from transformers import AutoModelForCausalLM
@@ -43,6 +52,28 @@ def test_nf4_build_keeps_the_projection_biases():
         torch.testing.assert_close(got.bias, expected)
     ids = torch.randint(0, quantized.config.vocab_size, (1, 16))
     assert torch.isfinite(quantized(input_ids=ids, labels=ids).loss)
+
+
+def test_phi3_builds_adapt_and_quantise_its_fused_projections():
+    """HF + PEFT's side of the bench adapts what FastModel adapts for the seven names on
+    Phi-3 (qkv_proj, o_proj, gate_up_proj, down_proj), and the NF4 build quantises those."""
+    pytest.importorskip("bitsandbytes")
+    from slothkit.bench.model_setup import lora_targets, prepare
+
+    model = build_model("tiny-phi3", torch.float32, "cpu", seed=0)
+    assert lora_targets(model) == ["o_proj", "down_proj", "qkv_proj", "gate_up_proj"]
+    plain = prepare("hf", model, rank=8, hf_checkpointing="off")
+    adapted = {name.split(".")[-2] for name, _ in plain.named_modules() if name.endswith("lora_A")}
+    assert adapted == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    quantized = build_model("tiny-phi3", torch.float32, "cpu", seed=0, quantize_nf4=True)
+    layer = quantized.model.layers[0]
+    for module in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
+        assert type(module).__name__ == "Linear4bit"
 
 
 def test_unknown_shape_lists_the_known_ones():

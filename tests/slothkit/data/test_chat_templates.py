@@ -136,6 +136,14 @@ GOLDEN.update(
             + "<|system|>\nBe brief.<|end|>\n<|user|>\nName a colour.<|end|>\n<|assistant|>\nBlue.<|end|>\n",
             B + "<|user|>\nName a colour.<|end|>\n<|assistant|>\n",
         ),
+        "phi-4": (
+            B + "<|im_start|>user<|im_sep|>Hi there<|im_end|><|im_start|>assistant<|im_sep|>Hello!<|im_end|>"
+            "<|im_start|>user<|im_sep|>What is 2 + 2?<|im_end|><|im_start|>assistant<|im_sep|>4<|im_end|>",
+            B
+            + "<|im_start|>system<|im_sep|>Be brief.<|im_end|><|im_start|>user<|im_sep|>Name a colour.<|im_end|>"
+            "<|im_start|>assistant<|im_sep|>Blue.<|im_end|>",
+            B + "<|im_start|>user<|im_sep|>Name a colour.<|im_end|><|im_start|>assistant<|im_sep|>",
+        ),
         "vicuna_old": (
             B + VICUNA_OLD_SYSTEM + "\n### Human: Hi there\n### Assistant: Hello!" + E + "\n"
             "### Human: What is 2 + 2?\n### Assistant: 4" + E + "\n",
@@ -158,6 +166,7 @@ KEPT = {
     "qwen-2.5": "Hello!<|im_end|>\n4<|im_end|>\n",
     "qwen3": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
     "phi-3": "Hello!<|end|>\n4<|end|>\n",
+    "phi-4": "Hello!<|im_end|>4<|im_end|>",
     "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",
 }
 

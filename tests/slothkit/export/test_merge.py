@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from slothkit.export import merged_state_dict, save_pretrained_merged
 from slothkit.export.merge import choose_merge_source
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
 SAME = 1e-4
 
 

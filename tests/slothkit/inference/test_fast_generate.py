@@ -15,7 +15,7 @@ from slothkit.model_state import state_of
 from slothkit.notices import say_once
 from slothkit.testing import tiny_model_path
 
-ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3"]
+ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", "Hi"]
 
@@ -360,3 +360,35 @@ def test_decoding_past_the_models_positions_is_said_once(recwarn):
     assert out.shape[1] == prompt.shape[1] + 70
     notices = [str(w.message) for w in recwarn if "past the model's 64 positions" in str(w.message)]
     assert len(notices) == 1 and f"reaches {prompt.shape[1] + 70} tokens" in notices[0]
+
+
+def test_longrope_models_keep_hf_generate_said_once(tmp_path, recwarn):
+    """Phi-3.5's and the 128k Phi-3s' longrope tables switch to the long factors past the
+    original context, where Hugging Face's generate re-runs the prompt: the fast loop,
+    which has no such step, leaves them to it."""
+    import json
+    import shutil
+
+    path = shutil.copytree(tiny_model_path("phi3"), tmp_path / "phi3-longrope")
+    config = json.loads((path / "config.json").read_text())
+    half = config["hidden_size"] // config["num_attention_heads"] // 2
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0] * half, "long_factor": [4.0] * half,
+    }  # fmt: skip
+    config["original_max_position_embeddings"] = 512
+    (path / "config.json").write_text(json.dumps(config))
+    model, _ = FastModel.from_pretrained(
+        str(path), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
+    )
+    assert model.config.rope_parameters["rope_type"] == "longrope"
+    recwarn.clear()
+    for _ in range(2):
+        assert enable_fast_decode(model, True) is False
+    assert state_of(model).fast_decoder is None
+    notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
+    assert notices == [
+        "slothkit: fast generation does not cover longrope models (Phi-3 128k, Phi-3.5); "
+        "model.generate runs Hugging Face's generate"
+    ]

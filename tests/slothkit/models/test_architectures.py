@@ -28,6 +28,7 @@ TINY = dict(
     num_key_value_heads=1,
     head_dim=16,
     vocab_size=64,
+    pad_token_id=0,  # within the vocabulary (Phi-3's default is 32000)
 )
 
 
@@ -77,6 +78,7 @@ def test_layer_variant_agrees_with_transformers_layer(arch):
     assert (hasattr(attention, "q_norm") and hasattr(attention, "k_norm")) is arch.qk_norm
     four_norms = hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
     assert four_norms is arch.sandwich_norms
+    assert hasattr(attention, "qkv_proj") is hasattr(layer.mlp, "gate_up_proj") is arch.fused_projections
     assert arch.keeps_attention_sum is not arch.sandwich_norms
 
 
@@ -135,7 +137,8 @@ def test_tiny_traits_are_consistent(arch):
 def test_lookups_name_what_is_known():
     assert architecture_named("gemma").model_types == ("gemma",)
     with pytest.raises(
-        ValueError, match="unknown architecture 'gpt2'; known: llama, mistral, gemma, qwen2, qwen3, gemma3$"
+        ValueError,
+        match="unknown architecture 'gpt2'; known: llama, mistral, gemma, qwen2, qwen3, gemma3, phi3$",
     ):
         architecture_named("gpt2")
     assert architecture_of_shape("mistral-7b") is architecture_named("mistral")
@@ -143,8 +146,8 @@ def test_lookups_name_what_is_known():
         ValueError, match="no architecture names the shape 'llama-9'; named shapes: llama-3-8b"
     ):
         architecture_of_shape("llama-9")
-    assert architecture_for(AutoConfig.for_model("phi3")) is None
-    assert record_for(AutoConfig.for_model("phi3")) is None
+    assert architecture_for(AutoConfig.for_model("olmo2")) is None
+    assert record_for(AutoConfig.for_model("olmo2")) is None
     gemma3 = AutoConfig.for_model("gemma3_text")
     assert architecture_for(gemma3) is record_for(gemma3) is architecture_named("gemma3")
     assert architecture_named("gemma3") in ARCHITECTURES
@@ -159,3 +162,22 @@ def test_every_record_names_shapes_of_its_family(arch):
         config = shape.config()
         assert record_for(config) is arch and architecture_of_shape(name) is arch, name
         assert architecture_for(config) is (arch if arch.fused else None), name
+
+
+def test_configs_the_fused_layers_do_not_compute_stay_on_the_generic_path(recwarn):
+    """Phi-4-mini rotates 3/4 of each head (partial_rotary_factor 0.75) and resid_pdrop
+    drops out the residual terms: neither is what the fused layers compute, so such configs
+    find no fused record (the generic path), said once; the record itself is unchanged."""
+    phi3 = architecture_named("phi3")
+    partial = AutoConfig.for_model("phi3", hidden_size=96, num_attention_heads=4, partial_rotary_factor=0.75)
+    assert partial.rope_parameters["partial_rotary_factor"] == 0.75  # where transformers keeps it
+    assert record_for(partial) is phi3
+    assert architecture_for(partial) is None
+    assert architecture_for(partial) is None
+    notices = [str(w.message) for w in recwarn if "generic path" in str(w.message)]
+    assert notices == [
+        "slothkit: this phi3 model trains on the generic path, not the fused one: "
+        "partial_rotary_factor=0.75 rotates part of each head, the fused RoPE whole heads"
+    ]
+    assert architecture_for(AutoConfig.for_model("phi3", resid_pdrop=0.1)) is None
+    assert architecture_for(AutoConfig.for_model("phi3", partial_rotary_factor=1.0)) is phi3

@@ -83,6 +83,7 @@ def test_builds_and_loads_offline(arch, tmp_path, no_network):
         "gemma3": "Gemma3ForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "phi3": "Phi3ForCausalLM",
     }
     assert type(model).__name__ == expected_class[arch]
     assert tokenizer.is_fast
@@ -254,7 +255,10 @@ def test_hidden_256_gives_rows_of_multiples_of_256(arch):
     config = _config_json(path)
     assert config["hidden_size"] == 256 and config["vocab_size"] % 256 == 0
     matrices = {name: t for name, t in _tensors(path).items() if t.ndim == 2}
-    assert len(matrices) == (1 if config["tie_word_embeddings"] else 2) + 7 * config["num_hidden_layers"]
+    per_layer = 4 if arch == "phi3" else 7  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert (
+        len(matrices) == (1 if config["tie_word_embeddings"] else 2) + per_layer * config["num_hidden_layers"]
+    )
     for name, tensor in matrices.items():
         assert tensor.shape[-1] % 256 == 0, (name, tuple(tensor.shape))
 
@@ -354,6 +358,13 @@ EXPECTED_CHAT["qwen2"] = _CHATML
 EXPECTED_CHAT["qwen3"] = (
     _CHATML[0].replace("assistant\nFine", "assistant\n<think>\n\n</think>\n\nFine"),
     "<think>\n\n</think>\n\nFine, thanks.<|im_end|>\n",
+)
+
+# Phi-3: a header per role, each turn closed by <|end|>, the conversation by <|endoftext|>.
+EXPECTED_CHAT["phi3"] = (
+    "<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n"
+    "<|user|>\nHow are you?<|end|>\n<|assistant|>\nFine, thanks.<|end|>\n<|endoftext|>",
+    "Fine, thanks.<|end|>\n<|endoftext|>",
 )
 
 

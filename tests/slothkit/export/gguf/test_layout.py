@@ -60,7 +60,7 @@ def test_every_weight_is_named_as_the_gguf_package_names_it(arch):
     (what llama.cpp's converter uses) gives it for the record's GGUF architecture."""
     config = AutoConfig.for_model(
         arch.model_types[0], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64, pad_token_id=0,
     )  # fmt: skip
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -69,7 +69,11 @@ def test_every_weight_is_named_as_the_gguf_package_names_it(arch):
     names = [name for name, _ in model.named_parameters()]
     biases = sum(name.endswith(".bias") for name in names)  # Qwen2's q/k/v: 3 per layer
     assert biases == (6 if arch.name == "qwen2" else 0)
-    assert len(names) == 2 + (0 if arch.tied_embeddings else 1) + 2 * (7 + len(arch.gguf.norms)) + biases
+    projections = 4 if arch.fused_projections else 7  # Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj
+    assert (
+        len(names)
+        == 2 + (0 if arch.tied_embeddings else 1) + 2 * (projections + len(arch.gguf.norms)) + biases
+    )
     for hf_name in names:
         stem, _, kind = hf_name.rpartition(".")
         expected = tensor_map.get_name(stem) + "." + kind

@@ -26,7 +26,7 @@ from slothkit.models import architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
-ARCHS = ("llama", "mistral", "gemma", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "gemma", "qwen2", "qwen3", "phi3")
 METHODS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
 SIZES = dict(hidden_size=256, intermediate_size=512)  # every row a multiple of 256 (K-quants)
 needs_llama_cpp = pytest.mark.skipif(
@@ -41,7 +41,12 @@ EXPECTED = {
     "gemma": dict(arch="gemma", head_dim=256, rope_base=10000.0, eps=1e-6, tokenizer="llama", tied=True),
     "qwen2": dict(arch="qwen2", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
     "qwen3": dict(arch="qwen3", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
+    "phi3": dict(arch="phi3", head_dim=64, rope_base=10000.0, eps=1e-5, tokenizer="llama", tied=False),
 }
+# Each layer's projections: Phi-3 writes its fused ones as they are (attn_qkv; ffn_up holds
+# gate and up), as llama.cpp's converter does.
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYER_PROJECTIONS = {"phi3": ("attn_qkv", "attn_output", "ffn_up", "ffn_down")}
 # Tensors beyond Llama's, per layer: Qwen2's q/k/v biases, Qwen3's per-head q/k norms.
 EXTRA_LAYER_TENSORS = {
     "qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
@@ -79,6 +84,8 @@ def expected_type(method: str, name: str, tied: bool):
         return T.Q6_K
     if method in ("q4_k_m", "q5_k_m") and name in ("blk.1.attn_v.weight", "blk.1.ffn_down.weight"):
         return T.Q6_K
+    if name.endswith(".attn_qkv.weight") and method in ("q4_k_m", "q5_k_m"):  # one step up, every layer
+        return T.Q5_K if method == "q4_k_m" else T.Q6_K
     return BASE[method]
 
 
@@ -147,17 +154,7 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
     names = {"token_embd.weight", "output_norm.weight"} | {
         f"blk.{i}.{t}.weight"
         for i in range(2)
-        for t in (
-            "attn_norm",
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_norm",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down",
-        )
+        for t in ("attn_norm", "ffn_norm", *LAYER_PROJECTIONS.get(arch, PROJECTIONS))
     }
     names |= {f"blk.{i}.{t}" for i in range(2) for t in EXTRA_LAYER_TENSORS.get(arch, ())}
     if not spec["tied"]:
@@ -167,11 +164,20 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
     hf = {
         "token_embd.weight": model.model.embed_tokens.weight,
         "output.weight": model.lm_head.weight,
-        "blk.1.attn_q.weight": model.model.layers[1].self_attn.q_proj.weight,
-        "blk.1.attn_k.weight": model.model.layers[1].self_attn.k_proj.weight,
         "blk.0.ffn_down.weight": model.model.layers[0].mlp.down_proj.weight,
         "blk.0.attn_norm.weight": model.model.layers[0].input_layernorm.weight,
     }
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    if arch == "phi3":  # (4 + 2 * 2) heads of 64 rows; gate's 512 rows then up's
+        hf["blk.1.attn_qkv.weight"] = attention.qkv_proj.weight
+        hf["blk.1.ffn_up.weight"] = mlp.gate_up_proj.weight
+        assert attention.qkv_proj.weight.shape == (8 * 64, 256) and mlp.gate_up_proj.weight.shape == (
+            1024,
+            256,
+        )
+    else:
+        hf["blk.1.attn_q.weight"] = attention.q_proj.weight
+        hf["blk.1.attn_k.weight"] = attention.k_proj.weight
     for name, weight in hf.items():
         if name in tensors:
             assert tuple(int(n) for n in tensors[name].shape) == tuple(reversed(weight.shape)), name
@@ -192,8 +198,14 @@ def test_weights_are_transformed_as_llama_cpp_expects(arch, exported):
     model, _ = tiny(arch)
     reader = gguf.GGUFReader(exported(arch, "f16"))
     layer = model.model.layers[0]
-    q, k = layer.self_attn.q_proj.weight.detach(), layer.self_attn.k_proj.weight.detach()
     norm = layer.input_layernorm.weight.detach()
+    if arch == "phi3":  # the fused rows as stored: q, k, v (neox rotation) and gate, up
+        qkv, gate_up = layer.self_attn.qkv_proj.weight.detach(), layer.mlp.gate_up_proj.weight.detach()
+        assert torch.allclose(_stored(reader, "blk.0.attn_qkv.weight"), qkv, rtol=1e-3, atol=1e-4)
+        assert torch.allclose(_stored(reader, "blk.0.ffn_up.weight"), gate_up, rtol=1e-3, atol=1e-4)
+        assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm)
+        return
+    q, k = layer.self_attn.q_proj.weight.detach(), layer.self_attn.k_proj.weight.detach()
     if arch == "gemma":  # no permutation; norms hold 1 + w, in F32
         assert torch.allclose(_stored(reader, "blk.0.attn_q.weight"), q, rtol=1e-3, atol=1e-4)
         assert torch.equal(_stored(reader, "blk.0.attn_norm.weight"), norm.float() + 1)
@@ -518,15 +530,16 @@ def test_saves_add_their_files_and_replace_only_their_own_with_overwrite(tmp_pat
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    model = Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                       pad_token_id=0))  # fmt: skip
+    model = Olmo2ForCausalLM(Olmo2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                         pad_token_id=0))  # fmt: skip
     _, tokenizer = tiny("llama")
     with pytest.raises(
         ValueError,
-        match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'; .* 'phi3'",
+        match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text', "
+        "'phi3'; .* 'olmo2'",
     ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
