@@ -13,11 +13,12 @@ import torch
 
 from slothkit import FastModel
 from slothkit.engine.nf4_layout import keep_nf4_layout
+from slothkit.models import architecture_named
 from slothkit.testing import tiny_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2"]
 STEPS = 8
 
 
@@ -27,6 +28,13 @@ def _batch(vocab_size, seed=0, batch=2, seq=12):
     labels = ids.clone()
     labels[0, :3] = -100  # a masked prompt, as in instruction tuning
     return ids, labels
+
+
+def _attention(path) -> str:
+    """Gemma 2 soft-caps its attention scores, which SDPA cannot: transformers runs it eager."""
+    from transformers import AutoConfig
+
+    return "eager" if AutoConfig.from_pretrained(path).model_type == "gemma2" else "sdpa"
 
 
 def _plain_peft(path, load_in_4bit, device):
@@ -45,7 +53,7 @@ def _plain_peft(path, load_in_4bit, device):
         path,
         dtype=torch.float32,
         quantization_config=quant,
-        attn_implementation="sdpa",
+        attn_implementation=_attention(path),
         device_map={"": device},
     )
     torch.manual_seed(3407)
@@ -115,13 +123,13 @@ def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
 
 
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "gemma2"])
 def test_offloaded_checkpointing_gives_same_gradients(arch, keeps, device, mlp_calls, known_sums):
-    """Gemma 3's sandwich layer normalises the MLP's output, so its re-run keeps the down
-    projection, and it adds o_proj's output through a norm: no fused residual sum, and no
-    sum kept even when asked."""
+    """Gemma 3's and Gemma 2's sandwich layer normalises the MLP's output, so its re-run
+    keeps the down projection, and it adds o_proj's output through a norm: no fused
+    residual sum, and no sum kept even when asked."""
     path = tiny_model_path(arch)
-    sandwich = arch == "gemma3"
+    sandwich = architecture_named(arch).sandwich_norms
     results = []
     for mode in (False, "offload", True):
         model = _fused(path, load_in_4bit=False, checkpointing=mode, keep_sums=keeps)

@@ -1,6 +1,6 @@
 """The generic path: a model slothkit has no record for keeps its modules and gets the fused
 linear cross-entropy on its head, where its own loss is the plain one; it loads with an
-attention it can run (Gemma 2: eager) and takes the default LoRA targets (Phi-3's fused
+attention it can run (VaultGemma: eager) and takes the default LoRA targets (Phi-3's fused
 projections)."""
 
 import warnings
@@ -72,13 +72,13 @@ def _plain_peft(path, attention="sdpa"):
     return get_peft_model(model, config).train()
 
 
-@pytest.mark.parametrize("source", ["olmo2", "olmo", "gemma2"])
+@pytest.mark.parametrize("source", ["olmo2", "olmo", "vaultgemma"])
 def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
-    """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and Gemma 2, none of which
-    has a record: the decoder layers stay Hugging Face's, the head computes the fused loss
-    (Gemma 2's with its final-logit soft-capping at 30), and 8 steps give HF + PEFT's
-    losses. Gemma 2 cannot run SDPA (its attention logits are soft-capped too): it loads
-    with eager attention."""
+    """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and VaultGemma (Gemma 2's
+    layer), none of which has a record: the decoder layers stay Hugging Face's, the head
+    computes the fused loss (VaultGemma's with its final-logit soft-capping at 30), and 8
+    steps give HF + PEFT's losses. VaultGemma's class refuses SDPA (its attention logits
+    are soft-capped too): it loads with eager attention."""
     path = _checkpoint(tmp_path, source)
     with pytest.warns(UserWarning, match="fused cross-entropy on the head"):
         fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
@@ -86,7 +86,7 @@ def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path)
     causal_lm = fast.get_base_model()
     assert patched_module(causal_lm) is not None  # the head's loss is slothkit's
     assert patched_module(causal_lm.model.layers[0].mlp) is None  # the layers are not
-    attention = "eager" if source == "gemma2" else "sdpa"
+    attention = "eager" if source == "vaultgemma" else "sdpa"
     assert causal_lm.config._attn_implementation == attention
     plain = _plain_peft(path, attention)
 
