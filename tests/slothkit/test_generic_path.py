@@ -18,11 +18,12 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def fresh_notices():
-    from slothkit.load_model import _notice_eager_attention, _notice_generic_path, _warn_unsupported
+    from slothkit.load_model import _notice_generic_path, _warn_unsupported
     from slothkit.lora_setup import _notice_fused_projection
+    from slothkit.notices import say_once
 
     for notice in (
-        _notice_eager_attention,
+        say_once,
         _notice_generic_path,
         _warn_unsupported,
         _notice_fused_projection,
@@ -146,3 +147,27 @@ def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
         ValueError, match=r"\['q_proj'\] match no layer .* named \['down_proj', 'gate_up_proj'"
     ):
         FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"])
+
+
+def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
+    """None (FastModel's default) gives SDPA where the model's class runs it and eager
+    attention, said once, where it does not (Gemma 2, VaultGemma: soft-capped scores); an
+    implementation the user names is taken as it is."""
+    from transformers import AutoConfig
+
+    from slothkit.load_model import attention_for
+    from slothkit.notices import LegacySpellingWarning
+
+    llama, gemma2 = AutoConfig.for_model("llama"), AutoConfig.for_model("gemma2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention_for(llama) == "sdpa"
+        assert attention_for(gemma2) == attention_for(gemma2) == "eager"
+        assert attention_for(gemma2, sequence_classifier=True) == "eager"
+        assert attention_for(AutoConfig.for_model("vaultgemma")) == "eager"
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert len(notices) == 3  # once per class: Gemma2ForCausalLM, ...ForSequenceClassification, VaultGemma
+    assert notices[0].startswith("slothkit: Gemma2ForCausalLM cannot run SDPA attention")
+    for asked in ("sdpa", "eager", "flash_attention_2"):
+        assert attention_for(gemma2, asked) == asked
+        assert attention_for(llama, asked) == asked
