@@ -16,7 +16,16 @@ from slothkit.models import SHAPES, shape_by_name
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny-llama", "tiny-mistral", "tiny-gemma", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-olmo2"],
+    [
+        "tiny-llama",
+        "tiny-mistral",
+        "tiny-gemma",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-gemma2",
+        "tiny-olmo2",
+    ],
 )
 def test_build_model_keeps_buffers_and_gives_finite_loss(name):
     from transformers import AutoModelForCausalLM
