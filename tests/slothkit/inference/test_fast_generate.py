@@ -319,13 +319,15 @@ def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monk
 
 
 @pytest.mark.parametrize("layers", [2, 1], ids=["sliding-and-global", "sliding-only"])
-def test_an_architecture_without_the_fast_path_says_so_once(layers, recwarn):
-    """Gemma 3 (fused for training) keeps Hugging Face's generate, also where all its layers
-    share one window (one layer here): the decode step has neither its post-attention and
-    post-MLP norms nor its per-layer-type rotary tables (test_fast_model compares the fused
-    model's greedy tokens with HF + PEFT's after training)."""
+@pytest.mark.parametrize("arch, model_type", [("gemma3", "gemma3_text"), ("gemma2", "gemma2")])
+def test_an_architecture_without_the_fast_path_says_so_once(arch, model_type, layers, recwarn):
+    """Gemma 3 and Gemma 2 (fused for training) keep Hugging Face's generate, also where all
+    their layers share one window (one layer here): the decode step has neither their
+    post-attention and post-MLP norms nor Gemma 3's per-layer-type rotary tables or Gemma 2's
+    soft-capped attention (test_fast_model compares the fused model's greedy tokens with
+    HF + PEFT's after training)."""
     model, _ = FastModel.from_pretrained(
-        str(tiny_model_path("gemma3", num_layers=layers)),
+        str(tiny_model_path(arch, num_layers=layers)),
         dtype=torch.float32,
         load_in_4bit=False,
         fused=False,
@@ -336,7 +338,7 @@ def test_an_architecture_without_the_fast_path_says_so_once(layers, recwarn):
     assert state_of(model).fast_decoder is None
     notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
     assert notices == [
-        "slothkit: fast generation covers llama, mistral, gemma, qwen2, qwen3, not 'gemma3_text'; "
+        f"slothkit: fast generation covers llama, mistral, gemma, qwen2, qwen3, not {model_type!r}; "
         "model.generate runs Hugging Face's generate"
     ]
 
