@@ -526,7 +526,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     _, tokenizer = tiny("llama")
     with pytest.raises(
         ValueError,
-        match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'; .* 'phi3'",
+        match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text', 'gemma2'; .* 'phi3'",
     ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
