@@ -62,6 +62,13 @@ class GGUFLayout:
     # attention.sliding_window_pattern marks, with rope.freq_base_swa as their rope base
     # (Gemma 3). False: no window, or one llama.cpp ignores (Mistral under the llama graph).
     windowed_layers: bool = False
+    # With windowed_layers: llama.cpp's graph fixes which layers slide, every Nth one global
+    # and the others sliding, the first included (Gemma 2: 2), whatever the file says; None:
+    # the file's pattern says (Gemma 3).
+    fixed_sliding_pattern: int | None = None
+    # llama.cpp's graph soft-caps the attention scores and the output logits, by the file's
+    # attn_logit_softcapping and final_logit_softcapping (Gemma 2); False: it caps neither.
+    logit_softcapping: bool = False
 
 
 @dataclass(frozen=True)

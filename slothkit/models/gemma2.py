@@ -54,6 +54,8 @@ GEMMA2 = Architecture(
             ("post_feedforward_layernorm", "post_ffw_norm"),
         ),
         windowed_layers=True,
+        fixed_sliding_pattern=2,
+        logit_softcapping=True,
     ),
     fused=True,
     sandwich_norms=True,
