@@ -1,6 +1,6 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py, qwen2.py, qwen3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
@@ -25,7 +25,7 @@ rest of slothkit reads what differs between families from it and from nowhere el
     qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
                       norm each head's q and k before RoPE
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
-                      attention and after the MLP too (Gemma 3); such layers keep no residual
+                      attention and after the MLP too (Gemma 3, Gemma 2); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
                       and the fast decode loop leaves them to Hugging Face's generate
 
