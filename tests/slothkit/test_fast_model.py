@@ -558,7 +558,7 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
     path = tiny_model_path(arch)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     plain = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float16, attn_implementation="sdpa", device_map={"": device}
+        path, dtype=torch.float16, attn_implementation=_attention(path), device_map={"": device}
     )
     torch.manual_seed(3407)
     plain = get_peft_model(
