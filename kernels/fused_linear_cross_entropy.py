@@ -1,6 +1,7 @@
 """Language-model head and cross-entropy fused, without the full (N, V) logits.
 
     logits = hidden @ W^T (+ b)                         # (N, V) -- never held whole
+    logits = s * tanh(logits / s)                       # only with a soft-cap s
     loss   = cross_entropy(logits, labels)              # scalar
 
 With a 256,000-entry vocabulary and 8,192 tokens the logits alone are 4 GiB in
@@ -23,7 +24,9 @@ normaliser is the count of non-ignored labels over ALL chunks ("mean"),
 end rather than inside the chunk keeps small fp16 gradients out of the subnormal
 range.
 
-Gradient derivation (G = dL/dlogits, from the cross-entropy module):
+Gradient derivation (G = dL/dZ, from the cross-entropy module, for Z before the soft-cap):
+    with capped logits C = s * tanh(Z / s),  dC/dZ = 1 - tanh^2(Z / s) = 1 - (C / s)^2,
+    G = (softmax(C) - onehot(y)) * (1 - tanh^2(Z / s))     (the last factor 1 without a cap)
     dL/dh = G W,   dL/dW = G^T h,   dL/db = sum_i G_i.
 
 Memory beyond the inputs: one chunk of logits (about N*V/16 elements by

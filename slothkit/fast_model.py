@@ -34,7 +34,7 @@ class FastModel:
         load_in_4bit: bool = True,
         device_map=None,
         token: str | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
         fused: bool | None = None,
         load_in_8bit: bool = False,
         full_finetuning: bool = False,
@@ -69,8 +69,10 @@ class FastModel:
                 on the CPU when there is none.
             token: a Hugging Face token, for gated or private Hub models (default
                 None).
-            attn_implementation: transformers' attention, "sdpa" (default), "eager"
-                or another it accepts.
+            attn_implementation: transformers' attention, "sdpa", "eager" or another
+                it accepts, taken as given. None (default): "sdpa" where the model's class
+                runs it, else "eager", said once (Gemma 2, whose attention scores are
+                soft-capped).
             fused: whether to route the model through slothkit's fused kernels.
                 None (default): where slothkit knows the architecture and Triton can
                 run on the model's device (a CUDA GPU, or the CPU under

@@ -36,6 +36,7 @@ from slothkit.generation import accept_encoding_in_generate
 from slothkit.loaded_weights import check_loaded_weights
 from slothkit.model_state import attach_state
 from slothkit.models import architecture_for, supported_summary
+from slothkit.notices import say_once
 from slothkit.text_tower import (
     TEXT_TOWER_KEYS,
     renders_text_by_default,
@@ -61,7 +62,7 @@ class LoadOptions:
     load_in_4bit: bool = True
     device_map: object = None
     token: str | None = None
-    attn_implementation: str = "sdpa"
+    attn_implementation: str | None = None
     fused: bool | None = None
     num_labels: int | None = None
     hf_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -109,7 +110,9 @@ def load_model(model_name: str, options: LoadOptions):
             quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
             device_map=device_map,
             token=options.token,
-            attn_implementation=attention_for(config, options),
+            attn_implementation=attention_for(
+                config, options.attn_implementation, options.num_labels is not None
+            ),
             output_loading_info=True,
             **hf_kwargs,
         )
@@ -131,12 +134,17 @@ def load_model(model_name: str, options: LoadOptions):
     return model, tokenizer
 
 
-def attention_for(config, options: LoadOptions) -> str:
-    """The attention implementation to load with: the one asked for, except that a model
-    whose class cannot run SDPA (Gemma 2: SDPA cannot soft-cap the attention logits) runs
-    eager attention, said once, rather than failing in transformers."""
-    asked = options.attn_implementation
-    if asked != "sdpa":
+def attention_for(config, asked: str | None = None, sequence_classifier: bool = False) -> str:
+    """The attention implementation to load with.
+
+    Args:
+        config: the checkpoint's transformers config.
+        asked: the user's attn_implementation, taken as it is; None (FastModel's default):
+            SDPA where the model's class runs it, else eager attention, said once (Gemma 2:
+            SDPA cannot soft-cap its attention scores, so transformers refuses it).
+        sequence_classifier: the model loads as a sequence classifier (num_labels given).
+    """
+    if asked is not None:
         return asked
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -144,29 +152,21 @@ def attention_for(config, options: LoadOptions) -> str:
     )
 
     mapping = (
-        MODEL_FOR_CAUSAL_LM_MAPPING
-        if options.num_labels is None
-        else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING if sequence_classifier else MODEL_FOR_CAUSAL_LM_MAPPING
     )
     try:
         model_class = mapping[type(config)]
     except KeyError:  # transformers will say what is wrong with the checkpoint
-        return asked
+        return "sdpa"
     if getattr(model_class, "_supports_sdpa", True):
-        return asked
-    _notice_eager_attention(model_class.__name__)
-    return "eager"
-
-
-@functools.cache
-def _notice_eager_attention(class_name: str) -> None:
-    warnings.warn(
-        f"slothkit: {class_name} cannot run SDPA attention (transformers: it does not support it, "
-        f"e.g. for attention-logit soft-capping); it runs eager attention, which is slower and "
-        f"holds the attention weights (pass attn_implementation='flash_attention_2' where "
-        f"flash-attn is installed)",
-        stacklevel=5,
+        return "sdpa"
+    say_once(
+        f"slothkit: {model_class.__name__} cannot run SDPA attention (transformers does not support it "
+        f"for this class, e.g. for attention-logit soft-capping); it runs eager attention, which is "
+        f"slower and holds the attention weights (pass attn_implementation='flash_attention_2' where "
+        f"flash-attn is installed)"
     )
+    return "eager"
 
 
 def load_tokenizer(model_name: str, token: str | None = None):

@@ -26,6 +26,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from slothkit.load_model import attention_for
     from slothkit.models import record_for, shape_by_name
 
     config = shape_by_name(shape_name).config()
@@ -35,7 +36,9 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     # Parameters on the meta device (no memory, no init time), made real one module at a
     # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_for(config)
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         # Tied weights (Gemma's embeddings and head) are one meta parameter in two modules:

@@ -1,4 +1,4 @@
-"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 3 and Phi-3: route a loaded model's modules
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3: route a loaded model's modules
 through slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with
@@ -12,6 +12,7 @@ logits requested).
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 
 import torch
@@ -113,14 +114,18 @@ def patch_mlp(mlp: nn.Module, activation: str, output_unread_in_recompute: bool 
 # --- attention ---------------------------------------------------------------
 
 
-def _attention_function(config):
+def _attention_function(attention: nn.Module):
+    """transformers' attention function for this module: the registered one of its config's
+    implementation, or under eager attention its own modeling file's (Gemma 2's soft-caps the
+    scores; Llama's, the fallback, takes no soft-cap)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    implementation = getattr(attention.config, "_attn_implementation", None) or "sdpa"
     if implementation == "eager":
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
-        return eager_attention_forward
+        own = getattr(sys.modules.get(type(attention).__module__), "eager_attention_forward", None)
+        return own or eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
@@ -194,7 +199,10 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
     window = attention_window(self)
     if window is not None:
         extra["sliding_window"] = window
-    attn_output, attn_weights = _attention_function(self.config)(
+    softcap = getattr(self, "attn_logit_softcapping", None)  # Gemma 2: c * tanh(scores / c)
+    if softcap is not None:
+        extra["softcap"] = softcap
+    attn_output, attn_weights = _attention_function(self)(
         self,
         q,
         k,

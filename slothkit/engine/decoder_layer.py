@@ -21,7 +21,8 @@ since those activations are what backward needs.  Where the attention has hooks,
 module was not patched, or o_proj cannot take the fused path, h is computed by calling
 the attention module as transformers does.
 
-Gemma 3's layer (``sandwich_norms`` in its PatchedModule) normalises both terms it adds:
+Gemma 3's and Gemma 2's layer (``sandwich_norms`` in its PatchedModule) normalises both
+terms it adds:
 
     h = x + post_attention_layernorm(attention(input_layernorm(x)))
     y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))

@@ -20,6 +20,7 @@ import warnings
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits, generic_path_reason
 from slothkit.models.gemma import GEMMA
+from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.llama import LLAMA
@@ -29,7 +30,7 @@ from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
 from slothkit.models.shape import Shape
 
-RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, PHI3)
+RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},

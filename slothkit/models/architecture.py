@@ -1,6 +1,6 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py, qwen2.py, qwen3.py, phi3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py, phi3.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
@@ -27,7 +27,7 @@ rest of slothkit reads what differs between families from it and from nowhere el
     fused_projections the planner's adapter bytes (slothkit.memory_model.lora_bytes): q/k/v
                       and gate/up are one layer each (Phi-3), so one A serves each group
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
-                      attention and after the MLP too (Gemma 3); such layers keep no residual
+                      attention and after the MLP too (Gemma 3, Gemma 2); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
                       (the fast decode step reads the extra norms off the layer)
     text_tower_of     loading (slothkit.text_tower): a multimodal checkpoint of these
@@ -66,6 +66,13 @@ class GGUFLayout:
     # attention.sliding_window_pattern marks, with rope.freq_base_swa as their rope base
     # (Gemma 3). False: no window, or one llama.cpp ignores (Mistral under the llama graph).
     windowed_layers: bool = False
+    # With windowed_layers: llama.cpp's graph fixes which layers slide, every Nth one global
+    # and the others sliding, the first included (Gemma 2: 2), whatever the file says; None:
+    # the file's pattern says (Gemma 3).
+    fixed_sliding_pattern: int | None = None
+    # llama.cpp's graph soft-caps the attention scores and the output logits, by the file's
+    # attn_logit_softcapping and final_logit_softcapping (Gemma 2); False: it caps neither.
+    logit_softcapping: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ kernels and patching code must get right; each architecture record (slothkit.mod
     gemma3   as gemma, q/k norms, four  GeGLU      (1 + w) * x tied   1000000 /   SentencePiece-style
              norms per layer; sliding window (16) on every                    10000 (sliding)
              second layer, the others global
+    gemma2   as gemma3 without q/k     GeGLU      (1 + w) * x tied   10000       SentencePiece-style
+             norms; scores soft-capped at 50, logits at 30
     qwen2    GQA, q/k/v biases         SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
     qwen3    GQA, q/k norms per head,  SiLU GLU   w * x       own    1000000     Qwen's byte-level BPE
              head_dim 32 (not hidden / heads)
@@ -81,14 +83,14 @@ def build_tiny_model(
 ) -> pathlib.Path:
     """Write a random-initialised checkpoint of `arch` with its tokenizer; return the folder.
 
-    arch: "llama", "mistral", "gemma", "qwen2", "qwen3" or "gemma3" (see the module docstring
+    arch: "llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3" or "gemma2" (see the module docstring
         for what each keeps).
     path: where to write; a fresh temporary folder (left for the caller) when None.
     intermediate_size: MLP width; default 3 * hidden_size.
-    head_dim: default hidden_size // num_heads, except Gemma's and Gemma 3's 256 and Qwen3's 32.
+    head_dim: default hidden_size // num_heads, except Gemma's, Gemma 3's and Gemma 2's 256 and Qwen3's 32.
     vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
         to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
-    sliding_window: Mistral and Gemma 3 only; default 32 (Gemma 3: 16), so sequences longer
+    sliding_window: Mistral, Gemma 3 and Gemma 2 only; default 32 (Gemma 3, Gemma 2: 16), so sequences longer
         than that hit it.
     tokenizer: "bpe", "qwen" or "sentencepiece"; default the record's (Llama: "bpe", Qwen:
         "qwen", the others: "sentencepiece").

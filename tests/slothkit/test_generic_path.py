@@ -1,6 +1,6 @@
 """The generic path: a model slothkit has no record for keeps its modules and gets the fused
 linear cross-entropy on its head, where its own loss is the plain one; it loads with an
-attention it can run (Gemma 2: eager) and takes the default LoRA targets (Phi-3's fused
+attention it can run (VaultGemma: eager) and takes the default LoRA targets (Phi-3's fused
 projections)."""
 
 import warnings
@@ -18,15 +18,10 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def fresh_notices():
-    from slothkit.load_model import _notice_eager_attention, _notice_generic_path, _warn_unsupported
+    from slothkit.load_model import _notice_generic_path, _warn_unsupported
     from slothkit.notices import say_once
 
-    for notice in (
-        _notice_eager_attention,
-        _notice_generic_path,
-        _warn_unsupported,
-        say_once,
-    ):
+    for notice in (say_once, _notice_generic_path, _warn_unsupported):
         notice.cache_clear()
 
 
@@ -72,13 +67,13 @@ def _plain_peft(path, attention="sdpa", targets=TARGETS):
     return get_peft_model(model, config).train()
 
 
-@pytest.mark.parametrize("source", ["olmo2", "olmo", "gemma2"])
+@pytest.mark.parametrize("source", ["olmo2", "olmo", "vaultgemma"])
 def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
-    """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and Gemma 2, none of which
-    has a record: the decoder layers stay Hugging Face's, the head computes the fused loss
-    (Gemma 2's with its final-logit soft-capping at 30), and 8 steps give HF + PEFT's
-    losses. Gemma 2 cannot run SDPA (its attention logits are soft-capped too): it loads
-    with eager attention."""
+    """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and VaultGemma (Gemma 2's
+    layer), none of which has a record: the decoder layers stay Hugging Face's, the head
+    computes the fused loss (VaultGemma's with its final-logit soft-capping at 30), and 8
+    steps give HF + PEFT's losses. VaultGemma's class refuses SDPA (its attention logits
+    are soft-capped too): it loads with eager attention."""
     path = _checkpoint(tmp_path, source)
     with pytest.warns(UserWarning, match="fused cross-entropy on the head"):
         fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
@@ -86,7 +81,7 @@ def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path)
     causal_lm = fast.get_base_model()
     assert patched_module(causal_lm) is not None  # the head's loss is slothkit's
     assert patched_module(causal_lm.model.layers[0].mlp) is None  # the layers are not
-    attention = "eager" if source == "gemma2" else "sdpa"
+    attention = "eager" if source == "vaultgemma" else "sdpa"
     assert causal_lm.config._attn_implementation == attention
     plain = _plain_peft(path, attention)
 
@@ -169,3 +164,27 @@ def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
         ValueError, match=r"\['q_proj'\] match no layer .* named \['down_proj', 'gate_up_proj'"
     ):
         FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"])
+
+
+def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
+    """None (FastModel's default) gives SDPA where the model's class runs it and eager
+    attention, said once, where it does not (Gemma 2, VaultGemma: soft-capped scores); an
+    implementation the user names is taken as it is."""
+    from transformers import AutoConfig
+
+    from slothkit.load_model import attention_for
+    from slothkit.notices import LegacySpellingWarning
+
+    llama, gemma2 = AutoConfig.for_model("llama"), AutoConfig.for_model("gemma2")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert attention_for(llama) == "sdpa"
+        assert attention_for(gemma2) == attention_for(gemma2) == "eager"
+        assert attention_for(gemma2, sequence_classifier=True) == "eager"
+        assert attention_for(AutoConfig.for_model("vaultgemma")) == "eager"
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert len(notices) == 3  # once per class: Gemma2ForCausalLM, ...ForSequenceClassification, VaultGemma
+    assert notices[0].startswith("slothkit: Gemma2ForCausalLM cannot run SDPA attention")
+    for asked in ("sdpa", "eager", "flash_attention_2"):
+        assert attention_for(gemma2, asked) == asked
+        assert attention_for(llama, asked) == asked

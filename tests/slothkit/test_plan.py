@@ -233,11 +233,13 @@ def test_a_family_without_a_fused_path_is_planned_with_a_caveat():
 
 
 def test_gemma3_layers_are_planned_without_kept_sums():
-    """Gemma 3's sandwich layers keep no residual sum (Architecture.keeps_attention_sum):
-    asking for kept sums changes nothing in its plan, as it does in Llama's."""
+    """Gemma 3's and Gemma 2's sandwich layers keep no residual sum
+    (Architecture.keeps_attention_sum): asking for kept sums changes nothing in their plans,
+    as it does in Llama's."""
 
     def reserved(model, **options):
         return plan(model, mode="lora", gpu="h200", **options).total_gib
 
     assert reserved("gemma-3-4b", keep_sums=True) == reserved("gemma-3-4b", keep_sums=False)
+    assert reserved("gemma-2-9b", keep_sums=True) == reserved("gemma-2-9b", keep_sums=False)
     assert reserved("llama-3-8b", keep_sums=True) > reserved("llama-3-8b", keep_sums=False)

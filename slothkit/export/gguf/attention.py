@@ -25,13 +25,24 @@ for architectures whose record says windowed_layers:
     causally: a config asking for any of these is refused rather than exported wrong.
 The pattern and the sliding rope base are written even where they equal llama.cpp's
 defaults, so that the file states the model rather than rely on them.
+
+llama.cpp's gemma2 graph (its hyperparameters in src/llama-model.cpp) differs where its
+record's layout says so (fixed_sliding_pattern, logit_softcapping):
+  - every second layer slides, the first included, whatever the file says: a model whose
+    layer_types differ is refused; every layer has the one rope base, as in HF's Gemma 2;
+  - it soft-caps the attention scores by attn_logit_softcapping and the output logits by
+    final_logit_softcapping, both read from the file (50 and 30 when absent), always: a
+    config without either is refused;
+  - the query scale is 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for a 46-layer
+    model (Gemma 2 27B).
 """
 
 from __future__ import annotations
 
 from slothkit.models import Architecture
 
-_LLAMA_CPP_27B_LAYERS = 62  # llama.cpp's gemma3 takes a 62-layer model for the 27B
+# llama.cpp takes a model of this many layers for the 27B, whose queries it scales by hidden / heads.
+_LLAMA_CPP_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
 
 
 def rope_parameters(config) -> tuple[dict, dict | None]:
@@ -98,19 +109,29 @@ def check_windowed_attention(config, arch: Architecture, head_dim: int, sliding_
             f"rope type {sliding_rope['rope_type']!r} (accepted: 'default')"
         )
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, key, None):
-            raise NotImplementedError(
-                f"{graph} applies no {key}; this model sets it to {getattr(config, key)}"
-            )
+        cap = getattr(config, key, None)
+        if cap and not arch.gguf.logit_softcapping:
+            raise NotImplementedError(f"{graph} applies no {key}; this model sets it to {cap}")
+        if not cap and arch.gguf.logit_softcapping:
+            raise NotImplementedError(f"{graph} always applies {key}; this model sets it to {cap}")
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError(f"{graph} attends causally; this model sets use_bidirectional_attention")
+    pattern = arch.gguf.fixed_sliding_pattern
+    if pattern is not None:
+        fixed = tuple(i % pattern < pattern - 1 for i in range(config.num_hidden_layers))
+        if sliding_layers(config) != fixed:
+            raise NotImplementedError(
+                f"{graph} slides on the layers i with i % {pattern} != {pattern - 1} and reads no per-layer "
+                f"pattern; this model's sliding layers are {list(sliding_layers(config))}"
+            )
     scalar = getattr(config, "query_pre_attn_scalar", None)
     expected = head_dim
-    if config.num_hidden_layers == _LLAMA_CPP_27B_LAYERS:
+    layers_27b = _LLAMA_CPP_27B_LAYERS.get(arch.gguf.arch)
+    if config.num_hidden_layers == layers_27b:
         expected = config.hidden_size // config.num_attention_heads
     if scalar is not None and scalar != expected:
         raise NotImplementedError(
             f"{graph} scales queries by 1/sqrt({expected}) for this shape (its head_dim, or hidden / heads "
-            f"at {_LLAMA_CPP_27B_LAYERS} layers) and reads no setting for it; this model's "
+            f"at {layers_27b} layers) and reads no setting for it; this model's "
             f"query_pre_attn_scalar is {scalar}"
         )

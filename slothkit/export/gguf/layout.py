@@ -14,11 +14,13 @@ Architecture.gguf) and its norm flavour, matching llama.cpp's convert_hf_to_gguf
     gemma           gemma       as stored          1 + w (in F32)     none: tied to token_embd
     gemma3_text     gemma3      as stored          1 + w (in F32)     output.weight unless tied
     phi3            phi3        as stored (fused)  w                  output.weight unless tied
+    gemma2          gemma2      as stored          1 + w (in F32)     none: tied to token_embd
 
 The per-layer norms are named by the record (GGUFLayout.norms): Llama's two are attn_norm and
 ffn_norm; Gemma 3's six are attn_norm, attn_q_norm, attn_k_norm, post_attention_norm,
 ffn_norm (HF's pre_feedforward_layernorm) and post_ffw_norm. Every one of Gemma 3's holds
 1 + w, q/k norms included: llama.cpp's converter adds 1 to every "norm.weight" of Gemma3Model.
+Gemma 2's four are Gemma 3's without the q/k norms.
 
 Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
 pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of

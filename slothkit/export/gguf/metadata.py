@@ -4,7 +4,8 @@ Context length, embedding length, block count, feed-forward length, head counts,
 length (head_dim), rope dimension count and base, RMS epsilon, the sliding window where the
 family has one, rope scaling (linear as metadata; "llama3" as the rope_freqs tensor of
 per-frequency divisors, as llama.cpp's converter writes it), file type and quantization
-version. Layers that slide, and their rope base, come from slothkit.export.gguf.attention.
+version. Layers that slide, and their rope base, come from slothkit.export.gguf.attention, as
+do the checks that let Gemma 2's attention and output soft-caps be written.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class HyperParameters:
     sliding_window: int | None
     sliding_layers: tuple[bool, ...] | None  # per layer, True: within the window (windowed_layers)
     rope_theta_sliding: float | None  # the sliding layers' rope base (windowed_layers)
+    attn_softcap: float | None = None  # attention-score soft-cap (logit_softcapping)
+    final_softcap: float | None = None  # output-logit soft-cap (logit_softcapping)
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -69,6 +72,8 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
         sliding_layers=sliding_layers,
         rope_theta_sliding=rope_theta_sliding,
+        attn_softcap=config.attn_logit_softcapping if arch.gguf.logit_softcapping else None,
+        final_softcap=config.final_logit_softcapping if arch.gguf.logit_softcapping else None,
     )
 
 
@@ -96,6 +101,10 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
     if hp.sliding_layers is not None:
         writer.add_sliding_window_pattern(list(hp.sliding_layers))
         writer.add_rope_freq_base_swa(hp.rope_theta_sliding)
+    if hp.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(float(hp.attn_softcap))
+    if hp.final_softcap is not None:
+        writer.add_final_logit_softcapping(float(hp.final_softcap))
 
 
 def llama3_rope_divisors(hp: HyperParameters) -> torch.Tensor:

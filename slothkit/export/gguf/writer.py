@@ -16,9 +16,10 @@ slothkit.export.gguf.layout, from the model's architecture record (slothkit.mode
 Metadata (slothkit.export.gguf.metadata): the hyperparameters llama.cpp builds its graph from,
 and the tokenizer as described in slothkit.export.gguf.tokenizer. Mistral's sliding window is
 written but llama.cpp's llama graph does not apply it (as with its own converter), so the
-GGUF matches HF up to the window length; Gemma 3 (a record with windowed_layers) adds which
-layers slide and their rope base (slothkit.export.gguf.attention), and is refused where
-llama.cpp would compute another attention than HF's.
+GGUF matches HF up to the window length; Gemma 3 and Gemma 2 (records with windowed_layers)
+add which layers slide and their rope base, Gemma 2 its two soft-caps
+(slothkit.export.gguf.attention), and are refused where llama.cpp would compute another
+attention than HF's.
 
 Which tensor gets which type: slothkit.export.gguf.tensor_types. K-quants are encoded in torch on the GPU when
 there is one (kquants), everything else with the `gguf` package.
@@ -86,7 +87,7 @@ def save_pretrained_gguf(
 
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
-            (llama, mistral, gemma, gemma3_text); slothkit.export.merge turns a LoRA/QLoRA
+            (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2); slothkit.export.merge turns a LoRA/QLoRA
             model into one.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).

@@ -24,6 +24,7 @@ from slothkit.models import SHAPES, shape_by_name
         "tiny-qwen3",
         "tiny-gemma3",
         "tiny-phi3",
+        "tiny-gemma2",
         "tiny-olmo2",
     ],
 )

@@ -160,17 +160,19 @@ def test_gradients_go_through_autograd_under_a_process_group(monkeypatch):
 
 @pytest.mark.parametrize("keeps", [True, False], ids=["keeps", "keeps_nothing"])
 @pytest.mark.parametrize("phases", [("forward", "backward"), ("forward",)], ids=["both", "forward-only"])
-@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma3", "gemma2"])
 def test_replay_plumbing_trains_like_eager_layers_on_cpu(
     arch, phases, keeps, mlp_calls, known_sums, reference_kernels
 ):
     """The plumbing, not the kernels, is under test (tests/kernels compare those, and the
     CUDA test above replays the Triton kernels): the fused layers call the kernels' torch
     references, under a second per case where the Triton interpreter took about a minute.
-    Gemma 3's sandwich layer (its layers alternate sliding and global attention, each with
-    its own rotary tables and mask: leaves of the call) skips no down projection and keeps
-    nothing, replayed or not."""
-    sandwich = arch == "gemma3"
+    Gemma 3's and Gemma 2's sandwich layer (their layers alternate sliding and global
+    attention, each with its own mask, and Gemma 3's its own rotary tables: leaves of the
+    call) skips no down projection and keeps nothing, replayed or not."""
+    from slothkit.models import architecture_named
+
+    sandwich = architecture_named(arch).sandwich_norms
     from slothkit import FastModel
     from slothkit.testing import tiny_model_path
 

@@ -12,7 +12,7 @@ from slothkit.export.atomic import atomic_directory
 from slothkit.export.merge import merged_state_dict
 from slothkit.model_state import attach_state
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
+ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
 SAME = 1e-4
 END_OF_TURN = {"llama": "<|eot_id|>", "mistral": "</s>", "gemma": "<end_of_turn>"}
 

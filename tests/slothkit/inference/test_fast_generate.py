@@ -15,7 +15,7 @@ from slothkit.model_state import state_of
 from slothkit.notices import say_once
 from slothkit.testing import tiny_model_path
 
-ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "phi3"]
+ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", "Hi"]
 

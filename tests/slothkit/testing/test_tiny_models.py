@@ -81,6 +81,7 @@ def test_builds_and_loads_offline(arch, tmp_path, no_network):
         "mistral": "MistralForCausalLM",
         "gemma": "GemmaForCausalLM",
         "gemma3": "Gemma3ForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "phi3": "Phi3ForCausalLM",
@@ -107,6 +108,7 @@ TRAITS = [
     ("gemma", "gelu_pytorch_tanh", 10_000.0, True, 256, None, 0.0),
     ("qwen2", "silu", 1_000_000.0, False, 16, None, 1.0),
     ("qwen3", "silu", 1_000_000.0, False, 32, None, 1.0),
+    ("gemma2", "gelu_pytorch_tanh", 10_000.0, True, 256, 16, 0.0),
 ]
 
 
@@ -345,6 +347,7 @@ EXPECTED_CHAT = {
     ),
 }
 EXPECTED_CHAT["gemma3"] = EXPECTED_CHAT["gemma"]  # Gemma 3 keeps Gemma's turn format
+EXPECTED_CHAT["gemma2"] = EXPECTED_CHAT["gemma"]  # and so does Gemma 2
 _CHATML = (
     "<|im_start|>system\nBe brief.<|im_end|>\n"
     "<|im_start|>user\nHi there<|im_end|>\n"

@@ -539,7 +539,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     with pytest.raises(
         ValueError,
         match="supports the architectures 'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text', "
-        "'phi3'; .* 'olmo2'",
+        "'gemma2', 'phi3'; .* 'olmo2'",
     ):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
