@@ -187,9 +187,10 @@ def write_notebook(
 
 def listing() -> str:
     lines = ["models:"]
+    width = max(map(len, model_data()))
     for name, data in model_data().items():
         lines.append(
-            f"  {name:12s} {data['display_name']}: 4-bit {data['model_4bit']}, "
+            f"  {name:{width}s} {data['display_name']}: 4-bit {data['model_4bit']}, "
             f"chat template {data['chat_template']}, max_seq_length {data['max_seq_length']}, "
             f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}"
         )

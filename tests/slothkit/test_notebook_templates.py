@@ -53,6 +53,7 @@ def test_each_model_is_a_shape_its_architecture_record_names():
         "qwen3-8b": "qwen3",
         "qwen2.5-7b": "qwen2",
         "gemma-3-4b": "gemma3",
+        "gemma-2-9b": "gemma2",
         "phi-3-mini-4k": "phi3",
         "phi-4": "phi3",
     }
