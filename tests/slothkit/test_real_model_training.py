@@ -195,6 +195,34 @@ def _held_out_score(model, tokenizer, device) -> tuple[float, float, list[str]]:
     return loss, exact / len(HELD_OUT_ERRANDS), replies
 
 
+def _assert_both_learn_the_reply_format(fast, plain, tokenizer, device, steps: int) -> None:
+    """`steps` AdamW steps of four errands for each model: held-out exact matches rise
+    from none to all for HF + PEFT, and the fused model gives the same replies word for
+    word, the same held-out loss (to 1e-3: low losses magnify relative differences) and
+    the same per-step losses."""
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        _chat_batch(
+            tokenizer,
+            [_errand(TRAIN_ERRANDS[i]) for i in torch.randperm(len(TRAIN_ERRANDS), generator=generator)[:4]],
+            device,
+        )
+        for _ in range(steps)
+    ]
+    before_loss, before_exact, before_replies = _held_out_score(plain, tokenizer, device)
+    plain_losses = _train(plain, batches)
+    plain_loss, plain_exact, plain_replies = _held_out_score(plain, tokenizer, device)
+    fast_losses = _train(fast, batches)
+    fast_loss, fast_exact, fast_replies = _held_out_score(fast, tokenizer, device)
+
+    assert before_exact == 0, before_replies
+    assert plain_exact == 1.0, plain_replies
+    assert plain_loss < before_loss / 10, (before_loss, plain_loss)
+    assert fast_replies == plain_replies and fast_exact == plain_exact
+    assert fast_loss == pytest.approx(plain_loss, rel=1e-3)
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+
+
 @pytest.mark.slow
 def test_a_fine_tune_learns_a_reply_format_that_carries_to_held_out_prompts(smollm2_path, device):
     """Six AdamW steps of four samples (about 35 tokens each) teach the format: measured on
@@ -204,29 +232,7 @@ def test_a_fine_tune_learns_a_reply_format_that_carries_to_held_out_prompts(smol
     fast, tokenizer = _fast(smollm2_path, device)
     plain = _plain_peft(smollm2_path, device)
     get_chat_template(tokenizer, "model")
-    generator = torch.Generator().manual_seed(0)
-    batches = [
-        _chat_batch(
-            tokenizer,
-            [_errand(TRAIN_ERRANDS[i]) for i in torch.randperm(len(TRAIN_ERRANDS), generator=generator)[:4]],
-            device,
-        )
-        for _ in range(STEPS)
-    ]
-
-    before_loss, before_exact, before_replies = _held_out_score(plain, tokenizer, device)
-    plain_losses = _train(plain, batches)
-    plain_loss, plain_exact, plain_replies = _held_out_score(plain, tokenizer, device)
-    fast_losses = _train(fast, batches)
-    fast_loss, fast_exact, fast_replies = _held_out_score(fast, tokenizer, device)
-
-    assert before_exact == 0, before_replies
-    assert plain_exact == 1.0, plain_replies
-    assert plain_loss < before_loss / 10
-    # The same held-out score: the same replies word for word and losses that agree.
-    assert fast_replies == plain_replies and fast_exact == plain_exact
-    assert fast_loss == pytest.approx(plain_loss, rel=1e-3)
-    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+    _assert_both_learn_the_reply_format(fast, plain, tokenizer, device, STEPS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,25 +297,4 @@ def test_gemma3_learns_the_reply_format_as_hf_peft_does(gemma3_path, device):
     plain.get_base_model().generation_config.eos_token_id = (
         fast.get_base_model().generation_config.eos_token_id
     )
-    generator = torch.Generator().manual_seed(0)
-    batches = [
-        _chat_batch(
-            tokenizer,
-            [_errand(TRAIN_ERRANDS[i]) for i in torch.randperm(len(TRAIN_ERRANDS), generator=generator)[:4]],
-            device,
-        )
-        for _ in range(12)
-    ]
-
-    before_loss, before_exact, before_replies = _held_out_score(plain, tokenizer, device)
-    plain_losses = _train(plain, batches)
-    plain_loss, plain_exact, plain_replies = _held_out_score(plain, tokenizer, device)
-    fast_losses = _train(fast, batches)
-    fast_loss, fast_exact, fast_replies = _held_out_score(fast, tokenizer, device)
-
-    assert before_exact == 0, before_replies
-    assert plain_exact == 1.0, plain_replies
-    assert plain_loss < before_loss / 10, (before_loss, plain_loss)
-    assert fast_replies == plain_replies and fast_exact == plain_exact
-    assert fast_loss == pytest.approx(plain_loss, rel=1e-3)
-    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-4, atol=0)
+    _assert_both_learn_the_reply_format(fast, plain, tokenizer, device, 12)
