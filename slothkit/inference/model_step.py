@@ -287,7 +287,7 @@ class ModelStep:
                     q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
                 )
             else:
-                if causal:  # a soft-capped layer needs the explicit causal mask
+                if projections.window not in masks:  # a causal prefill's soft-capped layer: built once
                     allowed = self.allowed_slots(
                         cache.filled[:, :visible], first_slot, tokens, projections.window
                     )
