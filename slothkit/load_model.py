@@ -140,8 +140,10 @@ def attention_for(config, asked: str | None = None, sequence_classifier: bool = 
     Args:
         config: the checkpoint's transformers config.
         asked: the user's attn_implementation, taken as it is; None (FastModel's default):
-            SDPA where the model's class runs it, else eager attention, said once (Gemma 2:
-            SDPA cannot soft-cap its attention scores, so transformers refuses it).
+            SDPA where the model's class runs it and its attention scores are not
+            soft-capped, else eager attention, said once. SDPA cannot soft-cap (Gemma 2):
+            newer transformers refuse it for such classes, while older ones (5.17) load
+            Gemma 2 with SDPA and then drop the cap without a word.
         sequence_classifier: the model loads as a sequence classifier (num_labels given).
     """
     if asked is not None:
@@ -158,13 +160,19 @@ def attention_for(config, asked: str | None = None, sequence_classifier: bool = 
         model_class = mapping[type(config)]
     except KeyError:  # transformers will say what is wrong with the checkpoint
         return "sdpa"
-    if getattr(model_class, "_supports_sdpa", True):
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    soft_capped = getattr(text_config, "attn_logit_softcapping", None) is not None
+    if getattr(model_class, "_supports_sdpa", True) and not soft_capped:
         return "sdpa"
+    reason = (
+        "its attention scores are soft-capped, which SDPA cannot do"
+        if soft_capped
+        else "transformers does not support SDPA for this class"
+    )
     say_once(
-        f"slothkit: {model_class.__name__} cannot run SDPA attention (transformers does not support it "
-        f"for this class, e.g. for attention-logit soft-capping); it runs eager attention, which is "
-        f"slower and holds the attention weights (pass attn_implementation='flash_attention_2' where "
-        f"flash-attn is installed)"
+        f"slothkit: {model_class.__name__} cannot run SDPA attention ({reason}); it runs eager "
+        f"attention, which is slower and holds the attention weights (pass "
+        f"attn_implementation='flash_attention_2' where flash-attn is installed)"
     )
     return "eager"
 

@@ -33,6 +33,7 @@ from slothkit.model_state import (
     state_of,
 )
 from slothkit.models.architecture import Architecture
+from slothkit.notices import say_once
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from slothkit_kernels.lora import lora_mlp, lora_o, lora_qkv, lora_qkv_rope
@@ -117,10 +118,18 @@ def patch_mlp(mlp: nn.Module, activation: str, output_unread_in_recompute: bool 
 def _attention_function(attention: nn.Module):
     """transformers' attention function for this module: the registered one of its config's
     implementation, or under eager attention its own modeling file's (Gemma 2's soft-caps the
-    scores; Llama's, the fallback, takes no soft-cap)."""
+    scores; Llama's, the fallback, takes no soft-cap). A module that soft-caps its scores
+    runs its eager function under SDPA too, said once: SDPA would drop the cap."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = getattr(attention.config, "_attn_implementation", None) or "sdpa"
+    if implementation == "sdpa" and getattr(attention, "attn_logit_softcapping", None) is not None:
+        say_once(
+            f"slothkit: {type(attention).__name__} soft-caps its attention scores, which SDPA "
+            f"cannot do; slothkit's fused attention runs eager attention for it instead of the "
+            f"SDPA that was asked for"
+        )
+        implementation = "eager"
     if implementation == "eager":
         from transformers.models.llama.modeling_llama import eager_attention_forward
 

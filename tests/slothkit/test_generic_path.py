@@ -188,3 +188,36 @@ def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     for asked in ("sdpa", "eager", "flash_attention_2"):
         assert attention_for(gemma2, asked) == asked
         assert attention_for(llama, asked) == asked
+
+
+def test_soft_capped_attention_never_runs_sdpa(monkeypatch):
+    """transformers 5.17 marks Gemma 2 as SDPA-capable, and its SDPA drops the score cap
+    without a word: FastModel's default is eager attention for any soft-capped model, and
+    the fused attention of a module that soft-caps runs its eager function even under
+    SDPA, said once."""
+    from transformers import AutoConfig
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from slothkit.engine.decoder import _attention_function
+    from slothkit.load_model import attention_for
+    from slothkit.notices import LegacySpellingWarning
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)  # as in 5.17
+    gemma2 = AutoConfig.for_model("gemma2")
+    assert attention_for(gemma2) == "eager"
+    gemma2.attn_logit_softcapping = None  # no cap: SDPA is right again
+    assert attention_for(gemma2) == "sdpa"
+
+    config = AutoConfig.for_model(
+        "gemma2", hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+    )
+    config._attn_implementation = "sdpa"
+    attention = modeling_gemma2.Gemma2Attention(config, layer_idx=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _attention_function(attention) is modeling_gemma2.eager_attention_forward
+        assert _attention_function(attention) is modeling_gemma2.eager_attention_forward
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert len(notices) == 1 and "soft-caps its attention scores" in notices[0]
+    attention.attn_logit_softcapping = None
+    assert _attention_function(attention) is not modeling_gemma2.eager_attention_forward
