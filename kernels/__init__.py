@@ -5,6 +5,7 @@ Triton kernel on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``)
 and its plain-torch reference, named ``<op>_reference``, elsewhere.
 """
 
+from slothkit_kernels.attention import attention, attention_reference
 from slothkit_kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from slothkit_kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
@@ -31,6 +32,8 @@ from slothkit_kernels.swiglu import swiglu, swiglu_reference
 __all__ = [
     "LoRAProjection",
     "NF4Weight",
+    "attention",
+    "attention_reference",
     "cross_entropy",
     "cross_entropy_reference",
     "dequantize_nf4",

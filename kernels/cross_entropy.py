@@ -50,6 +50,7 @@ from .utils import (
     check_float_dtype,
     check_not_empty,
     check_same_device,
+    tanh,
     use_triton,
     warn_reference_once,
 )
@@ -85,14 +86,6 @@ def cross_entropy_reference(
 
 
 @triton.jit
-def _tanh(x):
-    # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]: no overflow.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
-
-
-@triton.jit
 def _cross_entropy_forward_kernel(
     LOGITS,  # pointer to the logits, (N, V), last dimension contiguous
     LABELS,  # pointer to the labels, (N,), int32 or int64
@@ -120,7 +113,7 @@ def _cross_entropy_forward_kernel(
         mask = cols < V
         z = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+            z = softcap * tanh(z / softcap)
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         # While every logit so far is -inf (e.g. masked-out vocabulary entries),
@@ -135,7 +128,7 @@ def _cross_entropy_forward_kernel(
     in_range = (label >= 0) & (label < V)
     z_label = tl.load(LOGITS + label, mask=in_range, other=float("nan")).to(tl.float32)
     if HAS_SOFTCAP:
-        z_label = softcap * _tanh(z_label / softcap)
+        z_label = softcap * tanh(z_label / softcap)
     tl.store(LOSS + row, lse - z_label)
     tl.store(LSE + row, lse)
 
@@ -171,7 +164,7 @@ def _cross_entropy_backward_kernel(
         mask = cols < V
         x = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t = _tanh(x / softcap)
+            t = tanh(x / softcap)
             z = softcap * t
         else:
             z = x

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 # Largest block a single Triton program handles along one row.  Rows longer than
 # this (e.g. Gemma's 256,000-entry vocabulary) are processed in chunks.
@@ -91,3 +92,13 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 def check_not_empty(name: str, tensor: torch.Tensor) -> None:
     if tensor.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(tensor.shape)})")
+
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 for any Triton version: sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|)
+    in (0, 1], which cannot overflow. Near 0 it is off by about 1e-7 absolute (1 - e
+    cancels), which a soft-cap's c * tanh(s / c) scales to c * 1e-7."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)

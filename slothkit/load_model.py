@@ -169,10 +169,11 @@ def attention_for(config, asked: str | None = None, sequence_classifier: bool = 
         if soft_capped
         else "transformers does not support SDPA for this class"
     )
+    fused = "; slothkit's fused layers soft-cap in their own tiled attention on a GPU" if soft_capped else ""
     say_once(
-        f"slothkit: {model_class.__name__} cannot run SDPA attention ({reason}); it runs eager "
-        f"attention, which is slower and holds the attention weights (pass "
-        f"attn_implementation='flash_attention_2' where flash-attn is installed)"
+        f"slothkit: {model_class.__name__} cannot run SDPA attention ({reason}); transformers' "
+        f"modules run eager attention, which is slower and holds the attention weights{fused}. "
+        f"Pass attn_implementation='flash_attention_2' where flash-attn is installed"
     )
     return "eager"
 

@@ -425,6 +425,65 @@ def lora_mlp_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
     return cases
 
 
+# --- attention (soft-capped) --------------------------------------------------------
+
+
+def _sdpa_uncapped(i: Inputs) -> torch.Tensor:
+    """SDPA without the cap (it cannot apply one): the speed a capless model gets."""
+    group = i["q"].shape[1] // i["k"].shape[1]
+    k, v = (t.repeat_interleave(group, dim=1) for t in (i["k"], i["v"]))
+    out = F.scaled_dot_product_attention(i["q"], k, v, is_causal=True, scale=i["scaling"])
+    return out.transpose(1, 2)  # (B, T, H, D), as the others return it
+
+
+def attention_cases(shapes: str, dtype: torch.dtype) -> list[Case]:
+    # (batch, q heads, kv heads, length, head_dim, window): Gemma-2-9B's global and
+    # sliding layers at 2 x 2048 (cap 50), Gemma-2-2B's head shape.
+    sizes = {
+        "full": [(2, 16, 8, 2048, 256, None), (2, 16, 8, 2048, 256, 4096), (2, 8, 4, 4096, 256, None)],
+        "quick": [(2, 16, 8, 2048, 256, None)],
+        "tiny": [(1, 2, 1, 40, 16, None), (1, 2, 1, 40, 16, 16)],
+    }
+    cases = []
+    for batch, heads, kv_heads, length, dim, window in sizes[shapes]:
+
+        def bind(fn, i, window=window):
+            return fn(i["q"], i["k"], i["v"], i["scaling"], softcap=50.0, window=window)
+
+        def make(device, grad, batch=batch, heads=heads, kv_heads=kv_heads, length=length, dim=dim):
+            torch.manual_seed(0)
+            return {
+                "q": _randn((batch, heads, length, dim), device, dtype, grad),
+                "k": _randn((batch, kv_heads, length, dim), device, dtype, grad),
+                "v": _randn((batch, kv_heads, length, dim), device, dtype, grad),
+                "scaling": dim**-0.5,
+            }
+
+        s = dtype.itemsize
+        q_bytes, kv_bytes = s * batch * heads * length * dim, s * batch * kv_heads * length * dim
+        fwd = 2 * q_bytes + 2 * kv_bytes  # read q, k, v; write the output
+        causal_flops = 2 * 2 * batch * heads * length * length * dim // 2  # two products, half the scores
+        cases.append(
+            Case(
+                "attention",
+                f"{batch}x{heads}/{kv_heads}x{length}x{dim} softcap 50"
+                + (f" window {window}" if window else ""),
+                dtype,
+                make,
+                {
+                    "eager": _kernel("attention", "attention_reference", bind),
+                    "sdpa (no cap)": _plain(_sdpa_uncapped),
+                    "slothkit": _kernel("attention", "attention", bind),
+                },
+                bytes_fwd=fwd,
+                bytes_fwd_bwd=fwd + 2 * q_bytes + 2 * kv_bytes,  # + read dout, write dq, dk, dv
+                flops_fwd=causal_flops,
+                flops_fwd_bwd=causal_flops * 7 // 2,  # backward: q k^T again, dP, dV, dQ, dK
+            )
+        )
+    return cases
+
+
 BUILDERS: dict[str, Callable[[str, torch.dtype], list[Case]]] = {
     "rms_norm": rms_norm_cases,
     "rope": rope_cases,
@@ -434,6 +493,7 @@ BUILDERS: dict[str, Callable[[str, torch.dtype], list[Case]]] = {
     "fused_linear_cross_entropy": fused_linear_cross_entropy_cases,
     "nf4": nf4_cases,
     "lora_mlp": lora_mlp_cases,
+    "attention": attention_cases,
 }
 OPS = tuple(BUILDERS)
 

@@ -199,13 +199,24 @@ def test_phi3_sliding_window_is_applied_as_transformers_applies_it(device, tmp_p
     assert abs(unwindowed[0] - plain_losses[0]) > 1e-3  # the window changes the attention
 
 
-def test_gemma2_past_its_window_trains_like_hf_peft(device):
+def test_gemma2_past_its_window_trains_like_hf_peft(device, monkeypatch):
     """Gemma 2 on sequences longer than its window (16 tokens), so the sliding layer masks,
     both soft-caps bend scores and logits, and the fused attention must pass the module's
     cap: 8 fp32 steps give HF + PEFT's (eager) losses and adapters within 1e-5. Plain SGD:
     AdamW divides by the root of its second moment, so an entry whose gradient is near zero
     takes a step of about the learning rate either way, and rounding shows at that scale
-    (measured: 2e-4 on one layer's v_proj adapter, against 1e-6 relative in the gradients)."""
+    (measured: 2e-4 on one layer's v_proj adapter, against 1e-6 relative in the gradients).
+    The fused model's soft-capped attention is slothkit's tiled kernel, HF's is eager."""
+    from slothkit.engine import decoder
+
+    tiled_calls = []
+
+    def counted(*args, **kwargs):
+        tiled_calls.append(args[0].shape)
+        return tiled_attention(*args, **kwargs)
+
+    tiled_attention = decoder.tiled_attention
+    monkeypatch.setattr(decoder, "tiled_attention", counted)
     path = tiny_model_path("gemma2")
     ids, labels = (t.to(device) for t in _batch(512, seed=1, seq=40))
     losses, adapters = [], []
@@ -221,6 +232,7 @@ def test_gemma2_past_its_window_trains_like_hf_peft(device):
         losses.append(torch.tensor(run))
         adapters.append({n: p.detach() for n, p in model.named_parameters() if "lora_" in n})
     (plain_losses, fused_losses), (plain, fused) = losses, adapters
+    assert tiled_calls, "the fused Gemma 2 did not run the tiled attention"
     assert plain_losses[-1] < plain_losses[0]
     torch.testing.assert_close(fused_losses, plain_losses, rtol=1e-5, atol=0)
     assert plain.keys() == fused.keys() and plain

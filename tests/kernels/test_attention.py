@@ -1,0 +1,202 @@
+"""attention: tiled causal attention with soft-capping, masks and windows, against an fp32
+autograd reference and transformers' own eager attention (Gemma 2's)."""
+
+import pytest
+import torch
+
+from slothkit_kernels import utils
+from slothkit_kernels.attention import attention, attention_reference
+from slothkit_kernels.testing import relative_error
+
+# (relative error of the output, of each gradient) against the fp32 reference.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1.5e-2, 3e-2)}
+LOWEST = torch.finfo(torch.float32).min
+
+
+def _inputs(batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # q is a transposed (B, T, Hq, D) tensor, as the decoder layer hands it over.
+    q = (torch.randn(batch, q_len, q_heads, head_dim, generator=gen) * 2).to(device, dtype).transpose(1, 2)
+    k = (torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen) * 2).to(device, dtype)
+    v = torch.randn(batch, kv_heads, kv_len, head_dim, generator=gen).to(device, dtype)
+    grad = torch.randn(batch, q_len, q_heads, head_dim, generator=gen).to(device, dtype)
+    return q, k, v, grad
+
+
+def _run(function, q, k, v, grad, **options):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = function(*leaves, **options)
+    out.backward(grad)
+    return [out] + [t.grad for t in leaves]
+
+
+def _gold(q, k, v, grad, mask=None, **options):
+    """fp32 autograd through the reference, from the same (rounded) inputs."""
+    q, k, v = (t.float() for t in (q, k, v))
+    mask = mask.float() if mask is not None and mask.dtype != torch.bool else mask
+    return _run(attention_reference, q, k, v, grad.float(), mask=mask, **options)
+
+
+def _output_scale(outputs) -> float:
+    """The size of the attention's output: the scale that rounding in dq is relative to."""
+    return outputs[0].float().abs().max().item()
+
+
+def _padding_mask(batch, q_len, kv_len, pads, dtype, device):
+    """transformers' eager mask for left padding: batch row b's first pads[b] keys hidden."""
+    visible = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        visible[row, :, :, :pad] = False
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min).to(device)
+
+
+def _check(actual, expected, dtype):
+    out_tol, grad_tol = TOLERANCE[dtype]
+    for name, a, e, tol in zip(("out", "dq", "dk", "dv"), actual, expected, (out_tol,) + (grad_tol,) * 3):
+        assert a.dtype == dtype and a.shape == e.shape, name
+        if e.abs().max() == 0:  # one key: softmax is 1 whatever q is, so dq is zero
+            assert a.float().abs().max() < 1e-3 * _output_scale(actual), name
+            continue
+        assert relative_error(a, e) < tol, f"{name}: relative error {relative_error(a, e):.2e} >= {tol}"
+
+
+CASES = [
+    # batch, q heads, kv heads, q_len, kv_len, head_dim, softcap, window
+    (1, 1, 1, 1, 1, 16, None, None),
+    (2, 4, 2, 37, 37, 24, 50.0, None),  # Gemma 2's cap; head_dim not a power of two
+    (1, 4, 1, 70, 70, 32, 5.0, 16),  # a tight cap, several tiles past the window
+    (2, 2, 2, 5, 40, 16, None, None),  # queries after 35 cached keys
+    (1, 2, 1, 33, 48, 64, 30.0, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_attention_matches_the_reference(case, dtype, device):
+    batch, q_heads, kv_heads, q_len, kv_len, head_dim, softcap, window = case
+    q, k, v, grad = _inputs(
+        batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype, device, seed=sum(case[:6])
+    )
+    options = {"scaling": head_dim**-0.5, "softcap": softcap, "window": window}
+    _check(_run(attention, q, k, v, grad, **options), _gold(q, k, v, grad, **options), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padding_mask_hides_keys_and_fully_hidden_rows_stay_exact(dtype, device):
+    """Left padding: the first rows of a padded sequence see only hidden keys, which the
+    mask's -3.4e38 then weighs alike (its size swamps the scores); the saved row maximum
+    and log-sum keep those rows' backward exact too."""
+    q, k, v, grad = _inputs(3, 4, 2, 20, 20, 16, dtype, device, seed=5)
+    mask = _padding_mask(3, 20, 20, pads=(0, 3, 11), dtype=dtype, device=device)
+    options = {"scaling": 0.25, "softcap": 20.0, "mask": mask}
+    _check(_run(attention, q, k, v, grad, **options), _gold(q, k, v, grad, **options), dtype)
+    boolean = mask == 0  # True where attended: the same attention
+    same = _run(attention, q, k, v, grad, **{**options, "mask": boolean})
+    for a, b in zip(same, _run(attention, q, k, v, grad, **options)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_packed_batch_attends_within_each_sequence(device):
+    """Padding-free packing: a block-diagonal mask keeps three sequences apart, so each
+    one's output and gradients equal those of the sequence run alone."""
+    lengths = (7, 12, 9)
+    total = sum(lengths)
+    q, k, v, grad = _inputs(1, 2, 1, total, total, 16, torch.float32, device, seed=9)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    same = (segment[:, None] == segment[None, :]).to(device)
+    packed = _run(attention, q, k, v, grad, scaling=0.25, softcap=50.0, mask=same[None, None])
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        alone = _run(
+            attention,
+            q[:, :, rows],
+            k[:, :, rows],
+            v[:, :, rows],
+            grad[:, rows],
+            scaling=0.25,
+            softcap=50.0,
+        )
+        for name, whole, part in zip(("out", "dq", "dk", "dv"), packed, alone):
+            piece = whole[:, rows] if name == "out" else whole[:, :, rows]
+            torch.testing.assert_close(
+                piece, part, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
+        start += length
+
+
+def test_gemma2_eager_attention_is_what_it_computes(device):
+    """transformers' Gemma 2 eager attention (scores, cap, its own mask, fp32 softmax) on
+    a sliding layer, forward and backward, with the mask and window the model builds.
+    Rows whose every key is padding differ by design (eager weighs all 24 keys alike,
+    the kernel the causal ones): they are padding's own outputs, whose gradient is zero
+    in training, as here."""
+    from transformers import Gemma2Config
+    from transformers.models.gemma2 import modeling_gemma2
+
+    config = Gemma2Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16
+    )
+    module = modeling_gemma2.Gemma2Attention(config, layer_idx=0).to(device).train()
+    q, k, v, grad = _inputs(2, 4, 2, 24, 24, 16, torch.float32, device, seed=3)
+    window = 8
+    position = torch.arange(24)
+    visible = (position[None, :] <= position[:, None]) & (position[:, None] - position[None, :] < window)
+    mask = torch.zeros(2, 1, 24, 24).masked_fill(~visible, LOWEST).to(device)
+    mask[1, :, :, :4] = LOWEST  # and left padding on the second row
+
+    def eager(q, k, v, **_):
+        out, _ = modeling_gemma2.eager_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            mask,
+            dropout=0.0,
+            scaling=module.scaling,
+            softcap=config.attn_logit_softcapping,
+        )
+        return out
+
+    grad[1, :4] = 0.0  # padding rows reach no loss
+    ours = _run(attention, q, k, v, grad, scaling=module.scaling, softcap=50.0, window=window, mask=mask)
+    theirs = _run(eager, q, k, v, grad)
+    for output in (ours, theirs):
+        output[0][1, :4] = 0.0
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bad_inputs_are_named(device):
+    q, k, v, _ = _inputs(1, 4, 2, 8, 8, 16, torch.float32, device, seed=0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention(q[:, :3], k, v, scaling=1.0)
+    with pytest.raises(ValueError, match="only 4 keys"):
+        attention(q, k[:, :, :4], v[:, :, :4], scaling=1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, k, v, scaling=1.0, softcap=0.0)
+    with pytest.raises(ValueError, match="window"):
+        attention(q, k, v, scaling=1.0, window=0)
+    with pytest.raises(ValueError, match="mask must be"):
+        attention(q, k, v, scaling=1.0, mask=torch.zeros(1, 1, 8, 4, device=device))
+    with pytest.raises(TypeError, match="share a dtype"):
+        attention(q, k.half(), v.half(), scaling=1.0)
+
+
+def test_without_triton_the_reference_runs_and_says_so(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    utils.warn_reference_once.cache_clear()
+    q, k, v, _ = _inputs(1, 2, 1, 6, 6, 16, torch.float32, "cpu", seed=1)
+    with pytest.warns(UserWarning, match="slothkit_kernels.attention: no Triton backend"):
+        out = attention(q, k, v, scaling=0.25, softcap=10.0)
+    torch.testing.assert_close(out, attention_reference(q, k, v, 0.25, softcap=10.0))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 1024], ids=["global", "sliding"])
+def test_gemma2_9b_layer_shape_on_the_gpu(window):
+    """Gemma-2-9B's layer at 2 x 2048 in bf16: 16 query heads over 8 key heads of 256 (the
+    widest tiles), a cap of 50, its sliding window scaled to the length."""
+    q, k, v, grad = _inputs(2, 16, 8, 2048, 2048, 256, torch.bfloat16, "cuda", seed=11)
+    options = {"scaling": 256**-0.5, "softcap": 50.0, "window": window}
+    _check(_run(attention, q, k, v, grad, **options), _gold(q, k, v, grad, **options), torch.bfloat16)
