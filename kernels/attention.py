@@ -155,6 +155,27 @@ def _scores(
 
 
 @triton.jit
+def _load_tile(HEAD, offs, stride_t, offs_d, stride_d, length, head_dim, DOT_FP32: tl.constexpr):
+    """Rows `offs` (< length) of one head's (length, head_dim) matrix, zero-padded to the
+    tile; in fp32 when the products run in fp32."""
+    rows_in = (offs[:, None] < length) & (offs_d[None, :] < head_dim)
+    tile = tl.load(HEAD + offs[:, None] * stride_t + offs_d[None, :] * stride_d, mask=rows_in, other=0.0)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _load_row_stats(ROW_MAX, LOG_SUM, DELTA, row, offs_m, m_in):
+    """The forward pass's row maximum and log-sum, and D = rowsum(dout * out), for rows
+    `offs_m` of one head (its rows start at `row`)."""
+    row_max = tl.load(ROW_MAX + row + offs_m, mask=m_in, other=0.0)
+    log_sum = tl.load(LOG_SUM + row + offs_m, mask=m_in, other=0.0)
+    delta = tl.load(DELTA + row + offs_m, mask=m_in, other=0.0)
+    return row_max, log_sum, delta
+
+
+@triton.jit
 def _key_range(
     start_m, q_len, kv_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
 ):
@@ -203,10 +224,9 @@ def _attention_forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_in = offs_m < q_len
     d_in = offs_d < head_dim
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=m_in[:, None] & d_in[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
+    q = _load_tile(
+        Q + b * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, stride_qd, q_len, head_dim, DOT_FP32
+    )
     K_head = K + b * stride_kb + kv_h * stride_kh
     V_head = V + b * stride_vb + kv_h * stride_vh
     MASK_row = MASK + b * stride_mb
@@ -217,16 +237,8 @@ def _attention_forward_kernel(
     lo, hi = _key_range(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < kv_len) & d_in[None, :]
-        k = tl.load(
-            K_head + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V_head + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_tile(K_head, offs_n, stride_kt, offs_d, stride_kd, kv_len, head_dim, DOT_FP32)
+        v = _load_tile(V_head, offs_n, stride_vt, offs_d, stride_vd, kv_len, head_dim, DOT_FP32)
         z, _ = _scores(
             q, k, MASK_row, stride_mt, stride_ms, offs_m, offs_n, q_len, kv_len,
             scaling, softcap, window, HAS_MASK, HAS_SOFTCAP, HAS_WINDOW, IEEE,
@@ -288,19 +300,12 @@ def _attention_backward_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < head_dim
     kv_mask = (offs_n[:, None] < kv_len) & d_in[None, :]
-    k = tl.load(
-        K + b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-        mask=kv_mask,
-        other=0.0,
+    k = _load_tile(
+        K + b * stride_kb + kv_h * stride_kh, offs_n, stride_kt, offs_d, stride_kd, kv_len, head_dim, DOT_FP32
     )
-    v = tl.load(
-        V + b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-        mask=kv_mask,
-        other=0.0,
+    v = _load_tile(
+        V + b * stride_vb + kv_h * stride_vh, offs_n, stride_vt, offs_d, stride_vd, kv_len, head_dim, DOT_FP32
     )
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
     MASK_row = MASK + b * stride_mb
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -316,25 +321,14 @@ def _attention_backward_kv_kernel(
     for g in range(0, group):
         h = kv_h * group + g
         Q_head = Q + b * stride_qb + h * stride_qh
+        DO_head = DO + b * q_len * n_q_heads * head_dim + h * head_dim  # (T, D) rows Hq * D apart
         row = (b * n_q_heads + h) * q_len
         for start_m in range(m_lo, m_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_in = offs_m < q_len
-            q_mask = m_in[:, None] & d_in[None, :]
-            q = tl.load(
-                Q_head + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0
-            )
-            do = tl.load(
-                DO + (b * q_len + offs_m[:, None]) * (n_q_heads * head_dim) + h * head_dim + offs_d[None, :],
-                mask=q_mask,
-                other=0.0,
-            )
-            if DOT_FP32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row_max = tl.load(ROW_MAX + row + offs_m, mask=m_in, other=0.0)
-            log_sum = tl.load(LOG_SUM + row + offs_m, mask=m_in, other=0.0)
-            delta = tl.load(DELTA + row + offs_m, mask=m_in, other=0.0)
+            q = _load_tile(Q_head, offs_m, stride_qt, offs_d, stride_qd, q_len, head_dim, DOT_FP32)
+            do = _load_tile(DO_head, offs_m, n_q_heads * head_dim, offs_d, 1, q_len, head_dim, DOT_FP32)
+            row_max, log_sum, delta = _load_row_stats(ROW_MAX, LOG_SUM, DELTA, row, offs_m, m_in)
             z, t = _scores(
                 q, k, MASK_row, stride_mt, stride_ms, offs_m, offs_n, q_len, kv_len,
                 scaling, softcap, window, HAS_MASK, HAS_SOFTCAP, HAS_WINDOW, IEEE,
@@ -391,23 +385,13 @@ def _attention_backward_q_kernel(
     m_in = offs_m < q_len
     d_in = offs_d < head_dim
     q_mask = m_in[:, None] & d_in[None, :]
-    q = tl.load(
-        Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-        mask=q_mask,
-        other=0.0,
+    q = _load_tile(
+        Q + b * stride_qb + h * stride_qh, offs_m, stride_qt, offs_d, stride_qd, q_len, head_dim, DOT_FP32
     )
-    do = tl.load(
-        DO + (b * q_len + offs_m[:, None]) * (n_q_heads * head_dim) + h * head_dim + offs_d[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    DO_head = DO + b * q_len * n_q_heads * head_dim + h * head_dim  # (T, D) rows Hq * D apart
+    do = _load_tile(DO_head, offs_m, n_q_heads * head_dim, offs_d, 1, q_len, head_dim, DOT_FP32)
     row = (b * n_q_heads + h) * q_len
-    row_max = tl.load(ROW_MAX + row + offs_m, mask=m_in, other=0.0)
-    log_sum = tl.load(LOG_SUM + row + offs_m, mask=m_in, other=0.0)
-    delta = tl.load(DELTA + row + offs_m, mask=m_in, other=0.0)
+    row_max, log_sum, delta = _load_row_stats(ROW_MAX, LOG_SUM, DELTA, row, offs_m, m_in)
     K_head = K + b * stride_kb + kv_h * stride_kh
     V_head = V + b * stride_vb + kv_h * stride_vh
     MASK_row = MASK + b * stride_mb
@@ -416,16 +400,8 @@ def _attention_backward_q_kernel(
     lo, hi = _key_range(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n[:, None] < kv_len) & d_in[None, :]
-        k = tl.load(
-            K_head + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V_head + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_tile(K_head, offs_n, stride_kt, offs_d, stride_kd, kv_len, head_dim, DOT_FP32)
+        v = _load_tile(V_head, offs_n, stride_vt, offs_d, stride_vd, kv_len, head_dim, DOT_FP32)
         z, t = _scores(
             q, k, MASK_row, stride_mt, stride_ms, offs_m, offs_n, q_len, kv_len,
             scaling, softcap, window, HAS_MASK, HAS_SOFTCAP, HAS_WINDOW, IEEE,
