@@ -25,7 +25,7 @@ def _tokenizer(name="chatml"):
     model = AutoModelForCausalLM.from_pretrained(path)  # grows with the format's tokens
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_chat_template(tokenizer, name, model=model)
+        return get_chat_template(tokenizer, name, model=model, add_missing_tokens=True)
 
 
 def test_text_column_replaces_messages():
