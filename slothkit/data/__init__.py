@@ -8,7 +8,8 @@
     trainer = train_on_responses_only(trainer)
 
 Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
-(installing one), sharegpt, conversations, alpaca, responses_only, loading, examples,
+(installing one), marker_tokens (which of a format's markers are added, mapped onto the
+EOS or left as text), sharegpt, conversations, alpaca, responses_only, loading, examples,
 packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trl's trainers run before handing data to TRL; text_encoding finds
 text that is not UTF-8.
 """

@@ -366,6 +366,17 @@ _ALTERNATION = r"""    {%- if (message[role_key] == user_role) != (loop.index0 %
     {%- endif -%}"""
 
 
+def with_turn_end(fmt: ChatFormat, token: str) -> ChatFormat:
+    """`fmt` writing `token` wherever it ends a turn: the tokenizer's EOS standing in for a
+    turn-end token the tokenizer lacks (slothkit.data.marker_tokens).  Every body writes
+    its turn end inside single-quoted string literals, where `token` goes escaped as
+    jinja_string escapes it, its single quotes too."""
+    if fmt.turn_end is None:
+        raise ValueError(f"chat format {fmt.name!r} ends turns with the tokenizer's EOS already")
+    literal = jinja_string(token)[1:-1].replace("'", "\\U00000027")
+    return dataclasses.replace(fmt, body=fmt.body.replace(fmt.turn_end, literal), turn_end=token)
+
+
 def template_source(
     fmt: ChatFormat, *, mapping: dict[str, str], system_message: str | None, use_bos: bool
 ) -> str:

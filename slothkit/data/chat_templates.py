@@ -7,10 +7,12 @@ What changes, and why:
 * ``tokenizer.chat_template`` renders the format (slothkit.data.chat_formats), with each
   assistant reply inside ``{% generation %}`` for TRL's ``assistant_only_loss``.
 * Markers the format's own tokenizers hold as single tokens (``<|im_start|>``,
-  ``<|eot_id|>``, ``<start_of_turn>``, ...) are added as special tokens when missing, so
-  they are never split into pieces; with ``model=`` the embeddings grow to match when the
-  tokenizer outgrows them (their new rows are untrained: train them with
-  ``modules_to_save=["embed_tokens", "lm_head"]`` or prefer a format the tokenizer knows).
+  ``<|eot_id|>``, ``<start_of_turn>``, ...) that this tokenizer lacks
+  (slothkit.data.marker_tokens): by default nothing is added; a missing turn end is
+  written as the tokenizer's EOS (``map_eos_token=True``) and the other missing markers
+  stay text, said once.  ``add_missing_tokens=True`` adds them as special tokens instead,
+  and with ``model=`` the embeddings grow to match (their new rows are untrained: train
+  them with ``modules_to_save=["embed_tokens", "lm_head"]``).
 * ``map_eos_token=True``: the token that closes an assistant turn becomes the tokenizer's
   EOS, and with ``model=`` the first of ``generation_config.eos_token_id``, so ``generate``
   stops at the end of the reply and TRL ends plain-text samples with it.
@@ -35,7 +37,9 @@ from slothkit.data.chat_formats import (
     format_named,
     format_of_template,
     template_source,
+    with_turn_end,
 )
+from slothkit.data.marker_tokens import plan_marker_tokens, say_what_was_mapped
 from slothkit.engine.inspection import causal_lm_of
 
 # Conversations on which a tokenizer's own template is compared with slothkit's formats.
@@ -77,6 +81,7 @@ def get_chat_template(
     system_message: str | None = None,
     *,
     model=None,
+    add_missing_tokens: bool | None = None,
 ):
     """Set `tokenizer`'s chat template to a chat format (module docstring: what else
     changes, and why).
@@ -99,7 +104,12 @@ def get_chat_template(
             "conversations" column to role/content itself before rendering: with TRL,
             keep the default.)
         map_eos_token: make the token that closes an assistant turn the tokenizer's EOS,
-            and with ``model`` the first id generation stops at (default True).
+            and with ``model`` the first id generation stops at (default True).  Where the
+            format's turn end is not in the tokenizer's vocabulary (Llama 3's
+            ``<|eot_id|>`` on SmolLM2), the template writes the tokenizer's own EOS in its
+            place (SmolLM2's ``<|im_end|>``), as Unsloth maps it, and adds nothing.  With
+            False such a turn end cannot stay text (generation could not stop on it), so
+            the format's missing markers are added as by ``add_missing_tokens=True``.
         system_message: system text for conversations that have none; None (default):
             the format's own (vicuna and alpaca have one, the others none); "" gives none.
         model: the model whose embeddings grow with the tokenizer when tokens are added
@@ -107,6 +117,19 @@ def get_chat_template(
             ``FastModel.from_pretrained`` loaded with this tokenizer, if any; when tokens
             must be added and no model is known, a ValueError asks for model= (without
             it the new ids could point past the embeddings); an EOS change alone only warns.
+        add_missing_tokens: what becomes of the format's markers this tokenizer lacks
+            (``<|start_header_id|>``, ``<|end_header_id|>`` and ``<|eot_id|>`` for
+            llama-3 on SmolLM2).  None (default): nothing is added while the turn end is
+            in the vocabulary or can be the EOS (``map_eos_token=True``): the turn end is
+            written as the EOS, the other markers stay text tokenized into ordinary
+            pieces, the embeddings keep their size, and a notice says so once; they are
+            added only when the turn end can be neither (``map_eos_token=False`` or no
+            EOS).  True: every missing marker becomes a special token of its own and the
+            model's embeddings and head grow by as many rows (untrained: train them with
+            ``modules_to_save=["embed_tokens", "lm_head"]``; the adapter and every export
+            then carry the grown matrices).  False: nothing is added; a turn end that can
+            be neither a token nor the EOS is refused.  For a custom pair: its end-of-turn
+            token is added when missing, and False refuses instead.
 
     Returns:
         The same tokenizer.
@@ -114,16 +137,21 @@ def get_chat_template(
     Raises:
         ValueError: an unknown or refused format name, "model" for a tokenizer without a
             template, mapping or system_message with a template kept as written, a bad
-            mapping, or tokens to add with no model to grow.
-        TypeError: system_message is not a string.
+            mapping, tokens to add with no model to grow, or add_missing_tokens=False with a
+            turn end that is neither in the vocabulary nor mapped to the EOS.
+        TypeError: system_message is not a string, or add_missing_tokens not a bool or None.
     """
     mapping = check_mapping(mapping)
     if system_message is not None and not isinstance(system_message, str):
         raise TypeError(f"system_message must be a string or None; got {type(system_message).__name__}")
+    if add_missing_tokens is not None and not isinstance(add_missing_tokens, bool):
+        raise TypeError(f"add_missing_tokens must be True, False or None; got {add_missing_tokens!r}")
     if model is None:
         model = linked_model(tokenizer)
     if isinstance(chat_template, (tuple, list)):
-        return _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_token, model)
+        return _install_custom(
+            tokenizer, chat_template, mapping, system_message, map_eos_token, model, add_missing_tokens
+        )
 
     if chat_template in (None, "model"):
         fmt = matching_format(tokenizer)
@@ -139,12 +167,17 @@ def get_chat_template(
     else:
         fmt = format_named(chat_template)
 
-    _require_model_for_new_tokens(tokenizer, fmt.special_tokens, model, repr(fmt.name))
-    added = _add_missing_tokens(tokenizer, fmt.special_tokens)
-    tokenizer.chat_template = template_source(
-        fmt, mapping=mapping, system_message=system_message, use_bos=adds_bos(tokenizer)
+    plan = plan_marker_tokens(
+        tokenizer, fmt, map_eos_token=map_eos_token, add_missing_tokens=add_missing_tokens
     )
-    _finish(tokenizer, model, fmt.turn_end or tokenizer.eos_token, map_eos_token, added)
+    _require_model_for_new_tokens(tokenizer, plan.added, model, repr(fmt.name), plan.add_reason)
+    added = _add_missing_tokens(tokenizer, plan.added)
+    written = fmt if plan.mapped_from is None else with_turn_end(fmt, plan.turn_end)
+    tokenizer.chat_template = template_source(
+        written, mapping=mapping, system_message=system_message, use_bos=adds_bos(tokenizer)
+    )
+    say_what_was_mapped(fmt, plan)
+    _finish(tokenizer, model, plan.turn_end or tokenizer.eos_token, map_eos_token, added)
     return tokenizer
 
 
@@ -173,17 +206,20 @@ def linked_model(tokenizer):
     return reference() if reference is not None else None
 
 
-def _require_model_for_new_tokens(tokenizer, tokens, model, what: str) -> None:
+def _require_model_for_new_tokens(tokenizer, tokens, model, what: str, reason: str) -> None:
     missing = [t for t in tokens if t not in tokenizer.get_vocab()]
     if missing and model is None:
         raise ValueError(
-            f"chat template {what} needs the tokens {missing}, which this tokenizer lacks: pass model= "
-            "(get_chat_template(tokenizer, ..., model=model)) so that the embeddings grow with them"
+            f"chat template {what} needs the tokens {missing}, which this tokenizer lacks ({reason}): pass "
+            "model= (get_chat_template(tokenizer, ..., model=model)) so that the embeddings grow with them"
         )
 
 
-def _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_token, model):
-    """A ``(jinja_template, eos_token)`` pair, installed as written."""
+def _install_custom(
+    tokenizer, chat_template, mapping, system_message, map_eos_token, model, add_missing_tokens
+):
+    """A ``(jinja_template, eos_token)`` pair, installed as written: its end-of-turn token
+    is added when missing, since the template writes it as it is."""
     if len(chat_template) != 2 or not all(isinstance(part, str) for part in chat_template):
         raise ValueError(
             "a custom chat_template is a pair (jinja_template, eos_token) of strings; got "
@@ -207,7 +243,13 @@ def _install_custom(tokenizer, chat_template, mapping, system_message, map_eos_t
             "mapping= and system_message= apply to slothkit's named formats; a custom (template, eos_token) "
             "is installed as written: write the dataset's key names and any system text into the template"
         )
-    _require_model_for_new_tokens(tokenizer, (eos_token,), model, "(custom)")
+    if add_missing_tokens is False and eos_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"the custom chat template ends turns with {eos_token!r}, which this tokenizer lacks, and "
+            "add_missing_tokens=False: write the tokenizer's EOS as the end of a turn (the pair "
+            f"(template, {KEEP_EOS!r}) with {{{{ eos_token }}}} in the template), or let the token be added"
+        )
+    _require_model_for_new_tokens(tokenizer, (eos_token,), model, "(custom)", "its end-of-turn token")
     added = _add_missing_tokens(tokenizer, (eos_token,))
     tokenizer.chat_template = template
     _finish(tokenizer, model, eos_token, map_eos_token, added)

@@ -19,6 +19,9 @@ prepend_scheme="first") reads the first word after a BOS written *in* the text w
 "▁" prefix ("Be"), and the same word at the start of the text with it ("▁Be", as
 sentencepiece itself does).  Templates that open with a special token after BOS (llama-3,
 chatml, gemma, ...) are not affected; Mistral's own tokenizer (legacy Metaspace) is not either.
+A format whose opening marker such a tokenizer lacks is: the marker is then text
+(slothkit.data.marker_tokens), and the text column's copy of it starts with an extra "▁"
+token that the template's own tokenization does not have.
 """
 
 from __future__ import annotations

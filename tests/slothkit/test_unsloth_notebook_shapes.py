@@ -243,7 +243,7 @@ def test_chatml_on_a_tokenizer_without_its_tokens_grows_the_model_it_came_with()
     model = FastLanguageModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
     with pytest.warns(UserWarning, match="embeddings grew"):
         tokenizer = get_chat_template(
-            tokenizer, chat_template="chatml"
+            tokenizer, chat_template="chatml", add_missing_tokens=True
         )  # no model=: found through the tokenizer
     rows = model.get_input_embeddings().weight
     assert rows.shape[0] == len(tokenizer) and not rows.requires_grad
@@ -261,7 +261,12 @@ def test_chatml_on_a_tokenizer_without_its_tokens_grows_the_model_it_came_with()
 
     loose = AutoTokenizer.from_pretrained(str(tiny_model_path("mistral")))
     with pytest.raises(ValueError, match="needs the tokens .* pass model="):
+        get_chat_template(loose, chat_template="chatml", add_missing_tokens=True)
+    size = len(loose)  # by default nothing is added, so no model is needed
+    say_once.cache_clear()
+    with pytest.warns(LegacySpellingWarning, match="each turn ends with its EOS '</s>'"):
         get_chat_template(loose, chat_template="chatml")
+    assert len(loose) == size and loose.eos_token == "</s>"
     assert get_chat_template(
         plain, chat_template=("{% for m in messages %}{{ m['content'] }}{% endfor %}", "</s>")
     )

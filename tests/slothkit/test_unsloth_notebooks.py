@@ -276,12 +276,15 @@ def test_codegemma_conversational(notebook_folder):
         "exceeds this model's context of 2048 tokens: RoPE is scaled linearly by 2" in n for n in notices
     )
     assert any("has a 'text' column and 'conversations': slothkit trains on 'text'" in n for n in notices)
-    # ChatML's markers are single tokens with rows of their own.
-    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    assert start >= 640 and ns["model"].get_input_embeddings().weight.shape[0] >= len(tokenizer)
-    assert tokenizer.eos_token == "<|im_end|>"  # map_eos_token=True
+    # map_eos_token=True: ChatML's <|im_end|>, which the tokenizer lacks, is written as its
+    # EOS (the notebook's "Maps <|im_end|> to </s> instead"); <|im_start|> stays text, and
+    # nothing is added, said once.
+    assert any("no token '<|im_end|>', so each turn ends with its EOS '</s>'" in n for n in notices)
+    assert tokenizer.eos_token == "</s>" and "<|im_start|>" not in tokenizer.get_vocab()
+    assert len(tokenizer) == 640 and ns["model"].get_input_embeddings().weight.shape[0] >= len(tokenizer)
     row = trainer.train_dataset[0]["input_ids"]
-    assert row.count(start) == 2 and tokenizer.decode(row).count("<|im_start|>user\n") == 1
+    # Each turn's end, then the EOS TRL appends to a text that ends in "\n" rather than EOS.
+    assert row.count(tokenizer.eos_token_id) == 3 and tokenizer.decode(row).count("<|im_start|>user\n") == 1
     _assert_trained(trainer)
     _assert_answers_decode(ns)
     _assert_reloaded(ns, trainer)
@@ -394,29 +397,55 @@ def test_zephyr_dpo_on_the_real_checkpoint(notebook_folder, smollm2_path):
 @pytest.mark.slow
 def test_llama32_conversational_on_the_real_checkpoint(notebook_folder, smollm2_path):
     """The conversational notebook on SmolLM2-135M-Instruct, saves included: Llama 3.1's
-    turn tokens are new to SmolLM2's tokenizer, so the embeddings and the tied head grow by
-    three rows, and every save must carry them. llama.cpp judges the GGUF files on a prompt
-    rendered with the chat template: its tokens, logits and greedy continuation."""
+    turn tokens are not in SmolLM2's tokenizer, so each turn ends with SmolLM2's EOS
+    <|im_end|> and the header markers are text in ordinary pieces; nothing is added, so
+    the embeddings and the tied head keep their 49,152 rows and the adapter holds the LoRA
+    matrices alone. llama.cpp judges the GGUF files on a prompt rendered with the chat
+    template: its tokens, logits and greedy continuation. (The same saves with the tokens
+    added: tests/slothkit/export/test_added_token_saves.py.)"""
+    from safetensors import safe_open
+
     from slothkit.export.gguf import verify_gguf
 
-    folder, _ = notebook_folder
+    folder, caught = notebook_folder
     ns = _run("llama32_conversational", MODEL=str(smollm2_path))
     trainer, tokenizer = ns["trainer"], ns["tokenizer"]  # the tokenizer saved with the adapter
-    added = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    assert tokenizer.convert_tokens_to_ids(added) == [49152, 49153, 49154] and len(tokenizer) == 49155
-    assert tokenizer.eos_token == "<|eot_id|>"
-    assert trainer.model.get_input_embeddings().weight.shape[0] == 49155
-    _assert_replies_alone_are_learned(ns, "<|eot_id|>")
+    mapped = [
+        n
+        for n in _notices(caught)
+        if "no token '<|eot_id|>', so each turn ends with its EOS '<|im_end|>'" in n
+    ]
+    assert len(mapped) == 1  # the notebook installs the template twice; said once
+    markers = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    assert len(tokenizer) == 49152 and not set(markers) & set(tokenizer.get_vocab())
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert trainer.model.get_input_embeddings().weight.shape[0] == 49152
+    _assert_replies_alone_are_learned(ns, "<|im_end|>")
     _assert_trained(trainer)
     _assert_eight_bit_adam(trainer)
-    _assert_reloaded(ns, trainer)  # the adapter folder holds the grown rows
+    adapter = folder / "llama_lora" / "adapter_model.safetensors"
+    with safe_open(str(adapter), "pt") as weights:
+        assert all("lora_" in name for name in weights.keys())  # no embedding rows saved
+    lora_bytes = sum(
+        p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n
+    )
+    print(f"\nadapter: {adapter.stat().st_size / 2**20:.1f} MiB; LoRA matrices {lora_bytes / 2**20:.1f} MiB")
+    assert adapter.stat().st_size < lora_bytes + 2**20  # the matrices and a header, nothing more
+    _assert_reloaded(ns, trainer)
     merged = _assert_merged(folder / "llama_finetune_16bit", ns)
+    assert merged.get_input_embeddings().weight.shape[0] == 49152
     _assert_merged_4bit(folder / "llama_finetune_4bit", ns)
 
-    conversation = [{"role": "user", "content": "What is 7 times 6?"}]
+    # A question from the training data, whose first answer token the trained model picks
+    # by a clear margin (SmolLM2 hesitates over the first token of "What is 7 times 6?").
+    conversation = [{"role": "user", "content": "What is 2 + 2?"}]
     prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert prompt == (
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|im_end|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    assert ids[0, 0].item() == 49152 and ids[0, -1].item() != 49153  # the template's tokens, whole
+    assert ids.max().item() < 49152 and (ids == tokenizer.eos_token_id).sum().item() == 1
     trained = trainer.model.eval()
     # The merged model continues the chat greedily as the trained model does, wherever the
     # trained model's best token leads its second by more than 16-bit weights can move it.
@@ -433,13 +462,16 @@ def test_llama32_conversational_on_the_real_checkpoint(notebook_folder, smollm2_
 
     for label, method in (("Q8_0", "q8_0"), ("F16", "f16")):
         (path,) = (folder / "llama_finetune").glob(f"*.{label}.gguf")
-        tokens = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"]
-        assert len(tokens.data) == 49155
-        assert [bytes(tokens.parts[tokens.data[i]]).decode() for i in (49152, 49153, 49154)] == added
+        fields = GGUFReader(str(path)).fields
+        tokens = fields["tokenizer.ggml.tokens"]
+        assert len(tokens.data) == 49152  # SmolLM2's vocabulary, as it was
+        assert fields["tokenizer.ggml.eos_token_id"].parts[-1][0] == tokenizer.eos_token_id == 2
         # llama.cpp tokenises the rendered chat as HF does, and its logits and greedy tokens
         # agree with the trained model within the type's tolerance.
         report = verify_gguf(path, trained, tokenizer, method, prompts=(prompt,), greedy_tokens=8)
         assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+    modelfile = (folder / "llama_finetune" / "Modelfile").read_text()
+    assert "<|eot_id|>" not in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
 
 
 @pytest.mark.slow

@@ -18,6 +18,12 @@ Ollama users with such a model should replace it with their own.
 
 Stop tokens: the tokenizer's eos, every other id generation stops at (generation_config),
 and the format's turn markers, so generation ends at the end of the assistant's turn.
+
+Where the HF template ends a turn with another token than the format's own (the
+tokenizer's EOS standing in for a turn-end token its vocabulary lacks, as
+get_chat_template writes Llama 3's <|eot_id|> on SmolLM2: <|im_end|>), the Go template
+ends turns with that token too, and it is a stop token, since the model learnt to end its
+replies with it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class ChatFormat:
     marker: str | None  # recognised by this text in the HF chat template
     template: str  # Go template; "{eos}" is replaced by the tokenizer's eos text
     stops: tuple[str, ...]
+    turn_end: str | None = None  # the token closing each turn in `template`; None: {eos}
 
 
 CHAT_FORMATS = (
@@ -43,6 +50,7 @@ CHAT_FORMATS = (
         "{{ if .Prompt }}<|start_header_id|>user<|end_header_id|>\n\n{{ .Prompt }}<|eot_id|>{{ end }}"
         "<|start_header_id|>assistant<|end_header_id|>\n\n{{ .Response }}<|eot_id|>",
         ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|eot_id|>",
     ),
     ChatFormat(
         "mistral",
@@ -56,6 +64,7 @@ CHAT_FORMATS = (
         "<start_of_turn>user\n{{ if .System }}{{ .System }}\n\n{{ end }}{{ .Prompt }}<end_of_turn>\n"
         "<start_of_turn>model\n{{ .Response }}<end_of_turn>\n",
         ("<start_of_turn>", "<end_of_turn>"),
+        "<end_of_turn>",
     ),
     ChatFormat(
         "chatml",
@@ -64,6 +73,7 @@ CHAT_FORMATS = (
         "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
         "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n",
         ("<|im_start|>", "<|im_end|>"),
+        "<|im_end|>",
     ),
 )
 GENERIC_FORMAT = ChatFormat(
@@ -93,14 +103,27 @@ def render_modelfile(gguf_file: str, tokenizer, stop_token_ids: list[int] | None
         text = tokenizer.convert_ids_to_tokens(int(token_id))
         if text:
             stops.append(text)
-    stops.extend(fmt.stops)
-    lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{fmt.template.replace("{eos}", eos)}"""']
+    template, format_stops = fmt.template.replace("{eos}", eos), list(fmt.stops)
+    written = _written_turn_end(tokenizer)
+    if fmt.turn_end is not None and written is not None and written != fmt.turn_end:
+        template = template.replace(fmt.turn_end, written)
+        format_stops = [written if stop == fmt.turn_end else stop for stop in format_stops]
+    stops.extend(format_stops)
+    lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{template}"""']
     seen = set()
     for stop in stops:
         if stop and stop not in seen:
             seen.add(stop)
             lines.append(f"PARAMETER stop {_quote(stop)}")
     return "\n".join(lines) + "\n"
+
+
+def _written_turn_end(tokenizer) -> str | None:
+    """The token the HF chat template writes after an assistant's reply, if any."""
+    from slothkit.export.generation_config import end_of_turn_token_id
+
+    token_id = end_of_turn_token_id(tokenizer)
+    return None if token_id is None else tokenizer.convert_ids_to_tokens(token_id)
 
 
 def write_modelfile(

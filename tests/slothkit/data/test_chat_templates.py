@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from slothkit.data import FORMATS, conversation_text, get_chat_template
-from slothkit.data.chat_formats import format_of_template, jinja_string
+from slothkit.data.chat_formats import DEFAULT_MAPPING, format_of_template, jinja_string
 from slothkit.data.chat_templates import matching_format
 from slothkit.testing import tiny_model_path
 
@@ -182,11 +182,13 @@ def _model(arch="llama"):
 
 
 def _templated(name, arch="llama", **kwargs):
-    # A format's tokens are added only with a model whose embeddings follow (covered below).
+    # Each format as its own tokenizers hold it: the markers the tiny tokenizer lacks are
+    # added (with a model whose embeddings follow); the default, which adds none, is
+    # covered below.
     tokenizer = _tokenizer(arch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the embeddings-grew notice
-        return get_chat_template(tokenizer, name, model=_model(arch), **kwargs)
+        return get_chat_template(tokenizer, name, model=_model(arch), add_missing_tokens=True, **kwargs)
 
 
 def _ids(encoded):
@@ -280,23 +282,35 @@ def test_no_bos_when_the_tokenizer_adds_none():
     )
 
 
+# The tiny Llama tokenizer holds Llama 3's markers only: added, ChatML's and Gemma's turn
+# ends are tokens of their own; by default they are its EOS, <|end_of_text|>.
 @pytest.mark.parametrize(
-    "name, turn_end",
-    [("chatml", "<|im_end|>"), ("llama-3", "<|eot_id|>"), ("gemma", "<end_of_turn>"), ("mistral", E)],
+    "name, add_missing_tokens, turn_end",
+    [
+        ("chatml", True, "<|im_end|>"),
+        ("chatml", None, E),
+        ("llama-3", None, "<|eot_id|>"),
+        ("gemma", True, "<end_of_turn>"),
+        ("gemma", None, E),
+        ("mistral", None, E),
+    ],
 )
-def test_turn_end_becomes_eos_and_generation_stops_there(name, turn_end):
+def test_turn_end_becomes_eos_and_generation_stops_there(name, add_missing_tokens, turn_end):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("llama")), dtype=torch.float32)
     tokenizer = _tokenizer()
-    rows = model.get_input_embeddings().weight.shape[0]
-    get_chat_template(tokenizer, name, model=model)
+    rows, size = model.get_input_embeddings().weight.shape[0], len(tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notice of what stays text
+        get_chat_template(tokenizer, name, model=model, add_missing_tokens=add_missing_tokens)
     turn_end_id = tokenizer.convert_tokens_to_ids(turn_end)
     assert tokenizer.eos_token == turn_end
     stop_ids = model.generation_config.eos_token_id
     stop_ids = [stop_ids] if isinstance(stop_ids, int) else stop_ids
     assert stop_ids[0] == turn_end_id
     assert model.get_input_embeddings().weight.shape[0] == max(rows, len(tokenizer))
+    assert (len(tokenizer) > size) == (add_missing_tokens is True)
     assert len(tokenizer.tokenize(turn_end)) == 1  # a single token, never split
 
     # Force a reply of three tokens then the turn end, then more: generate must stop at it.
@@ -314,24 +328,105 @@ def test_turn_end_becomes_eos_and_generation_stops_there(name, turn_end):
     assert output[0, prompt.shape[1] :].tolist() == forced[:4]
 
 
-def test_missing_tokens_grow_the_embeddings_and_warn():
+def test_added_tokens_grow_the_embeddings_and_warn():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path("mistral")), dtype=torch.float32)
     tokenizer = _tokenizer("mistral")
     model.resize_token_embeddings(len(tokenizer))  # no spare rows: new tokens need new ones
+    size = len(tokenizer)
     with pytest.warns(UserWarning, match="embeddings grew"):
-        get_chat_template(tokenizer, "llama-3", model=model)
-    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)
+        get_chat_template(tokenizer, "llama-3", model=model, add_missing_tokens=True)
+    assert len(tokenizer) == size + 3 and model.get_input_embeddings().weight.shape[0] == len(tokenizer)
     for token in FORMATS["llama-3"].special_tokens:
         assert len(tokenizer.tokenize(token)) == 1
     # Without a model the tokens are refused rather than added past the embeddings.
     tokenizer = _tokenizer("mistral")
     with pytest.raises(
-        ValueError, match="needs the tokens \\['<\\|im_start\\|>', '<\\|im_end\\|>'\\].*pass model="
+        ValueError,
+        match="needs the tokens \\['<\\|im_start\\|>', '<\\|im_end\\|>'\\], which this tokenizer lacks "
+        "\\(add_missing_tokens=True\\): pass model=",
     ):
-        get_chat_template(tokenizer, "chatml")
+        get_chat_template(tokenizer, "chatml", add_missing_tokens=True)
     assert "<|im_start|>" not in tokenizer.get_vocab()
+
+
+# The formats whose turn ends with a token of its own, on the tiny Mistral tokenizer, which
+# holds none of them (its BOS <s>, its EOS </s>).
+OWN_TURN_END = [name for name, fmt in FORMATS.items() if fmt.turn_end is not None]
+
+
+@pytest.mark.parametrize("name", OWN_TURN_END)
+def test_a_turn_end_the_tokenizer_lacks_is_written_as_its_eos(name):
+    """By default nothing is added: the golden text with the turn end replaced by the
+    tokenizer's EOS, the other markers as text; the assistant masks keep each reply and its
+    EOS; the notice is given once."""
+    from slothkit.notices import LegacySpellingWarning, say_once
+
+    say_once.cache_clear()
+    tokenizer = _tokenizer("mistral")
+    size, turn_end = len(tokenizer), FORMATS[name].turn_end
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_chat_template(tokenizer, name)  # no model needed: nothing is added
+        get_chat_template(tokenizer, name)
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert len(notices) == 1 and f"no token {turn_end!r}, so each turn ends with its EOS '</s>'" in notices[0]
+    assert [str(w.message) for w in caught if w.category is not LegacySpellingWarning] == []
+    assert len(tokenizer) == size and tokenizer.eos_token == "</s>"
+
+    def mapped(text):
+        return text.replace(B, "<s>").replace(turn_end, "</s>")
+
+    two, system, prompt = GOLDEN[name]
+    assert tokenizer.apply_chat_template(TWO_EXCHANGES, tokenize=False) == mapped(two)
+    assert tokenizer.apply_chat_template(WITH_SYSTEM, tokenize=False) == mapped(system)
+    assert tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == mapped(prompt)
+    assert format_of_template(tokenizer.chat_template).name == name
+    encoded = tokenizer.apply_chat_template(
+        TWO_EXCHANGES, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert max(encoded["input_ids"]) < size
+    kept = [t for t, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]
+    assert tokenizer.decode(kept) == mapped(KEPT[name])
+
+
+def test_a_turn_end_written_as_an_eos_with_quotes_stays_one_literal():
+    from slothkit.data.chat_formats import template_source, with_turn_end
+
+    fmt = with_turn_end(FORMATS["chatml"], "<it's \\end>")
+    source = template_source(fmt, mapping=dict(DEFAULT_MAPPING), system_message=None, use_bos=False)
+    text = _tokenizer().apply_chat_template(TWO_EXCHANGES, chat_template=source, tokenize=False)
+    assert text == GOLDEN["chatml"][0].removeprefix(B).replace("<|im_end|>", "<it's \\end>")
+
+
+def test_map_eos_token_false_adds_a_missing_turn_end_and_add_missing_tokens_false_refuses():
+    """A turn end that is not the EOS must be a token generation can stop on: with
+    map_eos_token=False the missing markers are added (a model is needed), and
+    add_missing_tokens=False, which would leave it text, is refused."""
+    tokenizer, model = _tokenizer("mistral"), _model("mistral")
+    size = len(tokenizer)
+    with pytest.raises(
+        ValueError, match="lacks \\(map_eos_token=False, so the turn end must be a token of its own"
+    ):
+        get_chat_template(_tokenizer("mistral"), "llama-3", map_eos_token=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the embeddings-grew notice
+        get_chat_template(tokenizer, "llama-3", map_eos_token=False, model=model)
+    assert len(tokenizer) == size + 3 and tokenizer.eos_token == "</s>"
+    assert model.generation_config.eos_token_id[0] == tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True) == (
+        GOLDEN["llama-3"][2].replace(B, "<s>")
+    )
+    with pytest.raises(ValueError, match="map_eos_token=False: as text the turn end is no token"):
+        get_chat_template(_tokenizer("mistral"), "llama-3", map_eos_token=False, add_missing_tokens=False)
+    with pytest.raises(TypeError, match="add_missing_tokens must be True, False or None; got 'yes'"):
+        get_chat_template(_tokenizer("mistral"), "llama-3", add_missing_tokens="yes")
+    template = ("{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}", "<|eot_id|>")
+    with pytest.raises(
+        ValueError, match="ends turns with '<\\|eot_id\\|>', which this tokenizer lacks, and add_"
+    ):
+        get_chat_template(_tokenizer("mistral"), template, add_missing_tokens=False)
 
 
 def test_mapping_reads_sharegpt_records_directly():

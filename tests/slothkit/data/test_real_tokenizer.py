@@ -142,3 +142,132 @@ def test_a_format_whose_markers_the_real_tokenizer_holds_adds_no_token(smollm2_p
         text = tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert [ids.count(i) for i in own_ids] == [4, 4]
+
+
+LLAMA3_USER = "<|start_header_id|>user<|end_header_id|>\n\n"
+LLAMA3_ASSISTANT = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_path):
+    """Llama 3.1's three turn tokens are not in SmolLM2's vocabulary: the turn end is written
+    as SmolLM2's EOS <|im_end|>, the header markers as text in ordinary pieces; the
+    vocabulary, the embeddings and the tied head keep their 49,152 rows, generation stops
+    at <|im_end|>, and a notice says so once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slothkit.notices import LegacySpellingWarning, say_once
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_chat_template(tokenizer, "llama-3.1", model=model)
+        get_chat_template(tokenizer, "llama-3.1", model=model)  # the notebooks install it twice
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert notices == [
+        "get_chat_template('llama-3'): this tokenizer has no token '<|eot_id|>', so each turn ends with its "
+        "EOS '<|im_end|>' (map_eos_token=True); '<|start_header_id|>' and '<|end_header_id|>' stay plain "
+        "text, tokenized into ordinary pieces. No token is added and the embeddings keep their size. For "
+        "tokens of their own, pass add_missing_tokens=True (the embeddings and head grow, and every save "
+        "carries them; train the new rows with modules_to_save=['embed_tokens', 'lm_head'])"
+    ]
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert model.get_input_embeddings().weight.shape[0] == 49152
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert model.generation_config.eos_token_id in (2, [2])
+
+    text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
+    assert text == (
+        "<|start_header_id|>system<|end_header_id|>\n\nAnswer in one word.<|im_end|>"
+        + LLAMA3_USER
+        + "Colour of the sky?<|im_end|>"
+        + LLAMA3_ASSISTANT
+        + "Blue<|im_end|>"
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(2) == 3 and max(ids) < 49152
+    header = tokenizer.tokenize("<|start_header_id|>")
+    assert header == ["<", "|", "start", "_", "header", "_", "id", "|", ">"]  # ordinary pieces
+
+
+def test_llama31_on_smollm2_with_added_tokens_grows_the_model(smollm2_path):
+    """add_missing_tokens=True: the three markers become tokens 49152 to 49154, the EOS is
+    <|eot_id|>, and the embeddings and the tied head grow to 49,155 rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    with pytest.warns(UserWarning, match="the embeddings grew from 49152 to 49155 rows"):
+        get_chat_template(tokenizer, "llama-3.1", model=model, add_missing_tokens=True)
+    added = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    assert tokenizer.convert_tokens_to_ids(added) == [49152, 49153, 49154] and len(tokenizer) == 49155
+    assert tokenizer.eos_token == "<|eot_id|>"
+    assert model.get_input_embeddings().weight.shape[0] == 49155
+    assert model.get_output_embeddings().weight.shape[0] == 49155
+    ids = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert [ids.count(i) for i in (49152, 49153, 49154)] == [3, 3, 3]
+
+
+def _llama3_reply_tokens(tokenizer, messages) -> tuple[list[int], list[bool]]:
+    """As _reply_tokens, for Llama 3's layout written with SmolLM2's EOS: each reply (trimmed)
+    and its <|im_end|>, found from character offsets in the rendered text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans, start = [], 0
+    for message in messages:
+        header = f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n"
+        closed = message["content"].strip() + "<|im_end|>"
+        at = text.index(header + closed, start) + len(header)
+        if message["role"] == "assistant":
+            spans.append((at, at + len(closed)))
+        start = at + len(closed)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    inside = [any(a <= s and e <= b for a, b in spans) for s, e in encoded["offset_mapping"]]
+    return encoded["input_ids"], inside
+
+
+@pytest.mark.parametrize("markers", ["given", "inferred"])
+def test_responses_only_finds_llama3_markers_written_as_text(tokenizer, markers):
+    """The header markers are text in SmolLM2's BPE, tokenized into pieces that can merge
+    with their neighbours: the masker matches them in context and keeps exactly each reply
+    and its <|im_end|> (the reference: character offsets of the rendered text)."""
+    from transformers import DataCollatorWithPadding
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notice of what stays text
+        get_chat_template(tokenizer, "llama-3.1")
+    conversations = CONVERSATIONS + [
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "(ok) done"},
+            {"role": "user", "content": "\nnewline first"},
+            {"role": "assistant", "content": "user<|end_header_id|> is text too"},
+        ]
+    ]
+    expected = [_llama3_reply_tokens(tokenizer, messages) for messages in conversations]
+    trainer = types.SimpleNamespace(
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        train_dataset=None,
+        eval_dataset=None,
+    )
+    parts = {"instruction_part": LLAMA3_USER, "response_part": LLAMA3_ASSISTANT} if markers == "given" else {}
+    train_on_responses_only(trainer, **parts)
+    batch = trainer.data_collator([{"input_ids": ids} for ids, _ in expected])
+    for row, (ids, inside) in enumerate(expected):
+        length = len(ids)
+        assert batch["input_ids"][row, :length].tolist() == ids
+        kept = (batch["labels"][row] != -100).tolist()
+        assert kept[:length] == inside and not any(kept[length:])
+        replies = [
+            m["content"].strip() + "<|im_end|>" for m in conversations[row] if m["role"] == "assistant"
+        ]
+        assert tokenizer.decode([i for i, k in zip(ids, inside) if k]) == "".join(replies)
+    # TRL's assistant_only_loss reads the {% generation %} marks: they mark the same tokens.
+    for messages, (ids, inside) in zip(conversations, expected):
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert marked["input_ids"] == ids
+        assert torch.tensor(marked["assistant_masks"]).bool().tolist() == inside

@@ -48,15 +48,18 @@ CONVERSATIONS = [
 ]
 
 
-def _tokenizer(arch="llama", name="llama-3"):
+def _tokenizer(arch="llama", name="llama-3", add_missing_tokens=True):
+    """The format on a tiny tokenizer: with the markers it lacks added as tokens (the
+    model grows with them), or with None (the default) written as text and the turn end
+    as the tokenizer's EOS."""
     from transformers import AutoModelForCausalLM
 
     path = str(tiny_model_path(arch))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)  # grows with the format's tokens
+    model = AutoModelForCausalLM.from_pretrained(path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return get_chat_template(tokenizer, name, model=model)
+        return get_chat_template(tokenizer, name, model=model, add_missing_tokens=add_missing_tokens)
 
 
 def _template_mask(tokenizer, conversation):
@@ -66,10 +69,11 @@ def _template_mask(tokenizer, conversation):
     return torch.tensor(encoded["input_ids"]), torch.tensor(encoded["assistant_masks"]).bool()
 
 
+@pytest.mark.parametrize("add_missing_tokens", [True, None], ids=["added", "as-text"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma"])
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_markers_keep_exactly_the_generation_blocks(name, arch):
-    tokenizer = _tokenizer(arch, name)
+def test_markers_keep_exactly_the_generation_blocks(name, arch, add_missing_tokens):
+    tokenizer = _tokenizer(arch, name, add_missing_tokens)
     fmt = FORMATS[name]
     assert infer_markers(tokenizer) == (fmt.instruction_part, fmt.response_part)
     # A template slothkit did not tag is probed; the probe finds the same markers.

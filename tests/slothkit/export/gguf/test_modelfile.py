@@ -63,6 +63,37 @@ def test_template_renders_the_prompt_as_the_hf_chat_template(arch, system):
     assert len(parsed["stops"]) == len(set(parsed["stops"]))
 
 
+@pytest.mark.parametrize("system", [None, "You are terse."])
+@pytest.mark.parametrize("name, arch", [("llama-3", "mistral"), ("chatml", "mistral"), ("gemma", "llama")])
+def test_a_turn_end_written_as_the_eos_ends_the_turns_and_stops(name, arch, system):
+    """get_chat_template writes a turn end the tokenizer lacks as its EOS (Llama 3's
+    <|eot_id|> as the tiny Mistral's </s>): the Go template writes that EOS where the format
+    ends a turn, its prompt is the HF template's, and the EOS is a stop."""
+    import warnings
+
+    from slothkit.data import FORMATS, get_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path(arch))
+    own_turn_end = FORMATS[name].turn_end
+    assert own_turn_end not in tokenizer.get_vocab()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the notice of what was mapped
+        get_chat_template(tokenizer, name)
+    parsed = parse(render_modelfile("m.gguf", tokenizer, [tokenizer.eos_token_id]))
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "Plan a garden."}
+    ]
+    hf = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_go_template(parsed["template"], System=system, Prompt="Plan a garden.") == (
+        hf.removeprefix(tokenizer.bos_token)
+    )
+    reply = [*messages, {"role": "assistant", "content": "Dig."}]
+    hf_reply = tokenizer.apply_chat_template(reply, tokenize=False)
+    after_response = parsed["template"].split("{{ .Response }}")[1]
+    assert hf_reply.endswith("Dig." + after_response) and after_response.startswith(tokenizer.eos_token)
+    assert own_turn_end not in parsed["template"] and tokenizer.eos_token in parsed["stops"]
+
+
 def test_each_known_format_is_recognised_by_its_marker():
     assert [chat_format(f"... {fmt.marker} ...").name for fmt in CHAT_FORMATS] == [
         "llama3",
