@@ -60,11 +60,20 @@ def _reply_tokens(tokenizer, messages) -> tuple[list[int], list[bool]]:
     """The conversation's token ids and, for each, whether it lies inside an assistant reply
     (the reply's text, its <|im_end|> and the newline after it), found from character
     offsets in the rendered text."""
+    return _tokens_inside_replies(
+        tokenizer, messages, lambda m: (m["role"] + "\n", m["content"] + "<|im_end|>\n")
+    )
+
+
+def _tokens_inside_replies(tokenizer, messages, turn) -> tuple[list[int], list[bool]]:
+    """The rendered conversation's token ids and, for each, whether it lies inside an
+    assistant reply; turn(message) gives the text before the reply and the reply as the
+    template writes it, found in order in the rendered text by character offsets."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans, start = [], 0
     for message in messages:
-        closed = message["content"] + "<|im_end|>\n"
-        at = text.index(message["role"] + "\n" + closed, start) + len(message["role"]) + 1
+        header, closed = turn(message)
+        at = text.index(header + closed, start) + len(header)
         if message["role"] == "assistant":
             spans.append((at, at + len(closed)))
         start = at + len(closed)
@@ -213,18 +222,14 @@ def test_llama31_on_smollm2_with_added_tokens_grows_the_model(smollm2_path):
 def _llama3_reply_tokens(tokenizer, messages) -> tuple[list[int], list[bool]]:
     """As _reply_tokens, for Llama 3's layout written with SmolLM2's EOS: each reply (trimmed)
     and its <|im_end|>, found from character offsets in the rendered text."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans, start = [], 0
-    for message in messages:
-        header = f"<|start_header_id|>{message['role']}<|end_header_id|>\n\n"
-        closed = message["content"].strip() + "<|im_end|>"
-        at = text.index(header + closed, start) + len(header)
-        if message["role"] == "assistant":
-            spans.append((at, at + len(closed)))
-        start = at + len(closed)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    inside = [any(a <= s and e <= b for a, b in spans) for s, e in encoded["offset_mapping"]]
-    return encoded["input_ids"], inside
+    return _tokens_inside_replies(
+        tokenizer,
+        messages,
+        lambda m: (
+            f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n",
+            m["content"].strip() + "<|im_end|>",
+        ),
+    )
 
 
 @pytest.mark.parametrize("markers", ["given", "inferred"])
