@@ -1,11 +1,17 @@
 """attention: tiled causal attention with soft-capping, masks and windows, against an fp32
 autograd reference and transformers' own eager attention (Gemma 2's)."""
 
+import importlib
+
 import pytest
 import torch
 
 from slothkit_kernels import utils
 from slothkit_kernels.attention import attention, attention_reference
+
+# The module, not the function the package exports under the same name.
+attention_module = importlib.import_module("slothkit_kernels.attention")
+KERNELS = ("forward", "backward_kv", "backward_q")
 from slothkit_kernels.testing import relative_error
 
 # (relative error of the output, of each gradient) against the fp32 reference.
@@ -123,6 +129,38 @@ def test_a_packed_batch_attends_within_each_sequence(device):
                 piece, part, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
             )
         start += length
+
+
+@pytest.mark.parametrize("head_dim", [256, 96], ids=["width-256", "width-128-padded"])
+def test_every_tuned_launch_computes_the_reference(head_dim, device, monkeypatch):
+    """The launches chosen on a GPU with large shared memory (query tiles up to 128 rows
+    over 32- or 64-row key tiles) tile uneven lengths, a window, a padding mask and grouped
+    heads the way the small tiles do: the chooser is made to see an H200."""
+    monkeypatch.setattr(attention_module, "_shared_memory", lambda device: 232448)
+    tiles = {kernel: attention_module.tiles_for(kernel, head_dim, 150, 150, device) for kernel in KERNELS}
+    assert tiles == dict(zip(KERNELS, attention_module._TUNED[attention_module._block_d(head_dim)]))
+    q, k, v, grad = _inputs(2, 4, 2, 150, 150, head_dim, torch.float32, device, seed=head_dim)
+    mask = _padding_mask(2, 150, 150, pads=(0, 70), dtype=torch.float32, device=device)
+    options = {"scaling": head_dim**-0.5, "softcap": 30.0, "window": 90, "mask": mask}
+    _check(_run(attention, q, k, v, grad, **options), _gold(q, k, v, grad, **options), torch.float32)
+
+
+def test_launches_follow_the_gpu_shared_memory(monkeypatch):
+    """Tuned launches only where a block has the shared memory they were measured with;
+    64 KB (a T4) gets tiles that fit it; short sequences shrink the tiles, never below 16."""
+    cuda = torch.device("cuda", 0)
+    for memory, expected in ((232448, "tuned"), (65536, "small"), (166912, "small")):
+        monkeypatch.setattr(attention_module, "_shared_memory", lambda device, memory=memory: memory)
+        for head_dim in (256, 128):
+            for index, kernel in enumerate(KERNELS):
+                want = attention_module._TUNED[head_dim][index] if expected == "tuned" else None
+                want = want or attention_module._small_tiles(head_dim, kernel)
+                assert attention_module.tiles_for(kernel, head_dim, 4096, 4096, cuda) == want
+    short = attention_module.tiles_for("forward", 256, 5, 9, cuda)
+    assert (short.block_m, short.block_n) == (16, 16)
+    # 64 KB holds the small forward tiles of a 256-wide head: q, k and v tiles in bf16.
+    small = attention_module._small_tiles(256, "forward")
+    assert (small.block_m + 2 * small.block_n * small.num_stages) * 256 * 2 <= 65536
 
 
 def test_gemma2_eager_attention_is_what_it_computes(device):
