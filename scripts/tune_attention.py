@@ -70,19 +70,14 @@ def tune(dim: int, with_mask: bool, only: dict | None = None) -> dict:
     small = {kernel: attn._small_tiles(dim, kernel) for kernel in ("forward", "backward_kv", "backward_q")}
     out, row_max, log_sum = attn.attention_forward(q, k, v, mask3, *settings, tiles=small["forward"])
     grad = torch.randn_like(out)
-    reference = attn.attention_backward(
-        q,
-        k,
-        v,
-        mask3,
-        out,
-        row_max,
-        log_sum,
-        grad,
-        *settings,
-        kv_tiles=small["backward_kv"],
-        q_tiles=small["backward_q"],
-    )
+
+    def backward(kv_tiles, q_tiles):
+        saved = (q, k, v, mask3, out, row_max, log_sum, grad)
+        return attn.attention_backward(*saved, *settings, kv_tiles=kv_tiles, q_tiles=q_tiles)
+
+    reference = backward(small["backward_kv"], small["backward_q"])
+    # Each backward kernel is timed with the other at its small tiles: the differences
+    # between launches are the swept kernel's.
     sweeps = {
         "forward": (
             _grid((64, 128), (32, 64), stages),
@@ -91,36 +86,12 @@ def tune(dim: int, with_mask: bool, only: dict | None = None) -> dict:
         ),
         "backward_kv": (
             _grid((16, 32, 64), (32, 64), stages),
-            lambda t: attn.attention_backward(
-                q,
-                k,
-                v,
-                mask3,
-                out,
-                row_max,
-                log_sum,
-                grad,
-                *settings,
-                kv_tiles=t,
-                q_tiles=small["backward_q"],
-            )[1:],
+            lambda t: backward(t, small["backward_q"])[1:],
             reference[1:],
         ),
         "backward_q": (
             _grid((32, 64), (16, 32, 64), stages),
-            lambda t: attn.attention_backward(
-                q,
-                k,
-                v,
-                mask3,
-                out,
-                row_max,
-                log_sum,
-                grad,
-                *settings,
-                kv_tiles=small["backward_kv"],
-                q_tiles=t,
-            )[:1],
+            lambda t: backward(small["backward_kv"], t)[:1],
             reference[:1],
         ),
     }
