@@ -12,7 +12,9 @@ What changes, and why:
   written as the tokenizer's EOS (``map_eos_token=True``) and the other missing markers
   stay text, said once.  ``add_missing_tokens=True`` adds them as special tokens instead,
   and with ``model=`` the embeddings grow to match (their new rows are untrained: train
-  them with ``modules_to_save=["embed_tokens", "lm_head"]``).
+  them with ``modules_to_save=["embed_tokens", "lm_head"]``).  A custom ``(jinja_template,
+  eos_token)`` pair whose token the tokenizer lacks is treated alike: the template writes
+  the tokenizer's EOS where it wrote the token (slothkit.data.template_text), said once.
 * ``map_eos_token=True``: the token that closes an assistant turn becomes the tokenizer's
   EOS, and with ``model=`` the first of ``generation_config.eos_token_id``, so ``generate``
   stops at the end of the reply and TRL ends plain-text samples with it.
@@ -39,7 +41,8 @@ from slothkit.data.chat_formats import (
     template_source,
     with_turn_end,
 )
-from slothkit.data.marker_tokens import plan_marker_tokens, say_what_was_mapped
+from slothkit.data.marker_tokens import plan_custom_turn_end, plan_marker_tokens, say_what_was_mapped
+from slothkit.data.template_text import replace_written_text
 from slothkit.engine.inspection import causal_lm_of
 
 # Conversations on which a tokenizer's own template is compared with slothkit's formats.
@@ -96,7 +99,10 @@ def get_chat_template(
             it renders the same text (so that it gains the ``{% generation %}`` marks) and
             kept otherwise; or a ``(jinja_template, eos_token)`` pair, installed as written
             with that token as the end of a turn (the word "eos_token", as Unsloth's
-            notebooks write it, names the tokenizer's own EOS: nothing is added).
+            notebooks write it, names the tokenizer's own EOS: nothing is added).  A token
+            the tokenizer lacks is handled as a format's turn end is (map_eos_token,
+            add_missing_tokens): by default the template's text and string literals write
+            the tokenizer's EOS in its place.
         mapping: the dataset's key and role names, e.g. {"role": "from", "content":
             "value", "user": "human", "assistant": "gpt"}, to render ShareGPT records
             directly with slothkit.data.apply_chat_template.  None (default): "role" and
@@ -105,7 +111,7 @@ def get_chat_template(
             keep the default.)
         map_eos_token: make the token that closes an assistant turn the tokenizer's EOS,
             and with ``model`` the first id generation stops at (default True).  Where the
-            format's turn end is not in the tokenizer's vocabulary (Llama 3's
+            format's turn end (or a custom pair's token) is not in the tokenizer's vocabulary (Llama 3's
             ``<|eot_id|>`` on SmolLM2), the template writes the tokenizer's own EOS in its
             place (SmolLM2's ``<|im_end|>``), as Unsloth maps it, and adds nothing.  With
             False such a turn end cannot stay text (generation could not stop on it), so
@@ -128,8 +134,9 @@ def get_chat_template(
             model's embeddings and head grow by as many rows (untrained: train them with
             ``modules_to_save=["embed_tokens", "lm_head"]``; the adapter and every export
             then carry the grown matrices).  False: nothing is added; a turn end that can
-            be neither a token nor the EOS is refused.  For a custom pair: its end-of-turn
-            token is added when missing, and False refuses instead.
+            be neither a token nor the EOS is refused.  A custom pair's end-of-turn token
+            follows the same rules: None and False write the EOS in its place
+            (``map_eos_token=True``), True adds it.
 
     Returns:
         The same tokenizer.
@@ -176,7 +183,7 @@ def get_chat_template(
     tokenizer.chat_template = template_source(
         written, mapping=mapping, system_message=system_message, use_bos=adds_bos(tokenizer)
     )
-    say_what_was_mapped(fmt, plan)
+    say_what_was_mapped(repr(fmt.name), plan)
     _finish(tokenizer, model, plan.turn_end or tokenizer.eos_token, map_eos_token, added)
     return tokenizer
 
@@ -218,8 +225,10 @@ def _require_model_for_new_tokens(tokenizer, tokens, model, what: str, reason: s
 def _install_custom(
     tokenizer, chat_template, mapping, system_message, map_eos_token, model, add_missing_tokens
 ):
-    """A ``(jinja_template, eos_token)`` pair, installed as written: its end-of-turn token
-    is added when missing, since the template writes it as it is."""
+    """A ``(jinja_template, eos_token)`` pair, installed as written, except that an
+    end-of-turn token the tokenizer lacks is written as its EOS (map_eos_token=True), as
+    for a named format, or added (add_missing_tokens=True, or no EOS to write):
+    slothkit.data.marker_tokens.plan_custom_turn_end."""
     if len(chat_template) != 2 or not all(isinstance(part, str) for part in chat_template):
         raise ValueError(
             "a custom chat_template is a pair (jinja_template, eos_token) of strings; got "
@@ -243,16 +252,17 @@ def _install_custom(
             "mapping= and system_message= apply to slothkit's named formats; a custom (template, eos_token) "
             "is installed as written: write the dataset's key names and any system text into the template"
         )
-    if add_missing_tokens is False and eos_token not in tokenizer.get_vocab():
-        raise ValueError(
-            f"the custom chat template ends turns with {eos_token!r}, which this tokenizer lacks, and "
-            "add_missing_tokens=False: write the tokenizer's EOS as the end of a turn (the pair "
-            f"(template, {KEEP_EOS!r}) with {{{{ eos_token }}}} in the template), or let the token be added"
-        )
-    _require_model_for_new_tokens(tokenizer, (eos_token,), model, "(custom)", "its end-of-turn token")
-    added = _add_missing_tokens(tokenizer, (eos_token,))
+    plan = plan_custom_turn_end(
+        tokenizer, eos_token, map_eos_token=map_eos_token, add_missing_tokens=add_missing_tokens
+    )
+    what = f"(template, {eos_token!r})"
+    _require_model_for_new_tokens(tokenizer, plan.added, model, what, plan.add_reason)
+    added = _add_missing_tokens(tokenizer, plan.added)
+    if plan.mapped_from is not None:
+        template = replace_written_text(template, plan.mapped_from, plan.turn_end)
     tokenizer.chat_template = template
-    _finish(tokenizer, model, eos_token, map_eos_token, added)
+    say_what_was_mapped(what, plan)
+    _finish(tokenizer, model, plan.turn_end, map_eos_token, added)
     return tokenizer
 
 

@@ -16,6 +16,10 @@ are two ways to install the format on it:
   "lm_head"]``), as the format's own tokenizers hold them; the saves carry the grown
   embeddings and head.
 
+A custom (jinja_template, eos_token) pair follows the same rules for its one end-of-turn
+token (plan_custom_turn_end): mapped, the template writes the tokenizer's EOS where it wrote
+the token (slothkit.data.template_text).
+
 A turn end the tokenizer lacks that cannot be the EOS (``map_eos_token=False``, or a
 tokenizer without an EOS) would be text, which generation cannot stop on; the default
 then adds the missing markers, and ``add_missing_tokens=False`` refuses.
@@ -76,9 +80,41 @@ def plan_marker_tokens(
     return MarkerTokens(added=(), turn_end=fmt.turn_end, mapped_from=None, as_text=missing, add_reason="")
 
 
-def say_what_was_mapped(fmt: ChatFormat, plan: MarkerTokens) -> None:
+def plan_custom_turn_end(
+    tokenizer, turn_end: str, *, map_eos_token: bool, add_missing_tokens: bool | None
+) -> MarkerTokens:
+    """Decide, for the end-of-turn token of a custom (jinja_template, eos_token) pair, whether
+    it is added or the tokenizer's EOS is written in its place, as plan_marker_tokens decides
+    for a format's turn end.  Raises ValueError where add_missing_tokens=False leaves a token
+    that is neither in the vocabulary nor mapped to the EOS."""
+    if turn_end in tokenizer.get_vocab():
+        return MarkerTokens(added=(), turn_end=turn_end, mapped_from=None, as_text=(), add_reason="")
+    eos = tokenizer.eos_token if map_eos_token else None
+    if add_missing_tokens:
+        return MarkerTokens(
+            added=(turn_end,),
+            turn_end=turn_end,
+            mapped_from=None,
+            as_text=(),
+            add_reason="add_missing_tokens=True",
+        )
+    if eos is not None:
+        return MarkerTokens(added=(), turn_end=eos, mapped_from=turn_end, as_text=(), add_reason="")
+    why = "map_eos_token=False" if not map_eos_token else "the tokenizer has no EOS"
+    if add_missing_tokens is False:
+        raise ValueError(
+            f"the custom chat template ends turns with {turn_end!r}, which this tokenizer lacks, "
+            f"add_missing_tokens=False and {why}: pass map_eos_token=True to write the tokenizer's EOS in "
+            "its place, or let the token be added"
+        )
+    reason = f"{why}, so the turn end must be a token of its own"
+    return MarkerTokens(added=(turn_end,), turn_end=turn_end, mapped_from=None, as_text=(), add_reason=reason)
+
+
+def say_what_was_mapped(template: str, plan: MarkerTokens) -> None:
     """Say once what stands in for the markers the tokenizer lacks, and how to get tokens
-    of their own instead."""
+    of their own instead; `template` names the chat template as the call gave it ("'llama-3'",
+    "(template, '<|eot_id|>')")."""
     if plan.mapped_from is None and not plan.as_text:
         return
     said = []
@@ -91,9 +127,11 @@ def say_what_was_mapped(fmt: ChatFormat, plan: MarkerTokens) -> None:
         names = " and ".join(repr(token) for token in plan.as_text)
         verb = "stays" if len(plan.as_text) == 1 else "stay"
         said.append(f"{names} {verb} plain text, tokenized into ordinary pieces")
+    one = len(plan.as_text) + (plan.mapped_from is not None) == 1
+    own = "a token of its own" if one else "tokens of their own"
+    rows = "row" if one else "rows"
     say_once(
-        f"get_chat_template({fmt.name!r}): " + "; ".join(said) + ". No token is added and the embeddings "
-        "keep their size. For tokens of their own, pass add_missing_tokens=True (the embeddings and head "
-        "grow, and every save carries them; train the new rows with modules_to_save=['embed_tokens', "
-        "'lm_head'])"
+        f"get_chat_template({template}): " + "; ".join(said) + ". No token is added and the embeddings "
+        f"keep their size. For {own}, pass add_missing_tokens=True (the embeddings and head grow, and "
+        f"every save carries them; train the new {rows} with modules_to_save=['embed_tokens', 'lm_head'])"
     )

@@ -3,7 +3,7 @@
 A push is one `upload_folder` call, which the Hub applies as a single commit: either every
 file of the export appears in the repo or none does. Retrying after a failure is idempotent:
 
-- large files already uploaded by the failed attempt are skipped (the LFS/Xet store already
+- large files already uploaded by the failed attempt are skipped (the LFS store already
   has their hash), and never visible in the repo on their own;
 - files whose content is already in the repo are dropped from the commit by the client, so a
   retry after a commit that did land (but whose reply was lost) creates no second commit;
@@ -17,7 +17,9 @@ HTTP client waits forever by default, and retries each request itself, so a serv
 answering mid-upload would hang the push: while slothkit pushes, every request huggingface_hub
 makes gets connect, read and write timeouts (`timeout_s`), and the whole push one deadline,
 `stall_timeout_s` without a byte sent or received, that huggingface_hub's retries and
-slothkit's do not extend (hub_client).  A push that fails ends in HubConnectionError naming
+slothkit's do not extend (hub_client).  Large files go up through the Hub's LFS API, where
+those hold and the push stays one commit, rather than Xet (hub_transfers; use_xet=True
+opts in).  A push that fails ends in HubConnectionError naming
 the URL and the cause; one that ran out of time also says what had been uploaded.
 """
 
@@ -35,6 +37,7 @@ from torch import nn
 
 from slothkit.export.disk_space import megabytes
 from slothkit.export.hub_client import PushStalled, StallClock, hub_client, stalled_in, url_without_query
+from slothkit.export.hub_transfers import upload_protocol
 from slothkit.export.save import SaveResult, check_save_method, save_pretrained_merged
 
 LOGIN_HELP = (
@@ -272,17 +275,18 @@ def _upload_failure(error: BaseException) -> RuntimeError | None:
 
 def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message: str,
             replace_model_files: bool, retries: int, retry_wait_s: float,
-            clock: StallClock | None):  # fmt: skip
+            clock: StallClock | None, use_xet: bool):  # fmt: skip
     for attempt in range(retries + 1):
         try:
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=str(folder),
-                repo_type="model",
-                token=token,
-                commit_message=commit_message,
-                delete_patterns=list(MODEL_FILE_PATTERNS) if replace_model_files else None,
-            )
+            with upload_protocol(use_xet):  # LFS unless use_xet: hub_transfers says why
+                return api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=str(folder),
+                    repo_type="model",
+                    token=token,
+                    commit_message=commit_message,
+                    delete_patterns=list(MODEL_FILE_PATTERNS) if replace_model_files else None,
+                )
         except Exception as error:
             if stalled_in(error) is not None:
                 raise  # out of time: hub_session reports it
@@ -305,7 +309,7 @@ def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message:
 
 def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, commit_message: str,
           replace_model_files: bool, retries: int, retry_wait_s: float,
-          clock: StallClock | None) -> PushResult:  # fmt: skip
+          clock: StallClock | None, use_xet: bool) -> PushResult:  # fmt: skip
     try:
         repo_url = api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
     except Exception as error:
@@ -319,7 +323,16 @@ def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, co
         raise
     repo_id = getattr(repo_url, "repo_id", None) or repo_id  # "name" alone gains the user's namespace
     info = _upload(
-        api, folder, repo_id, token, commit_message, replace_model_files, retries, retry_wait_s, clock
+        api,
+        folder,
+        repo_id,
+        token,
+        commit_message,
+        replace_model_files,
+        retries,
+        retry_wait_s,
+        clock,
+        use_xet,
     )
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     return PushResult(repo_id=repo_id, commit_oid=info.oid, commit_url=info.commit_url, files=files)
@@ -338,6 +351,7 @@ def push_folder_to_hub(
     retry_wait_s: float = 2.0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    use_xet: bool = False,
 ) -> PushResult:
     """Upload a saved folder (any export: merged, adapter, GGUF) to `repo_id` in one commit.
 
@@ -357,8 +371,13 @@ def push_folder_to_hub(
         stall_timeout_s: seconds the push may go without a byte sent to or received from
             the Hub, across every request and retry (huggingface_hub's own included); then
             it gives up with HubConnectionError saying what had been uploaded; pushing
-            again resumes (default 180); None: no limit.  Time spent hashing files or in
-            an Xet transfer does not count.
+            again resumes (default 180); None: no limit.  Time spent hashing files does
+            not count.
+        use_xet: upload large files through Xet (hf_xet) where huggingface_hub would:
+            deduplicated, usually faster, but under hf_xet's own HTTP client and timeouts,
+            which timeout_s and stall_timeout_s do not reach, and possibly in several
+            commits.  False (default): through the Hub's LFS API, said once
+            (slothkit.export.hub_transfers).
 
     Raises:
         ValueError: a repo_id the Hub would refuse (check_repo_id), before any request.
@@ -378,8 +397,9 @@ def push_folder_to_hub(
         token = resolve_token(token, api)
         message = commit_message or f"Upload {folder.name} with slothkit"
         return _push(
-            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s, clock
-        )
+            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s, clock,
+            use_xet,
+        )  # fmt: skip
 
 
 def push_to_hub_merged(
@@ -396,6 +416,7 @@ def push_to_hub_merged(
     retry_wait_s: float = 2.0,
     timeout_s: float | None = DEFAULT_TIMEOUT_S,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    use_xet: bool = False,
     **save_kwargs,
 ) -> PushResult:
     """Save `model` as ``save_pretrained_merged`` does, into a temporary folder, and push
@@ -430,8 +451,11 @@ def push_to_hub_merged(
         stall_timeout_s: seconds the push may go without a byte sent to or received from
             the Hub, across every request and retry (huggingface_hub's own included); then
             it gives up with HubConnectionError saying what had been uploaded; pushing
-            again resumes (default 180); None: no limit.  Time spent saving, hashing files
-            or in an Xet transfer does not count.
+            again resumes (default 180); None: no limit.  Time spent saving or hashing
+            files does not count.
+        use_xet: as for push_folder_to_hub: True uploads through Xet where
+            huggingface_hub would, outside timeout_s and stall_timeout_s; False (default):
+            through the Hub's LFS API.
         **save_kwargs: passed to ``save_pretrained_merged``: base_weights,
             max_shard_size, dtype, training_settings.
 
@@ -461,6 +485,8 @@ def push_to_hub_merged(
         message = commit_message or f"Upload {save_method} model with slothkit"
         # A deadline of its own: the save's time is not the Hub's.
         with hub_session(timeout_s, stall_timeout_s, repo_id) as clock:
-            result = _push(api, token, folder, repo_id, private, message, True, retries, retry_wait_s, clock)
+            result = _push(
+                api, token, folder, repo_id, private, message, True, retries, retry_wait_s, clock, use_xet
+            )
     result.save = saved
     return result

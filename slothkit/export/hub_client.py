@@ -17,7 +17,8 @@ WatchedTransport that
 - keeps the deadline, `stall_timeout_s` after the last byte sent to or received from the Hub.
   The clock runs while the push waits on the network: a request in flight, or the pauses and
   retries after a failed one. It stops after a complete exchange, so local work between
-  requests (hashing large files, an Xet transfer, which uses its own HTTP stack) never counts;
+  requests (hashing large files) never counts.  An Xet transfer (hf_xet's own HTTP client)
+  would pass outside this transport: pushes upload through LFS instead (hub_transfers);
 - raises PushStalled when the deadline is reached: a request in flight runs into it, a request
   would start after it, or a request fails with less than RETRY_PAUSE_MAX_S left (the pause
   before huggingface_hub's next try could end past it). huggingface_hub does not retry a

@@ -9,6 +9,7 @@ runs against it unchanged:
     POST /api/validate-yaml                           README.md metadata check
     GET  /api/models/{repo}[/revision/{rev}]          model_info / repo_info
     POST /api/models/{repo}/preupload/{rev}           "regular" or "lfs" per file, remote oids
+    GET  /api/models/{repo}/xet-write-token/{rev}     Xet storage URL and token, when offered
     POST /{repo}.git/info/lfs/objects/batch           LFS batch API (basic transfer)
     PUT  /lfs-upload/{repo}/{sha256}?sig=...          the upload URL the batch hands out
     POST /lfs-verify/{repo}                           LFS verify
@@ -24,6 +25,8 @@ Uploads of large files: huggingface_hub >= 1.0 sends them through the Xet protoc
 the `hf_xet` package is installed, and that protocol (a chunk store) is not served here; the
 client must run with Xet disabled (HF_HUB_DISABLE_XET=1 before import, or
 `huggingface_hub.constants.HF_HUB_DISABLE_XET = True`) and then uses the LFS batch API above.
+`offer_xet_with_stalled_storage()` makes the hub offer Xet storage that accepts connections
+and never answers (a Hub whose Xet storage stalls), for a client that leaves Xet on.
 `LocalHub.client_env()` gives the variables for a subprocess (a notebook kernel), and
 `LocalHub.patched_client()` sets the same in this process.
 
@@ -93,6 +96,7 @@ class LocalHub(HubAPI):
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         self.tokens = dict(tokens) if tokens is not None else {DEFAULT_TOKEN: (DEFAULT_USER, "write")}
         self.lfs_threshold = lfs_threshold
+        self.xet_storage_url: str | None = None  # offer_xet_with_stalled_storage
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for tests
         self._repos: dict[str, _Repo] = {}
         self._failures: list[_Failure] = []
@@ -177,6 +181,17 @@ class LocalHub(HubAPI):
                 setattr(constants, name, value)
 
     # --- test helpers -----------------------------------------------------------------
+
+    def offer_xet_with_stalled_storage(self) -> None:
+        """Answer Xet write-token requests with the URL of a storage server that accepts
+        connections and never answers, as a Hub whose Xet storage stalls; the Xet protocol
+        itself is not served."""
+        storage = socket.socket()
+        storage.bind(("127.0.0.1", 0))
+        storage.listen(64)  # the kernel completes connects; nothing ever reads them
+        self._backlog_fillers.append(storage)  # closed by stop()
+        host, port = storage.getsockname()
+        self.xet_storage_url = f"http://{host}:{port}"
 
     def fail_next(self, method: str, path_pattern: str, status: int = 500, times: int = 1) -> None:
         """Answer the next `times` requests matching (method, regex on the path) with `status`."""

@@ -8,6 +8,7 @@ import base64
 import hashlib
 import hmac
 import re
+import time
 
 from slothkit.testing.local_hub_records import (
     DEFAULT_GITATTRIBUTES,
@@ -107,6 +108,17 @@ class HubAPI:
                 mode = "lfs" if self._is_lfs_path(tree, path, size) else "regular"
                 files.append({"path": path, "uploadMode": mode, "shouldIgnore": False, "oid": oid})
             return {"files": files, "commitOid": self._commit(repo, revision).oid}
+
+    def xet_write_token(self, repo_id: str, headers) -> tuple[dict, dict]:
+        """The Xet storage URL and a write token for it (body and headers), when the hub
+        offers Xet (``offer_xet_with_stalled_storage``); hf_xet asks for them itself."""
+        self._user(headers, "write")
+        if self.xet_storage_url is None:
+            raise HubError(404, f"this local hub offers no Xet storage for {repo_id}")
+        expires = int(time.time()) + 3600
+        body = {"casUrl": self.xet_storage_url, "accessToken": "xet-local-token", "exp": expires}
+        return body, {"X-Xet-Cas-Url": self.xet_storage_url, "X-Xet-Access-Token": "xet-local-token",
+                      "X-Xet-Token-Expiration": str(expires)}  # fmt: skip
 
     def lfs_batch(self, repo_id: str, headers, body: dict) -> dict:
         with self._lock:

@@ -152,6 +152,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._json(200, items)
         if method == "GET" and (m := match(rf"/api/models/{_REPO}/commits/(?P<rev>[^/]+)")):
             return self._json(200, hub.list_commits(m["repo"], unquote(m["rev"]), headers))
+        if method == "GET" and (m := match(rf"/api/models/{_REPO}/xet-write-token/(?P<rev>[^/]+)")):
+            body, token_headers = hub.xet_write_token(m["repo"], headers)
+            return self._json(200, body, token_headers)
         if method == "POST" and (m := match(rf"/{_REPO}\.git/info/lfs/objects/batch")):
             batch = hub.lfs_batch(m["repo"], headers, payload())
             return self._reply(200, json.dumps(batch).encode(), content_type="application/vnd.git-lfs+json")

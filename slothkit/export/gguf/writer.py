@@ -170,6 +170,7 @@ def push_to_hub_gguf(
     endpoint: str | None = None,
     commit_message: str | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    use_xet: bool = False,
 ):
     """Write the GGUF files and Modelfile(s) as save_pretrained_gguf does, into a temporary
     folder, and upload it to `repo_id` in one commit.
@@ -193,6 +194,9 @@ def push_to_hub_gguf(
             the Hub, across every request and retry; then it gives up with
             HubConnectionError saying what had been uploaded; pushing again resumes
             (default 180; as for push_folder_to_hub); None: no limit.
+        use_xet: as for push_folder_to_hub: True uploads through Xet where
+            huggingface_hub would, outside stall_timeout_s; False (default): through the
+            Hub's LFS API.
 
     Returns:
         The hub module's PushResult.
@@ -225,6 +229,7 @@ def push_to_hub_gguf(
             endpoint=endpoint,
             replace_model_files=False,
             stall_timeout_s=stall_timeout_s,
+            use_xet=use_xet,
         )
 
 

@@ -424,9 +424,90 @@ def test_map_eos_token_false_adds_a_missing_turn_end_and_add_missing_tokens_fals
         get_chat_template(_tokenizer("mistral"), "llama-3", add_missing_tokens="yes")
     template = ("{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}", "<|eot_id|>")
     with pytest.raises(
-        ValueError, match="ends turns with '<\\|eot_id\\|>', which this tokenizer lacks, and add_"
+        ValueError, match="ends turns with '<\\|eot_id\\|>', which this tokenizer lacks, add_missing_tokens=F"
     ):
-        get_chat_template(_tokenizer("mistral"), template, add_missing_tokens=False)
+        get_chat_template(_tokenizer("mistral"), template, map_eos_token=False, add_missing_tokens=False)
+
+
+# A custom template that writes its turn end <|eot_id|> as plain text and inside a string
+# literal, and names it in a comment and in a variable the mapping must leave alone.
+CUSTOM_TEMPLATE = (
+    "{#- each turn ends with <|eot_id|> -#}\n"
+    "{%- set eot_id = '<|eot_id|>' -%}\n"
+    "{%- for message in messages -%}\n"
+    "    {%- if message['role'] == 'user' -%}\n"
+    "        {{- 'User: ' + message['content'] + eot_id }}\n"
+    "    {%- else -%}\n"
+    "        Bot: {{ message['content'] }}<|eot_id|>\n"
+    "    {%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt %}Bot: {% endif -%}"
+)
+CUSTOM_CONVERSATION = [
+    {"role": "user", "content": "Hi <|eot_id|> there"},  # a message's own text stays as it is
+    {"role": "assistant", "content": "Yo"},
+]
+
+
+def test_a_custom_pairs_turn_end_the_tokenizer_lacks_is_written_as_its_eos():
+    """As for a named format: the template writes the tokenizer's EOS where it wrote the
+    token, nothing is added (no model needed) and a notice says so once; with
+    add_missing_tokens=True or map_eos_token=False the token is added instead."""
+    from slothkit.notices import LegacySpellingWarning, say_once
+
+    say_once.cache_clear()
+    tokenizer = _tokenizer("mistral")
+    size = len(tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"))
+        get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"))
+    assert [str(w.message) for w in caught if w.category is LegacySpellingWarning] == [
+        "get_chat_template((template, '<|eot_id|>')): this tokenizer has no token '<|eot_id|>', so each turn "
+        "ends with its EOS '</s>' (map_eos_token=True). No token is added and the embeddings keep their "
+        "size. For a token of its own, pass add_missing_tokens=True (the embeddings and head grow, and "
+        "every save carries them; train the new row with modules_to_save=['embed_tokens', 'lm_head'])"
+    ]
+    assert [w for w in caught if w.category is not LegacySpellingWarning] == []
+    assert (len(tokenizer), tokenizer.eos_token) == (size, "</s>")
+    text = tokenizer.apply_chat_template(CUSTOM_CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert text == "User: Hi <|eot_id|> there</s>Bot: Yo</s>Bot: "
+    assert tokenizer.chat_template.startswith("{#- each turn ends with <|eot_id|> -#}")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.eos_token_id) == 2 and max(ids) < size
+
+    for options in ({"add_missing_tokens": True}, {"map_eos_token": False}):
+        tokenizer, model = _tokenizer("mistral"), _model("mistral")
+        with pytest.raises(ValueError, match="pass model="):
+            get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"), **options)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the embeddings-grew notice
+            get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"), model=model, **options)
+        eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+        assert (len(tokenizer), eot) == (size + 1, size)
+        assert model.generation_config.eos_token_id[0] == eot
+        assert tokenizer.apply_chat_template(CUSTOM_CONVERSATION, tokenize=False) == (
+            "User: Hi <|eot_id|> there<|eot_id|>Bot: Yo<|eot_id|>"
+        )
+
+
+def test_replacing_written_text_leaves_comments_names_and_tags_alone():
+    """Only what the template writes changes: its text, raw blocks and string literals,
+    with quotes, backslashes and tag characters in the new text kept literal."""
+    import jinja2
+
+    from slothkit.data.template_text import replace_written_text
+
+    source = (
+        "{#- END -#}{%- set END = 'x END' -%}\n  {{- END }}|END|{{ \"a'END\" }}"
+        "{% raw %}END{{ }}{% endraw %}{{ 'q\\'END' }}{{ 'END' if END }}"
+    )
+    new = "<it's {e}\\>"
+    rewritten = replace_written_text(source, "END", new)
+    assert rewritten.startswith("{#- END -#}{%- set END = ")
+    assert jinja2.Environment().from_string(source).render() == "x END|END|a'ENDEND{{ }}q'ENDEND"
+    assert jinja2.Environment().from_string(rewritten).render() == ("x N|N|a'NN{{ }}q'NN".replace("N", new))
+    assert replace_written_text(source, "absent", new) == source
 
 
 def test_mapping_reads_sharegpt_records_directly():

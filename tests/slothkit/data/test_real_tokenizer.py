@@ -276,3 +276,62 @@ def test_responses_only_finds_llama3_markers_written_as_text(tokenizer, markers)
         )
         assert marked["input_ids"] == ids
         assert torch.tensor(marked["assistant_masks"]).bool().tolist() == inside
+
+
+# Llama 3's layout as a custom (template, "<|eot_id|>") pair, as a notebook may write it.
+LLAMA3_CUSTOM_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_a_custom_llama3_pair_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(tokenizer):
+    """SmolLM2 lacks <|eot_id|>: the custom template writes <|im_end|> in its place, the
+    vocabulary keeps its 49,152 ids, no model is needed, a notice says so once, and
+    train_on_responses_only keeps exactly each reply and its <|im_end|>."""
+    from transformers import DataCollatorWithPadding
+
+    from slothkit.notices import LegacySpellingWarning, say_once
+
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        get_chat_template(tokenizer, (LLAMA3_CUSTOM_TEMPLATE, "<|eot_id|>"))
+        get_chat_template(tokenizer, (LLAMA3_CUSTOM_TEMPLATE, "<|eot_id|>"))
+    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    assert len(notices) == 1 and notices[0].startswith(
+        "get_chat_template((template, '<|eot_id|>')): this tokenizer has no token '<|eot_id|>', so each "
+        "turn ends with its EOS '<|im_end|>' (map_eos_token=True). No token is added"
+    )
+    assert "pass add_missing_tokens=True" in notices[0]
+    assert [w for w in caught if w.category is not LegacySpellingWarning] == []
+    assert (len(tokenizer), tokenizer.eos_token, tokenizer.eos_token_id) == (49152, "<|im_end|>", 2)
+    text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
+    assert text == (
+        "<|start_header_id|>system<|end_header_id|>\n\nAnswer in one word.<|im_end|>"
+        + LLAMA3_USER
+        + "Colour of the sky?<|im_end|>"
+        + LLAMA3_ASSISTANT
+        + "Blue<|im_end|>"
+    )
+    assert tokenizer(text, add_special_tokens=False)["input_ids"].count(2) == 3
+
+    expected = [_llama3_reply_tokens(tokenizer, messages) for messages in CONVERSATIONS]
+    trainer = types.SimpleNamespace(
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        train_dataset=None,
+        eval_dataset=None,
+    )
+    train_on_responses_only(trainer, instruction_part=LLAMA3_USER, response_part=LLAMA3_ASSISTANT)
+    batch = trainer.data_collator([{"input_ids": ids} for ids, _ in expected])
+    for row, (ids, inside) in enumerate(expected):
+        kept = (batch["labels"][row] != -100).tolist()
+        assert batch["input_ids"][row, : len(ids)].tolist() == ids
+        assert kept[: len(ids)] == inside and not any(kept[len(ids) :])
+        replies = [
+            m["content"].strip() + "<|im_end|>" for m in CONVERSATIONS[row] if m["role"] == "assistant"
+        ]
+        assert tokenizer.decode([i for i, k in zip(ids, inside) if k]) == "".join(replies)

@@ -751,3 +751,124 @@ def test_a_hub_answering_500_ends_in_one_line_naming_the_url_and_status(local_hu
         in message
     )
     assert "\n" not in message  # httpx's own message has a second line (a link to MDN)
+
+
+def _push_in_a_thread(wait_s: float, **push):
+    """Run push_folder_to_hub(**push) in a thread for at most `wait_s`: ("ended", result or
+    error), or ("still waiting", None); an Xet transfer cannot be interrupted from here."""
+    import threading
+
+    from slothkit.export import push_folder_to_hub
+
+    outcome = []
+
+    def push_and_record():
+        try:
+            outcome.append(push_folder_to_hub(**push))
+        except Exception as error:  # reported to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=push_and_record, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return ("still waiting", None) if thread.is_alive() else ("ended", outcome[0])
+
+
+@pytest.fixture
+def xet_left_on(local_hub, monkeypatch):
+    """huggingface_hub as a user has it: hf_xet installed and Xet on (the local_hub fixture
+    turns it off)."""
+    from huggingface_hub import constants
+
+    from slothkit.export import hub_transfers
+
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", False)
+    hub_transfers.say_uploads_take_lfs.cache_clear()
+    return local_hub
+
+
+def test_a_hub_whose_xet_storage_stalls_is_pushed_to_through_lfs_in_one_commit(
+    xet_left_on, make_lora_model, monkeypatch, tmp_path
+):
+    """huggingface_hub would send the weights through Xet (hf_xet's own HTTP client, outside
+    the deadline): the push waited on the stalled storage with no end.  Pushes upload through
+    LFS instead, in one commit each, said once; Xet stays on outside them."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    hub = xet_left_on
+    hub.offer_xet_with_stalled_storage()
+    model, tokenizer, _ = make_lora_model("llama", seed=49)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    xet_switch_in_uploads = []
+    upload_folder = huggingface_hub.HfApi.upload_folder
+
+    def recording_upload_folder(self, *args, **kwargs):
+        xet_switch_in_uploads.append(is_xet_available())  # huggingface_hub's own choice
+        return upload_folder(self, *args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", recording_upload_folder)
+    push = dict(folder=tmp_path / "export", token="hf_writer", endpoint=hub.endpoint, stall_timeout_s=STALL_S)
+    with pytest.warns(UserWarning) as caught:
+        for repo in ("local-user/via-lfs", "local-user/via-lfs-again"):
+            ended, result = _push_in_a_thread(STALL_S + 10, repo_id=repo, **push)
+            assert (ended, type(result).__name__) == ("ended", "PushResult")  # waited with no end before
+            assert set(hub.files(repo)) >= {"adapter_model.safetensors", "adapter_config.json"}
+            assert len(hub.commits(repo)) == 2  # the repo's first commit and the push's one
+    notices = [str(w.message) for w in caught if "not Xet" in str(w.message)]
+    assert notices == [
+        "slothkit pushes upload large files through the Hub's LFS API, not Xet (hf_xet): hf_xet sends its "
+        "transfers through an HTTP client of its own, beyond the push's timeout_s and stall_timeout_s, and "
+        "huggingface_hub's Xet path may split a folder over several commits. For Xet's deduplicated "
+        "transfers pass use_xet=True to the push (they then run under hf_xet's own timeouts)"
+    ]
+    assert xet_switch_in_uploads == [False, False] and constants.HF_HUB_DISABLE_XET is False
+    paths = [path for _, path in hub.requests]
+    assert not any("xet-write-token" in path for path in paths)
+    assert any(path.endswith(".git/info/lfs/objects/batch") for path in paths)
+    assert any(path.startswith("/lfs-upload/local-user/via-lfs/") for path in paths)
+
+
+def test_a_hub_that_freezes_during_an_upload_xet_would_have_taken_gives_up_at_the_deadline(
+    xet_left_on, make_lora_model, tmp_path
+):
+    hub = xet_left_on
+    hub.offer_xet_with_stalled_storage()
+    model, tokenizer, _ = make_lora_model("llama", seed=50)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    hub.freeze_at("PUT", r"/lfs-upload/")
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="not Xet"):
+        ended, error = _push_in_a_thread(
+            STALL_S + 10, folder=tmp_path / "export", repo_id="local-user/frozen-xet", token="hf_writer",
+            endpoint=hub.endpoint, stall_timeout_s=STALL_S,
+        )  # fmt: skip
+    assert ended == "ended" and time.monotonic() - start < STALL_S + 1.5
+    assert (
+        "pushing to local-user/frozen-xet gave up: nothing was sent to or received from the Hub for 2 s"
+        in str(error)
+    )
+    assert "Nothing was committed: the repo is as it was." in str(error)
+
+
+def test_use_xet_leaves_huggingface_hubs_choice_of_xet(xet_left_on, make_lora_model, tmp_path):
+    """use_xet=True: the push goes to Xet: hf_xet asks for its write token, which this hub
+    refuses (it serves no Xet), and no LFS batch is made."""
+    import warnings
+
+    from slothkit.export import HubConnectionError
+
+    hub = xet_left_on
+    model, tokenizer, _ = make_lora_model("llama", seed=51)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no notice: nothing is switched
+        ended, error = _push_in_a_thread(
+            STALL_S + 10, folder=tmp_path / "export", repo_id="local-user/via-xet", token="hf_writer",
+            endpoint=hub.endpoint, stall_timeout_s=STALL_S, use_xet=True,
+        )  # fmt: skip
+    assert ended == "ended" and isinstance(error, HubConnectionError)
+    paths = [path for _, path in hub.requests]
+    assert "/api/models/local-user/via-xet/xet-write-token/main" in paths
+    assert not any(path.endswith(".git/info/lfs/objects/batch") for path in paths)
