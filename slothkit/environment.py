@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from slothkit.allocator import VARIABLES
+
 REPORTED_PACKAGES = (
     "slothkit",
     "torch",
@@ -45,7 +47,7 @@ def allocator_settings() -> str:
     PYTORCH_CUDA_ALLOC_CONF), or "defaults".  A library imported first may have set it
     (Unsloth sets expandable segments), and it moves reserved memory, so benchmark rows
     keep it beside their memory figures."""
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    for name in VARIABLES:
         if os.environ.get(name):
             return os.environ[name]
     return "defaults"

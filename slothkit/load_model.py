@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from slothkit.allocator import prefer_expandable_segments
 from slothkit.data.chat_templates import link_model
 from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import patch_decoder
@@ -78,12 +79,21 @@ class LoadOptions:
             )
 
 
+def _on_cpu_only(device_map) -> bool:
+    """Whether a device_map puts every module on the CPU (or disk)."""
+    if isinstance(device_map, dict):
+        return all(str(place) in ("cpu", "disk") for place in device_map.values())
+    return str(device_map) in ("cpu", "disk")
+
+
 def load_model(model_name: str, options: LoadOptions):
     """``(model, tokenizer)`` from a checkpoint directory or Hub id, as
     FastModel.from_pretrained returns them (its docstring says what each option does)."""
     if options.hf_kwargs.get("cache_dir") is not None:  # transformers would say "File exists"
         check_folder_path(options.hf_kwargs["cache_dir"], "cache_dir")
     device_map = options.device_map
+    if torch.cuda.is_available() and not _on_cpu_only(device_map):
+        prefer_expandable_segments()  # before anything here starts CUDA
     if device_map is None:
         # Under torchrun: this process's GPU, made current before anything here starts
         # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.

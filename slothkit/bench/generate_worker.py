@@ -19,6 +19,7 @@ import traceback
 
 import torch
 
+from slothkit.allocator import prefer_expandable_segments
 from slothkit.bench.model_setup import build_model, load_with_unsloth, lora_targets, take_fast_model_path
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.environment import allocator_settings
@@ -115,6 +116,8 @@ def run(args) -> dict:
         import unsloth  # noqa: F401  (before transformers is used)
     if not torch.cuda.is_available():
         raise RuntimeError("the generation benchmark needs a CUDA GPU")
+    if args.impl == "slothkit" and torch.cuda.is_available():
+        prefer_expandable_segments()  # as FastModel.from_pretrained does before loading
     device = "cuda"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     torch.manual_seed(args.seed)

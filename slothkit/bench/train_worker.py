@@ -32,6 +32,7 @@ import traceback
 
 import torch
 
+from slothkit.allocator import prefer_expandable_segments
 from slothkit.bench.model_setup import (
     CHECKPOINTING,
     CUDA_GRAPHS,
@@ -68,6 +69,8 @@ def run(args) -> dict | None:
             # Unsloth's per-block torch.compile crashes in inductor on Gemma (shared/GPU.md).
             os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
+    if args.impl == "slothkit" and torch.cuda.is_available():
+        prefer_expandable_segments()  # as FastModel.from_pretrained does before loading
     # Under torchrun (--gpus N): this process's GPU is the current one ("cuda" below).
     where = start_process_group()
     device = "cuda" if torch.cuda.is_available() else "cpu"
