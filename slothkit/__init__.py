@@ -2,7 +2,9 @@
 
 Importing slothkit changes nothing in other libraries: every speed-up is applied
 to the model instance it is given. (Loading a model adds one filter to one logger of
-bitsandbytes, dropping a notice about an optional kernel package: slothkit.engine.loading.)
+bitsandbytes, dropping a notice about an optional kernel package: slothkit.engine.loading;
+loading one for a GPU turns on torch's expandable segments where the user has not set the
+allocator's variable, said once: slothkit.allocator.)
 
 The names older Unsloth notebooks import from their package are here too
 (``is_bfloat16_supported``, ``UnslothTrainer``, ...; the chat template helpers in
