@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from slothkit.engine.loading import MAX_ROPE_FACTOR
 from slothkit.memory_model import (
     GIB,
     MemoryBudgetError,
@@ -164,6 +165,13 @@ def plan(
             f"rank={rank} exceeds {smallest}, the smallest width of the adapted projections: a LoRA "
             f"update cannot have a higher rank, and get_peft_model refuses it; use rank <= {smallest}"
         )
+    context = shape.max_position_embeddings
+    if seq > MAX_ROPE_FACTOR * context:
+        raise ValueError(
+            f"seq={seq:,} exceeds {model}'s context of {context:,} tokens more than {MAX_ROPE_FACTOR} times "
+            f"over, the most from_pretrained's linear RoPE scaling stretches it (and refuses beyond); "
+            f"use seq <= {MAX_ROPE_FACTOR * context:,}"
+        )
     gpu_gib, gpu_name, free_gib = _gpu_memory(gpu)
     if max_memory is not None and gpu_gib is not None and max_memory > gpu_gib:
         raise ValueError(
@@ -201,12 +209,20 @@ def plan(
 
     if budget is not None:
         limit = f"{budget / GIB:.1f} GiB"
+        asked_batch, asked_seq = batch, seq
         while batch > 1 and memory.least_reserved(batch * seq, host_budget) > budget:
             batch //= 2
-            notes.append(f"batch lowered to {batch} to fit {limit}")
         while seq > 256 and memory.least_reserved(batch * seq, host_budget) > budget:
             seq //= 2
-            notes.append(f"max_seq_length lowered to {seq} to fit {limit}")
+        if batch != asked_batch:
+            notes.append(f"batch lowered from {asked_batch} to {batch} to fit {limit}")
+        if seq != asked_seq:
+            notes.append(f"max_seq_length lowered from {asked_seq:,} to {seq:,} to fit {limit}")
+    if seq > context:
+        notes.append(
+            f"max_seq_length {seq:,} is past {model}'s context of {context:,} tokens: from_pretrained "
+            f"scales RoPE linearly by {seq / context:g} to reach it"
+        )
     recompute = None
     if budget is not None:
         try:

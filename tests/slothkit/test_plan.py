@@ -145,6 +145,33 @@ def test_small_gpu_lowers_batch_then_sequence():
     assert tight.batch * tight.grad_accum >= 8 or tight.grad_accum == 8
 
 
+def test_lowering_is_said_once_from_what_was_asked_to_what_fits():
+    result = plan("llama-3-8b", gpu="t4", seq=100_000, batch=2, mode="qlora")
+    lowered = [note for note in result.notes if "lowered" in note]
+    assert lowered == [
+        f"batch lowered from 2 to {result.batch} to fit 13.8 GiB",
+        f"max_seq_length lowered from 100,000 to {result.seq:,} to fit 13.8 GiB",
+    ]
+    assert result.fits and result.seq < 100_000
+
+
+def test_a_sequence_past_the_context_names_the_rope_scaling_and_its_limit():
+    """from_pretrained reaches a max_seq_length past the model's context by scaling RoPE
+    linearly, at most 16 times over; the plan says so, and refuses what it would refuse."""
+    result = plan("llama-3-8b", gpu="h200", seq=32_768, batch=1, mode="qlora")
+    assert result.seq == 32_768
+    assert (
+        "max_seq_length 32,768 is past llama-3-8b's context of 8,192 tokens: from_pretrained scales RoPE linearly by 4 to reach it"
+        in result.notes
+    )
+    assert not any("RoPE" in note for note in plan("llama-3-8b", gpu="h200", seq=8192).notes)
+    with pytest.raises(
+        ValueError,
+        match=r"seq=1,000,000,000 exceeds llama-3-8b's context of 8,192 tokens more than 16 times over.*seq <= 131,072",
+    ):
+        plan("llama-3-8b", gpu="t4", seq=1_000_000_000)
+
+
 def test_16_bit_8b_model_does_not_fit_a_t4():
     result = plan("llama-3-8b", gpu="t4", seq=512, batch=1, mode="lora")
     assert result.fits is False
