@@ -69,7 +69,7 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         rope_theta=rope["rope_theta"],
         rope_type=rope_type,
         rope=rope,
-        sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
+        sliding_window=attention.sliding_window(config, arch),
         sliding_layers=sliding_layers,
         rope_theta_sliding=rope_theta_sliding,
         attn_softcap=config.attn_logit_softcapping if arch.gguf.logit_softcapping else None,

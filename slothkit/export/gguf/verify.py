@@ -66,8 +66,9 @@ slothkit's file gives 0.86, beyond q4_k_m's tolerance, while its stored tensors'
 to four digits (0.0713). A random deep model is thus the wrong thing to verify Q4 files
 of: a trained one, SmolLM2 above, is the case the tolerances are for.
 
-Prompts must fit Mistral's sliding window (llama.cpp's llama graph attends to everything):
-prompt and greedy tokens are kept within it.
+Prompts must fit a sliding window that llama.cpp does not apply (Mistral's, under its llama
+graph; Phi-3-mini-4k's, which its phi3 graph switches off: slothkit.export.gguf.attention):
+prompt and greedy tokens are kept within it, the only length where the two agree.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ import pathlib
 import numpy as np
 import torch
 
+from slothkit.export.gguf.attention import ignored_window
 from slothkit.export.gguf.layout import architecture_of, hf_weights_from_gguf
 from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_method
 
@@ -357,10 +359,7 @@ def _model_dtype(model) -> torch.dtype:
 
 
 def _attention_window(model) -> int:
-    """Tokens both sides attend to alike: the sliding window where the architecture has one
-    that llama.cpp ignores (Mistral), else a comfortable 512 (Gemma 3: llama.cpp applies the
+    """Tokens both sides attend to alike: a sliding window that llama.cpp does not apply
+    (Mistral's, Phi-3-mini-4k's), else a comfortable 512 (Gemma 3: llama.cpp applies the
     window itself)."""
-    arch = architecture_of(model)
-    ignored = arch.sliding_window and not arch.gguf.windowed_layers
-    window = getattr(model.config, "sliding_window", None) if ignored else None
-    return int(window) if window else 512
+    return ignored_window(model.config, architecture_of(model)) or 512
