@@ -66,6 +66,10 @@ class GGUFLayout:
     # attention.sliding_window_pattern marks, with rope.freq_base_swa as their rope base
     # (Gemma 3). False: no window, or one llama.cpp ignores (Mistral under the llama graph).
     windowed_layers: bool = False
+    # The family's config may set a sliding window on every layer although its class
+    # default sets none (Phi-3-mini-4k and -medium-4k: 2047): the file states it as
+    # attention.sliding_window, as for a record with sliding_window.
+    optional_window: bool = False
     # With windowed_layers: llama.cpp's graph fixes which layers slide, every Nth one global
     # and the others sliding, the first included (Gemma 2: 2), whatever the file says; None:
     # the file's pattern says (Gemma 3).

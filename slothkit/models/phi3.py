@@ -25,8 +25,12 @@ configs train on the generic path (slothkit.models.generic_path_reason), said on
 Phi-3-mini-4k and Phi-3-medium-4k set sliding_window 2047 (the 128k ones 262144, beyond
 their context): transformers builds a sliding-window mask from it and passes it to the
 attention function, and the fused attention does the same (attention_window). The class
-default is no window, so the record says none: the tiny checkpoint has none and GGUF files
-carry none (llama.cpp attends over the whole context, which differs past 2,047 tokens).
+default is no window, so the record's sliding_window is False and the tiny checkpoint has
+none; its GGUF layout's optional_window writes a checkpoint's window below its context as
+phi3.attention.sliding_window. llama.cpp's phi3 graph reads that key and switches the
+window off all the same, so its output differs from HF's past 2,047 tokens
+(slothkit.export.gguf.attention). GGUF files carry the 128k models' and Phi-3.5's longrope
+factors as llama.cpp reads them (slothkit.export.gguf.longrope).
 
 Chat: Phi-3 and 3.5 close each turn with <|end|> after <|user|>/<|assistant|> headers;
 Phi-4 uses ChatML-like <|im_start|>role<|im_sep|>...<|im_end|>. llama.cpp runs all of them
@@ -73,7 +77,7 @@ PHI3 = Architecture(
     norm_adds_one=False,
     tied_embeddings=False,
     sliding_window=False,  # the class default; a checkpoint's window is read per module
-    gguf=GGUFLayout(arch="phi3", permute_qk=False, output_always_tied=False),
+    gguf=GGUFLayout(arch="phi3", permute_qk=False, output_always_tied=False, optional_window=True),
     fused=True,
     fused_projections=True,
     tiny=TinyTraits(

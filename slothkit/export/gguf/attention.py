@@ -1,6 +1,16 @@
 """Attention per layer as a GGUF file states it: the rope parameters of the global and the
-sliding-window layers, which layers slide, and the checks that llama.cpp will compute the
-attention the Hugging Face model computes.
+sliding-window layers, which layers slide, the window, and the checks that llama.cpp will
+compute the attention the Hugging Face model computes.
+
+A window on every layer (Mistral; Phi-3-mini-4k and Phi-3-medium-4k, 2047): HF's mask lets
+a query at position i see keys j with i - j < window (masking_utils.sliding_window_overlay),
+as llama.cpp's standard window does (llama_hparams::is_masked_swa masks p1 - p0 >= n_swa),
+so attention.sliding_window holds config.sliding_window as it is. llama.cpp's graphs for
+these families apply no window all the same: the llama graph reads none, and the phi3 graph
+reads the key and then switches the window off (src/models/phi3.cpp, load_arch_hparams:
+"Phi SWA is currently disabled", ggml-org/llama.cpp#13676). Their files match HF up to the
+window's length (slothkit.export.gguf.verify keeps its prompts within it). A window at or
+beyond the context (Phi-3-mini-128k: 262144) limits nothing and is not written.
 
 transformers' configs spell the rope parameters in two ways:
     transformers 5   rope_parameters: one dict for every layer, or one per layer type,
@@ -67,6 +77,30 @@ def rope_parameters(config) -> tuple[dict, dict | None]:
             p["rope_type"] = p.get("rope_type", p.get("type", "default"))
             p["rope_theta"] = float(p.get("rope_theta", default_theta))
     return full, sliding
+
+
+def sliding_window(config, arch: Architecture) -> int | None:
+    """The window the file states (attention.sliding_window), or None.
+
+    Args:
+        config: the model's transformers config.
+        arch: its record: a family whose config carries a window (sliding_window), or may
+            (GGUFLayout.optional_window).
+    """
+    if not (arch.sliding_window or arch.gguf.optional_window):
+        return None
+    window = getattr(config, "sliding_window", None)
+    if arch.gguf.windowed_layers:
+        return window  # required there (check_windowed_attention)
+    if not window or window >= config.max_position_embeddings:
+        return None  # limits nothing within the context
+    return int(window)
+
+
+def ignored_window(config, arch: Architecture) -> int | None:
+    """The window HF applies to every layer and llama.cpp's graph does not, or None: the
+    length up to which the file and the model agree (see the module docstring)."""
+    return None if arch.gguf.windowed_layers else sliding_window(config, arch)
 
 
 def sliding_layers(config) -> tuple[bool, ...]:

@@ -1,11 +1,18 @@
 """The model's hyperparameters as GGUF metadata: what llama.cpp reads to build its graph.
 
 Context length, embedding length, block count, feed-forward length, head counts, key/value
-length (head_dim), rope dimension count and base, RMS epsilon, the sliding window where the
-family has one, rope scaling (linear as metadata; "llama3" as the rope_freqs tensor of
-per-frequency divisors, as llama.cpp's converter writes it), file type and quantization
-version. Layers that slide, and their rope base, come from slothkit.export.gguf.attention, as
-do the checks that let Gemma 2's attention and output soft-caps be written.
+length (head_dim), rope dimension count (head_dim x partial_rotary_factor: the rotated part of
+each head) and base, RMS epsilon, the sliding window where the family has one, rope scaling,
+file type and quantization version. Rope scaling as llama.cpp's converter writes it:
+
+    linear     rope.scaling.type and rope.scaling.factor
+    llama3     the rope_freqs tensor of per-frequency divisors (llama graph)
+    longrope   the rope_factors_long and rope_factors_short tensors (F32, one divisor per
+               rotated pair: rope dimensions / 2), rope.scaling.original_context_length and
+               rope.scaling.attn_factor (phi3 graph; see slothkit.export.gguf.longrope)
+
+Layers that slide, and their rope base, come from slothkit.export.gguf.attention, as do the
+checks that let Gemma 2's attention and output soft-caps be written.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import math
 import torch
 from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
-from slothkit.export.gguf import attention
+from slothkit.export.gguf import attention, longrope
 from slothkit.export.gguf.layout import head_counts
 from slothkit.models import Architecture
 
@@ -30,6 +37,7 @@ class HyperParameters:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    rope_dims: int  # the rotated part of each head: head_dim x partial_rotary_factor
     rms_eps: float
     context: int
     rope_theta: float
@@ -40,6 +48,7 @@ class HyperParameters:
     rope_theta_sliding: float | None  # the sliding layers' rope base (windowed_layers)
     attn_softcap: float | None = None  # attention-score soft-cap (logit_softcapping)
     final_softcap: float | None = None  # output-logit soft-cap (logit_softcapping)
+    longrope: longrope.LongRope | None = None  # rope type "longrope": its factors and lengths
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -47,10 +56,15 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     rope, sliding_rope = attention.rope_parameters(config)
     rope_type = rope["rope_type"]
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "longrope"):
         raise NotImplementedError(
-            f"GGUF export supports the rope types 'default', 'linear' and 'llama3'; this model uses {rope_type!r}"
+            "GGUF export supports the rope types 'default', 'linear', 'llama3' and 'longrope'; "
+            f"this model uses {rope_type!r}"
         )
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, transformers 4 in the config.
+    partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    rope_dims = int(head_dim * float(partial))
+    scaling = longrope.longrope(config, rope, rope_dims, arch) if rope_type == "longrope" else None
     sliding_layers, rope_theta_sliding = None, None
     if arch.gguf.windowed_layers:
         attention.check_windowed_attention(config, arch, head_dim, sliding_rope)
@@ -64,16 +78,18 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
+        rope_dims=rope_dims,
         rms_eps=config.rms_norm_eps,
         context=config.max_position_embeddings,
         rope_theta=rope["rope_theta"],
         rope_type=rope_type,
         rope=rope,
-        sliding_window=getattr(config, "sliding_window", None) if arch.sliding_window else None,
+        sliding_window=attention.sliding_window(config, arch),
         sliding_layers=sliding_layers,
         rope_theta_sliding=rope_theta_sliding,
         attn_softcap=config.attn_logit_softcapping if arch.gguf.logit_softcapping else None,
         final_softcap=config.final_logit_softcapping if arch.gguf.logit_softcapping else None,
+        longrope=scaling,
     )
 
 
@@ -89,13 +105,16 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
     writer.add_head_count_kv(hp.n_kv_heads)
     writer.add_key_length(hp.head_dim)
     writer.add_value_length(hp.head_dim)
-    writer.add_rope_dimension_count(hp.head_dim)
+    writer.add_rope_dimension_count(hp.rope_dims)
     writer.add_rope_freq_base(hp.rope_theta)
     writer.add_layer_norm_rms_eps(hp.rms_eps)
     writer.add_vocab_size(hp.vocab_size)
     if hp.rope_type == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(hp.rope["factor"]))
+    if hp.longrope is not None:
+        writer.add_rope_scaling_orig_ctx_len(hp.longrope.original_context)
+        writer.add_rope_scaling_attn_factors(hp.longrope.attention_factor)
     if hp.sliding_window:
         writer.add_sliding_window(int(hp.sliding_window))
     if hp.sliding_layers is not None:

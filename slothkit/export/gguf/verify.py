@@ -66,8 +66,16 @@ slothkit's file gives 0.86, beyond q4_k_m's tolerance, while its stored tensors'
 to four digits (0.0713). A random deep model is thus the wrong thing to verify Q4 files
 of: a trained one, SmolLM2 above, is the case the tolerances are for.
 
-Prompts must fit Mistral's sliding window (llama.cpp's llama graph attends to everything):
-prompt and greedy tokens are kept within it.
+Prompts must fit a sliding window that llama.cpp does not apply (Mistral's, under its llama
+graph; Phi-3-mini-4k's, which its phi3 graph switches off: slothkit.export.gguf.attention):
+prompt and greedy tokens are kept within it, the only length where the two agree.
+
+LongRoPE (slothkit.export.gguf.longrope): llama.cpp picks the short or the long factors by
+its context, HF by the sequence's length. By default llama.cpp runs a context that keeps the
+short factors (at most 512 tokens and original_max_position_embeddings), so both rotate
+alike on the prompts. A `context` beyond the original length makes llama.cpp rotate with the
+long factors; then every prompt must be longer than the original length, for HF to use the
+long ones too (a shorter one is refused: the two would differ by design, not by a fault).
 """
 
 from __future__ import annotations
@@ -81,7 +89,10 @@ import pathlib
 import numpy as np
 import torch
 
+from slothkit.export.gguf import longrope
+from slothkit.export.gguf.attention import ignored_window
 from slothkit.export.gguf.layout import architecture_of, hf_weights_from_gguf
+from slothkit.export.gguf.metadata import hyperparameters
 from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_method
 
 TOLERANCES = {
@@ -216,6 +227,7 @@ def verify_gguf(
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     greedy_tokens: int = 6,
     reference: str = "model",
+    context: int | None = None,
 ) -> VerificationReport:
     """Compare the GGUF file at `path` with `model` (see the module docstring); raise
     GGUFVerificationError on a mismatch, return the measurements otherwise.
@@ -235,6 +247,9 @@ def verify_gguf(
             dequantised (layout.hf_weights_from_gguf), within GGUF_WEIGHTS_TOLERANCE whatever
             the method: this checks the file's structure as tightly for Q4 as for F16, at the
             cost of a second copy of the weights in memory.
+        context: the context llama.cpp is started with; None: at most 512 tokens, within
+            a window llama.cpp ignores, and, for longrope, where llama.cpp keeps the short
+            factors (see the module docstring). Prompts are cut to fit it.
     """
     if not llama_cpp_available():
         raise ImportError("verifying a GGUF file needs llama-cpp-python: pip install 'slothkit[gguf]'")
@@ -251,20 +266,22 @@ def verify_gguf(
         tolerance = GGUF_WEIGHTS_TOLERANCE
     if _model_dtype(model) in (torch.bfloat16, torch.float16):
         tolerance = max(tolerance, BF16_REFERENCE_FLOOR)
-    window = _attention_window(model)
+    context = context or _default_context(model)
+    length = min(context, ignored_window(model.config, architecture_of(model)) or context)
+    prompt_ids = [tokenizer(prompt)["input_ids"][: length - greedy_tokens] for prompt in prompts]
+    _check_rope_factors_agree(model, context, prompt_ids)
 
     with _plain_cpu_kernels():
         llm = llama_cpp.Llama(
             model_path=str(pathlib.Path(path)),
-            n_ctx=min(512, window),
+            n_ctx=context,
             logits_all=True,
             verbose=False,
             seed=0,
         )
     errors, exact, gaps, generated = [], 0, [], 0
     try:
-        for prompt in prompts:
-            hf_ids = tokenizer(prompt)["input_ids"][: window - greedy_tokens]
+        for prompt, hf_ids in zip(prompts, prompt_ids):
             cpp_ids = llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)[: len(hf_ids)]
             if cpp_ids != hf_ids:
                 raise GGUFVerificationError(
@@ -356,11 +373,35 @@ def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _attention_window(model) -> int:
-    """Tokens both sides attend to alike: the sliding window where the architecture has one
-    that llama.cpp ignores (Mistral), else a comfortable 512 (Gemma 3: llama.cpp applies the
-    window itself)."""
-    arch = architecture_of(model)
-    ignored = arch.sliding_window and not arch.gguf.windowed_layers
-    window = getattr(model.config, "sliding_window", None) if ignored else None
-    return int(window) if window else 512
+def _default_context(model) -> int:
+    """The context llama.cpp is started with: 512 tokens, or less to fit a window llama.cpp
+    ignores, or where it keeps longrope's short factors (longrope.largest_short_context)."""
+    context = min(512, ignored_window(model.config, architecture_of(model)) or 512)
+    scaling = _longrope(model)
+    if scaling is not None:
+        context = min(context, longrope.largest_short_context(scaling.original_context) or context)
+    return context
+
+
+def _longrope(model) -> longrope.LongRope | None:
+    return hyperparameters(model.config, architecture_of(model)).longrope
+
+
+def _check_rope_factors_agree(model, context: int, prompt_ids: list[list[int]]) -> None:
+    """Refuse prompts on which llama.cpp and HF rotate with different longrope factors by
+    design (the module docstring), whatever the file."""
+    scaling = _longrope(model)
+    if scaling is None or not longrope.llama_cpp_uses_long_factors(context, scaling.original_context):
+        return
+    short = [
+        len(ids)
+        for ids in prompt_ids
+        if not longrope.hf_uses_long_factors(len(ids), scaling.original_context)
+    ]
+    if short:
+        raise ValueError(
+            f"in a context of {context} tokens (run as {longrope.llama_cpp_context(context)}) llama.cpp rotates "
+            f"with the long longrope factors, beyond original_max_position_embeddings "
+            f"({scaling.original_context}); prompts of {short} tokens would run HF's short ones. Give prompts "
+            f"longer than {scaling.original_context} tokens, or a context of at most {scaling.original_context}"
+        )

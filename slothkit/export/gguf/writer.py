@@ -389,6 +389,9 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             raise NotImplementedError("'llama3' rope scaling is supported for the llama architecture only")
         divisors = llama3_rope_divisors(hp)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
+    if hp.longrope is not None:
+        for name, factors in hp.longrope.tensors():
+            yield name, (lambda f=factors: f), tuple(factors.shape), None
 
     unknown = []
     for hf_name, tensor in state.items():
