@@ -156,6 +156,16 @@ def test_a_format_whose_markers_the_real_tokenizer_holds_adds_no_token(smollm2_p
 LLAMA3_USER = "<|start_header_id|>user<|end_header_id|>\n\n"
 LLAMA3_ASSISTANT = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
+# The second conversation in Llama 3's turns on SmolLM2's tokenizer, each turn ended by its
+# EOS <|im_end|>: what a named "llama-3.1" format and a custom Llama 3 pair both render.
+LLAMA3_TURNS_ENDING_IN_IM_END = (
+    "<|start_header_id|>system<|end_header_id|>\n\nAnswer in one word.<|im_end|>"
+    + LLAMA3_USER
+    + "Colour of the sky?<|im_end|>"
+    + LLAMA3_ASSISTANT
+    + "Blue<|im_end|>"
+)
+
 
 def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_path):
     """Llama 3.1's three turn tokens are not in SmolLM2's vocabulary: the turn end is written
@@ -187,13 +197,7 @@ def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_pat
     assert model.generation_config.eos_token_id in (2, [2])
 
     text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
-    assert text == (
-        "<|start_header_id|>system<|end_header_id|>\n\nAnswer in one word.<|im_end|>"
-        + LLAMA3_USER
-        + "Colour of the sky?<|im_end|>"
-        + LLAMA3_ASSISTANT
-        + "Blue<|im_end|>"
-    )
+    assert text == LLAMA3_TURNS_ENDING_IN_IM_END
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids.count(2) == 3 and max(ids) < 49152
     header = tokenizer.tokenize("<|start_header_id|>")
@@ -309,13 +313,7 @@ def test_a_custom_llama3_pair_on_smollm2_ends_turns_with_its_eos_and_adds_nothin
     assert [w for w in caught if w.category is not LegacySpellingWarning] == []
     assert (len(tokenizer), tokenizer.eos_token, tokenizer.eos_token_id) == (49152, "<|im_end|>", 2)
     text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
-    assert text == (
-        "<|start_header_id|>system<|end_header_id|>\n\nAnswer in one word.<|im_end|>"
-        + LLAMA3_USER
-        + "Colour of the sky?<|im_end|>"
-        + LLAMA3_ASSISTANT
-        + "Blue<|im_end|>"
-    )
+    assert text == LLAMA3_TURNS_ENDING_IN_IM_END
     assert tokenizer(text, add_special_tokens=False)["input_ids"].count(2) == 3
 
     expected = [_llama3_reply_tokens(tokenizer, messages) for messages in CONVERSATIONS]
