@@ -5,6 +5,26 @@ Triton kernel on CUDA tensors (and on CPU tensors under ``TRITON_INTERPRET=1``)
 and its plain-torch reference, named ``<op>_reference``, elsewhere.
 """
 
+import sys as _sys
+
+if __name__ == "kernels":
+    # This folder was imported as a top-level `kernels`: Python started in the repository
+    # root (`python -m ...`, `python -c ...` put it first on sys.path), where the folder
+    # shadows Hugging Face's `kernels` package, which transformers imports when it is
+    # installed (transformers 5.25 depends on it). Hand the import over to that package:
+    # the module left in sys.modules is what `import kernels` returns.
+    import importlib as _importlib
+    import os as _os
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _path = _sys.path[:]
+    _sys.path[:] = [entry for entry in _path if _os.path.abspath(entry or _os.curdir) != _root]
+    del _sys.modules["kernels"]
+    try:
+        _sys.modules["kernels"] = _importlib.import_module("kernels")
+    finally:
+        _sys.path[:] = _path
+
 from slothkit_kernels.attention import attention, attention_reference
 from slothkit_kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from slothkit_kernels.fused_linear_cross_entropy import (

@@ -280,3 +280,20 @@ def test_lowest_declared_versions_pass_the_core_tests(dist, tmp_path):
         env=_user_environment(TRITON_INTERPRET="1"),
         timeout=2400,
     )
+
+
+def test_python_started_in_the_repository_root_gets_the_installed_kernels_package(tmp_path):
+    """`python -m ...` or `python -c ...` in the repository root puts the root first on
+    sys.path, where the kernels/ folder would shadow Hugging Face's `kernels` package,
+    which transformers >= 5.25 imports (and depends on): the folder hands the import over."""
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("CUDAProperties = 'the installed package'\n")
+    probe = (
+        "import kernels; from kernels import CUDAProperties; print(kernels.__file__); print(CUDAProperties)"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=environment, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.splitlines() == [str(installed / "__init__.py"), "the installed package"]
