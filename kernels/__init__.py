@@ -9,19 +9,26 @@ import sys as _sys
 
 if __name__ == "kernels":
     # This folder was imported as a top-level `kernels`: Python started in the repository
-    # root (`python -m ...`, `python -c ...` put it first on sys.path), where the folder
-    # shadows Hugging Face's `kernels` package, which transformers imports when it is
-    # installed (transformers 5.25 depends on it). Hand the import over to that package:
-    # the module left in sys.modules is what `import kernels` returns.
+    # root (`python -m ...`, `python -c ...`, pytest-xdist's workers put it first on
+    # sys.path), where the folder shadows Hugging Face's `kernels` package, which
+    # transformers imports when it is installed (transformers 5.25 depends on it). Hand the
+    # import over to that package: the module left in sys.modules is what `import kernels`
+    # returns. Where it is not installed, this module stays, as transformers 5.24 expects
+    # of a `kernels` that find_spec found.
     import importlib as _importlib
     import os as _os
 
+    _this = _sys.modules["kernels"]
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _path = _sys.path[:]
     _sys.path[:] = [entry for entry in _path if _os.path.abspath(entry or _os.curdir) != _root]
     del _sys.modules["kernels"]
     try:
         _sys.modules["kernels"] = _importlib.import_module("kernels")
+    except ModuleNotFoundError as _missing:
+        if _missing.name != "kernels":
+            raise
+        _sys.modules["kernels"] = _this
     finally:
         _sys.path[:] = _path
 

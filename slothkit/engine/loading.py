@@ -20,21 +20,34 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # line asks a notebook user for a package nothing here needs.
 BITSANDBYTES_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 BITSANDBYTES_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+# Where the `kernels` package is installed (transformers 5.25 depends on it), that fetch
+# offline logs this from the package instead, about the same optional kernel.
+KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
+KERNELS_OFFLINE_NOTICE = "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"
+KERNEL_NOTICES = {
+    BITSANDBYTES_CPU_LOGGER: BITSANDBYTES_KERNEL_NOTICE,
+    KERNELS_HUB_LOGGER: KERNELS_OFFLINE_NOTICE,
+}
 
 
 class _WithoutKernelNotice(logging.Filter):
-    """Drops that one record; every other record of the logger passes."""
+    """Drops the records that start with `notice`; every other record of the logger passes."""
+
+    def __init__(self, notice: str):
+        super().__init__()
+        self.notice = notice
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(BITSANDBYTES_KERNEL_NOTICE)
+        return not str(record.msg).startswith(self.notice)
 
 
 def quiet_bitsandbytes_kernel_notice() -> None:
-    """Filter BITSANDBYTES_KERNEL_NOTICE out of bitsandbytes' CPU-backend logger, once; the
-    logger exists (and keeps the filter) before bitsandbytes is imported."""
-    logger = logging.getLogger(BITSANDBYTES_CPU_LOGGER)
-    if not any(isinstance(f, _WithoutKernelNotice) for f in logger.filters):
-        logger.addFilter(_WithoutKernelNotice())
+    """Filter each of KERNEL_NOTICES out of its logger, once; a logger exists (and keeps
+    the filter) before the library that logs to it is imported."""
+    for name, notice in KERNEL_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _WithoutKernelNotice) for f in logger.filters):
+            logger.addFilter(_WithoutKernelNotice(notice))
 
 
 quiet_bitsandbytes_kernel_notice()  # every model load imports this module first

@@ -102,23 +102,39 @@ def test_an_adapter_export_names_a_damaged_base_before_loading(checkpoint, tmp_p
         export_adapter(adapter, "merged_16bit", output=tmp_path / "out")
 
 
-def test_the_bitsandbytes_kernel_notice_is_dropped_and_that_loggers_other_records_kept():
+@pytest.mark.parametrize(
+    "logger_name, notice, kept",
+    [
+        (
+            loading.BITSANDBYTES_CPU_LOGGER,
+            loading.BITSANDBYTES_KERNEL_NOTICE + ": %s. Please make sure ...",
+            "Failed to load the CPU library",
+        ),
+        (
+            loading.KERNELS_HUB_LOGGER,
+            loading.KERNELS_OFFLINE_NOTICE + " because Hugging Face Hub is in offline mode. %s",
+            "Skipping publisher trust check for 'someone/else'",
+        ),
+    ],
+    ids=["bitsandbytes", "kernels-offline"],
+)
+def test_the_optional_kernel_notices_are_dropped_and_those_loggers_other_records_kept(
+    logger_name, notice, kept
+):
     import logging
 
-    logger = logging.getLogger(loading.BITSANDBYTES_CPU_LOGGER)
+    logger = logging.getLogger(logger_name)
     seen = []
     handler = logging.Handler()
     handler.emit = seen.append  # a logger's filters run before its handlers
     logger.addHandler(handler)
     try:
         loading.quiet_bitsandbytes_kernel_notice()  # a second call adds no second filter
-        logger.warning(
-            f"{loading.BITSANDBYTES_KERNEL_NOTICE}: %s. Please make sure ...", "No module named 'x'"
-        )
-        logger.warning("Failed to load the CPU library")
+        logger.warning(notice, "No module named 'x'")
+        logger.warning(kept)
     finally:
         logger.removeHandler(handler)
-    assert [record.getMessage() for record in seen] == ["Failed to load the CPU library"]
+    assert [record.getMessage() for record in seen] == [kept]
     assert len(logger.filters) == 1
 
 
