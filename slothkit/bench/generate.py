@@ -3,7 +3,8 @@
 Like `bench train`: one subprocess per implementation and batch size
 (slothkit.bench.generate_worker), the same random weights, adapters and prompts in each,
 greedy with a fixed number of new tokens; the record keeps each row's first tokens, and
-the table says in how many rows they equal Hugging Face's.
+the table says in how many rows they equal Hugging Face's, and what share each row's
+tokens/s is of what the GPU's memory bandwidth allows (slothkit.bench.decode_limit).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.models import SHAPES, shape_by_name
 
-IMPLEMENTATIONS = ("slothkit", "hf", "unsloth")
+IMPLEMENTATIONS = ("slothkit", "hf", "unsloth", "slothkit-merged")
 
 
 def _batches(text: str) -> list[int]:
@@ -65,13 +66,21 @@ def summarise(results: dict) -> list[dict]:
             row[key] = result.get(key)
         row["kv_cache_gib"] = result.get("kv_cache_gib")
         row["allocator"] = result.get("allocator")
+        limit = result.get("limit_tokens_per_s")
+        if limit:
+            row["limit_tokens_per_s"] = limit
+            row["share_of_limit"] = result["tokens_per_s"] / limit
+        for key in ("copy_gb_per_s", "datasheet_gb_per_s"):
+            if result.get(key):
+                row[key] = result[key]
         if result.get("ttft_error"):
             row["ttft_error"] = result["ttft_error"]
         hf = results.get((batch, "hf"), {})
         if hf.get("status") == "ok":
             row["vs_hf"] = result["tokens_per_s"] / hf["tokens_per_s"]
-            pairs = list(zip(result["first_tokens"], hf["first_tokens"]))
-            row["rows_equal_hf"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+            if result.get("compare_tokens", True):
+                pairs = list(zip(result["first_tokens"], hf["first_tokens"]))
+                row["rows_equal_hf"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
             if result.get("ttft_s") and hf.get("ttft_s"):
                 row["ttft_vs_hf"] = result["ttft_s"] / hf["ttft_s"]
         rows.append(row)
@@ -80,8 +89,11 @@ def summarise(results: dict) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of the rows."""
-    header = "| impl | batch | tokens/s | vs HF | TTFT s | rows = HF | peak alloc GiB | reserved GiB | KV cache GiB |"
-    lines = [header, "|---" * 9 + "|"]
+    header = (
+        "| impl | batch | tokens/s | vs HF | of bandwidth limit | TTFT s | rows = HF | peak alloc GiB | "
+        "reserved GiB | KV cache GiB |"
+    )
+    lines = [header, "|---" * 10 + "|"]
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['impl']} | {r['batch']} | {r['status']}: {str(r.get('error', ''))[:120]} |")
@@ -93,7 +105,7 @@ def format_table(rows: list[dict]) -> str:
 
         lines.append(
             f"| {r['impl']} | {r['batch']} | {f('tokens_per_s', ',.1f')} | {f('vs_hf', '.2f')} | "
-            f"{f('ttft_s', '.3f')} | {r.get('rows_equal_hf', '-')} | {f('peak_allocated_gib', '.2f')} | "
+            f"{f('share_of_limit', '.0%')} | {f('ttft_s', '.3f')} | {r.get('rows_equal_hf', '-')} | {f('peak_allocated_gib', '.2f')} | "
             f"{f('peak_reserved_gib', '.2f')} | {f('kv_cache_gib', '.3f')} |"
         )
     return "\n".join(lines)
@@ -150,7 +162,9 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--rank", type=positive_int, default=16)
     parser.add_argument(
-        "--impl", default="slothkit,hf,unsloth", help="comma-separated: slothkit, hf, unsloth"
+        "--impl",
+        default="slothkit,hf,unsloth,slothkit-merged",
+        help="comma-separated: slothkit, hf, unsloth, slothkit-merged (the adapters merged into the weights)",
     )
     parser.add_argument("--memory-gib", type=float, default=None, help="cap GPU memory per process")
     parser.add_argument("--t4", action="store_true", help="a T4 stand-in: fp16 under a 15 GiB cap")

@@ -5,7 +5,11 @@ Every implementation decodes the same thing: the named shape with the same rando
 (slothkit.bench.model_setup.build_model), LoRA r=16 on the seven projections with the
 same random adapter weights (so that the adapters change the output), the same random
 prompts, greedy, ``min_new_tokens = max_new_tokens`` so that every run makes the same
-number of tokens.  Prints one JSON line prefixed with RESULT_TAG.
+number of tokens.  ``slothkit-merged`` is slothkit's model with those adapters merged
+into its 16-bit weights (PEFT's merge_and_unload), as a model saved merged decodes; under
+--mode qlora it is the 4-bit base alone, which is what a merged model loaded back in
+4-bit reads.  Each run also records its bandwidth limit (slothkit.bench.decode_limit).
+Prints one JSON line prefixed with RESULT_TAG.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import traceback
 import torch
 
 from slothkit.allocator import prefer_expandable_segments
+from slothkit.bench.decode_limit import copy_gb_per_s, decode_limit
 from slothkit.bench.model_setup import build_model, load_with_unsloth, lora_targets, take_fast_model_path
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.environment import allocator_settings
@@ -72,16 +77,23 @@ def prepare(impl: str, args, dtype, device):
         model.eval()
         model.config.use_cache = True
         return model
-    if impl == "slothkit":
+    if impl in ("slothkit", "slothkit-merged"):
         from slothkit import FastModel
         from slothkit.generation import accept_encoding_in_generate
 
         take_fast_model_path(model)
         accept_encoding_in_generate(model)
+        if impl == "slothkit-merged" and args.mode == "qlora":
+            # Merging into a 4-bit base writes 16-bit weights; a merged model loaded back
+            # in 4-bit reads what this base reads, so it decodes at this base's speed.
+            FastModel.for_inference(model)
+            return model
         model = FastModel.get_peft_model(
             model, r=args.rank, lora_alpha=args.rank, use_gradient_checkpointing=False
         )
         _randomise_adapters(model, args.seed + 2)
+        if impl == "slothkit-merged":
+            model = model.merge_and_unload()  # the adapters added into the 16-bit weights
         FastModel.for_inference(model)
         return model
     raise ValueError(f"unknown implementation {impl!r}")
@@ -116,7 +128,7 @@ def run(args) -> dict:
         import unsloth  # noqa: F401  (before transformers is used)
     if not torch.cuda.is_available():
         raise RuntimeError("the generation benchmark needs a CUDA GPU")
-    if args.impl == "slothkit" and torch.cuda.is_available():
+    if args.impl.startswith("slothkit") and torch.cuda.is_available():
         prefer_expandable_segments()  # as FastModel.from_pretrained does before loading
     device = "cuda"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -153,6 +165,15 @@ def run(args) -> dict:
         "allocator": allocator_settings(),  # as the imports left it (Unsloth sets its own)
     }
     result["generation_gib"] = result["peak_allocated_gib"] - result["loaded_gib"]
+    # A 4-bit base without adapters is another model than HF's: its tokens are not compared.
+    result["compare_tokens"] = not (args.impl == "slothkit-merged" and args.mode == "qlora")
+    result.update(
+        decode_limit(model, dtype, args.batch, args.prompt_len, args.new_tokens, torch.cuda.get_device_name())
+    )
+    try:
+        result["copy_gb_per_s"] = copy_gb_per_s()
+    except torch.OutOfMemoryError:  # under a tight --memory-gib cap: the limit stands without it
+        result["copy_gb_per_s"] = None
     state = state_of(model)
     decoder = state.fast_decoder if state is not None else None
     if decoder is not None:

@@ -187,16 +187,25 @@ def _generate_cell(row: dict | None) -> str:
         return "not in this run"
     if row.get("status") != "ok":
         return row.get("status") or "-"
-    ratio = f" ({row['vs_hf']:.2f}x)" if row.get("vs_hf") is not None else ""
-    return f"{row['tokens_per_s']:,.1f}{ratio}"
+    notes = []
+    if row.get("vs_hf") is not None:
+        notes.append(f"{row['vs_hf']:.2f}x")
+    if row.get("share_of_limit") is not None:
+        notes.append(f"{row['share_of_limit']:.0%} of the bandwidth limit")
+    return f"{row['tokens_per_s']:,.1f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def render_generate(records: list[dict]) -> str:
     """`slothkit bench generate`: tokens/s per batch size side by side (ratio to HF
-    generate in the same run), time to first token on the long prompt at batch 1."""
+    generate in the same run, and share of the bandwidth limit where the record has it),
+    time to first token on the long prompt at batch 1."""
     if not records:
         return ""
+    impls = ["slothkit", "hf", "unsloth"]
     header = ["GPU", "model", "mode", "batch", "slothkit", "HF generate", "Unsloth"]
+    if any(row.get("impl") == "slothkit-merged" for record in records for row in record["rows"]):
+        impls.append("slothkit-merged")
+        header.append("slothkit, adapters merged")
     header += ["TTFT s slothkit / HF", "record"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for record in sorted(records, key=lambda r: (r["model"], r["mode"], r.get("date", ""))):
@@ -221,7 +230,7 @@ def render_generate(records: list[dict]) -> str:
                 record["model"],
                 f"{record['mode']} ({setting})",
                 str(batch),
-                *(_generate_cell(rows.get(impl)) for impl in ("slothkit", "hf", "unsloth")),
+                *(_generate_cell(rows.get(impl)) for impl in impls),
                 ttft,
                 f"`results/generate/{record['_file']}`",
             ]

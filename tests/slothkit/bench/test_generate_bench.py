@@ -87,3 +87,64 @@ def test_a_failure_on_the_long_prompt_keeps_the_throughput_and_says_why():
     row = {r["impl"]: r for r in summarise(results)}["unsloth"]
     assert row["tokens_per_s"] == 20.0 and row["vs_hf"] == 2.0
     assert row["ttft_s"] is None and row["ttft_error"].startswith("RuntimeError: The size")
+
+
+def test_the_merged_row_decodes_the_adapted_model_without_adapters():
+    """`slothkit-merged` is slothkit's adapted model with the same adapters merged into its
+    weights: no LoRA layer left, the same logits (a tiny Llama, fp32, on the CPU)."""
+    import argparse
+
+    import torch
+
+    from slothkit.bench.generate_worker import prepare
+
+    models = {}
+    for impl in ("slothkit", "slothkit-merged"):
+        args = argparse.Namespace(
+            model="tiny-llama", mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4
+        )
+        torch.manual_seed(0)
+        models[impl] = prepare(impl, args, torch.float32, "cpu")
+    assert not [n for n, _ in models["slothkit-merged"].named_parameters() if "lora_" in n]
+    ids = torch.randint(
+        3, models["slothkit"].config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        adapted = models["slothkit"](input_ids=ids).logits
+        merged = models["slothkit-merged"](input_ids=ids).logits
+        with models["slothkit"].disable_adapter():
+            base = models["slothkit"](input_ids=ids).logits
+    assert (adapted - base).abs().max() > 1e-3  # the adapters change the output
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_give_their_share_of_the_bandwidth_limit_and_skip_tokens_of_another_model():
+    results = {
+        (1, "hf"): {
+            "status": "ok",
+            "tokens_per_s": 30.0,
+            "first_tokens": [[5, 6]],
+            "limit_tokens_per_s": 300.0,
+        },
+        (1, "slothkit"): {
+            "status": "ok",
+            "tokens_per_s": 150.0,
+            "first_tokens": [[5, 6]],
+            "limit_tokens_per_s": 300.0,
+        },
+        (1, "slothkit-merged"): {
+            "status": "ok",
+            "tokens_per_s": 240.0,
+            "first_tokens": [[1, 2]],
+            "limit_tokens_per_s": 320.0,
+            "compare_tokens": False,
+        },
+    }
+    rows = {r["impl"]: r for r in summarise(results)}
+    assert rows["slothkit"]["share_of_limit"] == pytest.approx(0.5)
+    assert rows["slothkit"]["rows_equal_hf"] == "1/1"
+    assert rows["slothkit-merged"]["share_of_limit"] == pytest.approx(0.75)
+    assert "rows_equal_hf" not in rows["slothkit-merged"]
+    table = format_table(summarise(results))
+    assert "| slothkit | 1 | 150.0 | 5.00 | 50% |" in table
+    assert "| slothkit-merged | 1 | 240.0 | 8.00 | 75% |" in table

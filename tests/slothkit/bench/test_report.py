@@ -219,6 +219,42 @@ def test_generation_runs_get_their_table_with_ratios_and_time_to_first_token(tmp
     assert "| 8 | 600.0 (7.50x) | not reached | not in this run | - |" in generation
 
 
+def test_generation_rows_give_the_bandwidth_share_and_a_merged_column_once_a_run_has_one(tmp_path):
+    rows = [
+        {
+            "impl": "slothkit",
+            "batch": 1,
+            "status": "ok",
+            "tokens_per_s": 120.0,
+            "vs_hf": 10.0,
+            "share_of_limit": 0.4,
+        },
+        {
+            "impl": "hf",
+            "batch": 1,
+            "status": "ok",
+            "tokens_per_s": 12.0,
+            "vs_hf": 1.0,
+            "share_of_limit": 0.04,
+        },
+    ]
+    _record(tmp_path, "a.json", kind="generate", batches=[1], rows=rows)
+    generation = full_table(tmp_path).split("Generation after", 1)[1]
+    assert (
+        "| 120.0 (10.00x, 40% of the bandwidth limit) | 12.0 (1.00x, 4% of the bandwidth limit) |"
+        in generation
+    )
+    assert "merged" not in generation.splitlines()[2]  # no run has the merged row: no column
+
+    merged = {"impl": "slothkit-merged", "batch": 1, "status": "ok", "tokens_per_s": 150.0, "vs_hf": 12.5}
+    _record(tmp_path, "b.json", kind="generate", batches=[1], rows=[*rows, merged])
+    generation = full_table(tmp_path).split("Generation after", 1)[1]
+    lines = [line for line in generation.splitlines() if line.startswith("| GPU")]
+    assert lines[0].endswith("| Unsloth | slothkit, adapters merged | TTFT s slothkit / HF | record |")
+    assert "| not in this run | 150.0 (12.50x) |" in generation
+    assert generation.count("| not in this run | not in this run |") == 1  # the older run's row
+
+
 def test_allocated_reserved_and_host_memory_are_shown_and_missing_ones_marked(tmp_path):
     """Records since reserved and host memory were kept show all three figures; older
     ones an em dash where they lack one."""
