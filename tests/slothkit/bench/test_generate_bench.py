@@ -31,10 +31,8 @@ def test_rows_compare_speed_time_to_first_token_and_tokens_with_hf():
     assert "| slothkit | 8 | 500.0 | 2.50 |" in "\n".join(table)
 
 
-def test_every_implementation_decodes_the_same_adapted_model():
-    """The rows-equal-HF column compares tokens, so HF + PEFT and slothkit must be given
-    the same model: the same base weights and the same LoRA A and B, although each library
-    draws its own A from the global generator (a tiny Llama, fp32, on the CPU)."""
+def _tiny_llamas_prepared_by(*impls: str) -> dict:
+    """Each implementation's model as the worker prepares it: a tiny Llama, fp32, on the CPU."""
     import argparse
 
     import torch
@@ -42,12 +40,22 @@ def test_every_implementation_decodes_the_same_adapted_model():
     from slothkit.bench.generate_worker import prepare
 
     models = {}
-    for impl in ("hf", "slothkit"):
+    for impl in impls:
         args = argparse.Namespace(
             model="tiny-llama", mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4
         )
         torch.manual_seed(0)
         models[impl] = prepare(impl, args, torch.float32, "cpu")
+    return models
+
+
+def test_every_implementation_decodes_the_same_adapted_model():
+    """The rows-equal-HF column compares tokens, so HF + PEFT and slothkit must be given
+    the same model: the same base weights and the same LoRA A and B, although each library
+    draws its own A from the global generator (a tiny Llama, fp32, on the CPU)."""
+    import torch
+
+    models = _tiny_llamas_prepared_by("hf", "slothkit")
     adapters = {
         impl: {n: p for n, p in model.named_parameters() if "lora_" in n} for impl, model in models.items()
     }
@@ -92,19 +100,9 @@ def test_a_failure_on_the_long_prompt_keeps_the_throughput_and_says_why():
 def test_the_merged_row_decodes_the_adapted_model_without_adapters():
     """`slothkit-merged` is slothkit's adapted model with the same adapters merged into its
     weights: no LoRA layer left, the same logits (a tiny Llama, fp32, on the CPU)."""
-    import argparse
-
     import torch
 
-    from slothkit.bench.generate_worker import prepare
-
-    models = {}
-    for impl in ("slothkit", "slothkit-merged"):
-        args = argparse.Namespace(
-            model="tiny-llama", mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4
-        )
-        torch.manual_seed(0)
-        models[impl] = prepare(impl, args, torch.float32, "cpu")
+    models = _tiny_llamas_prepared_by("slothkit", "slothkit-merged")
     assert not [n for n, _ in models["slothkit-merged"].named_parameters() if "lora_" in n]
     ids = torch.randint(
         3, models["slothkit"].config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)
