@@ -54,6 +54,7 @@ from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference
 from slothkit_kernels.rope import rope, rope_reference, rotate
+from slothkit_kernels.rope_cache import rope_into_cache, rope_into_cache_reference
 from slothkit_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
@@ -80,6 +81,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_reference",
     "rope",
+    "rope_into_cache",
+    "rope_into_cache_reference",
     "rope_reference",
     "rotate",
     "swiglu",

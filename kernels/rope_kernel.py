@@ -57,6 +57,32 @@ def _rotate_heads(
 
 
 @triton.jit
+def _rotation_coefficients(
+    COS_ROW,  # pointer to this token's cos row (D values)
+    SIN_ROW,  # pointer to this token's sin row
+    dtype: tl.constexpr,  # the rotated tensor's dtype: cos and sin are rounded to it first
+    HALF_DIM: tl.constexpr,  # D / 2
+    INVERSE: tl.constexpr,  # the transpose's coefficients (backward) instead of the rotation's
+    BLOCK_HALF: tl.constexpr,  # power of two >= D / 2
+):
+    """(cos1, cos2, sin_a, sin_b) of _rotate_heads, fp32, (BLOCK_HALF,) each."""
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF_DIM
+    # cos and sin are rounded to q's dtype first, as transformers hands them over.
+    cos1 = tl.load(COS_ROW + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(COS_ROW + HALF_DIM + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(SIN_ROW + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(SIN_ROW + HALF_DIM + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    if INVERSE:  # dx1 = g1 c1 + g2 s2,  dx2 = g2 c2 - g1 s1
+        sin_a = sin2
+        sin_b = -sin1
+    else:  # out1 = x1 c1 - x2 s1,  out2 = x2 c2 + x1 s2
+        sin_a = -sin1
+        sin_b = sin2
+    return cos1, cos2, sin_a, sin_b
+
+
+@triton.jit
 def _rope_kernel(
     Q_IN,  # pointer to q (or dL/dq) read, (B, Hq, T, D), last dim contiguous
     Q_OUT,  # pointer to the rotated q written (Q_IN for the in-place forward)
@@ -99,21 +125,9 @@ def _rope_kernel(
     else:
         cs_row = b * cos_stride_b + t * cos_stride_t
 
-    dtype = Q_OUT.dtype.element_ty
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF_DIM
-    # cos and sin are rounded to q's dtype first, as transformers hands them over.
-    cos1 = tl.load(COS + cs_row + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(COS + cs_row + HALF_DIM + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(SIN + cs_row + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(SIN + cs_row + HALF_DIM + offs_d, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    if INVERSE:  # dx1 = g1 c1 + g2 s2,  dx2 = g2 c2 - g1 s1
-        sin_a = sin2
-        sin_b = -sin1
-    else:  # out1 = x1 c1 - x2 s1,  out2 = x2 c2 + x1 s2
-        sin_a = -sin1
-        sin_b = sin2
-
+    cos1, cos2, sin_a, sin_b = _rotation_coefficients(
+        COS + cs_row, SIN + cs_row, Q_OUT.dtype.element_ty, HALF_DIM, INVERSE, BLOCK_HALF
+    )
     _rotate_heads(
         Q_IN + b * q_in_stride_b + t * q_in_stride_t,
         Q_OUT + b * q_out_stride_b + t * q_out_stride_t,

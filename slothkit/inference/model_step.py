@@ -24,7 +24,7 @@ from slothkit.engine.inspection import attention_window
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.model_state import patched_module
-from slothkit_kernels import geglu, rope, swiglu
+from slothkit_kernels import geglu, rope, rope_into_cache, swiglu
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,23 @@ def _rotate_pair(q, k, cos, sin):
     if q.is_cuda:
         return rope(q, k, cos, sin)
     return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+
+
+def _fused_rope_and_cache_write(q: torch.Tensor) -> bool:
+    """Whether RoPE and the cache write run as one launch of slothkit's kernel: where a
+    GPU runs it.  Elsewhere q and k are rotated as Hugging Face rotates them."""
+    return q.is_cuda
+
+
+def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: torch.Tensor):
+    """q rotated, and k rotated and v written into ``layer``'s cache at ``slots``;
+    returns (q, the layer's whole keys, its whole values).  On a GPU one launch
+    (rope_into_cache) where rope and two index_copy_ launches would be three."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    if _fused_rope_and_cache_write(q) and keys.dtype == q.dtype:
+        return rope_into_cache(q, k, v, cos, sin, keys, values, slots), keys, values
+    q, k = _rotate_pair(q, k, cos, sin)
+    return (q, *cache.write(layer, slots, k, v))
 
 
 def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -279,8 +296,7 @@ class ModelStep:
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            q, k = _rotate_pair(q, k, cos, sin)
-            keys, values = cache.write(index, slots, k, v)
+            q, keys, values = _rope_and_cache(q, k, v, cos, sin, cache, index, slots)
             keys, values = keys[:, :, :visible], values[:, :, :visible]
             if causal and projections.softcap is None:
                 out = F.scaled_dot_product_attention(

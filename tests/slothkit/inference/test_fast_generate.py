@@ -106,6 +106,37 @@ def test_greedy_tokens_of_a_4bit_model_equal_hf_generate(bitsandbytes_repacks_on
 def test_prefill_and_step_logits_equal_the_model_forward(arch):
     """The decode step's logits at every position of a left-padded batch equal the model's
     own forward over the whole sequence."""
+    _check_prefill_and_step_logits(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypatch):
+    """On a GPU the step rotates q and k and writes the cache in one launch
+    (rope_into_cache); here the Triton interpreter runs that kernel in the same step, and
+    the logits still equal the model's forward (Llama; Qwen3's q/k norms before RoPE;
+    Gemma 2's windowed layers)."""
+    from slothkit.inference import model_step
+    from slothkit_kernels import rope_cache
+
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return rope_cache.rope_into_cache(*args)
+
+    monkeypatch.setattr(model_step, "_fused_rope_and_cache_write", lambda q: True)
+    monkeypatch.setattr(model_step, "rope_into_cache", counted)
+    _check_prefill_and_step_logits(arch)
+    assert len(calls) == 6 * _layers_of(arch), "the fused write did not run in every layer"
+
+
+def _layers_of(arch: str) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(tiny_model_path(arch))).num_hidden_layers
+
+
+def _check_prefill_and_step_logits(arch: str) -> None:
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.inference.kv_cache import StaticKVCache
     from slothkit.models import architecture_for
