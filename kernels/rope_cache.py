@@ -27,7 +27,7 @@ import triton.language as tl
 
 from slothkit_kernels.rope import rope_reference
 from slothkit_kernels.rope_checks import _check_rotatable
-from slothkit_kernels.rope_kernel import MAX_TILE, NUM_WARPS, _rotate_heads, _rotation_coefficients
+from slothkit_kernels.rope_kernel import MAX_TILE, NUM_WARPS, _rotate_token
 from slothkit_kernels.utils import use_triton, warn_reference_once
 
 
@@ -88,36 +88,23 @@ def _rope_cache_kernel(
     t = pid % seq_len
     slot = tl.load(SLOTS + t).to(tl.int64)
     cs_row = b * cos_stride_b + t * cos_stride_t
-    cos1, cos2, sin_a, sin_b = _rotation_coefficients(
-        COS + cs_row, SIN + cs_row, Q.dtype.element_ty, HALF_DIM, False, BLOCK_HALF
-    )
     q_row = Q + b * q_stride_b + t * q_stride_t
-    _rotate_heads(
+    cache_row = b * cache_stride_b + slot * cache_stride_s
+    _rotate_token(
         q_row,
         q_row,
         q_stride_h,
         q_stride_h,
         n_q_heads,
-        cos1,
-        cos2,
-        sin_a,
-        sin_b,
-        HALF_DIM,
-        BLOCK_H,
-        BLOCK_HALF,
-    )
-    cache_row = b * cache_stride_b + slot * cache_stride_s
-    _rotate_heads(
         K + b * k_stride_b + t * k_stride_t,
         KEYS + cache_row,
         k_stride_h,
         cache_stride_h,
         n_kv_heads,
-        cos1,
-        cos2,
-        sin_a,
-        sin_b,
+        COS + cs_row,
+        SIN + cs_row,
         HALF_DIM,
+        False,
         BLOCK_H,
         BLOCK_HALF,
     )

@@ -83,6 +83,60 @@ def _rotation_coefficients(
 
 
 @triton.jit
+def _rotate_token(
+    Q_IN,  # pointer to the token's head 0 of q read
+    Q_OUT,  # pointer to the token's head 0 of q written (may equal Q_IN)
+    q_in_stride_h,
+    q_out_stride_h,
+    n_q_heads,
+    K_IN,  # the same for k (n_k_heads 0: none)
+    K_OUT,
+    k_in_stride_h,
+    k_out_stride_h,
+    n_k_heads,
+    COS_ROW,  # pointer to the token's cos row
+    SIN_ROW,  # pointer to the token's sin row
+    HALF_DIM: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """One token's q and k heads rotated (or, with INVERSE, by the transpose) by its row
+    of cos and sin, rounded as the module's docstring says."""
+    cos1, cos2, sin_a, sin_b = _rotation_coefficients(
+        COS_ROW, SIN_ROW, Q_OUT.dtype.element_ty, HALF_DIM, INVERSE, BLOCK_HALF
+    )
+    _rotate_heads(
+        Q_IN,
+        Q_OUT,
+        q_in_stride_h,
+        q_out_stride_h,
+        n_q_heads,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        K_IN,
+        K_OUT,
+        k_in_stride_h,
+        k_out_stride_h,
+        n_k_heads,
+        cos1,
+        cos2,
+        sin_a,
+        sin_b,
+        HALF_DIM,
+        BLOCK_H,
+        BLOCK_HALF,
+    )
+
+
+@triton.jit
 def _rope_kernel(
     Q_IN,  # pointer to q (or dL/dq) read, (B, Hq, T, D), last dim contiguous
     Q_OUT,  # pointer to the rotated q written (Q_IN for the in-place forward)
@@ -125,34 +179,21 @@ def _rope_kernel(
     else:
         cs_row = b * cos_stride_b + t * cos_stride_t
 
-    cos1, cos2, sin_a, sin_b = _rotation_coefficients(
-        COS + cs_row, SIN + cs_row, Q_OUT.dtype.element_ty, HALF_DIM, INVERSE, BLOCK_HALF
-    )
-    _rotate_heads(
+    _rotate_token(
         Q_IN + b * q_in_stride_b + t * q_in_stride_t,
         Q_OUT + b * q_out_stride_b + t * q_out_stride_t,
         q_in_stride_h,
         q_out_stride_h,
         n_q_heads,
-        cos1,
-        cos2,
-        sin_a,
-        sin_b,
-        HALF_DIM,
-        BLOCK_H,
-        BLOCK_HALF,
-    )
-    _rotate_heads(
         K_IN + b * k_in_stride_b + t * k_in_stride_t,
         K_OUT + b * k_out_stride_b + t * k_out_stride_t,
         k_in_stride_h,
         k_out_stride_h,
         n_k_heads,
-        cos1,
-        cos2,
-        sin_a,
-        sin_b,
+        COS + cs_row,
+        SIN + cs_row,
         HALF_DIM,
+        INVERSE,
         BLOCK_H,
         BLOCK_HALF,
     )
