@@ -49,6 +49,7 @@ from slothkit_kernels.lora import (
     lora_qkv_reference,
     lora_qkv_rope,
 )
+from slothkit_kernels.lora_gemv import lora_gemv, lora_gemv_reference
 from slothkit_kernels.lora_projection import LoRAProjection
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_weight import NF4Weight
@@ -70,6 +71,8 @@ __all__ = [
     "fused_linear_cross_entropy_reference",
     "geglu",
     "geglu_reference",
+    "lora_gemv",
+    "lora_gemv_reference",
     "lora_linear",
     "lora_mlp",
     "lora_mlp_reference",

@@ -174,6 +174,10 @@ def run(args) -> dict:
         result["copy_gb_per_s"] = copy_gb_per_s()
     except torch.OutOfMemoryError:  # under a tight --memory-gib cap: the limit stands without it
         result["copy_gb_per_s"] = None
+    if args.impl.startswith("slothkit"):
+        from slothkit.inference.gemv_choice import choices
+
+        result["gemv_choices"] = choices()  # which GEMV each decode projection shape runs
     state = state_of(model)
     decoder = state.fast_decoder if state is not None else None
     if decoder is not None:

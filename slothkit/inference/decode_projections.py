@@ -12,6 +12,9 @@ same launch:
 
 which is what slothkit's fused training functions compute too (the adapters cast to the
 compute dtype), with no merge: the base weights (16-bit or NF4) are read where they are.
+On a GPU a 16-bit projection of one to eight rows may instead run slothkit's
+``lora_gemv``, which adds the adapter in its GEMV's epilogue (one launch): where it was
+timed faster than cuBLAS's GEMV and the ``addmm_`` for that shape (gemv_choice.py).
 The stacked A and the cast B are small copies of the adapters, refreshed before each
 generate call when an adapter tensor was changed in place (its version counter moved),
 so training between generate calls is seen.
@@ -36,6 +39,8 @@ from torch import nn
 
 from slothkit.engine.lora_projection import describe
 from slothkit.engine.nf4_layout import keep_nf4_layout
+from slothkit.inference.gemv_choice import gemv_candidate
+from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
@@ -53,6 +58,22 @@ def _nf4_base(layer: nn.Module, described, dtype: torch.dtype):
         return None
     bias = described.bias
     return described.weight, (None if bias is None else bias.to(dtype))
+
+
+def _dense_base(described, dtype: torch.dtype):
+    """(weight, bias) of a 16-bit base weight in ``dtype`` that slothkit's GEMV can read,
+    else None."""
+    if isinstance(described, str) or isinstance(described.weight, NF4Weight):
+        return None
+    weight, bias = described.weight, described.bias
+    if weight.dtype != dtype or weight.stride(-1) != 1 or (bias is not None and bias.dtype != dtype):
+        return None
+    return weight, bias
+
+
+def _gemv_may_run(rows: torch.Tensor) -> bool:
+    """Whether slothkit's GEMV is considered at all: a decode step's few rows on a GPU."""
+    return rows.is_cuda and rows.shape[0] <= MAX_ROWS
 
 
 class SharedInputProjections:
@@ -75,6 +96,7 @@ class SharedInputProjections:
             described = [describe(layer) for layer in self.layers]
         self.own_forward = any(isinstance(d, str) for d in described)
         self.nf4 = [_nf4_base(layer, d, dtype) for layer, d in zip(self.layers, described)]
+        self.dense = [_dense_base(d, dtype) for d in described]
         self.adapters = [] if self.own_forward else [d for d in described if d.lora_a is not None]
         self.with_adapter = [not self.own_forward and d.lora_a is not None for d in described]
         self.scalings = [d.scaling for d in self.adapters]
@@ -107,23 +129,35 @@ class SharedInputProjections:
         """Each layer's output for ``x`` (..., in_features)."""
         if self.own_forward:
             return [layer(x) for layer in self.layers]
-        outputs = [self._base_output(index, x) for index in range(len(self.layers))]
-        if not self.adapters:
-            return outputs
         rows = x.reshape(-1, x.shape[-1])
-        low_rank = rows @ self.stacked_a.t()  # (N, sum of ranks)
-        start = 0
-        adapter = 0
-        for index, output in enumerate(outputs):
-            if not self.with_adapter[index]:
-                continue
-            b = self.b[adapter]
-            rank = b.shape[1]
-            out_rows = output.view(-1, output.shape[-1])
-            out_rows.addmm_(low_rank[:, start : start + rank], b.t(), alpha=self.scalings[adapter])
-            start += rank
-            adapter += 1
+        low_rank = rows @ self.stacked_a.t() if self.adapters else None  # (N, sum of ranks)
+        outputs = []
+        start = adapter = 0
+        for index in range(len(self.layers)):
+            xa = b = None
+            scaling = 1.0
+            if self.with_adapter[index]:
+                b, scaling = self.b[adapter], self.scalings[adapter]
+                xa = low_rank[:, start : start + b.shape[1]]
+                start += b.shape[1]
+                adapter += 1
+            outputs.append(self._output(index, x, rows, xa, b, scaling))
         return outputs
+
+    def _output(self, index: int, x, rows, xa, b, scaling: float) -> torch.Tensor:
+        """One layer's output: through slothkit's GEMV with the adapter in its epilogue
+        where that was timed faster for this shape (gemv_choice), else the base layer's
+        output with the adapter accumulated into it."""
+        dense = self.dense[index]
+        if dense is not None and _gemv_may_run(rows):
+            candidate = gemv_candidate(rows, *dense, xa, b, scaling)
+            if candidate is not None:
+                out = lora_gemv(rows, *dense, xa, b, scaling, candidate=candidate)
+                return out.view(*x.shape[:-1], out.shape[-1])
+        output = self._base_output(index, x)
+        if xa is not None:
+            output.view(-1, output.shape[-1]).addmm_(xa, b.t(), alpha=scaling)
+        return output
 
     def _base_output(self, index: int, x: torch.Tensor) -> torch.Tensor:
         nf4 = self.nf4[index]

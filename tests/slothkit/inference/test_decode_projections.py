@@ -59,6 +59,30 @@ def test_lora_layers_equal_peft(use_rslora):
     _assert_outputs_equal(layers, projections)
 
 
+def test_the_gemv_with_the_adapter_in_its_epilogue_equals_peft(monkeypatch):
+    """Where slothkit's GEMV was timed faster (on a GPU), every 16-bit projection of a
+    decode step runs through it: here the Triton interpreter runs it for rows of 1 to 8
+    (the 10-row batch keeps the base layers), with and without adapters and biases."""
+    from slothkit.inference import decode_projections
+
+    launched = []
+
+    def candidate(rows, weight, *rest):
+        launched.append((rows.shape[0], weight.shape[0]))
+        return 0
+
+    monkeypatch.setattr(decode_projections, "_gemv_may_run", lambda rows: rows.shape[0] <= 8)
+    monkeypatch.setattr(decode_projections, "gemv_candidate", candidate)
+    _, layers = _adapted(3, rank_pattern={"k": 2}, alpha_pattern={"v": 3})
+    _assert_outputs_equal(layers, SharedInputProjections(layers, torch.float32), rows=(1, 3))
+    assert sorted({rows for rows, _ in launched}) == [3]  # the (2, 5) batch has 10 rows
+    torch.manual_seed(4)
+    block = _Block(bias=False)
+    plain = [block.q, block.k, block.v]
+    _assert_outputs_equal(plain, SharedInputProjections(plain, torch.float32), rows=(8,))
+    assert (8, 48) in launched
+
+
 def test_adapters_changed_in_place_are_seen_after_refresh():
     _, layers = _adapted(2)
     projections = SharedInputProjections(layers, torch.float32)
