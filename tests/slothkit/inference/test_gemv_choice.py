@@ -21,9 +21,9 @@ def _inputs(seed: int):
 
 
 def _timings(monkeypatch, cublas_ms: float, kernel_ms: dict):
-    """_median_ms answers cuBLAS's figure first, then each candidate's in order."""
+    """_graph_ms answers cuBLAS's figure first, then each candidate's in order."""
     answers = iter([cublas_ms, *(kernel_ms.get(c, 1.0) for c in range(len(CANDIDATES)))])
-    monkeypatch.setattr(gemv_choice, "_median_ms", lambda call: next(answers))
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, weight: next(answers))
 
 
 def test_the_fastest_agreeing_candidate_is_kept_when_it_gains_enough(monkeypatch):
@@ -50,15 +50,22 @@ def test_a_candidate_that_disagrees_or_fails_is_never_chosen(monkeypatch):
 
     monkeypatch.setattr(gemv_choice, "lora_gemv", faulty)
     timed = iter([1.0, 0.5, 0.5, 0.5])  # cuBLAS, then the three candidates that agree
-    monkeypatch.setattr(gemv_choice, "_median_ms", lambda call: next(timed))
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, weight: next(timed))
     decision = gemv_choice._decide(*_inputs(int(torch.randint(0, 2**31, ()))))
     assert decision["candidate"] == 2
 
 
 def test_nothing_is_timed_off_the_gpu_or_for_too_many_rows():
+    # The table is process-wide: on a GPU, decode tests before this one have filled it.
+    before = gemv_choice.choices()
     rows, weight, bias, xa, lora_b, scaling = _inputs(0)
     assert gemv_choice.gemv_candidate(rows, weight, bias, xa, lora_b, scaling) is None
-    assert gemv_choice.choices() == []
+    many_rows = torch.randn(9, 64)
+    many_xa = torch.randn(9, 4)
+    if torch.cuda.is_available():
+        weight, lora_b, many_rows, many_xa = (t.cuda() for t in (weight, lora_b, many_rows, many_xa))
+    assert gemv_choice.gemv_candidate(many_rows, weight, bias, many_xa, lora_b, scaling) is None
+    assert gemv_choice.choices() == before
 
 
 @pytest.mark.cuda
