@@ -5,7 +5,8 @@ by timing both once per shape on the GPU it runs on.
 Which is faster depends on the GPU, the shape and the row count (1 to 8), and slothkit's
 kernel has several tile sizes; rather than a table measured on one GPU, the first decode
 step (the warm-up before its CUDA graph is captured) times cuBLAS's path and each tile
-candidate on the step's own inputs, checks each candidate's output against cuBLAS's
+candidate on the step's own inputs, as CUDA graph replays with the weight read from
+memory (the step's own conditions), checks each candidate's output against cuBLAS's
 within the dtype's rounding, and keeps the fastest.  slothkit's kernel is taken only
 when it is at least ``MIN_GAIN`` faster, so a GPU where cuBLAS wins decodes as before.
 Nothing is timed while a graph is being captured (no synchronisation is allowed then):
@@ -15,7 +16,7 @@ such a call takes cuBLAS's path.  The choices are kept per process (``choices()`
 
 from __future__ import annotations
 
-import statistics
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from slothkit_kernels.lora_gemv import CANDIDATES, MAX_ROWS, lora_gemv
 
 MIN_GAIN = 0.03
-TIMED_CALLS = 20
+TIMING_MS = 10  # of replays per timed path
 # Largest relative error against cuBLAS's path a candidate may have: both accumulate in
 # fp32; the outputs differ by their roundings (the kernel rounds once, cuBLAS's path twice).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -45,18 +46,23 @@ def cublas_path(rows, weight, bias, xa, lora_b, scaling) -> torch.Tensor:
     return out
 
 
-def _median_ms(call) -> float:
-    for _ in range(3):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(TIMED_CALLS):
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and enough copies of it that together they exceed twice the L2 cache:
+    calls cycling through them read their weight from memory, as the decode step does
+    (it reads each weight once per token), rather than from a cache the timing warmed."""
+    l2_bytes = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 0) or 64 << 20
+    count = -(-2 * l2_bytes // (weight.numel() * weight.element_size()))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
+def _graph_ms(call, weight: torch.Tensor) -> float:
+    """Milliseconds of GPU time per ``call(weight)`` as a CUDA graph replays it: the
+    decode step runs in one, so the host's launch time (tens of microseconds for a
+    Triton launch from Python, more than a decode GEMV's GPU time) must not count."""
+    from triton.testing import do_bench_cudagraph
+
+    copies = itertools.cycle(_weight_copies(weight))
+    return float(do_bench_cudagraph(lambda: call(next(copies)), rep=TIMING_MS, return_mode="median"))
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,7 +71,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _decide(rows, weight, bias, xa, lora_b, scaling) -> dict:
     expected = cublas_path(rows, weight, bias, xa, lora_b, scaling)
-    decision = {"cublas_ms": _median_ms(lambda: cublas_path(rows, weight, bias, xa, lora_b, scaling))}
+    decision = {"cublas_ms": _graph_ms(lambda w: cublas_path(rows, w, bias, xa, lora_b, scaling), weight)}
     best = None
     for candidate in range(len(CANDIDATES)):
         try:
@@ -73,8 +79,8 @@ def _decide(rows, weight, bias, xa, lora_b, scaling) -> dict:
             error = _relative_error(got, expected)
             if error > TOLERANCE.get(rows.dtype, 3e-2):
                 continue
-            ms = _median_ms(
-                lambda c=candidate: lora_gemv(rows, weight, bias, xa, lora_b, scaling, candidate=c)
+            ms = _graph_ms(
+                lambda w, c=candidate: lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c), weight
             )
         except Exception:  # a tile that does not compile or fit on this GPU: not a candidate
             continue
