@@ -12,6 +12,23 @@ BLOCK_N-row band of W once (the bytes that bound a decode step), accumulates eve
 x against it in fp32, then adds the band's rows of B times xa, scaled, and the bias, and
 rounds once to the output dtype (cuBLAS's path rounds the base product, then the sum).
 
+Work split.  A program owns a band of BLOCK_N rows of W and one slice of K.  It
+accumulates x * w elementwise in a (rows, BLOCK_N, BLOCK_K) fp32 tile and sums along K
+once at the end, so the loop is loads and FMAs with no cross-thread reduction per step.
+A candidate with ``programs_per_sm`` > 0 splits K into as many slices as it takes for the
+grid to hold that many programs per SM: at one to eight rows a Llama-3-8B k/v projection
+(N = 1,024) is only 64 bands of 16 rows, too few programs to keep enough loads in flight
+to reach the memory's bandwidth.  With a split, each program stores its fp32 partial
+sums, then counts itself in with an atomic add on its band's counter; the last of the
+band's programs to arrive adds the partials in slice order (so the result does not
+depend on which finished first), applies the epilogue, and sets the counter back to 0
+for the next call.  One launch still, and deterministic.  The partial sums and counters
+are a workspace per device and shape, made at the first call outside CUDA graph capture
+and kept for the process (a captured graph keeps pointing at it); a split call made
+during capture before its shape has a workspace runs unsplit instead.  Split calls on a
+device share that workspace, so they must run on one stream at a time, as a decode step
+does.
+
 Whether this beats cuBLAS's GEMV plus ``addmm_`` depends on the GPU and the shape: the
 decode path times both once per shape and keeps the faster
 (slothkit.inference.gemv_choice).
@@ -26,52 +43,48 @@ import triton.language as tl
 from slothkit_kernels.utils import use_triton, warn_reference_once
 
 MAX_ROWS = 8
-# (BLOCK_N, BLOCK_K at one row, num_warps) to try per shape.  With more rows BLOCK_K is
-# divided by the rows (down to 32), so that the (rows, BLOCK_N, BLOCK_K) product a
-# program holds in registers stays the same size.
-CANDIDATES = ((16, 256, 4), (32, 128, 4), (8, 512, 4), (64, 128, 8), (32, 256, 8))
+# (BLOCK_N, BLOCK_K at one row, num_warps, programs per SM) to try per shape; programs
+# per SM 0 = one program per band of rows, no split of K.  With more rows BLOCK_K is
+# divided by the rows (down to 32), so that the (rows, BLOCK_N, BLOCK_K) tile a program
+# accumulates in registers stays the same size.
+CANDIDATES = (
+    (16, 256, 4, 0),
+    (32, 128, 4, 0),
+    (8, 512, 4, 0),
+    (64, 128, 8, 0),
+    (32, 256, 8, 0),
+    (16, 256, 4, 8),
+    (8, 512, 4, 8),
+    (32, 256, 8, 4),
+    (16, 512, 4, 4),
+)
+
+# Workspaces of split calls, per (device, rows, N, slices, bands): kept for the process.
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
-def _lora_gemv_kernel(
-    X,  # (M, K), rows stride_xm apart, contiguous along K
-    W,  # (N, K), rows stride_wn apart, contiguous along K
-    XA,  # (M, R) the low-rank product x A^T (unused without HAS_LORA)
-    B,  # (N, R) LoRA B (unused without HAS_LORA)
-    BIAS,  # (N,) (unused without HAS_BIAS)
-    Y,  # (M, N) output, rows stride_ym apart
-    M,
-    N,
-    K,
+def _finish(
+    acc,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    XA,
+    B,
+    BIAS,
+    Y,
     R,
-    stride_xm,
-    stride_wn,
     stride_xam,
     stride_bn,
     stride_ym,
     scaling,
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    rows_w = W + offs_n.to(tl.int64)[:, None] * stride_wn
-    rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        w = tl.load(rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        # (M, 1, K) * (1, N, K) summed over K: every row of x against the band of W.
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    """The epilogue: acc (BLOCK_M, BLOCK_N) = x W^T in fp32; add s xa B^T and the bias,
+    round once, store."""
     if HAS_LORA:
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
@@ -90,6 +103,107 @@ def _lora_gemv_kernel(
         acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _lora_gemv_kernel(
+    X,  # (M, K), rows stride_xm apart, contiguous along K
+    W,  # (N, K), rows stride_wn apart, contiguous along K
+    XA,  # (M, R) the low-rank product x A^T (unused without HAS_LORA)
+    B,  # (N, R) LoRA B (unused without HAS_LORA)
+    BIAS,  # (N,) (unused without HAS_BIAS)
+    Y,  # (M, N) output, rows stride_ym apart
+    PARTIALS,  # (slices, M, N) fp32 partial sums (unused without SPLIT)
+    COUNTERS,  # (bands,) int32, 0 between calls: programs of a band that have stored (SPLIT)
+    M,
+    N,
+    K,
+    R,
+    k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
+    slices,  # programs per band of rows
+    stride_xm,
+    stride_wn,
+    stride_xam,
+    stride_bn,
+    stride_ym,
+    scaling,
+    HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    rows_w = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_start = pid_k * k_per_slice
+    k_stop = tl.minimum(k_start + k_per_slice, K)
+    # x * w accumulated elementwise; summed along K once, after the loop.
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_stop
+        w = tl.load(rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    if SPLIT:
+        band = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        mn_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(PARTIALS + pid_k.to(tl.int64) * M * N + band, acc, mask=mn_mask)
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        arrived = tl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel")
+        if arrived == slices - 1:  # the band's last program: the others' partials are in
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, slices):  # in slice order: the same sum whoever came last
+                total += tl.load(PARTIALS + s * M * N + band, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            _finish(
+                total,
+                offs_m,
+                offs_n,
+                m_mask,
+                n_mask,
+                XA,
+                B,
+                BIAS,
+                Y,
+                R,
+                stride_xam,
+                stride_bn,
+                stride_ym,
+                scaling,
+                HAS_LORA,
+                HAS_BIAS,
+                BLOCK_R,
+            )
+            tl.atomic_xchg(COUNTERS + pid_n, 0)
+    else:
+        _finish(
+            acc,
+            offs_m,
+            offs_n,
+            m_mask,
+            n_mask,
+            XA,
+            B,
+            BIAS,
+            Y,
+            R,
+            stride_xam,
+            stride_bn,
+            stride_ym,
+            scaling,
+            HAS_LORA,
+            HAS_BIAS,
+            BLOCK_R,
+        )
 
 
 def lora_gemv_reference(x, weight, bias=None, xa=None, lora_b=None, scaling: float = 1.0) -> torch.Tensor:
@@ -160,20 +274,31 @@ def lora_gemv(
     if not use_triton(x):
         warn_reference_once("lora_gemv", x.device.type)
         return out.copy_(lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
-    block_n, block_k, warps = CANDIDATES[candidate]
+    block_n, block_k, warps, programs_per_sm = CANDIDATES[candidate]
     block_m = triton.next_power_of_2(rows)
+    k = x.shape[1]
+    block_k = min(max(32, block_k // block_m), max(16, triton.next_power_of_2(k)))
+    bands = triton.cdiv(n, block_n)
+    slices, k_per_slice = _slices(x.device, bands, k, block_k, programs_per_sm)
+    partials, counters = _workspace(x.device, rows, n, slices, bands)
+    if partials is None:
+        slices, k_per_slice = 1, k
     rank = 1 if xa is None else xa.shape[1]
-    _lora_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _lora_gemv_kernel[(bands, slices)](
         x,
         weight,
         x if xa is None else xa,
         weight if lora_b is None else lora_b,
         weight if bias is None else bias,
         out,
+        out if partials is None else partials,
+        out if counters is None else counters,
         rows,
         n,
-        x.shape[1],
+        k,
         rank,
+        k_per_slice,
+        slices,
         x.stride(0),
         weight.stride(0),
         0 if xa is None else xa.stride(0),
@@ -182,10 +307,39 @@ def lora_gemv(
         float(scaling),
         HAS_LORA=xa is not None,
         HAS_BIAS=bias is not None,
+        SPLIT=partials is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=min(max(32, block_k // block_m), max(16, triton.next_power_of_2(x.shape[1]))),
+        BLOCK_K=block_k,
         BLOCK_R=max(1, triton.next_power_of_2(rank)),
         num_warps=warps,
     )
     return out
+
+
+def _slices(device: torch.device, bands: int, k: int, block_k: int, programs_per_sm: int) -> tuple[int, int]:
+    """How many slices K is cut into (and the columns of each, a multiple of block_k) for
+    the grid to hold ``programs_per_sm`` programs per SM; 1 slice when that is 0."""
+    if programs_per_sm == 0:
+        return 1, k
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    steps = triton.cdiv(k, block_k)
+    slices = min(triton.cdiv(programs_per_sm * sms, bands), steps)
+    k_per_slice = triton.cdiv(steps, slices) * block_k
+    return triton.cdiv(k, k_per_slice), k_per_slice
+
+
+def _workspace(device, rows: int, n: int, slices: int, bands: int):
+    """The partial sums and zeroed counters of a split call, or (None, None): unsplit, or
+    a shape first met during CUDA graph capture (memory made then belongs to the graph)."""
+    if slices == 1:
+        return None, None
+    key = (str(device), rows, n, slices, bands)
+    if key not in _workspaces:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, None
+        _workspaces[key] = (
+            torch.empty(slices, rows, n, dtype=torch.float32, device=device),
+            torch.zeros(bands, dtype=torch.int32, device=device),
+        )
+    return _workspaces[key]

@@ -3,8 +3,9 @@ and without an adapter and a bias, every tile candidate, fp32 / fp16 / bf16."""
 
 import pytest
 import torch
+import triton
 
-from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv, lora_gemv_reference
+from slothkit_kernels.lora_gemv import CANDIDATES, _slices, _workspaces, lora_gemv, lora_gemv_reference
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -24,16 +25,31 @@ def _inputs(rows, n, k, rank, dtype, device, bias: bool, generator):
     return x, weight, randn(n) if bias else None, xa, lora_b
 
 
+ROWS = [1, 3, 8]
+RANK_BIAS = [(16, False), (8, True), (0, False), (0, True)]
+
+
+def _candidates(device, rows, rank, bias, dtype) -> list[int]:
+    """Every tile candidate on a GPU; under the interpreter two per case, rotating with the
+    case so that the grid as a whole runs each candidate several times."""
+    if device == "cuda":
+        return list(range(len(CANDIDATES)))
+    case = (DTYPES.index(dtype) * len(ROWS) + ROWS.index(rows)) * len(RANK_BIAS) + RANK_BIAS.index(
+        (rank, bias)
+    )
+    return sorted({case % len(CANDIDATES), (case + len(CANDIDATES) // 2) % len(CANDIDATES)})
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("rank, bias", [(16, False), (8, True), (0, False), (0, True)])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rank, bias", RANK_BIAS)
 def test_lora_gemv_matches_the_fp32_reference(rows, rank, bias, dtype, device):
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     # N and K not multiples of the tiles: the masks are exercised.
     x, weight, b, xa, lora_b = _inputs(rows, 72, 200, rank, dtype, device, bias, generator)
     scaling = float(torch.rand((), generator=generator)) * 2
     expected = lora_gemv_reference(x, weight, b, xa, lora_b, scaling)
-    for candidate in range(len(CANDIDATES)):
+    for candidate in _candidates(device, rows, rank, bias, dtype):
         got = lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate)
         assert got.dtype == dtype and got.shape == (rows, 72)
         assert relative_error(got, expected) < TOLERANCE[dtype], CANDIDATES[candidate]
@@ -76,3 +92,30 @@ def test_what_lora_gemv_cannot_compute_is_refused(device):
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, dtype, device):
+    """A K long enough to be cut into several slices (on a CPU, one "SM", as on a GPU):
+    the band's last program adds every slice's partial sums once, and leaves the band's
+    counter at 0 for the next call."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 40, 600
+    cut = 0
+    for candidate, (block_n, block_k, _, programs_per_sm) in enumerate(CANDIDATES):
+        if not programs_per_sm:
+            continue
+        bands = triton.cdiv(n, block_n)
+        block_k = max(32, block_k // triton.next_power_of_2(rows))
+        slices, _ = _slices(torch.device(device), bands, k, block_k, programs_per_sm)
+        for _ in range(2):  # the second call starts from the counters the first one left
+            x, weight, b, xa, lora_b = _inputs(rows, n, k, 8, dtype, device, True, generator)
+            got = lora_gemv(x, weight, b, xa, lora_b, 0.5, candidate=candidate)
+            expected = lora_gemv_reference(x, weight, b, xa, lora_b, 0.5)
+            assert relative_error(got, expected) < TOLERANCE[dtype], (CANDIDATES[candidate], slices)
+        if slices > 1:
+            cut += 1
+            _, counters = _workspaces[(str(x.device), rows, n, slices, bands)]
+            assert not counters.any()
+    assert cut or device == "cuda"  # a GPU's many SMs may leave these small shapes uncut

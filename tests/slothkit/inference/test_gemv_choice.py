@@ -49,10 +49,12 @@ def test_a_candidate_that_disagrees_or_fails_is_never_chosen(monkeypatch):
         return real(rows, weight, bias, xa, lora_b, scaling, candidate=candidate)
 
     monkeypatch.setattr(gemv_choice, "lora_gemv", faulty)
-    timed = iter([1.0, 0.5, 0.5, 0.5])  # cuBLAS, then the three candidates that agree
+    # cuBLAS, then every candidate but the two faulty ones (a spare answer would be a bug)
+    timed = iter([1.0] + [0.5] * (len(CANDIDATES) - 2))
     monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, weight: next(timed))
     decision = gemv_choice._decide(*_inputs(int(torch.randint(0, 2**31, ()))))
     assert decision["candidate"] == 2
+    assert next(timed, None) is None  # every agreeing candidate was timed
 
 
 def test_nothing_is_timed_off_the_gpu_or_for_too_many_rows():
