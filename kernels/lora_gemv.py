@@ -12,9 +12,13 @@ BLOCK_N-row band of W once (the bytes that bound a decode step), accumulates eve
 x against it in fp32, then adds the band's rows of B times xa, scaled, and the bias, and
 rounds once to the output dtype (cuBLAS's path rounds the base product, then the sum).
 
-Work split.  A program owns a band of BLOCK_N rows of W and one slice of K.  It
-accumulates x * w elementwise in a (rows, BLOCK_N, BLOCK_K) fp32 tile and sums along K
-once at the end, so the loop is loads and FMAs with no cross-thread reduction per step.
+Work split.  A program owns a band of BLOCK_N rows of W and one slice of K.  FMA
+candidates accumulate x * w elementwise in a (rows, BLOCK_N, BLOCK_K) fp32 tile and sum
+along K once at the end, so the loop is loads and FMAs with no cross-thread reduction per
+step.  Dot candidates pad x to 16 rows (masked loads: the padding reads no memory) and
+multiply on the tensor cores with an fp32 accumulator, which keeps wide vector loads of W
+at any row count and lets Triton pipeline them; the 16-bit products are exact in fp32, so
+only the order of the additions differs from the FMA candidates.
 A candidate with ``programs_per_sm`` > 0 splits K into as many slices as it takes for the
 grid to hold that many programs per SM: at one to eight rows a Llama-3-8B k/v projection
 (N = 1,024) is only 64 bands of 16 rows, too few programs to keep enough loads in flight
@@ -40,23 +44,28 @@ import torch
 import triton
 import triton.language as tl
 
-from slothkit_kernels.utils import use_triton, warn_reference_once
+from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
 MAX_ROWS = 8
-# (BLOCK_N, BLOCK_K at one row, num_warps, programs per SM) to try per shape; programs
-# per SM 0 = one program per band of rows, no split of K.  With more rows BLOCK_K is
-# divided by the rows (down to 32), so that the (rows, BLOCK_N, BLOCK_K) tile a program
-# accumulates in registers stays the same size.
+# (BLOCK_N, BLOCK_K at one row, num_warps, programs per SM, tl.dot) to try per shape.
+# Programs per SM 0 = one program per band of rows, no split of K.  FMA candidates
+# (tl.dot False) divide BLOCK_K by the rows (down to 32), so that the (rows, BLOCK_N,
+# BLOCK_K) tile a program accumulates in registers stays the same size; dot candidates
+# pad the rows to 16 (the smallest tl.dot) and keep BLOCK_K.
 CANDIDATES = (
-    (16, 256, 4, 0),
-    (32, 128, 4, 0),
-    (8, 512, 4, 0),
-    (64, 128, 8, 0),
-    (32, 256, 8, 0),
-    (16, 256, 4, 8),
-    (8, 512, 4, 8),
-    (32, 256, 8, 4),
-    (16, 512, 4, 4),
+    (16, 256, 4, 0, False),
+    (32, 128, 4, 0, False),
+    (8, 512, 4, 0, False),
+    (64, 128, 8, 0, False),
+    (32, 256, 8, 0, False),
+    (16, 256, 4, 8, False),
+    (8, 512, 4, 8, False),
+    (32, 256, 8, 4, False),
+    (16, 512, 4, 4, False),
+    (16, 256, 4, 0, True),
+    (32, 128, 4, 4, True),
+    (16, 128, 4, 8, True),
+    (64, 64, 4, 4, True),
 )
 
 # Workspaces of split calls, per (device, rows, N, slices, bands): kept for the process.
@@ -134,6 +143,8 @@ def _lora_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tensor cores on rows padded to BLOCK_M = 16
+    DOT_FP32: tl.constexpr,  # fp32 operands in IEEE precision (fp32 inputs; the interpreter)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,15 +156,24 @@ def _lora_gemv_kernel(
     rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * k_per_slice
     k_stop = tl.minimum(k_start + k_per_slice, K)
-    # x * w accumulated elementwise; summed along K once, after the loop.
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # x * w accumulated elementwise; summed along K once, after the loop
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_stop
         w = tl.load(rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+        if USE_DOT:
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:  # 16-bit products are exact in the fp32 accumulator
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
     if SPLIT:
         band = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
@@ -274,10 +294,9 @@ def lora_gemv(
     if not use_triton(x):
         warn_reference_once("lora_gemv", x.device.type)
         return out.copy_(lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
-    block_n, block_k, warps, programs_per_sm = CANDIDATES[candidate]
-    block_m = triton.next_power_of_2(rows)
     k = x.shape[1]
-    block_k = min(max(32, block_k // block_m), max(16, triton.next_power_of_2(k)))
+    block_m, block_n, block_k = tile(candidate, rows, k)
+    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
     bands = triton.cdiv(n, block_n)
     slices, k_per_slice = _slices(x.device, bands, k, block_k, programs_per_sm)
     partials, counters = _workspace(x.device, rows, n, slices, bands)
@@ -312,9 +331,22 @@ def lora_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCK_R=max(1, triton.next_power_of_2(rank)),
+        USE_DOT=use_dot,
+        DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
         num_warps=warps,
     )
     return out
+
+
+def tile(candidate: int, rows: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) a candidate launches with for ``rows`` rows and K = k."""
+    block_n, block_k, _, _, use_dot = CANDIDATES[candidate]
+    if use_dot:
+        block_m = 16
+    else:
+        block_m = triton.next_power_of_2(rows)
+        block_k = max(32, block_k // block_m)
+    return block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k)))
 
 
 def _slices(device: torch.device, bands: int, k: int, block_k: int, programs_per_sm: int) -> tuple[int, int]:

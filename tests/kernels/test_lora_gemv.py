@@ -5,7 +5,7 @@ import pytest
 import torch
 import triton
 
-from slothkit_kernels.lora_gemv import CANDIDATES, _slices, _workspaces, lora_gemv, lora_gemv_reference
+from slothkit_kernels.lora_gemv import CANDIDATES, _slices, _workspaces, lora_gemv, lora_gemv_reference, tile
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -103,11 +103,11 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     n, k = 40, 600
     cut = 0
-    for candidate, (block_n, block_k, _, programs_per_sm) in enumerate(CANDIDATES):
+    for candidate, (*_, programs_per_sm, _) in enumerate(CANDIDATES):
         if not programs_per_sm:
             continue
+        _, block_n, block_k = tile(candidate, rows, k)
         bands = triton.cdiv(n, block_n)
-        block_k = max(32, block_k // triton.next_power_of_2(rows))
         slices, _ = _slices(torch.device(device), bands, k, block_k, programs_per_sm)
         for _ in range(2):  # the second call starts from the counters the first one left
             x, weight, b, xa, lora_b = _inputs(rows, n, k, 8, dtype, device, True, generator)
