@@ -174,37 +174,20 @@ def _lora_gemv_kernel(
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    last = True  # whether this program applies the epilogue
     if SPLIT:
         band = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         mn_mask = m_mask[:, None] & n_mask[None, :]
         tl.store(PARTIALS + pid_k.to(tl.int64) * M * N + band, acc, mask=mn_mask)
         tl.debug_barrier()  # every thread's partials stored before the count says so
         arrived = tl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel")
-        if arrived == slices - 1:  # the band's last program: the others' partials are in
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        last = arrived == slices - 1
+        if last:  # the band's last program: the others' partials are in
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(0, slices):  # in slice order: the same sum whoever came last
-                total += tl.load(PARTIALS + s * M * N + band, mask=mn_mask, other=0.0, cache_modifier=".cg")
-            _finish(
-                total,
-                offs_m,
-                offs_n,
-                m_mask,
-                n_mask,
-                XA,
-                B,
-                BIAS,
-                Y,
-                R,
-                stride_xam,
-                stride_bn,
-                stride_ym,
-                scaling,
-                HAS_LORA,
-                HAS_BIAS,
-                BLOCK_R,
-            )
-            tl.atomic_xchg(COUNTERS + pid_n, 0)
-    else:
+                acc += tl.load(PARTIALS + s * M * N + band, mask=mn_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(COUNTERS + pid_n, 0)  # ready for the next call
+    if last:
         _finish(
             acc,
             offs_m,
