@@ -19,19 +19,8 @@ step.  Dot candidates pad x to 16 rows (masked loads: the padding reads no memor
 multiply on the tensor cores with an fp32 accumulator, which keeps wide vector loads of W
 at any row count and lets Triton pipeline them; the 16-bit products are exact in fp32, so
 only the order of the additions differs from the FMA candidates.
-A candidate with ``programs_per_sm`` > 0 splits K into as many slices as it takes for the
-grid to hold that many programs per SM: at one to eight rows a Llama-3-8B k/v projection
-(N = 1,024) is only 64 bands of 16 rows, too few programs to keep enough loads in flight
-to reach the memory's bandwidth.  With a split, each program stores its fp32 partial
-sums, then counts itself in with an atomic add on its band's counter; the last of the
-band's programs to arrive adds the partials in slice order (so the result does not
-depend on which finished first), applies the epilogue, and sets the counter back to 0
-for the next call.  One launch still, and deterministic.  The partial sums and counters
-are a workspace per device and shape, made at the first call outside CUDA graph capture
-and kept for the process (a captured graph keeps pointing at it); a split call made
-during capture before its shape has a workspace runs unsplit instead.  Split calls on a
-device share that workspace, so they must run on one stream at a time, as a decode step
-does.
+A candidate with ``programs_per_sm`` > 0 cuts K into slices for the grid to hold that
+many programs per SM (split_k.py: one launch, deterministic, a workspace kept per shape).
 
 Whether this beats cuBLAS's GEMV plus ``addmm_`` depends on the GPU and the shape: the
 decode path times both once per shape and keeps the faster
@@ -44,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slothkit_kernels import split_k
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
 MAX_ROWS = 8
@@ -68,50 +58,62 @@ CANDIDATES = (
     (64, 64, 4, 4, True),
 )
 
-# Workspaces of split calls, per (device, rows, N, slices, bands): kept for the process.
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
 
 @triton.jit
-def _finish(
+def epilogue(
     acc,
     offs_m,
     offs_n,
     m_mask,
     n_mask,
+    pid_n,
+    pid_k,
+    PARTIALS,
+    COUNTERS,
+    slices,
+    M,
+    N,
+    R,
     XA,
     B,
     BIAS,
     Y,
-    R,
     stride_xam,
     stride_bn,
     stride_ym,
     scaling,
+    SPLIT: tl.constexpr,
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """The epilogue: acc (BLOCK_M, BLOCK_N) = x W^T in fp32; add s xa B^T and the bias,
-    round once, store."""
-    if HAS_LORA:
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        xa = tl.load(
-            XA + offs_m.to(tl.int64)[:, None] * stride_xam + offs_r[None, :],
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
+    """The epilogue of lora_gemv and nf4_lora_gemv: acc (BLOCK_M, BLOCK_N) = x W^T in
+    fp32 (of this program's slice of K when SPLIT: the band's last program to arrive sums
+    the slices, split_k.py); add s xa B^T and the bias, round once, store."""
+    last = True  # whether this program applies the epilogue
+    if SPLIT:
+        acc, last = split_k.combine_slices(
+            acc, offs_m, offs_n, m_mask, n_mask, PARTIALS, COUNTERS, M, N, pid_n, pid_k, slices
         )
-        b = tl.load(
-            B + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
-            mask=n_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        acc += scaling * tl.sum(xa.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if last:
+        if HAS_LORA:
+            offs_r = tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            xa = tl.load(
+                XA + offs_m.to(tl.int64)[:, None] * stride_xam + offs_r[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                B + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
+                mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            acc += scaling * tl.sum(xa.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -174,39 +176,8 @@ def _lora_gemv_kernel(
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    last = True  # whether this program applies the epilogue
-    if SPLIT:
-        band = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        mn_mask = m_mask[:, None] & n_mask[None, :]
-        tl.store(PARTIALS + pid_k.to(tl.int64) * M * N + band, acc, mask=mn_mask)
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        arrived = tl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel")
-        last = arrived == slices - 1
-        if last:  # the band's last program: the others' partials are in
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, slices):  # in slice order: the same sum whoever came last
-                acc += tl.load(PARTIALS + s * M * N + band, mask=mn_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(COUNTERS + pid_n, 0)  # ready for the next call
-    if last:
-        _finish(
-            acc,
-            offs_m,
-            offs_n,
-            m_mask,
-            n_mask,
-            XA,
-            B,
-            BIAS,
-            Y,
-            R,
-            stride_xam,
-            stride_bn,
-            stride_ym,
-            scaling,
-            HAS_LORA,
-            HAS_BIAS,
-            BLOCK_R,
-        )
+    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, PARTIALS, COUNTERS, slices, M, N, R, XA, B,
+            BIAS, Y, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
 
 def lora_gemv_reference(x, weight, bias=None, xa=None, lora_b=None, scaling: float = 1.0) -> torch.Tensor:
@@ -219,6 +190,19 @@ def lora_gemv_reference(x, weight, bias=None, xa=None, lora_b=None, scaling: flo
     return y.to(x.dtype)
 
 
+def check_low_rank(name: str, x, n: int, xa, lora_b) -> None:
+    """Refuse an adapter term that does not fit x (M, K) and an output of n columns."""
+    if (xa is None) != (lora_b is None):
+        raise ValueError(f"{name}: give both xa and lora_b, or neither")
+    if xa is not None and (
+        xa.dim() != 2 or lora_b.dim() != 2 or xa.shape[0] != x.shape[0] or lora_b.shape != (n, xa.shape[1])
+    ):
+        raise ValueError(
+            f"{name}: xa {tuple(xa.shape)} and lora_b {tuple(lora_b.shape)}; expected "
+            f"({x.shape[0]}, R) and ({n}, R)"
+        )
+
+
 def _check(x, weight, bias, xa, lora_b) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -226,18 +210,7 @@ def _check(x, weight, bias, xa, lora_b) -> None:
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"lora_gemv: x has {x.shape[0]} rows; it takes 1 to {MAX_ROWS} (a decode step's)")
-    if (xa is None) != (lora_b is None):
-        raise ValueError("lora_gemv: give both xa and lora_b, or neither")
-    if xa is not None and (
-        xa.dim() != 2
-        or lora_b.dim() != 2
-        or xa.shape[0] != x.shape[0]
-        or lora_b.shape != (weight.shape[0], xa.shape[1])
-    ):
-        raise ValueError(
-            f"lora_gemv: xa {tuple(xa.shape)} and lora_b {tuple(lora_b.shape)}; expected "
-            f"({x.shape[0]}, R) and ({weight.shape[0]}, R)"
-        )
+    check_low_rank("lora_gemv", x, weight.shape[0], xa, lora_b)
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"lora_gemv: bias {tuple(bias.shape)}; expected ({weight.shape[0]},)")
     tensors = [t for t in (x, weight, bias, xa, lora_b) if t is not None]
@@ -281,8 +254,8 @@ def lora_gemv(
     block_m, block_n, block_k = tile(candidate, rows, k)
     _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
     bands = triton.cdiv(n, block_n)
-    slices, k_per_slice = _slices(x.device, bands, k, block_k, programs_per_sm)
-    partials, counters = _workspace(x.device, rows, n, slices, bands)
+    slices, k_per_slice = split_k.slices(x.device, bands, k, block_k, programs_per_sm)
+    partials, counters = split_k.workspace(x.device, rows, n, slices, bands)
     if partials is None:
         slices, k_per_slice = 1, k
     rank = 1 if xa is None else xa.shape[1]
@@ -330,31 +303,3 @@ def tile(candidate: int, rows: int, k: int) -> tuple[int, int, int]:
         block_m = triton.next_power_of_2(rows)
         block_k = max(32, block_k // block_m)
     return block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k)))
-
-
-def _slices(device: torch.device, bands: int, k: int, block_k: int, programs_per_sm: int) -> tuple[int, int]:
-    """How many slices K is cut into (and the columns of each, a multiple of block_k) for
-    the grid to hold ``programs_per_sm`` programs per SM; 1 slice when that is 0."""
-    if programs_per_sm == 0:
-        return 1, k
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    steps = triton.cdiv(k, block_k)
-    slices = min(triton.cdiv(programs_per_sm * sms, bands), steps)
-    k_per_slice = triton.cdiv(steps, slices) * block_k
-    return triton.cdiv(k, k_per_slice), k_per_slice
-
-
-def _workspace(device, rows: int, n: int, slices: int, bands: int):
-    """The partial sums and zeroed counters of a split call, or (None, None): unsplit, or
-    a shape first met during CUDA graph capture (memory made then belongs to the graph)."""
-    if slices == 1:
-        return None, None
-    key = (str(device), rows, n, slices, bands)
-    if key not in _workspaces:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None, None
-        _workspaces[key] = (
-            torch.empty(slices, rows, n, dtype=torch.float32, device=device),
-            torch.zeros(bands, dtype=torch.int32, device=device),
-        )
-    return _workspaces[key]

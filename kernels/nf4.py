@@ -116,7 +116,7 @@ def dequantize_nf4_reference(weight: NF4Weight) -> torch.Tensor:
 
 
 @triton.jit
-def _round_to_bf16(x):
+def round_to_bf16(x):
     """fp32 -> bf16, round to nearest even, in integer arithmetic.
 
     The Triton interpreter truncates on fp32 -> bf16 casts, so under it this
@@ -134,7 +134,7 @@ def _to_bits(x, DTYPE: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
     if DTYPE == tl.float32:
         bits = x.to(tl.uint32, bitcast=True).to(tl.uint64)
     elif SOFTWARE_BF16_ROUNDING:
-        bits = _round_to_bf16(x).to(tl.uint16, bitcast=True).to(tl.uint32)
+        bits = round_to_bf16(x).to(tl.uint16, bitcast=True).to(tl.uint32)
     else:
         bits = x.to(DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
     return bits
@@ -333,6 +333,15 @@ def _check_columns(weight: NF4Weight, columns) -> None:
         )
 
 
+def checked(weight: NF4Weight) -> NF4Weight:
+    """``weight``, checked: once per record (a record describes frozen tensors, and the
+    check is done when its kernel arguments are built), so not at every call."""
+    if getattr(weight, "launch_cache", None) is None:
+        _check_weight(weight)
+        launch_arguments(weight)
+    return weight
+
+
 def launch_arguments(weight: NF4Weight) -> tuple[torch.Tensor, ...]:
     """The record's tensors as flat kernel arguments: packed, absmax, code, nested_absmax,
     nested_code, offset.  Built once per record (``weight.launch_cache``); the record must
@@ -367,8 +376,7 @@ def dequantize_nf4(
     a contiguous (rows, stop - start) tensor; the row length and both bounds must be
     multiples of ``weight.blocksize`` (``NF4Weight.column_slabs`` picks such ranges).
     """
-    if getattr(weight, "launch_cache", None) is None:  # checked once per record
-        _check_weight(weight)
+    checked(weight)
     rows, cols = weight.shape[0], math.prod(weight.shape[1:])
     if columns is not None:
         _check_columns(weight, columns)

@@ -21,6 +21,7 @@ Layout (bitsandbytes' "nf4" with optional double quantisation, as of 0.50):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +97,14 @@ class NF4Weight:
         scales = self.nested_code.float()[absmax.long()] * self.nested_absmax.reshape(-1).float()[groups]
         scales = scales + torch.as_tensor(self.offset, dtype=torch.float32, device=absmax.device)
         return NF4Weight(packed, scales, self.code, self.blocksize, shape, self.dtype)
+
+    def with_packed(self, packed: torch.Tensor) -> NF4Weight:
+        """The same weight read from other packed codes (a copy of them, of the same shape
+        and dtype), sharing the scales and this record's checked kernel arguments."""
+        copy = dataclasses.replace(self, packed=packed)
+        if self.launch_cache is not None:
+            copy.launch_cache = (packed.reshape(-1).view(torch.uint8), *self.launch_cache[1:])
+        return copy
 
     @property
     def is_nested(self) -> bool:

@@ -5,7 +5,8 @@ import pytest
 import torch
 import triton
 
-from slothkit_kernels.lora_gemv import CANDIDATES, _slices, _workspaces, lora_gemv, lora_gemv_reference, tile
+from slothkit_kernels import split_k
+from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv, lora_gemv_reference, tile
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -108,7 +109,7 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
             continue
         _, block_n, block_k = tile(candidate, rows, k)
         bands = triton.cdiv(n, block_n)
-        slices, _ = _slices(torch.device(device), bands, k, block_k, programs_per_sm)
+        slices, _ = split_k.slices(torch.device(device), bands, k, block_k, programs_per_sm)
         for _ in range(2):  # the second call starts from the counters the first one left
             x, weight, b, xa, lora_b = _inputs(rows, n, k, 8, dtype, device, True, generator)
             got = lora_gemv(x, weight, b, xa, lora_b, 0.5, candidate=candidate)
@@ -116,6 +117,6 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
             assert relative_error(got, expected) < TOLERANCE[dtype], (CANDIDATES[candidate], slices)
         if slices > 1:
             cut += 1
-            _, counters = _workspaces[(str(x.device), rows, n, slices, bands)]
+            _, counters = split_k._workspaces[(str(x.device), rows, n, slices, bands)]
             assert not counters.any()
     assert cut or device == "cuda"  # a GPU's many SMs may leave these small shapes uncut

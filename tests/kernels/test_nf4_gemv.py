@@ -1,0 +1,137 @@
+"""nf4_lora_gemv against the fp32 product of bitsandbytes' dequantised weight, on fresh
+weights quantised by bitsandbytes: one to eight rows, with and without an adapter and a
+bias, nested and plain block scales, every tile candidate, fp32 / fp16 / bf16."""
+
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+import triton
+
+from slothkit_kernels import split_k
+from slothkit_kernels.lora_gemv import lora_gemv_reference
+from slothkit_kernels.nf4_gemv import CANDIDATES, nf4_lora_gemv, nf4_lora_gemv_reference, supports, tile
+from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.testing import relative_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Both sides form the same weights and accumulate in fp32, rounding once: fp16/bf16
+# outputs differ by that rounding and the order of the additions.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31, ()))
+
+
+def _quantized(n, k, dtype, nested, blocksize, device, generator):
+    """A random (n, k) weight quantised to NF4 by bitsandbytes (on the CPU), as a record on
+    ``device``, and the weight bitsandbytes dequantises it to."""
+    w = (torch.randn(n, k, generator=generator) * k**-0.5).to(dtype)
+    packed, state = bnbf.quantize_4bit(
+        w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4", quant_storage=torch.uint8
+    )
+    dequantized = bnbf.dequantize_4bit(packed, state, quant_type="nf4").reshape(n, k)
+    state.to(device)
+    return NF4Weight.from_bitsandbytes(packed.to(device), state), dequantized.to(device)
+
+
+def _activations(rows, n, k, rank, dtype, device, bias, generator):
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+
+    xa = None if rank == 0 else randn(rows, rank)
+    lora_b = None if rank == 0 else randn(n, rank, scale=0.05)
+    return randn(rows, k), (randn(n) if bias else None), xa, lora_b
+
+
+ROWS = [1, 3, 8]
+CASES = [(16, False, True), (8, True, False), (0, False, False), (0, True, True)]  # rank, bias, nested
+
+
+def _candidates(device, case: int) -> list[int]:
+    """Every candidate on a GPU; under the interpreter two per case, rotating."""
+    if device == "cuda":
+        return list(range(len(CANDIDATES)))
+    return sorted({case % len(CANDIDATES), (case + len(CANDIDATES) // 2) % len(CANDIDATES)})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rank, bias, nested", CASES)
+def test_nf4_lora_gemv_matches_the_dequantised_product(rows, rank, bias, nested, dtype, device):
+    generator = torch.Generator().manual_seed(_seed())
+    # N = 72 is no multiple of any BLOCK_N (masks); 72 x 256 / 64 = 288 block scales make
+    # two groups of nested scales, the second short.
+    weight, dequantized = _quantized(72, 256, dtype, nested, 64, device, generator)
+    x, b, xa, lora_b = _activations(rows, 72, 256, rank, dtype, device, bias, generator)
+    scaling = float(torch.rand((), generator=generator)) * 2
+    expected = lora_gemv_reference(x, dequantized, b, xa, lora_b, scaling)
+    case = (DTYPES.index(dtype) * len(ROWS) + ROWS.index(rows)) * len(CASES) + CASES.index(
+        (rank, bias, nested)
+    )
+    for candidate in _candidates(device, case):
+        got = nf4_lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate)
+        assert got.dtype == dtype and got.shape == (rows, 72)
+        assert relative_error(got, expected) < TOLERANCE[dtype], CANDIDATES[candidate]
+    reference = nf4_lora_gemv_reference(x, weight, b, xa, lora_b, scaling)
+    assert relative_error(reference, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("blocksize", [32, 128, 256])
+def test_other_blocksizes_keep_each_step_within_a_block(blocksize, device):
+    """BLOCK_K is capped at the block: a 32-wide block gives 32-wide steps, a 256-wide
+    block several steps per block."""
+    generator = torch.Generator().manual_seed(_seed())
+    weight, dequantized = _quantized(40, 512, torch.float32, True, blocksize, device, generator)
+    x = torch.randn(2, 512, generator=generator).to(device)
+    for candidate in range(len(CANDIDATES)) if device == "cuda" else (blocksize % len(CANDIDATES),):
+        assert tile(candidate, 2, blocksize)[2] <= blocksize
+        got = nf4_lora_gemv(x, weight, candidate=candidate)
+        assert relative_error(got, x @ dequantized.t()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, dtype, device):
+    generator = torch.Generator().manual_seed(_seed())
+    n, k = 40, 512
+    weight, dequantized = _quantized(n, k, dtype, True, 64, device, generator)
+    cut = 0
+    for candidate, (*_, programs_per_sm) in enumerate(CANDIDATES):
+        if not programs_per_sm:
+            continue
+        _, block_n, block_k = tile(candidate, rows, weight.blocksize)
+        bands = triton.cdiv(n, block_n)
+        slices, _ = split_k.slices(torch.device(device), bands, k, block_k, programs_per_sm)
+        for _ in range(2):  # the second call starts from the counters the first one left
+            x = torch.randn(rows, k, generator=generator).to(device, dtype)
+            xa = torch.randn(rows, 8, generator=generator).to(device, dtype)
+            lora_b = (torch.randn(n, 8, generator=generator) * 0.05).to(device, dtype)
+            got = nf4_lora_gemv(x, weight, None, xa, lora_b, 0.5, candidate=candidate)
+            expected = lora_gemv_reference(x, dequantized, None, xa, lora_b, 0.5)
+            assert relative_error(got, expected) < TOLERANCE[dtype], (CANDIDATES[candidate], slices)
+        if slices > 1:
+            cut += 1
+            _, counters = split_k._workspaces[(str(x.device), rows, n, slices, bands)]
+            assert not counters.any()
+    assert cut or device == "cuda"
+
+
+def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
+    generator = torch.Generator().manual_seed(0)
+    weight, _ = _quantized(16, 128, torch.float32, False, 64, device, generator)
+    odd_rows, _ = _quantized(16, 96, torch.float32, False, 64, device, generator)
+    assert supports(weight) and not supports(odd_rows)
+    x = torch.zeros(2, 128, device=device)
+    xa, lora_b = torch.zeros(2, 4, device=device), torch.zeros(16, 4, device=device)
+    for match, call in [
+        ("whole blocks", lambda: nf4_lora_gemv(torch.zeros(2, 96, device=device), odd_rows)),
+        ("1 to 8", lambda: nf4_lora_gemv(torch.zeros(9, 128, device=device), weight)),
+        ("expected \\(M, 128\\)", lambda: nf4_lora_gemv(x[:, :64], weight)),
+        ("both xa and lora_b", lambda: nf4_lora_gemv(x, weight, None, xa)),
+        ("expected \\(2, R\\) and \\(16, R\\)", lambda: nf4_lora_gemv(x, weight, None, xa, lora_b[:8])),
+        ("bias", lambda: nf4_lora_gemv(x, weight, torch.zeros(3, device=device))),
+        ("give them in torch.float32", lambda: nf4_lora_gemv(x.half(), weight)),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
