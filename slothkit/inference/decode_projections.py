@@ -23,7 +23,10 @@ NF4 base weights (bitsandbytes Linear4bit) are read by bitsandbytes' layer for o
 of x (its 4-bit GEMV, the batch-1 decode step).  For more rows (the prefill, a batched
 step) bitsandbytes dequantises the whole weight and multiplies; slothkit's dequantisation
 kernel gives the same bits about 1.4x faster (docs/kernel-benchmarks.md), so those calls
-dequantise with it and multiply with the same F.linear.
+dequantise with it and multiply with the same F.linear.  On a GPU, one to eight rows may
+instead run slothkit's ``nf4_lora_gemv``, which dequantises in registers (the weight is
+read as its half-byte codes, never written out) and adds the adapter in its epilogue:
+where it was timed faster than that path and the ``addmm_`` for the shape (gemv_choice.py).
 
 Layers that cannot be described this way (several active adapters, DoRA, dropout while
 training, a bias on B) are applied by their own forward, with the same result.
@@ -39,8 +42,9 @@ from torch import nn
 
 from slothkit.engine.lora_projection import describe
 from slothkit.engine.nf4_layout import keep_nf4_layout
-from slothkit.inference.gemv_choice import gemv_candidate
+from slothkit.inference.gemv_choice import gemv_candidate, nf4_gemv_candidate
 from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
+from slothkit_kernels.nf4_gemv import nf4_lora_gemv
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
@@ -148,12 +152,21 @@ class SharedInputProjections:
         """One layer's output: through slothkit's GEMV with the adapter in its epilogue
         where that was timed faster for this shape (gemv_choice), else the base layer's
         output with the adapter accumulated into it."""
-        dense = self.dense[index]
+        dense, nf4 = self.dense[index], self.nf4[index]
+        out = None
         if dense is not None and _gemv_may_run(rows):
             candidate = gemv_candidate(rows, *dense, xa, b, scaling)
             if candidate is not None:
                 out = lora_gemv(rows, *dense, xa, b, scaling, candidate=candidate)
-                return out.view(*x.shape[:-1], out.shape[-1])
+        elif nf4 is not None and _gemv_may_run(rows) and rows.dtype == nf4[0].dtype:
+            layer = _base_layer(self.layers[index])
+            candidate = nf4_gemv_candidate(
+                rows, *nf4, xa, b, scaling, lambda weight: _nf4_base_output(layer, rows, weight, nf4[1])
+            )
+            if candidate is not None:
+                out = nf4_lora_gemv(rows, *nf4, xa, b, scaling, candidate=candidate)
+        if out is not None:
+            return out.view(*x.shape[:-1], out.shape[-1])
         output = self._base_output(index, x)
         if xa is not None:
             output.view(-1, output.shape[-1]).addmm_(xa, b.t(), alpha=scaling)
@@ -167,3 +180,20 @@ class SharedInputProjections:
 
         weight, bias = nf4
         return F.linear(x, dequantize_nf4(weight), bias)
+
+
+def _nf4_base_output(layer: nn.Module, rows: torch.Tensor, weight: NF4Weight, bias) -> torch.Tensor:
+    """What the bitsandbytes layer ``layer`` computes for ``rows`` (N, K) in its compute
+    dtype, read from ``weight`` (its NF4 weight, or the same over a copy of the codes, which
+    the GEMV choice times with): bitsandbytes' ``matmul_4bit``, as the layer's forward
+    calls it (its 4-bit GEMV for one row), for more rows slothkit's dequantisation and
+    F.linear (``SharedInputProjections._base_output``)."""
+    if rows.shape[0] > 1:
+        from slothkit_kernels.nf4 import dequantize_nf4
+
+        return F.linear(rows, dequantize_nf4(weight), bias)
+    import bitsandbytes as bnb
+
+    param = layer.weight
+    packed = weight.packed.view(param.dtype).reshape(param.shape)
+    return bnb.matmul_4bit(rows, packed.t(), bias=bias, quant_state=param.quant_state)

@@ -1,14 +1,25 @@
-"""The per-shape choice between cuBLAS's GEMV (with addmm_ for the adapter) and
-slothkit's lora_gemv: the fastest candidate whose output agrees, only past MIN_GAIN, and
-nothing timed during graph capture or off the GPU.  The timings are replaced by given
-figures; the outputs are computed (the kernel under the Triton interpreter)."""
+"""The per-shape choice between a library's path (cuBLAS's GEMV, or bitsandbytes' for an
+NF4 weight, then addmm_ for the adapter) and slothkit's kernel (lora_gemv, nf4_lora_gemv):
+the fastest candidate whose output agrees, only past MIN_GAIN, nothing timed during
+graph capture or off the GPU, and the NF4 baseline timed on copies of the codes computing
+what the layer computes.  The timings are replaced by given figures; the outputs are
+computed (the kernels under the Triton interpreter)."""
 
+import bitsandbytes as bnb
 import pytest
 import torch
 
+from slothkit.engine.lora_projection import base_weight
 from slothkit.inference import gemv_choice
-from slothkit_kernels.lora_gemv import CANDIDATES
-from slothkit_kernels.lora_gemv import lora_gemv as real_lora_gemv
+from slothkit.inference.decode_projections import _nf4_base_output
+from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv
+from slothkit_kernels.nf4 import dequantize_nf4_reference
+from slothkit_kernels.nf4_gemv import CANDIDATES as NF4_CANDIDATES
+from slothkit_kernels.nf4_gemv import nf4_lora_gemv
+
+
+def _seed() -> int:
+    return int(torch.randint(0, 2**31, ()))
 
 
 def _inputs(seed: int):
@@ -20,41 +31,110 @@ def _inputs(seed: int):
     return rows, weight, None, xa, lora_b, 2.0
 
 
-def _timings(monkeypatch, cublas_ms: float, kernel_ms: dict):
-    """_graph_ms answers cuBLAS's figure first, then each candidate's in order."""
-    answers = iter([cublas_ms, *(kernel_ms.get(c, 1.0) for c in range(len(CANDIDATES)))])
-    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, weight: next(answers))
+def _dense_paths(seed: int, kernel=lora_gemv):
+    """_decide's arguments for a 16-bit projection, as gemv_candidate builds them."""
+    rows, weight, bias, xa, lora_b, scaling = _inputs(seed)
+    return (
+        lambda w: gemv_choice.cublas_path(rows, w, bias, xa, lora_b, scaling),
+        lambda c, w: kernel(rows, w, bias, xa, lora_b, scaling, candidate=c),
+        len(CANDIDATES),
+        [weight],
+        rows.dtype,
+    )
+
+
+def _timings(monkeypatch, baseline_ms: float, kernel_ms: dict):
+    """_graph_ms answers the baseline's figure first, then each candidate's in order."""
+    answers = iter([baseline_ms, *(kernel_ms.get(c, 1.0) for c in range(len(CANDIDATES)))])
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(answers))
 
 
 def test_the_fastest_agreeing_candidate_is_kept_when_it_gains_enough(monkeypatch):
     _timings(monkeypatch, 1.0, {0: 0.9, 1: 0.6, 2: 0.7})
-    decision = gemv_choice._decide(*_inputs(int(torch.randint(0, 2**31, ()))))
-    assert decision == {"cublas_ms": 1.0, "kernel_ms": 0.6, "candidate": 1}
+    decision = gemv_choice._decide(*_dense_paths(_seed()))
+    assert decision == {"baseline_ms": 1.0, "kernel_ms": 0.6, "candidate": 1}
 
 
-def test_cublas_is_kept_when_the_kernel_gains_less_than_min_gain(monkeypatch):
+def test_the_library_is_kept_when_the_kernel_gains_less_than_min_gain(monkeypatch):
     _timings(monkeypatch, 1.0, {c: 1.0 - gemv_choice.MIN_GAIN / 2 for c in range(5)})
-    decision = gemv_choice._decide(*_inputs(int(torch.randint(0, 2**31, ()))))
+    decision = gemv_choice._decide(*_dense_paths(_seed()))
     assert "candidate" not in decision and decision["kernel_ms"] < 1.0
 
 
 def test_a_candidate_that_disagrees_or_fails_is_never_chosen(monkeypatch):
-    real = real_lora_gemv
-
     def faulty(rows, weight, bias, xa, lora_b, scaling, candidate=0):
         if candidate == 0:
-            return real(rows, weight, bias, xa, lora_b, scaling, candidate=candidate) * 1.5  # wrong
+            return lora_gemv(rows, weight, bias, xa, lora_b, scaling, candidate=candidate) * 1.5  # wrong
         if candidate == 1:
             raise RuntimeError("out of shared memory")
-        return real(rows, weight, bias, xa, lora_b, scaling, candidate=candidate)
+        return lora_gemv(rows, weight, bias, xa, lora_b, scaling, candidate=candidate)
 
-    monkeypatch.setattr(gemv_choice, "lora_gemv", faulty)
-    # cuBLAS, then every candidate but the two faulty ones (a spare answer would be a bug)
+    # the baseline, then every candidate but the two faulty ones (a spare answer would be a bug)
     timed = iter([1.0] + [0.5] * (len(CANDIDATES) - 2))
-    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, weight: next(timed))
-    decision = gemv_choice._decide(*_inputs(int(torch.randint(0, 2**31, ()))))
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(timed))
+    decision = gemv_choice._decide(*_dense_paths(_seed(), kernel=faulty))
     assert decision["candidate"] == 2
     assert next(timed, None) is None  # every agreeing candidate was timed
+
+
+def _nf4_layer(rows_out: int, width: int, seed: int):
+    """A bitsandbytes NF4 layer (quantised on the CPU, computing in fp32) and its record."""
+    torch.manual_seed(seed)
+    layer = bnb.nn.Linear4bit(width, rows_out, bias=True, compute_dtype=torch.float32, quant_type="nf4")
+    layer.load_state_dict(
+        {"weight": torch.randn(rows_out, width) / width**0.5, "bias": torch.randn(rows_out)}
+    )
+    layer = layer.to("cpu").eval()  # quantised when moved
+    return layer, base_weight(layer)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_nf4_baseline_computes_what_the_layer_does_from_a_copy_of_its_codes(
+    rows, bitsandbytes_repacks_on_cpu
+):
+    """One row: bitsandbytes' matmul_4bit (its GEMV on a GPU); more: slothkit's
+    dequantisation and F.linear; either read from a copy of the codes gives the layer's
+    output, so timing cycles through copies without changing what is timed."""
+    from slothkit.engine.nf4_layout import keep_nf4_layout
+
+    layer, weight = _nf4_layer(32, 128, _seed())
+    keep_nf4_layout(layer)
+    x = torch.randn(rows, 128)
+    copy = weight.with_packed(weight.packed.clone())
+    assert copy.packed.data_ptr() != weight.packed.data_ptr()
+    with torch.no_grad():
+        expected = layer(x)
+        for read in (weight, copy):
+            torch.testing.assert_close(
+                _nf4_base_output(layer, x, read, layer.bias), expected, rtol=1e-6, atol=1e-6
+            )
+
+
+def test_an_nf4_candidate_is_chosen_only_where_it_agrees_with_bitsandbytes(monkeypatch):
+    layer, weight = _nf4_layer(40, 128, _seed())
+    generator = torch.Generator().manual_seed(_seed())
+    x, xa = torch.randn(2, 128, generator=generator), torch.randn(2, 4, generator=generator)
+    lora_b = torch.randn(40, 4, generator=generator) / 10
+
+    def base(w):  # the dequantised product (what _nf4_base_output gives for two rows)
+        return x @ dequantize_nf4_reference(w).t() + layer.bias
+
+    def kernel(candidate, w):
+        got = nf4_lora_gemv(x, w, layer.bias.data, xa, lora_b, 0.5, candidate=candidate)
+        return got * 1.5 if candidate == 0 else got  # candidate 0 disagrees
+
+    # bitsandbytes' path, then candidates 1, 2, ... (candidate 0 agrees with nothing: untimed)
+    timed = iter([1.0, 0.9, 0.5] + [0.8] * (len(NF4_CANDIDATES) - 3))
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(timed))
+    decision = gemv_choice._decide(
+        lambda w: gemv_choice.with_adapter(base(w), xa, lora_b, 0.5),
+        kernel,
+        len(NF4_CANDIDATES),
+        [weight],
+        torch.float32,
+    )
+    assert decision == {"baseline_ms": 1.0, "kernel_ms": 0.5, "candidate": 2}
+    assert next(timed, None) is None
 
 
 def test_nothing_is_timed_off_the_gpu_or_for_too_many_rows():
@@ -62,6 +142,8 @@ def test_nothing_is_timed_off_the_gpu_or_for_too_many_rows():
     before = gemv_choice.choices()
     rows, weight, bias, xa, lora_b, scaling = _inputs(0)
     assert gemv_choice.gemv_candidate(rows, weight, bias, xa, lora_b, scaling) is None
+    _, nf4_weight = _nf4_layer(24, 64, 0)
+    assert gemv_choice.nf4_gemv_candidate(rows, nf4_weight, bias, xa, lora_b, scaling, base=None) is None
     many_rows = torch.randn(9, 64)
     many_xa = torch.randn(9, 4)
     if torch.cuda.is_available():
@@ -77,5 +159,31 @@ def test_choices_on_the_gpu_are_made_once_per_shape_and_listed():
     )
     first = gemv_choice.gemv_candidate(rows, weight, bias, xa, lora_b, scaling)
     assert gemv_choice.gemv_candidate(rows, weight, bias, xa, lora_b, scaling) == first
-    listed = [c for c in gemv_choice.choices() if (c["rows"], c["out_features"]) == (2, 24)]
+    listed = [
+        c for c in gemv_choice.choices() if (c["weight"], c["rows"], c["out_features"]) == ("16-bit", 2, 24)
+    ]
     assert len(listed) == 1 and listed[0]["runs"] == ("cublas" if first is None else "lora_gemv")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 4])
+def test_nf4_choices_on_the_gpu_run_what_they_timed(rows):
+    """On a GPU: the NF4 decision for a Linear4bit layer, and the chosen path's output
+    within bf16 rounding of the layer's own."""
+    layer = bnb.nn.Linear4bit(512, 96, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    layer = layer.to(torch.bfloat16).cuda().eval()
+    weight = base_weight(layer)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        candidate = gemv_choice.nf4_gemv_candidate(
+            x, weight, None, None, None, 1.0, lambda w: _nf4_base_output(layer, x, w, None)
+        )
+        expected = layer(x)
+        got = expected if candidate is None else nf4_lora_gemv(x, weight, candidate=candidate)
+    assert gemv_choice._relative_error(got, expected) < gemv_choice.TOLERANCE[torch.bfloat16]
+    listed = [
+        c for c in gemv_choice.choices() if (c["weight"], c["rows"], c["out_features"]) == ("nf4", rows, 96)
+    ]
+    assert len(listed) == 1 and listed[0]["runs"] == (
+        "bitsandbytes" if candidate is None else "nf4_lora_gemv"
+    )
