@@ -68,16 +68,16 @@ def epilogue(
     n_mask,
     pid_n,
     pid_k,
-    PARTIALS,
-    COUNTERS,
-    slices,
+    XA,  # (M, R) the low-rank product x A^T (unused without HAS_LORA)
+    B,  # (N, R) LoRA B (unused without HAS_LORA)
+    BIAS,  # (N,) (unused without HAS_BIAS)
+    Y,  # (M, N) output, rows stride_ym apart
+    PARTIALS,  # (slices, M, N) fp32 partial sums (unused without SPLIT)
+    COUNTERS,  # (bands,) int32, 0 between calls: programs of a band that have stored (SPLIT)
     M,
     N,
     R,
-    XA,
-    B,
-    BIAS,
-    Y,
+    slices,  # programs per band of rows
     stride_xam,
     stride_bn,
     stride_ym,
@@ -120,20 +120,20 @@ def epilogue(
 def _lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     W,  # (N, K), rows stride_wn apart, contiguous along K
-    XA,  # (M, R) the low-rank product x A^T (unused without HAS_LORA)
-    B,  # (N, R) LoRA B (unused without HAS_LORA)
-    BIAS,  # (N,) (unused without HAS_BIAS)
-    Y,  # (M, N) output, rows stride_ym apart
-    PARTIALS,  # (slices, M, N) fp32 partial sums (unused without SPLIT)
-    COUNTERS,  # (bands,) int32, 0 between calls: programs of a band that have stored (SPLIT)
-    M,
-    N,
     K,
-    R,
     k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
-    slices,  # programs per band of rows
     stride_xm,
     stride_wn,
+    XA,  # from here on the epilogue's arguments (epilogue_arguments)
+    B,
+    BIAS,
+    Y,
+    PARTIALS,
+    COUNTERS,
+    M,
+    N,
+    R,
+    slices,
     stride_xam,
     stride_bn,
     stride_ym,
@@ -176,8 +176,8 @@ def _lora_gemv_kernel(
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not USE_DOT:
         acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, PARTIALS, COUNTERS, slices, M, N, R, XA, B,
-            BIAS, Y, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
+    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
+             slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
 
 def lora_gemv_reference(x, weight, bias=None, xa=None, lora_b=None, scaling: float = 1.0) -> torch.Tensor:
@@ -253,45 +253,58 @@ def lora_gemv(
     k = x.shape[1]
     block_m, block_n, block_k = tile(candidate, rows, k)
     _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
-    bands = triton.cdiv(n, block_n)
-    slices, k_per_slice = split_k.slices(x.device, bands, k, block_k, programs_per_sm)
-    partials, counters = split_k.workspace(x.device, rows, n, slices, bands)
-    if partials is None:
-        slices, k_per_slice = 1, k
-    rank = 1 if xa is None else xa.shape[1]
+    bands, slices, k_per_slice, partials, counters = split_k.plan(
+        x.device, rows, n, k, block_n, block_k, programs_per_sm
+    )
+    arguments, constants = epilogue_arguments(
+        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
+    )
     _lora_gemv_kernel[(bands, slices)](
         x,
         weight,
-        x if xa is None else xa,
-        weight if lora_b is None else lora_b,
-        weight if bias is None else bias,
-        out,
-        out if partials is None else partials,
-        out if counters is None else counters,
-        rows,
-        n,
         k,
-        rank,
         k_per_slice,
-        slices,
         x.stride(0),
         weight.stride(0),
-        0 if xa is None else xa.stride(0),
-        0 if lora_b is None else lora_b.stride(0),
-        out.stride(0),
-        float(scaling),
-        HAS_LORA=xa is not None,
-        HAS_BIAS=bias is not None,
-        SPLIT=partials is not None,
+        *arguments,
+        **constants,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(1, triton.next_power_of_2(rank)),
         USE_DOT=use_dot,
         DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
         num_warps=warps,
     )
     return out
+
+
+def epilogue_arguments(x, n: int, bias, xa, lora_b, scaling, out, partials, counters, slices):
+    """The epilogue's launch arguments, from XA to scaling in the kernels' signatures, and
+    its constexprs (HAS_LORA, HAS_BIAS, SPLIT, BLOCK_R); x stands in for absent tensors."""
+    rank = 1 if xa is None else xa.shape[1]
+    arguments = (
+        x if xa is None else xa,
+        x if lora_b is None else lora_b,
+        x if bias is None else bias,
+        out,
+        out if partials is None else partials,
+        out if counters is None else counters,
+        x.shape[0],
+        n,
+        rank,
+        slices,
+        0 if xa is None else xa.stride(0),
+        0 if lora_b is None else lora_b.stride(0),
+        out.stride(0),
+        float(scaling),
+    )
+    constants = dict(
+        HAS_LORA=xa is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT=partials is not None,
+        BLOCK_R=max(1, triton.next_power_of_2(rank)),
+    )
+    return arguments, constants
 
 
 def tile(candidate: int, rows: int, k: int) -> tuple[int, int, int]:

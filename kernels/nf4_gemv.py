@@ -32,7 +32,13 @@ import triton
 import triton.language as tl
 
 from slothkit_kernels import split_k
-from slothkit_kernels.lora_gemv import MAX_ROWS, check_low_rank, epilogue, lora_gemv_reference
+from slothkit_kernels.lora_gemv import (
+    MAX_ROWS,
+    check_low_rank,
+    epilogue,
+    epilogue_arguments,
+    lora_gemv_reference,
+)
 from slothkit_kernels.nf4 import checked, dequantize_nf4_reference, launch_arguments, round_to_bf16
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
@@ -88,19 +94,19 @@ def _nf4_lora_gemv_kernel(
     NESTED_ABSMAX,  # fp32 scales of the absmax codes (NESTED)
     NESTED_CODE,  # the 256 levels of the absmax codes (NESTED)
     OFFSET,  # fp32 scalar added to every nested scale (NESTED)
-    XA,  # (M, R) the low-rank product x A^T (unused without HAS_LORA)
-    B,  # (N, R) LoRA B (unused without HAS_LORA)
-    BIAS,  # (N,) (unused without HAS_BIAS)
-    Y,  # (M, N) output, rows stride_ym apart; its dtype is the weight's
-    PARTIALS,  # (slices, M, N) fp32 partial sums (SPLIT)
-    COUNTERS,  # (bands,) int32, 0 between calls (SPLIT)
+    K,  # a multiple of BLOCKSIZE
+    k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
+    stride_xm,
+    XA,  # from here on the epilogue's arguments (lora_gemv.epilogue_arguments)
+    B,
+    BIAS,
+    Y,  # (M, N); its dtype is the weight's
+    PARTIALS,
+    COUNTERS,
     M,
     N,
-    K,  # a multiple of BLOCKSIZE
     R,
-    k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
     slices,
-    stride_xm,
     stride_xam,
     stride_bn,
     stride_ym,
@@ -154,8 +160,8 @@ def _nf4_lora_gemv_kernel(
         x_odd = tl.load(rows_x + columns[None, :] + 1, mask=m_mask[:, None], other=0.0).to(tl.float32)
         acc3 += x_even[:, None, :] * high[None, :, :] + x_odd[:, None, :] * low[None, :, :]
     acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
-    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, PARTIALS, COUNTERS, slices, M, N, R, XA, B,
-            BIAS, Y, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
+    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
+             slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
 
 def supports(weight: NF4Weight) -> bool:
@@ -238,43 +244,27 @@ def nf4_lora_gemv(
         return out.copy_(nf4_lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
     block_m, block_n, block_k = tile(candidate, rows, weight.blocksize)
     _, _, warps, programs_per_sm = CANDIDATES[candidate]
-    bands = triton.cdiv(n, block_n)
-    slices, k_per_slice = split_k.slices(x.device, bands, k, block_k, programs_per_sm)
-    partials, counters = split_k.workspace(x.device, rows, n, slices, bands)
-    if partials is None:
-        slices, k_per_slice = 1, k
-    rank = 1 if xa is None else xa.shape[1]
+    bands, slices, k_per_slice, partials, counters = split_k.plan(
+        x.device, rows, n, k, block_n, block_k, programs_per_sm
+    )
+    arguments, constants = epilogue_arguments(
+        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
+    )
     nested = weight.is_nested
     _nf4_lora_gemv_kernel[(bands, slices)](
         x,
         *launch_arguments(weight),
-        x if xa is None else xa,
-        x if lora_b is None else lora_b,
-        x if bias is None else bias,
-        out,
-        out if partials is None else partials,
-        out if counters is None else counters,
-        rows,
-        n,
         k,
-        rank,
         k_per_slice,
-        slices,
         x.stride(0),
-        0 if xa is None else xa.stride(0),
-        0 if lora_b is None else lora_b.stride(0),
-        out.stride(0),
-        float(scaling),
+        *arguments,
+        **constants,
         BLOCKSIZE=weight.blocksize,
         NESTED=nested,
         NESTED_BLOCKSIZE=weight.nested_blocksize if nested else 1,
-        HAS_LORA=xa is not None,
-        HAS_BIAS=bias is not None,
-        SPLIT=partials is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(1, triton.next_power_of_2(rank)),
         INTERPRETER=interpreter_enabled(),
         num_warps=warps,
     )

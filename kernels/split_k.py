@@ -72,3 +72,14 @@ def workspace(device, rows: int, n: int, count: int, bands: int):
             torch.zeros(bands, dtype=torch.int32, device=device),
         )
     return _workspaces[key]
+
+
+def plan(device, rows: int, n: int, k: int, block_n: int, block_k: int, programs_per_sm: int):
+    """(bands, slices, columns per slice, partials, counters) of a launch over an (n, k)
+    weight in bands of block_n rows; one slice (and no workspace) where unsplit."""
+    bands = triton.cdiv(n, block_n)
+    count, k_per_slice = slices(device, bands, k, block_k, programs_per_sm)
+    partials, counters = workspace(device, rows, n, count, bands)
+    if partials is None:
+        count, k_per_slice = 1, k
+    return bands, count, k_per_slice, partials, counters
