@@ -3,19 +3,33 @@
     y = x W^T + s (x A^T) B^T + bias          x: (M, K), M <= 8;  W: (N, K) in NF4
 
 W is never written out: each program reads a band of BLOCK_N rows of the packed codes
-(half a byte per weight) and their block scales once, forms every weight as
-``dequantize_nf4`` does (``dtype(fp32(level * scale))``, the same bits as bitsandbytes'
-dequantisation, the nested scale's product and sum rounded separately) and accumulates
-it against every row of x in fp32.  The epilogue adds the adapter's second product
-``s xa B^T`` and the bias and rounds once (lora_gemv.py's ``epilogue``), and K may be cut
-into slices (split_k.py), as in the 16-bit lora_gemv.  The result is therefore
-``F.linear(x, dequantize_nf4(W))`` plus the adapter up to the order of the fp32
-additions, moving about a quarter of a 16-bit weight's bytes.
+(half a byte per weight) and their block scales once and accumulates, for every row of x,
+
+    y[m, n] = sum over the blocks b of row n:  scale_b * sum_{k in b} x[m, k] * NF4[code(n, k)]
+
+in fp32, the nested scale's product and sum rounded separately as bitsandbytes rounds
+them.  The epilogue adds the adapter's second product ``s xa B^T`` and the bias and
+rounds once (lora_gemv.py's ``epilogue``), and K may be cut into slices (split_k.py), as
+in the 16-bit lora_gemv.  This moves about a quarter of a 16-bit weight's bytes.
+
+Numbers.  The weights are the exact products level x scale, not rounded to the 16-bit
+dtype as ``dequantize_nf4`` (and bitsandbytes' dequantisation) rounds them before a
+matmul: the result differs from ``F.linear(x, dequantize_nf4(W))`` by that rounding of
+the weights (relative 2^-9 in bf16, random in sign, so far less in a sum over K) and the
+order of the fp32 additions, below the output's own rounding.  bitsandbytes' 4-bit GEMV
+multiplies in the 16-bit dtype and differs more.
+
+Instructions, not bytes, bound a dequantising GEMV at one row: an H200 must turn about
+ten billion codes a second into products to keep up with its memory.  So a packed byte's two
+weights cost a multiply and two fused multiply-adds (x_even * level_high + x_odd *
+level_low, times the row's scale, into the accumulator), nothing rounded to 16 bits, and
+its two levels come from one 8-byte load from a 256-entry table of level
+pairs (2 KB, held in L1; ``level_pairs``) rather than two lookups.
 
 Layout.  Byte j of a row's packed codes holds columns 2j (high nibble) and 2j + 1 (low
 nibble), so a step loads a (BLOCK_N, BLOCK_K / 2) tile of bytes and x's even and odd
 columns separately (x is a few KB and stays in cache), and multiplies the high nibbles'
-weights by the even columns and the low ones' by the odd.  BLOCK_K divides the
+levels by the even columns and the low ones' by the odd.  BLOCK_K divides the
 quantisation block and the row length is whole blocks (``supports``), so every row's
 tile in a step lies in one block: one scale per row per step.
 
@@ -39,7 +53,7 @@ from slothkit_kernels.lora_gemv import (
     epilogue_arguments,
     lora_gemv_reference,
 )
-from slothkit_kernels.nf4 import checked, dequantize_nf4_reference, launch_arguments, round_to_bf16
+from slothkit_kernels.nf4 import checked, dequantize_nf4_reference, launch_arguments
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
@@ -72,28 +86,15 @@ def _product_then_sum(a, b, c):
 
 
 @triton.jit
-def _weights(codes, scale, CODE, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
-    """fp32 values of the weights whose 4-bit ``codes`` share a row's ``scale``
-    (BLOCK_N,): the level times the scale in fp32, rounded once to DTYPE."""
-    value = tl.load(CODE + codes.to(tl.int32)) * scale[:, None]
-    if DTYPE == tl.float32:
-        rounded = value
-    elif INTERPRETER and DTYPE == tl.bfloat16:  # the interpreter truncates fp32 -> bf16 casts
-        rounded = round_to_bf16(value).to(tl.float32)
-    else:
-        rounded = value.to(DTYPE).to(tl.float32)
-    return rounded
-
-
-@triton.jit
 def _nf4_lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     PACKED,  # (N * K / 2,) uint8 codes, row-major, high nibble first
     ABSMAX,  # fp32 block scales, or their uint8 codes when NESTED
-    CODE,  # the 16 NF4 levels, fp32
+    CODE,  # the 16 NF4 levels, fp32 (unused: LEVEL_PAIRS holds them)
     NESTED_ABSMAX,  # fp32 scales of the absmax codes (NESTED)
     NESTED_CODE,  # the 256 levels of the absmax codes (NESTED)
     OFFSET,  # fp32 scalar added to every nested scale (NESTED)
+    LEVEL_PAIRS,  # (256,) int64: byte b -> bits of NF4[b >> 4] | bits of NF4[b & 15] << 32
     K,  # a multiple of BLOCKSIZE
     k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
     stride_xm,
@@ -121,10 +122,9 @@ def _nf4_lora_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    INTERPRETER: tl.constexpr,  # bf16 rounded in software, no libdevice
+    INTERPRETER: tl.constexpr,  # no inline PTX
 ):
     HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
-    DTYPE: tl.constexpr = Y.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,15 +153,30 @@ def _nf4_lora_gemv_kernel(
         packed = tl.load(
             PACKED + (row_start[:, None] + k0) // 2 + offs_j[None, :], mask=n_mask[:, None], other=0
         )
-        high = _weights(packed >> 4, scale, CODE, DTYPE, INTERPRETER)  # columns k0 + 2j
-        low = _weights(packed & 0xF, scale, CODE, DTYPE, INTERPRETER)  # columns k0 + 2j + 1
+        pairs = tl.load(LEVEL_PAIRS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
+        high = pairs.to(tl.int32).to(tl.float32, bitcast=True)  # levels of columns k0 + 2j
+        low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # and of k0 + 2j + 1
         columns = k0 + 2 * offs_j
         x_even = tl.load(rows_x + columns[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
         x_odd = tl.load(rows_x + columns[None, :] + 1, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        acc3 += x_even[:, None, :] * high[None, :, :] + x_odd[:, None, :] * low[None, :, :]
+        # Summed along K once after the loop: no reduction across threads per step.
+        pair_sums = x_even[:, None, :] * high[None, :, :] + x_odd[:, None, :] * low[None, :, :]
+        acc3 += pair_sums * scale[None, :, None]
     acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
     epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
              slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
+
+
+def level_pairs(weight: NF4Weight) -> torch.Tensor:
+    """The (256,) int64 table the kernel reads both levels of a packed byte from: the fp32
+    bits of NF4[b >> 4] (the high nibble, the even column) in the low word, those of
+    NF4[b & 15] in the high one.  Made once per record; copies made by ``with_packed``
+    share it."""
+    if weight.level_pairs is None:
+        bits = weight.code.reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        byte = torch.arange(256, device=bits.device)
+        weight.level_pairs = bits[byte >> 4] | (bits[byte & 15] << 32)
+    return weight.level_pairs
 
 
 def supports(weight: NF4Weight) -> bool:
@@ -170,7 +185,8 @@ def supports(weight: NF4Weight) -> bool:
 
 
 def nf4_lora_gemv_reference(x, weight: NF4Weight, bias=None, xa=None, lora_b=None, scaling: float = 1.0):
-    """The same from the dequantised weight (bitsandbytes' bits), in fp32, rounded once."""
+    """The same from the dequantised weight (bitsandbytes' bits, rounded to the dtype), in
+    fp32, rounded once: within the output's rounding of the kernel's result."""
     return lora_gemv_reference(x, dequantize_nf4_reference(weight), bias, xa, lora_b, scaling)
 
 
@@ -254,6 +270,7 @@ def nf4_lora_gemv(
     _nf4_lora_gemv_kernel[(bands, slices)](
         x,
         *launch_arguments(weight),
+        level_pairs(weight),
         k,
         k_per_slice,
         x.stride(0),
