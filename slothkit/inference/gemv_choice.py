@@ -86,21 +86,21 @@ def _decide(baseline, kernel, candidates: int, copies: list, dtype) -> dict:
     decision names the candidate to run where one gains at least MIN_GAIN."""
     expected = baseline(copies[0])
     decision = {"baseline_ms": _graph_ms(baseline, copies)}
-    best = None
+    timed = {}  # candidate -> ms, for those that ran and agreed
     for candidate in range(candidates):
         try:
             error = _relative_error(kernel(candidate, copies[0]), expected)
             if error > TOLERANCE.get(dtype, 3e-2):
                 continue
-            ms = _graph_ms(lambda copy, c=candidate: kernel(c, copy), copies)
+            timed[candidate] = _graph_ms(lambda copy, c=candidate: kernel(c, copy), copies)
         except Exception:  # a tile that does not compile or fit on this GPU: not a candidate
             continue
-        if best is None or ms < best[1]:
-            best = (candidate, ms)
-    if best is not None:
-        decision["kernel_ms"] = best[1]
-        if best[1] < decision["baseline_ms"] * (1 - MIN_GAIN):
-            decision["candidate"] = best[0]
+    if timed:
+        best = min(timed, key=timed.get)
+        decision["kernel_ms"] = timed[best]
+        decision["candidates_ms"] = timed
+        if timed[best] < decision["baseline_ms"] * (1 - MIN_GAIN):
+            decision["candidate"] = best
     return decision
 
 
@@ -161,8 +161,8 @@ def _rank(xa) -> int:
 
 def choices() -> list[dict]:
     """Every shape decided in this process: the weight's kind, rows, out and in features,
-    rank, bias, the milliseconds of the library path and of the best candidate, and which
-    runs."""
+    rank, bias, the milliseconds of the library path, of the best candidate and of each
+    candidate that agreed (by its index), and which runs."""
     listed = []
     for (kind, _, _, rows, out_features, in_features, rank, bias), decision in _choices.items():
         library, kernel = NAMES[kind]
@@ -177,6 +177,7 @@ def choices() -> list[dict]:
                 "baseline": library,
                 "baseline_ms": decision["baseline_ms"],
                 "kernel_ms": decision.get("kernel_ms"),
+                "candidates_ms": {str(c): ms for c, ms in decision.get("candidates_ms", {}).items()},
                 "runs": kernel if "candidate" in decision else library,
             }
         )

@@ -52,7 +52,10 @@ def _timings(monkeypatch, baseline_ms: float, kernel_ms: dict):
 def test_the_fastest_agreeing_candidate_is_kept_when_it_gains_enough(monkeypatch):
     _timings(monkeypatch, 1.0, {0: 0.9, 1: 0.6, 2: 0.7})
     decision = gemv_choice._decide(*_dense_paths(_seed()))
-    assert decision == {"baseline_ms": 1.0, "kernel_ms": 0.6, "candidate": 1}
+    assert decision["candidate"] == 1 and decision["kernel_ms"] == 0.6 and decision["baseline_ms"] == 1.0
+    assert decision["candidates_ms"] == {
+        c: {0: 0.9, 1: 0.6, 2: 0.7}.get(c, 1.0) for c in range(len(CANDIDATES))
+    }
 
 
 def test_the_library_is_kept_when_the_kernel_gains_less_than_min_gain(monkeypatch):
@@ -133,7 +136,8 @@ def test_an_nf4_candidate_is_chosen_only_where_it_agrees_with_bitsandbytes(monke
         [weight],
         torch.float32,
     )
-    assert decision == {"baseline_ms": 1.0, "kernel_ms": 0.5, "candidate": 2}
+    assert decision["candidate"] == 2 and decision["kernel_ms"] == 0.5
+    assert 0 not in decision["candidates_ms"] and len(decision["candidates_ms"]) == len(NF4_CANDIDATES) - 1
     assert next(timed, None) is None
 
 
