@@ -55,7 +55,11 @@ def notebook_environment(stem: str) -> dict[str, str]:
 
     hub = _hub()
     model = _model_key(stem)
-    stand_in = tiny_image_text_gemma3_path() if model in IMAGE_TEXT_MODELS else tiny_model_path(architecture_of(model).name)
+    stand_in = (
+        tiny_image_text_gemma3_path()
+        if model in IMAGE_TEXT_MODELS
+        else tiny_model_path(architecture_of(model).name)
+    )
     return {
         **hub.client_env(),
         "SLOTHKIT_NO_INSTALL": "1",
@@ -87,12 +91,25 @@ def pytest_runtest_setup(item):
     notebook = item.parent
     if path.suffix == ".ipynb" and not getattr(notebook, "_slothkit_environment", False):
         environment = notebook_environment(path.stem)
-        # A variable only the previous notebook's template set must not reach this one.
-        for key in _state.get("environment", {}).keys() - environment.keys():
-            os.environ.pop(key, None)
+        _state["saved"] = {key: os.environ.get(key) for key in environment}
         os.environ.update(environment)
-        _state["environment"] = environment
         notebook._slothkit_environment = True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # After a notebook's last cell, give the process its environment back: the tests that
+    # run next in this process (a `slothkit demo` reads the same SLOTHKIT_* variables) and
+    # the next notebook must not see this one's settings.
+    notebook = item.parent
+    if getattr(notebook, "_slothkit_environment", False) and (
+        nextitem is None or nextitem.parent is not notebook
+    ):
+        for key, value in _state.pop("saved", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -13,6 +13,18 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter checks every 32-bit integer add, subtract and multiply for overflow
+    # (Triton's sanitize_overflow), a fifth of the time of a fused training test here.  Test
+    # shapes index far below 2^31, and compiled kernels run without the checks.
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    interpreter.interpreter_builder.options = dataclasses.replace(
+        interpreter.interpreter_builder.options, sanitize_overflow=False
+    )
+
 
 @pytest.fixture
 def device() -> str:
