@@ -1,6 +1,7 @@
 """Two processes under DistributedDataParallel or FSDP2 (torchrun, gloo, CPU) train a tiny
 FastModel exactly as one process does with the same global batch: the loss of every step
-and the final LoRA adapters agree to 1e-5 (fp32).  slothkit.testing.distributed_parity
+and the final LoRA adapters agree to 1e-5 (fp32; the adapters also to 0.1% of their size,
+see _assert_same_training).  slothkit.testing.distributed_parity
 holds the runs.
 
 Each test starts torchrun once (about half a minute on a 2-core CPU, mostly imports) and
@@ -37,8 +38,13 @@ def _assert_same_training(ddp: dict, single: dict) -> None:
         torch.tensor(ddp["losses"]), torch.tensor(single["losses"]), rtol=0, atol=TOLERANCE
     )
     assert ddp["lora"].keys() == single["lora"].keys()
+    # Adam's step is lr * m / (sqrt(v) + eps): about +-lr whatever the gradient's size, so
+    # an element whose gradient sits near zero turns the two runs' different summation
+    # orders (gradients averaged across processes against one batch's sum, ~1e-7) into a
+    # step difference of ~1e-5 on a weight of ~0.04 (measured: one of 1,536 elements,
+    # 1.2e-5, 3e-4 of its value).  So the weights may also differ by 0.1% of their size.
     for name, weight in ddp["lora"].items():
-        torch.testing.assert_close(weight, single["lora"][name], rtol=0, atol=TOLERANCE, msg=name)
+        torch.testing.assert_close(weight, single["lora"][name], rtol=1e-3, atol=TOLERANCE, msg=name)
     # B starts at zero: the adapters moved far beyond the tolerance (a few steps of a
     # learning rate of about 1e-3 for Adam, farther for SGD's 0.5).
     moved = max(w.abs().max().item() for n, w in single["lora"].items() if "lora_B" in n)
