@@ -27,8 +27,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from slothkit_kernels import lora_gemv as dense_gemv
 from slothkit_kernels import nf4_gemv
+from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES
+from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
 from slothkit_kernels.nf4 import checked
 from slothkit_kernels.nf4_weight import NF4Weight
 
@@ -115,7 +116,7 @@ def _choose(key: tuple, baseline, kernel, candidates: int, make_copies, dtype) -
 
 
 def _considered(rows: torch.Tensor) -> bool:
-    return rows.is_cuda and 1 <= rows.shape[0] <= dense_gemv.MAX_ROWS
+    return 1 <= rows.shape[0] <= MAX_ROWS and rows.is_cuda
 
 
 def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
@@ -127,8 +128,8 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
     return _choose(
         key,
         lambda w: cublas_path(rows, w, bias, xa, lora_b, scaling),
-        lambda c, w: dense_gemv.lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
-        len(dense_gemv.CANDIDATES),
+        lambda c, w: lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
+        len(DENSE_CANDIDATES),
         lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone),
         rows.dtype,
     )
