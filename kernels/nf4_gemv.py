@@ -20,11 +20,13 @@ order of the fp32 additions, below the output's own rounding.  bitsandbytes' 4-b
 multiplies in the 16-bit dtype and differs more.
 
 Instructions, not bytes, bound a dequantising GEMV at one row: an H200 must turn about
-ten billion codes a second into products to keep up with its memory.  So a packed
-byte's two weights cost a multiply and two fused multiply-adds (x_even * level_high +
-x_odd * level_low, times the row's scale, into the accumulator), nothing rounded to 16
-bits, and its two levels come from one 8-byte load from a 256-entry table of level pairs
-(2 KB, held in L1; ``level_pairs``) rather than two lookups.
+ten trillion codes a second (4.8 TB/s at half a byte each) into products to keep up with
+its memory.  So a packed byte's two weights cost a multiply and two fused multiply-adds
+(x_even * level_high + x_odd * level_low, times the row's scale, into the accumulator),
+nothing rounded to 16 bits, and its two levels come from one 8-byte load from a
+256-entry table of level pairs (2 KB, held in L1; ``level_pairs``) rather than two
+lookups.  That load is a gather across a warp, and on the H200 it bounds the kernel
+below bitsandbytes' GEMV (docs/inference.md has the figures).
 
 Layout.  Byte j of a row's packed codes holds columns 2j (high nibble) and 2j + 1 (low
 nibble), so a step loads a (BLOCK_N, BLOCK_K / 2) tile of bytes and x's even and odd
