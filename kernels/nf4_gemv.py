@@ -12,7 +12,7 @@ them.  The epilogue adds the adapter's second product ``s xa B^T`` and the bias 
 rounds once (lora_gemv.py's ``epilogue``), and K may be cut into slices (split_k.py), as
 in the 16-bit lora_gemv.  This moves about a quarter of a 16-bit weight's bytes.
 
-Numbers.  The weights are the exact products level x scale, not rounded to the 16-bit
+Numbers.  The weights are the products level x scale in fp32, not rounded to the 16-bit
 dtype as ``dequantize_nf4`` (and bitsandbytes' dequantisation) rounds them before a
 matmul: the result differs from ``F.linear(x, dequantize_nf4(W))`` by that rounding of
 the weights (relative 2^-9 in bf16, random in sign, so far less in a sum over K) and the
@@ -21,17 +21,23 @@ multiplies in the 16-bit dtype and differs more.
 
 Instructions, not bytes, bound a dequantising GEMV at one row: an H200 must turn about
 ten trillion codes a second (4.8 TB/s at half a byte each) into products to keep up with
-its memory.  So a packed byte's two weights cost a multiply and two fused multiply-adds
-(x_even * level_high + x_odd * level_low, times the row's scale, into the accumulator),
-nothing rounded to 16 bits, and its two levels come from one 8-byte load from a
-256-entry table of level pairs (2 KB, held in L1; ``level_pairs``) rather than two
-lookups.  That load is a gather across a warp, and on the H200 it bounds the kernel
-below bitsandbytes' GEMV (docs/inference.md has the figures).
+its memory, a few instructions per code at most.  So a code's level is looked up in
+registers, by byte permutes of a table held in the instructions and in eight registers
+(level_lookup.py: under six instructions a code, bit for bit, no memory touched), and at
+one row a packed byte's two weights cost a multiply and two fused multiply-adds
+(x_even * level_high + x_odd * level_low, times the row's scale, into the accumulator);
+with more rows the pair of levels is scaled once and each row adds two fused
+multiply-adds.  Nothing is rounded to 16 bits.  The alternative lookup (``lookup="table"``,
+and always under the Triton interpreter, which runs no PTX) loads both levels of a byte
+from a 256-entry table of level pairs (2 KB, held in L1; ``level_pairs``): one load, but
+a gather across the warp, which on the H200 bounds the kernel below bitsandbytes' GEMV
+(docs/inference.md).  scripts/cuda_sass.py counts each one's main loop for a GPU
+without one.
 
 Layout.  Byte j of a row's packed codes holds columns 2j (high nibble) and 2j + 1 (low
-nibble), so a step loads a (BLOCK_N, BLOCK_K / 2) tile of bytes and x's even and odd
-columns separately (x is a few KB and stays in cache), and multiplies the high nibbles'
-levels by the even columns and the low ones' by the odd.  BLOCK_K divides the
+nibble), so a step loads a (BLOCK_N, BLOCK_K / 2) tile of bytes and x's BLOCK_K columns
+(x is a few KB and stays in cache), splits x into its even and odd columns, and
+multiplies the high nibbles' levels by the even columns and the low ones' by the odd.  BLOCK_K divides the
 quantisation block and the row length is whole blocks (``supports``), so every row's
 tile in a step lies in one block: one scale per row per step.
 
@@ -47,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slothkit_kernels import split_k
+from slothkit_kernels import level_lookup, split_k
 from slothkit_kernels.lora_gemv import (
     MAX_ROWS,
     check_low_rank,
@@ -72,6 +78,14 @@ CANDIDATES = (
     (32, 128, 4, 8),
 )
 
+_LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.CONSTRAINTS)
+
+
+@triton.jit
+def _lane():
+    """This thread's lane in its warp, which ptxas cannot know to be the same anywhere."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
 
 @triton.jit
 def _product_then_sum(a, b, c):
@@ -92,11 +106,12 @@ def _nf4_lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     PACKED,  # (N * K / 2,) uint8 codes, row-major, high nibble first
     ABSMAX,  # fp32 block scales, or their uint8 codes when NESTED
-    CODE,  # the 16 NF4 levels, fp32 (unused: LEVEL_PAIRS holds them)
+    CODE,  # the 16 NF4 levels, fp32 (unused: LEVELS or LOOKUP_ASM hold them)
     NESTED_ABSMAX,  # fp32 scales of the absmax codes (NESTED)
     NESTED_CODE,  # the 256 levels of the absmax codes (NESTED)
     OFFSET,  # fp32 scalar added to every nested scale (NESTED)
-    LEVEL_PAIRS,  # (256,) int64: byte b -> bits of NF4[b >> 4] | bits of NF4[b & 15] << 32
+    LEVELS,  # LOOKUP_ASM's 8 int32 table words, 32 copies (register_lookup), else (256,) int64:
+    #   byte b -> bits of NF4[b >> 4] | bits of NF4[b & 15] << 32 (level_pairs)
     K,  # a multiple of BLOCKSIZE
     k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
     stride_xm,
@@ -125,6 +140,7 @@ def _nf4_lora_gemv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
     INTERPRETER: tl.constexpr,  # no inline PTX
+    LOOKUP_ASM: tl.constexpr,  # PTX turning packed bytes into levels (level_lookup), or ""
 ):
     HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
     pid_n = tl.program_id(0)
@@ -134,15 +150,28 @@ def _nf4_lora_gemv_kernel(
     offs_j = tl.arange(0, HALF)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    row_start = offs_n.to(tl.int64) * K  # each row's first weight in the flat order
-    rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    # Pointers at column 0, so that a step adds only its column: each row's packed bytes
+    # and first block scale, and x's rows.
+    row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)  # (BLOCK_N,)
+    packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_j[None, :]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     if NESTED:
         offset = tl.load(OFFSET)
+    if LOOKUP_ASM != "":
+        # Half the lookup table, in registers for the whole program.  Each lane reads its
+        # own copy: words ptxas knows to be the same in every thread it keeps in uniform
+        # registers, which a PRMT cannot read, and copies out at every lookup.
+        words = LEVELS + _lane() * 8
+        t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+        t4, t5, t6, t7 = tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)
     k_start = pid_k * k_per_slice
     k_stop = tl.minimum(k_start + k_per_slice, K)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    if BLOCK_M == 1:  # x broadcast over the weight's tile: no third dimension to lay out
+        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        block = (row_start + k0) // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
+        block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
         if NESTED:
             level = tl.load(NESTED_CODE + tl.load(ABSMAX + block, mask=n_mask, other=0).to(tl.int32))
             nested_scale = tl.load(NESTED_ABSMAX + block // NESTED_BLOCKSIZE, mask=n_mask, other=0.0)
@@ -152,19 +181,29 @@ def _nf4_lora_gemv_kernel(
                 scale = _product_then_sum(level, nested_scale, offset)
         else:
             scale = tl.load(ABSMAX + block, mask=n_mask, other=0.0).to(tl.float32)
-        packed = tl.load(
-            PACKED + (row_start[:, None] + k0) // 2 + offs_j[None, :], mask=n_mask[:, None], other=0
-        )
-        pairs = tl.load(LEVEL_PAIRS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
-        high = pairs.to(tl.int32).to(tl.float32, bitcast=True)  # levels of columns k0 + 2j
-        low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # and of k0 + 2j + 1
-        columns = k0 + 2 * offs_j
-        x_even = tl.load(rows_x + columns[None, :], mask=m_mask[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(rows_x + columns[None, :] + 1, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
+        if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
+            high, low = tl.inline_asm_elementwise(
+                LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            pairs = tl.load(LEVELS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
+            high = pairs.to(tl.int32).to(tl.float32, bitcast=True)
+            low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, k0 + 2j + 1
         # Summed along K once after the loop: no reduction across threads per step.
-        pair_sums = x_even[:, None, :] * high[None, :, :] + x_odd[:, None, :] * low[None, :, :]
-        acc3 += pair_sums * scale[None, :, None]
-    acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+        if BLOCK_M == 1:
+            acc2 += (x_even * high + x_odd * low) * scale[:, None]
+        else:  # the weights scaled once for all rows: two FMAs a pair a row, not three
+            high_w, low_w = high * scale[:, None], low * scale[:, None]
+            acc3 += x_even[:, None, :] * high_w[None, :, :]  # each a fused multiply-add
+            acc3 += x_odd[:, None, :] * low_w[None, :, :]
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
+    else:
+        acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
     epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
              slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
@@ -179,6 +218,24 @@ def level_pairs(weight: NF4Weight) -> torch.Tensor:
         byte = torch.arange(256, device=bits.device)
         weight.level_pairs = bits[byte >> 4] | (bits[byte & 15] << 32)
     return weight.level_pairs
+
+
+def register_lookup(weight: NF4Weight) -> tuple[str, torch.Tensor]:
+    """The PTX that turns the record's packed bytes into their levels in registers
+    (level_lookup; half its table as immediates) and the 8 int32 table words it takes
+    in registers, once for each lane of a warp.  Reading the levels to the host synchronises, so it is done once per
+    record, at its first call (the decode path's is outside graph capture: it times the
+    kernel first); copies made by ``with_packed`` share both."""
+    if weight.register_lookup is None:
+        levels = tuple(weight.code.reshape(-1).float().tolist())
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in level_lookup.register_words(levels)]
+        # The same bits, signed; a copy per lane of a warp (the kernel says why).
+        words = torch.tensor(words * 32, dtype=torch.int32, device=weight.device)
+        weight.register_lookup = (level_lookup.lookup_asm(levels), words)
+    return weight.register_lookup
+
+
+LOOKUPS = ("registers", "table")
 
 
 def supports(weight: NF4Weight) -> bool:
@@ -233,6 +290,46 @@ def tile(candidate: int, rows: int, blocksize: int) -> tuple[int, int, int]:
     return block_m, block_n, min(blocksize, max(32, block_k // block_m))
 
 
+def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int, lookup: str):
+    """(grid, arguments, constexprs and launch options) of ``_nf4_lora_gemv_kernel`` for
+    a checked call: what ``nf4_lora_gemv`` launches, and what scripts/cuda_sass.py
+    compiles for a GPU it does not have."""
+    rows, (n, k) = x.shape[0], weight.shape
+    block_m, block_n, block_k = tile(candidate, rows, weight.blocksize)
+    _, _, warps, programs_per_sm = CANDIDATES[candidate]
+    bands, slices, k_per_slice, partials, counters = split_k.plan(
+        x.device, rows, n, k, block_n, block_k, programs_per_sm
+    )
+    epilogue_args, constants = epilogue_arguments(
+        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
+    )
+    nested = weight.is_nested
+    interpreter = interpreter_enabled()
+    in_registers = lookup == "registers" and not interpreter
+    asm, words = register_lookup(weight) if in_registers else ("", None)
+    arguments = (
+        x,
+        *launch_arguments(weight),
+        words if in_registers else level_pairs(weight),
+        k,
+        k_per_slice,
+        x.stride(0),
+        *epilogue_args,
+    )
+    constants.update(
+        BLOCKSIZE=weight.blocksize,
+        NESTED=nested,
+        NESTED_BLOCKSIZE=weight.nested_blocksize if nested else 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        INTERPRETER=interpreter,
+        LOOKUP_ASM=asm,
+        num_warps=warps,
+    )
+    return (bands, slices), arguments, constants
+
+
 def nf4_lora_gemv(
     x: torch.Tensor,
     weight: NF4Weight,
@@ -243,6 +340,7 @@ def nf4_lora_gemv(
     *,
     out: torch.Tensor | None = None,
     candidate: int = 0,
+    lookup: str = "registers",
 ) -> torch.Tensor:
     """``x W^T + scaling xa B^T + bias`` for x of 1 to 8 rows and an NF4 weight W, in one
     launch, W dequantised in registers.
@@ -252,39 +350,18 @@ def nf4_lora_gemv(
         bias: (N,) or None.  xa: (M, R), x times LoRA A transposed, or None.  lora_b: (N, R).
         scaling: the adapter's scale.  out: (M, N) to write into; a new tensor if None.
         candidate: which of ``CANDIDATES`` to launch with.
+        lookup: how a code becomes its level: "registers" (byte permutes of immediates,
+            level_lookup) or "table" (a load from ``level_pairs``).  The Triton
+            interpreter runs no PTX and always reads the table.
     """
+    if lookup not in LOOKUPS:
+        raise ValueError(f"nf4_lora_gemv: lookup={lookup!r}; expected one of {LOOKUPS}")
     _check(x, weight, bias, xa, lora_b)
-    rows, (n, k) = x.shape[0], weight.shape
     if out is None:
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if not use_triton(x):
         warn_reference_once("nf4_lora_gemv", x.device.type)
         return out.copy_(nf4_lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
-    block_m, block_n, block_k = tile(candidate, rows, weight.blocksize)
-    _, _, warps, programs_per_sm = CANDIDATES[candidate]
-    bands, slices, k_per_slice, partials, counters = split_k.plan(
-        x.device, rows, n, k, block_n, block_k, programs_per_sm
-    )
-    arguments, constants = epilogue_arguments(
-        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
-    )
-    nested = weight.is_nested
-    _nf4_lora_gemv_kernel[(bands, slices)](
-        x,
-        *launch_arguments(weight),
-        level_pairs(weight),
-        k,
-        k_per_slice,
-        x.stride(0),
-        *arguments,
-        **constants,
-        BLOCKSIZE=weight.blocksize,
-        NESTED=nested,
-        NESTED_BLOCKSIZE=weight.nested_blocksize if nested else 1,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        INTERPRETER=interpreter_enabled(),
-        num_warps=warps,
-    )
+    grid, arguments, constants = launch(x, weight, bias, xa, lora_b, scaling, out, candidate, lookup)
+    _nf4_lora_gemv_kernel[grid](*arguments, **constants)
     return out

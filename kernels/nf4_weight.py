@@ -44,6 +44,9 @@ class NF4Weight:
     launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
     # Both levels of every packed byte, as nf4_gemv reads them (nf4_gemv.level_pairs).
     level_pairs: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # The PTX and table words nf4_gemv looks levels up with in registers
+    # (nf4_gemv.register_lookup).
+    register_lookup: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def column_slabs(self, max_bytes: int) -> list[tuple[int, int]] | None:
         """Column ranges that split the weight into slabs of at most about ``max_bytes``
@@ -105,6 +108,7 @@ class NF4Weight:
         and dtype), sharing the scales and this record's checked kernel arguments."""
         copy = dataclasses.replace(self, packed=packed)
         copy.level_pairs = self.level_pairs
+        copy.register_lookup = self.register_lookup
         if self.launch_cache is not None:
             copy.launch_cache = (packed.reshape(-1).view(torch.uint8), *self.launch_cache[1:])
         return copy

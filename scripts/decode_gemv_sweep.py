@@ -7,7 +7,9 @@ For each shape, row count and weight kind it runs the choice itself and prints, 
 for 16-bit weights; bitsandbytes' GEMV, or dequantise + matmul beyond one row, + addmm_
 for NF4), the best candidate's, which runs, and every candidate's time, so that a tile
 set can be tuned from one GPU call.  Weights are random (bf16, or NF4 with double
-quantisation, blocks of 64, as QLoRA loads them); the adapter is LoRA r = 16.
+quantisation, blocks of 64, as QLoRA loads them); the adapter is LoRA r = 16.  Kind
+``nf4-table`` times nf4_lora_gemv with its levels read from a table instead of looked up
+in registers, for comparison.
 
     python scripts/decode_gemv_sweep.py --rows 1,8 --output $OUT/decode-gemv.json
 """
@@ -47,10 +49,18 @@ def _decide(kind: str, out_features: int, in_features: int, rows: int) -> None:
     if kind == "16-bit":
         weight = randn(out_features, in_features, scale=in_features**-0.5)
         gemv_choice.gemv_candidate(x, weight, None, xa, lora_b, 2.0)
-    else:
+    else:  # "nf4" (levels in registers, what decode runs) or "nf4-table"
         layer = _nf4_layer(out_features, in_features)
+        lookup = "table" if kind == "nf4-table" else "registers"
         gemv_choice.nf4_gemv_candidate(
-            x, base_weight(layer), None, xa, lora_b, 2.0, lambda w: _nf4_base_output(layer, x, w, None)
+            x,
+            base_weight(layer),
+            None,
+            xa,
+            lora_b,
+            2.0,
+            lambda w: _nf4_base_output(layer, x, w, None),
+            lookup,
         )
 
 
@@ -63,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,8", help="row counts (batch sizes) to decide for")
-    parser.add_argument("--kinds", default="16-bit,nf4")
+    parser.add_argument("--kinds", default="16-bit,nf4", help="16-bit, nf4, nf4-table (the table lookup)")
     parser.add_argument("--output", help="JSON file for the choices and the setting")
     args = parser.parse_args()
     torch.manual_seed(0)

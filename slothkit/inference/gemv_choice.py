@@ -40,7 +40,11 @@ TIMING_MS = 10  # of replays per timed path
 # path twice).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # The library path and slothkit's kernel each kind of weight is decided between.
-NAMES = {"16-bit": ("cublas", "lora_gemv"), "nf4": ("bitsandbytes", "nf4_lora_gemv")}
+NAMES = {
+    "16-bit": ("cublas", "lora_gemv"),
+    "nf4": ("bitsandbytes", "nf4_lora_gemv"),  # levels looked up in registers: what decode runs
+    "nf4-table": ("bitsandbytes", "nf4_lora_gemv, table lookup"),  # measured for comparison
+}
 
 _choices: dict[tuple, dict] = {}
 
@@ -135,13 +139,17 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
     )
 
 
-def nf4_gemv_candidate(rows, weight: NF4Weight, bias, xa, lora_b, scaling, base) -> int | None:
+def nf4_gemv_candidate(
+    rows, weight: NF4Weight, bias, xa, lora_b, scaling, base, lookup="registers"
+) -> int | None:
     """The tile candidate of ``nf4_lora_gemv`` to run for this call's shape, or None for
     bitsandbytes' path, ``base(w)`` (the base layer's output for ``rows`` read from the
-    NF4 weight ``w``, the weight or a copy of it) followed by the adapter's ``addmm_``."""
+    NF4 weight ``w``, the weight or a copy of it) followed by the adapter's ``addmm_``.
+    ``lookup`` is the kernel's (nf4_gemv.LOOKUPS); decode runs "registers"."""
     if not _considered(rows) or not nf4_gemv.supports(weight):
         return None
-    key = ("nf4", str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
+    kind = "nf4" if lookup == "registers" else f"nf4-{lookup}"
+    key = (kind, str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
 
     def clone() -> NF4Weight:  # new codes; the scales (1/64 of the bytes) are shared
         return checked(weight).with_packed(weight.packed.clone())
@@ -149,7 +157,7 @@ def nf4_gemv_candidate(rows, weight: NF4Weight, bias, xa, lora_b, scaling, base)
     return _choose(
         key,
         lambda w: with_adapter(base(w), xa, lora_b, scaling),
-        lambda c, w: nf4_gemv.nf4_lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
+        lambda c, w: nf4_gemv.nf4_lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c, lookup=lookup),
         len(nf4_gemv.CANDIDATES),
         lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone),
         rows.dtype,

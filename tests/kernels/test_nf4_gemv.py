@@ -2,14 +2,28 @@
 weights quantised by bitsandbytes: one to eight rows, with and without an adapter and a
 bias, nested and plain block scales, every tile candidate, fp32 / fp16 / bf16."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
 import triton
 
-from slothkit_kernels import split_k
+from slothkit_kernels import level_lookup, split_k
 from slothkit_kernels.lora_gemv import lora_gemv_reference
-from slothkit_kernels.nf4_gemv import CANDIDATES, nf4_lora_gemv, nf4_lora_gemv_reference, supports, tile
+from slothkit_kernels.nf4_gemv import (
+    CANDIDATES,
+    LOOKUPS,
+    nf4_lora_gemv,
+    nf4_lora_gemv_reference,
+    register_lookup,
+    supports,
+    tile,
+)
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.testing import relative_error
 
@@ -69,10 +83,12 @@ def test_nf4_lora_gemv_matches_the_dequantised_product(rows, rank, bias, nested,
     case = (DTYPES.index(dtype) * len(ROWS) + ROWS.index(rows)) * len(CASES) + CASES.index(
         (rank, bias, nested)
     )
-    for candidate in _candidates(device, case):
-        got = nf4_lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate)
-        assert got.dtype == dtype and got.shape == (rows, 72)
-        assert relative_error(got, expected) < TOLERANCE[dtype], CANDIDATES[candidate]
+    # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
+    for lookup in LOOKUPS if device == "cuda" else ("registers",):
+        for candidate in _candidates(device, case):
+            got = nf4_lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate, lookup=lookup)
+            assert got.dtype == dtype and got.shape == (rows, 72)
+            assert relative_error(got, expected) < TOLERANCE[dtype], (CANDIDATES[candidate], lookup)
     reference = nf4_lora_gemv_reference(x, weight, b, xa, lora_b, scaling)
     assert relative_error(reference, expected) < TOLERANCE[dtype]
 
@@ -132,6 +148,43 @@ def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
         ("expected \\(2, R\\) and \\(16, R\\)", lambda: nf4_lora_gemv(x, weight, None, xa, lora_b[:8])),
         ("bias", lambda: nf4_lora_gemv(x, weight, torch.zeros(3, device=device))),
         ("give them in torch.float32", lambda: nf4_lora_gemv(x.half(), weight)),
+        ("lookup='shared'", lambda: nf4_lora_gemv(x, weight, lookup="shared")),
     ]:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
+    generator = torch.Generator().manual_seed(_seed())
+    weight, _ = _quantized(16, 128, torch.bfloat16, True, 64, "cpu", generator)
+    asm, words = register_lookup(weight)
+    levels = weight.code.tolist()
+    assert asm == level_lookup.lookup_asm(tuple(levels))
+    assert [w & 0xFFFFFFFF for w in words.tolist()] == level_lookup.register_words(
+        levels
+    ) * 32  # a copy a lane
+    copy = weight.with_packed(weight.packed.clone())
+    assert register_lookup(copy) is register_lookup(weight)
+
+
+def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(tmp_path):
+    """scripts/cuda_sass.py compiles the kernel for sm_90 here (ptxas accepts the lookup's
+    PTX) and counts its main loop: the register lookup's loop issues fewer loads than the
+    table's (no gather), and stays near the instruction count it was designed at (about
+    ten a code at one row: six of lookup, one and a half of arithmetic, the rest loads
+    and addresses)."""
+    script = Path(__file__).parents[2] / "scripts" / "cuda_sass.py"
+    output = tmp_path / "sass.json"
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+    subprocess.run(
+        [sys.executable, str(script), "--shape", "256,512", "--rows", "1,8", "--candidates", "0", "--json", str(output)],
+        check=True, capture_output=True, env=env, timeout=600,
+    )  # fmt: skip
+    results = {(r["rows"], r["lookup"]): r for r in json.loads(output.read_text())["results"]}
+    for rows in (1, 8):
+        registers, table = results[rows, "registers"], results[rows, "table"]
+        assert registers["opcodes"].get("LDG", 0) < table["opcodes"]["LDG"]
+        _, block_n, block_k = registers["block"]
+        codes = block_n * block_k // (32 * registers["warps"])  # a thread's, per iteration
+        assert registers["opcodes"]["PRMT"] >= 34 * codes // 8  # the lookup's 34 per word of 8
+    assert results[1, "registers"]["instructions_per_code"] < 13

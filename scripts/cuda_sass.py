@@ -1,0 +1,153 @@
+"""Compile nf4_lora_gemv for a CUDA GPU on a machine without one, and count the machine
+instructions of its main loop: what a code costs in each lookup (kernels/level_lookup.py).
+
+Triton compiles for any target it is told (its ptxas and cuobjdump ship with it); only
+launching needs the GPU.  So the kernel is compiled through ``launch`` (the arguments and
+constexprs nf4_lora_gemv launches with, on CPU tensors of the shape) under a stand-in
+driver that names the target, and ``cuobjdump -sass`` disassembles the cubin.  The main
+loop is the longest backward branch's body; instructions per code are its length over
+the codes a thread converts per iteration (BLOCK_N * BLOCK_K / threads).  Counts, not
+timings: a GPU says what they cost (scripts/decode_gemv_sweep.py).
+
+    python scripts/cuda_sass.py --shape 4096,4096 --rows 1,8 --arch 90 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, never interpret: before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+from slothkit_kernels import nf4_gemv  # noqa: E402
+from slothkit_kernels.nf4_weight import NF4Weight  # noqa: E402
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+BRANCH_TARGET = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+class TargetOnly:
+    """The parts of a Triton driver that compiling (not launching) asks for."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def disassemble(cubin: bytes) -> tuple[str, int]:
+    """The SASS of a cubin and the registers a thread uses."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run(
+            [tool, "-sass", "-res-usage", f.name], check=True, capture_output=True, text=True
+        )
+    return run.stdout, int(re.search(r"REG:(\d+)", run.stdout).group(1))
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the longest loop: from a backward branch's target to the branch."""
+    lines = [(int(m.group(1), 16), m.group(3), m.group(0)) for m in INSTRUCTION.finditer(sass)]
+    labels = {}  # cuobjdump names targets as `(.L_x_N): find them by the label lines
+    for match in re.finditer(r"\.L_x_(\d+):\s*\n\s*/\*([0-9a-f]{4,})\*/", sass):
+        labels[match.group(1)] = int(match.group(2), 16)
+    best: list[str] = []
+    for address, opcode, text in lines:
+        if opcode != "BRA":
+            continue
+        label = re.search(r"\.L_x_(\d+)", text)
+        literal = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        target = labels.get(label.group(1)) if label else int(literal.group(1), 16) if literal else None
+        if target is not None and target < address:
+            body = [op for a, op, _ in lines if target <= a <= address]
+            best = max(best, body, key=len)
+    return best
+
+
+def record(n: int, k: int, blocksize: int = 64) -> NF4Weight:
+    """A CPU NF4 record of shape (n, k): values do not matter to the compiler."""
+    packed = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8)
+    absmax = torch.rand(n * k // blocksize)
+    code = torch.linspace(-1.0, 1.0, 16)
+    return NF4Weight(packed, absmax, code, blocksize, torch.Size((n, k)), torch.bfloat16)
+
+
+def loop_counts(weight: NF4Weight, rows: int, candidate: int, lookup: str, rank: int = 16) -> dict:
+    n, k = weight.shape
+    x = torch.randn(rows, k, dtype=weight.dtype)
+    xa = torch.randn(rows, rank, dtype=weight.dtype) if rank else None
+    lora_b = torch.randn(n, rank, dtype=weight.dtype) if rank else None
+    out = torch.empty(rows, n, dtype=weight.dtype)
+    grid, arguments, constants = nf4_gemv.launch(x, weight, None, xa, lora_b, 1.0, out, candidate, lookup)
+    compiled = nf4_gemv._nf4_lora_gemv_kernel.warmup(*arguments, grid=grid, **constants)
+    sass, registers = disassemble(compiled.asm["cubin"])
+    loop = main_loop(sass)
+    threads = 32 * constants["num_warps"]
+    codes = constants["BLOCK_N"] * constants["BLOCK_K"] / threads  # per thread per iteration
+    return {
+        "candidate": candidate,
+        "rows": rows,
+        "lookup": lookup,
+        "block": [constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]],
+        "warps": constants["num_warps"],
+        "registers": registers,
+        "loop_instructions": len(loop),
+        "instructions_per_code": round(len(loop) / codes, 2),
+        "opcodes": dict(collections.Counter(loop).most_common()),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="4096,4096", help="N,K of the weight")
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--candidates", default=",".join(str(c) for c in range(len(nf4_gemv.CANDIDATES))))
+    parser.add_argument("--lookups", default=",".join(nf4_gemv.LOOKUPS))
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 = H100/H200")
+    parser.add_argument("--json", help="write the counts here")
+    args = parser.parse_args(argv)
+    n, k = (int(v) for v in args.shape.split(","))
+    weight = record(n, k)
+    driver.set_active(TargetOnly(args.arch))
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for candidate in (int(c) for c in args.candidates.split(",")):
+            for lookup in args.lookups.split(","):
+                results.append(loop_counts(weight, rows, candidate, lookup))
+                r = results[-1]
+                top = ", ".join(f"{op} {count}" for op, count in list(r["opcodes"].items())[:6])
+                print(f"rows {rows} candidate {candidate} {lookup:9} block {r['block']} warps {r['warps']}: "
+                      f"{r['loop_instructions']} instructions a loop, {r['instructions_per_code']} a code, "
+                      f"{r['registers']} registers ({top})", flush=True)  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"arch": args.arch, "shape": [n, k], "triton": triton.__version__, "results": results},
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
