@@ -24,14 +24,16 @@ which prmt's sign mode spreads over a byte.  Four planes give byte p of the four
 in a word each; a 4x4 byte transpose (eight prmt) makes them four fp32 levels.
 
 Per word of eight codes: 6 instructions of selectors and masks, 24 of lookups (3 per
-plane per four codes), 16 of transpose: 46, under six per code, every one a full-rate
-integer instruction on sm_80 and later, against one table load per code (or per pair)
-that the warp's spread of addresses serialises.  The levels come out bit for bit.
+plane per four codes), 16 of transpose: 46, under six per code, every one an integer
+instruction, against one table load per code (or per pair) that the warp's spread of
+addresses serialises.  The levels come out bit for bit.  Levels of 16 bits (bf16,
+rounded to nearest from the fp32 levels, or fp16) need two planes and two permutes per
+four codes to pair them: 22 instructions a word, for a GEMV that multiplies in 16 bits.
 
 ``lookup_program`` gives the instructions as data (tests run them through an
 interpreter of their PTX semantics); ``lookup_asm`` renders them for
-``tl.inline_asm_elementwise`` with ``pack=4`` over uint8 codes: $0-$3 the high nibbles'
-levels of bytes 0-3, $4-$7 the low nibbles', $8 the four bytes.
+``tl.inline_asm_elementwise`` with ``pack=4`` over uint8 codes (``operands`` lists what
+$0, $1, ... are: the outputs, the word, the table words in registers).
 """
 
 from __future__ import annotations
@@ -39,58 +41,98 @@ from __future__ import annotations
 import functools
 import struct
 
+import triton
+import triton.language as tl
+
 # An instruction: (opcode, destination, *operands); an operand is a register name or an
 # int immediate.  Opcodes: "prmt" (d, a, b, c), "lop3" (d, a, b, c, lut), "shl"/"shr"
-# (d, a, bits), "xor" (d, a, imm).
+# (d, a, bits), "xor" (d, a, imm).  Registers named here are the asm's operands (in
+# ``operands``' order); other names are temporaries.
 Instruction = tuple
 
-WORD = "$8"  # the four packed bytes
-HIGH_LEVELS = ("$0", "$1", "$2", "$3")  # NF4[byte i >> 4]: the even columns' levels
-LOW_LEVELS = ("$4", "$5", "$6", "$7")  # NF4[byte i & 15]: the odd columns'
+WORD = "word"  # the four packed bytes
 # A SASS PRMT takes one of its two sources as an immediate; the other must be a register.
 # So half the table (words 0 and 2 of every plane) is passed in, ``register_words``
 # loaded once per program, and the asm names them: with pack=4 each 32-bit operand
 # arrives four times (one per element), and the first of each four is used.
-TABLE_REGISTERS = tuple(f"t{i}" for i in range(8))  # words (plane p, 0) and (p, 2) as t2p, t2p+1
-CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] + ["r"] * 4 * len(TABLE_REGISTERS))
+WIDTHS = (32, 16)  # bits of a level: fp32, or the 16-bit dtype the GEMV multiplies in
+
+
+def outputs(width: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The output registers: (the high nibbles' levels, the low nibbles'), for bytes 0-3
+    in order: one register a level at 32 bits, two levels a register (byte 2i's in the low
+    half, byte 2i + 1's in the high) at 16."""
+    if width == 32:
+        return tuple(f"high{i}" for i in range(4)), tuple(f"low{i}" for i in range(4))
+    return ("high01", "high23"), ("low01", "low23")
+
+
+def table_registers(width: int) -> tuple[str, ...]:
+    """The table words passed in registers: words (plane p, 0) and (p, 2) as t2p, t2p+1."""
+    return tuple(f"t{i}" for i in range(width // 4))
+
+
+def operands(width: int) -> tuple[str, ...]:
+    """The asm's operands, $0 onwards: the outputs, the word, then each table register
+    (four operands each, one per packed element)."""
+    high, low = outputs(width)
+    tables = [name for name in table_registers(width) for _ in range(4)]
+    return (*high, *low, WORD, *tables)
+
+
+def constraints(width: int) -> str:
+    high, low = outputs(width)
+    return ",".join(["=r"] * (len(high) + len(low)) + ["r"] * (len(operands(width)) - len(high) - len(low)))
+
 
 # lop3's truth table for (a & ~c) | (b & c): a = 0xF0, b = 0xCC, c = 0xAA.
 SELECT_BY_MASK = (0xF0 & ~0xAA | 0xCC & 0xAA) & 0xFF
 # Byte transpose: interleave bytes 0-1 (or 2-3) of two words, then join half-words.
 INTERLEAVE_LOW, INTERLEAVE_HIGH = 0x5140, 0x7362
 JOIN_LOW, JOIN_HIGH = 0x5410, 0x7632
+# Two 16-bit levels a word from planes 0 and 1 (codes in nibble order low 0, high 0,
+# low 1, high 1): the high nibbles' are bytes 1 and 3 of each plane, the low ones' 0 and 2.
+PAIR_HIGH, PAIR_LOW = 0x7351, 0x6240
 # Sign-mode selectors (bit 3 set) of the byte holding each code's bit 3, where a = the
 # word and b = the word << 4: codes (low 0, high 0, low 1, high 1) are the sign bits of
 # (b byte 0, a byte 0, b byte 1, a byte 1); for bytes 2-3 the same, two bytes on.
 MASK_SELECTORS = (0x9D8C, 0xBFAE)
 
 
-def level_bits(levels) -> list[int]:
-    """The fp32 bit patterns of 16 levels."""
+def level_bits(levels, width: int = 32, dtype: str = "bfloat16") -> list[int]:
+    """The bit patterns of 16 levels: fp32, or at 16 bits ``dtype`` ("bfloat16", rounded
+    to nearest even from fp32, or "float16")."""
     levels = [float(v) for v in levels]
     if len(levels) != 16:
         raise ValueError(f"a 4-bit code has 16 levels, got {len(levels)}")
-    return [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
+    fp32 = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
+    if width == 32:
+        return fp32
+    if dtype == "float16":
+        return [struct.unpack("<H", struct.pack("<e", v))[0] for v in levels]
+    return [(b + 0x7FFF + ((b >> 16) & 1)) >> 16 for b in fp32]  # NF4 levels are finite
 
 
-def table_words(levels) -> list[list[int]]:
+def table_words(bits: list[int], width: int) -> list[list[int]]:
     """words[p][q]: byte p of levels 4q .. 4q + 3, level 4q + i in byte i."""
-    bits = level_bits(levels)
     return [
         [sum(((bits[4 * q + i] >> (8 * p)) & 0xFF) << (8 * i) for i in range(4)) for q in range(4)]
-        for p in range(4)
+        for p in range(width // 8)
     ]
 
 
-def register_words(levels) -> list[int]:
-    """The table words passed in registers, in the order of ``TABLE_REGISTERS``."""
-    words = table_words(levels)
-    return [words[p][q] for p in range(4) for q in (0, 2)]
+def register_words(levels, width: int = 32, dtype: str = "bfloat16") -> list[int]:
+    """The table words passed in registers, in the order of ``table_registers``."""
+    words = table_words(level_bits(levels, width, dtype), width)
+    return [words[p][q] for p in range(width // 8) for q in (0, 2)]
 
 
-def lookup_program(levels) -> tuple[Instruction, ...]:
-    """The instructions turning WORD's eight codes into HIGH_LEVELS and LOW_LEVELS."""
-    words = table_words(levels)
+def lookup_program(levels, width: int = 32, dtype: str = "bfloat16") -> tuple[Instruction, ...]:
+    """The instructions turning WORD's eight codes into their levels (``outputs``)."""
+    if width not in WIDTHS:
+        raise ValueError(f"levels of {width} bits; supported: {WIDTHS}")
+    words = table_words(level_bits(levels, width, dtype), width)
+    tables = table_registers(width)
     program = [
         ("shl", "w4", WORD, 4),
         ("shr", "c1", WORD, 16),
@@ -99,46 +141,56 @@ def lookup_program(levels) -> tuple[Instruction, ...]:
         ("prmt", "m0", WORD, "w4", MASK_SELECTORS[0]),
         ("prmt", "m1", WORD, "w4", MASK_SELECTORS[1]),
     ]
-    selectors = ((WORD, "x0", "m0"), ("c1", "x1", "m1"))
+    high, low = outputs(width)
     # Half h covers bytes 2h and 2h + 1; its four codes in nibble order are
-    # (low 2h, high 2h, low 2h + 1, high 2h + 1), which the transpose's words follow.
-    outputs = ((LOW_LEVELS[0], HIGH_LEVELS[0], LOW_LEVELS[1], HIGH_LEVELS[1]),
-               (LOW_LEVELS[2], HIGH_LEVELS[2], LOW_LEVELS[3], HIGH_LEVELS[3]))  # fmt: skip
-    for h, (codes, flipped, mask) in enumerate(selectors):
-        for p in range(4):
+    # (low 2h, high 2h, low 2h + 1, high 2h + 1), which the words built below follow.
+    for h, (codes, flipped, mask) in enumerate(((WORD, "x0", "m0"), ("c1", "x1", "m1"))):
+        for p in range(width // 8):
             program += [
-                ("prmt", "lo", TABLE_REGISTERS[2 * p], words[p][1], codes),
-                ("prmt", "hi", TABLE_REGISTERS[2 * p + 1], words[p][3], flipped),
+                ("prmt", "lo", tables[2 * p], words[p][1], codes),
+                ("prmt", "hi", tables[2 * p + 1], words[p][3], flipped),
                 ("lop3", f"p{p}", "lo", "hi", mask, SELECT_BY_MASK),
             ]
+        if width == 16:
+            program += [("prmt", high[h], "p0", "p1", PAIR_HIGH), ("prmt", low[h], "p0", "p1", PAIR_LOW)]
+            continue
+        in_order = (low[2 * h], high[2 * h], low[2 * h + 1], high[2 * h + 1])
         program += [
             ("prmt", "u0", "p0", "p1", INTERLEAVE_LOW),
             ("prmt", "u1", "p0", "p1", INTERLEAVE_HIGH),
             ("prmt", "v0", "p2", "p3", INTERLEAVE_LOW),
             ("prmt", "v1", "p2", "p3", INTERLEAVE_HIGH),
-            ("prmt", outputs[h][0], "u0", "v0", JOIN_LOW),
-            ("prmt", outputs[h][1], "u0", "v0", JOIN_HIGH),
-            ("prmt", outputs[h][2], "u1", "v1", JOIN_LOW),
-            ("prmt", outputs[h][3], "u1", "v1", JOIN_HIGH),
+            ("prmt", in_order[0], "u0", "v0", JOIN_LOW),
+            ("prmt", in_order[1], "u0", "v0", JOIN_HIGH),
+            ("prmt", in_order[2], "u1", "v1", JOIN_LOW),
+            ("prmt", in_order[3], "u1", "v1", JOIN_HIGH),
         ]
     return tuple(program)
 
 
-def _operand(value) -> str:
-    if isinstance(value, int):
-        return f"{value:#010x}"
-    if value in TABLE_REGISTERS:  # after the outputs and WORD, four operands each
-        return f"${9 + 4 * TABLE_REGISTERS.index(value)}"
-    return value if value.startswith("$") else f"%{value}"
-
-
 @functools.lru_cache(maxsize=8)
-def lookup_asm(levels: tuple[float, ...]) -> str:
-    """PTX for ``tl.inline_asm_elementwise(lookup_asm(...), CONSTRAINTS, [codes],
-    dtype=(tl.float32, tl.float32), is_pure=True, pack=4)`` over uint8 codes."""
-    program = lookup_program(levels)
-    temporaries = sorted({ins[1] for ins in program if not ins[1].startswith("$")})
+def lookup_asm(levels: tuple[float, ...], width: int = 32, dtype: str = "bfloat16") -> str:
+    """PTX for ``tl.inline_asm_elementwise(lookup_asm(...), constraints(width), [codes,
+    *table words], dtype=(level dtype,) * 2, is_pure=True, pack=4)`` over uint8 codes."""
+    program = lookup_program(levels, width, dtype)
+    numbered = {}
+    for i, name in enumerate(operands(width)):
+        numbered.setdefault(name, f"${i}")  # a table register's first of its four
+
+    def operand(value) -> str:
+        return f"{value:#010x}" if isinstance(value, int) else numbered.get(value, f"%{value}")
+
+    temporaries = sorted({ins[1] for ins in program if ins[1] not in numbered})
     lines = [".reg .b32 " + ", ".join(f"%{t}" for t in temporaries) + ";"]
-    for opcode, *operands in program:  # lop3's truth table is its last operand, as in PTX
-        lines.append(f"{opcode}.b32 {', '.join(_operand(o) for o in operands)};")
+    for opcode, *arguments in program:  # lop3's truth table is its last operand, as in PTX
+        lines.append(f"{opcode}.b32 {', '.join(operand(a) for a in arguments)};")
     return "{\n" + "\n".join(lines) + "\n}"
+
+
+@triton.jit
+def lane():
+    """This thread's lane in its warp, which ptxas cannot know to be the same anywhere.
+    Table words read at a per-lane address (a copy per lane) stay in ordinary registers,
+    which PRMT reads; a value ptxas knows to be uniform goes to a uniform register and is
+    copied out at every lookup."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)

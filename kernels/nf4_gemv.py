@@ -41,8 +41,11 @@ multiplies the high nibbles' levels by the even columns and the low ones' by the
 quantisation block and the row length is whole blocks (``supports``), so every row's
 tile in a step lies in one block: one scale per row per step.
 
-bitsandbytes reads an NF4 weight for one row with its own GEMV and, for more rows,
-dequantises it whole and multiplies; which of those and this kernel's candidates is
+Two multipliers.  The candidates above run this file's kernel on the CUDA cores or
+nf4_gemv_mma.py's on the tensor cores (16-bit levels, x padded to 16 rows: fewer
+instructions per weight, the same at one row as at eight, for weights that dequantise
+to bf16 or fp16).  bitsandbytes reads an NF4 weight for one row with its own GEMV and,
+for more rows, dequantises it whole and multiplies; which of those and the candidates is
 faster depends on the GPU and the shape, so the decode path times them once per shape
 and keeps the fastest (slothkit.inference.gemv_choice).
 """
@@ -62,43 +65,33 @@ from slothkit_kernels.lora_gemv import (
     lora_gemv_reference,
 )
 from slothkit_kernels.nf4 import checked, dequantize_nf4_reference, launch_arguments
+from slothkit_kernels.nf4_gemv_mma import _nf4_lora_gemv_mma_kernel
+from slothkit_kernels.nf4_scales import block_scale
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
-# (BLOCK_N, BLOCK_K, num_warps, programs per SM) to try per shape; BLOCK_K is capped at
-# the quantisation block (64 in QLoRA's default), programs per SM 0 = no split of K.
+# (BLOCK_N, BLOCK_K, num_warps, programs per SM, multiplier) to try per shape; BLOCK_K
+# is capped at the quantisation block (64 in QLoRA's default), programs per SM 0 = no
+# split of K; the multiplier is "cuda cores" (this file's kernel: fp32 levels, a fused
+# multiply-add per weight per row) or "tensor cores" (nf4_gemv_mma.py: 16-bit levels, x
+# padded to 16 rows; 16-bit weights only).
 CANDIDATES = (
-    (32, 64, 4, 0),
-    (64, 64, 4, 0),
-    (128, 64, 8, 0),
-    (16, 128, 4, 0),
-    (32, 64, 4, 4),
-    (64, 64, 4, 4),
-    (16, 64, 2, 8),
-    (32, 128, 4, 8),
+    (32, 64, 4, 0, "cuda cores"),
+    (64, 64, 4, 0, "cuda cores"),
+    (128, 64, 8, 0, "cuda cores"),
+    (16, 128, 4, 0, "cuda cores"),
+    (32, 64, 4, 4, "cuda cores"),
+    (64, 64, 4, 4, "cuda cores"),
+    (16, 64, 2, 8, "cuda cores"),
+    (32, 128, 4, 8, "cuda cores"),
+    (128, 64, 4, 0, "tensor cores"),
+    (64, 64, 4, 0, "tensor cores"),
+    (256, 64, 8, 0, "tensor cores"),
+    (64, 64, 4, 4, "tensor cores"),
+    (128, 64, 4, 2, "tensor cores"),
 )
 
-_LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.CONSTRAINTS)
-
-
-@triton.jit
-def _lane():
-    """This thread's lane in its warp, which ptxas cannot know to be the same anywhere."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _product_then_sum(a, b, c):
-    """fp32(fp32(a * b) + c), never one FMA: explicit .rn operations are not contracted
-    (and, unlike libdevice's, keep denormals)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .f32 t; mul.rn.f32 t, $1, $2; add.rn.f32 $0, t, $3; }",
-        "=f,f,f,f",
-        [a, b, c + tl.zeros_like(a)],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=1,
-    )
+_LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.constraints(32))
 
 
 @triton.jit
@@ -155,13 +148,12 @@ def _nf4_lora_gemv_kernel(
     row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)  # (BLOCK_N,)
     packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_j[None, :]
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    if NESTED:
-        offset = tl.load(OFFSET)
+    offset = tl.load(OFFSET) if NESTED else 0.0
     if LOOKUP_ASM != "":
         # Half the lookup table, in registers for the whole program.  Each lane reads its
         # own copy: words ptxas knows to be the same in every thread it keeps in uniform
         # registers, which a PRMT cannot read, and copies out at every lookup.
-        words = LEVELS + _lane() * 8
+        words = LEVELS + level_lookup.lane() * 8
         t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
         t4, t5, t6, t7 = tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)
     k_start = pid_k * k_per_slice
@@ -172,15 +164,8 @@ def _nf4_lora_gemv_kernel(
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
-        if NESTED:
-            level = tl.load(NESTED_CODE + tl.load(ABSMAX + block, mask=n_mask, other=0).to(tl.int32))
-            nested_scale = tl.load(NESTED_ABSMAX + block // NESTED_BLOCKSIZE, mask=n_mask, other=0.0)
-            if INTERPRETER:  # which never contracts the two
-                scale = level * nested_scale + offset
-            else:  # product and sum rounded separately, as bitsandbytes does
-                scale = _product_then_sum(level, nested_scale, offset)
-        else:
-            scale = tl.load(ABSMAX + block, mask=n_mask, other=0.0).to(tl.float32)
+        scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
+                            INTERPRETER)  # fmt: skip
         packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
         if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
             high, low = tl.inline_asm_elementwise(
@@ -220,19 +205,23 @@ def level_pairs(weight: NF4Weight) -> torch.Tensor:
     return weight.level_pairs
 
 
-def register_lookup(weight: NF4Weight) -> tuple[str, torch.Tensor]:
-    """The PTX that turns the record's packed bytes into their levels in registers
-    (level_lookup; half its table as immediates) and the 8 int32 table words it takes
-    in registers, once for each lane of a warp.  Reading the levels to the host synchronises, so it is done once per
-    record, at its first call (the decode path's is outside graph capture: it times the
-    kernel first); copies made by ``with_packed`` share both."""
+def register_lookup(weight: NF4Weight, width: int = 32) -> tuple[str, torch.Tensor]:
+    """The PTX that turns the record's packed bytes into levels of ``width`` bits (fp32,
+    or the weight's 16-bit dtype) in registers (level_lookup; half its table as
+    immediates), and the int32 table words it takes in registers, a copy for each lane of
+    a warp (level_lookup.lane says why).  Reading the levels to the host synchronises, so
+    it is done once per record and width, at the first call (the decode path's is outside
+    graph capture: it times the kernel first); copies made by ``with_packed`` share them."""
     if weight.register_lookup is None:
+        weight.register_lookup = {}
+    if width not in weight.register_lookup:
         levels = tuple(weight.code.reshape(-1).float().tolist())
-        words = [w - (1 << 32) if w >= 1 << 31 else w for w in level_lookup.register_words(levels)]
-        # The same bits, signed; a copy per lane of a warp (the kernel says why).
+        dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
+        words = level_lookup.register_words(levels, width, dtype)
+        words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
         words = torch.tensor(words * 32, dtype=torch.int32, device=weight.device)
-        weight.register_lookup = (level_lookup.lookup_asm(levels), words)
-    return weight.register_lookup
+        weight.register_lookup[width] = (level_lookup.lookup_asm(levels, width, dtype), words)
+    return weight.register_lookup[width]
 
 
 LOOKUPS = ("registers", "table")
@@ -249,7 +238,7 @@ def nf4_lora_gemv_reference(x, weight: NF4Weight, bias=None, xa=None, lora_b=Non
     return lora_gemv_reference(x, dequantize_nf4_reference(weight), bias, xa, lora_b, scaling)
 
 
-def _check(x, weight: NF4Weight, bias, xa, lora_b) -> None:
+def _check(x, weight: NF4Weight, bias, xa, lora_b, candidate: int) -> None:
     checked(weight)
     if not supports(weight):
         raise ValueError(
@@ -260,6 +249,11 @@ def _check(x, weight: NF4Weight, bias, xa, lora_b) -> None:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(
             f"nf4_lora_gemv: x {tuple(x.shape)} for a weight of shape ({n}, {k}); expected (M, {k})"
+        )
+    if CANDIDATES[candidate][4] == "tensor cores" and weight.dtype == torch.float32:
+        raise ValueError(
+            f"nf4_lora_gemv: candidate {candidate} multiplies on tensor cores, in 16 bits; a weight "
+            f"that dequantises to float32 takes a CUDA-core candidate"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(
@@ -282,21 +276,25 @@ def _check(x, weight: NF4Weight, bias, xa, lora_b) -> None:
 
 
 def tile(candidate: int, rows: int, blocksize: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) a candidate launches with: the rows padded to a power
-    of two, BLOCK_K halved as they double (down to 32) so that the (rows, BLOCK_N,
-    BLOCK_K / 2) tile accumulated in registers stays the same size, and within a block."""
-    block_n, block_k, _, _ = CANDIDATES[candidate]
+    """(BLOCK_M, BLOCK_N, BLOCK_K) a candidate launches with.  On CUDA cores: the rows
+    padded to a power of two, BLOCK_K halved as they double (down to 32) so that the
+    (rows, BLOCK_N, BLOCK_K / 2) tile accumulated in registers stays the same size, and
+    within a block.  On tensor cores: the rows padded to 16, BLOCK_K within a block."""
+    block_n, block_k, _, _, multiplier = CANDIDATES[candidate]
+    if multiplier == "tensor cores":
+        return 16, block_n, min(blocksize, block_k)
     block_m = triton.next_power_of_2(rows)
     return block_m, block_n, min(blocksize, max(32, block_k // block_m))
 
 
 def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int, lookup: str):
-    """(grid, arguments, constexprs and launch options) of ``_nf4_lora_gemv_kernel`` for
-    a checked call: what ``nf4_lora_gemv`` launches, and what scripts/cuda_sass.py
-    compiles for a GPU it does not have."""
+    """(kernel, grid, arguments, constexprs and launch options) of a checked call: what
+    ``nf4_lora_gemv`` launches, and what scripts/cuda_sass.py compiles for a GPU it does
+    not have."""
     rows, (n, k) = x.shape[0], weight.shape
     block_m, block_n, block_k = tile(candidate, rows, weight.blocksize)
-    _, _, warps, programs_per_sm = CANDIDATES[candidate]
+    _, _, warps, programs_per_sm, multiplier = CANDIDATES[candidate]
+    tensor_cores = multiplier == "tensor cores"
     bands, slices, k_per_slice, partials, counters = split_k.plan(
         x.device, rows, n, k, block_n, block_k, programs_per_sm
     )
@@ -305,12 +303,22 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
     )
     nested = weight.is_nested
     interpreter = interpreter_enabled()
-    in_registers = lookup == "registers" and not interpreter
-    asm, words = register_lookup(weight) if in_registers else ("", None)
+    packed, absmax, _, nested_absmax, nested_code, offset = launch_arguments(weight)
+    if lookup == "registers" and not interpreter:
+        asm, levels = register_lookup(weight, 16 if tensor_cores else 32)
+    elif tensor_cores:  # the 16 levels in the weight's dtype
+        asm, levels = "", weight.code.reshape(-1).to(weight.dtype)
+    else:
+        asm, levels = "", level_pairs(weight)
     arguments = (
         x,
-        *launch_arguments(weight),
-        words if in_registers else level_pairs(weight),
+        packed,
+        absmax,
+        *(() if tensor_cores else (weight.code,)),
+        nested_absmax,
+        nested_code,
+        offset,
+        levels,
         k,
         k_per_slice,
         x.stride(0),
@@ -327,7 +335,8 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
         LOOKUP_ASM=asm,
         num_warps=warps,
     )
-    return (bands, slices), arguments, constants
+    kernel = _nf4_lora_gemv_mma_kernel if tensor_cores else _nf4_lora_gemv_kernel
+    return kernel, (bands, slices), arguments, constants
 
 
 def nf4_lora_gemv(
@@ -356,12 +365,14 @@ def nf4_lora_gemv(
     """
     if lookup not in LOOKUPS:
         raise ValueError(f"nf4_lora_gemv: lookup={lookup!r}; expected one of {LOOKUPS}")
-    _check(x, weight, bias, xa, lora_b)
+    if not 0 <= candidate < len(CANDIDATES):
+        raise ValueError(f"nf4_lora_gemv: candidate {candidate}; there are {len(CANDIDATES)} (CANDIDATES)")
+    _check(x, weight, bias, xa, lora_b, candidate)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if not use_triton(x):
         warn_reference_once("nf4_lora_gemv", x.device.type)
         return out.copy_(nf4_lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
-    grid, arguments, constants = launch(x, weight, bias, xa, lora_b, scaling, out, candidate, lookup)
-    _nf4_lora_gemv_kernel[grid](*arguments, **constants)
+    kernel, grid, arguments, constants = launch(x, weight, bias, xa, lora_b, scaling, out, candidate, lookup)
+    kernel[grid](*arguments, **constants)
     return out

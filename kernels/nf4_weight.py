@@ -44,9 +44,9 @@ class NF4Weight:
     launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
     # Both levels of every packed byte, as nf4_gemv reads them (nf4_gemv.level_pairs).
     level_pairs: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    # The PTX and table words nf4_gemv looks levels up with in registers
+    # The PTX and table words nf4_gemv looks levels up with in registers, by width
     # (nf4_gemv.register_lookup).
-    register_lookup: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    register_lookup: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def column_slabs(self, max_bytes: int) -> list[tuple[int, int]] | None:
         """Column ranges that split the weight into slabs of at most about ``max_bytes``

@@ -98,14 +98,17 @@ def loop_counts(weight: NF4Weight, rows: int, candidate: int, lookup: str, rank:
     xa = torch.randn(rows, rank, dtype=weight.dtype) if rank else None
     lora_b = torch.randn(n, rank, dtype=weight.dtype) if rank else None
     out = torch.empty(rows, n, dtype=weight.dtype)
-    grid, arguments, constants = nf4_gemv.launch(x, weight, None, xa, lora_b, 1.0, out, candidate, lookup)
-    compiled = nf4_gemv._nf4_lora_gemv_kernel.warmup(*arguments, grid=grid, **constants)
+    kernel, grid, arguments, constants = nf4_gemv.launch(
+        x, weight, None, xa, lora_b, 1.0, out, candidate, lookup
+    )
+    compiled = kernel.warmup(*arguments, grid=grid, **constants)
     sass, registers = disassemble(compiled.asm["cubin"])
     loop = main_loop(sass)
     threads = 32 * constants["num_warps"]
     codes = constants["BLOCK_N"] * constants["BLOCK_K"] / threads  # per thread per iteration
     return {
         "candidate": candidate,
+        "multiplier": nf4_gemv.CANDIDATES[candidate][4],
         "rows": rows,
         "lookup": lookup,
         "block": [constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]],
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
                 results.append(loop_counts(weight, rows, candidate, lookup))
                 r = results[-1]
                 top = ", ".join(f"{op} {count}" for op, count in list(r["opcodes"].items())[:6])
-                print(f"rows {rows} candidate {candidate} {lookup:9} block {r['block']} warps {r['warps']}: "
+                print(f"rows {rows} candidate {candidate} ({r['multiplier']}) {lookup:9} block {r['block']} warps {r['warps']}: "
                       f"{r['loop_instructions']} instructions a loop, {r['instructions_per_code']} a code, "
                       f"{r['registers']} registers ({top})", flush=True)  # fmt: skip
     if args.json:

@@ -10,6 +10,7 @@ import struct
 
 import bitsandbytes.functional as bnbf
 import pytest
+import torch
 
 from slothkit_kernels import level_lookup
 
@@ -48,17 +49,29 @@ OPERATIONS = {
 }
 
 
-def run(program, word: int, levels) -> dict[str, int]:
+def run(program, word: int, levels, width=32, dtype="bfloat16") -> dict[str, int]:
     registers = {level_lookup.WORD: word}
-    registers.update(zip(level_lookup.TABLE_REGISTERS, level_lookup.register_words(levels)))
+    words = level_lookup.register_words(levels, width, dtype)
+    registers.update(zip(level_lookup.table_registers(width), words))
     for opcode, destination, *operands in program:
         values = [registers[o] if isinstance(o, str) else o for o in operands]
         registers[destination] = OPERATIONS[opcode](*values)
     return registers
 
 
-def bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
+def bits(value: float, width: int = 32, dtype: str = "bfloat16") -> int:
+    """The level's bits, from torch's own conversion (not level_lookup's)."""
+    if width == 32:
+        return struct.unpack("<I", struct.pack("<f", value))[0]
+    return torch.tensor([value], dtype=getattr(torch, dtype)).view(torch.int16).item() & 0xFFFF
+
+
+def levels_of(registers, width: int) -> tuple[list[int], list[int]]:
+    """The high and low nibbles' level bits of bytes 0-3 from the output registers."""
+    high, low = level_lookup.outputs(width)
+    if width == 32:
+        return [registers[r] for r in high], [registers[r] for r in low]
+    return tuple([registers[r] >> (16 * i) & 0xFFFF for r in names for i in (0, 1)] for names in (high, low))
 
 
 def _tables():
@@ -71,40 +84,50 @@ def _tables():
     return {"nf4": nf4, "random": fresh}
 
 
+WIDTHS = [(32, "bfloat16"), (16, "bfloat16"), (16, "float16")]
+
+
+@pytest.mark.parametrize("width, dtype", WIDTHS)
 @pytest.mark.parametrize("table", ["nf4", "random"])
-def test_every_byte_in_every_position_gives_both_its_levels(table):
+def test_every_byte_in_every_position_gives_both_its_levels(table, width, dtype):
     levels = _tables()[table]
-    program = level_lookup.lookup_program(levels)
+    if dtype == "float16":  # within its range, as NF4's levels are
+        levels = [max(-6e4, min(6e4, v)) for v in levels]
+    program = level_lookup.lookup_program(levels, width, dtype)
     words = [v | (255 - v) << 8 | (v * 7 + 3) % 256 << 16 | (v * 13 + 5) % 256 << 24 for v in range(256)]
     words += [random.getrandbits(32) for _ in range(256)]
     for word in words:
-        registers = run(program, word, levels)
+        high, low = levels_of(run(program, word, levels, width, dtype), width)
         for i in range(4):
             byte = (word >> (8 * i)) & 0xFF
-            assert registers[level_lookup.HIGH_LEVELS[i]] == bits(levels[byte >> 4]), (hex(word), i)
-            assert registers[level_lookup.LOW_LEVELS[i]] == bits(levels[byte & 15]), (hex(word), i)
+            assert high[i] == bits(levels[byte >> 4], width, dtype), (hex(word), i)
+            assert low[i] == bits(levels[byte & 15], width, dtype), (hex(word), i)
 
 
-def test_input_is_not_read_after_an_output_is_written():
-    program = level_lookup.lookup_program(_tables()["nf4"])
-    outputs = set(level_lookup.HIGH_LEVELS + level_lookup.LOW_LEVELS)
+@pytest.mark.parametrize("width", [32, 16])
+def test_input_is_not_read_after_an_output_is_written(width):
+    program = level_lookup.lookup_program(_tables()["nf4"], width)
+    outputs = set(sum(level_lookup.outputs(width), ()))
     first_output = next(i for i, ins in enumerate(program) if ins[1] in outputs)
     assert all(level_lookup.WORD not in ins[2:] for ins in program[first_output:])
     assert {ins[1] for ins in program} >= outputs
 
 
-def test_rendered_ptx_declares_its_temporaries_and_uses_declared_operands():
-    levels = _tables()["random"]
-    asm = level_lookup.lookup_asm(tuple(levels))
+@pytest.mark.parametrize("width, instructions", [(32, 46), (16, 22)])
+def test_rendered_ptx_declares_its_temporaries_and_uses_declared_operands(width, instructions):
+    levels = _tables()["nf4"]
+    asm = level_lookup.lookup_asm(tuple(levels), width)
     declared = set(re.search(r"\.reg \.b32 ([^;]*);", asm).group(1).replace(" ", "").split(","))
     used = set(re.findall(r"%\w+", asm))
     assert used == declared
     operands = {int(n) for n in re.findall(r"\$(\d+)", asm)}
-    assert max(operands) < len(level_lookup.CONSTRAINTS.split(","))
-    instructions = [line for line in asm.splitlines() if line.endswith(";") and not line.startswith(".reg")]
-    assert len(instructions) == len(level_lookup.lookup_program(levels)) == 46
+    assert max(operands) < len(level_lookup.constraints(width).split(","))
+    lines = [line for line in asm.splitlines() if line.endswith(";") and not line.startswith(".reg")]
+    assert len(lines) == len(level_lookup.lookup_program(levels, width)) == instructions
 
 
-def test_a_table_of_other_than_sixteen_levels_is_refused():
+def test_a_table_of_other_than_sixteen_levels_or_a_width_it_cannot_build_is_refused():
     with pytest.raises(ValueError, match="16 levels"):
         level_lookup.lookup_program([0.0] * 15)
+    with pytest.raises(ValueError, match="supported: \\(32, 16\\)"):
+        level_lookup.lookup_program([0.0] * 16, width=8)

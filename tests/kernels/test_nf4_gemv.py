@@ -62,11 +62,17 @@ ROWS = [1, 3, 8]
 CASES = [(16, False, True), (8, True, False), (0, False, False), (0, True, True)]  # rank, bias, nested
 
 
-def _candidates(device, case: int) -> list[int]:
-    """Every candidate on a GPU; under the interpreter two per case, rotating."""
+def _candidates(device, case: int, dtype) -> list[int]:
+    """Every candidate on a GPU; under the interpreter two per case, rotating.  Tensor-core
+    candidates multiply in 16 bits: none for fp32."""
+    usable = [c for c in range(len(CANDIDATES)) if dtype != torch.float32 or not _tensor_cores(c)]
     if device == "cuda":
-        return list(range(len(CANDIDATES)))
-    return sorted({case % len(CANDIDATES), (case + len(CANDIDATES) // 2) % len(CANDIDATES)})
+        return usable
+    return sorted({usable[case % len(usable)], usable[(case + len(usable) // 2) % len(usable)]})
+
+
+def _tensor_cores(candidate: int) -> bool:
+    return CANDIDATES[candidate][4] == "tensor cores"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -85,7 +91,7 @@ def test_nf4_lora_gemv_matches_the_dequantised_product(rows, rank, bias, nested,
     )
     # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
     for lookup in LOOKUPS if device == "cuda" else ("registers",):
-        for candidate in _candidates(device, case):
+        for candidate in _candidates(device, case, dtype):
             got = nf4_lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate, lookup=lookup)
             assert got.dtype == dtype and got.shape == (rows, 72)
             assert relative_error(got, expected) < TOLERANCE[dtype], (CANDIDATES[candidate], lookup)
@@ -100,7 +106,8 @@ def test_other_blocksizes_keep_each_step_within_a_block(blocksize, device):
     generator = torch.Generator().manual_seed(_seed())
     weight, dequantized = _quantized(40, 512, torch.float32, True, blocksize, device, generator)
     x = torch.randn(2, 512, generator=generator).to(device)
-    for candidate in range(len(CANDIDATES)) if device == "cuda" else (blocksize % len(CANDIDATES),):
+    cuda_cores = [c for c in range(len(CANDIDATES)) if not _tensor_cores(c)]  # fp32
+    for candidate in cuda_cores if device == "cuda" else (cuda_cores[blocksize % len(cuda_cores)],):
         assert tile(candidate, 2, blocksize)[2] <= blocksize
         got = nf4_lora_gemv(x, weight, candidate=candidate)
         assert relative_error(got, x @ dequantized.t()) < 1e-5
@@ -113,8 +120,8 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
     n, k = 40, 512
     weight, dequantized = _quantized(n, k, dtype, True, 64, device, generator)
     cut = 0
-    for candidate, (*_, programs_per_sm) in enumerate(CANDIDATES):
-        if not programs_per_sm:
+    for candidate, (*_, programs_per_sm, multiplier) in enumerate(CANDIDATES):
+        if not programs_per_sm or (multiplier == "tensor cores" and dtype == torch.float32):
             continue
         _, block_n, block_k = tile(candidate, rows, weight.blocksize)
         bands = triton.cdiv(n, block_n)
@@ -133,6 +140,10 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
     assert cut or device == "cuda"
 
 
+def _first_tensor_cores() -> int:
+    return next(c for c in range(len(CANDIDATES)) if _tensor_cores(c))
+
+
 def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
     generator = torch.Generator().manual_seed(0)
     weight, _ = _quantized(16, 128, torch.float32, False, 64, device, generator)
@@ -149,6 +160,8 @@ def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
         ("bias", lambda: nf4_lora_gemv(x, weight, torch.zeros(3, device=device))),
         ("give them in torch.float32", lambda: nf4_lora_gemv(x.half(), weight)),
         ("lookup='shared'", lambda: nf4_lora_gemv(x, weight, lookup="shared")),
+        ("there are 13", lambda: nf4_lora_gemv(x, weight, candidate=len(CANDIDATES))),
+        ("takes a CUDA-core candidate", lambda: nf4_lora_gemv(x, weight, candidate=_first_tensor_cores())),
     ]:
         with pytest.raises(ValueError, match=match):
             call()
@@ -168,23 +181,31 @@ def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
 
 
 def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(tmp_path):
-    """scripts/cuda_sass.py compiles the kernel for sm_90 here (ptxas accepts the lookup's
-    PTX) and counts its main loop: the register lookup's loop issues fewer loads than the
-    table's (no gather), and stays near the instruction count it was designed at (about
-    ten a code at one row: six of lookup, one and a half of arithmetic, the rest loads
-    and addresses)."""
+    """scripts/cuda_sass.py compiles the kernels for sm_90 here (ptxas accepts the lookup's
+    PTX) and counts their main loops.  On CUDA cores the register lookup's loop issues
+    fewer loads than the table's (no gather) and stays near the count it was designed at
+    (nine to ten a code at one row: six of lookup, one and a half of arithmetic, the rest
+    x's conversion, loads and addresses); on tensor cores the products are warpgroup MMAs
+    and the loop spends about five or six a code whatever the rows (the 16-bit lookup's
+    2.75 and the MMAs' staging)."""
     script = Path(__file__).parents[2] / "scripts" / "cuda_sass.py"
     output = tmp_path / "sass.json"
+    tensor_cores = _first_tensor_cores() + 1  # 64 x 64, four warps
+    assert CANDIDATES[tensor_cores][:2] == (64, 64)
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
     subprocess.run(
-        [sys.executable, str(script), "--shape", "256,512", "--rows", "1,8", "--candidates", "0", "--json", str(output)],
+        [sys.executable, str(script), "--shape", "256,512", "--rows", "1,8", "--candidates", f"0,{tensor_cores}",
+         "--json", str(output)],
         check=True, capture_output=True, env=env, timeout=600,
     )  # fmt: skip
-    results = {(r["rows"], r["lookup"]): r for r in json.loads(output.read_text())["results"]}
+    results = {(r["candidate"], r["rows"], r["lookup"]): r for r in json.loads(output.read_text())["results"]}
     for rows in (1, 8):
-        registers, table = results[rows, "registers"], results[rows, "table"]
+        registers, table = results[0, rows, "registers"], results[0, rows, "table"]
         assert registers["opcodes"].get("LDG", 0) < table["opcodes"]["LDG"]
         _, block_n, block_k = registers["block"]
         codes = block_n * block_k // (32 * registers["warps"])  # a thread's, per iteration
         assert registers["opcodes"]["PRMT"] >= 34 * codes // 8  # the lookup's 34 per word of 8
-    assert results[1, "registers"]["instructions_per_code"] < 13
+        mma = results[tensor_cores, rows, "registers"]
+        assert mma["opcodes"]["HGMMA"] >= 2 and mma["instructions_per_code"] < 7
+        assert mma["opcodes"]["PRMT"] >= 14 * 32 // 8  # 32 codes a thread; 14 PRMT per 8 at 16 bits
+    assert results[0, 1, "registers"]["instructions_per_code"] < 11
