@@ -223,6 +223,31 @@ def _check(x, weight, bias, xa, lora_b) -> None:
             raise ValueError(f"lora_gemv: {name} needs a contiguous last dimension")
 
 
+def launch(x, weight, bias, xa, lora_b, scaling, out, candidate: int):
+    """(kernel, grid, arguments, constexprs and launch options) of a checked call: what
+    ``lora_gemv`` launches, and what scripts/cuda_sass.py compiles for a GPU it does not
+    have."""
+    rows, n, k = x.shape[0], weight.shape[0], x.shape[1]
+    block_m, block_n, block_k = tile(candidate, rows, k)
+    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
+    bands, slices, k_per_slice, partials, counters = split_k.plan(
+        x.device, rows, n, k, block_n, block_k, programs_per_sm
+    )
+    epilogue_args, constants = epilogue_arguments(
+        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
+    )
+    arguments = (x, weight, k, k_per_slice, x.stride(0), weight.stride(0), *epilogue_args)
+    constants.update(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        USE_DOT=use_dot,
+        DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
+        num_warps=warps,
+    )
+    return _lora_gemv_kernel, (bands, slices), arguments, constants
+
+
 def lora_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -250,31 +275,8 @@ def lora_gemv(
     if not use_triton(x):
         warn_reference_once("lora_gemv", x.device.type)
         return out.copy_(lora_gemv_reference(x, weight, bias, xa, lora_b, scaling))
-    k = x.shape[1]
-    block_m, block_n, block_k = tile(candidate, rows, k)
-    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
-    bands, slices, k_per_slice, partials, counters = split_k.plan(
-        x.device, rows, n, k, block_n, block_k, programs_per_sm
-    )
-    arguments, constants = epilogue_arguments(
-        x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
-    )
-    _lora_gemv_kernel[(bands, slices)](
-        x,
-        weight,
-        k,
-        k_per_slice,
-        x.stride(0),
-        weight.stride(0),
-        *arguments,
-        **constants,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_DOT=use_dot,
-        DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
-        num_warps=warps,
-    )
+    kernel, grid, arguments, constants = launch(x, weight, bias, xa, lora_b, scaling, out, candidate)
+    kernel[grid](*arguments, **constants)
     return out
 
 

@@ -1,15 +1,17 @@
-"""Compile nf4_lora_gemv for a CUDA GPU on a machine without one, and count the machine
-instructions of its main loop: what a code costs in each lookup (kernels/level_lookup.py).
+"""Compile a decode GEMV (nf4_lora_gemv, or the 16-bit lora_gemv) for a CUDA GPU on a
+machine without one, and count the machine instructions of its main loop: what a weight
+costs in each tile, multiplier and lookup (kernels/level_lookup.py).
 
 Triton compiles for any target it is told (its ptxas and cuobjdump ship with it); only
-launching needs the GPU.  So the kernel is compiled through ``launch`` (the arguments and
-constexprs nf4_lora_gemv launches with, on CPU tensors of the shape) under a stand-in
-driver that names the target, and ``cuobjdump -sass`` disassembles the cubin.  The main
-loop is the longest backward branch's body; instructions per code are its length over
-the codes a thread converts per iteration (BLOCK_N * BLOCK_K / threads).  Counts, not
-timings: a GPU says what they cost (scripts/decode_gemv_sweep.py).
+launching needs the GPU.  So the kernel is compiled through the op's ``launch`` (the
+arguments and constexprs it launches with, on CPU tensors of the shape) under a
+stand-in driver that names the target, and ``cuobjdump -sass`` disassembles the cubin.
+The main loop is the longest backward branch's body; instructions per weight are its
+length over the weights a thread reads per iteration (BLOCK_N * BLOCK_K / threads).
+Counts, not timings: a GPU says what they cost (scripts/decode_gemv_sweep.py).
 
     python scripts/cuda_sass.py --shape 4096,4096 --rows 1,8 --arch 90 [--json out.json]
+    python scripts/cuda_sass.py --op lora_gemv --rows 1,8
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from slothkit_kernels import nf4_gemv  # noqa: E402
+from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES  # noqa: E402
+from slothkit_kernels.lora_gemv import launch as dense_launch  # noqa: E402
 from slothkit_kernels.nf4_weight import NF4Weight  # noqa: E402
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
@@ -92,55 +96,67 @@ def record(n: int, k: int, blocksize: int = 64) -> NF4Weight:
     return NF4Weight(packed, absmax, code, blocksize, torch.Size((n, k)), torch.bfloat16)
 
 
-def loop_counts(weight: NF4Weight, rows: int, candidate: int, lookup: str, rank: int = 16) -> dict:
+def loop_counts(weight, rows: int, candidate: int, lookup: str | None, rank: int = 16) -> dict:
+    """The main loop of nf4_lora_gemv (``weight`` an NF4Weight) or lora_gemv (a tensor;
+    ``lookup`` None) for ``rows`` rows of x and a LoRA adapter of ``rank``."""
     n, k = weight.shape
     x = torch.randn(rows, k, dtype=weight.dtype)
     xa = torch.randn(rows, rank, dtype=weight.dtype) if rank else None
     lora_b = torch.randn(n, rank, dtype=weight.dtype) if rank else None
     out = torch.empty(rows, n, dtype=weight.dtype)
-    kernel, grid, arguments, constants = nf4_gemv.launch(
-        x, weight, None, xa, lora_b, 1.0, out, candidate, lookup
-    )
+    if lookup is None:
+        kernel, grid, arguments, constants = dense_launch(x, weight, None, xa, lora_b, 1.0, out, candidate)
+        multiplier = "tensor cores" if DENSE_CANDIDATES[candidate][4] else "cuda cores"
+    else:
+        kernel, grid, arguments, constants = nf4_gemv.launch(
+            x, weight, None, xa, lora_b, 1.0, out, candidate, lookup
+        )
+        multiplier = nf4_gemv.CANDIDATES[candidate][4]
     compiled = kernel.warmup(*arguments, grid=grid, **constants)
     sass, registers = disassemble(compiled.asm["cubin"])
     loop = main_loop(sass)
     threads = 32 * constants["num_warps"]
-    codes = constants["BLOCK_N"] * constants["BLOCK_K"] / threads  # per thread per iteration
+    weights = constants["BLOCK_N"] * constants["BLOCK_K"] / threads  # per thread per iteration
     return {
         "candidate": candidate,
-        "multiplier": nf4_gemv.CANDIDATES[candidate][4],
+        "multiplier": multiplier,
         "rows": rows,
         "lookup": lookup,
         "block": [constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]],
         "warps": constants["num_warps"],
         "registers": registers,
         "loop_instructions": len(loop),
-        "instructions_per_code": round(len(loop) / codes, 2),
+        "instructions_per_weight": round(len(loop) / weights, 2),
         "opcodes": dict(collections.Counter(loop).most_common()),
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", default="nf4_lora_gemv", choices=["nf4_lora_gemv", "lora_gemv"])
     parser.add_argument("--shape", default="4096,4096", help="N,K of the weight")
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--candidates", default=",".join(str(c) for c in range(len(nf4_gemv.CANDIDATES))))
-    parser.add_argument("--lookups", default=",".join(nf4_gemv.LOOKUPS))
+    parser.add_argument("--candidates", help="indices into the op's CANDIDATES; all by default")
+    parser.add_argument("--lookups", default=",".join(nf4_gemv.LOOKUPS), help="nf4_lora_gemv's")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 = H100/H200")
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
-    weight = record(n, k)
+    dense = args.op == "lora_gemv"
+    weight = torch.randn(n, k, dtype=torch.bfloat16) if dense else record(n, k)
+    every = range(len(DENSE_CANDIDATES if dense else nf4_gemv.CANDIDATES))
+    candidates = [int(c) for c in args.candidates.split(",")] if args.candidates else list(every)
+    lookups = [None] if dense else args.lookups.split(",")
     driver.set_active(TargetOnly(args.arch))
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
-        for candidate in (int(c) for c in args.candidates.split(",")):
-            for lookup in args.lookups.split(","):
+        for candidate in candidates:
+            for lookup in lookups:
                 results.append(loop_counts(weight, rows, candidate, lookup))
                 r = results[-1]
                 top = ", ".join(f"{op} {count}" for op, count in list(r["opcodes"].items())[:6])
-                print(f"rows {rows} candidate {candidate} ({r['multiplier']}) {lookup:9} block {r['block']} warps {r['warps']}: "
-                      f"{r['loop_instructions']} instructions a loop, {r['instructions_per_code']} a code, "
+                print(f"rows {rows} candidate {candidate} ({r['multiplier']}) {lookup or '':9} block {r['block']} warps {r['warps']}: "
+                      f"{r['loop_instructions']} instructions a loop, {r['instructions_per_weight']} a weight, "
                       f"{r['registers']} registers ({top})", flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -206,6 +206,6 @@ def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(
         codes = block_n * block_k // (32 * registers["warps"])  # a thread's, per iteration
         assert registers["opcodes"]["PRMT"] >= 34 * codes // 8  # the lookup's 34 per word of 8
         mma = results[tensor_cores, rows, "registers"]
-        assert mma["opcodes"]["HGMMA"] >= 2 and mma["instructions_per_code"] < 7
+        assert mma["opcodes"]["HGMMA"] >= 2 and mma["instructions_per_weight"] < 7
         assert mma["opcodes"]["PRMT"] >= 14 * 32 // 8  # 32 codes a thread; 14 PRMT per 8 at 16 bits
-    assert results[0, 1, "registers"]["instructions_per_code"] < 11
+    assert results[0, 1, "registers"]["instructions_per_weight"] < 11
