@@ -88,12 +88,13 @@ def main_loop(sass: str) -> list[str]:
     return best
 
 
-def record(n: int, k: int, blocksize: int = 64) -> NF4Weight:
-    """A CPU NF4 record of shape (n, k): values do not matter to the compiler."""
+def record(n: int, k: int, dtype: torch.dtype, blocksize: int = 64) -> NF4Weight:
+    """A CPU NF4 record of shape (n, k) dequantising to ``dtype``: values do not matter
+    to the compiler."""
     packed = torch.randint(0, 256, (n * k // 2,), dtype=torch.uint8)
     absmax = torch.rand(n * k // blocksize)
     code = torch.linspace(-1.0, 1.0, 16)
-    return NF4Weight(packed, absmax, code, blocksize, torch.Size((n, k)), torch.bfloat16)
+    return NF4Weight(packed, absmax, code, blocksize, torch.Size((n, k)), dtype)
 
 
 def loop_counts(weight, rows: int, candidate: int, lookup: str | None, rank: int = 16) -> dict:
@@ -138,14 +139,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--candidates", help="indices into the op's CANDIDATES; all by default")
     parser.add_argument("--lookups", default=",".join(nf4_gemv.LOOKUPS), help="nf4_lora_gemv's")
-    parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 = H100/H200")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability: 90 H100/H200, 75 T4")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="of x and the weight"
+    )
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
     n, k = (int(v) for v in args.shape.split(","))
     dense = args.op == "lora_gemv"
-    weight = torch.randn(n, k, dtype=torch.bfloat16) if dense else record(n, k)
+    dtype = getattr(torch, args.dtype)
+    weight = torch.randn(n, k, dtype=dtype) if dense else record(n, k, dtype)
     every = range(len(DENSE_CANDIDATES if dense else nf4_gemv.CANDIDATES))
     candidates = [int(c) for c in args.candidates.split(",")] if args.candidates else list(every)
+    if not dense and dtype == torch.float32:  # nf4_lora_gemv's tensor-core tiles refuse fp32
+        candidates = [c for c in candidates if nf4_gemv.CANDIDATES[c][4] == "cuda cores"]
     lookups = [None] if dense else args.lookups.split(",")
     driver.set_active(TargetOnly(args.arch))
     results = []
