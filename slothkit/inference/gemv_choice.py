@@ -154,7 +154,7 @@ def nf4_gemv_candidate(
     def clone() -> NF4Weight:  # new codes; the scales (1/64 of the bytes) are shared
         return checked(weight).with_packed(weight.packed.clone())
 
-    return _choose(
+    candidate = _choose(
         key,
         lambda w: with_adapter(base(w), xa, lora_b, scaling),
         lambda c, w: nf4_gemv.nf4_lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c, lookup=lookup),
@@ -162,6 +162,18 @@ def nf4_gemv_candidate(
         lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone),
         rows.dtype,
     )
+    if candidate is None or lookup != "registers":
+        return candidate
+    # The register lookup reads the record's levels to the host once (a synchronisation).
+    # The choice is made per shape, so another layer's record of the same shape may reach
+    # this point first during capture, where no synchronisation is allowed: it then takes
+    # bitsandbytes' path in that graph.  Outside capture its lookup is made here.
+    width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
+    if width not in (weight.register_lookup or {}):
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        nf4_gemv.register_lookup(weight, width)
+    return candidate
 
 
 def _rank(xa) -> int:

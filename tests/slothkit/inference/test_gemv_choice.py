@@ -193,3 +193,30 @@ def test_nf4_choices_on_the_gpu_run_what_they_timed(rows):
     assert len(listed) == 1 and listed[0]["runs"] == (
         "bitsandbytes" if candidate is None else "nf4_lora_gemv"
     )
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(monkeypatch, tensor_cores):
+    """A record that reaches a decided shape during graph capture before its lookup was
+    made (it needs a host read of the levels) takes bitsandbytes' path there; outside
+    capture the lookup is made for it, at the width its candidate needs."""
+    _, weight = _nf4_layer(40, 128, _seed())
+    candidate = next(
+        c for c, tile in enumerate(NF4_CANDIDATES) if (tile[4] == "tensor cores") == tensor_cores
+    )
+    monkeypatch.setattr(gemv_choice, "_considered", lambda rows: True)
+    monkeypatch.setattr(gemv_choice, "_choose", lambda *args: candidate)
+    capturing = {"now": True}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    x = torch.zeros(1, 128)
+
+    def choose():
+        return gemv_choice.nf4_gemv_candidate(x, weight, None, None, None, 1.0, base=None)
+
+    assert weight.register_lookup is None and choose() is None  # in capture, not made: bitsandbytes
+    capturing["now"] = False
+    assert choose() == candidate  # outside: made here
+    width = 16 if tensor_cores else 32
+    assert list(weight.register_lookup) == [width]
+    capturing["now"] = True
+    assert choose() == candidate  # made before: the kernel runs in the graph too
