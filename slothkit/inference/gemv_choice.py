@@ -86,13 +86,14 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _decide(baseline, kernel, candidates: int, copies: list, dtype) -> dict:
-    """Time ``baseline(copy)`` and each agreeing ``kernel(candidate, copy)``; the
-    decision names the candidate to run where one gains at least MIN_GAIN."""
+def _decide(baseline, kernel, candidates, copies: list, dtype) -> dict:
+    """Time ``baseline(copy)`` and each agreeing ``kernel(candidate, copy)`` for the
+    candidate indices given; the decision names the candidate to run where one gains at
+    least MIN_GAIN."""
     expected = baseline(copies[0])
     decision = {"baseline_ms": _graph_ms(baseline, copies)}
     timed = {}  # candidate -> ms, for those that ran and agreed
-    for candidate in range(candidates):
+    for candidate in candidates:
         try:
             error = _relative_error(kernel(candidate, copies[0]), expected)
             if error > TOLERANCE.get(dtype, 3e-2):
@@ -109,7 +110,7 @@ def _decide(baseline, kernel, candidates: int, copies: list, dtype) -> dict:
     return decision
 
 
-def _choose(key: tuple, baseline, kernel, candidates: int, make_copies, dtype) -> int | None:
+def _choose(key: tuple, baseline, kernel, candidates, make_copies, dtype) -> int | None:
     decision = _choices.get(key)
     if decision is None:
         if torch.cuda.is_current_stream_capturing():
@@ -117,6 +118,15 @@ def _choose(key: tuple, baseline, kernel, candidates: int, make_copies, dtype) -
         with torch.no_grad():
             decision = _choices[key] = _decide(baseline, kernel, candidates, make_copies(), dtype)
     return decision.get("candidate")
+
+
+def _usable(tiles, uses_tensor_cores, device) -> list[int]:
+    """The candidates worth timing on ``device``: Triton makes tensor-core products only
+    from compute capability 8.0 (sm_75, a T4, gets fused multiply-adds: a tensor-core tile
+    there is slow and costs its compile at the first decode step), so below it the
+    tensor-core tiles are left out."""
+    mma = torch.cuda.get_device_capability(device) >= (8, 0)
+    return [c for c, tile in enumerate(tiles) if mma or not uses_tensor_cores(tile)]
 
 
 def _considered(rows: torch.Tensor) -> bool:
@@ -133,7 +143,7 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
         key,
         lambda w: cublas_path(rows, w, bias, xa, lora_b, scaling),
         lambda c, w: lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
-        len(DENSE_CANDIDATES),
+        _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
         lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone),
         rows.dtype,
     )
@@ -158,7 +168,7 @@ def nf4_gemv_candidate(
         key,
         lambda w: with_adapter(base(w), xa, lora_b, scaling),
         lambda c, w: nf4_gemv.nf4_lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c, lookup=lookup),
-        len(nf4_gemv.CANDIDATES),
+        _usable(nf4_gemv.CANDIDATES, lambda tile: tile[4] == "tensor cores", rows.device),
         lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone),
         rows.dtype,
     )

@@ -37,7 +37,7 @@ def _dense_paths(seed: int, kernel=lora_gemv):
     return (
         lambda w: gemv_choice.cublas_path(rows, w, bias, xa, lora_b, scaling),
         lambda c, w: kernel(rows, w, bias, xa, lora_b, scaling, candidate=c),
-        len(CANDIDATES),
+        range(len(CANDIDATES)),
         [weight],
         rows.dtype,
     )
@@ -134,7 +134,7 @@ def test_an_nf4_candidate_is_chosen_only_where_it_agrees_with_bitsandbytes(monke
     decision = gemv_choice._decide(
         lambda w: gemv_choice.with_adapter(base(w), xa, lora_b, 0.5),
         kernel,
-        len(NF4_CANDIDATES),
+        range(len(NF4_CANDIDATES)),
         [weight],
         torch.float32,
     )
@@ -205,6 +205,7 @@ def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(
         c for c, tile in enumerate(NF4_CANDIDATES) if (tile[4] == "tensor cores") == tensor_cores
     )
     monkeypatch.setattr(gemv_choice, "_considered", lambda rows: True)
+    monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: range(len(tiles)))
     monkeypatch.setattr(gemv_choice, "_choose", lambda *args: candidate)
     capturing = {"now": True}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
@@ -220,3 +221,20 @@ def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(
     assert list(weight.register_lookup) == [width]
     capturing["now"] = True
     assert choose() == candidate  # made before: the kernel runs in the graph too
+
+
+@pytest.mark.parametrize(
+    "capability, expected", [((7, 5), "cuda cores only"), ((8, 0), "all"), ((9, 0), "all")]
+)
+def test_tensor_core_tiles_are_timed_only_where_triton_makes_tensor_core_products(
+    monkeypatch, capability, expected
+):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    for tiles, uses_tensor_cores in [
+        (CANDIDATES, lambda tile: tile[4]),
+        (NF4_CANDIDATES, lambda tile: tile[4] == "tensor cores"),
+    ]:
+        usable = gemv_choice._usable(tiles, uses_tensor_cores, "cuda:0")
+        cuda_cores = [c for c, tile in enumerate(tiles) if not uses_tensor_cores(tile)]
+        assert usable == (cuda_cores if expected == "cuda cores only" else list(range(len(tiles))))
+        assert len(cuda_cores) < len(tiles)  # both kinds exist, so the two answers differ
