@@ -1,9 +1,11 @@
-"""Sixteen fp32 levels looked up in registers by PTX byte permutes, for 4-bit codes.
+"""Sixteen levels (fp32, or bf16/fp16) looked up in registers by PTX byte permutes, for
+4-bit codes.
 
 A dequantising GEMV turns each 4-bit code into its level.  A load from a table (global
 memory or shared) is a gather across the warp, one load instruction per code or pair of
 codes, and on the H200 such loads bound nf4_gemv far below the memory's bandwidth.  This
-is the lookup done in ALU instructions instead, with the table held as immediates.
+is the lookup done in integer instructions instead, with the table held in the
+instructions (as immediates) and in registers.
 
 ``prmt.b32 d, a, b, c`` builds d from four bytes of the eight in {b, a}: output byte i
 is byte ``c[4i+2 : 4i]`` of ``(b << 32) | a``, or, when ``c[4i+3]`` is set, that byte's
