@@ -29,7 +29,7 @@ one row a packed byte's two weights cost a multiply and two fused multiply-adds
 with more rows the pair of levels is scaled once and each row adds two fused
 multiply-adds.  Nothing is rounded to 16 bits.  The alternative lookup (``lookup="table"``,
 and always under the Triton interpreter, which runs no PTX) loads both levels of a byte
-from a 256-entry table of level pairs (2 KB, held in L1; ``level_pairs``): one load, but
+from a 256-entry table of level pairs (2 KB, held in L1; ``level_source``): one load, but
 a gather across the warp, which on the H200 bounds the kernel below bitsandbytes' GEMV
 (docs/inference.md).  scripts/cuda_sass.py counts each one's main loop for a GPU
 without one.
@@ -99,12 +99,11 @@ def _nf4_lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     PACKED,  # (N * K / 2,) uint8 codes, row-major, high nibble first
     ABSMAX,  # fp32 block scales, or their uint8 codes when NESTED
-    CODE,  # the 16 NF4 levels, fp32 (unused: LEVELS or LOOKUP_ASM hold them)
     NESTED_ABSMAX,  # fp32 scales of the absmax codes (NESTED)
     NESTED_CODE,  # the 256 levels of the absmax codes (NESTED)
     OFFSET,  # fp32 scalar added to every nested scale (NESTED)
-    LEVELS,  # LOOKUP_ASM's 8 int32 table words, 32 copies (register_lookup), else (256,) int64:
-    #   byte b -> bits of NF4[b >> 4] | bits of NF4[b & 15] << 32 (level_pairs)
+    LEVELS,  # LOOKUP_ASM's 8 int32 table words, 32 copies, else (256,) int64: byte b ->
+    #   bits of NF4[b >> 4] | bits of NF4[b & 15] << 32 (level_source)
     K,  # a multiple of BLOCKSIZE
     k_per_slice,  # columns per slice of K, a multiple of BLOCK_K
     stride_xm,
@@ -193,35 +192,51 @@ def _nf4_lora_gemv_kernel(
              slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
 
-def level_pairs(weight: NF4Weight) -> torch.Tensor:
-    """The (256,) int64 table the kernel reads both levels of a packed byte from: the fp32
-    bits of NF4[b >> 4] (the high nibble, the even column) in the low word, those of
-    NF4[b & 15] in the high one.  Made once per record; copies made by ``with_packed``
-    share it."""
-    if weight.level_pairs is None:
-        bits = weight.code.reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        byte = torch.arange(256, device=bits.device)
-        weight.level_pairs = bits[byte >> 4] | (bits[byte & 15] << 32)
-    return weight.level_pairs
+def _level_pairs(weight: NF4Weight) -> torch.Tensor:
+    """The (256,) int64 table the CUDA-core kernel's table lookup reads both levels of a
+    packed byte from: the fp32 bits of NF4[b >> 4] (the high nibble, the even column) in
+    the low word, those of NF4[b & 15] in the high one."""
+    bits = weight.code.reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    byte = torch.arange(256, device=bits.device)
+    return bits[byte >> 4] | (bits[byte & 15] << 32)
 
 
-def register_lookup(weight: NF4Weight, width: int = 32) -> tuple[str, torch.Tensor]:
-    """The PTX that turns the record's packed bytes into levels of ``width`` bits (fp32,
-    or the weight's 16-bit dtype) in registers (level_lookup; half its table as
-    immediates), and the int32 table words it takes in registers, a copy for each lane of
-    a warp (level_lookup.lane says why).  Reading the levels to the host synchronises, so
-    it is done once per record and width, at the first call (the decode path's is outside
-    graph capture: it times the kernel first); copies made by ``with_packed`` share them."""
-    if weight.register_lookup is None:
-        weight.register_lookup = {}
-    if width not in weight.register_lookup:
-        levels = tuple(weight.code.reshape(-1).float().tolist())
-        dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
-        words = level_lookup.register_words(levels, width, dtype)
-        words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
-        words = torch.tensor(words * 32, dtype=torch.int32, device=weight.device)
-        weight.register_lookup[width] = (level_lookup.lookup_asm(levels, width, dtype), words)
-    return weight.register_lookup[width]
+def _register_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
+    """The PTX turning packed bytes into levels of ``width`` bits (fp32, or the weight's
+    16-bit dtype) in registers (level_lookup; half its table as immediates), and the
+    int32 table words it takes in registers, a copy for each lane of a warp
+    (level_lookup.lane says why).  Reads the levels to the host: a synchronisation."""
+    levels = tuple(weight.code.reshape(-1).float().tolist())
+    dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
+    words = level_lookup.register_words(levels, width, dtype)
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
+    words = torch.tensor(words * 32, dtype=torch.int32, device=weight.device)
+    return level_lookup.lookup_asm(levels, width, dtype), words
+
+
+def level_source(weight: NF4Weight, lookup: str, width: int) -> tuple[str, torch.Tensor]:
+    """(LOOKUP_ASM, LEVELS) of a kernel that turns the record's codes into ``width``-bit
+    levels (32 on CUDA cores, 16 on tensor cores) by ``lookup``: "registers" gives the
+    PTX and its table words, "table" no PTX and the table to load from (level pairs at
+    32 bits, the 16 levels in the weight's dtype at 16).  Made once per record
+    (``weight.level_sources``) and shared by the copies ``with_packed`` makes; the
+    register lookup reads the levels to the host, so its first call must be outside CUDA
+    graph capture (``has_level_source`` tells whether it was made)."""
+    if weight.level_sources is None:
+        weight.level_sources = {}
+    key = (lookup, width)
+    if key not in weight.level_sources:
+        if lookup == "registers":
+            weight.level_sources[key] = _register_lookup(weight, width)
+        elif width == 32:
+            weight.level_sources[key] = ("", _level_pairs(weight))
+        else:
+            weight.level_sources[key] = ("", weight.code.reshape(-1).to(weight.dtype))
+    return weight.level_sources[key]
+
+
+def has_level_source(weight: NF4Weight, lookup: str, width: int) -> bool:
+    return (lookup, width) in (weight.level_sources or {})
 
 
 LOOKUPS = ("registers", "table")
@@ -304,17 +319,12 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
     nested = weight.is_nested
     interpreter = interpreter_enabled()
     packed, absmax, _, nested_absmax, nested_code, offset = launch_arguments(weight)
-    if lookup == "registers" and not interpreter:
-        asm, levels = register_lookup(weight, 16 if tensor_cores else 32)
-    elif tensor_cores:  # the 16 levels in the weight's dtype
-        asm, levels = "", weight.code.reshape(-1).to(weight.dtype)
-    else:
-        asm, levels = "", level_pairs(weight)
+    # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
+    asm, levels = level_source(weight, "table" if interpreter else lookup, 16 if tensor_cores else 32)
     arguments = (
         x,
         packed,
         absmax,
-        *(() if tensor_cores else (weight.code,)),
         nested_absmax,
         nested_code,
         offset,
@@ -360,7 +370,7 @@ def nf4_lora_gemv(
         scaling: the adapter's scale.  out: (M, N) to write into; a new tensor if None.
         candidate: which of ``CANDIDATES`` to launch with.
         lookup: how a code becomes its level: "registers" (byte permutes of immediates,
-            level_lookup) or "table" (a load from ``level_pairs``).  The Triton
+            level_lookup) or "table" (a load from ``level_source``'s table).  The Triton
             interpreter runs no PTX and always reads the table.
     """
     if lookup not in LOOKUPS:

@@ -121,9 +121,3 @@ def _nf4_lora_gemv_mma_kernel(
         acc += part * scale[:, None]
     epilogue(tl.trans(acc), offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS,
              M, N, R, slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
-
-
-def tile_mma(block_n: int, block_k: int, blocksize: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) of a tensor-core launch: x's rows padded to 16, steps
-    within a quantisation block."""
-    return 16, block_n, min(blocksize, block_k)

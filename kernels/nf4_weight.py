@@ -42,11 +42,9 @@ class NF4Weight:
     # Checked, flattened kernel arguments, filled by the first dequantize_nf4 call: a record
     # describes frozen tensors, so the checks need not run at every call.
     launch_cache: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    # Both levels of every packed byte, as nf4_gemv reads them (nf4_gemv.level_pairs).
-    level_pairs: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
-    # The PTX and table words nf4_gemv looks levels up with in registers, by width
-    # (nf4_gemv.register_lookup).
-    register_lookup: dict | None = field(default=None, init=False, repr=False, compare=False)
+    # How nf4_gemv's kernels turn codes into levels, by (lookup, width): the PTX and the
+    # table they read (nf4_gemv.level_source).
+    level_sources: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def column_slabs(self, max_bytes: int) -> list[tuple[int, int]] | None:
         """Column ranges that split the weight into slabs of at most about ``max_bytes``
@@ -107,8 +105,7 @@ class NF4Weight:
         """The same weight read from other packed codes (a copy of them, of the same shape
         and dtype), sharing the scales and this record's checked kernel arguments."""
         copy = dataclasses.replace(self, packed=packed)
-        copy.level_pairs = self.level_pairs
-        copy.register_lookup = self.register_lookup
+        copy.level_sources = self.level_sources
         if self.launch_cache is not None:
             copy.launch_cache = (packed.reshape(-1).view(torch.uint8), *self.launch_cache[1:])
         return copy

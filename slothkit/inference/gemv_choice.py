@@ -179,10 +179,10 @@ def nf4_gemv_candidate(
     # this point first during capture, where no synchronisation is allowed: it then takes
     # bitsandbytes' path in that graph.  Outside capture its lookup is made here.
     width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
-    if width not in (weight.register_lookup or {}):
+    if not nf4_gemv.has_level_source(weight, "registers", width):
         if torch.cuda.is_current_stream_capturing():
             return None
-        nf4_gemv.register_lookup(weight, width)
+        nf4_gemv.level_source(weight, "registers", width)
     return candidate
 
 

@@ -18,9 +18,9 @@ from slothkit_kernels.lora_gemv import lora_gemv_reference
 from slothkit_kernels.nf4_gemv import (
     CANDIDATES,
     LOOKUPS,
+    level_source,
     nf4_lora_gemv,
     nf4_lora_gemv_reference,
-    register_lookup,
     supports,
     tile,
 )
@@ -172,14 +172,15 @@ def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
 def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
     generator = torch.Generator().manual_seed(_seed())
     weight, _ = _quantized(16, 128, torch.bfloat16, True, 64, "cpu", generator)
-    asm, words = register_lookup(weight)
     levels = weight.code.tolist()
-    assert asm == level_lookup.lookup_asm(tuple(levels))
-    assert [w & 0xFFFFFFFF for w in words.tolist()] == level_lookup.register_words(
-        levels
-    ) * 32  # a copy a lane
+    for width in (32, 16):
+        asm, words = level_source(weight, "registers", width)
+        assert asm == level_lookup.lookup_asm(tuple(levels), width, "bfloat16")
+        expected = level_lookup.register_words(levels, width, "bfloat16") * 32  # a copy a lane
+        assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
     copy = weight.with_packed(weight.packed.clone())
-    assert register_lookup(copy) is register_lookup(weight)
+    for lookup, width in (("registers", 32), ("registers", 16), ("table", 32), ("table", 16)):
+        assert level_source(copy, lookup, width) is level_source(weight, lookup, width)
 
 
 def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(tmp_path):

@@ -214,11 +214,11 @@ def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(
     def choose():
         return gemv_choice.nf4_gemv_candidate(x, weight, None, None, None, 1.0, base=None)
 
-    assert weight.register_lookup is None and choose() is None  # in capture, not made: bitsandbytes
+    assert weight.level_sources is None and choose() is None  # in capture, not made: bitsandbytes
     capturing["now"] = False
     assert choose() == candidate  # outside: made here
     width = 16 if tensor_cores else 32
-    assert list(weight.register_lookup) == [width]
+    assert list(weight.level_sources) == [("registers", width)]
     capturing["now"] = True
     assert choose() == candidate  # made before: the kernel runs in the graph too
 
