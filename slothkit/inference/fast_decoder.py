@@ -168,7 +168,14 @@ class FastDecoder:
             config = self.causal_lm.config
             kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             self.cache = StaticKVCache(
-                len(self.step.layers), batch, kv_heads, slots, self.step.head_dim, self._kv_dtype(), device
+                len(self.step.layers),
+                batch,
+                kv_heads,
+                slots,
+                self.step.head_dim,
+                self._kv_dtype(),
+                device,
+                windows=self.step.windows,
             )
         if self.captured is None or key != self._key:
             self.captured = None

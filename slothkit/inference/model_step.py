@@ -50,14 +50,20 @@ def _fused_rope_and_cache_write(q: torch.Tensor) -> bool:
 
 
 def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: torch.Tensor):
-    """q rotated, and k rotated and v written into ``layer``'s cache at ``slots``;
-    returns (q, the layer's whole keys, its whole values).  On a GPU one launch
-    (rope_into_cache) where rope and two index_copy_ launches would be three."""
+    """q rotated, and k rotated and v written into ``layer``'s cache for the tokens at
+    ``slots``; returns (q, the keys and values to attend over).  Those are the layer's
+    whole cache, except in a prefill longer than the layer's ring, which keeps only the
+    prompt's last W tokens: attention then reads the prompt's own keys and values.  On a
+    GPU one launch (rope_into_cache) where rope and two index_copy_ launches would be
+    three."""
     keys, values = cache.keys[layer], cache.values[layer]
-    if _fused_rope_and_cache_write(q) and keys.dtype == q.dtype:
-        return rope_into_cache(q, k, v, cos, sin, keys, values, slots), keys, values
+    fits = keys.shape[2] >= slots.shape[0]
+    if _fused_rope_and_cache_write(q) and keys.dtype == q.dtype and fits:
+        stored = cache.storage_slots(layer, slots)
+        return rope_into_cache(q, k, v, cos, sin, keys, values, stored), keys, values
     q, k = _rotate_pair(q, k, cos, sin)
-    return (q, *cache.write(layer, slots, k, v))
+    keys, values = cache.write(layer, slots, k, v)
+    return (q, keys, values) if fits else (q, k, v)
 
 
 def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -200,7 +206,7 @@ class ModelStep:
         self.layers = list(self.decoder.layers[: config.num_hidden_layers])
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
-        self.windows = sorted(set(layer_windows(causal_lm)), key=lambda w: (w is None, w))
+        self.windows = layer_windows(causal_lm)  # per layer; the cache keeps rings by them
         self.softcap = getattr(config, "final_logit_softcapping", None)
         # transformers gives each layer type its own rope base through one rotary module
         # called with the layer's type (Gemma 3), or one table for all layers.
@@ -230,7 +236,7 @@ class ModelStep:
     @property
     def shortest_window(self) -> int | None:
         """The narrowest sliding window of any layer; None when every layer attends fully."""
-        return self.windows[0]
+        return min((window for window in self.windows if window is not None), default=None)
 
     @staticmethod
     def allowed_slots(
@@ -280,11 +286,11 @@ class ModelStep:
                 {p.layer_type for p in self.decode_layers}, self.decoder.rotary_emb(hidden, positions)
             )
         visible = cache.slots if visible is None else visible
-        masks = {}  # by window: built once per step, read by every layer with that window
-        if not causal:
-            for window in self.windows:
-                allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens, window)
-                masks[window] = _additive_mask(allowed, self.group, hidden.dtype)
+        # A one-token step reads each ring whole, under the ring's own marks (every
+        # position it holds is inside the window); a longer step (the prefill from slot 0)
+        # reads the first ``visible`` slots under the window's mask, as other layers do.
+        ring_step = tokens == 1
+        masks = {}  # by window, or ("ring", W): built at first use, read by every such layer
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
             cos, sin = tables[projections.layer_type]  # (B, T, D) each
@@ -297,19 +303,26 @@ class ModelStep:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
             q, keys, values = _rope_and_cache(q, k, v, cos, sin, cache, index, slots)
-            keys, values = keys[:, :, :visible], values[:, :, :visible]
-            if causal and projections.softcap is None:
+            ring = cache.rings[index] if ring_step else None
+            if ring is None:
+                keys, values = keys[:, :, :visible], values[:, :, :visible]
+            if causal and projections.softcap is None and ring is None:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
                 )
             else:
-                if projections.window not in masks:  # a causal prefill's soft-capped layer: built once
-                    allowed = self.allowed_slots(
-                        cache.filled[:, :visible], first_slot, tokens, projections.window
-                    )
-                    masks[projections.window] = _additive_mask(allowed, self.group, hidden.dtype)
-                mask = masks[projections.window]
-                out = _grouped_attention(q, keys, values, mask, projections.scaling, projections.softcap)
+                key = projections.window if ring is None else ("ring", ring)
+                if key not in masks:
+                    if ring is None:
+                        allowed = self.allowed_slots(
+                            cache.filled[:, :visible], first_slot, tokens, projections.window
+                        )
+                    else:
+                        allowed = cache.ring_filled[ring][:, None, :]
+                    masks[key] = _additive_mask(allowed, self.group, hidden.dtype)
+                out = _grouped_attention(
+                    q, keys, values, masks[key], projections.scaling, projections.softcap
+                )
             out = projections.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
             if projections.attention_out_norm is not None:
                 out = projections.attention_out_norm(out)

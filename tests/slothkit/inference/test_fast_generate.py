@@ -1,8 +1,8 @@
 """The fast decode loop (slothkit.inference) against Hugging Face's generate on the same
 model: greedy tokens identical for 64 new tokens, per-step logits equal, on the tiny fp32
 models of every fused architecture (Gemma 3's: sandwich layers, sliding and global layers
-with their own rope bases, a window of 16 that 64 tokens pass), with and without LoRA adapters, for one prompt and a
-left-padded batch of three.  On a CPU the loop runs without the CUDA graph
+with their own rope bases, a window of 16 that 64 tokens pass, so its layers' ring caches
+wrap), with and without LoRA adapters, for one prompt and a left-padded batch of three.  On a CPU the loop runs without the CUDA graph
 (``for_inference(model, fast_decode=True)``); on a GPU with it."""
 
 import pytest
@@ -126,17 +126,32 @@ def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypat
 
     monkeypatch.setattr(model_step, "_fused_rope_and_cache_write", lambda q: True)
     monkeypatch.setattr(model_step, "rope_into_cache", counted)
-    _check_prefill_and_step_logits(arch)
-    assert len(calls) == 6 * _layers_of(arch), "the fused write did not run in every layer"
+    prompt, cache = _check_prefill_and_step_logits(arch)
+    # A ring narrower than the prompt keeps only its last tokens: that layer's prefill
+    # rotates and writes separately, its steps through the kernel.
+    prefills = sum(ring is None or ring >= prompt for ring in cache.rings)
+    assert len(calls) == prefills + 5 * len(cache.rings), "the fused write did not run in every layer"
 
 
-def _layers_of(arch: str) -> int:
-    from transformers import AutoConfig
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
+def test_ring_caches_of_windowed_layers_past_their_window(arch):
+    """Layers with a sliding window narrower than the cache keep a ring of that many
+    slots: a left-padded prefill longer than the window (its ring keeps the last W
+    tokens), then steps that wrap the ring twice, give the model's own logits."""
+    _check_prefill_and_step_logits(arch, prompt_lengths=(70, 41, 3), steps=70)
 
-    return AutoConfig.from_pretrained(str(tiny_model_path(arch))).num_hidden_layers
+
+def _random_left_padded(lengths, vocab: int) -> dict:
+    longest = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), longest), device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, longest - length :] = 1
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def _check_prefill_and_step_logits(arch: str) -> None:
+def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 5) -> tuple:
+    """Returns the prompt's length and the cache."""
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.inference.kv_cache import StaticKVCache
     from slothkit.models import architecture_for
@@ -146,10 +161,13 @@ def _check_prefill_and_step_logits(arch: str) -> None:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
     torch.manual_seed(1)
     vocab = model.get_input_embeddings().weight.shape[0]
-    extra = torch.randint(3, vocab, (3, 5), device=DEVICE)
+    if prompt_lengths is None:
+        batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
+    else:
+        batch = _random_left_padded(prompt_lengths, vocab)
+    extra = torch.randint(3, vocab, (3, steps), device=DEVICE)
     ids = torch.cat([batch["input_ids"], extra], dim=1)
     mask = torch.cat([batch["attention_mask"], torch.ones_like(extra)], dim=1)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -167,7 +185,13 @@ def _check_prefill_and_step_logits(arch: str) -> None:
         decoder.step.head_dim,
         torch.float32,
         DEVICE,
+        windows=decoder.step.windows,
     )
+    windows = decoder.step.windows
+    assert cache.rings == [w if w is not None and w < 256 else None for w in windows]
+    assert all(keys.shape[2] == (ring or 256) for keys, ring in zip(cache.keys, cache.rings))
+    if prompt_lengths is not None:
+        assert any(ring is not None and ring < max(prompt_lengths) for ring in cache.rings), "no ring wraps"
     cache.reset(batch["attention_mask"])
     first = torch.zeros(1, dtype=torch.long, device=DEVICE)
     prefill = decoder.step(
@@ -182,6 +206,7 @@ def _check_prefill_and_step_logits(arch: str) -> None:
             ids[:, prompt + offset : prompt + offset + 1], positions[:, prompt + offset, None], cache, slot
         )
         torch.testing.assert_close(step, reference[:, prompt + offset], atol=1e-4, rtol=1e-4)
+    return prompt, cache
 
 
 def test_sampling_settings_streamers_and_eos():
