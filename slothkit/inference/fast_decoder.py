@@ -234,10 +234,9 @@ class FastDecoder:
         # Positions as generate counts them: real tokens from 0, padding at 0.
         positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         first = torch.zeros(1, dtype=torch.long, device=device)
-        # Without padding or a window shorter than the prompt, the prefill is plain causal
-        # attention: the flash kernel, as Hugging Face's prefill uses.
-        window = self.step.shortest_window
-        causal = bool(attention_mask.all()) and (window is None or window >= prompt)
+        # Without padding the prefill needs no mask: the flash kernel, as Hugging Face's
+        # prefill uses, or slothkit's tiled kernel where a window or a cap applies.
+        causal = bool(attention_mask.all())
         logits = self.step(input_ids, positions, cache, first, visible=prompt, causal=causal)
 
         processors = logits_processors(config, prompt, device)

@@ -24,7 +24,7 @@ from slothkit.engine.inspection import attention_window
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.model_state import patched_module
-from slothkit_kernels import geglu, rope, rope_into_cache, swiglu
+from slothkit_kernels import attention, geglu, rope, rope_into_cache, swiglu
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -64,6 +64,16 @@ def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: 
     q, k = _rotate_pair(q, k, cos, sin)
     keys, values = cache.write(layer, slots, k, v)
     return (q, keys, values) if fits else (q, k, v)
+
+
+def _tiled_prefill_attention(q: torch.Tensor) -> bool:
+    """Whether a prefill layer that plain causal SDPA cannot serve (a sliding window
+    shorter than the prompt, soft-capped scores) runs slothkit's tiled attention kernel,
+    which applies the window and the cap inside its tiles: where a GPU runs it.  The other
+    way builds a (T, S) mask per query head group and, with a cap, the whole score matrix
+    in fp32, which a long prompt cannot afford (Gemma 2 9B at 8,192 tokens: 4 GiB of fp32
+    scores a row, 64 GiB at 32,768)."""
+    return q.is_cuda
 
 
 def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -233,11 +243,6 @@ class ModelStep:
         for decode_layer in self.decode_layers:
             decode_layer.refresh()
 
-    @property
-    def shortest_window(self) -> int | None:
-        """The narrowest sliding window of any layer; None when every layer attends fully."""
-        return min((window for window in self.windows if window is not None), default=None)
-
     @staticmethod
     def allowed_slots(
         filled: torch.Tensor, first_slot: torch.Tensor, tokens: int, window: int | None
@@ -268,8 +273,9 @@ class ModelStep:
         tensor, so that a captured step reads its current value).  The cache's ``filled``
         marks must already include these slots.  ``visible``: attend over the first
         ``visible`` slots only (a prefill from slot 0 reads T slots, not the whole cache).
-        ``causal``: the T tokens are a prefill from slot 0 with no padding and no window
-        shorter than T, so plain causal attention (the flash kernel, no mask) is exact.
+        ``causal``: the T tokens are a prefill from slot 0 with no padding, so attention
+        needs no mask: plain causal SDPA (the flash kernel) in layers without a cap or a
+        window shorter than T, slothkit's tiled kernel in the others where a GPU runs it.
 
         Returns:
             float32 logits (B, V) of the last token, or (B, T, V) with last_only=False.
@@ -306,10 +312,19 @@ class ModelStep:
             ring = cache.rings[index] if ring_step else None
             if ring is None:
                 keys, values = keys[:, :, :visible], values[:, :, :visible]
-            if causal and projections.softcap is None and ring is None:
+            window = projections.window
+            if (
+                causal
+                and ring is None
+                and projections.softcap is None
+                and (window is None or window >= tokens)
+            ):
                 out = F.scaled_dot_product_attention(
                     q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
                 )
+            elif causal and ring is None and _tiled_prefill_attention(q):
+                out = attention(q, keys, values, projections.scaling, None, projections.softcap, window)
+                out = out.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
             else:
                 key = projections.window if ring is None else ("ring", ring)
                 if key not in masks:

@@ -141,6 +141,42 @@ def test_ring_caches_of_windowed_layers_past_their_window(arch):
     _check_prefill_and_step_logits(arch, prompt_lengths=(70, 41, 3), steps=70)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
+def test_unpadded_prefill_past_the_window_runs_the_tiled_kernel(arch, monkeypatch):
+    """A prefill without padding needs no mask: where a window shorter than the prompt or
+    a soft-cap rules out plain causal SDPA, slothkit's tiled attention kernel applies
+    them in its tiles (on a GPU; here under the Triton interpreter), and the logits still
+    equal the model's forward."""
+    from slothkit.inference import model_step
+    from slothkit_kernels import attention
+
+    calls = []
+
+    def counted(q, *args):
+        calls.append(q.shape)
+        return attention(q, *args)
+
+    monkeypatch.setattr(model_step, "_tiled_prefill_attention", lambda q: True)
+    monkeypatch.setattr(model_step, "attention", counted)
+    prompt, cache = _check_prefill_and_step_logits(arch, prompt_lengths=(40, 40, 40), steps=3)
+    model, _ = _load(arch, lora=False)
+    layers = model.model.layers
+    needing = [
+        layer
+        for layer in layers
+        if getattr(layer.self_attn, "attn_logit_softcapping", None) is not None
+        or (_window_of(layer) or prompt) < prompt
+    ]
+    assert needing, "no layer needs a window or a cap in this prefill"
+    assert len(calls) == len(needing), "the tiled kernel did not run in every such layer"
+
+
+def _window_of(layer):
+    from slothkit.engine.inspection import attention_window
+
+    return attention_window(layer.self_attn)
+
+
 def _random_left_padded(lengths, vocab: int) -> dict:
     longest = max(lengths)
     ids = torch.randint(3, vocab, (len(lengths), longest), device=DEVICE)
@@ -194,8 +230,15 @@ def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 
         assert any(ring is not None and ring < max(prompt_lengths) for ring in cache.rings), "no ring wraps"
     cache.reset(batch["attention_mask"])
     first = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    causal = bool(batch["attention_mask"].all())  # as the decode loop decides it
     prefill = decoder.step(
-        batch["input_ids"], positions[:, :prompt], cache, first, last_only=False, visible=prompt
+        batch["input_ids"],
+        positions[:, :prompt],
+        cache,
+        first,
+        last_only=False,
+        visible=prompt,
+        causal=causal,
     )
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(prefill[real], reference[:, :prompt][real], atol=1e-4, rtol=1e-4)
