@@ -95,8 +95,9 @@ class _CapturedStep:
 
     def _capture(self) -> None:
         # Warm up on a side stream (lazy initialisation, autotuning) before capturing; the
-        # writes land in slot 0, which every prefill rewrites.
-        filled = self.cache.filled.clone()
+        # writes land in slot 0, which every prefill rewrites, and the marks are put back.
+        marks = [self.cache.filled, *self.cache.ring_filled.values()]
+        kept = [mark.clone() for mark in marks]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -106,7 +107,8 @@ class _CapturedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._run()
-        self.cache.filled.copy_(filled)
+        for mark, before in zip(marks, kept):
+            mark.copy_(before)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, slot: int) -> torch.Tensor:
         self.token.copy_(token.view(-1, 1))

@@ -49,9 +49,10 @@ def _fused_rope_and_cache_write(q: torch.Tensor) -> bool:
     return q.is_cuda
 
 
-def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: torch.Tensor):
+def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: torch.Tensor, stored):
     """q rotated, and k rotated and v written into ``layer``'s cache for the tokens at
-    ``slots``; returns (q, the keys and values to attend over).  Those are the layer's
+    ``slots``, which the layer keeps at ``stored`` (the same slots, or their places in
+    its ring); returns (q, the keys and values to attend over).  Those are the layer's
     whole cache, except in a prefill longer than the layer's ring, which keeps only the
     prompt's last W tokens: attention then reads the prompt's own keys and values.  On a
     GPU one launch (rope_into_cache) where rope and two index_copy_ launches would be
@@ -59,7 +60,6 @@ def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: 
     keys, values = cache.keys[layer], cache.values[layer]
     fits = keys.shape[2] >= slots.shape[0]
     if _fused_rope_and_cache_write(q) and keys.dtype == q.dtype and fits:
-        stored = cache.storage_slots(layer, slots)
         return rope_into_cache(q, k, v, cos, sin, keys, values, stored), keys, values
     q, k = _rotate_pair(q, k, cos, sin)
     keys, values = cache.write(layer, slots, k, v)
@@ -298,6 +298,8 @@ class ModelStep:
         ring_step = tokens == 1
         masks = {}  # by window, or ("ring", W): built at first use, read by every such layer
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
+        # Where each layer keeps these tokens: computed once per ring width, not per layer.
+        stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}
         for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
             cos, sin = tables[projections.layer_type]  # (B, T, D) each
             q, k, v = projections.project_qkv(layer.input_layernorm(hidden))
@@ -308,7 +310,9 @@ class ModelStep:
                 q, k = q_norm(q), k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-            q, keys, values = _rope_and_cache(q, k, v, cos, sin, cache, index, slots)
+            q, keys, values = _rope_and_cache(
+                q, k, v, cos, sin, cache, index, slots, stored[cache.rings[index]]
+            )
             ring = cache.rings[index] if ring_step else None
             if ring is None:
                 keys, values = keys[:, :, :visible], values[:, :, :visible]
