@@ -72,7 +72,8 @@ def _tiled_prefill_attention(q: torch.Tensor) -> bool:
     which applies the window and the cap inside its tiles: where a GPU runs it.  The other
     way builds a (T, S) mask per query head group and, with a cap, the whole score matrix
     in fp32, which a long prompt cannot afford (Gemma 2 9B at 8,192 tokens: 4 GiB of fp32
-    scores a row, 64 GiB at 32,768)."""
+    scores a row, 64 GiB at 32,768).  A padded prompt's capped layers run it too, with the
+    padding as a (B, 1, T, S) mask (fp32 inside the kernel: 256 MiB a row at 8,192)."""
     return q.is_cuda
 
 
@@ -326,8 +327,17 @@ class ModelStep:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
                 )
-            elif causal and ring is None and _tiled_prefill_attention(q):
-                out = attention(q, keys, values, projections.scaling, None, projections.softcap, window)
+            elif tokens > 1 and (causal or projections.softcap is not None) and _tiled_prefill_attention(q):
+                # A padded prefill's capped layer too: the kernel takes the (B, 1, T, S)
+                # padding mask, where explicit scores would be H times larger and fp32.
+                padding = None
+                if not causal:
+                    key = "padding", window
+                    if key not in masks:
+                        allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens, window)
+                        masks[key] = allowed[:, None]
+                    padding = masks[key]
+                out = attention(q, keys, values, projections.scaling, padding, projections.softcap, window)
                 out = out.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
             else:
                 key = projections.window if ring is None else ("ring", ring)

@@ -147,28 +147,38 @@ def test_unpadded_prefill_past_the_window_runs_the_tiled_kernel(arch, monkeypatc
     a soft-cap rules out plain causal SDPA, slothkit's tiled attention kernel applies
     them in its tiles (on a GPU; here under the Triton interpreter), and the logits still
     equal the model's forward."""
+    _check_tiled_prefill(arch, (40, 40, 40), monkeypatch)
+
+
+def test_padded_prefill_of_capped_layers_runs_the_tiled_kernel(monkeypatch):
+    """Gemma 2's soft-capped layers take a left-padded prompt through the tiled kernel
+    too, with the padding as its mask, rather than as explicit fp32 scores."""
+    _check_tiled_prefill("gemma2", (40, 23, 3), monkeypatch)
+
+
+def _check_tiled_prefill(arch: str, prompt_lengths, monkeypatch) -> None:
     from slothkit.inference import model_step
     from slothkit_kernels import attention
 
     calls = []
 
-    def counted(q, *args):
-        calls.append(q.shape)
-        return attention(q, *args)
+    def counted(q, k, v, scaling, mask, softcap, window):
+        calls.append(mask is None)
+        return attention(q, k, v, scaling, mask, softcap, window)
 
     monkeypatch.setattr(model_step, "_tiled_prefill_attention", lambda q: True)
     monkeypatch.setattr(model_step, "attention", counted)
-    prompt, cache = _check_prefill_and_step_logits(arch, prompt_lengths=(40, 40, 40), steps=3)
+    prompt, cache = _check_prefill_and_step_logits(arch, prompt_lengths=prompt_lengths, steps=3)
+    padded = min(prompt_lengths) < prompt
     model, _ = _load(arch, lora=False)
-    layers = model.model.layers
     needing = [
         layer
-        for layer in layers
+        for layer in model.model.layers
         if getattr(layer.self_attn, "attn_logit_softcapping", None) is not None
-        or (_window_of(layer) or prompt) < prompt
+        or (not padded and (_window_of(layer) or prompt) < prompt)
     ]
-    assert needing, "no layer needs a window or a cap in this prefill"
-    assert len(calls) == len(needing), "the tiled kernel did not run in every such layer"
+    assert needing, "no layer needs the tiled kernel in this prefill"
+    assert calls == [not padded] * len(needing), "the tiled kernel did not run in every such layer"
 
 
 def _window_of(layer):
