@@ -35,6 +35,19 @@ from slothkit.notices import say_once
 # Cache lengths are rounded up to a multiple of this, so that prompts of nearby lengths
 # share one cache and one captured graph.
 SLOT_ROUNDING = 256
+# A call's cache starts with room for its prompt and at most this many new tokens, and
+# doubles (up to prompt + max_new_tokens) when the decode reaches its end.  A reasoning
+# model asked for max_new_tokens=32768 after a 200-token prompt that stops after 600 then
+# holds, and reads at every step, 1,280 slots rather than 33,024 (Qwen3-14B in bf16: 0.2
+# GiB a row rather than 5.0), much as Hugging Face's cache, which grows by the token, holds
+# what was generated.  Each doubling copies the cache and captures the step again.
+FIRST_NEW_TOKENS = 1024
+
+
+def _rounded_slots(tokens: int) -> int:
+    return math.ceil(tokens / SLOT_ROUNDING) * SLOT_ROUNDING
+
+
 # Tokens between two reads of "has every row finished?" back to the host when nothing
 # streams: each read waits for the GPU, and at most this many - 1 steps are decoded
 # past the end and discarded.
@@ -78,12 +91,12 @@ class _CapturedStep:
     """The one-token decode step for a fixed batch and cache, as a CUDA graph (or eager on
     a CPU), with its inputs as static tensors."""
 
-    def __init__(self, step: ModelStep, cache: StaticKVCache, use_graph: bool):
+    def __init__(self, step: ModelStep, cache: StaticKVCache, use_graph: bool, warm_slot: int = 0):
         device = cache.filled.device
         self.step, self.cache = step, cache
         self.token = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(cache.batch, 1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.full((1,), warm_slot, dtype=torch.long, device=device)
         self.graph = None
         self.logits = None
         if use_graph:
@@ -95,7 +108,10 @@ class _CapturedStep:
 
     def _capture(self) -> None:
         # Warm up on a side stream (lazy initialisation, autotuning) before capturing; the
-        # writes land in slot 0, which every prefill rewrites, and the marks are put back.
+        # writes land in the warm slot, which holds no token a later step reads before
+        # the decode rewrites it (slot 0 before a prefill; the next slot when the cache
+        # grows: empty, or in a ring the position the window has just left), and the marks
+        # are put back.
         marks = [self.cache.filled, *self.cache.ring_filled.values()]
         kept = [mark.clone() for mark in marks]
         side = torch.cuda.Stream()
@@ -163,37 +179,58 @@ class FastDecoder:
         """Device bytes held by the cache (the graph's pool is reported by the bench)."""
         return 0 if self.cache is None else self.cache.nbytes
 
+    def _new_cache(self, batch: int, slots: int, device) -> StaticKVCache:
+        config = self.causal_lm.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        layers, dtype = len(self.step.layers), self._kv_dtype()
+        try:
+            return StaticKVCache(
+                layers, batch, kv_heads, slots, self.step.head_dim, dtype, device, windows=self.step.windows
+            )
+        except torch.OutOfMemoryError as error:
+            per_slot = (
+                2 * layers * kv_heads * self.step.head_dim * torch.empty((), dtype=dtype).element_size()
+            )
+            raise torch.OutOfMemoryError(
+                f"slothkit: the key/value cache for {batch} row(s) of {slots} tokens (at most "
+                f"{batch * slots * per_slot / 2**30:.2f} GiB) does not fit in the GPU's free memory; "
+                f"ask for fewer tokens (max_new_tokens), fewer rows, or a shorter prompt ({error})"
+            ) from error
+
+    def _grow(self, slots: int) -> None:
+        """Move the tokens so far into a cache of ``slots`` and capture the step for it."""
+        shorter = self.cache
+        self.captured = None  # the old graph reads the old cache: drop it first
+        self.cache = self._new_cache(shorter.batch, slots, shorter.filled.device)
+        self.cache.take_over(shorter)
+        self._capture(warm_slot=shorter.slots)  # the slot the next step writes
+
     def _prepare(self, batch: int, slots: int, device) -> None:
         key = _weights_key(self.causal_lm)
         if self.cache is None or not self.cache.fits(batch, slots, self._kv_dtype(), device):
             self.release()
-            config = self.causal_lm.config
-            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-            self.cache = StaticKVCache(
-                len(self.step.layers),
-                batch,
-                kv_heads,
-                slots,
-                self.step.head_dim,
-                self._kv_dtype(),
-                device,
-                windows=self.step.windows,
-            )
+            self.cache = self._new_cache(batch, slots, device)
         if self.captured is None or key != self._key:
             self.captured = None
             self.step.build_projections()
-            try:
-                self.captured = _CapturedStep(self.step, self.cache, self.use_graph)
-            except RuntimeError as error:  # a layer that cannot be captured: decode eagerly
-                if not self.use_graph:
-                    raise
-                say_once(
-                    f"slothkit: the decode step could not be captured as a CUDA graph ({error}); "
-                    "generating without the graph (slower)"
-                )
-                self.use_graph = False
-                self.captured = _CapturedStep(self.step, self.cache, use_graph=False)
+            self._capture()
             self._key = key
+
+    def _capture(self, warm_slot: int = 0) -> None:
+        """The decode step for the current cache, as a graph where one can be captured;
+        ``warm_slot``: the slot the capture's warm-up may write (the next one the decode
+        writes: 0 before a prefill, which rewrites it)."""
+        try:
+            self.captured = _CapturedStep(self.step, self.cache, self.use_graph, warm_slot)
+        except RuntimeError as error:  # a layer that cannot be captured: decode eagerly
+            if not self.use_graph:
+                raise
+            say_once(
+                f"slothkit: the decode step could not be captured as a CUDA graph ({error}); "
+                "generating without the graph (slower)"
+            )
+            self.use_graph = False
+            self.captured = _CapturedStep(self.step, self.cache, use_graph=False)
 
     def _kv_dtype(self):
         # The dtype the attention computes in: that of the embeddings' output (the 16-bit
@@ -227,8 +264,8 @@ class FastDecoder:
         _warn_past_context(self.causal_lm, prompt + max_new)
         eos = eos_ids(config)
         pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-        slots = math.ceil((prompt + max_new) / SLOT_ROUNDING) * SLOT_ROUNDING
-        self._prepare(batch, slots, device)
+        largest = _rounded_slots(prompt + max_new)
+        self._prepare(batch, min(largest, _rounded_slots(prompt + min(max_new, FIRST_NEW_TOKENS))), device)
         self.step.refresh()
         cache = self.cache
         cache.reset(attention_mask)
@@ -283,6 +320,8 @@ class FastDecoder:
             if index == max_new - 1:
                 break
             position = position + 1
+            if prompt + index >= self.cache.slots:
+                self._grow(min(2 * self.cache.slots, largest))
             logits = self.captured(token, position, prompt + index)
         if streamer is not None:
             streamer.end()

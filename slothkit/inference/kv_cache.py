@@ -83,6 +83,24 @@ class StaticKVCache:
             and key.device == device
         )
 
+    def take_over(self, shorter: StaticKVCache) -> None:
+        """Copy ``shorter``'s tokens into this longer cache of the same rows and free
+        ``shorter``'s tensors (the two are held together only while this runs).  Every
+        layer keeps its tokens at the same slots: one that keeps all slots in both caches,
+        one with a ring in both, and one whose window W made no ring in the shorter cache
+        (W at least its slots, so its position p sat at slot p = p mod W) but does here."""
+        if shorter.batch != self.batch or shorter.slots > self.slots:
+            raise ValueError(f"a cache of {shorter.slots} slots cannot grow into one of {self.slots}")
+        for layer in range(len(self.keys)):
+            for mine, theirs in ((self.keys, shorter.keys), (self.values, shorter.values)):
+                mine[layer][:, :, : theirs[layer].shape[2]] = theirs[layer]
+                theirs[layer] = None
+        self.filled[:, : shorter.slots] = shorter.filled
+        for width, marks in self.ring_filled.items():
+            before = shorter.ring_filled.get(width, shorter.filled)
+            marks[:, : min(width, before.shape[1])] = before[:, :width]
+        shorter.filled, shorter.ring_filled = None, {}
+
     def reset(self, attention_mask: torch.Tensor) -> None:
         """Start a new batch: the prompt's real tokens (attention_mask (B, P)) fill the
         first P slots' marks, and each ring's marks for the prompt's last W positions

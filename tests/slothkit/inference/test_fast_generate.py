@@ -74,6 +74,48 @@ def test_greedy_tokens_equal_hf_generate(arch, lora):
         assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gemma2"])
+def test_the_cache_grows_past_its_first_length(arch, monkeypatch):
+    """A call's cache starts with room for a few new tokens (here 8, slots rounded to 16)
+    and doubles as the decode reaches its end, up to prompt + max_new_tokens, moving its
+    tokens (Mistral's window of 32 turning into a ring on the way): the greedy tokens of
+    one prompt and of a left-padded batch still equal Hugging Face's generate."""
+    from slothkit.inference import fast_decoder
+
+    monkeypatch.setattr(fast_decoder, "SLOT_ROUNDING", 16)
+    monkeypatch.setattr(fast_decoder, "FIRST_NEW_TOKENS", 8)
+    sizes = []
+    grow = fast_decoder.FastDecoder._grow
+
+    def recorded(decoder, slots):
+        sizes.append((decoder.cache.slots, slots))
+        return grow(decoder, slots)
+
+    monkeypatch.setattr(fast_decoder.FastDecoder, "_grow", recorded)
+    model, tokenizer = _load(arch, lora=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    for prompts in (PROMPTS[:1], PROMPTS):
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
+        settings = dict(
+            max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        sizes.clear()
+        expected, got = _hf_then_fast(model, **inputs, **settings)
+        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+        prompt = inputs["input_ids"].shape[1]
+        largest = -(-(prompt + 64) // 16) * 16
+        assert sizes and sizes[-1][1] == largest, f"the cache grew {sizes}"
+        assert _fast_decoder(model).cache.slots == largest
+    if arch == "mistral":
+        assert _fast_decoder(model).cache.rings == [32, 32], "the window did not become a ring"
+    # The moved tokens give the model's own logits, step by step (greedy tokens of a tiny
+    # model can miss a wrong cache): a cache of the prompt and 2 steps grows into 256
+    # slots, past every window, for 20 more steps.
+    _check_prefill_and_step_logits(arch, steps=22, grow_after=2)
+
+
 def test_greedy_tokens_of_a_4bit_model_equal_hf_generate(bitsandbytes_repacks_on_cpu):
     """NF4 base weights (bitsandbytes, quantised on load): one-row steps read them through
     bitsandbytes' layer, the prefill and the batch's steps through slothkit's
@@ -196,8 +238,9 @@ def _random_left_padded(lengths, vocab: int) -> dict:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 5) -> tuple:
-    """Returns the prompt's length and the cache."""
+def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 5, grow_after=None) -> tuple:
+    """Returns the prompt's length and the cache.  ``grow_after``: the cache starts with
+    room for the prompt and that many steps, then grows into one of 256 slots."""
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.inference.kv_cache import StaticKVCache
     from slothkit.models import architecture_for
@@ -223,19 +266,24 @@ def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 
     decoder = FastDecoder(causal_lm, architecture_for(causal_lm.config).embedding_scale, use_graph=False)
     prompt = batch["input_ids"].shape[1]
     config = causal_lm.config
-    cache = StaticKVCache(
-        config.num_hidden_layers,
-        3,
-        config.num_key_value_heads,
-        256,
-        decoder.step.head_dim,
-        torch.float32,
-        DEVICE,
-        windows=decoder.step.windows,
-    )
-    windows = decoder.step.windows
-    assert cache.rings == [w if w is not None and w < 256 else None for w in windows]
-    assert all(keys.shape[2] == (ring or 256) for keys, ring in zip(cache.keys, cache.rings))
+
+    def new_cache(slots: int) -> StaticKVCache:
+        cache = StaticKVCache(
+            config.num_hidden_layers,
+            3,
+            config.num_key_value_heads,
+            slots,
+            decoder.step.head_dim,
+            torch.float32,
+            DEVICE,
+            windows=decoder.step.windows,
+        )
+        windows = decoder.step.windows
+        assert cache.rings == [w if w is not None and w < slots else None for w in windows]
+        assert all(keys.shape[2] == (ring or slots) for keys, ring in zip(cache.keys, cache.rings))
+        return cache
+
+    cache = new_cache(256 if grow_after is None else prompt + grow_after)
     if prompt_lengths is not None:
         assert any(ring is not None and ring < max(prompt_lengths) for ring in cache.rings), "no ring wraps"
     cache.reset(batch["attention_mask"])
@@ -253,6 +301,10 @@ def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(prefill[real], reference[:, :prompt][real], atol=1e-4, rtol=1e-4)
     for offset in range(extra.shape[1]):
+        if prompt + offset == cache.slots:
+            longer = new_cache(256)
+            longer.take_over(cache)
+            cache = longer
         slot = torch.tensor([prompt + offset], device=DEVICE)
         cache.mark(slot)
         step = decoder.step(
