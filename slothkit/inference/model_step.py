@@ -200,6 +200,58 @@ class _DecodeLayer:
         self.mlp.refresh()
 
 
+class _StepAttention:
+    """How the layers of one step attend, and the masks they share (each built at its
+    first use, by window or ring width, and read by every layer with the same one).
+
+    A one-token step reads a ring whole under the ring's own marks; the other layers read
+    the first ``visible`` slots.  An unpadded prefill (``causal``) needs no mask: plain
+    causal SDPA (the flash kernel) where no cap or window shorter than the prompt applies,
+    else slothkit's tiled kernel on a GPU; a padded prefill's capped layers take that
+    kernel too, with the padding as its mask; everything else attends under an additive
+    mask (the scores made explicitly where a cap applies)."""
+
+    def __init__(
+        self, step, cache: StaticKVCache, first_slot, tokens: int, visible: int, causal: bool, dtype
+    ):
+        self.step, self.cache, self.first_slot = step, cache, first_slot
+        self.tokens, self.visible, self.causal, self.dtype = tokens, visible, causal, dtype
+        self.masks = {}
+
+    def _allowed(self, window: int | None) -> torch.Tensor:
+        """(B, T, visible) slots each query may read, within ``window``."""
+        filled = self.cache.filled[:, : self.visible]
+        return self.step.allowed_slots(filled, self.first_slot, self.tokens, window)
+
+    def _mask(self, key, build):
+        if key not in self.masks:
+            self.masks[key] = build()
+        return self.masks[key]
+
+    def __call__(self, q, keys, values, projections: _DecodeLayer, ring: int | None) -> torch.Tensor:
+        """q (B, H, T, D) over ``keys`` / ``values`` (a ring of width ``ring``, or the
+        first ``visible`` slots); returns (B, H, T, D)."""
+        window, softcap, scaling = projections.window, projections.softcap, projections.scaling
+        plain = ring is None and softcap is None and (window is None or window >= self.tokens)
+        if self.causal and plain:
+            return F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scaling, enable_gqa=True
+            )
+        if self.tokens > 1 and (self.causal or softcap is not None) and _tiled_prefill_attention(q):
+            padding = None
+            if not self.causal:  # (B, 1, T, S) booleans, not H times as many fp32 scores
+                padding = self._mask(("padding", window), lambda: self._allowed(window)[:, None])
+            return attention(q, keys, values, scaling, padding, softcap, window).transpose(1, 2)
+        if ring is None:
+            mask = self._mask(
+                window, lambda: _additive_mask(self._allowed(window), self.step.group, self.dtype)
+            )
+        else:
+            marks = self.cache.ring_filled[ring][:, None, :]
+            mask = self._mask(("ring", ring), lambda: _additive_mask(marks, self.step.group, self.dtype))
+        return _grouped_attention(q, keys, values, mask, scaling, softcap)
+
+
 class ModelStep:
     """The decoder of one loaded causal LM, run token by token against a StaticKVCache.
 
@@ -297,7 +349,7 @@ class ModelStep:
         # position it holds is inside the window); a longer step (the prefill from slot 0)
         # reads the first ``visible`` slots under the window's mask, as other layers do.
         ring_step = tokens == 1
-        masks = {}  # by window, or ("ring", W): built at first use, read by every such layer
+        attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         # Where each layer keeps these tokens: computed once per ring width, not per layer.
         stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}
@@ -317,41 +369,7 @@ class ModelStep:
             ring = cache.rings[index] if ring_step else None
             if ring is None:
                 keys, values = keys[:, :, :visible], values[:, :, :visible]
-            window = projections.window
-            if (
-                causal
-                and ring is None
-                and projections.softcap is None
-                and (window is None or window >= tokens)
-            ):
-                out = F.scaled_dot_product_attention(
-                    q, keys, values, is_causal=True, scale=projections.scaling, enable_gqa=True
-                )
-            elif tokens > 1 and (causal or projections.softcap is not None) and _tiled_prefill_attention(q):
-                # A padded prefill's capped layer too: the kernel takes the (B, 1, T, S)
-                # padding mask, where explicit scores would be H times larger and fp32.
-                padding = None
-                if not causal:
-                    key = "padding", window
-                    if key not in masks:
-                        allowed = self.allowed_slots(cache.filled[:, :visible], first_slot, tokens, window)
-                        masks[key] = allowed[:, None]
-                    padding = masks[key]
-                out = attention(q, keys, values, projections.scaling, padding, projections.softcap, window)
-                out = out.transpose(1, 2)  # (B, T, H, D) -> (B, H, T, D)
-            else:
-                key = projections.window if ring is None else ("ring", ring)
-                if key not in masks:
-                    if ring is None:
-                        allowed = self.allowed_slots(
-                            cache.filled[:, :visible], first_slot, tokens, projections.window
-                        )
-                    else:
-                        allowed = cache.ring_filled[ring][:, None, :]
-                    masks[key] = _additive_mask(allowed, self.group, hidden.dtype)
-                out = _grouped_attention(
-                    q, keys, values, masks[key], projections.scaling, projections.softcap
-                )
+            out = attend(q, keys, values, projections, ring)
             out = projections.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
             if projections.attention_out_norm is not None:
                 out = projections.attention_out_norm(out)
