@@ -15,7 +15,8 @@ import torch
 
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.inference.fast_decoder import FastDecoder
-from slothkit.inference.sampling import generation_config_for, unsupported_settings
+from slothkit.inference.model_step import longrope_short_positions
+from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
 from slothkit.model_state import attach_state, state_of
 from slothkit.models import ARCHITECTURES, architecture_for
 from slothkit.notices import say_once
@@ -33,11 +34,6 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     if arch is None:
         covered = ", ".join(arch.name for arch in ARCHITECTURES)
         return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
-    rope = getattr(causal_lm.config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":
-        # Phi-3's long-context tables switch from short to long factors past the original
-        # context, and its generate re-runs the prompt there: a step the captured loop lacks.
-        return "fast generation does not cover longrope models (Phi-3 128k, Phi-3.5)"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
@@ -115,6 +111,19 @@ def fast_generate(model, args: tuple, kwargs: dict):
     unsupported = unused + unsupported_settings(config)
     if unsupported:
         return _refuse(", ".join(unsupported))
+    short_positions = longrope_short_positions(causal_lm.config)
+    if short_positions is not None:
+        prompt = input_ids.shape[1]
+        new = (
+            config.max_new_tokens
+            if config.max_new_tokens is not None
+            else setting(config, "max_length") - prompt
+        )
+        if prompt + new > short_positions:
+            return _refuse(
+                f"a longrope model's call past its first {short_positions} positions (its rotary "
+                "tables switch to the long factors there, and Hugging Face's generate re-runs the prompt)"
+            )
     attention_mask = inputs["attention_mask"]
     if attention_mask is None and config.pad_token_id is not None:
         # generate's rule: pad tokens in the prompt mark padding unless pad is also eos.

@@ -148,6 +148,22 @@ class _DecodeMLP:
         return self.down(hidden)[0]
 
 
+def longrope_short_positions(config) -> int | None:
+    """How many positions a longrope model (Phi-3.5, the 128k Phi-3s) rotates with its
+    short factors; None for other rope types.  Past them transformers switches every
+    position's tables to the long factors and its generate re-runs the prompt, a step the
+    fast loop lacks: it takes only calls that stay within them."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return None
+    # The rope parameters hold the switch point; Phi-3's config, its generate's re-run point.
+    limits = [
+        rope.get("original_max_position_embeddings"),
+        getattr(config, "original_max_position_embeddings", None),
+    ]
+    return min(limit for limit in limits if limit) if any(limits) else 0
+
+
 def layer_windows(causal_lm: nn.Module) -> list[int | None]:
     """Each decoder layer's sliding window (None: full attention)."""
     layers = causal_lm.model.layers[: causal_lm.config.num_hidden_layers]
@@ -276,6 +292,7 @@ class ModelStep:
         self.rotary_by_layer_type = (
             "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
         )
+        self.short_factors_only = longrope_short_positions(config) is not None
         embeddings = causal_lm.get_input_embeddings()
         base = embeddings.get_base_layer() if hasattr(embeddings, "get_base_layer") else embeddings
         scales_itself = getattr(base, "embed_scale", None) is not None
@@ -295,6 +312,17 @@ class ModelStep:
         """Bring the adapter copies up to date with adapters trained in place."""
         for decode_layer in self.decode_layers:
             decode_layer.refresh()
+
+    def _short_factor_tables(self, hidden: torch.Tensor, positions: torch.Tensor):
+        """A longrope model's (cos, sin) with its short factors, which every call the fast
+        loop takes stays within.  transformers picks the factors in a wrapper around the
+        rotary forward that, in some versions, reads the longest position back to the host
+        (which a captured step cannot do); the forward under it computes the tables from
+        ``inv_freq``, set here to the short factors (``original_inv_freq``)."""
+        rotary = self.decoder.rotary_emb
+        rotary.inv_freq.copy_(rotary.original_inv_freq)
+        forward = type(rotary).forward
+        return getattr(forward, "__wrapped__", forward)(rotary, hidden, positions)
 
     @staticmethod
     def allowed_slots(
@@ -337,7 +365,11 @@ class ModelStep:
         hidden = self.decoder.embed_tokens(input_ids)
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        if self.rotary_by_layer_type:
+        if self.short_factors_only:
+            tables = dict.fromkeys(
+                {p.layer_type for p in self.decode_layers}, self._short_factor_tables(hidden, positions)
+            )
+        elif self.rotary_by_layer_type:
             layer_types = {projections.layer_type for projections in self.decode_layers}
             tables = {kind: self.decoder.rotary_emb(hidden, positions, kind) for kind in layer_types}
         else:

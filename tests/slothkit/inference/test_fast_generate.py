@@ -28,8 +28,10 @@ def fresh_notices():
 
 
 def _load(arch, lora: bool):
+    """``arch``: a tiny model's architecture, or a checkpoint's folder."""
+    path = arch if not isinstance(arch, str) else tiny_model_path(arch)
     model, tokenizer = FastModel.from_pretrained(
-        str(tiny_model_path(arch)), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
+        str(path), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
     )
     model.to(DEVICE)
     if lora:
@@ -523,10 +525,14 @@ def test_decoding_past_the_models_positions_is_said_once(recwarn):
     assert len(notices) == 1 and f"reaches {prompt.shape[1] + 70} tokens" in notices[0]
 
 
-def test_longrope_models_keep_hf_generate_said_once(tmp_path, recwarn):
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_longrope_calls_within_the_short_factors_decode_fast(tmp_path, recwarn, lora):
     """Phi-3.5's and the 128k Phi-3s' longrope tables switch to the long factors past the
-    original context, where Hugging Face's generate re-runs the prompt: the fast loop,
-    which has no such step, leaves them to it."""
+    original context (here 64 positions), where Hugging Face's generate re-runs the prompt.
+    A call that stays within them (prompt + max_new_tokens <= 64) decodes through the fast
+    loop with the short factors and gives Hugging Face's tokens, for one prompt and a
+    left-padded batch, also after a call past them, which runs Hugging Face's generate
+    (said once)."""
     import json
     import shutil
 
@@ -536,20 +542,32 @@ def test_longrope_models_keep_hf_generate_said_once(tmp_path, recwarn):
     config.pop("rope_scaling", None)
     config["rope_parameters"] = {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-        "short_factor": [1.0] * half, "long_factor": [4.0] * half,
+        "short_factor": [1.0 + 0.1 * k for k in range(half)], "long_factor": [4.0] * half,
     }  # fmt: skip
-    config["original_max_position_embeddings"] = 512
+    config["original_max_position_embeddings"] = 64
     (path / "config.json").write_text(json.dumps(config))
-    model, _ = FastModel.from_pretrained(
-        str(path), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
-    )
+    model, tokenizer = _load(path, lora)
     assert model.config.rope_parameters["rope_type"] == "longrope"
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     recwarn.clear()
+    inputs = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
+    FastModel.for_inference(model, fast_decode=True)
     for _ in range(2):
-        assert enable_fast_decode(model, True) is False
-    assert state_of(model).fast_decoder is None
+        model.generate(**inputs, max_new_tokens=70, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert _fast_decoder(model).cache is None, "a call past the short factors ran the fast loop"
     notices = [str(w.message) for w in recwarn if str(w.message).startswith("slothkit")]
     assert notices == [
-        "slothkit: fast generation does not cover longrope models (Phi-3 128k, Phi-3.5); "
-        "model.generate runs Hugging Face's generate"
+        "slothkit: fast generation does not cover a longrope model's call past its first 64 positions "
+        "(its rotary tables switch to the long factors there, and Hugging Face's generate re-runs the "
+        "prompt); that call runs Hugging Face's generate"
     ]
+    for prompts in (PROMPTS[:1], PROMPTS):
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
+        new = 64 - inputs["input_ids"].shape[1]
+        settings = dict(
+            max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+        expected, got = _hf_then_fast(model, **inputs, **settings)
+        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
