@@ -57,23 +57,33 @@ def _fast_decoder(model):
     return state_of(model).fast_decoder
 
 
+def _assert_greedy_tokens_equal_hf(model, tokenizer, prompts, new_tokens: int) -> int:
+    """The fast loop's ``new_tokens`` greedy tokens for ``prompts`` (left-padded) equal
+    Hugging Face's generate's; returns the padded prompt's length."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
+    if len(prompts) > 1:
+        assert (inputs["attention_mask"] == 0).any(), "the batch must be left-padded"
+    settings = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    expected, got = _hf_then_fast(model, **inputs, **settings)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+    return inputs["input_ids"].shape[1]
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_greedy_tokens_equal_hf_generate(arch, lora):
     model, tokenizer = _load(arch, lora)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    single = tokenizer(PROMPTS[:1], return_tensors="pt").to(DEVICE)
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(DEVICE)
-    assert (batch["attention_mask"] == 0).any(), "the batch must be left-padded"
-    for inputs in (single, batch):
-        settings = dict(
-            max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-        expected, got = _hf_then_fast(model, **inputs, **settings)
-        assert got.shape == expected.shape
-        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+    for prompts in (PROMPTS[:1], PROMPTS):
+        _assert_greedy_tokens_equal_hf(model, tokenizer, prompts, 64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gemma2"])
@@ -95,18 +105,9 @@ def test_the_cache_grows_past_its_first_length(arch, monkeypatch):
 
     monkeypatch.setattr(fast_decoder.FastDecoder, "_grow", recorded)
     model, tokenizer = _load(arch, lora=True)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     for prompts in (PROMPTS[:1], PROMPTS):
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
-        settings = dict(
-            max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
         sizes.clear()
-        expected, got = _hf_then_fast(model, **inputs, **settings)
-        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
-        prompt = inputs["input_ids"].shape[1]
+        prompt = _assert_greedy_tokens_equal_hf(model, tokenizer, prompts, 64)
         largest = -(-(prompt + 64) // 16) * 16
         assert sizes and sizes[-1][1] == largest, f"the cache grew {sizes}"
         assert _fast_decoder(model).cache.slots == largest
@@ -132,16 +133,8 @@ def test_greedy_tokens_of_a_4bit_model_equal_hf_generate(bitsandbytes_repacks_on
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.05)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     for prompts in (PROMPTS[:1], PROMPTS):
-        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(DEVICE)
-        settings = dict(
-            max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-        expected, got = _hf_then_fast(model, **inputs, **settings)
-        assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+        _assert_greedy_tokens_equal_hf(model, tokenizer, prompts, 16)
     qkv = _fast_decoder(model).step.decode_layers[0].qkv
     assert all(entry is not None for entry in qkv.nf4), "the NF4 bases were not read as NF4"
 
