@@ -512,6 +512,34 @@ def _launch_arguments(q, k, v, mask3, scaling, softcap, window):
     )
 
 
+def _smaller(tiles: Tiles) -> Tiles | None:
+    """The next smaller launch: one pipeline stage, then the taller tile halved (to 16
+    rows at least); None when nothing is left to shrink."""
+    if tiles.num_stages > 1:
+        return tiles._replace(num_stages=1)
+    if max(tiles.block_m, tiles.block_n) > 16:
+        if tiles.block_m >= tiles.block_n:
+            return tiles._replace(block_m=tiles.block_m // 2)
+        return tiles._replace(block_n=tiles.block_n // 2)
+    return None
+
+
+def _launch_fitting(kernel, grid, tiles: Tiles, head_dim: int, *args, **flags) -> None:
+    """``kernel`` launched over ``grid(tiles)``, or with the largest smaller tiles that
+    fit: the tuned tiles assume 16-bit operands, and fp32 ones (4 bytes an element) or a
+    GPU with less shared memory can need more than a block has, which Triton reports as
+    OutOfResources when it compiles the launch."""
+    while True:
+        try:
+            kernel[grid(tiles)](*args, **flags, **_launch(tiles, head_dim))
+            return
+        except triton.runtime.errors.OutOfResources:
+            smaller = _smaller(tiles)
+            if smaller is None:
+                raise
+            tiles = smaller
+
+
 def attention_forward(q, k, v, mask3, scaling, softcap, window, tiles: Tiles | None = None):
     """The forward kernel: (out (B, T, Hq, D), row_max, log_sum (B, Hq, T) fp32)."""
     batch, n_q_heads, q_len, head_dim = q.shape
@@ -520,9 +548,9 @@ def attention_forward(q, k, v, mask3, scaling, softcap, window, tiles: Tiles | N
     row_max = torch.empty((batch, n_q_heads, q_len), device=q.device, dtype=torch.float32)
     log_sum = torch.empty_like(row_max)
     arguments, flags = _launch_arguments(q, k, v, mask3, scaling, softcap, window)
-    _attention_forward_kernel[(triton.cdiv(q_len, tiles.block_m), batch * n_q_heads)](
-        q, k, v, mask3 if mask3 is not None else q, out, row_max, log_sum,
-        *arguments, **flags, **_launch(tiles, head_dim),
+    _launch_fitting(
+        _attention_forward_kernel, lambda t: (triton.cdiv(q_len, t.block_m), batch * n_q_heads), tiles, head_dim,
+        q, k, v, mask3 if mask3 is not None else q, out, row_max, log_sum, *arguments, **flags,
     )  # fmt: skip
     return out, row_max, log_sum
 
@@ -544,13 +572,13 @@ def attention_backward(
     dv = torch.empty((batch, n_kv_heads, kv_len, head_dim), device=v.device, dtype=v.dtype)
     arguments, flags = _launch_arguments(q, k, v, mask3, scaling, softcap, window)
     mask_arg = mask3 if mask3 is not None else q
-    _attention_backward_kv_kernel[(triton.cdiv(kv_len, kv_tiles.block_n), batch * n_kv_heads)](
-        q, k, v, mask_arg, grad_out, row_max, log_sum, delta, dk, dv,
-        *arguments, **flags, **_launch(kv_tiles, head_dim),
+    _launch_fitting(
+        _attention_backward_kv_kernel, lambda t: (triton.cdiv(kv_len, t.block_n), batch * n_kv_heads), kv_tiles,
+        head_dim, q, k, v, mask_arg, grad_out, row_max, log_sum, delta, dk, dv, *arguments, **flags,
     )  # fmt: skip
-    _attention_backward_q_kernel[(triton.cdiv(q_len, q_tiles.block_m), batch * n_q_heads)](
-        q, k, v, mask_arg, grad_out, row_max, log_sum, delta, dq,
-        *arguments, **flags, **_launch(q_tiles, head_dim),
+    _launch_fitting(
+        _attention_backward_q_kernel, lambda t: (triton.cdiv(q_len, t.block_m), batch * n_q_heads), q_tiles,
+        head_dim, q, k, v, mask_arg, grad_out, row_max, log_sum, delta, dq, *arguments, **flags,
     )  # fmt: skip
     return dq, dk, dv
 

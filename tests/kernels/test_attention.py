@@ -163,6 +163,36 @@ def test_launches_follow_the_gpu_shared_memory(monkeypatch):
     assert (small.block_m + 2 * small.block_n * small.num_stages) * 256 * 2 <= 65536
 
 
+def test_launches_shrink_until_they_fit(monkeypatch):
+    """The tuned tiles assume 16-bit operands; fp32 ones (or a smaller GPU) can need more
+    shared memory than a block has, which Triton reports as OutOfResources: the launch
+    drops to one stage, then halves the taller tile until it fits, and gives up (raising)
+    only at 16 x 16."""
+    from triton.runtime.errors import OutOfResources
+
+    launched = []
+
+    class Kernel:  # stands in for a jit kernel: kernel[grid](*args, BLOCK_M=..., ...)
+        def __init__(self, limit):
+            self.limit = limit
+
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, BLOCK_N, num_stages, **options):
+                need = (BLOCK_M + BLOCK_N) * num_stages
+                if need > self.limit:
+                    raise OutOfResources(need, self.limit, "shared memory")
+                launched.append((grid, BLOCK_M, BLOCK_N, num_stages))
+
+            return launch
+
+    tuned = attention_module.Tiles(128, 64, 8, 2)
+    grid = lambda t: (1024 // t.block_m,)  # noqa: E731
+    attention_module._launch_fitting(Kernel(96), grid, tuned, 256, "q")
+    assert launched == [((32,), 32, 64, 1)]  # (128, 64) in 2 stages -> 1 stage -> (64, 64) -> (32, 64)
+    with pytest.raises(OutOfResources):
+        attention_module._launch_fitting(Kernel(31), grid, tuned, 256, "q")
+
+
 def test_gemma2_eager_attention_is_what_it_computes(device):
     """transformers' Gemma 2 eager attention (scores, cap, its own mask, fp32 softmax) on
     a sliding layer, forward and backward, with the mask and window the model builds.
