@@ -377,10 +377,7 @@ class ModelStep:
                 {p.layer_type for p in self.decode_layers}, self.decoder.rotary_emb(hidden, positions)
             )
         visible = cache.slots if visible is None else visible
-        # A one-token step reads each ring whole, under the ring's own marks (every
-        # position it holds is inside the window); a longer step (the prefill from slot 0)
-        # reads the first ``visible`` slots under the window's mask, as other layers do.
-        ring_step = tokens == 1
+        ring_step = tokens == 1  # a one-token step reads each ring whole (_StepAttention)
         attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         # Where each layer keeps these tokens: computed once per ring width, not per layer.

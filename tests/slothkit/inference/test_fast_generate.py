@@ -163,7 +163,7 @@ def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypat
 
     monkeypatch.setattr(model_step, "_fused_rope_and_cache_write", lambda q: True)
     monkeypatch.setattr(model_step, "rope_into_cache", counted)
-    prompt, cache = _check_prefill_and_step_logits(arch)
+    prompt, cache, _ = _check_prefill_and_step_logits(arch)
     # A ring narrower than the prompt keeps only its last tokens: that layer's prefill
     # rotates and writes separately, its steps through the kernel.
     prefills = sum(ring is None or ring >= prompt for ring in cache.rings)
@@ -205,23 +205,15 @@ def _check_tiled_prefill(arch: str, prompt_lengths, monkeypatch) -> None:
 
     monkeypatch.setattr(model_step, "_tiled_prefill_attention", lambda q: True)
     monkeypatch.setattr(model_step, "attention", counted)
-    prompt, cache = _check_prefill_and_step_logits(arch, prompt_lengths=prompt_lengths, steps=3)
+    prompt, cache, step = _check_prefill_and_step_logits(arch, prompt_lengths=prompt_lengths, steps=3)
     padded = min(prompt_lengths) < prompt
-    model, _ = _load(arch, lora=False)
     needing = [
         layer
-        for layer in model.model.layers
-        if getattr(layer.self_attn, "attn_logit_softcapping", None) is not None
-        or (not padded and (_window_of(layer) or prompt) < prompt)
+        for layer in step.decode_layers
+        if layer.softcap is not None or (not padded and (layer.window or prompt) < prompt)
     ]
     assert needing, "no layer needs the tiled kernel in this prefill"
     assert calls == [not padded] * len(needing), "the tiled kernel did not run in every such layer"
-
-
-def _window_of(layer):
-    from slothkit.engine.inspection import attention_window
-
-    return attention_window(layer.self_attn)
 
 
 def _random_left_padded(lengths, vocab: int) -> dict:
@@ -234,7 +226,7 @@ def _random_left_padded(lengths, vocab: int) -> dict:
 
 
 def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 5, grow_after=None) -> tuple:
-    """Returns the prompt's length and the cache.  ``grow_after``: the cache starts with
+    """Returns the prompt's length, the cache and the decode step.  ``grow_after``: the cache starts with
     room for the prompt and that many steps, then grows into one of 256 slots."""
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.inference.kv_cache import StaticKVCache
@@ -306,7 +298,7 @@ def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 
             ids[:, prompt + offset : prompt + offset + 1], positions[:, prompt + offset, None], cache, slot
         )
         torch.testing.assert_close(step, reference[:, prompt + offset], atol=1e-4, rtol=1e-4)
-    return prompt, cache
+    return prompt, cache, decoder.step
 
 
 def test_sampling_settings_streamers_and_eos():
