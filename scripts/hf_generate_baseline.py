@@ -5,8 +5,11 @@ through each way of getting there, each in a fresh process on the GPU, tokens/s 
     python scripts/hf_generate_baseline.py [--model llama-3-8b] [--batches 1 8] [--new-tokens 128]
 
 Ways (each differs from the one before it in one thing, so a gap points at its cause):
-  bench             slothkit.bench.generate_worker's HF path as it runs (random weights
-                    built from the config, min_new_tokens = max_new_tokens)
+  worker            ``python -m slothkit.bench.generate_worker --impl hf``, the process
+                    `slothkit bench generate` starts, its RESULT line read (its warnings
+                    recorded, batch > 1 left-padded as the bench pads)
+  bench             the worker's model (generate_worker.prepare: random weights built from
+                    the config, min_new_tokens = max_new_tokens) timed here
   bench-no-min      the same without min_new_tokens (and its logits processor)
   plain-min         transformers' from_pretrained of the same weights saved to disk,
                     PEFT's get_peft_model, the bench's adapter values, min_new_tokens
@@ -23,7 +26,25 @@ import sys
 import tempfile
 import time
 
-WAYS = ("bench", "bench-no-min", "plain-min", "plain", "plain-slothkit")
+WAYS = ("worker", "bench", "bench-no-min", "plain-min", "plain", "plain-slothkit")
+
+
+def _worker(model: str, batch: int, new_tokens: int) -> dict:
+    """The bench's own HF process, as `slothkit bench generate` runs it."""
+    from slothkit.bench.train_worker import RESULT_TAG
+
+    command = [sys.executable, "-m", "slothkit.bench.generate_worker", "--impl", "hf", "--model", model,
+               "--batch", str(batch), "--prompt-len", "128", "--new-tokens", str(new_tokens),
+               "--ttft-len", "0"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_TAG)]
+    if not lines:
+        return {"way": "worker", "batch": batch, "error": done.stderr[-400:]}
+    result = json.loads(lines[-1][len(RESULT_TAG) :])
+    if result.get("status") != "ok":
+        return {"way": "worker", "batch": batch, "error": result.get("error")}
+    return {"way": "worker", "batch": batch, "new_tokens": new_tokens,
+            "tokens_per_s": result["tokens_per_s"], "notices": result.get("notices")}  # fmt: skip
 
 
 def _one(way: str, folder: str, model: str, batch: int, new_tokens: int) -> dict:
@@ -119,6 +140,10 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--model", args.model, "--save", folder], check=True)
         for batch in args.batches:
             for way in WAYS:
+                if way == "worker":
+                    rows.append(_worker(args.model, batch, args.new_tokens))
+                    print(json.dumps(rows[-1]), flush=True)
+                    continue
                 child = [sys.executable, __file__, "--model", args.model,
                          "--child", way, folder, str(batch), str(args.new_tokens)]  # fmt: skip
                 done = subprocess.run(child, capture_output=True, text=True)
