@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slothkit.engine.inspection import attention_window
+from slothkit.engine.sizes import mlp_token_chunk
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.model_state import patched_module
@@ -108,7 +109,12 @@ def _grouped_attention(q, keys, values, mask, scaling: float, softcap: float | N
 class _DecodeMLP:
     """The gated MLP down(act(gate(x)) * up(x)) with gate and up as one
     SharedInputProjections, and the activation in one launch on a GPU (slothkit's
-    kernel, where the model is on the fused path)."""
+    kernel, where the model is on the fused path).
+
+    A long prompt's prefill runs it in chunks of tokens, as training's long steps do
+    (slothkit.engine.sizes.mlp_token_chunk): the (tokens, intermediate) tensors, gate, up
+    and their product, are most of a prefill's working memory (Llama-3-8B at 131,072
+    tokens: 3.5 GiB each), and the MLP treats each token on its own."""
 
     def __init__(self, mlp: nn.Module, dtype: torch.dtype):
         self.mlp = mlp
@@ -136,6 +142,20 @@ class _DecodeMLP:
             self.down.refresh()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[:-1].numel()
+        chunk = mlp_token_chunk(tokens)
+        if chunk is None:
+            return self._mlp(x)
+        rows = x.reshape(tokens, x.shape[-1])
+        out = None
+        for start in range(0, tokens, chunk):
+            part = self._mlp(rows[start : start + chunk])
+            if out is None:
+                out = part.new_empty(tokens, part.shape[-1])
+            out[start : start + chunk] = part
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.own_forward(x)
         gate, up = self.gate_up(x)[0].chunk(2, dim=-1) if self.fused_gate_up else self.gate_up(x)

@@ -170,6 +170,28 @@ def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypat
     assert len(calls) == prefills + 5 * len(cache.rings), "the fused write did not run in every layer"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
+def test_long_prefill_runs_the_mlp_in_chunks_of_tokens(arch, monkeypatch):
+    """A prefill of more tokens than the chunking threshold runs the MLP over chunks of
+    tokens (here 7, so that chunks cut rows of the batch apart), and the logits still
+    equal the model's forward (SwiGLU; Gemma 2's GeGLU between its four norms; Phi-3's
+    fused gate_up_proj)."""
+    from slothkit.inference import model_step
+
+    chunked = []
+
+    def small_chunks(tokens):
+        if tokens <= 8:  # the one-token steps
+            return None
+        chunked.append(tokens)
+        return 7
+
+    monkeypatch.setattr(model_step, "mlp_token_chunk", small_chunks)
+    _, cache, _ = _check_prefill_and_step_logits(arch)
+    assert len(chunked) == len(cache.rings), "the prefill did not chunk every layer's MLP"
+    assert all(tokens > 7 and tokens % 7 for tokens in chunked), "no chunk was short"
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
 def test_ring_caches_of_windowed_layers_past_their_window(arch):
     """Layers with a sliding window narrower than the cache keep a ring of that many
