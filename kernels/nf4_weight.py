@@ -105,6 +105,11 @@ class NF4Weight:
         """The same weight read from other packed codes (a copy of them, of the same shape
         and dtype), sharing the scales and this record's checked kernel arguments."""
         copy = dataclasses.replace(self, packed=packed)
+        # One dict for the record and all its copies, made now if no lookup exists yet: a
+        # lookup made later for one of them (the register lookup reads the levels to the
+        # host, which CUDA graph capture forbids) is then there for the others too.
+        if self.level_sources is None:
+            self.level_sources = {}
         copy.level_sources = self.level_sources
         if self.launch_cache is not None:
             copy.launch_cache = (packed.reshape(-1).view(torch.uint8), *self.launch_cache[1:])

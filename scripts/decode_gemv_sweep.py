@@ -5,8 +5,8 @@ replays, the weight cycled through copies beyond twice the L2).
 For each shape, row count and weight kind it runs the choice itself and prints, from
 ``gemv_choice.choices()``: the library path's time and bandwidth (cuBLAS's GEMV + addmm_
 for 16-bit weights; bitsandbytes' GEMV, or dequantise + matmul beyond one row, + addmm_
-for NF4), the best candidate's, which runs, and every candidate's time, so that a tile
-set can be tuned from one GPU call.  Weights are random (bf16, or NF4 with double
+for NF4), the best candidate's, which runs, every candidate's time and why any other was
+dropped, so that a tile set can be tuned from one GPU call.  Weights are random (bf16, or NF4 with double
 quantisation, blocks of 64, as QLoRA loads them); the adapter is LoRA r = 16.  Kind
 ``nf4-table`` times nf4_lora_gemv with its levels read from a table instead of looked up
 in registers, for comparison.
@@ -98,6 +98,13 @@ def main() -> None:
             f"| {base_us:.1f} | {size / base_us / 1e3:.0f} | {kernel_us:.1f} | {size / kernel_us / 1e3:.0f} "
             f"| {c['runs']} | {every} |"
         )
+    for c in choices:  # why candidates did not run (the JSON keeps each one's reason)
+        if c["dropped"]:
+            reasons = "; ".join(sorted(set(c["dropped"].values()))[:3])
+            print(
+                f"dropped: {c['weight']}, {c['rows']} rows, {c['out_features']} x {c['in_features']}: "
+                f"{len(c['dropped'])} candidates ({reasons})"
+            )
     if args.output:
         from importlib.metadata import version
 

@@ -93,14 +93,19 @@ def _decide(baseline, kernel, candidates, copies: list, dtype) -> dict:
     expected = baseline(copies[0])
     decision = {"baseline_ms": _graph_ms(baseline, copies)}
     timed = {}  # candidate -> ms, for those that ran and agreed
+    dropped = {}  # candidate -> why it is not one: its error, or what it raised
     for candidate in candidates:
         try:
             error = _relative_error(kernel(candidate, copies[0]), expected)
             if error > TOLERANCE.get(dtype, 3e-2):
+                dropped[candidate] = f"relative error {error:.1e}"
                 continue
             timed[candidate] = _graph_ms(lambda copy, c=candidate: kernel(c, copy), copies)
-        except Exception:  # a tile that does not compile or fit on this GPU: not a candidate
-            continue
+        except Exception as failure:  # a tile that does not compile or fit on this GPU
+            first_line = (str(failure).splitlines() or [""])[0][:200]
+            dropped[candidate] = f"{type(failure).__name__}: {first_line}"
+    if dropped:
+        decision["dropped"] = dropped
     if timed:
         best = min(timed, key=timed.get)
         decision["kernel_ms"] = timed[best]
@@ -193,7 +198,8 @@ def _rank(xa) -> int:
 def choices() -> list[dict]:
     """Every shape decided in this process: the weight's kind, rows, out and in features,
     rank, bias, the milliseconds of the library path, of the best candidate and of each
-    candidate that agreed (by its index), and which runs."""
+    candidate that agreed (by its index), why each other candidate was dropped, and which
+    runs."""
     listed = []
     for (kind, _, _, rows, out_features, in_features, rank, bias), decision in _choices.items():
         library, kernel = NAMES[kind]
@@ -209,6 +215,7 @@ def choices() -> list[dict]:
                 "baseline_ms": decision["baseline_ms"],
                 "kernel_ms": decision.get("kernel_ms"),
                 "candidates_ms": {str(c): ms for c, ms in decision.get("candidates_ms", {}).items()},
+                "dropped": {str(c): why for c, why in decision.get("dropped", {}).items()},
                 "runs": kernel if "candidate" in decision else library,
             }
         )

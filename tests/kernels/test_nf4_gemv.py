@@ -18,6 +18,7 @@ from slothkit_kernels.lora_gemv import lora_gemv_reference
 from slothkit_kernels.nf4_gemv import (
     CANDIDATES,
     LOOKUPS,
+    has_level_source,
     level_source,
     nf4_lora_gemv,
     nf4_lora_gemv_reference,
@@ -170,17 +171,25 @@ def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
 
 
 def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
+    """Made once per record and shared by its copies, those made before it too: the
+    decode GEMV choice clones the codes before its first call makes the lookup, and a
+    copy that lacked it would make its own (a host read of the levels) inside the CUDA
+    graph that times it."""
     generator = torch.Generator().manual_seed(_seed())
     weight, _ = _quantized(16, 128, torch.bfloat16, True, 64, "cpu", generator)
+    earlier_copy = weight.with_packed(weight.packed.clone())
     levels = weight.code.tolist()
     for width in (32, 16):
         asm, words = level_source(weight, "registers", width)
         assert asm == level_lookup.lookup_asm(tuple(levels), width, "bfloat16")
         expected = level_lookup.register_words(levels, width, "bfloat16") * 32  # a copy a lane
         assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
+    for width in (32, 16):
+        assert has_level_source(earlier_copy, "registers", width)
     copy = weight.with_packed(weight.packed.clone())
     for lookup, width in (("registers", 32), ("registers", 16), ("table", 32), ("table", 16)):
         assert level_source(copy, lookup, width) is level_source(weight, lookup, width)
+        assert level_source(earlier_copy, lookup, width) is level_source(weight, lookup, width)
 
 
 def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(tmp_path):

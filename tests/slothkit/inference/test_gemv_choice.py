@@ -77,6 +77,9 @@ def test_a_candidate_that_disagrees_or_fails_is_never_chosen(monkeypatch):
     monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(timed))
     decision = gemv_choice._decide(*_dense_paths(_seed(), kernel=faulty))
     assert decision["candidate"] == 2
+    assert decision["dropped"][0].startswith("relative error ")  # the record says why
+    assert decision["dropped"][1] == "RuntimeError: out of shared memory"
+    assert set(decision["dropped"]) == {0, 1}
     assert next(timed, None) is None  # every agreeing candidate was timed
 
 
