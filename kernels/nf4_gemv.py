@@ -39,7 +39,10 @@ nibble), so a step loads a (BLOCK_N, BLOCK_K / 2) tile of bytes and x's BLOCK_K 
 (x is a few KB and stays in cache), splits x into its even and odd columns, and
 multiplies the high nibbles' levels by the even columns and the low ones' by the odd.  BLOCK_K divides the
 quantisation block and the row length is whole blocks (``supports``), so every row's
-tile in a step lies in one block: one scale per row per step.
+tile in a step lies in one block: one scale per row per step.  A CUDA-core candidate
+may take several steps per loop iteration (``steps``), unrolled, so that more of their
+independent loads are in flight at once: a step's loads are 8 bytes of codes a thread,
+and these kernels wait on memory rather than on their instructions (docs/inference.md).
 
 Two multipliers.  The candidates above run this file's kernel on the CUDA cores or
 nf4_gemv_mma.py's on the tensor cores (16-bit levels, x padded to 16 rows: fewer
@@ -70,15 +73,16 @@ from slothkit_kernels.nf4_scales import block_scale
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
-# (BLOCK_N, BLOCK_K, num_warps, programs per SM, multiplier) to try per shape; BLOCK_K
-# is capped at the quantisation block (64 in QLoRA's default), programs per SM 0 = no
-# split of K; the multiplier is "cuda cores" (this file's kernel: fp32 levels, a fused
-# multiply-add per weight per row) or "tensor cores" (nf4_gemv_mma.py: 16-bit levels, x
-# padded to 16 rows; 16-bit weights only).
+# (BLOCK_N, BLOCK_K, num_warps, programs per SM, multiplier) to try per shape; a step's
+# BLOCK_K is capped at the quantisation block (64 in QLoRA's default) and a wider one on
+# CUDA cores is that many columns per loop iteration in steps of a block (``tile``),
+# programs per SM 0 = no split of K; the multiplier is "cuda cores" (this file's kernel:
+# fp32 levels, a fused multiply-add per weight per row) or "tensor cores"
+# (nf4_gemv_mma.py: 16-bit levels, x padded to 16 rows; 16-bit weights only).
 CANDIDATES = (
     (32, 64, 4, 0, "cuda cores"),
-    (64, 64, 4, 0, "cuda cores"),
-    (128, 64, 8, 0, "cuda cores"),
+    (32, 256, 4, 8, "cuda cores"),
+    (64, 256, 4, 4, "cuda cores"),
     (16, 128, 4, 0, "cuda cores"),
     (32, 64, 4, 4, "cuda cores"),
     (64, 64, 4, 4, "cuda cores"),
@@ -133,6 +137,7 @@ def _nf4_lora_gemv_kernel(
     BLOCK_R: tl.constexpr,
     INTERPRETER: tl.constexpr,  # no inline PTX
     LOOKUP_ASM: tl.constexpr,  # PTX turning packed bytes into levels (level_lookup), or ""
+    STEPS: tl.constexpr = 1,  # BLOCK_K steps per loop iteration; K per slice a multiple
 ):
     HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
     pid_n = tl.program_id(0)
@@ -161,29 +166,33 @@ def _nf4_lora_gemv_kernel(
         acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
-        scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
-                            INTERPRETER)  # fmt: skip
-        packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
-        if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
-            high, low = tl.inline_asm_elementwise(
-                LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3, t4, t5, t6, t7],
-                dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            pairs = tl.load(LEVELS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
-            high = pairs.to(tl.int32).to(tl.float32, bitcast=True)
-            low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, k0 + 2j + 1
-        # Summed along K once after the loop: no reduction across threads per step.
-        if BLOCK_M == 1:
-            acc2 += (x_even * high + x_odd * low) * scale[:, None]
-        else:  # the weights scaled once for all rows: two FMAs a pair a row, not three
-            high_w, low_w = high * scale[:, None], low * scale[:, None]
-            acc3 += x_even[:, None, :] * high_w[None, :, :]  # each a fused multiply-add
-            acc3 += x_odd[:, None, :] * low_w[None, :, :]
+    # STEPS steps per iteration, unrolled: their loads do not depend on one another, so
+    # they are all in flight at once (Triton pipelines none of these loads itself).
+    for k_iteration in range(k_start, k_stop, BLOCK_K * STEPS):
+        for step in tl.static_range(STEPS):
+            k0 = k_iteration + step * BLOCK_K
+            block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
+            scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
+                                INTERPRETER)  # fmt: skip
+            packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
+            if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
+                high, low = tl.inline_asm_elementwise(
+                    LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3, t4, t5, t6, t7],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+                )  # fmt: skip
+            else:
+                pairs = tl.load(LEVELS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
+                high = pairs.to(tl.int32).to(tl.float32, bitcast=True)
+                low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, k0 + 2j + 1
+            # Summed along K once after the loop: no reduction across threads per step.
+            if BLOCK_M == 1:
+                acc2 += (x_even * high + x_odd * low) * scale[:, None]
+            else:  # the weights scaled once for all rows: two FMAs a pair a row, not three
+                high_w, low_w = high * scale[:, None], low * scale[:, None]
+                acc3 += x_even[:, None, :] * high_w[None, :, :]  # each a fused multiply-add
+                acc3 += x_odd[:, None, :] * low_w[None, :, :]
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
     else:
@@ -302,6 +311,21 @@ def tile(candidate: int, rows: int, blocksize: int) -> tuple[int, int, int]:
     return block_m, block_n, min(blocksize, max(32, block_k // block_m))
 
 
+def steps(candidate: int, rows: int, blocksize: int, k: int) -> int:
+    """BLOCK_K steps per loop iteration of a candidate on CUDA cores: the columns it asks
+    for (halved as ``tile`` halves them for more rows) over its step, halved until a
+    whole number of iterations fills K; 1 on tensor cores, whose loop Triton pipelines
+    itself (its loads are asynchronous copies)."""
+    _, block_k, _, _, multiplier = CANDIDATES[candidate]
+    if multiplier == "tensor cores":
+        return 1
+    block_m, _, step = tile(candidate, rows, blocksize)
+    count = max(1, max(32, block_k // block_m) // step)
+    while count > 1 and k % (step * count):
+        count //= 2
+    return count
+
+
 def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int, lookup: str):
     """(kernel, grid, arguments, constexprs and launch options) of a checked call: what
     ``nf4_lora_gemv`` launches, and what scripts/cuda_sass.py compiles for a GPU it does
@@ -310,8 +334,9 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
     block_m, block_n, block_k = tile(candidate, rows, weight.blocksize)
     _, _, warps, programs_per_sm, multiplier = CANDIDATES[candidate]
     tensor_cores = multiplier == "tensor cores"
+    steps_per_iteration = steps(candidate, rows, weight.blocksize, k)
     bands, slices, k_per_slice, partials, counters = split_k.plan(
-        x.device, rows, n, k, block_n, block_k, programs_per_sm
+        x.device, rows, n, k, block_n, block_k * steps_per_iteration, programs_per_sm
     )
     epilogue_args, constants = epilogue_arguments(
         x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
@@ -345,6 +370,8 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
         LOOKUP_ASM=asm,
         num_warps=warps,
     )
+    if not tensor_cores:
+        constants["STEPS"] = steps_per_iteration
     kernel = _nf4_lora_gemv_mma_kernel if tensor_cores else _nf4_lora_gemv_kernel
     return kernel, (bands, slices), arguments, constants
 

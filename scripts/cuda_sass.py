@@ -7,7 +7,7 @@ launching needs the GPU.  So the kernel is compiled through the op's ``launch`` 
 arguments and constexprs it launches with, on CPU tensors of the shape) under a
 stand-in driver that names the target, and ``cuobjdump -sass`` disassembles the cubin.
 The main loop is the longest backward branch's body; instructions per weight are its
-length over the weights a thread reads per iteration (BLOCK_N * BLOCK_K / threads).
+length over the weights a thread reads per iteration (BLOCK_N * BLOCK_K * STEPS / threads).
 Counts, not timings: a GPU says what they cost (scripts/decode_gemv_sweep.py).
 
     python scripts/cuda_sass.py --shape 4096,4096 --rows 1,8 --arch 90 [--json out.json]
@@ -117,13 +117,15 @@ def loop_counts(weight, rows: int, candidate: int, lookup: str | None, rank: int
     sass, registers = disassemble(compiled.asm["cubin"])
     loop = main_loop(sass)
     threads = 32 * constants["num_warps"]
-    weights = constants["BLOCK_N"] * constants["BLOCK_K"] / threads  # per thread per iteration
+    # Weights per thread per iteration (a CUDA-core NF4 loop takes STEPS steps of BLOCK_K).
+    weights = constants["BLOCK_N"] * constants["BLOCK_K"] * constants.get("STEPS", 1) / threads
     return {
         "candidate": candidate,
         "multiplier": multiplier,
         "rows": rows,
         "lookup": lookup,
         "block": [constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]],
+        "steps": constants.get("STEPS", 1),
         "warps": constants["num_warps"],
         "registers": registers,
         "loop_instructions": len(loop),

@@ -22,6 +22,7 @@ from slothkit_kernels.nf4_gemv import (
     level_source,
     nf4_lora_gemv,
     nf4_lora_gemv_reference,
+    steps,
     supports,
     tile,
 )
@@ -114,6 +115,34 @@ def test_other_blocksizes_keep_each_step_within_a_block(blocksize, device):
         assert tile(candidate, 2, blocksize)[2] <= blocksize
         got = nf4_lora_gemv(x, weight, candidate=candidate)
         assert relative_error(got, x @ dequantized.t()) < 1e-5
+
+
+def test_steps_an_iteration_fill_k_with_whole_iterations():
+    """A CUDA-core candidate asking for more columns than a block takes several steps of
+    a block per iteration, as many as still divide K; fewer as rows double its tile's
+    columns down; one on tensor cores."""
+    wide = next(c for c, tile_ in enumerate(CANDIDATES) if tile_[1] == 256 and tile_[4] == "cuda cores")
+    assert steps(wide, 1, 64, 4096) == 4
+    assert steps(wide, 1, 64, 6 * 64) == 2  # 384 columns: two steps of 64 divide it, four do not
+    assert steps(wide, 1, 64, 5 * 64) == 1
+    assert steps(wide, 2, 64, 4096) == 2 and steps(wide, 8, 64, 4096) == 1
+    assert steps(wide, 1, 32, 4096) == 8  # 32-wide blocks: eight steps of 32
+    assert all(steps(c, 1, 64, 4096) == 1 for c in range(len(CANDIDATES)) if _tensor_cores(c))
+
+
+@pytest.mark.parametrize("k", [5 * 64, 6 * 64, 16 * 64])
+def test_several_steps_an_iteration_give_the_dequantised_product(k, device):
+    """Candidates that take several blocks per iteration, whole or split into slices,
+    where K allows one, two or four steps an iteration."""
+    generator = torch.Generator().manual_seed(_seed())
+    weight, dequantized = _quantized(40, k, torch.float32, True, 64, device, generator)
+    x, _, xa, lora_b = _activations(1, 40, k, 8, torch.float32, device, False, generator)
+    expected = lora_gemv_reference(x, dequantized, None, xa, lora_b, 0.5)
+    wide = [c for c, tile_ in enumerate(CANDIDATES) if tile_[1] > 64 and tile_[4] == "cuda cores"]
+    assert wide and max(steps(c, 1, 64, k) for c in wide) == {5: 1, 6: 2, 16: 4}[k // 64]
+    for candidate in wide:
+        got = nf4_lora_gemv(x, weight, None, xa, lora_b, 0.5, candidate=candidate)
+        assert relative_error(got, expected) < TOLERANCE[torch.float32], CANDIDATES[candidate]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
