@@ -79,12 +79,19 @@ def lora_config(model, settings: LoraSettings):
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:  # r=True would be rank 1
         raise ValueError(f"r={r!r}; expected a positive integer rank such as 8, 16 or 32")
     target_modules, modules_to_save = lora_targets(settings.target_modules), settings.modules_to_save
+    target_parameters = []
     if target_modules != ALL_LINEAR:
         target_modules, modules_to_save = embeddings_trained_in_full(target_modules, modules_to_save)
         target_modules = onto_fused_projections(model, target_modules)
-    check_lora_shape(model, target_modules, r, settings.lora_alpha)
+        target_modules, target_parameters = onto_expert_parameters(model, target_modules)
+    check_lora_shape(model, target_modules, r, settings.lora_alpha, target_parameters)
     if settings.bias not in BIASES:
         raise ValueError(f"bias={settings.bias!r}; accepted: 'none', 'all', 'lora_only'")
+    if target_parameters:
+        _check_expert_settings(settings)
+        settings = dataclasses.replace(
+            settings, extra={"target_parameters": target_parameters, **settings.extra}
+        )
     return LoraConfig(
         r=r,
         lora_alpha=settings.lora_alpha,
@@ -134,6 +141,47 @@ def onto_fused_projections(model, target_modules: list) -> list:
     return names
 
 
+# Mixture-of-experts layers (Qwen3-MoE, gpt-oss, Mixtral in transformers 5) hold every
+# expert's MLP projections as one 3-D parameter (experts, out, in) or (experts, in, out)
+# of their "experts" module, not as linear layers: the MLP names a notebook asks for ->
+# those parameters, which PEFT adapts through target_parameters.
+EXPERT_PARAMETERS = {("gate_proj", "up_proj"): "experts.gate_up_proj", ("down_proj",): "experts.down_proj"}
+
+
+def expert_parameters(model, suffix: str) -> list[torch.nn.Parameter]:
+    """The 3-D parameters whose dotted names end in ``suffix``."""
+    return [p for name, p in model.named_parameters() if p.dim() == 3 and name.endswith("." + suffix)]
+
+
+def onto_expert_parameters(model, target_modules: list) -> tuple[list, list]:
+    """(target_modules, target_parameters): each complete group of MLP names that the
+    model's experts hold as 3-D parameters adds those parameters, said once, and leaves
+    the target names only where linear layers still bear them (a shared expert)."""
+    present = set(linear_module_leaves(model))
+    names, parameters = list(target_modules), []
+    for group, parameter in EXPERT_PARAMETERS.items():
+        if all(n in names for n in group) and expert_parameters(model, parameter):
+            parameters.append(parameter)
+            if not present.intersection(group):
+                names = [n for n in names if n not in group]
+    if parameters:
+        say_once(
+            f"slothkit: this model's experts hold their MLP projections as 3-D parameters "
+            f"({', '.join(parameters)}), not linear layers; LoRA adapts each expert there through "
+            f"PEFT's target_parameters, on Hugging Face's modules"
+        )
+    return names, parameters
+
+
+def _check_expert_settings(settings: LoraSettings) -> None:
+    """What PEFT's LoRA on parameters cannot do, said before PEFT fails on it."""
+    if settings.lora_dropout:
+        raise ValueError(
+            f"lora_dropout={settings.lora_dropout}: LoRA on the experts' 3-D parameters applies its "
+            f"update to the weight, where dropout of the input cannot act; use lora_dropout=0"
+        )
+
+
 def _adapted_linears(model, target_modules) -> list:
     """The linear layers LoRA will wrap (PEFT leaves the output head out of "all-linear")."""
     names = set(matching_modules(model, target_modules)) if target_modules != ALL_LINEAR else None
@@ -146,11 +194,11 @@ def _adapted_linears(model, target_modules) -> list:
     ]  # fmt: skip
 
 
-def check_lora_shape(model, target_modules, r: int, lora_alpha) -> None:
+def check_lora_shape(model, target_modules, r: int, lora_alpha, target_parameters=()) -> None:
     """Refuse LoRA settings that would train silently wrong: a target name that matches no
     layer, an alpha that scales the update to nothing (or flips it), and a rank above
-    min(in, out) of an adapted layer: B @ A then has no more rank than at min(in, out),
-    only more parameters."""
+    min(in, out) of an adapted layer or expert: B @ A then has no more rank than at
+    min(in, out), only more parameters."""
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
         raise ValueError(
             f"lora_alpha={lora_alpha!r}; expected a positive number (the update is scaled by lora_alpha / r: "
@@ -159,6 +207,7 @@ def check_lora_shape(model, target_modules, r: int, lora_alpha) -> None:
     if target_modules != ALL_LINEAR:
         _check_targets_exist(model, target_modules)
     widths = [min(m.in_features, m.out_features) for m in _adapted_linears(model, target_modules)]
+    widths += [min(p.shape[1:]) for suffix in target_parameters for p in expert_parameters(model, suffix)]
     if widths and r > min(widths):
         raise ValueError(
             f"r={r} exceeds {min(widths)}, the smallest min(in_features, out_features) of the adapted "

@@ -229,6 +229,34 @@ def lora_delta(module, adapter: str) -> torch.Tensor:
     return delta
 
 
+def expert_delta(wrapper, adapter: str) -> torch.Tensor:
+    """s * B @ A of each expert for LoRA on a mixture-of-experts layer's 3-D parameter
+    (PEFT's ParamWrapper), laid out like that parameter, in fp32: PEFT's own delta (which
+    knows the parameter's (experts, out, in) or (experts, in, out) order) computed with
+    the adapter's weights in fp32."""
+    variant = _unsupported_variant(wrapper, adapter)
+    if variant is not None:
+        raise ValueError(f"cannot merge {variant}; slothkit merges plain LoRA and rsLoRA adapters")
+    lora_a, lora_b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+    param = wrapper.get_param()
+    with torch.no_grad():
+        kept = lora_a.data, lora_b.data, param.data
+        try:
+            # get_delta_weight computes in the adapter's dtype and casts to the parameter's:
+            # both fp32 for the duration, so the sum is rounded once, after the add.
+            lora_a.data, lora_b.data = lora_a.data.float(), lora_b.data.float()
+            param.data = param.data.float()
+            delta = wrapper.get_delta_weight(adapter).detach().clone()
+        finally:
+            lora_a.data, lora_b.data, param.data = kept
+    if delta.shape != param.shape:
+        raise ValueError(
+            f"cannot merge LoRA on {wrapper.parameter_name}: its delta is {tuple(delta.shape)} for a "
+            f"parameter of {tuple(param.shape)}"
+        )
+    return delta
+
+
 def lora_bias_delta(module, adapter: str) -> torch.Tensor | None:
     if not getattr(module, "lora_bias", {}).get(adapter, False) or adapter not in module.lora_B:
         return None
@@ -276,15 +304,30 @@ def _own_tensors(module: nn.Module, prefix: str, recurse: bool) -> Iterator[tupl
             yield prefix + name, buffer
 
 
+def parameter_wrappers(module) -> list:
+    """PEFT's LoRA wrappers of one module's parameters (ParamWrapper: LoRA through
+    target_parameters, one per parameter, each wrapping the next), outermost first; empty
+    for any other module."""
+    wrappers = []
+    while hasattr(module, "parameter_name") and isinstance(module, _lora_layer_class()):
+        wrappers.append(module)
+        module = module.base_layer
+    return wrappers
+
+
 def _walk(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, str, nn.Module]]:
-    """(kind, dotted prefix, module) in state-dict order: "lora" layers, "saved" copies of
-    modules_to_save, and "plain" modules (their own tensors only)."""
+    """(kind, dotted prefix, module) in state-dict order: "lora" layers, "experts" (LoRA
+    on a module's parameters, the outermost wrapper), "saved" copies of modules_to_save,
+    and "plain" modules (their own tensors only)."""
     lora_layer = _lora_layer_class()
     modules_to_save, trainable_tokens = _wrapper_classes()
     if trainable_tokens and isinstance(module, trainable_tokens):
         raise ValueError(
             "cannot merge trainable_token_indices adapters; slothkit merges LoRA and modules_to_save"
         )
+    if parameter_wrappers(module):
+        yield "experts", prefix, module
+        return
     if isinstance(module, lora_layer):
         yield "lora", prefix, module
         return
@@ -397,6 +440,19 @@ def merged_tensors(
                 dtype = value.dtype
                 if reader.checkpoint is not None and name in reader.checkpoint:
                     dtype = reader.checkpoint.dtype_of(name)  # saved as the original stored it
+                item = finish(name, value, dtype)
+                if item is not None:
+                    yield item
+        elif kind == "experts":  # each adapted parameter + its experts' deltas
+            deltas = {}  # parameter name -> the deltas to add
+            for wrapper in parameter_wrappers(module):
+                for adapter in adapters_to_merge(wrapper):
+                    deltas.setdefault(wrapper.parameter_name, []).append(expert_delta(wrapper, adapter))
+                    report.merged_layers.append(prefix + wrapper.parameter_name)
+            for name, tensor in _own_tensors(module.get_base_layer(), prefix, recurse=True):
+                value, dtype = reader.read(name, tensor)
+                for delta in deltas.get(name[len(prefix) :], []):
+                    value = value.float() + delta.to(value.device)
                 item = finish(name, value, dtype)
                 if item is not None:
                     yield item

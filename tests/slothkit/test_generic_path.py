@@ -166,6 +166,61 @@ def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
         FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=["q_proj", "o_proj"])
 
 
+EXPERTS = {
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("source", sorted(EXPERTS))
+def test_moe_experts_take_the_mlp_names_through_target_parameters(source, tmp_path):
+    """Qwen3-MoE, gpt-oss and Mixtral hold every expert's MLP as 3-D parameters of their experts
+    module, not linear layers: the default seven names (a notebook's) adapt those
+    parameters through PEFT's target_parameters, said once, and 8 steps give the losses
+    and adapters of HF + PEFT given the same targets; dropout, which LoRA on a parameter
+    cannot apply, is refused by slothkit rather than deep in PEFT."""
+    path = _checkpoint(tmp_path, source, **EXPERTS[source])
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.warns(UserWarning, match="experts hold their MLP projections as 3-D parameters"):
+        fast = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    config = fast.peft_config["default"]
+    assert config.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert sorted(config.target_parameters) == ["experts.down_proj", "experts.gate_up_proj"]
+    adapted = {n for n, _ in fast.named_parameters() if "lora_A" in n and "experts" in n}
+    assert len(adapted) == 2 * 2  # two parameters in each of the two layers
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3407)
+    plain = get_peft_model(
+        plain,
+        LoraConfig(
+            r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=TARGETS[:4],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        ),
+    ).train()  # fmt: skip
+    for name, value in plain.state_dict().items():
+        if "lora_B" in name:  # PEFT starts B at zero: random, so that the experts' updates count
+            value.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+            fast.state_dict()[name].copy_(value)
+    ids = torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    fast_losses, plain_losses = _train(fast, ids, labels), _train(plain, ids, labels)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    for name, value in plain.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(fast.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(ValueError, match="lora_dropout=0.05: LoRA on the experts' 3-D parameters"):
+        FastModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.05)
+
+
 def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     """None (FastModel's default) gives SDPA where the model's class runs it and eager
     attention, said once, where it does not (Gemma 2, VaultGemma: soft-capped scores); an

@@ -162,3 +162,47 @@ def test_base_weights_must_be_an_unquantized_checkpoint(make_lora_model, tmp_pat
     with pytest.raises(ValueError, match="not an unquantised safetensors checkpoint"):
         choose_merge_source(model, tmp_path / "empty")
     assert choose_merge_source(model, None).kind == "dequantized_4bit"
+
+
+@pytest.mark.parametrize(
+    "model_type, sizes",
+    [
+        ("qwen3_moe", dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16)),
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
+    ],
+)
+def test_moe_experts_merge_each_experts_update_into_its_parameter(
+    model_type, sizes, input_ids, logits, relative_error, assert_merged_16bit, tmp_path
+):
+    """LoRA on the experts' 3-D parameters (PEFT's target_parameters, two wrappers nested
+    on one experts module) merges into those parameters, each expert its own update, in
+    both layouts ((experts, out, in) in Qwen3-MoE, (experts, in, out) in gpt-oss)."""
+    from transformers import AutoConfig
+
+    from slothkit import FastModel
+    from slothkit.testing import build_tiny_tokenizer
+
+    from .conftest import randomize_lora_b
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=768, pad_token_id=0, **sizes,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / model_type
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    model, tokenizer = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    assert model.peft_config["default"].target_parameters  # the experts are adapted
+    randomize_lora_b(model, 0)
+    expected = logits(model, input_ids)
+    assert relative_error(logits(_plain_base(path), input_ids), expected) > 100 * SAME
+
+    _, report = merged_state_dict(model)
+    experts = [name for name in report.merged_layers if ".experts." in name]
+    assert sorted(experts) == sorted(
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    )
+    save_pretrained_merged(model, tmp_path / "merged", tokenizer, save_method="merged_16bit")
+    assert_merged_16bit(tmp_path / "merged", model, tokenizer, expected)
