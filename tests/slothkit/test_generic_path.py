@@ -57,6 +57,18 @@ def _train(model, ids, labels):
     return losses
 
 
+def _assert_trains_like(model, plain, ids):
+    """STEPS steps of ``model`` give ``plain``'s losses (which fall) and adapters."""
+    labels = ids.clone()
+    labels[0, :3] = -100
+    losses, plain_losses = _train(model, ids, labels), _train(plain, ids, labels)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    for name, value in plain.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def _plain_peft(path, attention="sdpa", targets=TARGETS):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -150,14 +162,7 @@ def test_phi3_default_targets_adapt_its_fused_projections(tmp_path):
         "down_proj",
     }
     plain = _plain_peft(path, targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    labels = ids.clone()
-    labels[0, :3] = -100
-    default_losses, plain_losses = _train(default, ids, labels), _train(plain, ids, labels)
-    assert plain_losses[-1] < plain_losses[0]
-    torch.testing.assert_close(torch.tensor(default_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
-    for name, value in plain.state_dict().items():
-        if "lora_" in name:
-            torch.testing.assert_close(default.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_trains_like(default, plain, ids)
 
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
     with pytest.raises(
@@ -206,15 +211,9 @@ def test_moe_experts_take_the_mlp_names_through_target_parameters(source, tmp_pa
         if "lora_B" in name:  # PEFT starts B at zero: random, so that the experts' updates count
             value.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
             fast.state_dict()[name].copy_(value)
-    ids = torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
-    labels = ids.clone()
-    labels[0, :3] = -100
-    fast_losses, plain_losses = _train(fast, ids, labels), _train(plain, ids, labels)
-    assert plain_losses[-1] < plain_losses[0]
-    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
-    for name, value in plain.state_dict().items():
-        if "lora_" in name:
-            torch.testing.assert_close(fast.state_dict()[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_trains_like(
+        fast, plain, torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
+    )
 
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
     with pytest.raises(ValueError, match="lora_dropout=0.05: LoRA on the experts' 3-D parameters"):
