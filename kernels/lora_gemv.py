@@ -117,6 +117,49 @@ def epilogue(
 
 
 @triton.jit
+def band_product(
+    X,
+    W,  # the band's weight rows start at W + offs_n * stride_wn
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    k_start,
+    k_stop,
+    stride_xm,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """x W^T over one band of W's rows and the columns k_start..k_stop, in fp32:
+    (BLOCK_M, BLOCK_N)."""
+    rows_w = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # x * w accumulated elementwise; summed along K once, after the loop
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_stop
+        w = tl.load(rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            if DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:  # 16-bit products are exact in the fp32 accumulator
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
 def _lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     W,  # (N, K), rows stride_wn apart, contiguous along K
@@ -154,28 +197,10 @@ def _lora_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    rows_w = W + offs_n.to(tl.int64)[:, None] * stride_wn
-    rows_x = X + offs_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * k_per_slice
     k_stop = tl.minimum(k_start + k_per_slice, K)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:  # x * w accumulated elementwise; summed along K once, after the loop
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_stop
-        w = tl.load(rows_w + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(rows_x + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
-            if DOT_FP32:
-                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            else:  # 16-bit products are exact in the fp32 accumulator
-                acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    acc = band_product(X, W, offs_m, offs_n, m_mask, n_mask, k_start, k_stop, stride_xm, stride_wn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32)  # fmt: skip
     epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
              slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 
