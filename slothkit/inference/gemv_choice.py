@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from slothkit_kernels import nf4_gemv
 from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES
 from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
+from slothkit_kernels.lora_gemv_group import lora_gemv_group
 from slothkit_kernels.nf4 import checked
 from slothkit_kernels.nf4_weight import NF4Weight
 
@@ -42,6 +43,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # The library path and slothkit's kernel each kind of weight is decided between.
 NAMES = {
     "16-bit": ("cublas", "lora_gemv"),
+    # Projections that read the same rows: each on its own chosen path, or one launch.
+    "16-bit group": ("separate launches", "lora_gemv_group"),
     "nf4": ("bitsandbytes", "nf4_lora_gemv"),  # levels looked up in registers: what decode runs
     "nf4-table": ("bitsandbytes", "nf4_lora_gemv, table lookup"),  # measured for comparison
 }
@@ -82,7 +85,10 @@ def _graph_ms(call, copies: list) -> float:
     return float(do_bench_cudagraph(lambda: call(next(cycle)), rep=TIMING_MS, return_mode="median"))
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def _relative_error(a, b) -> float:
+    """Of tensors, or of lists of them (a group's outputs) taken as one."""
+    if isinstance(a, (list, tuple)):
+        a, b = torch.cat([t.flatten() for t in a]), torch.cat([t.flatten() for t in b])
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
@@ -152,6 +158,59 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
         lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone),
         rows.dtype,
     )
+
+
+def dense_path(rows, weight, bias, xa, lora_b, scaling) -> torch.Tensor:
+    """A 16-bit projection of a decode step's rows by the path chosen for its shape:
+    ``lora_gemv`` at its chosen tile, else cuBLAS's GEMV and the adapter's ``addmm_``."""
+    candidate = gemv_candidate(rows, weight, bias, xa, lora_b, scaling)
+    if candidate is None:
+        return cublas_path(rows, weight, bias, xa, lora_b, scaling)
+    return lora_gemv(rows, weight, bias, xa, lora_b, scaling, candidate=candidate)
+
+
+def group_gemv_candidate(rows, weights, biases, xa, lora_bs, scalings) -> int | None:
+    """The tile candidate of ``lora_gemv_group`` to run for 16-bit projections that read
+    the same rows (lora_gemv_group's arguments), or None to run each by ``dense_path``;
+    decided (timed) at the first call of a set of shapes outside graph capture."""
+    if not _considered(rows):
+        return None
+    terms = _group_terms(xa, lora_bs)
+    key = ("16-bit group", str(rows.device), rows.dtype, rows.shape[0],
+           "+".join(str(w.shape[0]) for w in weights), rows.shape[1], _rank(xa), biases is not None)  # fmt: skip
+
+    def separate(copy):
+        return [
+            dense_path(
+                rows, weight, None if biases is None else biases[g], *terms[g], lora_bs[g], scalings[g]
+            )
+            for g, weight in enumerate(copy)
+        ]
+
+    return _choose(
+        key,
+        separate,
+        lambda c, copy: lora_gemv_group(rows, copy, biases, xa, lora_bs, scalings, candidate=c),
+        _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
+        lambda: _copies(
+            tuple(weights),
+            sum(w.numel() * w.element_size() for w in weights),
+            lambda: tuple(w.clone() for w in weights),
+        ),
+        rows.dtype,
+    )
+
+
+def _group_terms(xa, lora_bs) -> list[tuple]:
+    """Per projection (its columns of the side-by-side xa,) or (None,)."""
+    terms, column = [], 0
+    for lora_b in lora_bs:
+        if lora_b is None:
+            terms.append((None,))
+        else:
+            terms.append((xa[:, column : column + lora_b.shape[1]],))
+            column += lora_b.shape[1]
+    return terms
 
 
 def nf4_gemv_candidate(

@@ -197,3 +197,49 @@ def test_nf4_bases_of_another_compute_dtype_keep_their_own_forward():
     layers = _nf4_block(torch.bfloat16)  # the layers compute in bf16, the step in fp32
     projections = SharedInputProjections(layers, torch.float32)
     assert projections.nf4 == [None, None, None]
+
+
+@pytest.mark.parametrize("adapters", ["ranks and scalings of their own", "merged"])
+def test_a_group_timed_faster_runs_in_one_launch_and_equals_each_layer(monkeypatch, adapters):
+    """Where lora_gemv_group was timed faster than the projections apart (the timings
+    given; the kernel runs under the Triton interpreter), q, k and v of a decode step's
+    rows take one launch of it and give each layer's own output; more rows than a decode
+    step's take the layers' path."""
+    from slothkit.inference import decode_projections, gemv_choice
+
+    seed = int(torch.randint(0, 2**31, ()))
+    model, layers = _adapted(seed, rank_pattern={"k": 2}, alpha_pattern={"v": 3})
+    if adapters == "merged":
+        model.merge_adapter()
+    monkeypatch.setattr(decode_projections, "_gemv_may_run", lambda rows: rows.shape[0] <= 8)
+    monkeypatch.setattr(gemv_choice, "_considered", lambda rows: rows.shape[0] <= 8)
+    monkeypatch.setattr(gemv_choice, "gemv_candidate", lambda *args: None)  # apart: the library's path
+    monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: [0, 5])
+    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
+    monkeypatch.setattr(gemv_choice, "_choices", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    answers = iter([1.0, 0.6, 0.5])  # apart, then candidates 0 and 5
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(answers))
+    launches = []
+    group = decode_projections.lora_gemv_group
+    monkeypatch.setattr(
+        decode_projections,
+        "lora_gemv_group",
+        lambda *a, **k: launches.append(k["candidate"]) or group(*a, **k),
+    )
+    projections = SharedInputProjections(layers, torch.float32)
+    assert projections.dense_group is not None
+    _assert_outputs_equal(layers, projections)  # 3 rows, then 10
+    assert launches == [5]  # the 3-row call, at the faster candidate; none for 10 rows
+    (decision,) = gemv_choice.choices()
+    assert decision["weight"] == "16-bit group" and decision["out_features"] == "48+16+16"
+    assert decision["runs"] == "lora_gemv_group" and decision["rank"] == (0 if adapters == "merged" else 10)
+
+
+def test_a_group_is_left_apart_where_its_biases_differ():
+    torch.manual_seed(int(torch.randint(0, 2**31, ())))
+    block = _Block(bias=True)
+    block.k.bias = None
+    assert SharedInputProjections([block.q, block.k, block.v], torch.float32).dense_group is None
+    assert SharedInputProjections([block.q, block.v], torch.float32).dense_group is not None
+    assert SharedInputProjections([block.q], torch.float32).dense_group is None  # one layer: nothing to group

@@ -241,3 +241,40 @@ def test_tensor_core_tiles_are_timed_only_where_triton_makes_tensor_core_product
         cuda_cores = [c for c, tile in enumerate(tiles) if not uses_tensor_cores(tile)]
         assert usable == (cuda_cores if expected == "cuda cores only" else list(range(len(tiles))))
         assert len(cuda_cores) < len(tiles)  # both kinds exist, so the two answers differ
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_group_choices_on_the_gpu_run_what_they_timed(rows):
+    """On a GPU: the decision for q, k and v of a Llama-like layer read together, listed
+    once, and the chosen path's outputs within bf16 rounding of each projection apart."""
+    from slothkit_kernels.lora_gemv_group import lora_gemv_group
+
+    generator = torch.Generator().manual_seed(_seed())
+    widths, k, rank = (1024, 256, 256), 1024, 8
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator) * scale).to("cuda", torch.bfloat16)
+
+    x = randn(rows, k)
+    weights = [randn(n, k, scale=k**-0.5) for n in widths]
+    lora_bs = [randn(n, rank, scale=0.05) for n in widths]
+    xa = randn(rows, rank * len(widths))
+    scalings = [2.0, 1.0, 0.5]
+    candidate = gemv_choice.group_gemv_candidate(x, weights, None, xa, lora_bs, scalings)
+    xas = xa.split(rank, dim=1)
+    expected = [
+        gemv_choice.cublas_path(x, w, None, a, b, s) for w, a, b, s in zip(weights, xas, lora_bs, scalings)
+    ]
+    if candidate is not None:
+        got = lora_gemv_group(x, weights, None, xa, lora_bs, scalings, candidate=candidate)
+        assert gemv_choice._relative_error(got, expected) < gemv_choice.TOLERANCE[torch.bfloat16]
+    listed = [
+        c
+        for c in gemv_choice.choices()
+        if (c["weight"], c["rows"], c["out_features"]) == ("16-bit group", rows, "1024+256+256")
+    ]
+    assert len(listed) == 1 and listed[0]["runs"] == (
+        "separate launches" if candidate is None else "lora_gemv_group"
+    )
+    assert listed[0]["candidates_ms"], listed[0].get("dropped")  # some candidate ran and agreed
