@@ -3,6 +3,13 @@ same random Llama-3-8B with the same LoRA adapters, decoded by Hugging Face's ge
 through each way of getting there, each in a fresh process on the GPU, tokens/s last.
 
     python scripts/hf_generate_baseline.py [--model llama-3-8b] [--batches 1 8] [--new-tokens 128]
+                                           [--rounds 2] [--ways worker plain ...]
+
+HF + PEFT's generate at these sizes is bound by the host (a Python loop of several hundred
+launches a token), so anything that loads the host moves it: the saved weights are
+flushed to disk (os.sync) before any way is timed, and with several rounds the ways run
+in a rotated order each round, so that a drift over the run does not read as a
+difference between ways; the table gives each way's median and every figure.
 
 Ways (each differs from the one before it in one thing, so a gap points at its cause):
   worker            ``python -m slothkit.bench.generate_worker --impl hf``, the process
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -124,6 +133,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="times each way is run, in rotated orders")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     parser.add_argument(
         "--child", nargs=4, metavar=("WAY", "FOLDER", "BATCH", "NEW_TOKENS"), help=argparse.SUPPRESS
     )
@@ -138,31 +149,39 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, __file__, "--model", args.model, "--save", folder], check=True)
+        os.sync()  # the 16 GB just written would otherwise be flushed while the first ways run
         for batch in args.batches:
-            for way in WAYS:
-                if way == "worker":
-                    rows.append(_worker(args.model, batch, args.new_tokens))
-                    print(json.dumps(rows[-1]), flush=True)
-                    continue
-                child = [sys.executable, __file__, "--model", args.model,
-                         "--child", way, folder, str(batch), str(args.new_tokens)]  # fmt: skip
-                done = subprocess.run(child, capture_output=True, text=True)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                row = (
-                    json.loads(lines[-1][7:])
-                    if lines
-                    else {"way": way, "batch": batch, "error": done.stderr[-400:]}
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for round_ in range(args.rounds):
+                shift = round_ % len(args.ways)
+                for way in args.ways[shift:] + args.ways[:shift]:
+                    row = _run(way, folder, args.model, batch, args.new_tokens)
+                    row["round"] = round_
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n| way | batch | new tokens | tokens/s |\n|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['way']} | {row['batch']} | {row.get('new_tokens', '-')} | {row.get('tokens_per_s', 0):.1f} |"
-        )
+    print("\n| way | batch | median tokens/s | each round's |\n|---|---|---|---|")
+    for batch in args.batches:
+        for way in args.ways:
+            figures = [
+                r["tokens_per_s"]
+                for r in rows
+                if (r["way"], r["batch"]) == (way, batch) and "tokens_per_s" in r
+            ]
+            shown = ", ".join(f"{f:.1f}" for f in figures) or "failed"
+            median = f"{statistics.median(figures):.1f}" if figures else "-"
+            print(f"| {way} | {batch} | {median} | {shown} |")
+
+
+def _run(way: str, folder: str, model: str, batch: int, new_tokens: int) -> dict:
+    """One way timed in a fresh process."""
+    if way == "worker":
+        return _worker(model, batch, new_tokens)
+    child = [sys.executable, __file__, "--model", model, "--child", way, folder, str(batch), str(new_tokens)]
+    done = subprocess.run(child, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else {"way": way, "batch": batch, "error": done.stderr[-400:]}
 
 
 if __name__ == "__main__":
