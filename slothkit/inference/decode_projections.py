@@ -14,7 +14,11 @@ which is what slothkit's fused training functions compute too (the adapters cast
 compute dtype), with no merge: the base weights (16-bit or NF4) are read where they are.
 On a GPU a 16-bit projection of one to eight rows may instead run slothkit's
 ``lora_gemv``, which adds the adapter in its GEMV's epilogue (one launch): where it was
-timed faster than cuBLAS's GEMV and the ``addmm_`` for that shape (gemv_choice.py).
+timed faster than cuBLAS's GEMV and the ``addmm_`` for that shape (gemv_choice.py);
+and where every layer of the group is such a weight, the whole group (q, k and v; gate
+and up) may run as one ``lora_gemv_group`` launch, where that was timed faster than each
+projection on its own path: a small projection alone cannot fill the GPU long enough to
+stream its weight at full bandwidth.
 The stacked A and the cast B are small copies of the adapters, refreshed before each
 generate call when an adapter tensor was changed in place (its version counter moved),
 so training between generate calls is seen.
