@@ -36,6 +36,7 @@ from slothkit_kernels.nf4_weight import NF4Weight
 
 MIN_GAIN = 0.03
 TIMING_MS = 10  # of replays per timed path
+PROMISING = 3  # tiles a group launch tries: those that came fastest for each of its projections
 # Largest relative error against the library path a candidate may have: both accumulate
 # in fp32; the outputs differ by their roundings (the kernel rounds once, the library
 # path twice).
@@ -69,7 +70,7 @@ def _copies(first, nbytes: int, clone: Callable) -> list:
     """``first`` and enough clones of it that together they exceed twice the L2 cache:
     calls cycling through them read their weight from memory, as the decode step does
     (it reads each weight once per token), rather than from a cache the timing warmed."""
-    device = first.device
+    device = (first[0] if isinstance(first, tuple) else first).device  # a group's: a tuple of weights
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
     count = -(-2 * l2_bytes // nbytes)
     return [first] + [clone() for _ in range(count - 1)]
@@ -149,15 +150,18 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
     cuBLAS's path; decided (timed) at the first call of a shape outside graph capture."""
     if not _considered(rows):
         return None
-    key = ("16-bit", str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
     return _choose(
-        key,
+        _dense_key(rows, weight, bias, xa),
         lambda w: cublas_path(rows, w, bias, xa, lora_b, scaling),
         lambda c, w: lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
         _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
         lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone),
         rows.dtype,
     )
+
+
+def _dense_key(rows, weight, bias, xa) -> tuple:
+    return ("16-bit", str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
 
 
 def dense_path(rows, weight, bias, xa, lora_b, scaling) -> torch.Tensor:
@@ -187,11 +191,23 @@ def group_gemv_candidate(rows, weights, biases, xa, lora_bs, scalings) -> int | 
             for g, weight in enumerate(copy)
         ]
 
+    usable = _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device)
+    if key not in _choices and not torch.cuda.is_current_stream_capturing():
+        # Each projection's own decision first: the group's candidates are the tiles
+        # that came fastest for its members (a group launch is their bands side by
+        # side), which saves compiling and timing every tile once more per group.
+        separate(weights)
+        promising = set()
+        for g, weight in enumerate(weights):
+            bias = None if biases is None else biases[g]
+            timed = _choices.get(_dense_key(rows, weight, bias, terms[g][0]), {}).get("candidates_ms", {})
+            promising.update(sorted(timed, key=timed.get)[:PROMISING])
+        usable = sorted(promising & set(usable)) or usable
     return _choose(
         key,
         separate,
         lambda c, copy: lora_gemv_group(rows, copy, biases, xa, lora_bs, scalings, candidate=c),
-        _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
+        usable,
         lambda: _copies(
             tuple(weights),
             sum(w.numel() * w.element_size() for w in weights),

@@ -278,3 +278,38 @@ def test_group_choices_on_the_gpu_run_what_they_timed(rows):
         "separate launches" if candidate is None else "lora_gemv_group"
     )
     assert listed[0]["candidates_ms"], listed[0].get("dropped")  # some candidate ran and agreed
+
+
+def test_a_group_times_the_tiles_fastest_for_its_projections(monkeypatch):
+    """The group's candidates are the PROMISING fastest of each member's own decision
+    (here given), not every tile again."""
+    monkeypatch.setattr(gemv_choice, "_considered", lambda rows: True)
+    monkeypatch.setattr(
+        gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: list(range(len(tiles)))
+    )
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(gemv_choice, "_choices", {})
+    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
+    rows, weight, bias, xa, lora_b, scaling = _inputs(_seed())
+    narrow = weight[:8].contiguous()
+    members = {  # shape -> candidates_ms
+        weight.shape: {0: 0.5, 3: 0.2, 4: 0.3, 7: 0.4, 9: 0.9},
+        narrow.shape: {1: 0.1, 3: 0.2, 12: 0.3, 6: 0.8},
+    }
+    for w in (weight, narrow):
+        gemv_choice._choices[gemv_choice._dense_key(rows, w, None, xa)] = {
+            "baseline_ms": 1.0,
+            "candidates_ms": members[w.shape],
+        }
+    given = []
+    monkeypatch.setattr(
+        gemv_choice,
+        "_decide",
+        lambda baseline, kernel, candidates, copies, dtype: given.append(candidates) or {},
+    )
+    lora_bs = [lora_b, lora_b[:8].contiguous()]
+    xa_both = torch.cat([xa, xa], dim=1)
+    assert (
+        gemv_choice.group_gemv_candidate(rows, [weight, narrow], None, xa_both, lora_bs, [1.0, 2.0]) is None
+    )
+    assert given == [[1, 3, 4, 7, 12]]
