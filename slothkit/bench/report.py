@@ -61,12 +61,21 @@ def _generate_folder(folder: Path) -> Path:
     return GENERATE_RESULTS if folder == RESULTS else folder
 
 
-def readme_table(folder: Path = RESULTS) -> str:
-    """README: the overview, one line per model and mode."""
+# The GPU the README's overview speaks for (its text names it): runs on other GPUs are in
+# docs/benchmarks.md's tables only, so that no line mixes two GPUs' figures.
+README_GPU = "NVIDIA H200"
+
+
+def readme_table(folder: Path = RESULTS, gpu: str = README_GPU) -> str:
+    """README: the overview, one line per model and mode, from the runs on ``gpu``."""
+
+    def on_gpu(records: list[dict]) -> list[dict]:
+        return [r for r in records if r["accelerator"]["name"] == gpu]
+
     return overview(
-        load_records(folder),
-        load_records(_generate_folder(folder), "generate"),
-        load_records(folder, "context"),
+        on_gpu(load_records(folder)),
+        on_gpu(load_records(_generate_folder(folder), "generate")),
+        on_gpu(load_records(folder, "context")),
     )
 
 

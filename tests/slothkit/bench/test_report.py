@@ -459,3 +459,32 @@ def test_the_overview_takes_decode_per_batch_and_context_from_their_latest_runs(
         rows=[{"impl": "slothkit", "status": "ok", "longest_seq": 131072, "first_failing_seq": 135168}],
     )
     assert _overview_line(tmp_path)[10] == "131,072 under 24 GiB"
+
+
+def test_the_readme_overview_speaks_for_one_gpu(tmp_path):
+    """A later run on another GPU stays out of the README's line (its text names the GPU)."""
+    from slothkit.bench.report import readme_table
+
+    def decode(tokens):
+        return {"impl": "slothkit", "batch": 1, "status": "ok", "tokens_per_s": tokens, "vs_hf": None}
+
+    _record(
+        tmp_path, "g1.json", kind="generate", date="2026-01-01T10:00:00", batches=[1], rows=[decode(140.0)]
+    )
+    _record(
+        tmp_path,
+        "g2.json",
+        kind="generate",
+        date="2026-01-02T10:00:00",
+        batches=[1],
+        rows=[decode(129.0)],
+        accelerator={"name": "GPU Y"},
+    )
+    (line,) = [
+        line for line in readme_table(tmp_path, gpu="GPU X").splitlines() if line.startswith("| llama")
+    ]
+    assert "140.0" in line and "129.0" not in line
+    (line,) = [
+        line for line in readme_table(tmp_path, gpu="GPU Y").splitlines() if line.startswith("| llama")
+    ]
+    assert "129.0" in line
