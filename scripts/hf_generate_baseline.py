@@ -159,8 +159,18 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.json:
+        import datetime
+
+        import torch
+
+        record = {
+            "command": "python scripts/hf_generate_baseline.py " + " ".join(sys.argv[1:]),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rows": rows,
+        }
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(record, f, indent=1)
     print("\n| way | batch | median tokens/s | each round's |\n|---|---|---|---|")
     for batch in args.batches:
         for way in args.ways:
