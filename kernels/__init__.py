@@ -50,6 +50,7 @@ from slothkit_kernels.lora import (
     lora_qkv_rope,
 )
 from slothkit_kernels.lora_gemv import lora_gemv, lora_gemv_reference
+from slothkit_kernels.lora_gemv_group import lora_gemv_group, lora_gemv_group_reference
 from slothkit_kernels.lora_projection import LoRAProjection
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_gemv import nf4_lora_gemv, nf4_lora_gemv_reference
@@ -74,6 +75,8 @@ __all__ = [
     "geglu_reference",
     "lora_gemv",
     "lora_gemv_reference",
+    "lora_gemv_group",
+    "lora_gemv_group_reference",
     "lora_linear",
     "lora_mlp",
     "lora_mlp_reference",
