@@ -157,7 +157,9 @@ def test_split_k_candidates_add_every_slice_once_and_reset_their_counters(rows, 
             continue
         _, block_n, block_k = tile(candidate, rows, weight.blocksize)
         bands = triton.cdiv(n, block_n)
-        slices, _ = split_k.slices(torch.device(device), bands, k, block_k, programs_per_sm)
+        # A slice is whole loop iterations: steps(...) blocks of K each, as launch plans it.
+        iteration = block_k * steps(candidate, rows, weight.blocksize, k)
+        slices, _ = split_k.slices(torch.device(device), bands, k, iteration, programs_per_sm)
         for _ in range(2):  # the second call starts from the counters the first one left
             x = torch.randn(rows, k, generator=generator).to(device, dtype)
             xa = torch.randn(rows, 8, generator=generator).to(device, dtype)
