@@ -99,6 +99,88 @@ _LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.constraints(32))
 
 
 @triton.jit
+def cuda_core_band(
+    X,
+    PACKED,
+    ABSMAX,
+    NESTED_ABSMAX,
+    NESTED_CODE,
+    OFFSET,
+    LEVELS,
+    K,
+    k_start,
+    k_stop,
+    stride_xm,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+    LOOKUP_ASM: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    """x W^T over one band of the NF4 weight's rows (offs_n) and the columns
+    k_start..k_stop, in fp32: (BLOCK_M, BLOCK_N).  The arguments are the kernel's."""
+    HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
+    offs_j = tl.arange(0, HALF)
+    # Pointers at column 0, so that a step adds only its column: each row's packed bytes
+    # and first block scale, and x's rows.
+    row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)  # (BLOCK_N,)
+    packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_j[None, :]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    offset = tl.load(OFFSET) if NESTED else 0.0
+    if LOOKUP_ASM != "":
+        # Half the lookup table, in registers for the whole program.  Each lane reads its
+        # own copy: words ptxas knows to be the same in every thread it keeps in uniform
+        # registers, which a PRMT cannot read, and copies out at every lookup.
+        words = LEVELS + level_lookup.lane() * 8
+        t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+        t4, t5, t6, t7 = tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)
+    if BLOCK_M == 1:  # x broadcast over the weight's tile: no third dimension to lay out
+        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    # STEPS steps per iteration, unrolled: their loads do not depend on one another, so
+    # they are all in flight at once (Triton pipelines none of these loads itself).
+    for k_iteration in range(k_start, k_stop, BLOCK_K * STEPS):
+        for step in tl.static_range(STEPS):
+            k0 = k_iteration + step * BLOCK_K
+            block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
+            scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
+                                INTERPRETER)  # fmt: skip
+            packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
+            if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
+                high, low = tl.inline_asm_elementwise(
+                    LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3, t4, t5, t6, t7],
+                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
+                )  # fmt: skip
+            else:
+                pairs = tl.load(LEVELS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
+                high = pairs.to(tl.int32).to(tl.float32, bitcast=True)
+                low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
+            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, k0 + 2j + 1
+            # Summed along K once after the loop: no reduction across threads per step.
+            if BLOCK_M == 1:
+                acc2 += (x_even * high + x_odd * low) * scale[:, None]
+            else:  # the weights scaled once for all rows: two FMAs a pair a row, not three
+                high_w, low_w = high * scale[:, None], low * scale[:, None]
+                acc3 += x_even[:, None, :] * high_w[None, :, :]  # each a fused multiply-add
+                acc3 += x_odd[:, None, :] * low_w[None, :, :]
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
+    else:
+        acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    return acc
+
+
+@triton.jit
 def _nf4_lora_gemv_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     PACKED,  # (N * K / 2,) uint8 codes, row-major, high nibble first
@@ -139,64 +221,17 @@ def _nf4_lora_gemv_kernel(
     LOOKUP_ASM: tl.constexpr,  # PTX turning packed bytes into levels (level_lookup), or ""
     STEPS: tl.constexpr = 1,  # BLOCK_K steps per loop iteration; K per slice a multiple
 ):
-    HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_j = tl.arange(0, HALF)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    # Pointers at column 0, so that a step adds only its column: each row's packed bytes
-    # and first block scale, and x's rows.
-    row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)  # (BLOCK_N,)
-    packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + offs_j[None, :]
-    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    offset = tl.load(OFFSET) if NESTED else 0.0
-    if LOOKUP_ASM != "":
-        # Half the lookup table, in registers for the whole program.  Each lane reads its
-        # own copy: words ptxas knows to be the same in every thread it keeps in uniform
-        # registers, which a PRMT cannot read, and copies out at every lookup.
-        words = LEVELS + level_lookup.lane() * 8
-        t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
-        t4, t5, t6, t7 = tl.load(words + 4), tl.load(words + 5), tl.load(words + 6), tl.load(words + 7)
     k_start = pid_k * k_per_slice
     k_stop = tl.minimum(k_start + k_per_slice, K)
-    if BLOCK_M == 1:  # x broadcast over the weight's tile: no third dimension to lay out
-        acc2 = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
-    else:
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
-    # STEPS steps per iteration, unrolled: their loads do not depend on one another, so
-    # they are all in flight at once (Triton pipelines none of these loads itself).
-    for k_iteration in range(k_start, k_stop, BLOCK_K * STEPS):
-        for step in tl.static_range(STEPS):
-            k0 = k_iteration + step * BLOCK_K
-            block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
-            scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
-                                INTERPRETER)  # fmt: skip
-            packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
-            if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
-                high, low = tl.inline_asm_elementwise(
-                    LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3, t4, t5, t6, t7],
-                    dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
-                )  # fmt: skip
-            else:
-                pairs = tl.load(LEVELS + packed.to(tl.int32))  # (BLOCK_N, HALF) int64
-                high = pairs.to(tl.int32).to(tl.float32, bitcast=True)
-                low = (pairs >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-            x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, k0 + 2j + 1
-            # Summed along K once after the loop: no reduction across threads per step.
-            if BLOCK_M == 1:
-                acc2 += (x_even * high + x_odd * low) * scale[:, None]
-            else:  # the weights scaled once for all rows: two FMAs a pair a row, not three
-                high_w, low_w = high * scale[:, None], low * scale[:, None]
-                acc3 += x_even[:, None, :] * high_w[None, :, :]  # each a fused multiply-add
-                acc3 += x_odd[:, None, :] * low_w[None, :, :]
-    if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]  # (1, BLOCK_N)
-    else:
-        acc = tl.sum(acc3, axis=2)  # (BLOCK_M, BLOCK_N)
+    acc = cuda_core_band(X, PACKED, ABSMAX, NESTED_ABSMAX, NESTED_CODE, OFFSET, LEVELS, K, k_start, k_stop,
+                         stride_xm, offs_m, offs_n, m_mask, n_mask, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE,
+                         BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER, LOOKUP_ASM, STEPS)  # fmt: skip
     epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS, M, N, R,
              slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
 

@@ -40,6 +40,71 @@ _LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.constraints(16))
 
 
 @triton.jit
+def tensor_core_band(
+    X,
+    PACKED,
+    ABSMAX,
+    NESTED_ABSMAX,
+    NESTED_CODE,
+    OFFSET,
+    LEVELS,
+    K,
+    k_start,
+    k_stop,
+    stride_xm,
+    offs_m,
+    offs_n,
+    m_mask,
+    n_mask,
+    BLOCKSIZE: tl.constexpr,
+    NESTED: tl.constexpr,
+    NESTED_BLOCKSIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+    LOOKUP_ASM: tl.constexpr,
+):
+    """x W^T over one band of the NF4 weight's rows (offs_n) and the columns
+    k_start..k_stop, in fp32: (BLOCK_M, BLOCK_N).  The arguments are the kernel's; the
+    levels are in x's dtype (the weight's)."""
+    HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
+    level_dtype = X.dtype.element_ty
+    # Pointers at column 0: a step adds only its column.
+    row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)
+    packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + tl.arange(0, HALF)[None, :]
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    offset = tl.load(OFFSET) if NESTED else 0.0
+    if LOOKUP_ASM != "":  # half the table in registers for the whole program
+        words = LEVELS + level_lookup.lane() * 4
+        t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
+        scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
+                            INTERPRETER)  # fmt: skip
+        packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
+        x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0)  # (BLOCK_M, BLOCK_K)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, + 1
+        if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
+            high, low = tl.inline_asm_elementwise(
+                LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3],
+                dtype=(level_dtype, level_dtype), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            high = tl.load(LEVELS + (packed >> 4).to(tl.int32))
+            low = tl.load(LEVELS + (packed & 15).to(tl.int32))
+        if INTERPRETER:  # fp32 products of the same 16-bit values: exact, as the tensor cores' are
+            part = tl.dot(high.to(tl.float32), tl.trans(x_even.to(tl.float32)), input_precision="ieee")
+            part = tl.dot(low.to(tl.float32), tl.trans(x_odd.to(tl.float32)), part, input_precision="ieee")
+        else:
+            part = tl.dot(high, tl.trans(x_even))
+            part = tl.dot(low, tl.trans(x_odd), part)
+        acc += part * scale[:, None]
+    return tl.trans(acc)
+
+
+@triton.jit
 def _nf4_lora_gemv_mma_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     PACKED,  # (N * K / 2,) uint8 codes, row-major, high nibble first
@@ -78,46 +143,16 @@ def _nf4_lora_gemv_mma_kernel(
     INTERPRETER: tl.constexpr,  # no inline PTX
     LOOKUP_ASM: tl.constexpr,  # PTX turning packed bytes into 16-bit levels, or "" (table)
 ):
-    HALF: tl.constexpr = BLOCK_K // 2  # packed bytes per row per step
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    level_dtype = Y.dtype.element_ty
-    # Pointers at column 0: a step adds only its column.
-    row_blocks = offs_n.to(tl.int64) * (K // BLOCKSIZE)
-    packed_rows = PACKED + offs_n.to(tl.int64)[:, None] * (K // 2) + tl.arange(0, HALF)[None, :]
-    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
-    offset = tl.load(OFFSET) if NESTED else 0.0
-    if LOOKUP_ASM != "":  # half the table in registers for the whole program
-        words = LEVELS + level_lookup.lane() * 4
-        t0, t1, t2, t3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     k_start = pid_k * k_per_slice
     k_stop = tl.minimum(k_start + k_per_slice, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        block = row_blocks + k0 // BLOCKSIZE  # (BLOCK_N,): the step's block of each row
-        scale = block_scale(ABSMAX, NESTED_ABSMAX, NESTED_CODE, offset, block, n_mask, NESTED, NESTED_BLOCKSIZE,
-                            INTERPRETER)  # fmt: skip
-        packed = tl.load(packed_rows + k0 // 2, mask=n_mask[:, None], other=0)  # (BLOCK_N, HALF)
-        x = tl.load(x_rows + k0, mask=m_mask[:, None], other=0.0)  # (BLOCK_M, BLOCK_K)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))  # columns k0 + 2j, + 1
-        if LOOKUP_ASM != "":  # levels of columns k0 + 2j (high) and k0 + 2j + 1 (low)
-            high, low = tl.inline_asm_elementwise(
-                LOOKUP_ASM, _LOOKUP_CONSTRAINTS, [packed, t0, t1, t2, t3],
-                dtype=(level_dtype, level_dtype), is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            high = tl.load(LEVELS + (packed >> 4).to(tl.int32))
-            low = tl.load(LEVELS + (packed & 15).to(tl.int32))
-        if INTERPRETER:  # fp32 products of the same 16-bit values: exact, as the tensor cores' are
-            part = tl.dot(high.to(tl.float32), tl.trans(x_even.to(tl.float32)), input_precision="ieee")
-            part = tl.dot(low.to(tl.float32), tl.trans(x_odd.to(tl.float32)), part, input_precision="ieee")
-        else:
-            part = tl.dot(high, tl.trans(x_even))
-            part = tl.dot(low, tl.trans(x_odd), part)
-        acc += part * scale[:, None]
-    epilogue(tl.trans(acc), offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS,
+    acc = tensor_core_band(X, PACKED, ABSMAX, NESTED_ABSMAX, NESTED_CODE, OFFSET, LEVELS, K, k_start, k_stop,
+                           stride_xm, offs_m, offs_n, m_mask, n_mask, BLOCKSIZE, NESTED, NESTED_BLOCKSIZE,
+                           BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETER, LOOKUP_ASM)  # fmt: skip
+    epilogue(acc, offs_m, offs_n, m_mask, n_mask, pid_n, pid_k, XA, B, BIAS, Y, PARTIALS, COUNTERS,
              M, N, R, slices, stride_xam, stride_bn, stride_ym, scaling, SPLIT, HAS_LORA, HAS_BIAS, BLOCK_R)  # fmt: skip
