@@ -49,23 +49,23 @@ MAX_GROUPS = 4
 def _lora_gemv_group_kernel(
     X,  # (M, K), rows stride_xm apart, contiguous along K
     Ws,  # per group: (N_g, K), contiguous
-    XA,  # (M, sum of ranks): each group's x A_g^T from its column xa_columns[g]
-    Bs,  # per group: (N_g, R_g), contiguous (unused where R_g = 0)
-    BIASES,  # per group: (N_g,) (unused without HAS_BIAS)
-    Ys,  # per group: (M, N_g), contiguous
-    PARTIALS,  # (slices, M, bands x BLOCK_N) fp32 (unused without SPLIT)
-    COUNTERS,  # (bands,) int32, 0 between calls (SPLIT)
-    band_starts,  # per group: its first band
-    ns,  # per group: N_g
-    ranks,  # per group: R_g (0: no adapter)
-    xa_columns,  # per group: where its x A_g^T starts in XA
-    scalings,  # per group: s_g
     K,
     k_per_slice,
     stride_xm,
+    XA,  # from here on the groups' epilogue arguments (group_epilogue_arguments)
+    Bs,
+    BIASES,
+    Ys,
+    PARTIALS,
+    COUNTERS,
+    band_starts,
+    ns,
+    ranks,
+    xa_columns,
+    scalings,
     stride_xam,
     M,
-    padded_n,  # bands x BLOCK_N: the row length of PARTIALS
+    padded_n,
     slices,
     GROUPS: tl.constexpr,
     HAS_LORA: tl.constexpr,
@@ -102,121 +102,144 @@ def _lora_gemv_group_kernel(
 
 def lora_gemv_group_reference(x, weights, biases=None, xa=None, lora_bs=None, scalings=None) -> list:
     """The same in plain torch, each projection computed in fp32 and rounded once."""
-    return [
-        lora_gemv_reference(x, weight, bias, xa_g, lora_b, scaling)
-        for weight, bias, xa_g, lora_b, scaling in _terms(x, weights, biases, xa, lora_bs, scalings)
-    ]
+    terms = _terms([w.shape[0] for w in weights], biases, xa, lora_bs, scalings)
+    return [lora_gemv_reference(x, weight, *term) for weight, term in zip(weights, terms)]
 
 
-def _terms(x, weights, biases, xa, lora_bs, scalings):
-    """Per group: (weight, bias, its columns of xa, lora_b, scaling)."""
-    groups = len(weights)
+def _terms(widths, biases, xa, lora_bs, scalings) -> list[tuple]:
+    """Per group: (bias, its columns of xa, lora_b, scaling)."""
+    groups = len(widths)
     biases = list(biases) if biases is not None else [None] * groups
     lora_bs = list(lora_bs) if lora_bs is not None else [None] * groups
     scalings = list(scalings) if scalings is not None else [1.0] * groups
     column = 0
     terms = []
-    for weight, bias, lora_b, scaling in zip(weights, biases, lora_bs, scalings):
+    for bias, lora_b, scaling in zip(biases, lora_bs, scalings):
         xa_g = None
         if lora_b is not None:
             xa_g = xa[:, column : column + lora_b.shape[1]]
             column += lora_b.shape[1]
-        terms.append((weight, bias, xa_g, lora_b, scaling))
+        terms.append((bias, xa_g, lora_b, scaling))
     return terms
 
 
-def _check(x, weights, biases, xa, lora_bs, scalings) -> None:
-    groups = len(weights)
+def check_group_terms(name: str, x, widths, biases, xa, lora_bs, scalings) -> None:
+    """Refuse per-projection terms (biases, side-by-side xa, B's, scalings) that do not fit
+    x (M, K) and outputs of ``widths`` columns."""
+    groups = len(widths)
     if not 1 <= groups <= MAX_GROUPS:
-        raise ValueError(f"lora_gemv_group: {groups} weights; it takes 1 to {MAX_GROUPS}")
-    for name, given in (("biases", biases), ("lora_bs", lora_bs), ("scalings", scalings)):
+        raise ValueError(f"{name}: {groups} weights; it takes 1 to {MAX_GROUPS}")
+    for what, given in (("biases", biases), ("lora_bs", lora_bs), ("scalings", scalings)):
         if given is not None and len(given) != groups:
-            raise ValueError(f"lora_gemv_group: {len(given)} {name} for {groups} weights")
+            raise ValueError(f"{name}: {len(given)} {what} for {groups} weights")
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"lora_gemv_group: x {tuple(x.shape)}; expected (M, K) with 1 to {MAX_ROWS} rows")
+        raise ValueError(f"{name}: x {tuple(x.shape)}; expected (M, K) with 1 to {MAX_ROWS} rows")
+    if x.stride(1) != 1:
+        raise ValueError(f"{name}: x needs a contiguous last dimension")
+    if biases is not None and len({b is None for b in biases}) > 1:
+        raise ValueError(f"{name}: give a bias for every weight, or for none")
+    for width, bias in zip(widths, biases or [None] * groups):
+        if bias is not None and bias.shape != (width,):
+            raise ValueError(f"{name}: bias {tuple(bias.shape)}; expected ({width},)")
+    rank = sum(b.shape[1] for b in lora_bs or [] if b is not None)
+    if (xa is None) != (rank == 0):
+        raise ValueError(f"{name}: give xa with at least one lora_b, or neither")
+    if xa is not None:
+        if xa.dim() != 2 or xa.shape != (x.shape[0], rank) or xa.stride(1) != 1:
+            raise ValueError(
+                f"{name}: xa {tuple(xa.shape)}; expected ({x.shape[0]}, {rank}), the groups' "
+                "x A^T side by side, contiguous along its rows"
+            )
+        for width, (_, xa_g, lora_b, _) in zip(widths, _terms(widths, biases, xa, lora_bs, scalings)):
+            check_low_rank(name, x, width, xa_g, lora_b)
+            if lora_b is not None and not lora_b.is_contiguous():
+                raise ValueError(f"{name}: lora_b needs to be contiguous")
+
+
+def _check(x, weights, biases, xa, lora_bs, scalings) -> None:
     for weight in weights:
         if weight.dim() != 2 or weight.shape[1] != x.shape[1] or not weight.is_contiguous():
             raise ValueError(
                 f"lora_gemv_group: weight {tuple(weight.shape)}; expected a contiguous (N, {x.shape[1]})"
             )
-    if biases is not None and len({b is None for b in biases}) > 1:
-        raise ValueError("lora_gemv_group: give a bias for every weight, or for none")
-    for weight, bias in zip(weights, biases or [None] * groups):
-        if bias is not None and bias.shape != (weight.shape[0],):
-            raise ValueError(f"lora_gemv_group: bias {tuple(bias.shape)}; expected ({weight.shape[0]},)")
-    with_adapter = [b for b in lora_bs or [] if b is not None]
-    rank = sum(b.shape[1] for b in with_adapter)
-    if (xa is None) != (rank == 0):
-        raise ValueError("lora_gemv_group: give xa with at least one lora_b, or neither")
-    if xa is not None:
-        if xa.dim() != 2 or xa.shape != (x.shape[0], rank) or xa.stride(1) != 1:
-            raise ValueError(
-                f"lora_gemv_group: xa {tuple(xa.shape)}; expected ({x.shape[0]}, {rank}), the groups' "
-                "x A^T side by side, contiguous along its rows"
-            )
-        for weight, (_, _, xa_g, lora_b, _) in zip(
-            weights, _terms(x, weights, biases, xa, lora_bs, scalings)
-        ):
-            check_low_rank("lora_gemv_group", x, weight.shape[0], xa_g, lora_b)
-            if lora_b is not None and not lora_b.is_contiguous():
-                raise ValueError("lora_gemv_group: lora_b needs to be contiguous")
-    tensors = [x, *weights, *(b for b in biases or [] if b is not None), *with_adapter]
+    check_group_terms("lora_gemv_group", x, [w.shape[0] for w in weights], biases, xa, lora_bs, scalings)
+    tensors = [
+        x,
+        *weights,
+        *(b for b in biases or [] if b is not None),
+        *(b for b in lora_bs or [] if b is not None),
+    ]
     tensors += [] if xa is None else [xa]
     if len({t.dtype for t in tensors}) != 1:
         raise ValueError(f"lora_gemv_group: mixed dtypes {sorted({str(t.dtype) for t in tensors})}")
     if len({t.device for t in tensors}) != 1:
         raise ValueError("lora_gemv_group: tensors on several devices")
-    if x.stride(1) != 1:
-        raise ValueError("lora_gemv_group: x needs a contiguous last dimension")
 
 
-def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int):
-    """(kernel, grid, arguments, constexprs and launch options) of a checked call."""
-    terms = _terms(x, weights, biases, xa, lora_bs, scalings)
-    rows, k = x.shape
-    block_m, block_n, block_k = tile(candidate, rows, k)
-    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
-    band_starts, bands = [], 0
-    for weight in weights:
-        band_starts.append(bands)
-        bands += triton.cdiv(weight.shape[0], block_n)
-    _, slices, k_per_slice, partials, counters = split_k.plan(
-        x.device, rows, bands * block_n, k, block_n, block_k, programs_per_sm
-    )
-    ranks = [0 if lora_b is None else lora_b.shape[1] for *_, lora_b, _ in terms]
-    xa_columns = [sum(ranks[:g]) for g in range(len(weights))]
-    has_bias = terms[0][1] is not None
+def bands_of(widths, block_n: int) -> tuple[list[int], int]:
+    """Each group's first band of ``block_n`` rows, and the bands of all groups."""
+    starts, bands = [], 0
+    for width in widths:
+        starts.append(bands)
+        bands += triton.cdiv(width, block_n)
+    return starts, bands
+
+
+def group_epilogue_arguments(
+    x, widths, biases, xa, lora_bs, scalings, outs, block_n: int, partials, counters, slices
+):
+    """The groups' epilogue arguments, from XA to slices in the group kernels' signatures,
+    and their constexprs (HAS_LORA, HAS_BIAS, SPLIT, BLOCK_R); x stands in for absent
+    tensors."""
+    terms = _terms(widths, biases, xa, lora_bs, scalings)
+    starts, bands = bands_of(widths, block_n)
+    ranks = [0 if lora_b is None else lora_b.shape[1] for _, _, lora_b, _ in terms]
+    has_bias = terms[0][0] is not None
     arguments = (
-        x,
-        tuple(weights),
         x if xa is None else xa,
-        tuple(x if lora_b is None else lora_b for *_, lora_b, _ in terms),
-        tuple(bias if has_bias else x for _, bias, *_ in terms),
+        tuple(x if lora_b is None else lora_b for _, _, lora_b, _ in terms),
+        tuple(bias if has_bias else x for bias, *_ in terms),
         tuple(outs),
         outs[0] if partials is None else partials,
         outs[0] if counters is None else counters,
-        tuple(band_starts),
-        tuple(weight.shape[0] for weight in weights),
+        tuple(starts),
+        tuple(widths),
         tuple(ranks),
-        tuple(xa_columns),
+        tuple(sum(ranks[:g]) for g in range(len(widths))),
         tuple(float(scaling) for *_, scaling in terms),
-        k,
-        k_per_slice,
-        x.stride(0),
         0 if xa is None else xa.stride(0),
-        rows,
+        x.shape[0],
         bands * block_n,
         slices,
     )
     constants = dict(
-        GROUPS=len(weights),
+        GROUPS=len(widths),
         HAS_LORA=xa is not None,
         HAS_BIAS=has_bias,
         SPLIT=partials is not None,
+        BLOCK_R=max(1, triton.next_power_of_2(max(ranks))),
+    )
+    return arguments, constants
+
+
+def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int):
+    """(kernel, grid, arguments, constexprs and launch options) of a checked call."""
+    rows, k = x.shape
+    widths = [w.shape[0] for w in weights]
+    block_m, block_n, block_k = tile(candidate, rows, k)
+    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
+    _, bands = bands_of(widths, block_n)
+    _, slices, k_per_slice, partials, counters = split_k.plan(
+        x.device, rows, bands * block_n, k, block_n, block_k, programs_per_sm
+    )
+    epilogue_args, constants = group_epilogue_arguments(
+        x, widths, biases, xa, lora_bs, scalings, outs, block_n, partials, counters, slices
+    )
+    arguments = (x, tuple(weights), k, k_per_slice, x.stride(0), *epilogue_args)
+    constants.update(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BLOCK_R=max(1, triton.next_power_of_2(max(ranks))),
         USE_DOT=use_dot,
         DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
         num_warps=warps,
