@@ -54,6 +54,7 @@ from slothkit_kernels.lora_gemv_group import lora_gemv_group, lora_gemv_group_re
 from slothkit_kernels.lora_projection import LoRAProjection
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_gemv import nf4_lora_gemv, nf4_lora_gemv_reference
+from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group, nf4_lora_gemv_group_reference
 from slothkit_kernels.nf4_weight import NF4Weight
 from slothkit_kernels.rms_norm import rms_norm, rms_norm_reference
 from slothkit_kernels.rope import rope, rope_reference, rotate
@@ -87,6 +88,8 @@ __all__ = [
     "lora_qkv_rope",
     "nf4_lora_gemv",
     "nf4_lora_gemv_reference",
+    "nf4_lora_gemv_group",
+    "nf4_lora_gemv_group_reference",
     "rms_norm",
     "rms_norm_reference",
     "rope",

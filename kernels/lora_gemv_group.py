@@ -102,11 +102,11 @@ def _lora_gemv_group_kernel(
 
 def lora_gemv_group_reference(x, weights, biases=None, xa=None, lora_bs=None, scalings=None) -> list:
     """The same in plain torch, each projection computed in fp32 and rounded once."""
-    terms = _terms([w.shape[0] for w in weights], biases, xa, lora_bs, scalings)
+    terms = group_terms([w.shape[0] for w in weights], biases, xa, lora_bs, scalings)
     return [lora_gemv_reference(x, weight, *term) for weight, term in zip(weights, terms)]
 
 
-def _terms(widths, biases, xa, lora_bs, scalings) -> list[tuple]:
+def group_terms(widths, biases, xa, lora_bs, scalings) -> list[tuple]:
     """Per group: (bias, its columns of xa, lora_b, scaling)."""
     groups = len(widths)
     biases = list(biases) if biases is not None else [None] * groups
@@ -150,7 +150,7 @@ def check_group_terms(name: str, x, widths, biases, xa, lora_bs, scalings) -> No
                 f"{name}: xa {tuple(xa.shape)}; expected ({x.shape[0]}, {rank}), the groups' "
                 "x A^T side by side, contiguous along its rows"
             )
-        for width, (_, xa_g, lora_b, _) in zip(widths, _terms(widths, biases, xa, lora_bs, scalings)):
+        for width, (_, xa_g, lora_b, _) in zip(widths, group_terms(widths, biases, xa, lora_bs, scalings)):
             check_low_rank(name, x, width, xa_g, lora_b)
             if lora_b is not None and not lora_b.is_contiguous():
                 raise ValueError(f"{name}: lora_b needs to be contiguous")
@@ -191,7 +191,7 @@ def group_epilogue_arguments(
     """The groups' epilogue arguments, from XA to slices in the group kernels' signatures,
     and their constexprs (HAS_LORA, HAS_BIAS, SPLIT, BLOCK_R); x stands in for absent
     tensors."""
-    terms = _terms(widths, biases, xa, lora_bs, scalings)
+    terms = group_terms(widths, biases, xa, lora_bs, scalings)
     starts, bands = bands_of(widths, block_n)
     ranks = [0 if lora_b is None else lora_b.shape[1] for _, _, lora_b, _ in terms]
     has_bias = terms[0][0] is not None

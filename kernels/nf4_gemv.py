@@ -245,12 +245,22 @@ def _level_pairs(weight: NF4Weight) -> torch.Tensor:
     return bits[byte >> 4] | (bits[byte & 15] << 32)
 
 
+def host_levels(weight: NF4Weight) -> tuple[float, ...]:
+    """The record's 16 levels on the host: read once (a synchronisation, so first outside
+    CUDA graph capture) and kept with its level sources, which its copies share."""
+    if weight.level_sources is None:
+        weight.level_sources = {}
+    if "levels" not in weight.level_sources:
+        weight.level_sources["levels"] = tuple(weight.code.reshape(-1).float().tolist())
+    return weight.level_sources["levels"]
+
+
 def _register_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
     """The PTX turning packed bytes into levels of ``width`` bits (fp32, or the weight's
     16-bit dtype) in registers (level_lookup; half its table as immediates), and the
     int32 table words it takes in registers, a copy for each lane of a warp
     (level_lookup.lane says why).  Reads the levels to the host: a synchronisation."""
-    levels = tuple(weight.code.reshape(-1).float().tolist())
+    levels = host_levels(weight)
     dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
     words = level_lookup.register_words(levels, width, dtype)
     words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed

@@ -221,7 +221,7 @@ def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(
     capturing["now"] = False
     assert choose() == candidate  # outside: made here
     width = 16 if tensor_cores else 32
-    assert list(weight.level_sources) == [("registers", width)]
+    assert set(weight.level_sources) == {("registers", width), "levels"}  # the levels read once
     capturing["now"] = True
     assert choose() == candidate  # made before: the kernel runs in the graph too
 
@@ -313,3 +313,38 @@ def test_a_group_times_the_tiles_fastest_for_its_projections(monkeypatch):
         gemv_choice.group_gemv_candidate(rows, [weight, narrow], None, xa_both, lora_bs, [1.0, 2.0]) is None
     )
     assert given == [[1, 3, 4, 7, 12]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 8])
+def test_nf4_group_choices_on_the_gpu_run_what_they_timed(rows):
+    """On a GPU: the decision for three Linear4bit layers read together, listed once, and
+    the chosen path's outputs within bf16 rounding of each layer's own."""
+    from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
+
+    torch.manual_seed(_seed())
+    layers = [
+        bnb.nn.Linear4bit(1024, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+        .to(torch.bfloat16)
+        .cuda()
+        .eval()
+        for n in (1024, 256, 256)
+    ]
+    weights = [base_weight(layer) for layer in layers]
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
+    bases = [lambda w, layer=layer: _nf4_base_output(layer, x, w, None) for layer in layers]
+    with torch.no_grad():
+        candidate = gemv_choice.nf4_group_gemv_candidate(x, weights, None, None, None, None, bases)
+        expected = [layer(x) for layer in layers]
+        if candidate is not None:
+            got = nf4_lora_gemv_group(x, weights, candidate=candidate)
+            assert gemv_choice._relative_error(got, expected) < gemv_choice.TOLERANCE[torch.bfloat16]
+    listed = [
+        c
+        for c in gemv_choice.choices()
+        if (c["weight"], c["rows"], c["out_features"]) == ("nf4 group", rows, "1024+256+256")
+    ]
+    assert len(listed) == 1 and listed[0]["runs"] == (
+        "separate launches" if candidate is None else "nf4_lora_gemv_group"
+    )
+    assert listed[0]["candidates_ms"], listed[0].get("dropped")  # some candidate ran and agreed
