@@ -16,9 +16,10 @@ On a GPU a 16-bit projection of one to eight rows may instead run slothkit's
 ``lora_gemv``, which adds the adapter in its GEMV's epilogue (one launch): where it was
 timed faster than cuBLAS's GEMV and the ``addmm_`` for that shape (gemv_choice.py);
 and where every layer of the group is such a weight, the whole group (q, k and v; gate
-and up) may run as one ``lora_gemv_group`` launch, where that was timed faster than each
-projection on its own path: a small projection alone cannot fill the GPU long enough to
-stream its weight at full bandwidth.
+and up) may run as one ``lora_gemv_group`` launch (``nf4_lora_gemv_group`` for NF4
+weights quantised alike), where that was timed faster than each projection on its own
+path: a small projection alone cannot fill the GPU long enough to stream its weight at
+full bandwidth.
 The stacked A and the cast B are small copies of the adapters, refreshed before each
 generate call when an adapter tensor was changed in place (its version counter moved),
 so training between generate calls is seen.
@@ -46,10 +47,16 @@ from torch import nn
 
 from slothkit.engine.lora_projection import describe
 from slothkit.engine.nf4_layout import keep_nf4_layout
-from slothkit.inference.gemv_choice import gemv_candidate, group_gemv_candidate, nf4_gemv_candidate
+from slothkit.inference.gemv_choice import (
+    gemv_candidate,
+    group_gemv_candidate,
+    nf4_gemv_candidate,
+    nf4_group_gemv_candidate,
+)
 from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
 from slothkit_kernels.lora_gemv_group import MAX_GROUPS, lora_gemv_group
-from slothkit_kernels.nf4_gemv import nf4_lora_gemv
+from slothkit_kernels.nf4_gemv import host_levels, nf4_lora_gemv, supports
+from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
 from slothkit_kernels.nf4_weight import NF4Weight
 
 
@@ -110,6 +117,7 @@ class SharedInputProjections:
         self.with_adapter = [not self.own_forward and d.lora_a is not None for d in described]
         self.scalings = [d.scaling for d in self.adapters]
         self.dense_group = self._dense_group()
+        self.nf4_group = self._nf4_group()
         self.stacked_a = self.b = None
         self._versions = None
         if self.adapters:
@@ -130,6 +138,24 @@ class SharedInputProjections:
         weights = [weight for weight, _ in self.dense]
         biases = [bias for _, bias in self.dense]
         if not all(w.is_contiguous() for w in weights) or len({b is None for b in biases}) > 1:
+            return None
+        return weights, (None if biases[0] is None else biases)
+
+    def _nf4_group(self):
+        """(weights, biases or None) where every layer is an NF4 weight that
+        ``nf4_lora_gemv_group`` can read with the others in one launch (quantised alike,
+        one table of levels: bitsandbytes' layers of one model are), else None."""
+        if self.own_forward or not 1 < len(self.layers) <= MAX_GROUPS or None in self.nf4:
+            return None
+        weights = [weight for weight, _ in self.nf4]
+        biases = [bias for _, bias in self.nf4]
+
+        def quantisation(w):
+            return w.blocksize, w.is_nested, w.nested_blocksize if w.is_nested else None, w.dtype, w.shape[1]
+
+        if len({b is None for b in biases}) > 1 or not all(supports(w) for w in weights):
+            return None
+        if len({quantisation(w) for w in weights}) > 1 or len({host_levels(w) for w in weights}) > 1:
             return None
         return weights, (None if biases[0] is None else biases)
 
@@ -162,18 +188,36 @@ class SharedInputProjections:
                 adapter += 1
             else:
                 terms.append((None, None, 1.0))
-        if self.dense_group is not None and _gemv_may_run(rows):
-            # The whole group in one launch where that was timed faster than each
-            # projection on its own path (gemv_choice).
+        # The whole group in one launch where that was timed faster than each projection
+        # on its own path (gemv_choice).
+        outs = self._group_outputs(rows, low_rank, [t[1] for t in terms], [t[2] for t in terms])
+        if outs is not None:
+            return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
+        return [self._output(index, x, rows, *terms[index]) for index in range(len(self.layers))]
+
+    def _group_outputs(self, rows, low_rank, lora_bs, scalings) -> list[torch.Tensor] | None:
+        """Every layer's output (N, out) from one group launch, or None where none runs."""
+        if not _gemv_may_run(rows):
+            return None
+        if self.dense_group is not None:
             weights, biases = self.dense_group
-            lora_bs, scalings = [t[1] for t in terms], [t[2] for t in terms]
             candidate = group_gemv_candidate(rows, weights, biases, low_rank, lora_bs, scalings)
             if candidate is not None:
-                outs = lora_gemv_group(
+                return lora_gemv_group(
                     rows, weights, biases, low_rank, lora_bs, scalings, candidate=candidate
                 )
-                return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
-        return [self._output(index, x, rows, *terms[index]) for index in range(len(self.layers))]
+        elif self.nf4_group is not None and rows.dtype == self.nf4_group[0][0].dtype:
+            weights, biases = self.nf4_group
+            bases = [
+                lambda weight, layer=layer, bias=bias: _nf4_base_output(layer, rows, weight, bias)
+                for layer, (_, bias) in zip(map(_base_layer, self.layers), self.nf4)
+            ]
+            candidate = nf4_group_gemv_candidate(rows, weights, biases, low_rank, lora_bs, scalings, bases)
+            if candidate is not None:
+                return nf4_lora_gemv_group(
+                    rows, weights, biases, low_rank, lora_bs, scalings, candidate=candidate
+                )
+        return None
 
     def _output(self, index: int, x, rows, xa, b, scaling: float) -> torch.Tensor:
         """One layer's output: through slothkit's GEMV with the adapter in its epilogue

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from slothkit_kernels import nf4_gemv
 from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES
 from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
-from slothkit_kernels.lora_gemv_group import lora_gemv_group
+from slothkit_kernels.lora_gemv_group import group_terms, lora_gemv_group
 from slothkit_kernels.nf4 import checked
+from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
 from slothkit_kernels.nf4_weight import NF4Weight
 
 MIN_GAIN = 0.03
@@ -46,6 +47,8 @@ NAMES = {
     "16-bit": ("cublas", "lora_gemv"),
     # Projections that read the same rows: each on its own chosen path, or one launch.
     "16-bit group": ("separate launches", "lora_gemv_group"),
+    "nf4 group": ("separate launches", "nf4_lora_gemv_group"),
+    "nf4-table group": ("separate launches", "nf4_lora_gemv_group, table lookup"),
     "nf4": ("bitsandbytes", "nf4_lora_gemv"),  # levels looked up in registers: what decode runs
     "nf4-table": ("bitsandbytes", "nf4_lora_gemv, table lookup"),  # measured for comparison
 }
@@ -179,19 +182,63 @@ def group_gemv_candidate(rows, weights, biases, xa, lora_bs, scalings) -> int | 
     decided (timed) at the first call of a set of shapes outside graph capture."""
     if not _considered(rows):
         return None
-    terms = _group_terms(xa, lora_bs)
-    key = ("16-bit group", str(rows.device), rows.dtype, rows.shape[0],
-           "+".join(str(w.shape[0]) for w in weights), rows.shape[1], _rank(xa), biases is not None)  # fmt: skip
+    return _group_choice(
+        "16-bit group",
+        rows,
+        weights,
+        (biases, xa, lora_bs, scalings),
+        lambda g, weight, *term: dense_path(rows, weight, *term),
+        lambda g, weight, bias, xa_g: _dense_key(rows, weight, bias, xa_g),
+        lambda c, copy: lora_gemv_group(rows, copy, biases, xa, lora_bs, scalings, candidate=c),
+        _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
+        sum(w.numel() * w.element_size() for w in weights),
+        lambda weight: weight.clone(),
+    )
+
+
+def nf4_group_gemv_candidate(
+    rows, weights, biases, xa, lora_bs, scalings, bases, lookup="registers"
+) -> int | None:
+    """The tile candidate of ``nf4_lora_gemv_group`` to run for NF4 projections quantised
+    alike that read the same rows, or None to run each by ``nf4_path`` (``bases[g](w)``:
+    member g's base output read from ``w``, as nf4_gemv_candidate takes it); decided
+    (timed) at the first call of a set of shapes outside graph capture."""
+    if not _considered(rows) or not all(nf4_gemv.supports(w) for w in weights):
+        return None
+    kind = "nf4 group" if lookup == "registers" else f"nf4-{lookup} group"
+    candidate = _group_choice(
+        kind,
+        rows,
+        weights,
+        (biases, xa, lora_bs, scalings),
+        lambda g, weight, *term: nf4_path(rows, weight, *term, bases[g], lookup),
+        lambda g, weight, bias, xa_g: _nf4_key(kind.removesuffix(" group"), rows, weight, bias, xa_g),
+        lambda c, copy: nf4_lora_gemv_group(
+            rows, copy, biases, xa, lora_bs, scalings, candidate=c, lookup=lookup
+        ),
+        _usable(nf4_gemv.CANDIDATES, lambda tile: tile[4] == "tensor cores", rows.device),
+        sum(w.packed.numel() * w.packed.element_size() for w in weights),
+        lambda weight: checked(weight).with_packed(weight.packed.clone()),
+    )
+    if candidate is None or not _levels_made(weights, candidate, lookup):
+        return None
+    return candidate
+
+
+def _group_choice(kind, rows, weights, terms, path, member_key, kernel, usable, nbytes, clone) -> int | None:
+    """The choice for a group of projections: ``path(g, weight, bias, xa_g, lora_b,
+    scaling)`` runs member g on its own chosen path (the baseline, all members in turn),
+    ``member_key(g, weight, bias, xa_g)`` is that member's own decision's key,
+    ``kernel(candidate, weights)`` the group launch; ``terms``: (biases, xa, lora_bs,
+    scalings) as the group kernels take them."""
+    members = group_terms([w.shape[0] for w in weights], *terms)
+    _, xa, _, _ = terms
+    key = (kind, str(rows.device), rows.dtype, rows.shape[0], "+".join(str(w.shape[0]) for w in weights),
+           rows.shape[1], _rank(xa), terms[0] is not None)  # fmt: skip
 
     def separate(copy):
-        return [
-            dense_path(
-                rows, weight, None if biases is None else biases[g], *terms[g], lora_bs[g], scalings[g]
-            )
-            for g, weight in enumerate(copy)
-        ]
+        return [path(g, weight, *members[g]) for g, weight in enumerate(copy)]
 
-    usable = _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device)
     if key not in _choices and not torch.cuda.is_current_stream_capturing():
         # Each projection's own decision first: the group's candidates are the tiles
         # that came fastest for its members (a group launch is their bands side by
@@ -199,34 +246,18 @@ def group_gemv_candidate(rows, weights, biases, xa, lora_bs, scalings) -> int | 
         separate(weights)
         promising = set()
         for g, weight in enumerate(weights):
-            bias = None if biases is None else biases[g]
-            timed = _choices.get(_dense_key(rows, weight, bias, terms[g][0]), {}).get("candidates_ms", {})
+            bias, xa_g, _, _ = members[g]
+            timed = _choices.get(member_key(g, weight, bias, xa_g), {}).get("candidates_ms", {})
             promising.update(sorted(timed, key=timed.get)[:PROMISING])
         usable = sorted(promising & set(usable)) or usable
     return _choose(
         key,
         separate,
-        lambda c, copy: lora_gemv_group(rows, copy, biases, xa, lora_bs, scalings, candidate=c),
+        kernel,
         usable,
-        lambda: _copies(
-            tuple(weights),
-            sum(w.numel() * w.element_size() for w in weights),
-            lambda: tuple(w.clone() for w in weights),
-        ),
+        lambda: _copies(tuple(weights), nbytes, lambda: tuple(clone(w) for w in weights)),
         rows.dtype,
     )
-
-
-def _group_terms(xa, lora_bs) -> list[tuple]:
-    """Per projection (its columns of the side-by-side xa,) or (None,)."""
-    terms, column = [], 0
-    for lora_b in lora_bs:
-        if lora_b is None:
-            terms.append((None,))
-        else:
-            terms.append((xa[:, column : column + lora_b.shape[1]],))
-            column += lora_b.shape[1]
-    return terms
 
 
 def nf4_gemv_candidate(
@@ -239,7 +270,7 @@ def nf4_gemv_candidate(
     if not _considered(rows) or not nf4_gemv.supports(weight):
         return None
     kind = "nf4" if lookup == "registers" else f"nf4-{lookup}"
-    key = (kind, str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
+    key = _nf4_key(kind, rows, weight, bias, xa)
 
     def clone() -> NF4Weight:  # new codes; the scales (1/64 of the bytes) are shared
         return checked(weight).with_packed(weight.packed.clone())
@@ -252,18 +283,43 @@ def nf4_gemv_candidate(
         lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone),
         rows.dtype,
     )
-    if candidate is None or lookup != "registers":
-        return candidate
-    # The register lookup reads the record's levels to the host once (a synchronisation).
-    # The choice is made per shape, so another layer's record of the same shape may reach
-    # this point first during capture, where no synchronisation is allowed: it then takes
-    # bitsandbytes' path in that graph.  Outside capture its lookup is made here.
-    width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
-    if not nf4_gemv.has_level_source(weight, "registers", width):
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        nf4_gemv.level_source(weight, "registers", width)
+    if candidate is None or not _levels_made([weight], candidate, lookup):
+        return None
     return candidate
+
+
+def _levels_made(weights, candidate: int, lookup: str) -> bool:
+    """Whether the register lookup (and, for a group, each weight's levels on the host)
+    is made for these records, making it outside capture.  Reading levels to the host is
+    a synchronisation, and the choice is made per shape, so another layer's records of
+    the same shapes may reach this point first during capture, where none is allowed:
+    they then take the library's path in that graph."""
+    if lookup != "registers":
+        return True
+    width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
+    made = nf4_gemv.has_level_source(weights[0], "registers", width) and all(
+        "levels" in (w.level_sources or {}) for w in weights
+    )
+    if not made:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        nf4_gemv.level_source(weights[0], "registers", width)
+        for weight in weights:
+            nf4_gemv.host_levels(weight)
+    return True
+
+
+def _nf4_key(kind: str, rows, weight, bias, xa) -> tuple:
+    return (kind, str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
+
+
+def nf4_path(rows, weight, bias, xa, lora_b, scaling, base, lookup="registers") -> torch.Tensor:
+    """An NF4 projection of a decode step's rows by the path chosen for its shape:
+    ``nf4_lora_gemv`` at its chosen tile, else ``base(weight)`` and the adapter's ``addmm_``."""
+    candidate = nf4_gemv_candidate(rows, weight, bias, xa, lora_b, scaling, base, lookup)
+    if candidate is None:
+        return with_adapter(base(weight), xa, lora_b, scaling)
+    return nf4_gemv.nf4_lora_gemv(rows, weight, bias, xa, lora_b, scaling, candidate=candidate, lookup=lookup)
 
 
 def _rank(xa) -> int:

@@ -4,6 +4,8 @@ ranks and scalings, disabled and merged adapters, adapters changed in place afte
 copies were made, and layers it must leave to their own forward (DoRA, two active
 adapters)."""
 
+import itertools
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -199,34 +201,45 @@ def test_nf4_bases_of_another_compute_dtype_keep_their_own_forward():
     assert projections.nf4 == [None, None, None]
 
 
+def _group_timed_faster(monkeypatch, kernel: str, candidates: list[int]) -> list:
+    """Decode-step conditions on the CPU, with the timings given: each projection apart
+    keeps the library's path, the group launch ``kernel`` (the decode_projections name
+    of lora_gemv_group or nf4_lora_gemv_group) is timed at ``candidates`` and the last
+    one is the fastest.  Returns the list of candidates the group kernel runs at."""
+    from slothkit.inference import decode_projections, gemv_choice
+
+    monkeypatch.setattr(decode_projections, "_gemv_may_run", lambda rows: rows.shape[0] <= 8)
+    monkeypatch.setattr(gemv_choice, "_considered", lambda rows: rows.shape[0] <= 8)
+    monkeypatch.setattr(gemv_choice, "gemv_candidate", lambda *args: None)  # apart: the library's path
+    monkeypatch.setattr(gemv_choice, "nf4_gemv_candidate", lambda *args: None)
+    monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: candidates)
+    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
+    monkeypatch.setattr(gemv_choice, "_choices", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    # Per decision: apart, then each candidate.
+    answers = itertools.cycle([1.0] + [0.6] * (len(candidates) - 1) + [0.5])
+    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(answers))
+    launches = []
+    group = getattr(decode_projections, kernel)
+    monkeypatch.setattr(
+        decode_projections, kernel, lambda *a, **k: launches.append(k["candidate"]) or group(*a, **k)
+    )
+    return launches
+
+
 @pytest.mark.parametrize("adapters", ["ranks and scalings of their own", "merged"])
 def test_a_group_timed_faster_runs_in_one_launch_and_equals_each_layer(monkeypatch, adapters):
     """Where lora_gemv_group was timed faster than the projections apart (the timings
     given; the kernel runs under the Triton interpreter), q, k and v of a decode step's
     rows take one launch of it and give each layer's own output; more rows than a decode
     step's take the layers' path."""
-    from slothkit.inference import decode_projections, gemv_choice
+    from slothkit.inference import gemv_choice
 
     seed = int(torch.randint(0, 2**31, ()))
     model, layers = _adapted(seed, rank_pattern={"k": 2}, alpha_pattern={"v": 3})
     if adapters == "merged":
         model.merge_adapter()
-    monkeypatch.setattr(decode_projections, "_gemv_may_run", lambda rows: rows.shape[0] <= 8)
-    monkeypatch.setattr(gemv_choice, "_considered", lambda rows: rows.shape[0] <= 8)
-    monkeypatch.setattr(gemv_choice, "gemv_candidate", lambda *args: None)  # apart: the library's path
-    monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: [0, 5])
-    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
-    monkeypatch.setattr(gemv_choice, "_choices", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    answers = iter([1.0, 0.6, 0.5])  # apart, then candidates 0 and 5
-    monkeypatch.setattr(gemv_choice, "_graph_ms", lambda call, copies: next(answers))
-    launches = []
-    group = decode_projections.lora_gemv_group
-    monkeypatch.setattr(
-        decode_projections,
-        "lora_gemv_group",
-        lambda *a, **k: launches.append(k["candidate"]) or group(*a, **k),
-    )
+    launches = _group_timed_faster(monkeypatch, "lora_gemv_group", [0, 5])
     projections = SharedInputProjections(layers, torch.float32)
     assert projections.dense_group is not None
     _assert_outputs_equal(layers, projections)  # 3 rows, then 10
@@ -234,6 +247,30 @@ def test_a_group_timed_faster_runs_in_one_launch_and_equals_each_layer(monkeypat
     (decision,) = gemv_choice.choices()
     assert decision["weight"] == "16-bit group" and decision["out_features"] == "48+16+16"
     assert decision["runs"] == "lora_gemv_group" and decision["rank"] == (0 if adapters == "merged" else 10)
+
+
+def test_an_nf4_group_timed_faster_runs_in_one_launch_and_equals_each_layer(
+    monkeypatch, bitsandbytes_repacks_on_cpu
+):
+    """The same for q, k and v as bitsandbytes NF4 layers with LoRA: one
+    nf4_lora_gemv_group launch (under the interpreter) gives each layer's own output
+    (bitsandbytes' for one row), to the rounding of its 4-bit GEMV."""
+    from slothkit.inference import gemv_choice
+
+    layers = _nf4_block(torch.float32)
+    launches = _group_timed_faster(monkeypatch, "nf4_lora_gemv_group", [0, 4])
+    projections = SharedInputProjections(layers, torch.float32)
+    assert projections.nf4_group is not None and projections.dense_group is None
+    for shape in ((1, 1), (1, 3)):
+        x = torch.randn(*shape, NF4_WIDTH)
+        with torch.no_grad():
+            expected = [layer(x) for layer in layers]
+            got = projections(x)
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert launches == [4, 4]
+    (decision,) = [c for c in gemv_choice.choices() if c["weight"] == "nf4 group" and c["rows"] == 1]
+    assert decision["out_features"] == "48+16+16" and decision["runs"] == "nf4_lora_gemv_group"
 
 
 def test_a_group_is_left_apart_where_its_biases_differ():
