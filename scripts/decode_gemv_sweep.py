@@ -9,7 +9,10 @@ for NF4), the best candidate's, which runs, every candidate's time and why any o
 dropped, so that a tile set can be tuned from one GPU call.  Weights are random (bf16,
 or NF4 with double quantisation, blocks of 64, as QLoRA loads them); the adapter is
 LoRA r = 16.  Kind ``nf4-table`` times nf4_lora_gemv with its levels read from a table
-instead of looked up in registers, for comparison.
+instead of looked up in registers, for comparison.  Kinds ``16-bit-group`` and
+``nf4-group`` time the projections that read one input (q, k, v; gate, up) as one
+launch (lora_gemv_group, nf4_lora_gemv_group) against each on its own chosen path, whose
+decisions they list too.
 
     python scripts/decode_gemv_sweep.py --rows 1,8 --output $OUT/decode-gemv.json
 """
@@ -24,6 +27,8 @@ import torch
 
 # (out_features, in_features) of Llama-3-8B's projections: q/o, k/v, gate/up, down.
 SHAPES = {"llama-3-8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]}
+# Its projections that read one input: q, k, v; gate, up.
+GROUPS = {"llama-3-8b": [[(4096, 4096), (1024, 4096), (1024, 4096)], [(14336, 4096), (14336, 4096)]]}
 RANK = 16
 
 
@@ -64,16 +69,43 @@ def _decide(kind: str, out_features: int, in_features: int, rows: int) -> None:
         )
 
 
-def _weight_bytes(kind: str, out_features: int, in_features: int) -> int:
-    elements = out_features * in_features
-    return 2 * elements if kind == "16-bit" else elements // 2 + elements // 64
+def _decide_group(kind: str, shapes: list[tuple[int, int]], rows: int) -> None:
+    from slothkit.engine.lora_projection import base_weight
+    from slothkit.inference import gemv_choice
+    from slothkit.inference.decode_projections import _nf4_base_output
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * scale
+
+    in_features = shapes[0][1]
+    x, xa = randn(rows, in_features), randn(rows, RANK * len(shapes))
+    lora_bs = [randn(out_features, RANK, scale=0.01) for out_features, _ in shapes]
+    scalings = [2.0] * len(shapes)
+    if kind == "16-bit-group":
+        weights = [randn(n, k, scale=k**-0.5) for n, k in shapes]
+        gemv_choice.group_gemv_candidate(x, weights, None, xa, lora_bs, scalings)
+    else:  # "nf4-group"
+        layers = [_nf4_layer(n, k) for n, k in shapes]
+        bases = [lambda w, layer=layer: _nf4_base_output(layer, x, w, None) for layer in layers]
+        weights = [base_weight(layer) for layer in layers]
+        gemv_choice.nf4_group_gemv_candidate(x, weights, None, xa, lora_bs, scalings, bases)
+
+
+def _weight_bytes(kind: str, out_features, in_features: int) -> int:
+    """Of the weight, or of a group's weights (out_features "4096+1024+1024")."""
+    elements = sum(int(n) for n in str(out_features).split("+")) * in_features
+    return 2 * elements if kind.startswith("16-bit") else elements // 2 + elements // 64
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3-8b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,8", help="row counts (batch sizes) to decide for")
-    parser.add_argument("--kinds", default="16-bit,nf4", help="16-bit, nf4, nf4-table (the table lookup)")
+    parser.add_argument(
+        "--kinds",
+        default="16-bit,nf4",
+        help="16-bit, nf4, nf4-table (the table lookup), 16-bit-group, nf4-group",
+    )
     parser.add_argument("--output", help="JSON file for the choices and the setting")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -82,6 +114,10 @@ def main() -> None:
     with torch.no_grad():
         for kind in args.kinds.split(","):
             for rows in (int(r) for r in args.rows.split(",")):
+                if kind.endswith("-group"):
+                    for shapes in GROUPS[args.model]:
+                        _decide_group(kind, shapes, rows)
+                    continue
                 for out_features, in_features in SHAPES[args.model]:
                     _decide(kind, out_features, in_features, rows)
     choices = gemv_choice.choices()
