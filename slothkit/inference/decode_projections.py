@@ -48,6 +48,7 @@ from torch import nn
 from slothkit.engine.lora_projection import describe
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.inference.gemv_choice import (
+    dense_path,
     gemv_candidate,
     group_gemv_candidate,
     nf4_gemv_candidate,
@@ -177,7 +178,14 @@ class SharedInputProjections:
         if self.own_forward:
             return [layer(x) for layer in self.layers]
         rows = x.reshape(-1, x.shape[-1])
-        low_rank = rows @ self.stacked_a.t() if self.adapters else None  # (N, sum of ranks)
+        low_rank = None  # (N, sum of ranks): x A^T of every adapter, side by side
+        if self.adapters:
+            if _gemv_may_run(rows) and rows.dtype == self.stacked_a.dtype:
+                # A GEMV too, of few output columns and a long K, which cuBLAS may split
+                # into two launches: slothkit's where timed faster (gemv_choice).
+                low_rank = dense_path(rows, self.stacked_a, None, None, None, 1.0)
+            else:
+                low_rank = rows @ self.stacked_a.t()
         terms = []  # per layer: (its columns of low_rank, its B, its scaling)
         start = adapter = 0
         for index in range(len(self.layers)):

@@ -205,12 +205,16 @@ def _group_timed_faster(monkeypatch, kernel: str, candidates: list[int]) -> list
     """Decode-step conditions on the CPU, with the timings given: each projection apart
     keeps the library's path, the group launch ``kernel`` (the decode_projections name
     of lora_gemv_group or nf4_lora_gemv_group) is timed at ``candidates`` and the last
-    one is the fastest.  Returns the list of candidates the group kernel runs at."""
+    one is the fastest.  Returns the candidates the group kernel runs at, and the shapes
+    of the 16-bit weights whose own decisions were asked for."""
     from slothkit.inference import decode_projections, gemv_choice
 
     monkeypatch.setattr(decode_projections, "_gemv_may_run", lambda rows: rows.shape[0] <= 8)
     monkeypatch.setattr(gemv_choice, "_considered", lambda rows: rows.shape[0] <= 8)
-    monkeypatch.setattr(gemv_choice, "gemv_candidate", lambda *args: None)  # apart: the library's path
+    asked = []  # the 16-bit weights' shapes each decode call asked a decision for
+    monkeypatch.setattr(  # apart: the library's path
+        gemv_choice, "gemv_candidate", lambda rows, weight, *rest: asked.append(tuple(weight.shape))
+    )
     monkeypatch.setattr(gemv_choice, "nf4_gemv_candidate", lambda *args: None)
     monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: candidates)
     monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
@@ -224,7 +228,7 @@ def _group_timed_faster(monkeypatch, kernel: str, candidates: list[int]) -> list
     monkeypatch.setattr(
         decode_projections, kernel, lambda *a, **k: launches.append(k["candidate"]) or group(*a, **k)
     )
-    return launches
+    return launches, asked
 
 
 @pytest.mark.parametrize("adapters", ["ranks and scalings of their own", "merged"])
@@ -239,11 +243,13 @@ def test_a_group_timed_faster_runs_in_one_launch_and_equals_each_layer(monkeypat
     model, layers = _adapted(seed, rank_pattern={"k": 2}, alpha_pattern={"v": 3})
     if adapters == "merged":
         model.merge_adapter()
-    launches = _group_timed_faster(monkeypatch, "lora_gemv_group", [0, 5])
+    launches, asked = _group_timed_faster(monkeypatch, "lora_gemv_group", [0, 5])
     projections = SharedInputProjections(layers, torch.float32)
     assert projections.dense_group is not None
     _assert_outputs_equal(layers, projections)  # 3 rows, then 10
     assert launches == [5]  # the 3-row call, at the faster candidate; none for 10 rows
+    # The adapters' x A^T (stacked A: 4 + 2 + 4 rows) is a decode GEMV decided by its shape too.
+    assert ((10, 32) in asked) == (adapters != "merged")
     (decision,) = gemv_choice.choices()
     assert decision["weight"] == "16-bit group" and decision["out_features"] == "48+16+16"
     assert decision["runs"] == "lora_gemv_group" and decision["rank"] == (0 if adapters == "merged" else 10)
@@ -258,7 +264,7 @@ def test_an_nf4_group_timed_faster_runs_in_one_launch_and_equals_each_layer(
     from slothkit.inference import gemv_choice
 
     layers = _nf4_block(torch.float32)
-    launches = _group_timed_faster(monkeypatch, "nf4_lora_gemv_group", [0, 4])
+    launches, _ = _group_timed_faster(monkeypatch, "nf4_lora_gemv_group", [0, 4])
     projections = SharedInputProjections(layers, torch.float32)
     assert projections.nf4_group is not None and projections.dense_group is None
     for shape in ((1, 1), (1, 3)):
