@@ -6,7 +6,7 @@ For each shape, row count and weight kind it runs the choice itself and prints, 
 ``gemv_choice.choices()``: the library path's time and bandwidth (cuBLAS's GEMV + addmm_
 for 16-bit weights; bitsandbytes' GEMV, or dequantise + matmul beyond one row, + addmm_
 for NF4), the best candidate's, which runs, every candidate's time and why any other was
-dropped, so that a tile set can be tuned from one GPU call.  Weights are random (bf16,
+dropped, so that a tile set can be tuned from one run of it.  Weights are random (bf16,
 or NF4 with double quantisation, blocks of 64, as QLoRA loads them); the adapter is
 LoRA r = 16.  Kind ``nf4-table`` times nf4_lora_gemv with its levels read from a table
 instead of looked up in registers, for comparison.  Kinds ``16-bit-group`` and
