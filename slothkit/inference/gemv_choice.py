@@ -69,11 +69,11 @@ def cublas_path(rows, weight, bias, xa, lora_b, scaling) -> torch.Tensor:
     return with_adapter(F.linear(rows, weight, bias), xa, lora_b, scaling)
 
 
-def _copies(first, nbytes: int, clone: Callable) -> list:
-    """``first`` and enough clones of it that together they exceed twice the L2 cache:
-    calls cycling through them read their weight from memory, as the decode step does
-    (it reads each weight once per token), rather than from a cache the timing warmed."""
-    device = (first[0] if isinstance(first, tuple) else first).device  # a group's: a tuple of weights
+def _copies(first, nbytes: int, clone: Callable, device: torch.device) -> list:
+    """``first`` (a weight, or a group's tuple of them, on ``device``) and enough clones of
+    it that together they exceed twice the L2 cache: calls cycling through them read their
+    weight from memory, as the decode step does (it reads each weight once per token),
+    rather than from a cache the timing warmed."""
     l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 << 20
     count = -(-2 * l2_bytes // nbytes)
     return [first] + [clone() for _ in range(count - 1)]
@@ -158,7 +158,7 @@ def gemv_candidate(rows, weight, bias, xa, lora_b, scaling) -> int | None:
         lambda w: cublas_path(rows, w, bias, xa, lora_b, scaling),
         lambda c, w: lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c),
         _usable(DENSE_CANDIDATES, lambda tile: tile[4], rows.device),
-        lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone),
+        lambda: _copies(weight, weight.numel() * weight.element_size(), weight.clone, rows.device),
         rows.dtype,
     )
 
@@ -255,7 +255,7 @@ def _group_choice(kind, rows, weights, terms, path, member_key, kernel, usable, 
         separate,
         kernel,
         usable,
-        lambda: _copies(tuple(weights), nbytes, lambda: tuple(clone(w) for w in weights)),
+        lambda: _copies(tuple(weights), nbytes, lambda: tuple(clone(w) for w in weights), rows.device),
         rows.dtype,
     )
 
@@ -280,7 +280,7 @@ def nf4_gemv_candidate(
         lambda w: with_adapter(base(w), xa, lora_b, scaling),
         lambda c, w: nf4_gemv.nf4_lora_gemv(rows, w, bias, xa, lora_b, scaling, candidate=c, lookup=lookup),
         _usable(nf4_gemv.CANDIDATES, lambda tile: tile[4] == "tensor cores", rows.device),
-        lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone),
+        lambda: _copies(weight, weight.packed.numel() * weight.packed.element_size(), clone, rows.device),
         rows.dtype,
     )
     if candidate is None or not _levels_made([weight], candidate, lookup):

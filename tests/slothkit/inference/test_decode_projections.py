@@ -36,14 +36,14 @@ def _adapted(seed: int, **lora):
     return model, [block.q, block.k, block.v]
 
 
-def _assert_outputs_equal(layers, projections, rows=(1, 3), width=32):
+def _assert_outputs_equal(layers, projections, rows=(1, 3), width=32, tolerance=1e-5):
     for shape in (rows, (2, 5)):
         x = torch.randn(*shape, width)
         with torch.no_grad():
             expected = [layer(x) for layer in layers]
             got = projections(x)
         for e, g in zip(expected, got):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g, e, rtol=tolerance, atol=tolerance)
 
 
 def test_plain_linears_are_their_own_outputs():
@@ -217,7 +217,7 @@ def _group_timed_faster(monkeypatch, kernel: str, candidates: list[int]) -> list
     )
     monkeypatch.setattr(gemv_choice, "nf4_gemv_candidate", lambda *args: None)
     monkeypatch.setattr(gemv_choice, "_usable", lambda tiles, uses_tensor_cores, device: candidates)
-    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
+    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone, device: [first])
     monkeypatch.setattr(gemv_choice, "_choices", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     # Per decision: apart, then each candidate.
@@ -267,13 +267,8 @@ def test_an_nf4_group_timed_faster_runs_in_one_launch_and_equals_each_layer(
     launches, _ = _group_timed_faster(monkeypatch, "nf4_lora_gemv_group", [0, 4])
     projections = SharedInputProjections(layers, torch.float32)
     assert projections.nf4_group is not None and projections.dense_group is None
-    for shape in ((1, 1), (1, 3)):
-        x = torch.randn(*shape, NF4_WIDTH)
-        with torch.no_grad():
-            expected = [layer(x) for layer in layers]
-            got = projections(x)
-        for e, g in zip(expected, got):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    for rows in ((1, 1), (1, 3)):  # one row, three; then ten each time, more than a decode step's
+        _assert_outputs_equal(layers, projections, rows=rows, width=NF4_WIDTH, tolerance=1e-4)
     assert launches == [4, 4]
     (decision,) = [c for c in gemv_choice.choices() if c["weight"] == "nf4 group" and c["rows"] == 1]
     assert decision["out_features"] == "48+16+16" and decision["runs"] == "nf4_lora_gemv_group"

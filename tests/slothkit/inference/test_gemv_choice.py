@@ -243,6 +243,18 @@ def test_tensor_core_tiles_are_timed_only_where_triton_makes_tensor_core_product
         assert len(cuda_cores) < len(tiles)  # both kinds exist, so the two answers differ
 
 
+def _assert_group_listed_once(kind: str, rows: int, candidate, kernel: str) -> None:
+    """The group decision of ``kind`` for 1024 + 256 + 256 output rows is listed once, runs
+    what was chosen, and some candidate ran and agreed."""
+    listed = [
+        c
+        for c in gemv_choice.choices()
+        if (c["weight"], c["rows"], c["out_features"]) == (kind, rows, "1024+256+256")
+    ]
+    assert len(listed) == 1 and listed[0]["runs"] == ("separate launches" if candidate is None else kernel)
+    assert listed[0]["candidates_ms"], listed[0].get("dropped")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 8])
 def test_group_choices_on_the_gpu_run_what_they_timed(rows):
@@ -269,15 +281,7 @@ def test_group_choices_on_the_gpu_run_what_they_timed(rows):
     if candidate is not None:
         got = lora_gemv_group(x, weights, None, xa, lora_bs, scalings, candidate=candidate)
         assert gemv_choice._relative_error(got, expected) < gemv_choice.TOLERANCE[torch.bfloat16]
-    listed = [
-        c
-        for c in gemv_choice.choices()
-        if (c["weight"], c["rows"], c["out_features"]) == ("16-bit group", rows, "1024+256+256")
-    ]
-    assert len(listed) == 1 and listed[0]["runs"] == (
-        "separate launches" if candidate is None else "lora_gemv_group"
-    )
-    assert listed[0]["candidates_ms"], listed[0].get("dropped")  # some candidate ran and agreed
+    _assert_group_listed_once("16-bit group", rows, candidate, "lora_gemv_group")
 
 
 def test_a_group_times_the_tiles_fastest_for_its_projections(monkeypatch):
@@ -289,7 +293,7 @@ def test_a_group_times_the_tiles_fastest_for_its_projections(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(gemv_choice, "_choices", {})
-    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone: [first])
+    monkeypatch.setattr(gemv_choice, "_copies", lambda first, nbytes, clone, device: [first])
     rows, weight, bias, xa, lora_b, scaling = _inputs(_seed())
     narrow = weight[:8].contiguous()
     members = {  # shape -> candidates_ms
@@ -339,12 +343,4 @@ def test_nf4_group_choices_on_the_gpu_run_what_they_timed(rows):
         if candidate is not None:
             got = nf4_lora_gemv_group(x, weights, candidate=candidate)
             assert gemv_choice._relative_error(got, expected) < gemv_choice.TOLERANCE[torch.bfloat16]
-    listed = [
-        c
-        for c in gemv_choice.choices()
-        if (c["weight"], c["rows"], c["out_features"]) == ("nf4 group", rows, "1024+256+256")
-    ]
-    assert len(listed) == 1 and listed[0]["runs"] == (
-        "separate launches" if candidate is None else "nf4_lora_gemv_group"
-    )
-    assert listed[0]["candidates_ms"], listed[0].get("dropped")  # some candidate ran and agreed
+    _assert_group_listed_once("nf4 group", rows, candidate, "nf4_lora_gemv_group")
