@@ -33,17 +33,82 @@ import torch
 import triton
 import triton.language as tl
 
+from slothkit_kernels import split_k
 from slothkit_kernels.geglu import _gelu_and_derivative
-from slothkit_kernels.utils import use_triton, warn_reference_once
+from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
 MAX_ROWS = 8
-# Columns a program handles per step of its loop, and the programs a row's A is spread
-# over (about; each owns a power of two of A's rows): enough parts to stream A from
-# several SMs at once, few enough that each part's recomputation of the row stays small.
-BLOCK_COLS = 1024
-TARGET_PARTS = 16
-NUM_WARPS = 4
+# Elements of A a program multiplies per step (its rows per step times the columns of its
+# slice), and the longest stretch of a row summed at once for the norm's mean square.
+TILE_ELEMENTS = 8192
+# At most this many columns a slice: a (16, columns) fp32 tile of the rows (tl.dot's 16
+# rows, padded) per value live in the loop (gate, up, h) stays in registers.
+MAX_COLS = 256
+SQUARES_COLS = 8192
+NUM_WARPS = 8
 ACTIVATIONS = {"swiglu": 0, "geglu_tanh": 1, "geglu": 2}
+
+
+@triton.jit
+def _slice_times_a(y, cols, col_mask, A, r0, rank, stride_a, DOT_FP32: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(BLOCK_M, BLOCK_R) fp32: the rows ``y`` (BLOCK_M, BLOCK_COLS) of this slice times
+    A's rows r0 .. r0 + BLOCK_R over the same columns, transposed (products of 16-bit
+    values are exact in the fp32 accumulator)."""
+    ranks = r0 + tl.arange(0, BLOCK_R)
+    a = tl.load(
+        A + ranks[:, None] * stride_a + cols[None, :],
+        mask=(ranks < rank)[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        return tl.dot(y.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+    return tl.dot(y, tl.trans(a))
+
+
+@triton.jit
+def _store_partial(part, PARTIALS, offs_m, m_mask, r0, rank, M, pid, BLOCK_R: tl.constexpr):
+    ranks = r0 + tl.arange(0, BLOCK_R)
+    at = PARTIALS + pid.to(tl.int64) * M * rank + offs_m[:, None] * rank + ranks[None, :]
+    tl.store(at, part, mask=m_mask[:, None] & (ranks < rank)[None, :])
+
+
+@triton.jit
+def _sum_slices(
+    PARTIALS,
+    COUNTER,
+    XA,
+    M,
+    rank,
+    slices,
+    stride_xam,
+    BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr,  # a power of two >= M
+    BLOCK_SLICES: tl.constexpr,  # a power of two >= slices
+):
+    """After every slice stored its partial products: the last program to arrive adds
+    them up, all slices in one tile (one fixed order of additions, whoever came last,
+    and one round trip to memory rather than one per slice), rounds them into XA and
+    sets the counter back to 0 (split_k.py's protocol)."""
+    tl.debug_barrier()  # every thread's partials stored before the count says so
+    arrived = tl.atomic_add(COUNTER, 1, sem="acq_rel")
+    if arrived == slices - 1:
+        offs_s = tl.arange(0, BLOCK_SLICES)
+        offs_m = tl.arange(0, ROWS)
+        for r0 in range(0, rank, BLOCK_R):
+            ranks = r0 + tl.arange(0, BLOCK_R)
+            mask = (
+                (offs_s < slices)[:, None, None] & (offs_m < M)[None, :, None] & (ranks < rank)[None, None, :]
+            )
+            at = (
+                offs_s.to(tl.int64)[:, None, None] * M * rank
+                + offs_m[None, :, None] * rank
+                + ranks[None, None, :]
+            )
+            parts = tl.load(PARTIALS + at, mask=mask, other=0.0, cache_modifier=".cg")
+            xa = tl.sum(parts, axis=0)
+            out = XA + offs_m[:, None] * stride_xam + ranks[None, :]
+            tl.store(out, xa.to(XA.dtype.element_ty), mask=(offs_m < M)[:, None] & (ranks < rank)[None, :])
+        tl.atomic_xchg(COUNTER, 0)  # ready for the next call
 
 
 @triton.jit
@@ -55,8 +120,13 @@ def _add_rms_norm_low_rank_kernel(
     NORMED,  # (M, H) the norm's output
     A,  # (R, H) the stacked LoRA A (unused without HAS_LORA)
     XA,  # (M, R) NORMED times A^T (unused without HAS_LORA)
+    PARTIALS,  # (slices, M, R) fp32, each slice's share of XA (unused without HAS_LORA)
+    COUNTER,  # (1,) int32, 0 between calls (unused without HAS_LORA)
+    M,
     n_cols,
+    cols_per_slice,  # a multiple of BLOCK_COLS
     rank,
+    rank_end,  # max(rank, 1): the loop over A's rows runs once without an adapter too
     eps,
     stride_hm,
     stride_um,
@@ -67,54 +137,67 @@ def _add_rms_norm_low_rank_kernel(
     ADD: tl.constexpr,
     GEMMA: tl.constexpr,  # y = x_hat * (1 + w), rounded once (GemmaRMSNorm)
     HAS_LORA: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # fp32 operands in IEEE precision (fp32 inputs; the interpreter)
+    BLOCK_M: tl.constexpr,  # 16, tl.dot's least; rows past M are masked
     BLOCK_COLS: tl.constexpr,
-    BLOCK_RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SQUARES_COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_SLICES: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    parts = tl.num_programs(1)
-    offs = tl.arange(0, BLOCK_COLS)
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
 
-    squares = tl.zeros((BLOCK_COLS,), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_COLS):
-        cols = c0 + offs
-        mask = cols < n_cols
-        x = tl.load(HIDDEN + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
-        if ADD:  # torch rounds the sum to the stream's dtype before the norm reads it
-            u = tl.load(UPDATE + row * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x + u).to(HIDDEN.dtype.element_ty).to(tl.float32)
-        squares += x * x
-    rstd = tl.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
+    # Each row's mean square over the whole row (every slice needs it; a row is a few KB,
+    # read from L2 by each), one row at a time into a (BLOCK_M,) vector.
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    offs_sq = tl.arange(0, SQUARES_COLS)
+    for m in range(0, M):
+        squares = tl.zeros((SQUARES_COLS,), dtype=tl.float32)
+        for c0 in range(0, n_cols, SQUARES_COLS):
+            cols = c0 + offs_sq
+            mask = cols < n_cols
+            x = tl.load(HIDDEN + m * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
+            if ADD:  # torch rounds the sum to the stream's dtype before the norm reads it
+                u = tl.load(UPDATE + m * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
+                x = (x + u).to(HIDDEN.dtype.element_ty).to(tl.float32)
+            squares += x * x
+        row_rstd = tl.rsqrt(tl.sum(squares, axis=0) / n_cols + eps)
+        rstd = tl.where(offs_m == m, row_rstd, rstd)
 
-    ranks = part * BLOCK_RANK + tl.arange(0, BLOCK_RANK)
-    rank_mask = ranks < rank
-    acc = tl.zeros((BLOCK_RANK, BLOCK_COLS), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_COLS):
-        cols = c0 + offs
-        mask = cols < n_cols
-        mine = mask & ((cols // BLOCK_COLS) % parts == part)
-        x = tl.load(HIDDEN + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
-        if ADD:
-            u = tl.load(UPDATE + row * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
-            s = (x + u).to(HIDDEN.dtype.element_ty)
-            tl.store(SUMMED + row * stride_sm + cols, s, mask=mine)
-            x = s.to(tl.float32)
-        w = tl.load(WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
-        x_hat = x * rstd
-        if GEMMA:
-            y = (x_hat * (1.0 + w)).to(NORMED.dtype.element_ty)
-        else:  # LlamaRMSNorm rounds x_hat to the input dtype before the weight multiply
-            y = (w * x_hat.to(HIDDEN.dtype.element_ty).to(tl.float32)).to(NORMED.dtype.element_ty)
-        tl.store(NORMED + row * stride_nm + cols, y, mask=mine)
+    k_start = pid * cols_per_slice
+    k_stop = tl.minimum(k_start + cols_per_slice, n_cols)
+    rows_h = HIDDEN + offs_m[:, None] * stride_hm
+    for r0 in range(0, rank_end, BLOCK_R):
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for c0 in range(k_start, k_stop, BLOCK_COLS):
+            cols = c0 + tl.arange(0, BLOCK_COLS)
+            col_mask = cols < k_stop
+            mask = m_mask[:, None] & col_mask[None, :]
+            x = tl.load(rows_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ADD:
+                u = tl.load(UPDATE + offs_m[:, None] * stride_um + cols[None, :], mask=mask, other=0.0)
+                s = (x + u.to(tl.float32)).to(HIDDEN.dtype.element_ty)
+                if r0 == 0:
+                    tl.store(SUMMED + offs_m[:, None] * stride_sm + cols[None, :], s, mask=mask)
+                x = s.to(tl.float32)
+            w = tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            x_hat = x * rstd[:, None]
+            if GEMMA:
+                y = (x_hat * (1.0 + w)).to(NORMED.dtype.element_ty)
+            else:  # LlamaRMSNorm rounds x_hat to the input dtype before the weight multiply
+                y = (w * x_hat.to(HIDDEN.dtype.element_ty).to(tl.float32)).to(NORMED.dtype.element_ty)
+            if r0 == 0:
+                tl.store(NORMED + offs_m[:, None] * stride_nm + cols[None, :], y, mask=mask)
+            if HAS_LORA:
+                acc += _slice_times_a(y, cols, col_mask, A, r0, rank, stride_a, DOT_FP32, BLOCK_R)
         if HAS_LORA:
-            a = tl.load(
-                A + ranks[:, None] * stride_a + cols[None, :],
-                mask=rank_mask[:, None] & mask[None, :],
-                other=0.0,
-            )
-            acc += a.to(tl.float32) * y.to(tl.float32)[None, :]
+            _store_partial(acc, PARTIALS, offs_m, m_mask, r0, rank, M, pid, BLOCK_R)
     if HAS_LORA:
-        tl.store(XA + row * stride_xam + ranks, tl.sum(acc, axis=1).to(XA.dtype.element_ty), mask=rank_mask)
+        _sum_slices(
+            PARTIALS, COUNTER, XA, M, rank, tl.num_programs(0), stride_xam, BLOCK_R, ROWS, BLOCK_SLICES
+        )
 
 
 @triton.jit
@@ -124,7 +207,11 @@ def _gated_low_rank_kernel(
     OUT,  # (M, I) act(gate) * up
     A,  # (R, I) LoRA A of the projection that reads OUT
     XA,  # (M, R) OUT times A^T
+    PARTIALS,  # (slices, M, R) fp32
+    COUNTER,  # (1,) int32, 0 between calls
+    M,
     n_cols,
+    cols_per_slice,
     rank,
     stride_gm,
     stride_um,
@@ -132,43 +219,81 @@ def _gated_low_rank_kernel(
     stride_a,
     stride_xam,
     ACTIVATION: tl.constexpr,  # 0 SwiGLU, 1 GeGLU (tanh), 2 GeGLU (erf)
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    BLOCK_RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_SLICES: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    parts = tl.num_programs(1)
-    offs = tl.arange(0, BLOCK_COLS)
-    ranks = part * BLOCK_RANK + tl.arange(0, BLOCK_RANK)
-    rank_mask = ranks < rank
-    acc = tl.zeros((BLOCK_RANK, BLOCK_COLS), dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK_COLS):
-        cols = c0 + offs
-        mask = cols < n_cols
-        e = tl.load(GATE + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(UP + row * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION == 0:
-            h = e * tl.sigmoid(e) * g
-        else:
-            gelu, _ = _gelu_and_derivative(e, ACTIVATION == 1)
-            h = gelu * g
-        h = h.to(OUT.dtype.element_ty)
-        tl.store(OUT + row * stride_om + cols, h, mask=mask & ((cols // BLOCK_COLS) % parts == part))
-        a = tl.load(
-            A + ranks[:, None] * stride_a + cols[None, :], mask=rank_mask[:, None] & mask[None, :], other=0.0
-        )
-        acc += a.to(tl.float32) * h.to(tl.float32)[None, :]
-    tl.store(XA + row * stride_xam + ranks, tl.sum(acc, axis=1).to(XA.dtype.element_ty), mask=rank_mask)
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    k_start = pid * cols_per_slice
+    k_stop = tl.minimum(k_start + cols_per_slice, n_cols)
+    for r0 in range(0, rank, BLOCK_R):
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for c0 in range(k_start, k_stop, BLOCK_COLS):
+            cols = c0 + tl.arange(0, BLOCK_COLS)
+            col_mask = cols < k_stop
+            mask = m_mask[:, None] & col_mask[None, :]
+            e = tl.load(GATE + offs_m[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            g = tl.load(UP + offs_m[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if ACTIVATION == 0:
+                h = e * tl.sigmoid(e) * g
+            else:
+                gelu, _ = _gelu_and_derivative(e, ACTIVATION == 1)
+                h = gelu * g
+            h = h.to(OUT.dtype.element_ty)
+            if r0 == 0:
+                tl.store(OUT + offs_m[:, None] * stride_om + cols[None, :], h, mask=mask)
+            acc += _slice_times_a(h, cols, col_mask, A, r0, rank, stride_a, DOT_FP32, BLOCK_R)
+        _store_partial(acc, PARTIALS, offs_m, m_mask, r0, rank, M, pid, BLOCK_R)
+    _sum_slices(PARTIALS, COUNTER, XA, M, rank, tl.num_programs(0), stride_xam, BLOCK_R, ROWS, BLOCK_SLICES)
 
 
-def _block_rank(rank: int) -> int:
-    """A's rows per part: a power of two that spreads ``rank`` rows over about
-    TARGET_PARTS parts."""
-    return min(16, triton.next_power_of_2(max(1, triton.cdiv(rank, TARGET_PARTS))))
+def _plan(rows: torch.Tensor, n_cols: int, rank: int):
+    """(slices, columns per slice, partials, counter) for rows (M, n_cols) times an A of
+    ``rank`` rows: a slice of BLOCK_COLS columns (_blocks) per program, where the partial products'
+    workspace exists (split_k.workspace; made outside CUDA graph capture), else one
+    program over the whole row."""
+    block_cols = _blocks(rank)[1]
+    count = triton.cdiv(n_cols, block_cols)
+    partials = counter = None
+    if rank:
+        partials, counter = split_k.workspace(rows.device, rows.shape[0], rank, count, 1)
+        if partials is None:
+            # One slice needs no workspace of split_k's: a zeroed counter and its partials.
+            count = 1
+            partials = torch.empty(1, rows.shape[0], rank, dtype=torch.float32, device=rows.device)
+            counter = torch.zeros(1, dtype=torch.int32, device=rows.device)
+    return count, triton.cdiv(triton.cdiv(n_cols, count), block_cols) * block_cols, partials, counter
 
 
-def _block_cols(n_cols: int) -> int:
-    return min(BLOCK_COLS, triton.next_power_of_2(n_cols))
+def _blocks(rank: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_COLS): A's rows per step of the product, and the columns of a slice,
+    so that an A tile holds at most TILE_ELEMENTS (a Turing GPU stages a bf16 product's
+    operands in fp32 shared memory: 32 KB)."""
+    block_r = min(64, max(16, triton.next_power_of_2(max(rank, 1))))
+    return block_r, min(MAX_COLS, TILE_ELEMENTS // block_r)
+
+
+def _constants(rows: torch.Tensor, rank: int, slices: int) -> dict:
+    block_r, block_cols = _blocks(rank)
+    return dict(
+        DOT_FP32=rows.dtype == torch.float32 or interpreter_enabled(),
+        BLOCK_M=16,
+        BLOCK_COLS=block_cols,
+        BLOCK_R=block_r,
+        ROWS=triton.next_power_of_2(rows.shape[0]),
+        BLOCK_SLICES=triton.next_power_of_2(slices),
+        num_warps=NUM_WARPS,
+        # A slice is one step of its loop (more only in the one-program fallback): no
+        # software pipelining, whose buffers would double the shared memory of the A tile.
+        num_stages=1,
+    )
 
 
 def _check_rows(name: str, **tensors) -> None:
@@ -242,9 +367,8 @@ def add_rms_norm_low_rank(
     normed = torch.empty_like(hidden)
     rank = 0 if lora_a is None else lora_a.shape[0]
     xa = None if lora_a is None else torch.empty(rows, rank, dtype=hidden.dtype, device=hidden.device)
-    block_rank = _block_rank(rank)
-    parts = max(1, triton.cdiv(rank, block_rank))
-    _add_rms_norm_low_rank_kernel[(rows, parts)](
+    slices, cols_per_slice, partials, counter = _plan(hidden, n_cols, rank)
+    _add_rms_norm_low_rank_kernel[(slices,)](
         hidden,
         hidden if update is None else update,
         weight.contiguous(),
@@ -252,8 +376,13 @@ def add_rms_norm_low_rank(
         normed,
         hidden if lora_a is None else lora_a,
         normed if xa is None else xa,
+        normed if partials is None else partials,
+        normed if counter is None else counter,
+        rows,
         n_cols,
+        cols_per_slice,
         rank,
+        max(rank, 1),
         float(eps),
         hidden.stride(0),
         0 if update is None else update.stride(0),
@@ -264,9 +393,8 @@ def add_rms_norm_low_rank(
         ADD=update is not None,
         GEMMA=bool(gemma),
         HAS_LORA=lora_a is not None,
-        BLOCK_COLS=_block_cols(n_cols),
-        BLOCK_RANK=block_rank,
-        num_warps=NUM_WARPS,
+        SQUARES_COLS=min(SQUARES_COLS, triton.next_power_of_2(n_cols)),
+        **_constants(hidden, rank, slices),
     )
     return summed, normed, xa
 
@@ -308,14 +436,18 @@ def gated_low_rank(
     rank = lora_a.shape[0]
     out = torch.empty(rows, n_cols, dtype=gate.dtype, device=gate.device)
     xa = torch.empty(rows, rank, dtype=gate.dtype, device=gate.device)
-    block_rank = _block_rank(rank)
-    _gated_low_rank_kernel[(rows, triton.cdiv(rank, block_rank))](
+    slices, cols_per_slice, partials, counter = _plan(gate, n_cols, rank)
+    _gated_low_rank_kernel[(slices,)](
         gate,
         up,
         out,
         lora_a,
         xa,
+        partials,
+        counter,
+        rows,
         n_cols,
+        cols_per_slice,
         rank,
         gate.stride(0),
         up.stride(0),
@@ -323,8 +455,6 @@ def gated_low_rank(
         lora_a.stride(0),
         xa.stride(0),
         ACTIVATION=ACTIVATIONS[activation],
-        BLOCK_COLS=_block_cols(n_cols),
-        BLOCK_RANK=block_rank,
-        num_warps=NUM_WARPS,
+        **_constants(gate, rank, slices),
     )
     return out, xa
