@@ -173,15 +173,13 @@ class SharedInputProjections:
                 b.copy_(d.lora_b)
         self._versions = versions
 
-    def __call__(self, x: torch.Tensor, low_rank: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each layer's output for ``x`` (..., in_features); ``low_rank``: x times
-        ``stacked_a`` transposed, (N, sum of ranks), where the caller made it (in the
-        launch that made x: decode_prologue.py)."""
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output for ``x`` (..., in_features)."""
         if self.own_forward:
             return [layer(x) for layer in self.layers]
         rows = x.reshape(-1, x.shape[-1])
-        # low_rank (N, sum of ranks): x A^T of every adapter, side by side
-        if self.adapters and low_rank is None:
+        low_rank = None  # (N, sum of ranks): x A^T of every adapter, side by side
+        if self.adapters:
             if _gemv_may_run(rows) and rows.dtype == self.stacked_a.dtype:
                 # A GEMV too, of few output columns and a long K, which cuBLAS may split
                 # into two launches: slothkit's where timed faster (gemv_choice).

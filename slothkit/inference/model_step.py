@@ -23,7 +23,6 @@ from torch import nn
 from slothkit.engine.inspection import attention_window
 from slothkit.engine.sizes import mlp_token_chunk
 from slothkit.inference.decode_projections import SharedInputProjections
-from slothkit.inference.decode_prologue import NormBeforeProjections, gated_before_projection
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.model_state import patched_module
 from slothkit_kernels import attention, geglu, rope, rope_into_cache, swiglu
@@ -142,13 +141,11 @@ class _DecodeMLP:
             self.gate_up.refresh()
             self.down.refresh()
 
-    def __call__(self, x: torch.Tensor, low_rank: torch.Tensor | None = None) -> torch.Tensor:
-        """``low_rank``: x times gate/up's stacked A transposed, where the norm's launch
-        made it (decode_prologue.py; a decode step's few rows, never chunked)."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[:-1].numel()
         chunk = mlp_token_chunk(tokens)
         if chunk is None:
-            return self._mlp(x, low_rank)
+            return self._mlp(x)
         rows = x.reshape(tokens, x.shape[-1])
         out = None
         for start in range(0, tokens, chunk):
@@ -158,16 +155,10 @@ class _DecodeMLP:
             out[start : start + chunk] = part
         return out.view(*x.shape[:-1], out.shape[-1])
 
-    def _mlp(self, x: torch.Tensor, low_rank: torch.Tensor | None = None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.own_forward(x)
-        outputs = self.gate_up(x, low_rank)
-        gate, up = outputs[0].chunk(2, dim=-1) if self.fused_gate_up else outputs
-        # The activation and down's first adapter product in one launch, where they can be.
-        fused = gated_before_projection(gate, up, self.activation, self.down)
-        if fused is not None:
-            hidden, down_low_rank = fused
-            return self.down(hidden.view(*gate.shape), down_low_rank)[0]
+        gate, up = self.gate_up(x)[0].chunk(2, dim=-1) if self.fused_gate_up else self.gate_up(x)
         if self.activation == "swiglu" and x.is_cuda:
             hidden = swiglu(gate, up)
         elif self.activation in ("geglu_tanh", "geglu") and x.is_cuda:
@@ -232,16 +223,12 @@ class _DecodeLayer:
             self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
         self.mlp = _DecodeMLP(layer.mlp, dtype)
-        # The residual add, the norm and the first adapter product before q/k/v and before
-        # gate/up (one launch each where decode_prologue.py can).
-        self.attention_input = NormBeforeProjections(layer.input_layernorm, self.qkv)
-        self.mlp_input = NormBeforeProjections(self.mlp_norm, self.mlp.gate_up if self.mlp.gated else None)
 
-    def project_qkv(self, x: torch.Tensor, low_rank: torch.Tensor | None = None) -> tuple:
+    def project_qkv(self, x: torch.Tensor) -> tuple:
         """q, k and v of ``x``, (B, T, heads * D) each."""
         if self.qkv_split is None:
-            return self.qkv(x, low_rank)
-        return self.qkv(x, low_rank)[0].split(self.qkv_split, dim=-1)
+            return self.qkv(x)
+        return self.qkv(x)[0].split(self.qkv_split, dim=-1)
 
     def refresh(self) -> None:
         self.qkv.refresh()
@@ -415,13 +402,9 @@ class ModelStep:
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         # Where each layer keeps these tokens: computed once per ring width, not per layer.
         stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}
-        # Each sublayer's output is added to the stream in the launch that normalises the
-        # stream for the next one (decode_prologue.py): the MLP's, in the next layer's.
-        pending = None
-        for index, projections in enumerate(self.decode_layers):
+        for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
             cos, sin = tables[projections.layer_type]  # (B, T, D) each
-            hidden, x, low_rank = projections.attention_input(hidden, pending)
-            q, k, v = projections.project_qkv(x, low_rank)
+            q, k, v = projections.project_qkv(layer.input_layernorm(hidden))
             q = q.view(batch, tokens, -1, self.head_dim)
             k = k.view(batch, tokens, -1, self.head_dim)
             if projections.qk_norm is not None:
@@ -439,13 +422,11 @@ class ModelStep:
             out = projections.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
             if projections.attention_out_norm is not None:
                 out = projections.attention_out_norm(out)
-            hidden, x, low_rank = projections.mlp_input(hidden, out)
-            out = projections.mlp(x, low_rank)
+            hidden = hidden + out
+            out = projections.mlp(projections.mlp_norm(hidden))
             if projections.mlp_out_norm is not None:
                 out = projections.mlp_out_norm(out)
-            pending = out
-        if pending is not None:
-            hidden = hidden + pending
+            hidden = hidden + out
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.causal_lm.get_output_embeddings()(self.decoder.norm(hidden)).float()

@@ -5,8 +5,6 @@ with their own rope bases, a window of 16 that 64 tokens pass, so its layers' ri
 wrap), with and without LoRA adapters, for one prompt and a left-padded batch of three.  On a CPU the loop runs without the CUDA graph
 (``for_inference(model, fast_decode=True)``); on a GPU with it."""
 
-import collections
-
 import pytest
 import torch
 from transformers import TextIteratorStreamer, TextStreamer
@@ -29,11 +27,11 @@ def fresh_notices():
     say_once.cache_clear()
 
 
-def _load(arch, lora: bool, fused: bool = False):
+def _load(arch, lora: bool):
     """``arch``: a tiny model's architecture, or a checkpoint's folder."""
     path = arch if not isinstance(arch, str) else tiny_model_path(arch)
     model, tokenizer = FastModel.from_pretrained(
-        str(path), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=fused
+        str(path), max_seq_length=512, dtype=torch.float32, load_in_4bit=False, fused=False
     )
     model.to(DEVICE)
     if lora:
@@ -172,35 +170,6 @@ def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypat
     assert len(calls) == prefills + 5 * len(cache.rings), "the fused write did not run in every layer"
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
-def test_seams_in_one_launch_give_the_same_logits(arch, monkeypatch):
-    """On a GPU a decode step's residual add, norm and first adapter product before q/k/v
-    and before gate/up are one launch each, as are the activation and down's first
-    adapter product (decode_prologue.py); here the Triton interpreter runs those kernels
-    in the same step, and the logits still equal the model's forward (Llama; Gemma 3's
-    norms around both sublayers, its (1 + w) norm and GeGLU; Phi-3's fused q/k/v and
-    gate/up)."""
-    from slothkit.inference import decode_prologue
-
-    calls = collections.Counter()
-
-    def counted(name, function):
-        def call(*args):
-            calls[name] += 1
-            return function(*args)
-
-        return call
-
-    monkeypatch.setattr(decode_prologue, "prologue_may_run", lambda rows: rows.shape[0] <= 8)
-    for name in ("add_rms_norm_low_rank", "gated_low_rank"):
-        monkeypatch.setattr(decode_prologue, name, counted(name, getattr(decode_prologue, name)))
-    steps = 3
-    _, cache, _ = _check_prefill_and_step_logits(arch, steps=steps, fused=True)
-    layers = len(cache.rings)
-    # The prefill's rows are more than a decode step's: it runs the ops one at a time.
-    assert calls == {"add_rms_norm_low_rank": 2 * layers * steps, "gated_low_rank": layers * steps}
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "phi3"])
 def test_long_prefill_runs_the_mlp_in_chunks_of_tokens(arch, monkeypatch):
     """A prefill of more tokens than the chunking threshold runs the MLP over chunks of
@@ -278,17 +247,14 @@ def _random_left_padded(lengths, vocab: int) -> dict:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def _check_prefill_and_step_logits(
-    arch: str, prompt_lengths=None, steps: int = 5, grow_after=None, fused: bool = False
-) -> tuple:
+def _check_prefill_and_step_logits(arch: str, prompt_lengths=None, steps: int = 5, grow_after=None) -> tuple:
     """Returns the prompt's length, the cache and the decode step.  ``grow_after``: the cache starts with
-    room for the prompt and that many steps, then grows into one of 256 slots.  ``fused``:
-    load with slothkit's kernels patched in (its norms and activations)."""
+    room for the prompt and that many steps, then grows into one of 256 slots."""
     from slothkit.inference.fast_decoder import FastDecoder
     from slothkit.inference.kv_cache import StaticKVCache
     from slothkit.models import architecture_for
 
-    model, tokenizer = _load(arch, lora=True, fused=fused)
+    model, tokenizer = _load(arch, lora=True)
     model.eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
