@@ -9,6 +9,9 @@ norms and element-wise work), with their count and summed GPU time, from torch's
 profiler over replays of the same graph.
 
     python scripts/profile_decode.py --model llama-3-8b --mode lora --batch 1 --json out.json
+    python scripts/profile_decode.py --model llama-3-8b --mode lora --merged --bandwidth-tbs 3.0
+
+The JSON record names the GPU, the package versions, the date and the command.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import time
 
 import torch
@@ -67,15 +71,17 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=100)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="the GPU's measured copy bandwidth")
     parser.add_argument("--prefill", type=int, default=0, help="also profile a prompt of this many tokens")
+    parser.add_argument("--merged", action="store_true", help="the adapters merged into the weights first")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from slothkit.bench.generate_worker import prepare
+    from slothkit.bench.train import environment
     from slothkit.model_state import state_of
 
     args.rank, args.seed, args.prompt_len, args.new_tokens = 16, 0, 128, 128
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model = prepare("slothkit", args, dtype, "cuda")
-    causal_lm = model.get_base_model()
+    model = prepare("slothkit-merged" if args.merged else "slothkit", args, dtype, "cuda")
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     prompt = torch.randint(3, causal_lm.config.vocab_size, (args.batch, args.prompt_len), device="cuda")
     model.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     captured = state_of(causal_lm).fast_decoder.captured
@@ -116,8 +122,11 @@ def main() -> None:
         groups[label][1] += event.device_time / 1e3  # us -> ms
     kernel_ms = sum(ms for _, ms in groups.values()) / profiled
     result = {
+        **environment(),
+        "command": "python scripts/profile_decode.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "mode": args.mode,
+        "merged": args.merged,
         "dtype": args.dtype,
         "batch": args.batch,
         "step_ms": step_ms,
@@ -132,7 +141,7 @@ def main() -> None:
             for label, (count, ms) in sorted(groups.items(), key=lambda item: -item[1][1])
         },
     }
-    print(f"{args.model} {args.mode} {args.dtype} batch {args.batch}")
+    print(f"{args.model} {args.mode}{' merged' if args.merged else ''} {args.dtype} batch {args.batch}")
     print(
         f"graph replay {step_ms:.2f} ms/step ({result['tokens_per_s_graph_only']:.1f} tokens/s without sampling)"
     )
