@@ -83,7 +83,8 @@ def main() -> None:
     model = prepare("slothkit-merged" if args.merged else "slothkit", args, dtype, "cuda")
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     prompt = torch.randint(3, causal_lm.config.vocab_size, (args.batch, args.prompt_len), device="cuda")
-    model.generate(input_ids=prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    # Warm-up as the bench's: the call it times, once (the cache and graph for its length).
+    _generate(model, prompt, args.new_tokens)
     captured = state_of(causal_lm).fast_decoder.captured
     assert captured.graph is not None, "the decode step was not captured"
     token = prompt[:, -1]
@@ -158,11 +159,67 @@ def main() -> None:
     for name, ms in top.most_common(12):
         print(f"  {ms:7.3f}  {name}")
     result["top_kernels"] = dict(top.most_common(20))
+    result["generate"] = generate_breakdown(model, prompt, args.new_tokens, result, profile)
     if args.prefill:
         result["prefill"] = profile_prefill(model, causal_lm, args.prefill, profile)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
+
+
+def _generate(model, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Seconds of one greedy generate call of ``new_tokens`` tokens, as the bench times it."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(
+        input_ids=prompt,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def generate_breakdown(model, prompt: torch.Tensor, new_tokens: int, step: dict, profile) -> dict:
+    """Where a whole generate call's time goes beyond its steps' replays: the call as the
+    bench times it, the same call for one token (the prompt's prefill, the first token and
+    the call's own work), and what each further token costs beyond one replay; with the
+    kernels both calls launch, so that the per-token kernels outside the graph (sampling,
+    the logits processors, the token's bookkeeping) are counted."""
+    from torch.profiler import ProfilerActivity
+
+    whole = min(_generate(model, prompt, new_tokens) for _ in range(3))
+    first = min(_generate(model, prompt, 1) for _ in range(3))
+    per_token_ms = (whole - first) / (new_tokens - 1) * 1e3
+    kernels = {}
+    for label, tokens in (("whole", new_tokens), ("first", 1)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _generate(model, prompt, tokens)
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels[label] = (len(events), sum(e.device_time for e in events) / 1e3)
+    per_token_kernels = (kernels["whole"][0] - kernels["first"][0]) / (new_tokens - 1)
+    per_token_kernel_ms = (kernels["whole"][1] - kernels["first"][1]) / (new_tokens - 1)
+    out = {
+        "new_tokens": new_tokens,
+        "generate_s": whole,
+        "tokens_per_s": prompt.shape[0] * new_tokens / whole,
+        "first_token_s": first,
+        "per_token_ms": per_token_ms,
+        "per_token_beyond_replay_ms": per_token_ms - step["step_ms"],
+        "per_token_kernels": per_token_kernels,
+        "per_token_kernels_outside_step": per_token_kernels - step["kernels_per_step"],
+        "per_token_kernel_ms_outside_step": per_token_kernel_ms - step["kernel_ms_per_step"],
+    }
+    print(
+        f"generate {new_tokens} tokens: {whole * 1e3:.1f} ms ({out['tokens_per_s']:.1f} tokens/s); "
+        f"prefill + first token {first * 1e3:.1f} ms; each further token {per_token_ms:.3f} ms, "
+        f"{out['per_token_beyond_replay_ms']:.3f} beyond a replay, with "
+        f"{out['per_token_kernels_outside_step']:.0f} kernels outside the step "
+        f"({out['per_token_kernel_ms_outside_step']:.3f} ms of GPU time)"
+    )
+    return out
 
 
 def profile_prefill(model, causal_lm, length: int, profile) -> dict:
