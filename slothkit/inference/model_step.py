@@ -79,31 +79,49 @@ def _tiled_prefill_attention(q: torch.Tensor) -> bool:
 
 
 def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """``allowed`` (B, T, S) as the additive mask of the G*T query rows that share one
-    key/value head (B, 1, G*T, S), rows ordered g-major: built once per step, read by
-    every layer (a boolean mask would be converted inside each attention call)."""
+    """``allowed`` (B, T, S) as an additive mask, built once per step and read by every
+    layer (a boolean mask would be converted inside each attention call): for a one-token
+    step (B, 1, G, S), its row for each of the G query heads that share a key/value head
+    (_grouped_attention stacks them as the rows of one call); for a prompt (B, 1, T, S),
+    which each of the G heads reads in turn, so that a long padded prompt's mask is the
+    size of Hugging Face's (B, 1, T, S) one (G x T x S entries per row of the batch would
+    be 32 GiB in bf16 for four padded 32K-token prompts of Llama-3-8B, G = 4; this is 8)."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask = mask.masked_fill(~allowed, float("-inf"))
-    return mask[:, None].repeat(1, 1, group, 1)
+    if allowed.shape[1] == 1:
+        return mask[:, None].repeat(1, 1, group, 1)
+    return mask[:, None]
 
 
-def _grouped_attention(q, keys, values, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
-    """Attention of q (B, H, T, D) over keys/values (B, KV, S, D) with the additive
-    ``mask`` (B, 1, G*T, S).  The G query heads that share a key/value head are stacked
-    as G*T rows of one head, so the cache is read once and never repeated G times.
+def _attend(q, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Attention of q (B, KV, R, D) over keys/values (B, KV, S, D) under the additive
+    ``mask`` (broadcast to (B, KV, R, S)).
 
     ``softcap`` (Gemma 2's attention-logit soft-capping, which SDPA cannot do): the scores
     s = q k^T * scaling become softcap * tanh(s / softcap) before the mask and softmax."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # (B, KV, R, S)
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
+
+
+def _grouped_attention(q, keys, values, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over keys/values (B, KV, S, D), never repeating the
+    cache G times for the G query heads that share a key/value head: a one-token step
+    stacks them as the G rows of one call under the mask (B, 1, G, S); a prompt attends
+    with each of them in turn under the mask (B, 1, T, S) (_additive_mask)."""
     batch, heads, tokens, dim = q.shape
     kv_heads = keys.shape[1]
-    q = q.reshape(batch, kv_heads, (heads // kv_heads) * tokens, dim)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-    else:
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # (B, KV, G*T, S)
-        scores = torch.tanh(scores / softcap) * softcap + mask
-        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
-    return out.reshape(batch, heads, tokens, dim)
+    group = heads // kv_heads
+    if mask.shape[-2] == group * tokens:
+        out = _attend(q.reshape(batch, kv_heads, group * tokens, dim), keys, values, mask, scaling, softcap)
+        return out.reshape(batch, heads, tokens, dim)
+    by_group = q.reshape(batch, kv_heads, group, tokens, dim)
+    out = torch.empty_like(by_group)
+    for head in range(group):
+        out[:, :, head] = _attend(by_group[:, :, head], keys, values, mask, scaling, softcap)
+    return out.view(batch, heads, tokens, dim)
 
 
 class _DecodeMLP:
