@@ -9,7 +9,7 @@ norms and element-wise work), with their count and summed GPU time, from torch's
 profiler over replays of the same graph.
 
     python scripts/profile_decode.py --model llama-3-8b --mode lora --batch 1 --json out.json
-    python scripts/profile_decode.py --model llama-3-8b --mode lora --merged --bandwidth-tbs 3.0
+    python scripts/profile_decode.py --model llama-3-8b --mode lora --merged
 
 The JSON record names the GPU, the package versions, the date and the command.
 """
@@ -69,7 +69,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--replays", type=int, default=100)
-    parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="the GPU's measured copy bandwidth")
+    parser.add_argument(
+        "--bandwidth-tbs",
+        type=float,
+        default=None,
+        help="the floor's bandwidth (default: a copy's, measured here)",
+    )
     parser.add_argument("--prefill", type=int, default=0, help="also profile a prompt of this many tokens")
     parser.add_argument("--merged", action="store_true", help="the adapters merged into the weights first")
     parser.add_argument("--json", default=None)
@@ -98,6 +103,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / n
 
+    if args.bandwidth_tbs is None:
+        from slothkit.bench.decode_limit import copy_gb_per_s
+
+        args.bandwidth_tbs = round(copy_gb_per_s() / 1e3, 3)
     replay(10)
     step_ms = min(replay(args.replays) for _ in range(3)) * 1e3
     floor_ms = weight_bytes(causal_lm) / (args.bandwidth_tbs * 1e12) * 1e3
@@ -134,6 +143,7 @@ def main() -> None:
         "tokens_per_s_graph_only": args.batch * 1e3 / step_ms,
         "weight_gb": weight_bytes(causal_lm) / 1e9,
         "bandwidth_floor_ms": floor_ms,
+        "floor_bandwidth_tbs": args.bandwidth_tbs,
         "profiled": source,
         "kernels_per_step": len(kernels) / profiled,
         "kernel_ms_per_step": kernel_ms,
