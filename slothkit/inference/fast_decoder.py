@@ -55,18 +55,28 @@ EOS_CHECK_EVERY = 8
 
 
 def _weights_key(causal_lm) -> tuple:
-    addresses = tuple(parameter.data_ptr() for parameter in causal_lm.parameters())
-    adapters = tuple(
-        (
-            bool(getattr(module, "disable_adapters", False)),
-            tuple(getattr(module, "merged_adapters", ()) or ()),
-            tuple(getattr(module, "active_adapters", ()) or ()),
-        )
-        for module in causal_lm.modules()
-        if hasattr(module, "lora_A")
-    )
-    # Training mode changes what the projections may fuse (LoRA dropout applies).
-    return addresses, adapters, causal_lm.training
+    """What the captured step depends on: where every parameter is, each LoRA layer's
+    adapter state, and training mode (LoRA dropout then applies).  Every generate call
+    computes it, with the GPU idle, so the module tree is walked once and each module's
+    own dicts are read directly (``modules()`` builds every module's name, ``parameters()``
+    walks the tree again, and ``hasattr`` on a module goes through its ``__getattr__``).
+    A module reached twice (tied) counts twice: the key only has to change when the
+    model does."""
+    addresses, adapters = [], []
+    unvisited = [causal_lm]  # depth first, without the names modules() builds on the way
+    while unvisited:
+        module = unvisited.pop()
+        unvisited.extend(child for child in module._modules.values() if child is not None)
+        addresses.extend(p.data_ptr() for p in module._parameters.values() if p is not None)
+        if "lora_A" in module._modules:
+            adapters.append(
+                (
+                    bool(getattr(module, "disable_adapters", False)),
+                    tuple(getattr(module, "merged_adapters", ()) or ()),
+                    tuple(getattr(module, "active_adapters", ()) or ()),
+                )
+            )
+    return tuple(addresses), tuple(adapters), causal_lm.training
 
 
 class _RandomState:

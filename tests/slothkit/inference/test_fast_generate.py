@@ -578,3 +578,28 @@ def test_longrope_calls_within_the_short_factors_decode_fast(tmp_path, recwarn, 
         )
         expected, got = _hf_then_fast(model, **inputs, **settings)
         assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+
+
+def test_the_captured_steps_key_changes_exactly_when_the_model_does():
+    """The step is captured again when the key of the weights changes: a parameter moved to
+    new memory, adapters disabled or merged, training mode; and only then."""
+    from slothkit.inference.fast_decoder import _weights_key
+
+    model, _ = _load("llama", lora=True)
+    model.eval()
+    causal_lm = model.get_base_model()
+    key = _weights_key(causal_lm)
+    assert _weights_key(causal_lm) == key
+    with model.disable_adapter():
+        assert _weights_key(causal_lm) != key
+    assert _weights_key(causal_lm) == key
+    causal_lm.train()
+    assert _weights_key(causal_lm) != key
+    causal_lm.eval()
+    assert _weights_key(causal_lm) == key
+    norm = causal_lm.model.norm
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    moved = _weights_key(causal_lm)
+    assert moved != key
+    model.merge_adapter()
+    assert _weights_key(causal_lm) != moved
