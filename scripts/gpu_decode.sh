@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decode measurements of docs/inference.md in one GPU call: the captured step of a
+# The decode measurements of docs/inference.md in one command: the captured step of a
 # model profiled bf16 + LoRA, merged and NF4 + LoRA at batch 1 (scripts/profile_decode.py,
 # with the whole generate call broken down), then `slothkit bench generate` for the same
 # three at batch 1 and 8 (scripts/gpu_bench.sh), and a short table of both last.  Every
