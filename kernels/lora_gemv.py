@@ -253,8 +253,8 @@ def launch(x, weight, bias, xa, lora_b, scaling, out, candidate: int):
     ``lora_gemv`` launches, and what scripts/cuda_sass.py compiles for a GPU it does not
     have."""
     rows, n, k = x.shape[0], weight.shape[0], x.shape[1]
-    block_m, block_n, block_k = tile(candidate, rows, k)
-    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
+    _, block_n, block_k = tile(candidate, rows, k)
+    programs_per_sm = CANDIDATES[candidate][3]
     bands, slices, k_per_slice, partials, counters = split_k.plan(
         x.device, rows, n, k, block_n, block_k, programs_per_sm
     )
@@ -262,7 +262,16 @@ def launch(x, weight, bias, xa, lora_b, scaling, out, candidate: int):
         x, n, bias, xa, lora_b, scaling, out, partials, counters, slices
     )
     arguments = (x, weight, k, k_per_slice, x.stride(0), weight.stride(0), *epilogue_args)
-    constants.update(
+    constants.update(tile_constants(x, candidate))
+    return _lora_gemv_kernel, (bands, slices), arguments, constants
+
+
+def tile_constants(x: torch.Tensor, candidate: int) -> dict:
+    """The tile's constexprs and launch options a candidate launches with for x (M, K):
+    lora_gemv's and lora_gemv_group's."""
+    block_m, block_n, block_k = tile(candidate, x.shape[0], x.shape[1])
+    _, _, warps, _, use_dot = CANDIDATES[candidate]
+    return dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -270,7 +279,6 @@ def launch(x, weight, bias, xa, lora_b, scaling, out, candidate: int):
         DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
         num_warps=warps,
     )
-    return _lora_gemv_kernel, (bands, slices), arguments, constants
 
 
 def lora_gemv(

@@ -40,8 +40,9 @@ from slothkit_kernels.lora_gemv import (
     epilogue,
     lora_gemv_reference,
     tile,
+    tile_constants,
 )
-from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
+from slothkit_kernels.utils import use_triton, warn_reference_once
 
 MAX_GROUPS = 4
 
@@ -227,8 +228,8 @@ def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int):
     """(kernel, grid, arguments, constexprs and launch options) of a checked call."""
     rows, k = x.shape
     widths = [w.shape[0] for w in weights]
-    block_m, block_n, block_k = tile(candidate, rows, k)
-    _, _, warps, programs_per_sm, use_dot = CANDIDATES[candidate]
+    _, block_n, block_k = tile(candidate, rows, k)
+    programs_per_sm = CANDIDATES[candidate][3]
     _, bands = bands_of(widths, block_n)
     _, slices, k_per_slice, partials, counters = split_k.plan(
         x.device, rows, bands * block_n, k, block_n, block_k, programs_per_sm
@@ -237,14 +238,7 @@ def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int):
         x, widths, biases, xa, lora_bs, scalings, outs, block_n, partials, counters, slices
     )
     arguments = (x, tuple(weights), k, k_per_slice, x.stride(0), *epilogue_args)
-    constants.update(
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_DOT=use_dot,
-        DOT_FP32=x.dtype == torch.float32 or interpreter_enabled(),
-        num_warps=warps,
-    )
+    constants.update(tile_constants(x, candidate))
     return _lora_gemv_group_kernel, (bands, slices), arguments, constants
 
 

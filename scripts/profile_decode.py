@@ -179,17 +179,9 @@ def main() -> None:
 
 def _generate(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """Seconds of one greedy generate call of ``new_tokens`` tokens, as the bench times it."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.generate(
-        input_ids=prompt,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    from slothkit.bench.generate_worker import timed_generate
+
+    return timed_generate(model, prompt, torch.ones_like(prompt), new_tokens)[1]
 
 
 def generate_breakdown(model, prompt: torch.Tensor, new_tokens: int, step: dict, profile) -> dict:

@@ -110,7 +110,9 @@ def _generate(model, input_ids, attention_mask, new_tokens: int):
     )
 
 
-def _timed(model, input_ids, attention_mask, new_tokens: int):
+def timed_generate(model, input_ids, attention_mask, new_tokens: int):
+    """(output, seconds) of one greedy generate call of ``new_tokens`` tokens, the GPU
+    synchronised before and after: what the bench times (scripts/profile_decode.py too)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = _generate(model, input_ids, attention_mask, new_tokens)
@@ -153,7 +155,7 @@ def run(args) -> dict:
     # one-time work (and compilation, autotuning) inside the timed run.
     _generate(model, prompts, mask, args.new_tokens)
     torch.cuda.reset_peak_memory_stats()
-    out, seconds = _timed(model, prompts, mask, args.new_tokens)
+    out, seconds = timed_generate(model, prompts, mask, args.new_tokens)
     result = {
         "status": "ok",
         "tokens_per_s": args.batch * args.new_tokens / seconds,
@@ -197,7 +199,7 @@ def _time_to_first_token(model, long_prompt) -> dict:
     long_mask = torch.ones_like(long_prompt)
     try:
         _generate(model, long_prompt, long_mask, 1)
-        seconds = min(_timed(model, long_prompt, long_mask, 1)[1] for _ in range(2))
+        seconds = min(timed_generate(model, long_prompt, long_mask, 1)[1] for _ in range(2))
     except Exception as error:  # recorded, as main() records a failed run
         return {
             "ttft_error": f"{type(error).__name__}: {str(error).splitlines()[0]}",
