@@ -32,10 +32,22 @@ addresses serialises.  The levels come out bit for bit.  Levels of 16 bits (bf16
 rounded to nearest from the fp32 levels, or fp16) need two planes and two permutes per
 four codes to pair them: 22 instructions a word, for a GEMV that multiplies in 16 bits.
 
-``lookup_program`` gives the instructions as data (tests run them through an
-interpreter of their PTX semantics); ``lookup_asm`` renders them for
-``tl.inline_asm_elementwise`` with ``pack=4`` over uint8 codes (``operands`` lists what
-$0, $1, ... are: the outputs, the word, the table words in registers).
+The other lookup here fetches each level from another lane of the warp.  Lane l holds
+level l mod 16 in a register, and ``shfl.sync.idx d, a, b`` gives every lane the ``a`` of
+lane ``b mod 32``: a code is the low four bits of b, and the fifth (the next nibble's
+lowest bit) picks between two copies of the same table.  So the word itself, and the
+word shifted right by 4, 8, ..., 28, index the eight levels: 7 shifts and 8 shuffles a
+word, under two instructions a code, against the permutes' 46.  A shuffle is not an
+integer instruction but goes to the SM's memory pipe (32 lanes a clock on sm_80 and
+sm_90, as a shared-memory load), and the levels come out bit for bit, at 32 bits or, with
+a permute per pair, at 16.  Every lane of the warp must run each shuffle, which the
+straight-line loops that call these do.
+
+``lookup_program`` and ``shuffle_program`` give the instructions as data (tests run them
+through an interpreter of their PTX semantics); ``lookup_asm`` and ``shuffle_asm``
+render them for ``tl.inline_asm_elementwise`` with ``pack=4`` over uint8 codes
+(``operands`` lists what $0, $1, ... are: the outputs, the word, the table words in
+registers; the shuffle reads only the first).
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ import triton.language as tl
 
 # An instruction: (opcode, destination, *operands); an operand is a register name or an
 # int immediate.  Opcodes: "prmt" (d, a, b, c), "lop3" (d, a, b, c, lut), "shl"/"shr"
-# (d, a, bits), "xor" (d, a, imm).  Registers named here are the asm's operands (in
+# (d, a, bits), "xor" (d, a, imm), "shfl.sync.idx" (d, a, lane, SHUFFLE_CLAMP,
+# SHUFFLE_MEMBERS).  Registers named here are the asm's operands (in
 # ``operands``' order); other names are temporaries.
 Instruction = tuple
 
@@ -58,6 +71,9 @@ WORD = "word"  # the four packed bytes
 # loaded once per program, and the asm names them: with pack=4 each 32-bit operand
 # arrives four times (one per element), and the first of each four is used.
 WIDTHS = (32, 16)  # bits of a level: fp32, or the 16-bit dtype the GEMV multiplies in
+# shfl.sync's c operand: clamp 31 and no segment mask, so the source lane is b[4:0];
+# every lane of the warp takes part.
+SHUFFLE_CLAMP, SHUFFLE_MEMBERS = 0x1F, 0xFFFFFFFF
 
 
 def outputs(width: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -170,11 +186,57 @@ def lookup_program(levels, width: int = 32, dtype: str = "bfloat16") -> tuple[In
     return tuple(program)
 
 
+def shuffle_words(levels, width: int = 32, dtype: str = "bfloat16") -> list[int]:
+    """The table words the shuffle lookup takes in registers, lane by lane, as many a lane
+    as ``table_registers``: lane l's first holds level l mod 16 (its bits in the low half
+    at 16 bits), the others 0 (not read)."""
+    bits = level_bits(levels, width, dtype)
+    unread = [0] * (len(table_registers(width)) - 1)
+    return [word for lane in range(32) for word in [bits[lane % 16], *unread]]
+
+
+def shuffle_program(width: int = 32) -> tuple[Instruction, ...]:
+    """The instructions turning WORD's eight codes into their levels (``outputs``) by
+    shuffles of the first table register (``shuffle_words``).  The word is read only
+    before the first output is written."""
+    if width not in WIDTHS:
+        raise ValueError(f"levels of {width} bits; supported: {WIDTHS}")
+    table = table_registers(width)[0]
+    # Nibble i of the word (low nibble of byte i // 2 for even i, its high one for odd).
+    nibbles = [WORD] + [f"s{i}" for i in range(1, 8)]
+    program = [("shr", nibbles[i], WORD, 4 * i) for i in range(1, 8)]
+    high, low = outputs(width)
+    if width == 32:
+        fetched = [low[i // 2] if i % 2 == 0 else high[i // 2] for i in range(8)]
+    else:
+        fetched = [f"{'low' if i % 2 == 0 else 'high'}_{i // 2}" for i in range(8)]
+    program += [
+        ("shfl.sync.idx", fetched[i], table, nibbles[i], SHUFFLE_CLAMP, SHUFFLE_MEMBERS) for i in range(8)
+    ]
+    if width == 16:  # byte 2i's level in the low half of a register, byte 2i + 1's in the high
+        for h in range(2):
+            program += [
+                ("prmt", high[h], f"high_{2 * h}", f"high_{2 * h + 1}", JOIN_LOW),
+                ("prmt", low[h], f"low_{2 * h}", f"low_{2 * h + 1}", JOIN_LOW),
+            ]
+    return tuple(program)
+
+
 @functools.lru_cache(maxsize=8)
 def lookup_asm(levels: tuple[float, ...], width: int = 32, dtype: str = "bfloat16") -> str:
     """PTX for ``tl.inline_asm_elementwise(lookup_asm(...), constraints(width), [codes,
     *table words], dtype=(level dtype,) * 2, is_pure=True, pack=4)`` over uint8 codes."""
-    program = lookup_program(levels, width, dtype)
+    return _render(lookup_program(levels, width, dtype), width)
+
+
+@functools.lru_cache(maxsize=2)
+def shuffle_asm(width: int = 32) -> str:
+    """PTX of the shuffle lookup, called as ``lookup_asm``'s with ``shuffle_words`` for
+    the table words; the same for every table (the levels are all in registers)."""
+    return _render(shuffle_program(width), width)
+
+
+def _render(program: tuple[Instruction, ...], width: int) -> str:
     numbered = {}
     for i, name in enumerate(operands(width)):
         numbered.setdefault(name, f"${i}")  # a table register's first of its four

@@ -268,20 +268,32 @@ def _register_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
     return level_lookup.lookup_asm(levels, width, dtype), words
 
 
+def _shuffle_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
+    """The PTX fetching each level from the lane that holds it (level_lookup's shuffle),
+    and the table words it takes, laid out per lane as the register lookup's are (lane
+    l's first word is level l mod 16).  Reads the levels to the host: a synchronisation."""
+    dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
+    words = level_lookup.shuffle_words(host_levels(weight), width, dtype)
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
+    return level_lookup.shuffle_asm(width), torch.tensor(words, dtype=torch.int32, device=weight.device)
+
+
 def level_source(weight: NF4Weight, lookup: str, width: int) -> tuple[str, torch.Tensor]:
     """(LOOKUP_ASM, LEVELS) of a kernel that turns the record's codes into ``width``-bit
-    levels (32 on CUDA cores, 16 on tensor cores) by ``lookup``: "registers" gives the
-    PTX and its table words, "table" no PTX and the table to load from (level pairs at
-    32 bits, the 16 levels in the weight's dtype at 16).  Made once per record
-    (``weight.level_sources``) and shared by the copies ``with_packed`` makes; the
-    register lookup reads the levels to the host, so its first call must be outside CUDA
-    graph capture (``has_level_source`` tells whether it was made)."""
+    levels (32 on CUDA cores, 16 on tensor cores) by ``lookup``: "registers" and
+    "shuffle" give the PTX and its table words, "table" no PTX and the table to load
+    from (level pairs at 32 bits, the 16 levels in the weight's dtype at 16).  Made once
+    per record (``weight.level_sources``) and shared by the copies ``with_packed`` makes;
+    the PTX lookups read the levels to the host, so their first call must be outside
+    CUDA graph capture (``has_level_source`` tells whether it was made)."""
     if weight.level_sources is None:
         weight.level_sources = {}
     key = (lookup, width)
     if key not in weight.level_sources:
         if lookup == "registers":
             weight.level_sources[key] = _register_lookup(weight, width)
+        elif lookup == "shuffle":
+            weight.level_sources[key] = _shuffle_lookup(weight, width)
         elif width == 32:
             weight.level_sources[key] = ("", _level_pairs(weight))
         else:
@@ -293,7 +305,23 @@ def has_level_source(weight: NF4Weight, lookup: str, width: int) -> bool:
     return (lookup, width) in (weight.level_sources or {})
 
 
-LOOKUPS = ("registers", "table")
+# How a code becomes its level: byte permutes of a table in the instructions and
+# registers, a warp shuffle from the lane holding it (both level_lookup.py), a load from a
+# table in memory, or "auto": whichever of the first two is faster for the candidate's
+# multiplier (``candidate_lookup``).
+LOOKUPS = ("auto", "registers", "shuffle", "table")
+
+
+def candidate_lookup(candidate: int, lookup: str) -> str:
+    """The lookup ``candidate`` runs with when asked for ``lookup``: itself, or for "auto"
+    the one the decode GEMV sweep timed faster for the candidate's multiplier on an H100
+    (docs/inference.md): shuffles on CUDA cores (fp32 levels; at one row 26.7-26.9 us
+    against the permutes' 39.4-41.6 at Llama-3-8B's MLP shapes), permutes on tensor cores
+    (16-bit levels, where a shuffle also needs a permute per pair; at eight rows 17.1
+    against 18.9 us at 4096 x 4096, 43.3 against 50.6 at 14336 x 4096)."""
+    if lookup != "auto":
+        return lookup
+    return "registers" if CANDIDATES[candidate][4] == "tensor cores" else "shuffle"
 
 
 def supports(weight: NF4Weight) -> bool:
@@ -390,7 +418,8 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
     interpreter = interpreter_enabled()
     packed, absmax, _, nested_absmax, nested_code, offset = launch_arguments(weight)
     # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
-    asm, levels = level_source(weight, "table" if interpreter else lookup, 16 if tensor_cores else 32)
+    lookup = "table" if interpreter else candidate_lookup(candidate, lookup)
+    asm, levels = level_source(weight, lookup, 16 if tensor_cores else 32)
     arguments = (
         x,
         packed,
@@ -431,7 +460,7 @@ def nf4_lora_gemv(
     *,
     out: torch.Tensor | None = None,
     candidate: int = 0,
-    lookup: str = "registers",
+    lookup: str = "auto",
 ) -> torch.Tensor:
     """``x W^T + scaling xa B^T + bias`` for x of 1 to 8 rows and an NF4 weight W, in one
     launch, W dequantised in registers.
@@ -442,8 +471,10 @@ def nf4_lora_gemv(
         scaling: the adapter's scale.  out: (M, N) to write into; a new tensor if None.
         candidate: which of ``CANDIDATES`` to launch with.
         lookup: how a code becomes its level: "registers" (byte permutes of immediates,
-            level_lookup) or "table" (a load from ``level_source``'s table).  The Triton
-            interpreter runs no PTX and always reads the table.
+            level_lookup), "shuffle" (from the lane holding it, level_lookup), "table" (a
+            load from ``level_source``'s table) or "auto" (shuffles on CUDA cores,
+            permutes on tensor cores: ``candidate_lookup``).  The Triton interpreter runs
+            no PTX and always reads the table.
     """
     if lookup not in LOOKUPS:
         raise ValueError(f"nf4_lora_gemv: lookup={lookup!r}; expected one of {LOOKUPS}")

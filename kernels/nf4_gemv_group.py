@@ -38,6 +38,7 @@ from slothkit_kernels.nf4_gemv import (
     CANDIDATES,
     LOOKUPS,
     _check,
+    candidate_lookup,
     cuda_core_band,
     host_levels,
     level_source,
@@ -175,7 +176,8 @@ def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int, look
         launch_arguments(w) for w in weights
     ]  # packed, absmax, code, nested_absmax, nested_code, offset
     # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
-    asm, levels = level_source(first, "table" if interpreter else lookup, 16 if tensor_cores else 32)
+    lookup = "table" if interpreter else candidate_lookup(candidate, lookup)
+    asm, levels = level_source(first, lookup, 16 if tensor_cores else 32)
     arguments = (
         x,
         *(tuple(record[i] for record in records) for i in (0, 1, 3, 4, 5)),
@@ -210,7 +212,7 @@ def nf4_lora_gemv_group(
     scalings: Sequence[float] | None = None,
     *,
     candidate: int = 0,
-    lookup: str = "registers",
+    lookup: str = "auto",
 ) -> list[torch.Tensor]:
     """``[x W_g^T + s_g xa_g B_g^T + bias_g for each g]`` for x of 1 to 8 rows and NF4
     weights quantised alike, in one launch, each weight dequantised in registers.
@@ -219,7 +221,7 @@ def nf4_lora_gemv_group(
         x: (M, K) in the weights' dtype.  weights: 1 to 4 NF4Weight (N_g, K) (``supports``).
         biases, xa, lora_bs, scalings: as lora_gemv_group takes them.
         candidate: which of nf4_gemv's ``CANDIDATES`` to launch with.
-        lookup: "registers" or "table", as nf4_lora_gemv takes it.
+        lookup: "auto", "registers", "shuffle" or "table", as nf4_lora_gemv takes it.
 
     Returns:
         One new contiguous (M, N_g) tensor per weight.

@@ -140,7 +140,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="4096,4096", help="N,K of the weight")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--candidates", help="indices into the op's CANDIDATES; all by default")
-    parser.add_argument("--lookups", default=",".join(nf4_gemv.LOOKUPS), help="nf4_lora_gemv's")
+    parser.add_argument(
+        "--lookups", default="registers,shuffle,table", help="nf4_lora_gemv's (nf4_gemv.LOOKUPS)"
+    )
     parser.add_argument("--arch", type=int, default=90, help="compute capability: 90 H100/H200, 75 T4")
     parser.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="of x and the weight"

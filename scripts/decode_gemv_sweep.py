@@ -8,8 +8,9 @@ for 16-bit weights; bitsandbytes' GEMV, or dequantise + matmul beyond one row, +
 for NF4), the best candidate's, which runs, every candidate's time and why any other was
 dropped, so that a tile set can be tuned from one run of it.  Weights are random (bf16,
 or NF4 with double quantisation, blocks of 64, as QLoRA loads them); the adapter is
-LoRA r = 16.  Kind ``nf4-table`` times nf4_lora_gemv with its levels read from a table
-instead of looked up in registers, for comparison.  Kinds ``16-bit-group`` and
+LoRA r = 16.  Kind ``nf4`` times the lookups decode runs (nf4_gemv.candidate_lookup);
+``nf4-registers``, ``nf4-shuffle`` and ``nf4-table`` one lookup for every candidate (byte
+permutes, warp shuffles, a table in memory), for comparison.  Kinds ``16-bit-group`` and
 ``nf4-group`` time the projections that read one input (q, k, v; gate, up) as one
 launch (lora_gemv_group, nf4_lora_gemv_group) against each on its own chosen path, whose
 decisions they list too.
@@ -54,9 +55,9 @@ def _decide(kind: str, out_features: int, in_features: int, rows: int) -> None:
     if kind == "16-bit":
         weight = randn(out_features, in_features, scale=in_features**-0.5)
         gemv_choice.gemv_candidate(x, weight, None, xa, lora_b, 2.0)
-    else:  # "nf4" (levels in registers, what decode runs) or "nf4-table"
+    else:  # "nf4" (what decode runs), or "nf4-<lookup>" (nf4_gemv.LOOKUPS)
         layer = _nf4_layer(out_features, in_features)
-        lookup = "table" if kind == "nf4-table" else "registers"
+        lookup = kind.removeprefix("nf4-") if kind != "nf4" else "auto"
         gemv_choice.nf4_gemv_candidate(
             x,
             base_weight(layer),
@@ -84,11 +85,12 @@ def _decide_group(kind: str, shapes: list[tuple[int, int]], rows: int) -> None:
     if kind == "16-bit-group":
         weights = [randn(n, k, scale=k**-0.5) for n, k in shapes]
         gemv_choice.group_gemv_candidate(x, weights, None, xa, lora_bs, scalings)
-    else:  # "nf4-group"
+    else:  # "nf4-group" (what decode runs), or "nf4-<lookup>-group"
         layers = [_nf4_layer(n, k) for n, k in shapes]
         bases = [lambda w, layer=layer: _nf4_base_output(layer, x, w, None) for layer in layers]
         weights = [base_weight(layer) for layer in layers]
-        gemv_choice.nf4_group_gemv_candidate(x, weights, None, xa, lora_bs, scalings, bases)
+        lookup = kind.removeprefix("nf4-").removesuffix("-group") if kind != "nf4-group" else "auto"
+        gemv_choice.nf4_group_gemv_candidate(x, weights, None, xa, lora_bs, scalings, bases, lookup)
 
 
 def _weight_bytes(kind: str, out_features, in_features: int) -> int:
@@ -104,7 +106,8 @@ def main() -> None:
     parser.add_argument(
         "--kinds",
         default="16-bit,nf4",
-        help="16-bit, nf4, nf4-table (the table lookup), 16-bit-group, nf4-group",
+        help="16-bit, nf4 (what decode runs), nf4-registers, nf4-shuffle, nf4-table (one lookup "
+        "everywhere), 16-bit-group, nf4-group, nf4-registers-group, nf4-shuffle-group",
     )
     parser.add_argument("--output", help="JSON file for the choices and the setting")
     args = parser.parse_args()

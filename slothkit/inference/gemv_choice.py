@@ -47,10 +47,16 @@ NAMES = {
     "16-bit": ("cublas", "lora_gemv"),
     # Projections that read the same rows: each on its own chosen path, or one launch.
     "16-bit group": ("separate launches", "lora_gemv_group"),
+    # NF4: what decode runs (lookup "auto": shuffles on CUDA cores, permutes on tensor
+    # cores), and each lookup everywhere, measured for comparison (nf4_gemv.LOOKUPS).
     "nf4 group": ("separate launches", "nf4_lora_gemv_group"),
+    "nf4-registers group": ("separate launches", "nf4_lora_gemv_group, permute lookup"),
+    "nf4-shuffle group": ("separate launches", "nf4_lora_gemv_group, shuffle lookup"),
     "nf4-table group": ("separate launches", "nf4_lora_gemv_group, table lookup"),
-    "nf4": ("bitsandbytes", "nf4_lora_gemv"),  # levels looked up in registers: what decode runs
-    "nf4-table": ("bitsandbytes", "nf4_lora_gemv, table lookup"),  # measured for comparison
+    "nf4": ("bitsandbytes", "nf4_lora_gemv"),
+    "nf4-registers": ("bitsandbytes", "nf4_lora_gemv, permute lookup"),
+    "nf4-shuffle": ("bitsandbytes", "nf4_lora_gemv, shuffle lookup"),
+    "nf4-table": ("bitsandbytes", "nf4_lora_gemv, table lookup"),
 }
 
 _choices: dict[tuple, dict] = {}
@@ -197,7 +203,7 @@ def group_gemv_candidate(rows, weights, biases, xa, lora_bs, scalings) -> int | 
 
 
 def nf4_group_gemv_candidate(
-    rows, weights, biases, xa, lora_bs, scalings, bases, lookup="registers"
+    rows, weights, biases, xa, lora_bs, scalings, bases, lookup="auto"
 ) -> int | None:
     """The tile candidate of ``nf4_lora_gemv_group`` to run for NF4 projections quantised
     alike that read the same rows, or None to run each by ``nf4_path`` (``bases[g](w)``:
@@ -205,7 +211,7 @@ def nf4_group_gemv_candidate(
     (timed) at the first call of a set of shapes outside graph capture."""
     if not _considered(rows) or not all(nf4_gemv.supports(w) for w in weights):
         return None
-    kind = "nf4 group" if lookup == "registers" else f"nf4-{lookup} group"
+    kind = "nf4 group" if lookup == "auto" else f"nf4-{lookup} group"
     candidate = _group_choice(
         kind,
         rows,
@@ -260,16 +266,14 @@ def _group_choice(kind, rows, weights, terms, path, member_key, kernel, usable, 
     )
 
 
-def nf4_gemv_candidate(
-    rows, weight: NF4Weight, bias, xa, lora_b, scaling, base, lookup="registers"
-) -> int | None:
+def nf4_gemv_candidate(rows, weight: NF4Weight, bias, xa, lora_b, scaling, base, lookup="auto") -> int | None:
     """The tile candidate of ``nf4_lora_gemv`` to run for this call's shape, or None for
     bitsandbytes' path, ``base(w)`` (the base layer's output for ``rows`` read from the
     NF4 weight ``w``, the weight or a copy of it) followed by the adapter's ``addmm_``.
-    ``lookup`` is the kernel's (nf4_gemv.LOOKUPS); decode runs "registers"."""
+    ``lookup`` is the kernel's (nf4_gemv.LOOKUPS); decode runs "auto"."""
     if not _considered(rows) or not nf4_gemv.supports(weight):
         return None
-    kind = "nf4" if lookup == "registers" else f"nf4-{lookup}"
+    kind = "nf4" if lookup == "auto" else f"nf4-{lookup}"
     key = _nf4_key(kind, rows, weight, bias, xa)
 
     def clone() -> NF4Weight:  # new codes; the scales (1/64 of the bytes) are shared
@@ -289,21 +293,22 @@ def nf4_gemv_candidate(
 
 
 def _levels_made(weights, candidate: int, lookup: str) -> bool:
-    """Whether the register lookup (and, for a group, each weight's levels on the host)
-    is made for these records, making it outside capture.  Reading levels to the host is
-    a synchronisation, and the choice is made per shape, so another layer's records of
-    the same shapes may reach this point first during capture, where none is allowed:
-    they then take the library's path in that graph."""
-    if lookup != "registers":
+    """Whether the PTX lookup (registers or shuffle; and, for a group, each weight's
+    levels on the host) is made for these records, making it outside capture.  Reading
+    levels to the host is a synchronisation, and the choice is made per shape, so another
+    layer's records of the same shapes may reach this point first during capture, where
+    none is allowed: they then take the library's path in that graph."""
+    lookup = nf4_gemv.candidate_lookup(candidate, lookup)
+    if lookup == "table":
         return True
     width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
-    made = nf4_gemv.has_level_source(weights[0], "registers", width) and all(
+    made = nf4_gemv.has_level_source(weights[0], lookup, width) and all(
         "levels" in (w.level_sources or {}) for w in weights
     )
     if not made:
         if torch.cuda.is_current_stream_capturing():
             return False
-        nf4_gemv.level_source(weights[0], "registers", width)
+        nf4_gemv.level_source(weights[0], lookup, width)
         for weight in weights:
             nf4_gemv.host_levels(weight)
     return True
@@ -313,7 +318,7 @@ def _nf4_key(kind: str, rows, weight, bias, xa) -> tuple:
     return (kind, str(rows.device), rows.dtype, rows.shape[0], *weight.shape, _rank(xa), bias is not None)
 
 
-def nf4_path(rows, weight, bias, xa, lora_b, scaling, base, lookup="registers") -> torch.Tensor:
+def nf4_path(rows, weight, bias, xa, lora_b, scaling, base, lookup="auto") -> torch.Tensor:
     """An NF4 projection of a decode step's rows by the path chosen for its shape:
     ``nf4_lora_gemv`` at its chosen tile, else ``base(weight)`` and the adapter's ``addmm_``."""
     candidate = nf4_gemv_candidate(rows, weight, bias, xa, lora_b, scaling, base, lookup)

@@ -2,6 +2,7 @@
 weights quantised by bitsandbytes: one to eight rows, with and without an adapter and a
 bias, nested and plain block scales, every tile candidate, fp32 / fp16 / bf16."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -93,8 +94,12 @@ def test_nf4_lora_gemv_matches_the_dequantised_product(rows, rank, bias, nested,
         (rank, bias, nested)
     )
     # The interpreter runs no PTX: it reads the table whichever lookup is asked for.  On a
-    # GPU the table lookup (the slower one, kept for comparison) in every third case.
-    for lookup in LOOKUPS if device == "cuda" and case % 3 == 0 else ("registers",):
+    # GPU the two lookups in registers take turns (permutes, shuffles), and the table (the
+    # slower one, kept for comparison) joins in every third case.
+    lookups = ("registers",)
+    if device == "cuda":
+        lookups = (("registers", "shuffle")[case % 2],) + (("table",) if case % 3 == 0 else ())
+    for lookup in lookups:
         for candidate in _candidates(device, case, dtype):
             got = nf4_lora_gemv(x, weight, b, xa, lora_b, scaling, candidate=candidate, lookup=lookup)
             assert got.dtype == dtype and got.shape == (rows, 72)
@@ -201,7 +206,7 @@ def test_what_nf4_lora_gemv_cannot_compute_is_refused(device):
             call()
 
 
-def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
+def test_ptx_lookups_are_made_once_per_record_and_shared_by_copies():
     """Made once per record and shared by its copies, those made before it too: the
     decode GEMV choice clones the codes before its first call makes the lookup, and a
     copy that lacked it would make its own (a host read of the levels) inside the CUDA
@@ -215,22 +220,27 @@ def test_register_lookup_is_made_once_per_record_and_shared_by_copies():
         assert asm == level_lookup.lookup_asm(tuple(levels), width, "bfloat16")
         expected = level_lookup.register_words(levels, width, "bfloat16") * 32  # a copy a lane
         assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
-    for width in (32, 16):
-        assert has_level_source(earlier_copy, "registers", width)
+        asm, words = level_source(weight, "shuffle", width)
+        assert asm == level_lookup.shuffle_asm(width)
+        expected = level_lookup.shuffle_words(levels, width, "bfloat16")  # per lane
+        assert [w & 0xFFFFFFFF for w in words.tolist()] == expected
+    for lookup, width in itertools.product(("registers", "shuffle"), (32, 16)):
+        assert has_level_source(earlier_copy, lookup, width)
     copy = weight.with_packed(weight.packed.clone())
-    for lookup, width in (("registers", 32), ("registers", 16), ("table", 32), ("table", 16)):
+    for lookup, width in itertools.product(LOOKUPS, (32, 16)):
         assert level_source(copy, lookup, width) is level_source(weight, lookup, width)
         assert level_source(earlier_copy, lookup, width) is level_source(weight, lookup, width)
 
 
-def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(tmp_path):
-    """scripts/cuda_sass.py compiles the kernels for sm_90 here (ptxas accepts the lookup's
+def test_every_lookup_compiles_for_an_h100_and_the_ptx_loops_load_no_levels(tmp_path):
+    """scripts/cuda_sass.py compiles the kernels for sm_90 here (ptxas accepts the lookups'
     PTX) and counts their main loops.  On CUDA cores the register lookup's loop issues
     fewer loads than the table's (no gather) and stays near the count it was designed at
     (nine to ten a code at one row: six of lookup, one and a half of arithmetic, the rest
-    x's conversion, loads and addresses); on tensor cores the products are warpgroup MMAs
-    and the loop spends about five or six a code whatever the rows (the 16-bit lookup's
-    2.75 and the MMAs' staging)."""
+    x's conversion, loads and addresses); the shuffle lookup's has one SHFL a code, no
+    LOP3, and fewer instructions than the permutes' (about six a code at one row); on
+    tensor cores the products are warpgroup MMAs and the loop spends about five or six a
+    code whatever the rows (the 16-bit lookup's 2.75 and the MMAs' staging)."""
     script = Path(__file__).parents[2] / "scripts" / "cuda_sass.py"
     output = tmp_path / "sass.json"
     tensor_cores = _first_tensor_cores() + 1  # 64 x 64, four warps
@@ -248,7 +258,13 @@ def test_both_lookups_compile_for_an_h100_and_the_register_loop_loads_no_levels(
         _, block_n, block_k = registers["block"]
         codes = block_n * block_k // (32 * registers["warps"])  # a thread's, per iteration
         assert registers["opcodes"]["PRMT"] >= 34 * codes // 8  # the lookup's 34 per word of 8
+        shuffle = results[0, rows, "shuffle"]
+        assert shuffle["opcodes"].get("LDG", 0) == registers["opcodes"].get("LDG", 0)
+        assert shuffle["opcodes"]["SHFL"] == codes and "LOP3" not in shuffle["opcodes"]
+        assert shuffle["instructions_per_weight"] < registers["instructions_per_weight"]
+        assert results[tensor_cores, rows, "shuffle"]["opcodes"]["SHFL"] == 32  # a thread's codes
         mma = results[tensor_cores, rows, "registers"]
         assert mma["opcodes"]["HGMMA"] >= 2 and mma["instructions_per_weight"] < 7
         assert mma["opcodes"]["PRMT"] >= 14 * 32 // 8  # 32 codes a thread; 14 PRMT per 8 at 16 bits
     assert results[0, 1, "registers"]["instructions_per_weight"] < 11
+    assert results[0, 1, "shuffle"]["instructions_per_weight"] < 7

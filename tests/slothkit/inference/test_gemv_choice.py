@@ -199,7 +199,7 @@ def test_nf4_choices_on_the_gpu_run_what_they_timed(rows):
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])
-def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(monkeypatch, tensor_cores):
+def test_a_chosen_ptx_lookup_is_made_outside_capture_and_skipped_inside_it(monkeypatch, tensor_cores):
     """A record that reaches a decided shape during graph capture before its lookup was
     made (it needs a host read of the levels) takes bitsandbytes' path there; outside
     capture the lookup is made for it, at the width its candidate needs."""
@@ -220,8 +220,8 @@ def test_a_chosen_register_lookup_is_made_outside_capture_and_skipped_inside_it(
     assert weight.level_sources is None and choose() is None  # in capture, not made: bitsandbytes
     capturing["now"] = False
     assert choose() == candidate  # outside: made here
-    width = 16 if tensor_cores else 32
-    assert set(weight.level_sources) == {("registers", width), "levels"}  # the levels read once
+    width, lookup = (16, "registers") if tensor_cores else (32, "shuffle")  # nf4_gemv.candidate_lookup's
+    assert set(weight.level_sources) == {(lookup, width), "levels"}  # the levels read once
     capturing["now"] = True
     assert choose() == candidate  # made before: the kernel runs in the graph too
 
