@@ -22,8 +22,10 @@ multiplies in the 16-bit dtype and differs more.
 Instructions, not bytes, bound a dequantising GEMV at one row: an H200 must turn about
 ten trillion codes a second (4.8 TB/s at half a byte each) into products to keep up with
 its memory, a few instructions per code at most.  So a code's level is looked up in
-registers, by byte permutes of a table held in the instructions and in eight registers
-(level_lookup.py: under six instructions a code, bit for bit, no memory touched), and at
+registers, bit for bit and with no memory touched (level_lookup.py): on CUDA cores by a
+warp shuffle from the lane that holds it (under two instructions a code), on tensor cores
+by byte permutes of a table held in the instructions and in registers (under three a
+code at 16 bits; ``candidate_lookup`` says why each), and at
 one row a packed byte's two weights cost a multiply and two fused multiply-adds
 (x_even * level_high + x_odd * level_low, times the row's scale, into the accumulator);
 with more rows the pair of levels is scaled once and each row adds two fused
