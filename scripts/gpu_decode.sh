@@ -20,7 +20,7 @@ for mode in "${profiles[@]}"; do
     echo "== profile_decode $model $mode  ($(date +%T))"
     # From /tmp: with a wheel installed, the checkout's slothkit/ must not shadow it.
     (cd /tmp && python3 "$root/scripts/profile_decode.py" --model "$model" --mode $mode \
-        --json "$profile_dir/$name.json") > "$profile_dir/$name.log" 2>&1 || echo "   failed: see $name.log"
+        --json "$profile_dir/$name.json") > "$profile_dir/$name.log" 2>&1 || echo "   failed: see $name.log in decode-profiles.tgz"
     grep -E "^graph replay|^generate" "$profile_dir/$name.log"
     tar czf "$OUT/decode-profiles.tgz" -C "$profile_dir" .
 done
