@@ -3,6 +3,8 @@ on fresh random NF4 weights: two and three projections of different widths, adap
 some of them, biases, nested scales, CUDA-core and tensor-core candidates, split K; and
 against nf4_lora_gemv on each weight alone."""
 
+import itertools
+
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
@@ -59,12 +61,15 @@ def test_nf4_lora_gemv_group_matches_the_reference(case, device):
     generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     inputs = _inputs(rows, widths, 256, ranks, dtype, nested, bias, device, generator)
     expected = nf4_lora_gemv_group_reference(*inputs)
-    for candidate in _candidates(device, case, dtype):
-        got = nf4_lora_gemv_group(*inputs, candidate=candidate)
+    # On a GPU the default lookup (shuffles on CUDA cores, permutes on tensor cores) and, by
+    # turns, each of the two everywhere; the interpreter runs no PTX and reads the table.
+    lookups = ("auto", ("registers", "shuffle")[case % 2]) if device == "cuda" else ("auto",)
+    for candidate, lookup in itertools.product(_candidates(device, case, dtype), lookups):
+        got = nf4_lora_gemv_group(*inputs, candidate=candidate, lookup=lookup)
         assert [tuple(y.shape) for y in got] == [(rows, n) for n in widths]
         for y, e in zip(got, expected):
             assert y.dtype == dtype
-            assert relative_error(y, e) < TOLERANCE[dtype], (CANDIDATES[candidate], widths)
+            assert relative_error(y, e) < TOLERANCE[dtype], (CANDIDATES[candidate], lookup, widths)
 
 
 @pytest.mark.parametrize("candidate", [c for c, tile in enumerate(CANDIDATES) if tile[3] > 0][::2])
