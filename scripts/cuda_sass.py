@@ -113,6 +113,18 @@ def loop_counts(weight, rows: int, candidate: int, lookup: str | None, rank: int
             x, weight, None, xa, lora_b, 1.0, out, candidate, lookup
         )
         multiplier = nf4_gemv.CANDIDATES[candidate][4]
+    return {
+        "candidate": candidate,
+        "multiplier": multiplier,
+        "rows": rows,
+        "lookup": lookup,
+        **compiled_loop(kernel, grid, arguments, constants),
+    }
+
+
+def compiled_loop(kernel, grid, arguments, constants) -> dict:
+    """Compile one GEMV launch (an op's ``launch`` tuple) for the active target and count
+    its main loop: in all and per weight a thread reads in an iteration."""
     compiled = kernel.warmup(*arguments, grid=grid, **constants)
     sass, registers = disassemble(compiled.asm["cubin"])
     loop = main_loop(sass)
@@ -120,10 +132,6 @@ def loop_counts(weight, rows: int, candidate: int, lookup: str | None, rank: int
     # Weights per thread per iteration (a CUDA-core NF4 loop takes STEPS steps of BLOCK_K).
     weights = constants["BLOCK_N"] * constants["BLOCK_K"] * constants.get("STEPS", 1) / threads
     return {
-        "candidate": candidate,
-        "multiplier": multiplier,
-        "rows": rows,
-        "lookup": lookup,
         "block": [constants["BLOCK_M"], constants["BLOCK_N"], constants["BLOCK_K"]],
         "steps": constants.get("STEPS", 1),
         "warps": constants["num_warps"],

@@ -268,3 +268,28 @@ def test_every_lookup_compiles_for_an_h100_and_the_ptx_loops_load_no_levels(tmp_
         assert mma["opcodes"]["PRMT"] >= 14 * 32 // 8  # 32 codes a thread; 14 PRMT per 8 at 16 bits
     assert results[0, 1, "registers"]["instructions_per_weight"] < 11
     assert results[0, 1, "shuffle"]["instructions_per_weight"] < 7
+
+
+def test_the_lookup_bound_stand_ins_compile_for_an_h100_without_the_lookups_work(tmp_path):
+    """scripts/nf4_lookup_bound.py times the one-row kernel with stand-in lookups (wrong
+    levels at a known cost) to see what the lookup costs on a GPU; compiled here for
+    sm_90, "no lookup" keeps the loads and multiply-adds but no shuffle or permute, and
+    "shifts" no shuffle, so each differs from the real loop by its lookup alone."""
+    script = Path(__file__).parents[2] / "scripts" / "nf4_lookup_bound.py"
+    output = tmp_path / "bound.json"
+    env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
+    subprocess.run(
+        [sys.executable, str(script), "--compile-only", "90", "--shape", "256,512", "--candidates", "0",
+         "--output", str(output)],
+        check=True, capture_output=True, env=env, timeout=600,
+    )  # fmt: skip
+    loops = {r["variant"]: r for r in json.loads(output.read_text())["results"]}
+    assert set(loops) == {"shuffle", "registers", "shifts", "no lookup"}
+    ffma = loops["shuffle"]["opcodes"]["FFMA"]
+    assert all(loop["opcodes"]["FFMA"] == ffma for loop in loops.values())  # the same arithmetic
+    assert loops["shuffle"]["opcodes"]["SHFL"] > 0 and "LOP3" in loops["registers"]["opcodes"]
+    for stand_in in ("shifts", "no lookup"):
+        assert "SHFL" not in loops[stand_in]["opcodes"]
+    bare = loops["no lookup"]
+    assert bare["instructions_per_weight"] < loops["shuffle"]["instructions_per_weight"]
+    assert bare["opcodes"].get("LDG", 0) == loops["shuffle"]["opcodes"].get("LDG", 0)  # codes still loaded
