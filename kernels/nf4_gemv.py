@@ -257,27 +257,23 @@ def host_levels(weight: NF4Weight) -> tuple[float, ...]:
     return weight.level_sources["levels"]
 
 
-def _register_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
+def _ptx_lookup(weight: NF4Weight, lookup: str, width: int) -> tuple[str, torch.Tensor]:
     """The PTX turning packed bytes into levels of ``width`` bits (fp32, or the weight's
-    16-bit dtype) in registers (level_lookup; half its table as immediates), and the
-    int32 table words it takes in registers, a copy for each lane of a warp
-    (level_lookup.lane says why).  Reads the levels to the host: a synchronisation."""
+    16-bit dtype) in registers, and the int32 table words it takes in registers, lane by
+    lane (level_lookup.lane says why each lane reads its own): "registers", byte permutes
+    with half the table as immediates and the other half copied to every lane; "shuffle",
+    each level fetched from the lane that holds it (lane l's first word is level l mod 16).
+    Reads the levels to the host: a synchronisation."""
     levels = host_levels(weight)
     dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
-    words = level_lookup.register_words(levels, width, dtype)
+    if lookup == "registers":
+        asm = level_lookup.lookup_asm(levels, width, dtype)
+        words = level_lookup.register_words(levels, width, dtype) * 32  # a copy a lane
+    else:
+        asm = level_lookup.shuffle_asm(width)
+        words = level_lookup.shuffle_words(levels, width, dtype)  # each lane its own
     words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
-    words = torch.tensor(words * 32, dtype=torch.int32, device=weight.device)
-    return level_lookup.lookup_asm(levels, width, dtype), words
-
-
-def _shuffle_lookup(weight: NF4Weight, width: int) -> tuple[str, torch.Tensor]:
-    """The PTX fetching each level from the lane that holds it (level_lookup's shuffle),
-    and the table words it takes, laid out per lane as the register lookup's are (lane
-    l's first word is level l mod 16).  Reads the levels to the host: a synchronisation."""
-    dtype = "float16" if weight.dtype == torch.float16 else "bfloat16"
-    words = level_lookup.shuffle_words(host_levels(weight), width, dtype)
-    words = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the same bits, signed
-    return level_lookup.shuffle_asm(width), torch.tensor(words, dtype=torch.int32, device=weight.device)
+    return asm, torch.tensor(words, dtype=torch.int32, device=weight.device)
 
 
 def level_source(weight: NF4Weight, lookup: str, width: int) -> tuple[str, torch.Tensor]:
@@ -292,10 +288,8 @@ def level_source(weight: NF4Weight, lookup: str, width: int) -> tuple[str, torch
         weight.level_sources = {}
     key = (lookup, width)
     if key not in weight.level_sources:
-        if lookup == "registers":
-            weight.level_sources[key] = _register_lookup(weight, width)
-        elif lookup == "shuffle":
-            weight.level_sources[key] = _shuffle_lookup(weight, width)
+        if lookup in ("registers", "shuffle"):
+            weight.level_sources[key] = _ptx_lookup(weight, lookup, width)
         elif width == 32:
             weight.level_sources[key] = ("", _level_pairs(weight))
         else:
@@ -324,6 +318,20 @@ def candidate_lookup(candidate: int, lookup: str) -> str:
     if lookup != "auto":
         return lookup
     return "registers" if CANDIDATES[candidate][4] == "tensor cores" else "shuffle"
+
+
+def candidate_source_key(candidate: int, lookup: str) -> tuple[str, int]:
+    """(lookup, width) of the level source ``candidate`` runs with when asked for
+    ``lookup`` on a GPU: its lookup (``candidate_lookup``) at its width (16-bit levels on
+    tensor cores, fp32 on CUDA cores)."""
+    return candidate_lookup(candidate, lookup), 16 if CANDIDATES[candidate][4] == "tensor cores" else 32
+
+
+def candidate_level_source(weight: NF4Weight, candidate: int, lookup: str) -> tuple[str, torch.Tensor]:
+    """``level_source`` of what ``candidate`` launches with (``candidate_source_key``);
+    the Triton interpreter runs no PTX and reads the table whichever lookup is asked for."""
+    lookup, width = candidate_source_key(candidate, lookup)
+    return level_source(weight, "table" if interpreter_enabled() else lookup, width)
 
 
 def supports(weight: NF4Weight) -> bool:
@@ -419,9 +427,7 @@ def launch(x, weight: NF4Weight, bias, xa, lora_b, scaling, out, candidate: int,
     nested = weight.is_nested
     interpreter = interpreter_enabled()
     packed, absmax, _, nested_absmax, nested_code, offset = launch_arguments(weight)
-    # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
-    lookup = "table" if interpreter else candidate_lookup(candidate, lookup)
-    asm, levels = level_source(weight, lookup, 16 if tensor_cores else 32)
+    asm, levels = candidate_level_source(weight, candidate, lookup)
     arguments = (
         x,
         packed,

@@ -38,10 +38,9 @@ from slothkit_kernels.nf4_gemv import (
     CANDIDATES,
     LOOKUPS,
     _check,
-    candidate_lookup,
+    candidate_level_source,
     cuda_core_band,
     host_levels,
-    level_source,
     nf4_lora_gemv_reference,
     steps,
     tile,
@@ -175,9 +174,7 @@ def launch(x, weights, biases, xa, lora_bs, scalings, outs, candidate: int, look
     records = [
         launch_arguments(w) for w in weights
     ]  # packed, absmax, code, nested_absmax, nested_code, offset
-    # The interpreter runs no PTX: it reads the table whichever lookup is asked for.
-    lookup = "table" if interpreter else candidate_lookup(candidate, lookup)
-    asm, levels = level_source(first, lookup, 16 if tensor_cores else 32)
+    asm, levels = candidate_level_source(first, candidate, lookup)  # the groups' levels are one
     arguments = (
         x,
         *(tuple(record[i] for record in records) for i in (0, 1, 3, 4, 5)),

@@ -298,10 +298,9 @@ def _levels_made(weights, candidate: int, lookup: str) -> bool:
     levels to the host is a synchronisation, and the choice is made per shape, so another
     layer's records of the same shapes may reach this point first during capture, where
     none is allowed: they then take the library's path in that graph."""
-    lookup = nf4_gemv.candidate_lookup(candidate, lookup)
+    lookup, width = nf4_gemv.candidate_source_key(candidate, lookup)
     if lookup == "table":
         return True
-    width = 16 if nf4_gemv.CANDIDATES[candidate][4] == "tensor cores" else 32
     made = nf4_gemv.has_level_source(weights[0], lookup, width) and all(
         "levels" in (w.level_sources or {}) for w in weights
     )
