@@ -85,6 +85,13 @@ def outputs(width: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("high01", "high23"), ("low01", "low23")
 
 
+def nibble_outputs() -> tuple[str, ...]:
+    """The 32-bit output register of each of a word's eight nibbles, lowest first: the low
+    nibble of byte i // 2 for even i, its high nibble for odd i."""
+    high, low = outputs(32)
+    return tuple(low[i // 2] if i % 2 == 0 else high[i // 2] for i in range(8))
+
+
 def table_registers(width: int) -> tuple[str, ...]:
     """The table words passed in registers: words (plane p, 0) and (p, 2) as t2p, t2p+1."""
     return tuple(f"t{i}" for i in range(width // 4))
@@ -207,7 +214,7 @@ def shuffle_program(width: int = 32) -> tuple[Instruction, ...]:
     program = [("shr", nibbles[i], WORD, 4 * i) for i in range(1, 8)]
     high, low = outputs(width)
     if width == 32:
-        fetched = [low[i // 2] if i % 2 == 0 else high[i // 2] for i in range(8)]
+        fetched = nibble_outputs()
     else:
         fetched = [f"{'low' if i % 2 == 0 else 'high'}_{i // 2}" for i in range(8)]
     program += [

@@ -44,10 +44,8 @@ def stand_in_asm(variant: str) -> str:
     """PTX taking the 32-bit lookup's operands (level_lookup.operands(32)) that writes
     wrong levels at a known cost."""
     names = level_lookup.operands(32)
-    high, low = level_lookup.outputs(32)
     word = f"${names.index(level_lookup.WORD)}"
-    # Nibble i in the lookup's output order: the low nibble of byte i // 2, then its high.
-    by_nibble = [f"${names.index(low[i // 2] if i % 2 == 0 else high[i // 2])}" for i in range(8)]
+    by_nibble = [f"${names.index(name)}" for name in level_lookup.nibble_outputs()]
     if variant == "no lookup":
         return "{\n" + "\n".join(f"mov.b32 {out}, {word};" for out in by_nibble) + "\n}"
     if variant == "shifts":  # ((word >> 4i) & 15) << 19 | 1.0f: shift, then one LOP3
@@ -95,16 +93,14 @@ def _compile_only(args, candidates) -> list[dict]:
 
 
 def _timed(args, candidates) -> list[dict]:
-    import bitsandbytes as bnb
+    from decode_gemv_sweep import _nf4_layer  # this folder is on the path (above)
 
     from slothkit.engine.lora_projection import base_weight
     from slothkit.inference import gemv_choice
     from slothkit.inference.decode_projections import _nf4_base_output
 
     n, k = args.shape
-    layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
-    layer.load_state_dict({"weight": torch.randn(n, k) * k**-0.5})
-    layer = layer.to(torch.bfloat16).cuda().eval()  # quantised when moved
+    layer = _nf4_layer(n, k)  # as QLoRA loads it: double quantisation, blocks of 64
     weight = base_weight(layer)
 
     def randn(*shape):
