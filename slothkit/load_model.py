@@ -19,6 +19,7 @@ import torch
 
 from slothkit.allocator import prefer_expandable_segments
 from slothkit.data.chat_templates import link_model
+from slothkit.data.conversation_columns import accept_conversation_columns
 from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import patch_decoder
 from slothkit.engine.generic_head import fuse_generic_head
@@ -312,11 +313,13 @@ def takes_fused_path(model, arch, fused: bool | None) -> bool:
 def link_tokenizer(model, tokenizer) -> None:
     """The model knows its tokenizer (slothkit.model_state) and the tokenizer its model
     (weakly: get_chat_template grows the embeddings without model=); generate takes
-    apply_chat_template's dict (slothkit.generation): glue for code written against
-    transformers 4 and Unsloth."""
+    apply_chat_template's dict (slothkit.generation), and apply_chat_template a datasets
+    column of conversations (slothkit.data.conversation_columns): glue for code written
+    against transformers 4, datasets 3 and Unsloth."""
     attach_state(model).tokenizer = tokenizer
     link_model(tokenizer, model)
     accept_encoding_in_generate(model)
+    accept_conversation_columns(tokenizer)
 
 
 def set_max_seq_length(model, max_seq_length: int, checked: bool = False) -> None:
