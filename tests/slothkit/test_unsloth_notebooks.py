@@ -329,6 +329,48 @@ def test_gemma3_conversational(notebook_folder):
     _assert_gguf(folder / "gemma-3-finetune", labels=("Q8_0",))
 
 
+def test_qwen3_reasoning_conversational(notebook_folder, capsys):
+    """Unsloth's Qwen3 (14B) Reasoning-Conversational notebook: a list of conversations
+    through apply_chat_template at once, a pandas mixture of reasoning and chat rows into
+    Dataset.from_pandas, enable_thinking on and off, streamed sampling, both merged saves
+    and three GGUFs into one folder."""
+    folder, _ = notebook_folder
+    ns = _run("qwen3_reasoning_conversational")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    # A reasoning reply keeps its own <think> block; a chat reply after the last user turn
+    # gets Qwen3's empty one, the earlier replies none.
+    problem, reply = ns["reasoning_dataset"][0]["problem"], ns["reasoning_dataset"][0]["generated_solution"]
+    assert ns["reasoning_conversations"][0] == (
+        f"<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n{reply}<|im_end|>\n"
+    )
+    assert ns["non_reasoning_conversations"][1] == (
+        "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n"
+        "<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHi again!<|im_end|>\n"
+    )
+    mixture = ns["reasoning_conversations"] + list(ns["non_reasoning_subset"])
+    assert len(ns["non_reasoning_subset"]) >= 1 and sorted(ns["combined_dataset"]["text"]) == sorted(mixture)
+    # Each training row is its text (and the EOS TRL appends), the pandas index column aside.
+    for index, text in enumerate(ns["combined_dataset"]["text"]):
+        assert (
+            tokenizer.decode(trainer.train_dataset[index]["input_ids"]).removesuffix(tokenizer.eos_token)
+            == text
+        )
+    _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
+    # enable_thinking=False closes the thinking block in the prompt; True leaves it to the model.
+    prompt, outputs = ns["no_thinking"]
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ns["text"].endswith("<|im_start|>assistant\n") and ns["text"] + "<think>\n\n</think>\n\n" == prompt
+    prompt_length = len(tokenizer(prompt)["input_ids"])
+    assert outputs.shape[1] > prompt_length
+    streamed = tokenizer.decode(outputs[0, prompt_length:])
+    assert streamed.strip() and streamed in capsys.readouterr().out
+    _assert_reloaded(ns, trainer)
+    _assert_merged(folder / "model_16bit", ns)
+    _assert_merged_4bit(folder / "model_4bit", ns)
+    _assert_gguf(folder / "model")
+
+
 def test_zephyr_dpo(notebook_folder):
     _, caught = notebook_folder
     ns = _run("zephyr_dpo")
