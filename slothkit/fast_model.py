@@ -85,9 +85,11 @@ class FastModel:
                 or 4-bit NF4 weights.
             full_finetuning: False (default); True is refused: slothkit trains LoRA
                 adapters (get_peft_model).
-            fast_inference: accepted and ignored (said once) until slothkit has a fast
-                decode path; so are the vLLM options that come with it
-                (gpu_memory_utilization, max_lora_rank).
+            fast_inference: accepted (said once): the models slothkit returns always
+                have vLLM's ``fast_generate`` (and ``save_lora`` / ``load_lora`` after
+                get_peft_model: slothkit.vllm_generate), without a vLLM engine; the vLLM
+                options that come with it (gpu_memory_utilization, max_lora_rank) are
+                unused.
             num_labels: None (default): a causal LM.  A positive integer: the checkpoint's
                 decoder with a linear score head of that many outputs
                 (``AutoModelForSequenceClassification``), read at each sequence's last

@@ -45,6 +45,7 @@ from slothkit.text_tower import (
     text_tower_config,
     unreported_vision_weights,
 )
+from slothkit.vllm_generate import attach_vllm_methods
 from slothkit_kernels.utils import triton_runs_on
 
 
@@ -313,13 +314,15 @@ def takes_fused_path(model, arch, fused: bool | None) -> bool:
 def link_tokenizer(model, tokenizer) -> None:
     """The model knows its tokenizer (slothkit.model_state) and the tokenizer its model
     (weakly: get_chat_template grows the embeddings without model=); generate takes
-    apply_chat_template's dict (slothkit.generation), and apply_chat_template a datasets
-    column of conversations (slothkit.data.conversation_columns): glue for code written
-    against transformers 4, datasets 3 and Unsloth."""
+    apply_chat_template's dict (slothkit.generation), apply_chat_template a datasets
+    column of conversations (slothkit.data.conversation_columns), and the model has vLLM's
+    fast_generate (slothkit.vllm_generate): glue for code written against transformers 4,
+    datasets 3, vLLM and Unsloth."""
     attach_state(model).tokenizer = tokenizer
     link_model(tokenizer, model)
     accept_encoding_in_generate(model)
     accept_conversation_columns(tokenizer)
+    attach_vllm_methods(model)
 
 
 def set_max_seq_length(model, max_seq_length: int, checked: bool = False) -> None:

@@ -22,6 +22,7 @@ from slothkit.generation import accept_encoding_in_generate
 from slothkit.memory_model import host_budget_bytes
 from slothkit.model_state import attach_state, state_of
 from slothkit.models import architecture_named
+from slothkit.vllm_generate import attach_vllm_methods
 
 CHECKPOINTING_CHOICES = ("offload", "auto", "unsloth", True, False)
 _OFFLOADING = ("offload", "unsloth", "auto")
@@ -112,6 +113,7 @@ def ready_for_training(peft_model, checkpointing: CheckpointingOptions = Checkpo
 
     attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
     accept_encoding_in_generate(peft_model)
+    attach_vllm_methods(peft_model)  # fast_generate, save_lora, load_lora
     return for_training(peft_model)
 
 

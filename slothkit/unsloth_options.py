@@ -14,7 +14,7 @@ EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 def check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwargs: dict) -> None:
     """Refuse what slothkit cannot do, in one line each; drop from ``hf_kwargs`` (saying
-    once) the fast inference options it does not use yet."""
+    once) the vLLM engine's options, which slothkit's fast_generate does not need."""
     if load_in_8bit:
         raise ValueError(
             "load_in_8bit=True is not supported: slothkit's kernels read 16-bit or 4-bit NF4 weights; "
@@ -32,7 +32,8 @@ def check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwar
         say_once(
             "from_pretrained(fast_inference=True"
             + "".join(f", {name}=..." for name in given)
-            + ") is ignored: slothkit has no vLLM decode path yet, and generate runs through transformers"
+            + ") needs no vLLM engine in slothkit: model.fast_generate, save_lora and load_lora take vLLM's "
+            "calls and decode through slothkit's own loop (slothkit.vllm_generate); the vLLM settings are unused"
         )
 
 

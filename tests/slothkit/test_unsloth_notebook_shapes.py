@@ -426,7 +426,7 @@ def test_loading_options_refused_or_said_once():
             )
     assert (
         sum(
-            "fast_inference=True, gpu_memory_utilization=..., max_lora_rank=...) is ignored" in n
+            "fast_inference=True, gpu_memory_utilization=..., max_lora_rank=...) needs no vLLM engine" in n
             for n in _notices(caught)
         )
         == 1
