@@ -22,7 +22,9 @@ What is translated, for every config:
 and per config: ``max_seq_length`` -> ``max_length`` (SFTConfig); ``max_prompt_length``
 (DPOConfig, ORPOConfig, KTOConfig, GRPOConfig, RLOOConfig) and ``max_completion_length``
 (KTOConfig), which TRL 1.16 dropped, are kept as attributes that slothkit.trl's trainers
-apply (slothkit.trl.preference and slothkit.trl.online say how).
+apply (slothkit.trl.preference and slothkit.trl.online say how); GRPOConfig and RLOOConfig
+also take Unsloth's ``use_vllm=True``, ``vllm_sampling_params`` and a batch of less than
+a whole group (slothkit.trl.online_configs).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import transformers
 
 from slothkit.notices import say_once
 from slothkit.trl.library import trl_class
+from slothkit.trl.online_configs import translate_online_keywords
 
 # old keyword -> (new keyword, how the value converts); None: dropped when the value is
 # the one the library now always uses.
@@ -129,11 +132,14 @@ def field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
-def _init_translated(self, base, args, kwargs) -> None:
+def _init_translated(self, base, args, kwargs, online: bool = False) -> None:
     """What every config here does: translate, build the library's config, and keep the
-    keywords it has no field for (``_extra_keywords``) as attributes."""
+    keywords it has no field for (``_extra_keywords``) as attributes.  ``online``: GRPO
+    and RLOO, which also take Unsloth's additions (slothkit.trl.online_configs)."""
     extras = type(self)._extra_keywords
     kwargs = translate_training_keywords(kwargs, type(self).__name__, field_names(base), extras)
+    if online:
+        kwargs = translate_online_keywords(kwargs, type(self).__name__, field_names(base))
     defaults = {f.name: f.default for f in dataclasses.fields(base)}
     if defaults.get("bf16", False) is None and "bf16" not in kwargs and not kwargs.get("fp16"):
         # TRL's configs default to bf16=True, which transformers refuses on a CPU or a GPU
@@ -163,11 +169,11 @@ class TrainingArguments(transformers.TrainingArguments):
         _init_translated(self, transformers.TrainingArguments, args, kwargs)
 
 
-def _config_class(name: str, doc: str, extra_keywords=()):
+def _config_class(name: str, doc: str, extra_keywords=(), online: bool = False):
     base = trl_class(name)
 
     def __init__(self, *args, **kwargs):
-        _init_translated(self, base, args, kwargs)
+        _init_translated(self, base, args, kwargs, online)
 
     namespace = {
         "__init__": __init__,
@@ -209,14 +215,22 @@ KTOConfig = _config_class(
 )
 RLOOConfig = _config_class(
     "RLOOConfig",
-    _DOC.format(base="trl.RLOOConfig", extra=" (max_prompt_length too, checked by RLOOTrainer)"),
-    ("max_prompt_length",),
+    _DOC.format(
+        base="trl.RLOOConfig",
+        extra=" (max_prompt_length too, checked by RLOOTrainer, and slothkit.trl.online_configs' keywords)",
+    ),
+    ("max_prompt_length", "vllm_sampling_params"),
+    online=True,
 )
 RewardConfig = _config_class("RewardConfig", _DOC.format(base="trl.RewardConfig", extra=""))
 GRPOConfig = _config_class(
     "GRPOConfig",
-    _DOC.format(base="trl.GRPOConfig", extra=" (max_prompt_length too, checked by GRPOTrainer)"),
-    ("max_prompt_length",),
+    _DOC.format(
+        base="trl.GRPOConfig",
+        extra=" (max_prompt_length too, checked by GRPOTrainer, and slothkit.trl.online_configs' keywords)",
+    ),
+    ("max_prompt_length", "vllm_sampling_params"),
+    online=True,
 )
 
 

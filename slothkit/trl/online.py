@@ -7,7 +7,8 @@ group's mean reward (scaled by its spread), RLOO against the mean of the other c
 of its prompt (leave one out).
 
 ``max_prompt_length`` (dropped by TRL 1.16, which no longer cuts these trainers' prompts):
-a dataset with a longer prompt is refused.
+a dataset with a longer prompt is refused.  Unsloth's ``use_vllm`` and
+``vllm_sampling_params``: slothkit.trl.online_configs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _OnlineTrainer(TrainerSetup):
         limit = getattr(args, "max_prompt_length", None)
         if limit is not None:
             _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
+        _check_stop_strings(getattr(args, "vllm_sampling_params", None), kwargs.get("processing_class"))
         self._build(model, args, {"reward_funcs": reward_funcs, **kwargs})
         generate_on_fast_path(self, self.model, fast_generation)
 
@@ -98,3 +100,17 @@ def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
                 f"GRPOTrainer and RLOOTrainer no longer cut prompts: drop the long ones first (dataset.filter(...)) or leave "
                 "max_prompt_length out"
             )
+
+
+def _check_stop_strings(params, tokenizer) -> None:
+    """Refuse vllm_sampling_params' stop strings other than the EOS token, where sampling
+    ends anyway (slothkit.trl.online_configs)."""
+    stops = getattr(params, "stop", None) or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    eos = getattr(getattr(tokenizer, "tokenizer", tokenizer), "eos_token", None)
+    others = [stop for stop in stops if stop != eos]
+    if others:
+        raise ValueError(
+            f"vllm_sampling_params=SamplingParams(stop={others!r}): the trainer's sampling ends each completion at "
+            f"the EOS token ({eos!r}) or max_completion_length, not at other strings; leave them out of stop"
+        )
