@@ -18,8 +18,8 @@ import warnings
 import torch
 
 from slothkit.allocator import prefer_expandable_segments
+from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
-from slothkit.data.conversation_columns import accept_conversation_columns
 from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import patch_decoder
 from slothkit.engine.generic_head import fuse_generic_head
@@ -314,14 +314,15 @@ def takes_fused_path(model, arch, fused: bool | None) -> bool:
 def link_tokenizer(model, tokenizer) -> None:
     """The model knows its tokenizer (slothkit.model_state) and the tokenizer its model
     (weakly: get_chat_template grows the embeddings without model=); generate takes
-    apply_chat_template's dict (slothkit.generation), apply_chat_template a datasets
-    column of conversations (slothkit.data.conversation_columns), and the model has vLLM's
-    fast_generate (slothkit.vllm_generate): glue for code written against transformers 4,
-    datasets 3, vLLM and Unsloth."""
+    apply_chat_template's dict (slothkit.generation); apply_chat_template takes a
+    datasets column of conversations and returns token ids as a list
+    (slothkit.data.chat_template_calls); the model has vLLM's fast_generate
+    (slothkit.vllm_generate): glue for code written against transformers 4, datasets 3,
+    vLLM and Unsloth."""
     attach_state(model).tokenizer = tokenizer
     link_model(tokenizer, model)
     accept_encoding_in_generate(model)
-    accept_conversation_columns(tokenizer)
+    accept_older_chat_template_calls(tokenizer)
     attach_vllm_methods(model)
 
 

@@ -16,6 +16,7 @@ import runpy
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -368,6 +369,53 @@ def test_qwen3_reasoning_conversational(notebook_folder, capsys):
     _assert_reloaded(ns, trainer)
     _assert_merged(folder / "model_16bit", ns)
     _assert_merged_4bit(folder / "model_4bit", ns)
+    _assert_gguf(folder / "model")
+
+
+def test_qwen3_grpo(notebook_folder):
+    """Unsloth's Qwen3 (4B) GRPO notebook: a reasoning chat template, an SFT stage on
+    prompts measured with len(apply_chat_template(...)), GRPO with vllm_sampling_params and
+    a batch of one (raised to whole groups), fast_generate before and with the saved LoRA,
+    and every save."""
+    folder, caught = notebook_folder
+    ns = _run("qwen3_grpo")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    # The lengths are token counts (transformers 5's dict would give 2 for every row).
+    prompts = [
+        tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+        for p in ns["dataset"]["prompt"]
+    ]
+    assert all(length > 10 for length in ns["prompt_lengths"] + ns["pre_format_lengths"])
+    assert (
+        max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts) <= ns["maximum_length"]
+    )
+    assert ns["maximum_length"] == int(np.quantile(ns["prompt_lengths"], 0.9))
+    _assert_trained(ns["pre_format_trainer"])
+    _assert_trained(trainer)
+    args = trainer.args
+    assert (args.per_device_train_batch_size, args.num_generations, args.generation_batch_size) == (4, 4, 4)
+    assert (args.min_p, args.top_k, args.temperature, args.use_vllm) == (0.1, 0, 1.0, False)
+    assert args.max_prompt_length == ns["maximum_length"] + 1
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert len(rewards) == 2 and all(math.isfinite(r) for r in rewards)
+    notices = _notices(caught)
+    for expected in (
+        "fast_inference=True, gpu_memory_utilization=..., max_lora_rank=...) needs no vLLM engine",
+        "GRPOConfig(per_device_train_batch_size=1, num_generations=4): each generation batch must hold whole groups",
+    ):
+        assert sum(expected in notice for notice in notices) == 1, (expected, notices)
+    # The two answers decode; the LoRA saved is the trained one.
+    assert isinstance(ns["output"], str) and ns["output"]
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "grpo_saved_lora" / "adapter_model.safetensors")
+    trained = get_peft_model_state_dict(ns["model"])
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
+    assert (folder / "grpo_saved_lora" / "tokenizer_config.json").is_file()
+    _assert_merged(folder / "model_16bit", ns)
+    _assert_merged_4bit(folder / "model_4bit", ns)
+    assert (folder / "model" / "adapter_config.json").is_file()
     _assert_gguf(folder / "model")
 
 

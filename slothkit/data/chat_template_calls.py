@@ -1,0 +1,102 @@
+"""``tokenizer.apply_chat_template`` called as code written for datasets 3 and
+transformers 4 calls it, on the tokenizers FastModel returns (this instance only).
+
+A whole column of conversations at once,
+``tokenizer.apply_chat_template(dataset["conversations"], tokenize=False)``: datasets 3
+returned a column as a list; datasets 4 and later return a ``Column``, a lazy sequence
+that is not a list, and transformers batches only a list or tuple of conversations, so
+it takes the ``Column`` for one conversation and fails deep inside, reading a
+conversation where it expects a message ("Chat messages should be dicts ...").  Such a
+sequence of conversations is read as the list it stands for.
+
+Token ids, ``len(tokenizer.apply_chat_template(messages))`` or
+``apply_chat_template(batch["prompt"], tokenize=True)`` inside a batched
+``dataset.map``: transformers 4 returned the ids as a list (a list of lists for a batch);
+transformers 5 returns a BatchEncoding (a dict of input_ids and attention_mask) unless
+``return_dict=False``, so ``len`` counts its two keys and ``dataset.map`` refuses the
+dict.  Called without ``return_dict`` and ``return_tensors``, the ids come back as
+``TokenIds``: the list transformers 4 returned, which also reads as the BatchEncoding
+transformers 5 returns (``["input_ids"]``, ``["attention_mask"]``, ``.keys()``,
+``**ids``).  Every other call is transformers' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def accept_older_chat_template_calls(tokenizer):
+    """Give `tokenizer` (this instance only) an ``apply_chat_template`` that also takes a
+    sequence of conversations that is not a list, such as a datasets ``Column``, and
+    returns token ids as ``TokenIds`` (module docstring).
+
+    Returns:
+        The same tokenizer (unchanged when it has no ``apply_chat_template``).
+    """
+    method = getattr(type(tokenizer), "apply_chat_template", None)
+    if method is None or isinstance(tokenizer.__dict__.get("apply_chat_template"), ChatTemplateCall):
+        return tokenizer
+    tokenizer.apply_chat_template = ChatTemplateCall(tokenizer)
+    return tokenizer
+
+
+def is_column_of_conversations(value) -> bool:
+    """A sequence (not a list, tuple or string) whose first item is a conversation (a
+    list or tuple of messages)."""
+    if isinstance(value, (list, tuple, str, bytes, Mapping)) or not isinstance(value, Sequence):
+        return False
+    return len(value) > 0 and isinstance(value[0], (list, tuple))
+
+
+class ChatTemplateCall:
+    """A tokenizer's ``apply_chat_template`` taking the older calls
+    (``accept_older_chat_template_calls``).  It calls the class's method, not a bound one
+    it kept: a pickled tokenizer (datasets.map's workers) then unpickles to this wrapper
+    around the class's method again, not a method that resolves to the wrapper."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.__doc__ = type(tokenizer).apply_chat_template.__doc__
+
+    def __call__(self, conversation, *args, **kwargs):
+        if is_column_of_conversations(conversation):
+            conversation = list(conversation)
+        result = type(self.tokenizer).apply_chat_template(self.tokenizer, conversation, *args, **kwargs)
+        as_ids = "return_dict" not in kwargs and kwargs.get("return_tensors") is None and not args
+        if as_ids and isinstance(result, Mapping) and "input_ids" in result:
+            return TokenIds(result)
+        return result
+
+
+class TokenIds(list):
+    """Token ids as transformers 4's ``apply_chat_template`` returned them (a list of ids,
+    or of lists of ids for a batch) that also read as the BatchEncoding transformers 5
+    returns: ``ids["input_ids"]``, ``ids["attention_mask"]``, ``ids.input_ids``,
+    ``ids.keys()``, ``dict(ids)`` and ``**ids``."""
+
+    def __init__(self, encoding: Mapping):
+        super().__init__(encoding["input_ids"])
+        self.encoding = dict(encoding)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.encoding[key]
+        return super().__getitem__(key)
+
+    def __getattr__(self, name):
+        encoding = self.__dict__.get("encoding", {})
+        if name in encoding:
+            return encoding[name]
+        raise AttributeError(name)
+
+    def keys(self):
+        return self.encoding.keys()
+
+    def values(self):
+        return self.encoding.values()
+
+    def items(self):
+        return self.encoding.items()
+
+    def get(self, key, default=None):
+        return self.encoding.get(key, default)
