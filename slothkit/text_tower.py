@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import logging
 
+from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.models import RECORDS
 from slothkit.notices import say_once
 
@@ -95,16 +95,6 @@ def renders_text_by_default(tokenizer) -> None:
     """Make this tokenizer's apply_chat_template return the text when the call asks for no
     tokens (no tokenize, return_tensors or return_dict), as the checkpoint's processor
     does: what Unsloth returns for such a checkpoint is that processor, and its notebooks
-    pass the result to tokenizer([text]). A tokenizer's own default is token ids."""
-    apply = tokenizer.apply_chat_template
-    if getattr(apply, "renders_text_by_default", False):
-        return
-
-    @functools.wraps(apply)
-    def apply_chat_template(conversation, *args, **kwargs):
-        if not args and not {"tokenize", "return_tensors", "return_dict"} & kwargs.keys():
-            kwargs["tokenize"] = False
-        return apply(conversation, *args, **kwargs)
-
-    apply_chat_template.renders_text_by_default = True
-    tokenizer.apply_chat_template = apply_chat_template
+    pass the result to tokenizer([text]). A tokenizer's own default is token ids.  The
+    instance's one apply_chat_template wrapper does it (slothkit.data.chat_template_calls)."""
+    accept_older_chat_template_calls(tokenizer, text_by_default=True)

@@ -25,18 +25,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 
-def accept_older_chat_template_calls(tokenizer):
+def accept_older_chat_template_calls(tokenizer, text_by_default: bool = False):
     """Give `tokenizer` (this instance only) an ``apply_chat_template`` that also takes a
     sequence of conversations that is not a list, such as a datasets ``Column``, and
     returns token ids as ``TokenIds`` (module docstring).
 
+    Args:
+        tokenizer: changed in place; calling this again keeps its one wrapper.
+        text_by_default: a call that asks for no tokens (no tokenize, return_tensors or
+            return_dict) returns the text, as an image-text checkpoint's processor does
+            (slothkit.text_tower); once set, it stays set.
+
     Returns:
         The same tokenizer (unchanged when it has no ``apply_chat_template``).
     """
-    method = getattr(type(tokenizer), "apply_chat_template", None)
-    if method is None or isinstance(tokenizer.__dict__.get("apply_chat_template"), ChatTemplateCall):
+    if getattr(type(tokenizer), "apply_chat_template", None) is None:
         return tokenizer
-    tokenizer.apply_chat_template = ChatTemplateCall(tokenizer)
+    call = tokenizer.__dict__.get("apply_chat_template")
+    if not isinstance(call, ChatTemplateCall):
+        call = tokenizer.apply_chat_template = ChatTemplateCall(tokenizer)
+    call.text_by_default = call.text_by_default or text_by_default
     return tokenizer
 
 
@@ -56,11 +64,18 @@ class ChatTemplateCall:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.text_by_default = False
         self.__doc__ = type(tokenizer).apply_chat_template.__doc__
 
     def __call__(self, conversation, *args, **kwargs):
         if is_column_of_conversations(conversation):
             conversation = list(conversation)
+        if (
+            self.text_by_default
+            and not args
+            and not {"tokenize", "return_tensors", "return_dict"} & kwargs.keys()
+        ):
+            kwargs["tokenize"] = False
         result = type(self.tokenizer).apply_chat_template(self.tokenizer, conversation, *args, **kwargs)
         as_ids = "return_dict" not in kwargs and kwargs.get("return_tensors") is None and not args
         if as_ids and isinstance(result, Mapping) and "input_ids" in result:
