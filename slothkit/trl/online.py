@@ -7,7 +7,9 @@ group's mean reward (scaled by its spread), RLOO against the mean of the other c
 of its prompt (leave one out).
 
 ``max_prompt_length`` (dropped by TRL 1.16, which no longer cuts these trainers' prompts):
-a dataset with a longer prompt is refused.  Unsloth's ``use_vllm`` and
+the prompts longer than it are left out of the training set, said once with their number
+(the older cut kept a prompt's last tokens, dropping a chat prompt's system turn); a
+dataset with none shorter is refused.  Unsloth's ``use_vllm`` and
 ``vllm_sampling_params``: slothkit.trl.online_configs.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import trl
 
 from slothkit.data.validation import check_prompt_dataset
+from slothkit.notices import say_once
 from slothkit.trl.configs import GRPOConfig, RLOOConfig
 from slothkit.trl.on_policy_generation import generate_on_fast_path
 from slothkit.trl.setup import TrainerSetup
@@ -29,7 +32,9 @@ class _OnlineTrainer(TrainerSetup):
         args, kwargs = self._modern_keywords(model, args, kwargs)
         limit = getattr(args, "max_prompt_length", None)
         if limit is not None:
-            _check_prompt_lengths(kwargs.get("train_dataset"), kwargs.get("processing_class"), limit)
+            kwargs["train_dataset"] = _without_long_prompts(
+                kwargs.get("train_dataset"), kwargs.get("processing_class"), limit
+            )
         _check_stop_strings(getattr(args, "vllm_sampling_params", None), kwargs.get("processing_class"))
         self._build(model, args, {"reward_funcs": reward_funcs, **kwargs})
         generate_on_fast_path(self, self.model, fast_generation)
@@ -85,21 +90,36 @@ class RLOOTrainer(_OnlineTrainer, trl.RLOOTrainer):
     _method = "rloo"
 
 
-def _check_prompt_lengths(dataset, tokenizer, limit: int) -> None:
+def _without_long_prompts(dataset, tokenizer, limit: int):
+    """The dataset without its prompts of more than `limit` tokens, said once with their
+    number (module docstring); refused when none is left."""
     if dataset is None or tokenizer is None or "prompt" not in (dataset.column_names or []):
-        return
+        return dataset
+    kept, longest = [], None
     for index, prompt in enumerate(dataset["prompt"]):
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        if len(ids) > limit:
-            raise ValueError(
-                f"prompt {index} has {len(ids)} tokens, more than max_prompt_length={limit}, and TRL 1.16's "
-                f"GRPOTrainer and RLOOTrainer no longer cut prompts: drop the long ones first (dataset.filter(...)) or leave "
-                "max_prompt_length out"
-            )
+        if len(ids) <= limit:
+            kept.append(index)
+        elif longest is None or len(ids) > longest[1]:
+            longest = (index, len(ids))
+    if longest is None:
+        return dataset
+    dropped = len(dataset) - len(kept)
+    if not kept:
+        raise ValueError(
+            f"every prompt is longer than max_prompt_length={limit} (prompt {longest[0]}: {longest[1]} tokens), and "
+            "TRL 1.16's GRPOTrainer and RLOOTrainer no longer cut prompts: raise max_prompt_length or leave it out"
+        )
+    say_once(
+        f"max_prompt_length={limit}: {dropped} of {len(dataset)} prompts are longer (the longest, prompt "
+        f"{longest[0]}, {longest[1]} tokens) and are left out of training; TRL 1.16 no longer cuts prompts, and "
+        "cutting a chat prompt would drop its system turn (filter them out yourself to keep this quiet)"
+    )
+    return dataset.select(kept)
 
 
 def _check_stop_strings(params, tokenizer) -> None:

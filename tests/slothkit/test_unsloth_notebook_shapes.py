@@ -446,16 +446,29 @@ def test_translation_refusals_are_one_line():
     assert (args.eval_strategy, args.train_sampling_strategy) == ("no", "group_by_length")
 
 
-def test_grpo_refuses_prompts_past_max_prompt_length():
-    # TRL 1.16's GRPO no longer cuts prompts: a longer one is refused before training.
+def test_grpo_leaves_out_prompts_past_max_prompt_length(recwarn):
+    # TRL 1.16's GRPO no longer cuts prompts: the longer ones are left out, said once with
+    # their number; a dataset of only longer ones is refused.
     model, tokenizer = _load()
-    prompts = Dataset.from_list([{"prompt": "Short."}, {"prompt": "A prompt that is far too long " * 4}])
-    args = GRPOConfig(output_dir="outputs", max_prompt_length=8, report_to="none")
-    with pytest.raises(ValueError, match="prompt 1 has \\d+ tokens, more than max_prompt_length=8"):
+    long = "A prompt that is far too long " * 4
+    prompts = Dataset.from_list([{"prompt": "Short."}, {"prompt": long}, {"prompt": "Also short."}])
+    args = GRPOConfig(output_dir="outputs", max_prompt_length=8, report_to="none", num_generations=2)
+    reward = lambda completions, **_: [0.0] * len(completions)  # noqa: E731
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=prompts, tokenizer=tokenizer
+    )
+    assert trainer.train_dataset["prompt"] == ["Short.", "Also short."]
+    assert any(
+        "max_prompt_length=8: 1 of 3 prompts are longer (the longest, prompt 1," in str(w.message)
+        for w in recwarn
+    )
+    with pytest.raises(
+        ValueError, match="every prompt is longer than max_prompt_length=8 \\(prompt 0: \\d+ tokens\\)"
+    ):
         GRPOTrainer(
             model=model,
-            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            reward_funcs=reward,
             args=args,
-            train_dataset=prompts,
+            train_dataset=prompts.select([1]),
             tokenizer=tokenizer,
         )
