@@ -179,3 +179,36 @@ def test_a_model_without_adapters_generates_and_refuses_a_lora_request(tmp_path)
     assert out.token_ids == _until_end(_reference(model, tokenizer, "Hello there"), tokenizer.eos_token_id)
     with pytest.raises(ValueError, match="needs a model with LoRA adapters"):
         model.fast_generate("Hello", GREEDY, lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+def test_the_fast_decode_loop_decodes_what_generate_does(llama, tmp_path, monkeypatch):
+    """After for_inference(fast_decode=True) (a GPU's default) fast_generate runs slothkit's
+    decode loop: switching the adapters off and swapping a saved adapter in reach it too."""
+    from slothkit.inference.fast_decoder import FastDecoder
+
+    model, tokenizer = llama
+    prompts = ["The sloth climbs", "A", "Slow and steady wins the race, said the"]
+    model.save_lora(tmp_path / "adapter")
+    request = model.load_lora(tmp_path / "adapter")
+    _randomise_adapters(model, 2)  # the model's own adapter now differs from the saved one
+
+    def outputs():
+        """Base model, the saved adapter, then the model's own adapter (put back) through
+        its generate."""
+        decoded = [
+            [r.outputs[0].token_ids for r in model.fast_generate(prompts, GREEDY, lora_request=lora)]
+            for lora in (None, request)
+        ]
+        return [*decoded, [_reference(model, tokenizer, prompt) for prompt in prompts]]
+
+    expected = outputs()  # Hugging Face's generate (a CPU's default)
+    calls = []
+    loop = FastDecoder.generate
+    monkeypatch.setattr(FastDecoder, "generate", lambda self, *a, **k: calls.append(1) or loop(self, *a, **k))
+    FastLanguageModel.for_inference(model, fast_decode=True)
+    try:
+        assert outputs() == expected and len(calls) == 2 + len(prompts)
+    finally:
+        FastLanguageModel.for_training(model)
+    assert expected[0] != expected[1]
+    assert [_until_end(own, tokenizer.eos_token_id) for own in expected[2]] != expected[1]
