@@ -419,6 +419,38 @@ def test_qwen3_grpo(notebook_folder):
     _assert_gguf(folder / "model")
 
 
+def test_qwen25_grpo(notebook_folder):
+    """Unsloth's Qwen2.5 (3B) GRPO notebook: GSM8K chat prompts (one past
+    max_prompt_length, left out), use_vllm=True, a batch of one raised to the group of 8,
+    fast_generate without and with the saved LoRA."""
+    folder, caught = notebook_folder
+    ns = _run("qwen25_grpo")
+    trainer = ns["trainer"]
+    # Two steps at 5e-6 after warmup, where a random model's completions all score alike
+    # (no advantage, so no gradient): the steps ran and logged, the adapters need not move.
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert trainer.state.global_step == 2 and len(logged) == 2
+    assert all(math.isfinite(entry["loss"]) and math.isfinite(entry["reward"]) for entry in logged)
+    args = trainer.args
+    assert (args.use_vllm, args.per_device_train_batch_size, args.generation_batch_size) == (False, 8, 8)
+    assert len(trainer.train_dataset) == len(ns["dataset"]) - 1
+    assert all("farmer" not in p[-1]["content"] for p in trainer.train_dataset["prompt"])
+    notices = _notices(caught)
+    for expected in (
+        "GRPOConfig(use_vllm=True): slothkit samples the completions through its own fast decode loop",
+        "GRPOConfig(per_device_train_batch_size=1, num_generations=8): each generation batch must hold",
+        "max_prompt_length=256: 1 of 6 prompts are longer (the longest, prompt 4,",
+    ):
+        assert sum(expected in notice for notice in notices) == 1, (expected, notices)
+    assert isinstance(ns["output"], str)
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "grpo_saved_lora" / "adapter_model.safetensors")
+    trained = get_peft_model_state_dict(ns["model"])
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
+
+
 def test_zephyr_dpo(notebook_folder):
     _, caught = notebook_folder
     ns = _run("zephyr_dpo")
