@@ -142,6 +142,17 @@ def _assert_answers_decode(ns):
     assert outputs.shape[1] > ns["inputs"]["input_ids"].shape[1] and text.startswith(prompt) and prompt
 
 
+def _assert_saved_lora_is_trained(folder, model):
+    """model.save_lora wrote the model's adapter tensors exactly (and its tokenizer)."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    saved = load_file(folder / "adapter_model.safetensors")
+    trained = get_peft_model_state_dict(model)
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
+    assert (folder / "tokenizer_config.json").is_file()
+
+
 def test_llama3_alpaca(notebook_folder):
     folder, caught = notebook_folder
     ns = _run("llama3_alpaca")
@@ -406,13 +417,7 @@ def test_qwen3_grpo(notebook_folder):
         assert sum(expected in notice for notice in notices) == 1, (expected, notices)
     # The two answers decode; the LoRA saved is the trained one.
     assert isinstance(ns["output"], str) and ns["output"]
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    saved = load_file(folder / "grpo_saved_lora" / "adapter_model.safetensors")
-    trained = get_peft_model_state_dict(ns["model"])
-    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
-    assert (folder / "grpo_saved_lora" / "tokenizer_config.json").is_file()
+    _assert_saved_lora_is_trained(folder / "grpo_saved_lora", ns["model"])
     _assert_merged(folder / "model_16bit", ns)
     _assert_merged_4bit(folder / "model_4bit", ns)
     assert (folder / "model" / "adapter_config.json").is_file()
@@ -443,12 +448,7 @@ def test_qwen25_grpo(notebook_folder):
     ):
         assert sum(expected in notice for notice in notices) == 1, (expected, notices)
     assert isinstance(ns["output"], str)
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    saved = load_file(folder / "grpo_saved_lora" / "adapter_model.safetensors")
-    trained = get_peft_model_state_dict(ns["model"])
-    assert saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k].cpu()) for k in saved)
+    _assert_saved_lora_is_trained(folder / "grpo_saved_lora", ns["model"])
 
 
 def test_zephyr_dpo(notebook_folder):
