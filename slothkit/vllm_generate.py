@@ -119,7 +119,7 @@ def _adapter_tensors(model, path: pathlib.Path) -> dict:
             f"{path} holds no LoRA adapter (no adapter_config.json): pass the folder model.save_lora wrote"
         )
     saved = json.loads((path / "adapter_config.json").read_text())
-    active = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    active = _active_adapter(model)
     own = model.peft_config[active]
     for name in ("r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern"):
         mine, theirs = getattr(own, name, None), saved.get(name)
@@ -140,6 +140,11 @@ def _adapter_tensors(model, path: pathlib.Path) -> dict:
             "FastModel.from_pretrained(path)"
         )
     return tensors
+
+
+def _active_adapter(model) -> str:
+    active = model.active_adapter
+    return active if isinstance(active, str) else active[0]
 
 
 def generate_like_vllm(
@@ -241,12 +246,16 @@ def _weights_for(model, lora_request):
     tensors = lora_request.tensors
     if tensors is None:  # a LoRARequest made by hand
         tensors = lora_request.tensors = _adapter_tensors(model, pathlib.Path(lora_request.lora_path))
-    own = {key: value.detach().clone() for key, value in get_peft_model_state_dict(model).items()}
-    set_peft_model_state_dict(model, tensors)
+    active = _active_adapter(model)
+    own = {
+        key: value.detach().clone()
+        for key, value in get_peft_model_state_dict(model, adapter_name=active).items()
+    }
+    set_peft_model_state_dict(model, tensors, adapter_name=active)  # copied in place: the same parameters
     try:
         yield
     finally:
-        set_peft_model_state_dict(model, own)
+        set_peft_model_state_dict(model, own, adapter_name=active)
 
 
 @contextlib.contextmanager
