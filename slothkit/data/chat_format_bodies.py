@@ -61,6 +61,46 @@ QWEN3 = r"""
 {%- endif -%}
 """
 
+# Qwen3's thinking-only models (Qwen3-*-Thinking-2507): the generation prompt opens the
+# thinking block itself, so the model writes its reasoning, "</think>" and the answer.  An
+# answer after the last user turn is written <think>\n{reasoning}\n</think>\n\n{answer},
+# its reasoning what stood before "</think>" in the message (none: an empty block);
+# earlier answers keep only what follows their "</think>", as Qwen's own template drops
+# the reasoning of past turns.  enable_thinking has no effect.
+QWEN3_THINKING = r"""
+{%- if system is not none -%}
+    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {%- set ns.last_user = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in turns -%}
+    {%- if message[role_key] == user_role -%}
+        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
+    {%- else -%}
+        {%- set answer = message[content_key] -%}
+        {%- set reasoning = '' -%}
+        {%- if '</think>' in answer -%}
+            {%- set reasoning = answer.split('</think>')[0].split('<think>')[-1].strip('\n') -%}
+            {%- set answer = answer.split('</think>')[-1].lstrip('\n') -%}
+        {%- endif -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- generation -%}
+            {%- if loop.index0 > ns.last_user -%}
+                {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
+            {%- endif -%}
+            {{- answer + '<|im_end|>\n' -}}
+        {%- endgeneration -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n<think>\n' -}}
+{%- endif -%}
+"""
+
 # FastChat's ADD_COLON_TWO style: system + " ", then "USER: u" + " " and
 # "ASSISTANT: a" + "</s>"; an open assistant turn is "ASSISTANT:".
 VICUNA = r"""

@@ -22,6 +22,9 @@ Each format is written from its authors' public description:
     qwen3     ChatML; an answer after the last user turn opens with an empty               Qwen3 (hybrid thinking)
               <think>\n\n</think>\n\n unless it holds its own; the generation prompt
               closes one itself with enable_thinking=False
+    qwen3-thinking  ChatML; the generation prompt is <|im_start|>assistant\n<think>\n;      Qwen3 Thinking-2507
+              the answer after the last user turn is <think>\n{reasoning}\n</think>\n\n{answer},
+              earlier answers lose their reasoning ("qwen3-instruct", Instruct-2507, is chatml)
     phi-3     <|system|>\ns<|end|>\n<|user|>\nu<|end|>\n<|assistant|>\na<|end|>\n         Microsoft Phi-3 / 3.5 Instruct
     phi-4     <|im_start|>user<|im_sep|>u<|im_end|><|im_start|>assistant<|im_sep|>a<|im_end|>  Microsoft Phi-4
     vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
@@ -193,6 +196,17 @@ FORMATS: dict[str, ChatFormat] = {
             source="Qwen3 (ChatML with its thinking block)",
         ),
         ChatFormat(
+            name="qwen3-thinking",
+            body=bodies.QWEN3_THINKING,
+            instruction_part="<|im_start|>user\n",
+            response_part="<|im_start|>assistant\n",
+            turn_end="<|im_end|>",
+            special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+            default_system=None,
+            alternate=False,
+            source="Qwen3 Thinking-2507 (ChatML; the generation prompt opens the thinking block)",
+        ),
+        ChatFormat(
             name="phi-3",
             body=bodies.PHI_3,
             instruction_part="<|user|>\n",
@@ -247,6 +261,9 @@ ALIASES = {
     "qwen-25": "qwen-2.5",
     "qwen25": "qwen-2.5",
     "qwen-3": "qwen3",
+    "qwen3-instruct": "chatml",  # Qwen3 Instruct-2507: ChatML, no thinking, no default system
+    "qwen-3-instruct": "chatml",
+    "qwen-3-thinking": "qwen3-thinking",
     "phi3": "phi-3",
     "phi-3.5": "phi-3",
     "phi-35": "phi-3",

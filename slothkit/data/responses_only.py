@@ -82,6 +82,11 @@ def probe_markers(tokenizer) -> tuple[str, str]:
     plain = tokenizer.apply_chat_template(conversation[:1], tokenize=False)
     if prompt.startswith(plain) and len(prompt) > len(plain):
         response = prompt[len(plain) :]
+        # A generation prompt that opens more than a reply's header (Qwen3 Thinking's
+        # "<think>\n", which a past reply does not have): the part of it that opens every reply.
+        opening = text[: text.index(a1)].rstrip(" ")
+        while response.strip() and not opening.endswith(response.rstrip(" ")):
+            response = response[:-1]
     else:  # no generation prompt (Mistral): the text between a question and its answer
         response = text[text.index(q2) + len(q2) : text.index(a2)]
     instruction, response = instruction.strip(" "), response.strip(" ")

@@ -11,6 +11,7 @@ excluded: llama.cpp adds it when the GGUF says add_bos):
     <|start_header_id|>           Llama 3
     [INST]                        Mistral / Llama 2 ([INST] ... [/INST], system folded into the first turn)
     <start_of_turn>               Gemma (system folded into the first turn, assistant called "model")
+    qwen3-thinking (slothkit's tag) ChatML, the generation prompt opening <think>
     <|im_start|>                  ChatML
 
 Anything else (or no chat template) gets a plain "### Instruction / ### Response" template;
@@ -65,6 +66,17 @@ CHAT_FORMATS = (
         "<start_of_turn>model\n{{ .Response }}<end_of_turn>\n",
         ("<start_of_turn>", "<end_of_turn>"),
         "<end_of_turn>",
+    ),
+    ChatFormat(
+        # get_chat_template(tokenizer, "qwen3-thinking"): ChatML whose generation prompt opens
+        # the thinking block (recognised by the tag slothkit's template starts with).
+        "qwen3-thinking",
+        "slothkit chat template: qwen3-thinking",
+        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
+        "<|im_start|>assistant\n<think>\n{{ .Response }}<|im_end|>\n",
+        ("<|im_start|>", "<|im_end|>"),
+        "<|im_end|>",
     ),
     ChatFormat(
         "chatml",

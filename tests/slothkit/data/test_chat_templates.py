@@ -129,6 +129,12 @@ GOLDEN.update(
             GOLDEN["chatml"][1].replace("assistant\nBlue", "assistant\n<think>\n\n</think>\n\nBlue"),
             GOLDEN["chatml"][2],
         ),
+        # Qwen3 Thinking-2507: as qwen3, and the generation prompt opens the thinking block.
+        "qwen3-thinking": (
+            GOLDEN["chatml"][0].replace("assistant\n4", "assistant\n<think>\n\n</think>\n\n4"),
+            GOLDEN["chatml"][1].replace("assistant\nBlue", "assistant\n<think>\n\n</think>\n\nBlue"),
+            GOLDEN["chatml"][2] + "<think>\n",
+        ),
         "phi-3": (
             B + "<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>\n"
             "<|user|>\nWhat is 2 + 2?<|end|>\n<|assistant|>\n4<|end|>\n",
@@ -165,6 +171,7 @@ KEPT = {
     "llama-2": " Hello! " + E + " 4 " + E,
     "qwen-2.5": "Hello!<|im_end|>\n4<|im_end|>\n",
     "qwen3": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
+    "qwen3-thinking": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
     "phi-3": "Hello!<|end|>\n4<|end|>\n",
     "phi-4": "Hello!<|im_end|>4<|im_end|>",
     "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",
@@ -204,6 +211,29 @@ def test_qwen3_thinking_switch_and_an_answer_with_its_own_reasoning():
     reasoned = [*PROMPT, {"role": "assistant", "content": "<think>\nA primary one.\n</think>\n\nBlue."}]
     assert tokenizer.apply_chat_template(reasoned, tokenize=False).endswith(
         "<|im_start|>assistant\n<think>\nA primary one.\n</think>\n\nBlue.<|im_end|>\n"
+    )
+
+
+def test_qwen3_thinking_splits_the_reasoning_and_always_opens_the_block():
+    tokenizer = _templated("qwen3-thinking")
+    for enable_thinking in (True, False):  # no effect
+        prompt = tokenizer.apply_chat_template(
+            PROMPT, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+        assert prompt == GOLDEN["qwen3-thinking"][2]
+    reasoned = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello!"},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "<think>\n\nTwo and two.\n\n</think>\n\n\n4"},
+    ]
+    # The past answer loses its reasoning; the last keeps it, its newlines as Qwen writes them.
+    assert tokenizer.apply_chat_template(reasoned, tokenize=False) == GOLDEN["qwen3-thinking"][0].replace(
+        "<think>\n\n</think>", "<think>\nTwo and two.\n</think>"
+    )
+    # Unsloth's "qwen3-instruct" (Instruct-2507) is ChatML.
+    assert (
+        _templated("qwen3-instruct").apply_chat_template(TWO_EXCHANGES, tokenize=False) == GOLDEN["chatml"][0]
     )
 
 

@@ -64,7 +64,10 @@ def test_template_renders_the_prompt_as_the_hf_chat_template(arch, system):
 
 
 @pytest.mark.parametrize("system", [None, "You are terse."])
-@pytest.mark.parametrize("name, arch", [("llama-3", "mistral"), ("chatml", "mistral"), ("gemma", "llama")])
+@pytest.mark.parametrize(
+    "name, arch",
+    [("llama-3", "mistral"), ("chatml", "mistral"), ("qwen3-thinking", "mistral"), ("gemma", "llama")],
+)
 def test_a_turn_end_written_as_the_eos_ends_the_turns_and_stops(name, arch, system):
     """get_chat_template writes a turn end the tokenizer lacks as its EOS (Llama 3's
     <|eot_id|> as the tiny Mistral's </s>): the Go template writes that EOS where the format
@@ -99,6 +102,7 @@ def test_each_known_format_is_recognised_by_its_marker():
         "llama3",
         "mistral",
         "gemma",
+        "qwen3-thinking",
         "chatml",
     ]
     assert (
