@@ -18,6 +18,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "FastModel": "slothkit.fast_model",
     "FastLanguageModel": "slothkit.fast_model",
+    "FastLlamaModel": "slothkit.fast_model",
+    "FastMistralModel": "slothkit.fast_model",
+    "FastGemmaModel": "slothkit.fast_model",
+    "FastGemma2Model": "slothkit.fast_model",
+    "FastQwen2Model": "slothkit.fast_model",
+    "FastQwen3Model": "slothkit.fast_model",
     "is_bfloat16_supported": "slothkit.engine.loading",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",

@@ -52,7 +52,8 @@ class FastModel:
         Args:
             model_name: a local checkpoint directory (config.json, weights and a
                 tokenizer) or a Hugging Face Hub id.
-            max_seq_length: the longest sequence to train on (default 2048).  Beyond
+            max_seq_length: the longest sequence to train on (default 2048; None: the
+                model's own context, config.max_position_embeddings).  Beyond
                 the model's ``max_position_embeddings`` (up to 16 times it) RoPE is
                 scaled linearly to reach it, said once.  Set on the model and as the
                 tokenizer's ``model_max_length``.
@@ -267,3 +268,12 @@ class FastModel:
 
 
 FastLanguageModel = FastModel
+
+# Unsloth's per-family loader names (its tool-calling and older notebooks import them):
+# the same loader, which reads the family from the checkpoint.
+FastLlamaModel = FastModel
+FastMistralModel = FastModel
+FastGemmaModel = FastModel
+FastGemma2Model = FastModel
+FastQwen2Model = FastModel
+FastQwen3Model = FastModel

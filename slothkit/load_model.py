@@ -107,7 +107,11 @@ def load_model(model_name: str, options: LoadOptions):
     if text_config is not None:  # a multimodal checkpoint: its text model alone
         config = hf_kwargs["config"] = text_config
         hf_kwargs["key_mapping"] = TEXT_TOWER_KEYS
-    if extend_context(config, options.max_seq_length):
+    # max_seq_length=None (Unsloth's tool-calling notebook): the model's own context.
+    max_seq_length = options.max_seq_length
+    if max_seq_length is None:
+        max_seq_length = getattr(config, "max_position_embeddings", None)
+    if extend_context(config, max_seq_length):
         hf_kwargs["config"] = config
     if options.num_labels is not None:
         hf_kwargs["num_labels"] = options.num_labels
@@ -132,7 +136,7 @@ def load_model(model_name: str, options: LoadOptions):
     # bitsandbytes would repack 4-bit weights for its CPU kernels at the first
     # eval-mode forward on an AVX512-BF16 CPU, changing the numbers (engine/nf4_layout.py).
     keep_nf4_layout(model)
-    prepare_tokenizer(tokenizer, options.max_seq_length)
+    prepare_tokenizer(tokenizer, max_seq_length)
     if options.num_labels is not None:
         # The classifier reads the last token before the first pad of each row.
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -142,7 +146,7 @@ def load_model(model_name: str, options: LoadOptions):
     elif takes_fused_path(model, arch, options.fused):
         patch_decoder(model, arch)
     link_tokenizer(model, tokenizer)
-    set_max_seq_length(model, options.max_seq_length, checked=True)
+    set_max_seq_length(model, max_seq_length, checked=True)
     return model, tokenizer
 
 

@@ -9,6 +9,12 @@ from slothkit.notices import say_once
 
 # vLLM settings that older notebooks pass with fast_inference=True.
 FAST_INFERENCE_OPTIONS = ("gpu_memory_utilization", "max_lora_rank", "float8_kv_cache")
+# Unsloth's own loader switches, and why slothkit needs none.
+UNSLOTH_LOADER_OPTIONS = {
+    "fix_tokenizer": "slothkit loads the tokenizer as transformers does and only gives it a pad token "
+    "where it has none",
+    "use_exact_model_name": "slothkit loads the name it is given, never a renamed upload",
+}
 EMBEDDING_MODULES = ("embed_tokens", "lm_head")
 
 
@@ -25,6 +31,9 @@ def check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwar
             "full_finetuning=True is not supported: slothkit trains LoRA adapters; load with "
             "full_finetuning=False and call FastModel.get_peft_model (a high r comes closest)"
         )
+    for name, reason in UNSLOTH_LOADER_OPTIONS.items():
+        if name in hf_kwargs:
+            say_once(f"from_pretrained({name}={hf_kwargs.pop(name)!r}) is ignored: {reason}")
     given = [name for name in FAST_INFERENCE_OPTIONS if name in hf_kwargs]
     for name in given:
         hf_kwargs.pop(name)

@@ -472,3 +472,21 @@ def test_grpo_leaves_out_prompts_past_max_prompt_length(recwarn):
             train_dataset=prompts.select([1]),
             tokenizer=tokenizer,
         )
+
+
+def test_the_tool_calling_notebooks_loader_call():
+    """Unsloth's Qwen2.5-Coder tool-calling notebook: its per-family loader name,
+    max_seq_length=None and fix_tokenizer=False."""
+    import slothkit
+    from slothkit.model_state import state_of
+
+    assert slothkit.FastQwen2Model is slothkit.FastLlamaModel is FastLanguageModel
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, tokenizer = slothkit.FastQwen2Model.from_pretrained(
+            str(tiny_model_path("qwen2")), max_seq_length=None, load_in_4bit=False, fix_tokenizer=False
+        )
+    context = model.config.max_position_embeddings
+    assert state_of(model).max_seq_length == tokenizer.model_max_length == model.max_seq_length == context
+    assert any("from_pretrained(fix_tokenizer=False) is ignored" in n for n in _notices(caught))
