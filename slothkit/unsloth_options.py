@@ -5,6 +5,8 @@ spelling.  Unsloth notebooks pass them; tests/slothkit/test_unsloth_notebooks.py
 
 from __future__ import annotations
 
+import os
+
 from slothkit.notices import say_once
 
 # vLLM settings that older notebooks pass with fast_inference=True.
@@ -152,3 +154,27 @@ def gguf_method_keyword(kwargs: dict) -> dict:
         f"quantization_method={kwargs['quantization_method']!r} in slothkit"
     )
     return kwargs
+
+
+def gguf_push_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """push_to_hub_gguf's arguments with Unsloth FastModel's spelling,
+    ``push_to_hub_gguf("local-folder", quantization_type=..., repo_id="me/model")`` (its Gemma 3
+    notebooks), written ``push_to_hub_gguf("me/model", ...)`` as slothkit's takes it, said once:
+    slothkit writes the files into a temporary folder and uploads that.
+
+    Raises:
+        TypeError: the first argument, beside repo_id=, is not a folder name.
+    """
+    if "repo_id" not in kwargs or not args:
+        return args, kwargs
+    folder, *rest = args
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(
+            f"push_to_hub_gguf got repo_id= and a first argument {type(folder).__name__}; give the repository once"
+        )
+    say_once(
+        f"push_to_hub_gguf({str(folder)!r}, repo_id={kwargs['repo_id']!r}) is written "
+        f"push_to_hub_gguf({kwargs['repo_id']!r}) in slothkit: the files are written into a temporary folder "
+        f"and uploaded, not into {str(folder)!r} (save_pretrained_gguf writes a local copy)"
+    )
+    return tuple(rest), kwargs

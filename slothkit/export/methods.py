@@ -29,7 +29,7 @@ from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, resolve_tokenizer, save_pretrained_merged
 from slothkit.folder_paths import check_folder_path
-from slothkit.unsloth_options import gguf_method_keyword
+from slothkit.unsloth_options import gguf_method_keyword, gguf_push_arguments
 
 GGUF_MODULE = "slothkit.export.gguf"
 GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
@@ -60,6 +60,8 @@ def _gguf_save_directory(name: str, args: tuple, kwargs: dict) -> pathlib.Path |
 def _gguf_method(name: str):
     def method(model, *args, **kwargs):
         kwargs = gguf_method_keyword(kwargs)
+        if name == "push_to_hub_gguf":
+            args, kwargs = gguf_push_arguments(args, kwargs)
         module = importlib.import_module(GGUF_MODULE)
         function = getattr(module, name, None)
         if function is None:

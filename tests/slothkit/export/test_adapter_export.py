@@ -217,7 +217,9 @@ def test_attach_export_methods_binds_to_the_instance_only(make_lora_model, monke
     assert (result.path / "adapter_config.json").is_file()
     model.save_pretrained_gguf(tmp_path / "g", tokenizer, quantization_method="q8_0")
     model.push_to_hub_gguf("me/x", tokenizer)
-    assert [c[1] for c in calls] == ["q8_0", "me/x"]
+    # Unsloth FastModel's spelling: a local folder first, the repository as repo_id=.
+    model.push_to_hub_gguf("gemma-3-finetune", tokenizer=tokenizer, quantization_type="Q8_0", repo_id="me/y")
+    assert [c[1] for c in calls] == ["q8_0", "me/x", "me/y"]
     for merged, _ in calls:  # the GGUF functions get the merged plain model, not the PEFT one
         assert not hasattr(merged, "peft_config")
         assert relative_error(logits(merged, input_ids), logits(model, input_ids)) < SAME
