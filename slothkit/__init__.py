@@ -7,7 +7,8 @@ loading one for a GPU turns on torch's expandable segments where the user has no
 allocator's variable, said once: slothkit.allocator.)
 
 The names older Unsloth notebooks import from their package are here too
-(``is_bfloat16_supported``, ``UnslothTrainer``, ...; the chat template helpers in
+(``is_bfloat16_supported``, ``UnslothTrainer``, ``to_sharegpt``, ``standardize_sharegpt``,
+the dataset-level ``apply_chat_template``, ...; the chat template helpers in
 slothkit.chat_templates, the TRL trainers in slothkit.trl).
 """
 
@@ -30,6 +31,9 @@ _LAZY = {
     "UnslothTrainingArguments": "slothkit.trl",
     "PatchDPOTrainer": "slothkit.trl",
     "unsloth_train": "slothkit.trl",
+    "to_sharegpt": "slothkit.data",
+    "standardize_sharegpt": "slothkit.data",
+    "apply_chat_template": "slothkit.data",
 }
 
 __all__ = [*_LAZY, "__version__"]

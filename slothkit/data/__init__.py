@@ -9,7 +9,9 @@
 
 Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
 (installing one), marker_tokens (which of a format's markers are added, mapped onto the
-EOS or left as text), sharegpt, conversations, alpaca, responses_only, loading, examples,
+EOS or left as text), sharegpt, columns_to_sharegpt (to_sharegpt: table-like records as
+conversations), conversations (with prompt_templates: a {SYSTEM}/{INPUT}/{OUTPUT} prompt
+as a chat template), alpaca, responses_only, loading, examples,
 packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trl's trainers run before handing data to TRL; text_encoding finds
 text that is not UTF-8.
 """
@@ -21,6 +23,7 @@ from slothkit.data.chat_templates import (
     follow_tokenizer,
     get_chat_template,
 )
+from slothkit.data.columns_to_sharegpt import to_sharegpt
 from slothkit.data.conversations import (
     apply_chat_template,
     check_conversation,
@@ -55,5 +58,6 @@ __all__ = [
     "load_data",
     "standardize_data_formats",
     "standardize_sharegpt",
+    "to_sharegpt",
     "train_on_responses_only",
 ]

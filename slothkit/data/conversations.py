@@ -132,6 +132,8 @@ def messages_field_of(column_names, messages_field: str | None) -> str:
 def apply_chat_template(
     dataset,
     tokenizer,
+    chat_template: str | None = None,
+    default_system_message: str | None = None,
     *,
     messages_field: str | None = None,
     text_field: str = "text",
@@ -140,6 +142,12 @@ def apply_chat_template(
 ):
     """Render every conversation of `dataset` with the tokenizer's chat template into `text_field`.
 
+    chat_template: None (default): the tokenizer's own; a prompt with {INPUT} and
+        {OUTPUT} fields (and optionally {SYSTEM}), as Unsloth's Ollama notebooks write
+        one: made the tokenizer's chat template first (slothkit.data.prompt_templates),
+        its Ollama Modelfile text left in ``tokenizer._ollama_modelfile``.
+    default_system_message: with a prompt that has {SYSTEM}, the system text of
+        conversations that have none.
     messages_field: the column holding the conversations (default: "messages", else
         "conversations"). It is removed unless keep_messages, because TRL trains on a
         "messages" column in preference to the text.
@@ -148,6 +156,10 @@ def apply_chat_template(
     """
     from slothkit.data.loading import as_dataset
 
+    if chat_template is not None:
+        install_prompt_template(tokenizer, chat_template, default_system_message)
+    elif default_system_message is not None:
+        raise ValueError("default_system_message goes with a chat_template prompt that has a {SYSTEM} field")
     dataset = as_dataset(dataset)
     field = messages_field_of(dataset.column_names, messages_field)
     if text_field in dataset.column_names and text_field != field:
@@ -163,3 +175,30 @@ def apply_chat_template(
 
     remove = [] if keep_messages or field == text_field else [field]
     return dataset.map(render, with_indices=True, remove_columns=remove, desc="Applying the chat template")
+
+
+def install_prompt_template(tokenizer, chat_template: str, default_system_message: str | None = None) -> None:
+    """Make a {SYSTEM}/{INPUT}/{OUTPUT} prompt the tokenizer's chat template, and leave the
+    Ollama Modelfile for it in ``tokenizer._ollama_modelfile`` (Unsloth's attribute; the
+    GGUF saves write the same layout into their Modelfile).
+
+    Raises:
+        ValueError: `chat_template` is not such a prompt, or default_system_message is given
+            for one without {SYSTEM}.
+    """
+    from slothkit.data.prompt_templates import is_prompt_template, jinja_template, parse_prompt_template
+    from slothkit.export.gguf.modelfile import render_modelfile
+
+    if not is_prompt_template(chat_template):
+        raise ValueError(
+            "apply_chat_template(chat_template=...) takes a prompt with {INPUT} and {OUTPUT} fields (and "
+            "optionally {SYSTEM}); for a named format call get_chat_template(tokenizer, name) first"
+        )
+    if default_system_message is not None and "{SYSTEM}" not in chat_template:
+        raise ValueError("default_system_message needs a {SYSTEM} field in the chat_template prompt")
+    template = parse_prompt_template(
+        chat_template, tokenizer.eos_token, tokenizer.bos_token, default_system=default_system_message
+    )
+    tokenizer.chat_template = jinja_template(template)
+    location = "{__FILE_LOCATION__}"
+    tokenizer._ollama_modelfile = render_modelfile(location, tokenizer).replace(f"./{location}", location)

@@ -14,8 +14,11 @@ excluded: llama.cpp adds it when the GGUF says add_bos):
     qwen3-thinking (slothkit's tag) ChatML, the generation prompt opening <think>
     <|im_start|>                  ChatML
 
-Anything else (or no chat template) gets a plain "### Instruction / ### Response" template;
-Ollama users with such a model should replace it with their own.
+A chat template made from a {SYSTEM}/{INPUT}/{OUTPUT} prompt (slothkit.data.prompt_templates,
+Unsloth's Ollama notebooks) is written from the pieces it carries, its default system text
+as the Modelfile's SYSTEM.  Anything else (or no chat template) gets a plain
+"### Instruction / ### Response" template; Ollama users with such a model should replace
+it with their own.
 
 Stop tokens: the tokenizer's eos, every other id generation stops at (generation_config),
 and the format's turn markers, so generation ends at the end of the assistant's turn.
@@ -32,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+
+from slothkit.data.prompt_templates import PromptTemplate, prompt_template_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,10 +110,38 @@ def chat_format(chat_template: str | None) -> ChatFormat:
     return GENERIC_FORMAT
 
 
+def prompt_chat_format(pieces: PromptTemplate, bos_token: str | None) -> ChatFormat:
+    """The Go template of a chat template made from a {SYSTEM}/{INPUT}/{OUTPUT} prompt
+    (slothkit.data.prompt_templates): the same pieces, one exchange, BOS left to llama.cpp."""
+    header = pieces.header_before_system
+    if bos_token:
+        header = header.removeprefix(bos_token)
+    if pieces.has_system:
+        opening = header + "{{ .System }}" + pieces.header_after_system + pieces.separator
+    else:
+        opening = header + (pieces.separator if header else "")
+    template = (
+        opening
+        + pieces.user_prefix
+        + "{{ .Prompt }}"
+        + pieces.response_prefix
+        + "{{ .Response }}"
+        + pieces.turn_end
+    )
+    stops = tuple(
+        dict.fromkeys(text for text in (pieces.user_prefix.strip(), pieces.turn_end.strip()) if text)
+    )
+    return ChatFormat("prompt", None, template, stops)
+
+
 def render_modelfile(gguf_file: str, tokenizer, stop_token_ids: list[int] | None = None) -> str:
     """The text of a Modelfile for `gguf_file` (a path relative to the Modelfile's folder)."""
     template = getattr(tokenizer, "chat_template", None)
-    fmt = chat_format(template if isinstance(template, str) else None)
+    pieces = prompt_template_of(template)
+    if pieces is not None:
+        fmt = prompt_chat_format(pieces, tokenizer.bos_token)
+    else:
+        fmt = chat_format(template if isinstance(template, str) else None)
     eos = tokenizer.eos_token or ""
     stops = [eos] if eos else []
     for token_id in stop_token_ids or []:
@@ -122,6 +155,8 @@ def render_modelfile(gguf_file: str, tokenizer, stop_token_ids: list[int] | None
         format_stops = [written if stop == fmt.turn_end else stop for stop in format_stops]
     stops.extend(format_stops)
     lines = [f"FROM ./{gguf_file}", f'TEMPLATE """{template}"""']
+    if pieces is not None and pieces.default_system:
+        lines.append(f'SYSTEM """{pieces.default_system}"""')
     seen = set()
     for stop in stops:
         if stop and stop not in seen:
