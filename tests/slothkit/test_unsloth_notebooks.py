@@ -451,6 +451,43 @@ def test_qwen25_grpo(notebook_folder):
     _assert_saved_lora_is_trained(folder / "grpo_saved_lora", ns["model"])
 
 
+def test_llama3_ollama(notebook_folder, capsys):
+    """Unsloth's Llama-3 Ollama notebook: to_sharegpt with an optional part and three
+    exchanges a conversation, a prompt with {INPUT} and {OUTPUT} as the chat template,
+    generate on its BatchEncoding, and a GGUF whose Modelfile writes that prompt."""
+    folder, _ = notebook_folder
+    ns = _run("llama3_ollama")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    _assert_trained(trainer)
+    texts = ns["dataset"]["text"]
+    assert all(
+        text.count("### Instruction:\n") == 3 and text.count(tokenizer.eos_token) == 3 for text in texts
+    )
+    assert "Add the numbers.\nYour input is:\n2 and 3\n\n### Response:\n5" + tokenizer.eos_token in "".join(
+        texts
+    )
+    assert "Say hello.\n\n### Response:\nHello!" in "".join(texts)  # no input: no "Your input is"
+    prompt_ids, outputs = ns["first_answer"]
+    prompt = tokenizer.decode(prompt_ids["input_ids"][0])
+    assert prompt.endswith(
+        "### Instruction:\nContinue the fibonacci sequence! Your input is 1, 1, 2, 3, 5, 8,\n\n### Response:\n"
+    )
+    assert outputs.shape[1] > prompt_ids["input_ids"].shape[1]
+    modelfile = (folder / "model" / "Modelfile").read_text()
+    template = modelfile.split('TEMPLATE """')[1].split('"""')[0]
+    assert template == ns["chat_template"].replace("{INPUT}", "{{ .Prompt }}").replace(
+        "{OUTPUT}", "{{ .Response }}" + tokenizer.eos_token
+    )
+    assert 'PARAMETER stop "### Instruction:"' in modelfile
+    assert (
+        tokenizer._ollama_modelfile.split("\n", 1)[1]
+        == modelfile.split("\n", 1)[1].replace('PARAMETER stop "<|eot_id|>"\n', "")
+        or tokenizer._ollama_modelfile.split("\n", 2)[1] == modelfile.split("\n", 2)[1]
+    )
+    assert tokenizer._ollama_modelfile in capsys.readouterr().out
+    _assert_gguf(folder / "model", labels=("Q8_0",))
+
+
 def test_zephyr_dpo(notebook_folder):
     _, caught = notebook_folder
     ns = _run("zephyr_dpo")
