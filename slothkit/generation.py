@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from slothkit.data.chat_template_calls import TokenTensor
 from slothkit.notices import say_once
 
 
@@ -60,6 +61,12 @@ class UnpackingGenerate:
             )
             for key, value in encoding.items():
                 kwargs.setdefault(key, value)
+        # transformers 4's tensor from apply_chat_template (slothkit.data.chat_template_calls)
+        # goes on as the plain tensor it stands for.
+        if isinstance(kwargs.get("input_ids"), TokenTensor):
+            kwargs["input_ids"] = kwargs["input_ids"].plain()
+        if args and isinstance(args[0], TokenTensor):
+            args = (args[0].plain(), *args[1:])
         check_token_ids(self.model, kwargs.get("input_ids", args[0] if args else None))
         from slothkit.inference import fast_generate
 

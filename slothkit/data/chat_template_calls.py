@@ -17,12 +17,16 @@ transformers 5 returns a BatchEncoding (a dict of input_ids and attention_mask) 
 dict.  Called without ``return_dict`` and ``return_tensors``, the ids come back as
 ``TokenIds``: the list transformers 4 returned, which also reads as the BatchEncoding
 transformers 5 returns (``["input_ids"]``, ``["attention_mask"]``, ``.keys()``,
-``**ids``).  Every other call is transformers' own.
+``**ids``); with ``return_tensors="pt"`` and nothing padded, as ``TokenTensor``: the
+tensor transformers 4 returned (``ids.shape[1]``, ``ids[0]``), which also reads as that
+BatchEncoding.  Every other call is transformers' own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+import torch
 
 
 def accept_older_chat_template_calls(tokenizer, text_by_default: bool = False):
@@ -77,9 +81,12 @@ class ChatTemplateCall:
         ):
             kwargs["tokenize"] = False
         result = type(self.tokenizer).apply_chat_template(self.tokenizer, conversation, *args, **kwargs)
-        as_ids = "return_dict" not in kwargs and kwargs.get("return_tensors") is None and not args
-        if as_ids and isinstance(result, Mapping) and "input_ids" in result:
+        if "return_dict" in kwargs or args or not isinstance(result, Mapping) or "input_ids" not in result:
+            return result
+        if kwargs.get("return_tensors") is None:
             return TokenIds(result)
+        if kwargs["return_tensors"] == "pt" and _unpadded(result):
+            return result["input_ids"].as_subclass(TokenTensor)
         return result
 
 
@@ -115,3 +122,52 @@ class TokenIds(list):
 
     def get(self, key, default=None):
         return self.encoding.get(key, default)
+
+
+def _unpadded(encoding: Mapping) -> bool:
+    mask = encoding.get("attention_mask")
+    return torch.is_tensor(encoding["input_ids"]) and (mask is None or bool(mask.all()))
+
+
+class TokenTensor(torch.Tensor):
+    """Token ids as transformers 4's ``apply_chat_template(..., return_tensors="pt")``
+    returned them, a (batch, length) tensor (``ids.shape[1]``, ``ids[0]``), that also reads
+    as the BatchEncoding transformers 5 returns (``**ids``, ``ids["input_ids"]``,
+    ``ids.attention_mask``: all ones, since nothing is padded).  Operations on it give plain
+    tensors; ``.to``, ``.cuda`` and ``.cpu`` keep it one."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def plain(self) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}[key]
+        return self.plain()[key]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.plain()
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.ones_like(self.plain())
+
+    def keys(self):
+        return ("input_ids", "attention_mask")
+
+    def items(self):
+        return [(key, self[key]) for key in self.keys()]
+
+    def to(self, *args, **kwargs):
+        return self.plain().to(*args, **kwargs).as_subclass(TokenTensor)
+
+    def cuda(self, *args, **kwargs):
+        return self.plain().cuda(*args, **kwargs).as_subclass(TokenTensor)
+
+    def cpu(self):
+        return self.plain().cpu().as_subclass(TokenTensor)

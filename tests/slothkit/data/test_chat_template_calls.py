@@ -117,3 +117,33 @@ def test_a_batched_map_stores_the_ids_and_their_lengths(tokenizer):
         for c in CONVERSATIONS
     ]
     assert tokenized["tokens"] == expected and lengths == [len(ids) for ids in expected]
+
+
+def test_tensors_are_transformers_4s_tensor_and_read_as_transformers_5s_dict():
+    """apply_chat_template(..., return_tensors="pt"): a tensor for ids.shape[1] and ids[0]
+    (the tool-calling notebook's slicing), and a mapping for generate(**ids)."""
+    import torch
+    from transformers import BatchEncoding
+
+    from slothkit.data.chat_template_calls import TokenTensor
+
+    model, tokenizer = FastLanguageModel.from_pretrained(str(tiny_model_path("qwen3")), load_in_4bit=False)
+    plain = type(tokenizer).apply_chat_template(
+        tokenizer, CONVERSATIONS[2], add_generation_prompt=True, return_tensors="pt"
+    )
+    ids = tokenizer.apply_chat_template(CONVERSATIONS[2], add_generation_prompt=True, return_tensors="pt").to(
+        "cpu"
+    )
+    assert isinstance(ids, TokenTensor) and torch.equal(ids, plain["input_ids"]) and ids.shape[0] == 1
+    assert tokenizer.decode(ids[0]) == tokenizer.decode(plain["input_ids"][0])
+    assert type(ids[0]) is torch.Tensor and type(ids + 1) is torch.Tensor  # operations give plain tensors
+    assert torch.equal(ids["attention_mask"], plain["attention_mask"]) and dict(ids).keys() == plain.keys()
+    settings = {"max_new_tokens": 3, "do_sample": False}
+    expected = model.generate(**plain, **settings)
+    for call in (lambda: model.generate(**ids, **settings), lambda: model.generate(input_ids=ids, **settings),
+                 lambda: model.generate(ids, **settings)):  # fmt: skip
+        assert torch.equal(call(), expected)
+    assert ids.shape[1] < expected.shape[1]
+    # A padded batch keeps its mask: transformers' BatchEncoding, as asked.
+    batch = tokenizer.apply_chat_template(CONVERSATIONS, return_tensors="pt", padding=True)
+    assert isinstance(batch, BatchEncoding) and not batch["attention_mask"].all()
