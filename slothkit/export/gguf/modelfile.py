@@ -48,6 +48,11 @@ class ChatFormat:
     turn_end: str | None = None  # the token closing each turn in `template`; None: {eos}
 
 
+_CHATML = (
+    "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+    "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
+    "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n"
+)
 CHAT_FORMATS = (
     ChatFormat(
         "llama3",
@@ -77,21 +82,11 @@ CHAT_FORMATS = (
         # the thinking block (recognised by the tag slothkit's template starts with).
         "qwen3-thinking",
         "slothkit chat template: qwen3-thinking",
-        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
-        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-        "<|im_start|>assistant\n<think>\n{{ .Response }}<|im_end|>\n",
+        _CHATML.replace("assistant\n{{ .Response }}", "assistant\n<think>\n{{ .Response }}"),
         ("<|im_start|>", "<|im_end|>"),
         "<|im_end|>",
     ),
-    ChatFormat(
-        "chatml",
-        "<|im_start|>",
-        "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
-        "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-        "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n",
-        ("<|im_start|>", "<|im_end|>"),
-        "<|im_end|>",
-    ),
+    ChatFormat("chatml", "<|im_start|>", _CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
 )
 GENERIC_FORMAT = ChatFormat(
     "generic",
