@@ -139,7 +139,7 @@ def _init_translated(self, base, args, kwargs, online: bool = False) -> None:
     extras = type(self)._extra_keywords
     kwargs = translate_training_keywords(kwargs, type(self).__name__, field_names(base), extras)
     if online:
-        kwargs = translate_online_keywords(kwargs, type(self).__name__, field_names(base))
+        kwargs = translate_online_keywords(kwargs, type(self).__name__, base)
     defaults = {f.name: f.default for f in dataclasses.fields(base)}
     if defaults.get("bf16", False) is None and "bf16" not in kwargs and not kwargs.get("fp16"):
         # TRL's configs default to bf16=True, which transformers refuses on a CPU or a GPU

@@ -20,6 +20,7 @@ Each is said once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from slothkit.notices import say_once
@@ -36,19 +37,20 @@ DECIDED_BY_TRAINER = {
 }
 
 
-def translate_online_keywords(kwargs: dict, owner: str, fields: set[str]) -> dict:
+def translate_online_keywords(kwargs: dict, owner: str, base) -> dict:
     """The keywords of a GRPOConfig or RLOOConfig call with Unsloth's additions translated
     (module docstring).
 
     Args:
         kwargs: the keywords as given; not changed.
         owner: the class name, for the notices ("GRPOConfig").
-        fields: the keywords the class accepts.
+        base: TRL's config class (its fields and their defaults).
 
     Returns:
         The translated keywords (``vllm_sampling_params`` kept, for the trainer's check).
     """
     kwargs = dict(kwargs)
+    defaults = {field.name: field.default for field in dataclasses.fields(base) if field.init}
     if kwargs.get("use_vllm"):
         kwargs["use_vllm"] = False
         say_once(
@@ -57,8 +59,8 @@ def translate_online_keywords(kwargs: dict, owner: str, fields: set[str]) -> dic
         )
     params = kwargs.get("vllm_sampling_params")
     if params is not None:
-        _take_sampling_settings(kwargs, params, owner, fields)
-    _whole_groups(kwargs, owner, fields)
+        _take_sampling_settings(kwargs, params, owner, set(defaults))
+    _whole_groups(kwargs, owner, defaults)
     return kwargs
 
 
@@ -92,15 +94,15 @@ def _take_sampling_settings(kwargs: dict, params, owner: str, fields: set[str]) 
         )
 
 
-def _whole_groups(kwargs: dict, owner: str, fields: set[str]) -> None:
+def _whole_groups(kwargs: dict, owner: str, defaults: dict) -> None:
     if (
-        "num_generations" not in fields
+        "num_generations" not in defaults
         or "generation_batch_size" in kwargs
         or "steps_per_generation" in kwargs
     ):
         return
-    defaults = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_generations": 8}
-    batch, steps, groups = (kwargs.get(name, default) for name, default in defaults.items())
+    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations")
+    batch, steps, groups = (kwargs.get(name, defaults[name]) for name in names)
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     if not all(isinstance(value, int) and value > 0 for value in (batch, steps, groups)):
         return  # TRL says what is wrong with them
