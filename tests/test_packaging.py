@@ -8,8 +8,9 @@ the wheel forgets to declare, or a module it forgets to ship, fails here.  The s
 must build that same wheel, byte for byte.
 
 A second environment holds the lowest versions pyproject.toml declares (the ones
-LOWEST_TESTED names) and runs a subset of this suite against the installed wheel: the
-declared lower bounds are the tested ones.
+LOWEST_TESTED names, and the dev extra's test tools in LOWEST_TEST_TOOLS) and runs a
+subset of this suite against the installed wheel, scheduled as the README's test command
+does: the declared lower bounds are the tested ones.
 
 The environments need a package index (pip's cache makes later runs quick); they are
 skipped where pip cannot reach one (the GPU machine).
@@ -52,6 +53,8 @@ LOWEST_TESTED = (
     "bitsandbytes",
     "gguf",
 )
+# The test tools whose lowest version in the dev extra the second environment installs.
+LOWEST_TEST_TOOLS = ("pytest", "pytest_xdist", "pytest_timeout", "nbval")
 # The subset of this suite the lowest versions run (about a minute): FastModel against
 # HF + PEFT in 16 and 4 bits, the merged and adapter saves, the GGUF writer, SFT and DPO
 # against HF + PEFT, and one notebook end to end.
@@ -267,13 +270,14 @@ def test_the_sdist_builds_the_wheel_the_journey_ran(dist, tmp_path):
     assert _wheel_contents(rebuilt) == _wheel_contents(wheel)
 
 
-def lowest_declared(names) -> dict[str, str]:
-    """{name: the lowest version pyproject.toml declares for it}."""
+def lowest_declared(names, requirements=None) -> dict[str, str]:
+    """{name: the lowest version pyproject.toml declares for it}, among `requirements`
+    (default: the dependencies)."""
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lowest = {}
-    for line in project["dependencies"]:
+    for line in project["dependencies"] if requirements is None else requirements:
         requirement = Requirement(line)
         name = requirement.name.lower().replace("-", "_")
         for specifier in requirement.specifier:
@@ -285,24 +289,28 @@ def lowest_declared(names) -> dict[str, str]:
 
 
 def test_lowest_declared_versions_pass_the_core_tests(dist, tmp_path):
+    """The lowest dependencies and the lowest test tools of the dev extra, running the
+    subset with the README's scheduling: each file, and the notebook, whole on a worker."""
     wheel, _ = dist
     lowest = lowest_declared(LOWEST_TESTED)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dev_extra = project["optional-dependencies"]["dev"]
+    lowest_tools = lowest_declared(LOWEST_TEST_TOOLS, dev_extra)
     venv_dir = tmp_path / "venv"
     python = _fresh_venv(venv_dir)
-    test_tools = ("pytest", "pytest-timeout", "nbval")
-    versions = {name: _run([sys.executable, "-m", "pip", "show", name]).stdout for name in test_tools}
-    pins = [f"{name}=={text.split('Version: ')[1].split()[0]}" for name, text in versions.items()]
-    _pip_install(python, TORCH, wheel, *(f"{n}=={v}" for n, v in lowest.items()), *pins, cwd=tmp_path)
+    pins = {**lowest, **lowest_tools}
+    _pip_install(python, TORCH, wheel, *(f"{n}=={v}" for n, v in pins.items()), cwd=tmp_path)
 
     installed = _run([str(python), "-m", "pip", "list", "--format=json"], cwd=tmp_path).stdout
     found = {row["name"].lower().replace("-", "_"): row["version"] for row in json.loads(installed)}
-    assert {name: found.get(name) for name in lowest} == lowest
+    assert {name: found.get(name) for name in pins} == pins
 
     # -P keeps the working directory (this checkout) off sys.path: slothkit comes from the wheel.
     where = _run([str(python), "-P", "-c", "import slothkit; print(slothkit.__file__)"], cwd=ROOT).stdout
     assert where.startswith(str(venv_dir)), where
     _run(
-        [str(python), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *LOWEST_SUBSET],
+        [str(python), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile"]
+        + [*LOWEST_SUBSET, "tests/test_worker_grouping.py"],
         cwd=ROOT,
         env=_user_environment(TRITON_INTERPRET="1"),
         timeout=2400,
