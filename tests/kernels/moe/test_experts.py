@@ -97,8 +97,10 @@ def _problem(case: Case, seed: int):
     if r is not None:
         # A as PEFT stores a target parameter's lora_A (E * r, in), B as (out, r * E): the
         # op gets views, B a non-contiguous one.
-        adapters = [randn(e * r, h, std=0.3), randn(2 * i, r * e, std=0.3)]
-        adapters += [randn(e * r, i, std=0.3), randn(h, r * e, std=0.3)]
+        # Sized so that the adapter's term is about half the base product's at any width.
+        a_std, b_std = 0.5 / math.sqrt(h), 0.5 / math.sqrt(r)
+        adapters = [randn(e * r, h, std=a_std), randn(2 * i, r * e, std=b_std)]
+        adapters += [randn(e * r, i, std=0.5 / math.sqrt(i)), randn(h, r * e, std=b_std)]
     return x, ids, weights, gate_up, down, biases, adapters
 
 
@@ -204,6 +206,36 @@ def test_moe_lora_experts_16bit_with_fp32_adapters(case, dtype, device):
     u = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
     for name, a, b, c in zip(NAMES, [ours[0], *ours[1]], [gold[0], *gold[1]], [torch_way[0], *torch_way[1]]):
         bound = max(16 * u, 2.5 * relative_error(c, b))
+        err = relative_error(a, b)
+        assert err < bound, f"{name}: relative error {err:.2e} >= {bound:.1e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+def test_moe_lora_experts_large(activation):
+    """A Qwen3-MoE-like layer slice in bf16 on the GPU: the tensor-core path, many tiles
+    per expert, and the float64 gold on the same rounded inputs (bounds as above)."""
+    gpt_oss = activation == "gpt_oss"
+    case = Case(
+        "large", tokens=1024, hidden=1024, inter=384, experts=16, top_k=4, rank=16,
+        activation=activation, interleaved=gpt_oss, weights_in_out=gpt_oss, bias=gpt_oss, limit=7.0,
+    )  # fmt: skip
+    problem = _problem(case, seed=21)
+    problem = [t.cuda() if isinstance(t, torch.Tensor) else t for t in problem]
+    problem[5] = tuple(None if b is None else b.cuda() for b in problem[5])
+    problem[6] = [p.cuda() for p in problem[6]]
+    ours = _run(moe_lora_experts, case, problem, torch.bfloat16, torch.float32, seed=7)
+    gold = _run(
+        moe_lora_experts_reference,
+        case,
+        _round_inputs(problem, torch.bfloat16),
+        torch.float64,
+        torch.float64,
+        seed=7,
+    )
+    torch_way = _run(moe_lora_experts_reference, case, problem, torch.bfloat16, torch.float32, seed=7)
+    for name, a, b, c in zip(NAMES, [ours[0], *ours[1]], [gold[0], *gold[1]], [torch_way[0], *torch_way[1]]):
+        bound = max(16 * 2.0**-9, 2.5 * relative_error(c, b))
         err = relative_error(a, b)
         assert err < bound, f"{name}: relative error {err:.2e} >= {bound:.1e}"
 
