@@ -32,12 +32,19 @@ from slothkit_kernels.utils import interpreter_enabled
 
 
 def tile_sizes(dtype: torch.dtype) -> dict:
-    """Block sizes and launch settings of the grouped kernels for x's dtype."""
+    """Block sizes and launch settings of the grouped kernels for x's dtype.
+
+    16-bit: the fastest of nine (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) settings timed
+    on an H100 for the whole forward and backward of moe_lora_experts (bf16, r = 16, 4096
+    tokens) at a Qwen3-30B-A3B layer's shape (H 2048, I 768, 128 experts, top 8): 3.32 ms
+    against 3.54 for (64, 128, 64, 4, 4), and at gpt-oss-20b's (H = I = 2880, 32 experts,
+    top 4): 6.40 ms against 7.03.  A BLOCK_M of 128 wastes more of each expert's last tile.
+    """
     if interpreter_enabled():
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
