@@ -348,6 +348,43 @@ def _random_loras(experts, hidden, inter, rank, gen):
     return gate_up, down
 
 
+def _against_merged(ex, x, ids, weights, gu_lora, d_lora, weights_in_out, **options):
+    """transformers' experts ``ex`` with the adapters merged into their weights, against
+    ours with the adapters apart: the output and the gradients of x, the routing weights
+    and the adapters, these from the merged weight's gradient dW by the chain rule
+    (W = W0 + s B A: dA = s B^T dW, dB = s dW A^T)."""
+    base = ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone()
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(_merged(ex.gate_up_proj, gu_lora, weights_in_out))
+        ex.down_proj.copy_(_merged(ex.down_proj, d_lora, weights_in_out))
+    stored = [ex.gate_up_proj.requires_grad_(), ex.down_proj.requires_grad_()]
+    x, weights = x.detach().requires_grad_(), weights.detach().requires_grad_()
+    out = ex(x, ids, weights)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.device)
+    dx, dw, *d_stored = torch.autograd.grad(out, [x, weights, *stored], grad)
+    expected = [out.detach(), dx, dw]
+    for d_weight, lora in zip(d_stored, (gu_lora, d_lora)):
+        d_weight = d_weight.transpose(1, 2) if weights_in_out else d_weight  # (E, out, in)
+        expected += [
+            lora.scale * lora.B.transpose(1, 2) @ d_weight,
+            lora.scale * d_weight @ lora.A.transpose(1, 2),
+        ]
+    for p in stored:
+        p.requires_grad_(False)
+
+    params = [t.detach().clone().requires_grad_() for t in (gu_lora.A, gu_lora.B, d_lora.A, d_lora.B)]
+    ours = moe_lora_experts(
+        x, ids, weights, *base,
+        gate_up_lora=ExpertLoRA(params[0], params[1], gu_lora.scale),
+        down_lora=ExpertLoRA(params[2], params[3], d_lora.scale),
+        weights_in_out=weights_in_out, **options,
+    )  # fmt: skip
+    grads = torch.autograd.grad(ours, [x, weights, *params], grad)
+    for name, a, b in zip(NAMES, [ours, *grads], expected):
+        err = relative_error(a, b)
+        assert err < FP32_RTOL, f"{name} vs transformers: relative error {err:.2e} >= {FP32_RTOL:.1e}"
+
+
 def _fill(module, gen, std=0.3):
     with torch.no_grad():
         for p in module.parameters():
@@ -359,7 +396,7 @@ def _fill(module, gen, std=0.3):
 def test_matches_transformers_block(family, device):
     """The whole sparse MoE block of transformers, its router included, against our experts
     fed the router's choice; then its experts with the adapters merged into the weights
-    against ours with the adapters apart, with and without the skipped id E."""
+    against ours with the adapters apart, gradients included, with the skipped id E."""
     gen = torch.Generator().manual_seed(5)
     hidden, inter, experts = 24, 19, 5
     common = dict(hidden_size=hidden, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2)
@@ -386,20 +423,14 @@ def test_matches_transformers_block(family, device):
         ExpertLoRA(lo.A.to(device), lo.B.to(device), lo.scale)
         for lo in _random_loras(experts, hidden, inter, 4, gen)
     )
-    base = ex.gate_up_proj.clone(), ex.down_proj.clone()
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(_merged(ex.gate_up_proj, gu_lora, False))
-        ex.down_proj.copy_(_merged(ex.down_proj, d_lora, False))
-    x2 = x.view(-1, hidden)
     ids[::4, 1] = experts  # the id these modules skip (one_hot over E + 1 classes)
-    expected = ex(x2, ids, weights)
-    ours = moe_lora_experts(x2, ids, weights, *base, gate_up_lora=gu_lora, down_lora=d_lora)
-    assert relative_error(ours, expected) < FP32_RTOL
+    _against_merged(ex, x.view(-1, hidden), ids, weights, gu_lora, d_lora, False)
 
 
 def test_matches_transformers_gpt_oss(device):
     """GptOssMLP (router, interleaved gate/up, biases, clamped SwiGLU, (in, out) weights)
-    against our experts fed its router's choice; then its experts with merged adapters."""
+    against our experts fed its router's choice; then its experts with merged adapters,
+    gradients included."""
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
     gen = torch.Generator().manual_seed(6)
@@ -435,11 +466,5 @@ def test_matches_transformers_gpt_oss(device):
         ExpertLoRA(lo.A.to(device), lo.B.to(device), lo.scale)
         for lo in _random_loras(experts, hidden, inter, 3, gen)
     )
-    base = ex.gate_up_proj.clone(), ex.down_proj.clone()
-    with torch.no_grad():
-        ex.gate_up_proj.copy_(_merged(ex.gate_up_proj, gu_lora, True))
-        ex.down_proj.copy_(_merged(ex.down_proj, d_lora, True))
-    x2 = x.view(-1, hidden)
-    expected = ex(x2, ids, scores)
-    ours = moe_lora_experts(x2, ids, scores, *base, gate_up_lora=gu_lora, down_lora=d_lora, **options)
-    assert relative_error(ours, expected) < FP32_RTOL
+    options.pop("weights_in_out")
+    _against_merged(ex, x.view(-1, hidden), ids, scores, gu_lora, d_lora, True, **options)
