@@ -256,8 +256,12 @@ def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_
             f"(E, {hidden}, I); got {tuple(w_gu.shape)} and {tuple(w_d.shape)} (after weights_in_out)"
         )
     for name, w in (("gate_up", w_gu), ("down", w_d)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{op}: {name} has dtype {w.dtype} but x has {x.dtype}; they must match")
+        check_float_dtype(f"{op}: {name}", w)
+        if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{op}: {name} has dtype {w.dtype} but x has {x.dtype}; they must match "
+                f"(or run under torch.autocast)"
+            )
     for name, bias, n in (("gate_up_bias", gu_bias, two_i), ("down_bias", d_bias, hidden)):
         if bias is not None and tuple(bias.shape) != (experts, n):
             raise ValueError(f"{op}: {name} must be ({experts}, {n}), got {tuple(bias.shape)}")
@@ -304,7 +308,8 @@ def moe_lora_experts(
     """The experts of an MoE block with per-expert LoRA, differentiable (module docstring).
 
     Args:
-        x: (T, H) tokens, float32, float16 or bfloat16: the compute dtype.
+        x: (T, H) tokens, float32, float16 or bfloat16: the compute dtype (under
+            torch.autocast, autocast's dtype, to which x and the base weights are cast).
         expert_ids: (T, top_k) integer expert of each assignment; an id outside [0, E)
             (as the id E that Qwen3-MoE and Mixtral skip) contributes nothing.
         expert_weights: (T, top_k) routing weights, any float dtype; gets a gradient.
@@ -341,6 +346,13 @@ def moe_lora_experts(
     if not use_triton(x):
         warn_reference_once("moe_lora_experts", x.device.type)
         return moe_lora_experts_reference(x, expert_ids, expert_weights, gate_up, down, **options)
+    if torch.is_autocast_enabled(x.device.type):
+        # The compute dtype is autocast's, as for F.linear: x and the base weights are cast
+        # to it (a copy only where they differ); the adapters are read in their own dtype.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_gu, w_d = x.to(dtype), w_gu.to(dtype), w_d.to(dtype)
+        gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(dtype)
+        down_bias = None if down_bias is None else down_bias.to(dtype)
     experts = _Experts(
         w_gu,
         w_d,

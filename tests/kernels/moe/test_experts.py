@@ -299,6 +299,34 @@ def test_activation_gradient_at_the_clamps_is_torch_clamps(activation, device):
     torch.testing.assert_close(dw.double(), (grad_h * h_gold.detach()).sum(1), rtol=1e-6, atol=1e-6)
 
 
+def test_moe_lora_experts_under_autocast(device):
+    """Under autocast, fp32 x and base weights are computed in autocast's dtype, as
+    transformers' loop computes its products; x's gradient comes back in fp32."""
+    case = Case("autocast", bias=True)
+    x, ids, weights, gate_up, down, biases, adapters = (
+        t.to(device) if isinstance(t, torch.Tensor) else t for t in _problem(case, seed=4)
+    )
+    e, r = case.experts, case.rank
+    a = adapters[0].to(device).float().view(e, r, -1)
+    b = adapters[1].to(device).float().view(-1, r, e).permute(2, 0, 1)
+    x = x.float().requires_grad_()
+    args = (ids, weights.float(), gate_up.float(), down.float())
+    lora = dict(gate_up_lora=ExpertLoRA(a, b, 2.0), gate_up_bias=biases[0].to(device).float())
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = moe_lora_experts(x, *args, **lora)
+    (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    assert out.dtype == torch.bfloat16 and dx.dtype == torch.float32
+    rounded = [t.bfloat16().float() for t in (x, *args[2:], lora["gate_up_bias"])]
+    x_gold = rounded[0].double().requires_grad_()
+    gold = moe_lora_experts_reference(
+        x_gold, ids, args[1].double(), rounded[1].double(), rounded[2].double(),
+        gate_up_lora=ExpertLoRA(a.double(), b.double(), 2.0), gate_up_bias=rounded[3].double(),
+    )  # fmt: skip
+    (dx_gold,) = torch.autograd.grad(gold, x_gold, torch.ones_like(gold))
+    assert relative_error(out, gold) < 16 * 2.0**-9
+    assert relative_error(dx, dx_gold) < 16 * 2.0**-9
+
+
 def test_moe_lora_experts_bad_inputs(device):
     x = torch.randn(4, 8, device=device)
     ids = torch.zeros(4, 2, dtype=torch.long, device=device)
