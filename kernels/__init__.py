@@ -52,6 +52,7 @@ from slothkit_kernels.lora import (
 from slothkit_kernels.lora_gemv import lora_gemv, lora_gemv_reference
 from slothkit_kernels.lora_gemv_group import lora_gemv_group, lora_gemv_group_reference
 from slothkit_kernels.lora_projection import LoRAProjection
+from slothkit_kernels.moe import ExpertLoRA, moe_lora_experts, moe_lora_experts_reference
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
 from slothkit_kernels.nf4_gemv import nf4_lora_gemv, nf4_lora_gemv_reference
 from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group, nf4_lora_gemv_group_reference
@@ -62,6 +63,7 @@ from slothkit_kernels.rope_cache import rope_into_cache, rope_into_cache_referen
 from slothkit_kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
+    "ExpertLoRA",
     "LoRAProjection",
     "NF4Weight",
     "attention",
@@ -86,6 +88,8 @@ __all__ = [
     "lora_qkv",
     "lora_qkv_reference",
     "lora_qkv_rope",
+    "moe_lora_experts",
+    "moe_lora_experts_reference",
     "nf4_lora_gemv",
     "nf4_lora_gemv_reference",
     "nf4_lora_gemv_group",

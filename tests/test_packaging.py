@@ -117,7 +117,7 @@ def dist(tmp_path_factory):
 def _source_files() -> set[str]:
     """Every file the wheel must hold, as its path inside the wheel."""
     names = {f"slothkit/{p.relative_to(ROOT / 'slothkit')}" for p in (ROOT / "slothkit").rglob("*.py")}
-    names |= {f"slothkit_kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")}
+    names |= {f"slothkit_kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")}
     names |= {f"slothkit_templates/{p.name}" for p in (ROOT / "templates").glob("*.py")}
     names.add("slothkit_templates/models.json")
     names |= {

@@ -1,0 +1,23 @@
+"""Mixture-of-experts expert blocks with per-expert LoRA adapters, dropless, in Triton.
+
+One file per concept: ``routing`` (sort by expert, the tile schedule), ``grouped_gemm``
+(each expert's projection with its adapter fused), ``activation`` (the gated
+activations and their backward), ``combine`` (sorted rows back to tokens),
+``expert_sums`` (the adapters' per-expert gradients), ``lora`` (the adapter record) and
+``experts`` (the autograd Function and the public op, with the derivation).
+"""
+
+from slothkit_kernels.moe.experts import moe_lora_experts, moe_lora_experts_reference
+from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, grouped_lora_gemm_reference
+from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
+
+__all__ = [
+    "ExpertLoRA",
+    "ExpertRouting",
+    "grouped_lora_gemm",
+    "grouped_lora_gemm_reference",
+    "moe_lora_experts",
+    "moe_lora_experts_reference",
+    "route_to_experts",
+]

@@ -1,0 +1,371 @@
+"""A dropless mixture-of-experts block's experts with per-expert LoRA adapters:
+
+    out_t = sum_j w_tj * down_e(act(gate_up_e(x_t)))            e = expert_ids[t, j]
+    gate_up_e(x) = x W_e^T + s (x A_e^T) B_e^T + bias_e          (2I features)
+    down_e(h)    = h V_e^T + s' (h A'_e^T) B'_e^T + bias'_e      (H features)
+
+the experts of transformers' Qwen3MoeExperts, MixtralExperts and GptOssExperts with a
+LoRA adapter on each expert's projections.  Weights are logically (E, 2I, H) and
+(E, H, I), (out, in) as Qwen3-MoE and Mixtral store them; ``weights_in_out=True`` reads
+gpt-oss's (E, H, 2I) and (E, I, H) storage (y = x W_e) through transposed strides, with
+no copy.  Base weights and biases are frozen; x, the routing weights w and the adapters
+get gradients.
+
+Forward, over the M = T * top_k (token, expert) rows sorted by expert (``routing``):
+  G  = gate_up(x[token])      grouped GEMM, x's rows gathered, X A^T kept   (M, 2I)
+  h  = act(G)                                                                (M, I)
+  Y  = down(h)                grouped GEMM, h A'^T kept                      (M, H)
+  out_t = sum_j w_tj Y[row(t, j)]                                            (T, H)
+Saved: x, w, G and the two (M, r) adapter products; h and Y are not kept.
+
+Backward, given dOut (T, H); for row i of token t, expert e, weight w:
+  gY_i   = dOut_t V_e + s' (dOut_t B'_e) A'_e       the same grouped GEMM on transposed views
+  h, dG  = act backward with dh_i = w gY_i          (h recomputed from G)
+  dw_tj  = <dOut_t, Y_i> = <gY_i, h_i> + <dOut_t, bias'_e>
+  dA'_e  = s' sum_i w (dOut_t B'_e)^T h_i           dB'_e = s' sum_i w dOut_t^T (h_i A'_e^T)
+  dX_i   = dG_i W_e + s (dG_i B_e) A_e               dx_t = sum_j dX_row(t, j)
+  dA_e   = s sum_i (dG_i B_e)^T x_t                  dB_e = s sum_i dG_i^T (x_t A_e^T)
+The adapter sums run per expert (``expert_sums``) and dx per token (``combine_rows``):
+no atomics anywhere, so the gradients are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slothkit_kernels.moe.activation import (
+    ACTIVATIONS,
+    expert_activation,
+    expert_activation_backward,
+    expert_activation_reference,
+)
+from slothkit_kernels.moe.combine import combine_rows
+from slothkit_kernels.moe.expert_sums import expert_sums
+from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, tile_sizes
+from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
+from slothkit_kernels.utils import check_float_dtype, check_not_empty, use_triton, warn_reference_once
+
+MAX_RANK = 64
+
+
+def _logical_weights(gate_up, down, weights_in_out: bool):
+    """(E, 2I, H) and (E, H, I) views of the base weights, whatever their storage."""
+    if weights_in_out:
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def _expert_linear(x, weight, lora: ExpertLoRA | None, bias, e: int):
+    y = x @ weight[e].to(x.dtype).t()
+    if lora is not None:
+        y = y + lora.scale * (x @ lora.A[e].to(x.dtype).t()) @ lora.B[e].to(x.dtype).t()
+    if bias is not None:
+        y = y + bias[e].to(x.dtype)
+    return y
+
+
+def moe_lora_experts_reference(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    weights_in_out: bool = False,
+) -> torch.Tensor:
+    """moe_lora_experts in plain torch, differentiable: a loop over experts as
+    transformers' expert modules run it, in x's dtype (the routing weight's product is
+    taken in the promoted dtype, then rounded to x's, as they do)."""
+    w_gu, w_d = _logical_weights(gate_up, down, weights_in_out)
+    out = torch.zeros_like(x)
+    for e in range(w_gu.shape[0]):
+        token_idx, k_pos = torch.where(expert_ids == e)
+        if token_idx.numel() == 0:
+            continue
+        rows = x[token_idx]
+        gu = _expert_linear(rows, w_gu, gate_up_lora, gate_up_bias, e)
+        h = expert_activation_reference(gu, activation, interleaved, alpha, limit)
+        y = _expert_linear(h, w_d, down_lora, down_bias, e)
+        weighted = y * expert_weights[token_idx, k_pos, None]
+        out = out.index_add(0, token_idx, weighted.to(x.dtype))
+    return out
+
+
+@dataclass
+class _Experts:
+    """What the autograd Function needs besides its differentiable inputs."""
+
+    gate_up: torch.Tensor  # (E, 2I, H) logical view
+    down: torch.Tensor  # (E, H, I) logical view
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    gate_up_scale: float
+    down_scale: float
+    activation: str
+    interleaved: bool
+    alpha: float
+    limit: float
+
+
+def _lora(a, b, scale) -> ExpertLoRA | None:
+    return None if a is None else ExpertLoRA(a, b, scale)
+
+
+class _MoELoRAExpertsFunction(torch.autograd.Function):
+    """apply(x, expert_weights, gate_up A, gate_up B, down A, down B, experts, routing)."""
+
+    @staticmethod
+    def forward(ctx, x, expert_weights, gu_a, gu_b, d_a, d_b, experts: _Experts, routing: ExpertRouting):
+        gu_lora = _lora(gu_a, gu_b, experts.gate_up_scale)
+        d_lora = _lora(d_a, d_b, experts.down_scale)
+        act = (experts.activation, experts.interleaved, experts.alpha, experts.limit)
+        gate_up, xa = grouped_lora_gemm(
+            x, routing, experts.gate_up, gu_lora, experts.gate_up_bias, gather=True, store_xa=True
+        )  # (M, 2I), (M, r)
+        h = expert_activation(gate_up, routing, *act)  # (M, I)
+        y, ha = grouped_lora_gemm(
+            h, routing, experts.down, d_lora, experts.down_bias, gather=False, store_xa=True
+        )
+        del h  # recomputed in backward
+        out = combine_rows(y, routing, expert_weights)  # (T, H)
+        ctx.save_for_backward(x, expert_weights, gu_a, gu_b, d_a, d_b, gate_up, xa, ha, *routing.tensors())
+        ctx.experts, ctx.routing = experts, routing
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, expert_weights, gu_a, gu_b, d_a, d_b, gate_up, xa, ha, *routing_tensors = ctx.saved_tensors
+        experts, routing = ctx.experts, ctx.routing.with_tensors(routing_tensors)
+        need_x, need_w, need_gu_a, need_gu_b, need_d_a, need_d_b = ctx.needs_input_grad[:6]
+        gu_lora = _lora(gu_a, gu_b, experts.gate_up_scale)
+        d_lora = _lora(d_a, d_b, experts.down_scale)
+        act = (experts.activation, experts.interleaved, experts.alpha, experts.limit)
+        d_out = d_out.to(x.dtype).contiguous()  # (T, H)
+        row_weight = expert_weights.reshape(-1)[routing.order]  # (M,)
+
+        # gY = dOut V_e + s' (dOut B'_e) A'_e, with dOut B'_e (M, r) kept for dA'.
+        grad_y, dout_b = grouped_lora_gemm(
+            d_out,
+            routing,
+            experts.down.transpose(1, 2),
+            None if d_lora is None else d_lora.transposed(),
+            gather=True,
+            store_xa=need_d_a,
+        )  # (M, I)
+        h, d_gate_up, dw_rows = expert_activation_backward(
+            gate_up, grad_y, row_weight, routing, *act, grad_out=d_out, down_bias=experts.down_bias
+        )
+        del grad_y, gate_up
+        d_da = d_db = d_ga = d_gb = dx = dw = None
+        if need_d_a:
+            d_da = expert_sums(
+                dout_b, h, routing, u_weight=row_weight, scale=d_lora.scale, out_dtype=d_a.dtype
+            )
+        if need_d_b:
+            d_db = expert_sums(
+                d_out,
+                ha,
+                routing,
+                u_gather=True,
+                u_weight=row_weight,
+                scale=d_lora.scale,
+                out_dtype=d_b.dtype,
+            )
+        del h, dout_b
+        if need_x or need_gu_a:
+            # dX = dG W_e + s (dG B_e) A_e, with dG B_e (M, r) kept for dA.
+            dx_rows, dg_b = grouped_lora_gemm(
+                d_gate_up,
+                routing,
+                experts.gate_up.transpose(1, 2),
+                None if gu_lora is None else gu_lora.transposed(),
+                gather=False,
+                store_xa=need_gu_a,
+            )  # (M, H)
+            if need_gu_a:
+                d_ga = expert_sums(dg_b, x, routing, v_gather=True, scale=gu_lora.scale, out_dtype=gu_a.dtype)
+            if need_x:
+                dx = combine_rows(dx_rows, routing)  # (T, H)
+            del dx_rows, dg_b
+        if need_gu_b:
+            d_gb = expert_sums(d_gate_up, xa, routing, scale=gu_lora.scale, out_dtype=gu_b.dtype)
+        if need_w:
+            inverse = routing.inverse.long()
+            dw = torch.where(inverse >= 0, dw_rows[inverse.clamp(min=0)], 0.0)
+            dw = dw.view(expert_weights.shape).to(expert_weights.dtype)
+        return dx, dw, d_ga, d_gb, d_da, d_db, None, None
+
+
+def _check_lora(name: str, lora: ExpertLoRA | None, experts: int, out_f: int, in_f: int, x):
+    if lora is None:
+        return
+    if not isinstance(lora, ExpertLoRA):
+        raise TypeError(
+            f"moe_lora_experts: {name} must be an ExpertLoRA(A, B, scale), got {type(lora).__name__}"
+        )
+    check_float_dtype(f"moe_lora_experts: {name}.A", lora.A)
+    check_float_dtype(f"moe_lora_experts: {name}.B", lora.B)
+    a_shape, b_shape = tuple(lora.A.shape), tuple(lora.B.shape)
+    rank = a_shape[1] if len(a_shape) == 3 else -1
+    if len(a_shape) != 3 or a_shape != (experts, rank, in_f) or b_shape != (experts, out_f, rank):
+        raise ValueError(
+            f"moe_lora_experts: {name} has A {a_shape} and B {b_shape}; expected A (E, r, in) = "
+            f"({experts}, r, {in_f}) and B (E, out, r) = ({experts}, {out_f}, r)"
+        )
+    if not 1 <= rank <= MAX_RANK:
+        raise ValueError(f"moe_lora_experts: {name} has rank {rank}; supported: 1 to {MAX_RANK}")
+    if lora.A.device != x.device or lora.B.device != x.device:
+        raise ValueError(f"moe_lora_experts: {name} is not on x's device {x.device}")
+
+
+def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_bias, d_bias, activation):
+    op = "moe_lora_experts"
+    check_float_dtype(f"{op}: x", x)
+    check_not_empty(f"{op}: x", x)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be (tokens, hidden), got shape {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != tokens:
+        raise ValueError(
+            f"{op}: expert_ids must be (tokens, top_k) = ({tokens}, k), got {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype.is_complex or expert_ids.dtype == torch.bool:
+        raise TypeError(f"{op}: expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if expert_weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"{op}: expert_weights has shape {tuple(expert_weights.shape)}, expert_ids {tuple(expert_ids.shape)}; they must match"
+        )
+    check_float_dtype(f"{op}: expert_weights", expert_weights)
+    if w_gu.dim() != 3 or w_d.dim() != 3:
+        raise ValueError(f"{op}: gate_up and down must be 3-D (experts, ., .)")
+    experts, two_i, gu_in = w_gu.shape
+    if gu_in != hidden or two_i % 2 or tuple(w_d.shape) != (experts, hidden, two_i // 2):
+        raise ValueError(
+            f"{op}: with x of {hidden} features, gate_up must be logically (E, 2I, {hidden}) and down "
+            f"(E, {hidden}, I); got {tuple(w_gu.shape)} and {tuple(w_d.shape)} (after weights_in_out)"
+        )
+    for name, w in (("gate_up", w_gu), ("down", w_d)):
+        check_float_dtype(f"{op}: {name}", w)
+        if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{op}: {name} has dtype {w.dtype} but x has {x.dtype}; they must match "
+                f"(or run under torch.autocast)"
+            )
+    for name, bias, n in (("gate_up_bias", gu_bias, two_i), ("down_bias", d_bias, hidden)):
+        if bias is not None and tuple(bias.shape) != (experts, n):
+            raise ValueError(f"{op}: {name} must be ({experts}, {n}), got {tuple(bias.shape)}")
+    if torch.is_grad_enabled():
+        for name, t in (("gate_up", w_gu), ("down", w_d), ("gate_up_bias", gu_bias), ("down_bias", d_bias)):
+            if t is not None and t.requires_grad:
+                raise ValueError(
+                    f"{op}: {name} requires grad, but the base weights are frozen here; detach it"
+                )
+    _check_lora("gate_up_lora", gu_lora, experts, two_i, hidden, x)
+    _check_lora("down_lora", d_lora, experts, hidden, two_i // 2, x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: unknown activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
+    tensors = {
+        "x": x,
+        "expert_ids": expert_ids,
+        "expert_weights": expert_weights,
+        "gate_up": w_gu,
+        "down": w_d,
+    }
+    tensors.update(gate_up_bias=gu_bias, down_bias=d_bias)
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"{op}: tensors must be on one device, got {devices}")
+
+
+def moe_lora_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    weights_in_out: bool = False,
+) -> torch.Tensor:
+    """The experts of an MoE block with per-expert LoRA, differentiable (module docstring).
+
+    Args:
+        x: (T, H) tokens, float32, float16 or bfloat16: the compute dtype (under
+            torch.autocast, autocast's dtype, to which x and the base weights are cast).
+        expert_ids: (T, top_k) integer expert of each assignment; an id outside [0, E)
+            (as the id E that Qwen3-MoE and Mixtral skip) contributes nothing.
+        expert_weights: (T, top_k) routing weights, any float dtype; gets a gradient.
+        gate_up: the fused gate/up weights, (E, 2I, H) (out, in), or (E, H, 2I) with
+            ``weights_in_out``; x's dtype; frozen.
+        down: (E, H, I), or (E, I, H) with ``weights_in_out``; frozen.
+        gate_up_lora, down_lora: ``ExpertLoRA(A (E, r, in), B (E, out, r), scale)``, any
+            strides, r <= 64; get gradients.
+        gate_up_bias, down_bias: frozen (E, 2I) and (E, H) biases (gpt-oss).
+        activation: "swiglu" (silu(gate) * up) or "gpt_oss" (clamped, with ``alpha`` and
+            ``limit``: activation.py).
+        interleaved: gate and up are the even and odd columns of gate_up's output (gpt-oss)
+            rather than its first and second halves.
+        weights_in_out: the weights are stored (in, out) as gpt-oss's, y = x W_e.
+
+    Returns:
+        (T, H) in x's dtype: sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x_t).
+    """
+    w_gu, w_d = _logical_weights(gate_up, down, weights_in_out)
+    _check_inputs(
+        x, expert_ids, expert_weights, w_gu, w_d, gate_up_lora, down_lora, gate_up_bias, down_bias, activation
+    )
+    options = dict(
+        gate_up_lora=gate_up_lora,
+        down_lora=down_lora,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        activation=activation,
+        interleaved=interleaved,
+        alpha=alpha,
+        limit=limit,
+        weights_in_out=weights_in_out,
+    )
+    if not use_triton(x):
+        warn_reference_once("moe_lora_experts", x.device.type)
+        return moe_lora_experts_reference(x, expert_ids, expert_weights, gate_up, down, **options)
+    if torch.is_autocast_enabled(x.device.type):
+        # The compute dtype is autocast's, as for F.linear: x and the base weights are cast
+        # to it (a copy only where they differ); the adapters are read in their own dtype.
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_gu, w_d = x.to(dtype), w_gu.to(dtype), w_d.to(dtype)
+        gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(dtype)
+        down_bias = None if down_bias is None else down_bias.to(dtype)
+    experts = _Experts(
+        w_gu,
+        w_d,
+        gate_up_bias,
+        down_bias,
+        gate_up_lora.scale if gate_up_lora is not None else 0.0,
+        down_lora.scale if down_lora is not None else 0.0,
+        activation,
+        interleaved,
+        float(alpha),
+        float(limit),
+    )
+    routing = route_to_experts(expert_ids, w_gu.shape[0], tile_sizes(x.dtype)["BLOCK_M"])
+    gu_a, gu_b = (gate_up_lora.A, gate_up_lora.B) if gate_up_lora is not None else (None, None)
+    d_a, d_b = (down_lora.A, down_lora.B) if down_lora is not None else (None, None)
+    return _MoELoRAExpertsFunction.apply(x, expert_weights, gu_a, gu_b, d_a, d_b, experts, routing)
