@@ -22,7 +22,9 @@ from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
 from slothkit.distributed import device_map_for_process
 from slothkit.engine.decoder import patch_decoder
+from slothkit.engine.experts import patch_experts
 from slothkit.engine.generic_head import fuse_generic_head
+from slothkit.engine.generic_layers import fuse_generic_layers
 from slothkit.engine.inspection import causal_lm_of
 from slothkit.engine.loading import (
     check_max_seq_length,
@@ -245,19 +247,22 @@ def _warn_unsupported(model_type: str) -> None:
 
 
 @functools.cache
-def _notice_generic_path(model_type: str, head: str) -> None:
+def _notice_generic_path(model_type: str, layers: str, head: str) -> None:
     warnings.warn(
-        f"slothkit has no fused path for model_type {model_type!r}; it trains through its Hugging Face "
-        f"modules with slothkit's offloaded checkpointing and {head}. Fused architectures: "
+        f"slothkit has no fused path for model_type {model_type!r}; it trains through {layers} "
+        f"with slothkit's offloaded checkpointing and {head}. Fused architectures: "
         f"{supported_summary()}.",
         stacklevel=5,
     )
 
 
 def take_generic_path(model, fused: bool | None) -> None:
-    """A causal LM slothkit has no record for keeps its modules; where Triton runs (a CUDA
-    GPU by default, anywhere with fused=True) its head gets the fused linear cross-entropy
-    if its loss is the plain one (slothkit.engine.generic_head). Said once, with what runs.
+    """A causal LM slothkit has no record for keeps its modules, except where Triton runs (a
+    CUDA GPU by default, anywhere with fused=True): there its head gets the fused linear
+    cross-entropy if its loss is the plain one (slothkit.engine.generic_head), its
+    mixture-of-experts layers the fused experts (slothkit.engine.experts), and its layers
+    the fused norms, attention, MLP and residual sums where those compute what its own
+    modules do (slothkit.engine.generic_layers). Said once, with what runs.
 
     Raises:
         ValueError: fused=True and not even the loss can be fused (the reason named).
@@ -271,13 +276,23 @@ def take_generic_path(model, fused: bool | None) -> None:
         _warn_unsupported(model_type)
         return
     reason = fuse_generic_head(causal_lm)
-    if reason is not None and fused:
+    expert_blocks = patch_experts(causal_lm)
+    layers_reason = fuse_generic_layers(causal_lm)
+    if reason is not None and fused and not expert_blocks and layers_reason is not None:
         raise ValueError(
             f"fused=True, but slothkit has no fused path for model_type {model_type!r} and cannot "
-            f"fuse its loss: {reason}; fused architectures: {supported_summary()}"
+            f"fuse its loss: {reason}, nor its layers: {layers_reason}; fused architectures: "
+            f"{supported_summary()}"
         )
     head = "its fused cross-entropy on the head" if reason is None else f"the model's own loss ({reason})"
-    _notice_generic_path(model_type, head)
+    if expert_blocks:
+        head += f", and the experts of its {expert_blocks} mixture-of-experts layers fused"
+    layers = (
+        "slothkit's fused norms, attention and residual sums (checked against its own modules on a random batch)"
+        if layers_reason is None
+        else f"its Hugging Face modules (not the fused layers: {layers_reason})"
+    )
+    _notice_generic_path(model_type, layers, head)
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from slothkit.engine.experts import has_fused_experts, patch_experts
 from slothkit.engine.inspection import causal_lm_of, is_sequence_classifier
 from slothkit.engine.loading import ALL_PROJECTIONS, linear_module_leaves, matching_modules
 from slothkit.load_model import set_max_seq_length
@@ -68,7 +69,10 @@ def add_lora(model, settings: LoraSettings, max_seq_length: int | None = None):
         # PEFT reads transformers' deprecated ``is_gradient_checkpointing``: a
         # FutureWarning between two other libraries that no user of slothkit can act on.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-        return get_peft_model(model, config)
+        peft_model = get_peft_model(model, config)
+    if has_fused_experts(model):  # PEFT wrapped the experts: the wrappers compute fused too
+        patch_experts(model)
+    return peft_model
 
 
 def lora_config(model, settings: LoraSettings):
@@ -165,10 +169,11 @@ def onto_expert_parameters(model, target_modules: list) -> tuple[list, list]:
             if not present.intersection(group):
                 names = [n for n in names if n not in group]
     if parameters:
+        where = "in slothkit's fused experts" if has_fused_experts(model) else "on Hugging Face's modules"
         say_once(
             f"slothkit: this model's experts hold their MLP projections as 3-D parameters "
             f"({', '.join(parameters)}), not linear layers; LoRA adapts each expert there through "
-            f"PEFT's target_parameters, on Hugging Face's modules"
+            f"PEFT's target_parameters, {where}"
         )
     return names, parameters
 

@@ -171,14 +171,20 @@ def prepare(
 
         _apply_liger_kernel_to_instance(model=model)
     if impl in ("hf", "liger"):
+        from slothkit.lora_setup import onto_expert_parameters
+
+        # A mixture-of-experts model's experts: the same 3-D parameters FastModel adapts.
+        targets, expert_parameters = onto_expert_parameters(model, lora_targets(model))
+        extra = {"target_parameters": expert_parameters} if expert_parameters else {}
         model = get_peft_model(
             model,
             LoraConfig(
                 r=rank,
                 lora_alpha=rank,
                 lora_dropout=0.0,
-                target_modules=lora_targets(model),
+                target_modules=targets,
                 task_type="CAUSAL_LM",
+                **extra,
             ),
         )
         if hf_checkpointing == "on":

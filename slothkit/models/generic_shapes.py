@@ -2,6 +2,11 @@
 generic path (the model's own modules with slothkit's offloaded checkpointing and fused
 head) on them, and `slothkit plan` predicts from them with its caveat for that path.
 
+The mixture-of-experts shapes are the released checkpoints' per-layer shapes: the whole
+model where it fits one 80 GB card in 16 bits (gpt-oss-20b), else the same layers with
+fewer of them (the name says how many). Their experts train through slothkit's fused
+experts (slothkit.engine.experts), the rest through the model's own modules.
+
 OLMo 2 stands for the record-less families: its layers normalise the attention's and the
 MLP's outputs and each full q/k projection, which no fused record covers, and its module
 names are Llama's, so HF + PEFT adapts the same seven projections.
@@ -10,8 +15,24 @@ names are Llama's, so HF + PEFT adapts the same seven projections.
 from slothkit.models.shape import Shape
 
 _OLMO2 = {"rope_theta": 500_000.0, "rms_norm_eps": 1e-6}
+# Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised top-k weights.
+_QWEN3_MOE = {
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "head_dim": 128, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+# gpt-oss: experts of width 2880 with biases and the clamped SwiGLU, 4 per token, attention
+# sinks, sliding (128) and full layers alternating; 20b has 32 experts, 120b 128.
+_GPT_OSS = {"num_experts_per_tok": 4, "head_dim": 64, "sliding_window": 128, "rope_theta": 150_000.0}
 
+# One shape a line.
+# fmt: off
 GENERIC_SHAPES: dict[str, Shape] = {
     "olmo-2-7b": Shape("olmo2", 4096, 11008, 32, 32, 32, 100352, 4096, _OLMO2),
     "tiny-olmo2": Shape("olmo2", 64, 192, 2, 4, 4, 512, 2048, _OLMO2),
+    "qwen3-30b-a3b-12l": Shape("qwen3_moe", 2048, 6144, 12, 32, 4, 151936, 40960, _QWEN3_MOE),
+    "gpt-oss-20b": Shape("gpt_oss", 2880, 2880, 24, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 32}),
+    "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),
+    "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "head_dim": 16}),
+    "tiny-gpt-oss": Shape("gpt_oss", 64, 32, 2, 4, 2, 512, 2048, {**_GPT_OSS, "num_local_experts": 8, "head_dim": 16, "sliding_window": 8}),
 }
+# fmt: on

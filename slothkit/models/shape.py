@@ -38,12 +38,18 @@ class Shape:
         )
 
     def matmul_parameters(self) -> int:
-        """Parameters of the projections and LM head: the ones that cost FLOPs per token."""
+        """Parameters of the projections and LM head that cost FLOPs per token: of a
+        mixture-of-experts layer, the router and the experts each token is routed to."""
         head_dim = self.extra.get("head_dim", self.hidden_size // self.num_attention_heads)
         q = self.hidden_size * self.num_attention_heads * head_dim
         kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
         o = self.num_attention_heads * head_dim * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
+        routed = self.extra.get("num_experts_per_tok")
+        if routed:
+            experts = self.extra.get("num_experts") or self.extra.get("num_local_experts")
+            width = self.extra.get("moe_intermediate_size", self.intermediate_size)
+            mlp = routed * 3 * self.hidden_size * width + experts * self.hidden_size
         return self.num_hidden_layers * (q + kv + o + mlp) + self.vocab_size * self.hidden_size
 
 

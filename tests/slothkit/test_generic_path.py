@@ -109,14 +109,18 @@ def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path)
 
 def test_a_model_that_scales_its_logits_keeps_its_own_loss(tmp_path):
     """Granite divides its logits by logits_scaling: the fused loss would be another one, so
-    the check finds it and the model keeps its loss (fused=True: refused, with the reason)."""
+    the check finds it and the model keeps its loss (fused=True, with its residual
+    multiplier also keeping its layers its own: refused, with both reasons)."""
     from transformers import AutoModelForCausalLM
 
-    path = _checkpoint(tmp_path, "granite", logits_scaling=4.0)
+    path = _checkpoint(tmp_path, "granite", logits_scaling=4.0, residual_multiplier=0.5)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert "transforms its logits" in why_head_stays(model)
     assert patched_module(model) is None and model.training is False  # left as it was
-    with pytest.raises(ValueError, match="cannot fuse its loss: its own loss .* transforms its logits"):
+    with pytest.raises(
+        ValueError,
+        match="cannot fuse its loss: its own loss .* transforms its logits, nor its layers: .* differs by",
+    ):
         FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
 
     unscaled = AutoModelForCausalLM.from_pretrained(

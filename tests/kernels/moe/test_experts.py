@@ -132,7 +132,7 @@ def _run(fn, case: Case, problem, dtype, adapter_dtype, seed: int):
     )
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     inputs = [x, weights, *params]
-    grads = torch.autograd.grad(out, inputs, grad.to(out.dtype))
+    grads = torch.autograd.grad(out, inputs, grad.to(out.device, out.dtype))
     return out.detach(), list(grads)
 
 
@@ -438,6 +438,9 @@ def test_matches_transformers_block(family, device):
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
 
         config = transformers.MixtralConfig(intermediate_size=inter, num_local_experts=experts, **common)
+    # Their eager loop, the one that skips the id E; on a GPU transformers would pick its
+    # grouped_mm backend, which does not.
+    config._experts_implementation = "eager"
     block = _fill(Block(config), gen).to(device).eval()
     x = torch.randn(2, 7, hidden, generator=gen).to(device)
 

@@ -1,0 +1,225 @@
+"""Mixture-of-experts layers through slothkit's fused experts, against HF + PEFT.
+
+Tiny random Qwen3-MoE, gpt-oss and Mixtral checkpoints (their real layouts: gate and up
+concatenated or interleaved, weights (out, in) or (in, out), gpt-oss's biases and clamped
+SwiGLU) train 8 steps on the generic path with the experts fused, and give the losses
+and every adapter of HF + PEFT with the same target_parameters, in fp32; the router's
+auxiliary loss included where the config asks for it. What the fused experts do not
+compute runs the module's own forward, said once, with the same numbers.
+"""
+
+import pytest
+import torch
+
+import slothkit.engine.experts as experts_glue
+from slothkit import FastModel
+from slothkit.engine.experts import describe_experts, experts_base, experts_modules
+from slothkit.model_state import patched_module
+from slothkit.testing import build_tiny_tokenizer
+
+STEPS = 8
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
+FAMILIES = {
+    "qwen3_moe": dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, head_dim=16),
+    "gpt_oss": dict(num_local_experts=5, num_experts_per_tok=2, head_dim=16, sliding_window=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
+# What each family's experts module is, as slothkit reads it.
+LAYOUTS = {
+    "qwen3_moe": dict(weights_in_out=False, interleaved=False, biases=False, activation="swiglu"),
+    "gpt_oss": dict(weights_in_out=True, interleaved=True, biases=True, activation="gpt_oss"),
+    "mixtral": dict(weights_in_out=False, interleaved=False, biases=False, activation="swiglu"),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices():
+    from slothkit.load_model import _notice_generic_path, _warn_unsupported
+    from slothkit.notices import say_once
+
+    for notice in (say_once, _notice_generic_path, _warn_unsupported):
+        notice.cache_clear()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many times the fused experts ran."""
+    calls = []
+    fused = experts_glue.moe_lora_experts
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("gate_up_lora") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(experts_glue, "moe_lora_experts", counting)
+    return calls
+
+
+def _checkpoint(tmp_path, model_type: str, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **sizes, **FAMILIES[model_type], **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # gpt-oss's biases start at zero: make them count
+        for name, parameter in model.named_parameters():
+            if name.endswith("_bias"):
+                parameter.normal_(0, 0.1)
+    path = tmp_path / model_type
+    model.save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    return path
+
+
+def _random_b(model, seed: int) -> None:
+    """PEFT starts B at zero; random B makes every expert's update count."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+
+
+def _plain_peft(path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3407)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        task_type="CAUSAL_LM",
+        target_modules=ATTENTION,
+        target_parameters=EXPERT_PARAMETERS,
+    )
+    return get_peft_model(model, config).train()
+
+
+def _fused(path):
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    return FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+
+
+def _train(model, ids, labels):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _assert_same_training(fast, plain):
+    """The first step's gradient of every adapter within fp32 noise of HF + PEFT's (1e-5 of
+    the tensor's largest), then STEPS steps of AdamW: the same losses, and adapters within
+    5e-5 (AdamW divides each gradient by its own running size, so an entry whose gradient
+    is nearly zero, the cancellation noise of a sum taken in another order, still moves
+    by up to lr per step: 1.6e-2 over these steps)."""
+    ids = torch.randint(3, 500, (2, 11), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    for model in (fast, plain):
+        model(input_ids=ids, labels=labels).loss.backward()
+    plain_grads = {name: p.grad for name, p in plain.named_parameters() if p.grad is not None}
+    fast_grads = {name: p.grad for name, p in fast.named_parameters() if p.grad is not None}
+    assert fast_grads.keys() == plain_grads.keys() and any("experts" in name for name in fast_grads)
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(
+            fast_grads[name], grad, rtol=0, atol=1e-5 * grad.abs().max().item(), msg=name
+        )
+    for model in (fast, plain):
+        model.zero_grad(set_to_none=True)
+
+    fast_losses, plain_losses = _train(fast, ids, labels), _train(plain, ids, labels)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(fast_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+    plain_state = plain.state_dict()
+    for name, value in fast.state_dict().items():
+        if "lora_" in name:
+            torch.testing.assert_close(value, plain_state[name], rtol=0, atol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_experts_train_like_hf_peft(family, tmp_path, fused_calls):
+    path = _checkpoint(tmp_path, family)
+    with pytest.warns(UserWarning, match="experts of its 2 mixture-of-experts layers fused"):
+        fast = _fused(path)
+    plain = _plain_peft(path)
+    assert fast.peft_config["default"].target_parameters == plain.peft_config["default"].target_parameters
+    _random_b(fast, seed=5)
+    _random_b(plain, seed=5)
+    fused_calls.clear()  # the loading's checks ran the experts too
+
+    called = experts_modules(fast)
+    assert len(called) == 2 and all(patched_module(m) is not None for m in called)
+    call = describe_experts(called[0])
+    layout = LAYOUTS[family]
+    assert (call.weights_in_out, call.interleaved, call.gate.activation) == (
+        layout["weights_in_out"], layout["interleaved"], layout["activation"]
+    )  # fmt: skip
+    assert (call.gate_up_bias is not None) == layout["biases"] == (call.down_bias is not None)
+    assert call.gate_up_lora is not None and call.down_lora is not None
+
+    _assert_same_training(fast, plain)
+    # Two layers, 1 + STEPS forwards: every one through the fused experts with adapters.
+    assert fused_calls == [True] * 2 * (1 + STEPS)
+
+
+def test_router_auxiliary_loss_is_transformers_own(tmp_path, fused_calls):
+    """The router is left as it is, so its logits feed transformers' load-balancing loss."""
+    path = _checkpoint(tmp_path, "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    fast, plain = _fused(path), _plain_peft(path)
+    _random_b(fast, seed=7)
+    _random_b(plain, seed=7)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(2))
+    fast_out, plain_out = fast(input_ids=ids, labels=ids), plain(input_ids=ids, labels=ids)
+    assert plain_out.aux_loss is not None and plain_out.aux_loss > 0
+    torch.testing.assert_close(fast_out.aux_loss, plain_out.aux_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fast_out.loss, plain_out.loss, rtol=1e-6, atol=0)
+    assert fused_calls
+
+
+def test_what_the_fused_experts_cannot_compute_runs_the_modules_own(tmp_path, fused_calls):
+    """Two active adapters: the outer wrapper's own forward runs (said once), with PEFT's
+    numbers; with the adapters disabled the fused experts run without them."""
+    path = _checkpoint(tmp_path, "mixtral")
+    fast, plain = _fused(path), _plain_peft(path)
+    for model in (fast, plain):
+        torch.manual_seed(11)  # the second adapter's A, alike in both
+        model.add_adapter("second", model.peft_config["default"])
+        _random_b(model, seed=3)
+        model.base_model.set_adapter(["default", "second"])
+    fused_calls.clear()
+    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(3))
+    assert describe_experts(experts_modules(fast)[0]) == "2 adapters are active at once on experts.down_proj"
+    with pytest.warns(UserWarning, match="runs its own experts module: 2 adapters are active"):
+        logits = fast(input_ids=ids).logits
+    assert not fused_calls
+    torch.testing.assert_close(logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+    with fast.disable_adapter(), plain.disable_adapter():
+        torch.testing.assert_close(
+            fast(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-6
+        )
+    assert fused_calls == [False, False]
+
+
+def test_loading_fuses_the_plain_experts_and_leaves_them_reachable(tmp_path):
+    """Before LoRA the block calls the experts module itself; its own forward is kept."""
+    path = _checkpoint(tmp_path, "gpt_oss")
+    with pytest.warns(UserWarning, match="mixture-of-experts layers fused"):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    (first, second) = experts_modules(model)
+    assert experts_base(first) == (first, [])
+    record = patched_module(first)
+    assert record is not None and record.original_forward.__func__ is type(first).forward
