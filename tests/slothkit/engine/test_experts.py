@@ -18,6 +18,8 @@ from slothkit.model_state import patched_module
 from slothkit.testing import build_tiny_tokenizer
 
 STEPS = 8
+# FastModel loads onto the GPU where there is one; HF + PEFT and the batches follow it.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]
 FAMILIES = {
@@ -98,7 +100,7 @@ def _plain_peft(path):
         target_modules=ATTENTION,
         target_parameters=EXPERT_PARAMETERS,
     )
-    return get_peft_model(model, config).train()
+    return get_peft_model(model, config).train().to(DEVICE)
 
 
 def _fused(path):
@@ -124,7 +126,7 @@ def _assert_same_training(fast, plain):
     5e-5 (AdamW divides each gradient by its own running size, so an entry whose gradient
     is nearly zero, the cancellation noise of a sum taken in another order, still moves
     by up to lr per step: 1.6e-2 over these steps)."""
-    ids = torch.randint(3, 500, (2, 11), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 500, (2, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     labels = ids.clone()
     labels[0, :3] = -100
     for model in (fast, plain):
@@ -181,7 +183,7 @@ def test_router_auxiliary_loss_is_transformers_own(tmp_path, fused_calls):
     fast, plain = _fused(path), _plain_peft(path)
     _random_b(fast, seed=7)
     _random_b(plain, seed=7)
-    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     fast_out, plain_out = fast(input_ids=ids, labels=ids), plain(input_ids=ids, labels=ids)
     assert plain_out.aux_loss is not None and plain_out.aux_loss > 0
     torch.testing.assert_close(fast_out.aux_loss, plain_out.aux_loss, rtol=1e-6, atol=0)
@@ -200,7 +202,7 @@ def test_what_the_fused_experts_cannot_compute_runs_the_modules_own(tmp_path, fu
         _random_b(model, seed=3)
         model.base_model.set_adapter(["default", "second"])
     fused_calls.clear()
-    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     assert describe_experts(experts_modules(fast)[0]) == "2 adapters are active at once on experts.down_proj"
     with pytest.warns(UserWarning, match="runs its own experts module: 2 adapters are active"):
         logits = fast(input_ids=ids).logits

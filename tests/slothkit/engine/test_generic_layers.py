@@ -14,6 +14,8 @@ SIZES = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, pad_token_id=0,
 )  # fmt: skip
+# FastModel loads onto the GPU where there is one; the others follow it.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -21,7 +23,9 @@ def _model(model_type: str, dtype=torch.float32, **config):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SIZES, **config})).to(dtype)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SIZES, **config})).to(
+        DEVICE, dtype
+    )
 
 
 def _patched(model) -> list:
@@ -76,7 +80,7 @@ def test_fused_generic_layers_train_like_hf_peft(tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "granite"
-    _model("granite", attention_multiplier=0.05, embedding_multiplier=2.0).save_pretrained(path)
+    _model("granite", attention_multiplier=0.05, embedding_multiplier=2.0).cpu().save_pretrained(path)
     build_tiny_tokenizer("bpe", path)
     with pytest.warns(UserWarning, match="slothkit's fused norms, attention and residual sums"):
         model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
@@ -84,9 +88,11 @@ def test_fused_generic_layers_train_like_hf_peft(tmp_path):
     assert patched_module(fast.get_base_model().model.layers[0].mlp) is not None
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(3407)
-    plain = get_peft_model(
-        plain, LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=TARGETS)
-    ).train()
+    plain = (
+        get_peft_model(plain, LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=TARGETS))
+        .train()
+        .to(DEVICE)
+    )
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for (name, p), (_, q) in zip(sorted(fast.named_parameters()), sorted(plain.named_parameters())):
@@ -94,7 +100,7 @@ def test_fused_generic_layers_train_like_hf_peft(tmp_path):
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
                 q.copy_(p)
 
-    ids = torch.randint(3, 500, (2, 13), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 500, (2, 13), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     losses = {}
     for label, model in (("fast", fast), ("plain", plain)):
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
