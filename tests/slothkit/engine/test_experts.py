@@ -225,3 +225,21 @@ def test_loading_fuses_the_plain_experts_and_leaves_them_reachable(tmp_path):
     assert experts_base(first) == (first, [])
     record = patched_module(first)
     assert record is not None and record.original_forward.__func__ is type(first).forward
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_generation_is_hf_peft_s(family, tmp_path, fused_calls):
+    """After for_inference, generate (transformers' loop over the fused experts and, where
+    the check accepted them, the fused layers with their key/value cache) gives HF + PEFT's
+    greedy tokens."""
+    path = _checkpoint(tmp_path, family)
+    fast, plain = _fused(path), _plain_peft(path)
+    _random_b(fast, seed=6)
+    _random_b(plain, seed=6)
+    FastModel.for_inference(fast)
+    plain.eval()
+    fused_calls.clear()
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens = fast.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert tokens.tolist() == plain.generate(input_ids=ids, max_new_tokens=8, do_sample=False).tolist()
+    assert fused_calls.count(True) == 2 * 8  # two layers, a prefill and seven steps
