@@ -91,6 +91,9 @@ def lora_config(model, settings: LoraSettings):
     check_lora_shape(model, target_modules, r, settings.lora_alpha, target_parameters)
     if settings.bias not in BIASES:
         raise ValueError(f"bias={settings.bias!r}; accepted: 'none', 'all', 'lora_only'")
+    asked = settings.extra.get("target_parameters")
+    if asked:
+        _check_target_parameters(model, asked)
     if target_parameters:
         _check_expert_settings(settings)
         settings = dataclasses.replace(
@@ -150,6 +153,7 @@ def onto_fused_projections(model, target_modules: list) -> list:
 # of their "experts" module, not as linear layers: the MLP names a notebook asks for ->
 # those parameters, which PEFT adapts through target_parameters.
 EXPERT_PARAMETERS = {("gate_proj", "up_proj"): "experts.gate_up_proj", ("down_proj",): "experts.down_proj"}
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def expert_parameters(model, suffix: str) -> list[torch.nn.Parameter]:
@@ -176,6 +180,25 @@ def onto_expert_parameters(model, target_modules: list) -> tuple[list, list]:
             f"PEFT's target_parameters, {where}"
         )
     return names, parameters
+
+
+def _check_target_parameters(model, names) -> None:
+    """Refuse a target_parameters name that matches no parameter (PEFT only warns, and the
+    run then trains without those adapters)."""
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [
+        name
+        for name in names
+        if not any(full == name or full.endswith("." + name) for full, _ in model.named_parameters())
+    ]
+    if unknown:
+        three_d = sorted(
+            {".".join(full.split(".")[-2:]) for full, p in model.named_parameters() if p.dim() == 3}
+        )
+        raise ValueError(
+            f"target_parameters: {unknown} match no parameter of this model; its 3-D parameters end in "
+            f"{three_d or 'nothing (it has none)'}"
+        )
 
 
 def _check_expert_settings(settings: LoraSettings) -> None:
@@ -223,6 +246,16 @@ def check_lora_shape(model, target_modules, r: int, lora_alpha, target_parameter
 
 def _check_targets_exist(model, target_modules: list) -> None:
     unknown = [name for name in target_modules if not matching_modules(model, [name])]
+    for group, parameter in EXPERT_PARAMETERS.items():
+        named = [name for name in group if name in unknown]
+        if named and expert_parameters(model, parameter):
+            missing = [name for name in group if name not in target_modules]
+            raise ValueError(
+                f"target_modules: {named} name no linear layer of this model: its experts hold "
+                f"{' and '.join(group)} as one 3-D parameter each, {parameter}, which LoRA adapts "
+                f"when every name of the group is given; add {missing} (the MLP names "
+                f"{list(MLP_NAMES)} adapt every expert's whole MLP)"
+            )
     if unknown == list(target_modules):
         raise ValueError(
             f"target_modules={target_modules} match no layer of this model; its linear "

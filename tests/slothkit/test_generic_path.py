@@ -224,6 +224,26 @@ def test_moe_experts_take_the_mlp_names_through_target_parameters(source, tmp_pa
         FastModel.get_peft_model(model, r=8, lora_alpha=16, lora_dropout=0.05)
 
 
+def test_moe_targets_name_what_is_wrong(tmp_path):
+    """On a mixture-of-experts model, gate_proj without up_proj is refused by naming the
+    experts' fused parameter and the missing name (not by listing the attention layers as
+    if the MLP could not be adapted); a misspelt target_parameters name is refused rather
+    than left to PEFT's warning and a run without those adapters."""
+    path = _checkpoint(tmp_path, "qwen3_moe", **EXPERTS["qwen3_moe"])
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.raises(
+        ValueError,
+        match=r"hold gate_proj and up_proj as one 3-D parameter each, experts.gate_up_proj.*add \['up_proj'\]",
+    ):
+        FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "gate_proj"])
+    with pytest.raises(ValueError, match=r"\['experts.gate_up_prj'\] match no parameter.*experts.down_proj"):
+        FastModel.get_peft_model(
+            model, r=8, target_modules=["q_proj"], target_parameters=["experts.gate_up_prj"]
+        )
+    fast = FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "gate_proj", "up_proj"])
+    assert set(fast.peft_config["default"].target_parameters) == {"experts.gate_up_proj"}
+
+
 def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     """None (FastModel's default) gives SDPA where the model's class runs it and eager
     attention, said once, where it does not (Gemma 2, VaultGemma: soft-capped scores); an
