@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slothkit.arguments import positive_int
+from slothkit.arguments import positive_float, positive_int
 from slothkit.bench.train import check_implementations, environment, run_worker, write_record
 
 
@@ -106,7 +106,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--mode", choices=["lora", "qlora"], default="qlora")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--memory-gib", type=float, default=24.0, help="GPU memory cap (24 or 80)")
+    parser.add_argument("--memory-gib", type=positive_float, default=24.0, help="GPU memory cap (24 or 80)")
     parser.add_argument("--min-seq", type=positive_int, default=4096)
     parser.add_argument("--max-seq", type=positive_int, default=131072)
     parser.add_argument(

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from slothkit.arguments import positive_int
+from slothkit.arguments import positive_float, positive_int
 from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.models import SHAPES, shape_by_name
@@ -166,6 +166,6 @@ def add_arguments(parser) -> None:
         default="slothkit,hf,unsloth,slothkit-merged",
         help="comma-separated: slothkit, hf, unsloth, slothkit-merged (the adapters merged into the weights)",
     )
-    parser.add_argument("--memory-gib", type=float, default=None, help="cap GPU memory per process")
+    parser.add_argument("--memory-gib", type=positive_float, default=None, help="cap GPU memory per process")
     parser.add_argument("--t4", action="store_true", help="a T4 stand-in: fp16 under a 15 GiB cap")
     parser.add_argument("--output", help="write the JSON record here")

@@ -38,6 +38,7 @@ import sys
 
 import torch
 
+from slothkit.arguments import non_negative_int, positive_int
 from slothkit.bench.kernel_cases import OPS, build_cases
 from slothkit.bench.kernel_report import environment, markdown_report, text_table
 from slothkit.bench.kernel_timing import DTYPES, Row, Settings, bench_case, copy_bandwidth
@@ -85,8 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up budget")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench timing budget")
+    parser.add_argument("--warmup-ms", type=non_negative_int, default=25, help="do_bench warm-up budget")
+    parser.add_argument("--rep-ms", type=positive_int, default=100, help="do_bench timing budget")
     parser.add_argument(
         "--cuda-graph",
         action="store_true",

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slothkit.arguments import non_negative_int, positive_int
+from slothkit.arguments import non_negative_int, positive_float, positive_int
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
 from slothkit.bench.model_setup import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS
 from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, with_scaling
@@ -411,7 +411,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--memory-gib",
-        type=float,
+        type=positive_float,
         default=None,
         help="cap GPU memory per process (torch.cuda.set_per_process_memory_fraction)",
     )

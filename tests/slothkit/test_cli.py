@@ -429,3 +429,27 @@ def test_plan_refuses_a_rank_above_the_widths_and_a_budget_above_the_gpu(capsys)
     assert "rank=100000 exceeds 1024" in capsys.readouterr().err
     assert main(["plan", "llama-3-8b", "--gpu", "t4", "--max-memory", "1e9"]) == 2
     assert "exceeds the t4's 15 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "words, message",
+    [
+        (["bench", "context", "--memory-gib", "-5"], "argument --memory-gib: '-5' is not a positive number"),
+        (["bench", "train", "--memory-gib", "0"], "argument --memory-gib: '0' is not a positive number"),
+        (
+            ["bench", "generate", "--memory-gib", "inf"],
+            "argument --memory-gib: 'inf' is not a positive number",
+        ),
+        (
+            ["bench", "kernels", "--warmup-ms", "-1"],
+            "argument --warmup-ms: '-1' is not a non-negative integer",
+        ),
+        (["bench", "kernels", "--rep-ms", "0"], "argument --rep-ms: '0' is not a positive integer"),
+    ],
+)
+def test_bench_budgets_that_mean_nothing_are_refused_where_typed(words, message, capsys):
+    """A negative memory cap ran a CPU training worker for minutes without a word."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(words)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
