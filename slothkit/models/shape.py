@@ -53,6 +53,16 @@ class Shape:
         return self.num_hidden_layers * (q + kv + o + mlp) + self.vocab_size * self.hidden_size
 
 
+def _check_positive(config, name: str, required: bool) -> None:
+    """A size field of a config is a positive integer (None allowed where not required)."""
+    value = getattr(config, name, None)
+    if value is None and not required:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        found = f"no {name}" if value is None else f"{name} {value!r}"
+        raise ValueError(f"the model's config has {found}; expected a positive integer")
+
+
 def shape_from_config(config) -> Shape:
     """A Shape read off a transformers config (for checkpoints the bench does not name).
 
@@ -60,6 +70,15 @@ def shape_from_config(config) -> Shape:
         config: a transformers config, or anything with its attributes (config.json's
             fields as a namespace).
     """
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+    ):
+        _check_positive(config, name, required=True)
+    _check_positive(config, "num_key_value_heads", required=False)
     extra = {}
     head_dim = getattr(config, "head_dim", None)
     if head_dim and head_dim != config.hidden_size // config.num_attention_heads:

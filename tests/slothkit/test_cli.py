@@ -431,6 +431,26 @@ def test_plan_refuses_a_rank_above_the_widths_and_a_budget_above_the_gpu(capsys)
     assert "exceeds the t4's 15 GiB" in capsys.readouterr().err
 
 
+def test_plan_names_a_config_size_that_is_not_positive(tmp_path, capsys):
+    """num_attention_heads 0 said "integer division or modulo by zero"."""
+    import json
+
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 0, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 2048,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path)]) == 2
+    assert (
+        "the model's config has num_attention_heads 0; expected a positive integer" in capsys.readouterr().err
+    )
+    config["num_attention_heads"] = 4
+    del config["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "the model's config has no vocab_size; expected a positive integer" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "words, message",
     [
