@@ -197,7 +197,9 @@ class MemoryBudgetError(ValueError):
     host memory is short, with every layer checkpointed: the host's share offloaded,
     the rest on the GPU)."""
 
-    def __init__(self, minimum_bytes: float, budget_bytes: float, tokens: int, on_gpu: int = 0):
+    def __init__(
+        self, minimum_bytes: float, budget_bytes: float, tokens: int, on_gpu: int = 0, quantized: bool = False
+    ):
         self.minimum_bytes, self.budget_bytes, self.tokens = minimum_bytes, budget_bytes, tokens
         where = (
             f"every layer checkpointed, {on_gpu} of them on the GPU for want of host memory"
@@ -208,8 +210,8 @@ class MemoryBudgetError(ValueError):
         super().__init__(
             f"training at {tokens:,} tokens per step needs at least {minimum_bytes / GIB:.2f} GiB "
             f"(the predicted peak with {where}), more than the budget of {budget_bytes / GIB:.2f} GiB; "
-            f"raise max_memory{host_hint}, or lower the batch size or max_seq_length, or load the "
-            f"model with load_in_4bit=True"
+            f"raise max_memory{host_hint}, or lower the batch size or max_seq_length"
+            + ("" if quantized else ", or load the model with load_in_4bit=True")
         )
 
 
@@ -380,7 +382,7 @@ class TrainingMemory:
 
         peaks = [self.reserved(tokens, kept, on_gpu(kept)) for kept in range(self.layers + 1)]
         if peaks[0] > budget_bytes:
-            raise MemoryBudgetError(peaks[0], budget_bytes, tokens, on_gpu(0))
+            raise MemoryBudgetError(peaks[0], budget_bytes, tokens, on_gpu(0), quantized=self.mode == "qlora")
         kept = max(k for k, peak in enumerate(peaks) if peak <= budget_bytes)
         offloaded = self.layers - kept - on_gpu(kept)
         return RecomputeChoice(

@@ -1,6 +1,7 @@
 """slothkit.memory_model: what a kept layer saves, counted through autograd, and the
 recompute choice as the budget grows."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -177,6 +178,11 @@ def test_a_budget_below_full_offload_names_the_least_it_needs():
         memory.recompute_choice(4096, least - 1)
     assert error.value.minimum_bytes == least and error.value.budget_bytes == least - 1
     assert "budget of" in str(error.value) and "max_memory" in str(error.value)
+    assert "load_in_4bit" not in str(error.value)  # NF4 already: no advice to load it so
+    sixteen_bit = dataclasses.replace(memory, mode="lora")
+    with pytest.raises(MemoryBudgetError) as error:
+        sixteen_bit.recompute_choice(4096, sixteen_bit.reserved(4096, 0) - 1)
+    assert "or load the model with load_in_4bit=True" in str(error.value)
 
 
 def test_graphs_and_kept_sums_cost_reserved_memory_only_while_layers_are_checkpointed():
