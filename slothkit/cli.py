@@ -11,8 +11,24 @@ from slothkit.arguments import positive_int
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.quick:
         from slothkit.demo import run_demo
+        from slothkit.notebook.render import architecture_of, model_data
 
         arch = args.arch or "llama"
+        if args.model is not None:  # --quick trains a tiny model of that model's architecture
+            if args.model not in model_data():
+                print(
+                    f"slothkit demo: unknown model {args.model!r}; valid models: {', '.join(model_data())}",
+                    file=sys.stderr,
+                )
+                return 2
+            arch = architecture_of(args.model).name
+            if args.arch and args.arch != arch:
+                print(
+                    f"slothkit demo: --model {args.model} is a {arch} model, --arch says {args.arch}; "
+                    f"give one of them",
+                    file=sys.stderr,
+                )
+                return 2
         result = run_demo(
             output_dir=args.output_dir, steps=8 if args.steps is None else args.steps, arch=arch
         )
@@ -21,7 +37,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from slothkit.notebook.execute import run_notebook_demo
     from slothkit.notebook.render import architecture_of, model_data
 
-    model = args.model
+    model = args.model or "llama-3-8b"
     if args.arch:  # --arch picks the first model of that architecture
         model = next((name for name in model_data() if architecture_of(name).name == args.arch), None)
         if model is None:  # a record without a notebook model (Gemma 3, Phi-3): --quick runs it
@@ -211,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         "answers a few prompts, trains, answers them again, then writes the LoRA adapter, the "
         "merged 16-bit model and a GGUF file under OUTPUT_DIR/outputs.",
     )
-    demo.add_argument("--model", default="llama-3-8b", help="whose notebook (see `slothkit list`)")
+    demo.add_argument(
+        "--model",
+        default=None,
+        help="whose notebook (see `slothkit list`; default llama-3-8b); with --quick, the "
+        "architecture of the tiny model trained",
+    )
     from slothkit.notebook.execute import DEMO_TEMPLATES
     from slothkit.notebook.render import TEMPLATES
 

@@ -473,3 +473,18 @@ def test_bench_budgets_that_mean_nothing_are_refused_where_typed(words, message,
         main(words)
     assert excinfo.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_quick_demo_trains_the_model_it_is_given(tmp_path, capsys, reference_kernels):
+    """--quick --model trained the tiny Llama whatever the model and exited 0."""
+    assert main(["demo", "--quick", "--model", "qwen3-4b", "--output-dir", str(tmp_path)]) == 2
+    assert "unknown model 'qwen3-4b'; valid models: llama-3-8b" in capsys.readouterr().err
+    assert (
+        main(["demo", "--quick", "--model", "qwen3-8b", "--arch", "gemma", "--output-dir", str(tmp_path)])
+        == 2
+    )
+    assert "--model qwen3-8b is a qwen3 model, --arch says gemma" in capsys.readouterr().err
+    assert main(
+        ["demo", "--quick", "--model", "qwen3-8b", "--steps", "2", "--output-dir", str(tmp_path)]
+    ) in (0, 1)
+    assert "tiny qwen3 on" in capsys.readouterr().out
