@@ -30,6 +30,7 @@ import types
 import torch
 
 from slothkit.engine.inspection import causal_lm_of
+from slothkit.export.adapter_export import check_adapter_weights
 from slothkit.export.save import tokenizer_of
 from slothkit.inference.sampling import eos_ids
 from slothkit.model_state import state_of
@@ -118,6 +119,7 @@ def _adapter_tensors(model, path: pathlib.Path) -> dict:
         raise FileNotFoundError(
             f"{path} holds no LoRA adapter (no adapter_config.json): pass the folder model.save_lora wrote"
         )
+    check_adapter_weights(path)
     saved = json.loads((path / "adapter_config.json").read_text())
     active = _active_adapter(model)
     own = model.peft_config[active]

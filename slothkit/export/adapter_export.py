@@ -61,10 +61,31 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict:
             f"{str(folder)!r} has adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); "
             f"the save that wrote it did not finish, or the weights were moved"
         )
+    check_adapter_weights(folder)
     try:
         return json.loads(config_file.read_text(encoding="utf-8"))
     except ValueError as error:
         raise ValueError(f"{str(config_file)!r} is not valid JSON ({error})") from None
+
+
+def check_adapter_weights(folder: pathlib.Path) -> None:
+    """Refuse an adapter_model.safetensors that safetensors cannot read (cut short by a save
+    that did not finish, or by a copy), naming the file: safetensors' own error ("invalid
+    header length") names none. Reading the header checks that every tensor it lists lies
+    within the file; no tensor is read."""
+    path = folder / ADAPTER_WEIGHTS[0]
+    if not path.is_file():
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+    except Exception as error:  # safetensors' SafetensorError is not importable by a stable name
+        raise ValueError(
+            f"{str(path)!r} is not a complete safetensors file ({error}); the save that wrote it did not "
+            f"finish or the file was cut short in a copy: save the adapter again"
+        ) from None
 
 
 def looks_like_repo_id(name: str) -> bool:

@@ -170,6 +170,12 @@ def test_refusals_are_one_line(llama, tmp_path):
     other.save_lora(tmp_path / "rank4")
     with pytest.raises(ValueError, match="has r=4, this model's r=8"):
         model.load_lora(tmp_path / "rank4")
+    weights = tmp_path / "rank4" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short: safetensors named no file
+    with pytest.raises(
+        ValueError, match="rank4/adapter_model.safetensors' is not a complete safetensors file"
+    ):
+        model.load_lora(tmp_path / "rank4")
 
 
 def test_a_model_without_adapters_generates_and_refuses_a_lora_request(tmp_path):

@@ -134,7 +134,13 @@ def test_export_messages_name_the_flags_and_the_real_problem(adapter_dir, tmp_pa
         export_adapter(folder, "merged_16bit")
     assert "--base-model" in str(error.value) and "huggingface-cli download" not in str(error.value)
 
-    (folder / "adapter_model.safetensors").unlink()
+    weights = folder / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # cut short, as a copy or save that stopped
+    with pytest.raises(ValueError, match="adapter_model.safetensors' is not a complete safetensors file"):
+        export_adapter(folder, "merged_16bit", base_model=str(tmp_path))
+
+    weights.unlink()
     with pytest.raises(FileNotFoundError, match="no adapter weights"):
         export_adapter(folder, "merged_16bit")
 
