@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pathlib
 import warnings
 
-from slothkit.export.adapter_export import looks_like_repo_id
+from slothkit.export.adapter_export import check_adapter_weights, looks_like_repo_id
 from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.load_model import LoadOptions, link_tokenizer, load_model, load_tokenizer, prepare_tokenizer
 from slothkit.loaded_weights import NewHeadWarning
@@ -78,6 +79,7 @@ def load_saved_adapter(
             "with peft.PeftModel.from_pretrained(model, folder)"
         )
     _check_base_is_here(folder, base)
+    check_adapter_weights(pathlib.Path(folder))  # before the base loads: a cut-short file is named
     check_base_fingerprint(
         folder,
         base,

@@ -46,3 +46,17 @@ def test_a_base_named_like_a_hub_id_that_cannot_be_found_is_named_as_the_adapter
     message = str(error.value)
     assert message.startswith(f"the adapter '{adapter}' names its base model 'outputs/base'")
     assert "cannot load model 'outputs/base'" in message and "set base_model_name_or_path in" in message
+
+
+def test_a_cut_short_adapter_file_is_named_before_the_base_loads(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = FastModel.from_pretrained(
+            str(tiny_model_path("llama")), dtype=torch.float32, load_in_4bit=False
+        )
+        model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=False)
+    model.save_pretrained(tmp_path / "adapter")
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    with pytest.raises(ValueError, match="adapter_model.safetensors' is not a complete safetensors file"):
+        FastModel.from_pretrained(str(tmp_path / "adapter"), dtype=torch.float32, load_in_4bit=False)
