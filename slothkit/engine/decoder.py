@@ -350,11 +350,28 @@ def patch_causal_lm(model: nn.Module) -> None:
 # --- the whole model ---------------------------------------------------------------
 
 
+# Where transformers' decoders keep their layers: `.layers` (Llama and most), `.h` (GPT-2,
+# Falcon, Bloom, GPT-J), `.blocks`.
+LAYER_LISTS = ("layers", "h", "blocks")
+
+
 def decoder_layers(model: nn.Module):
-    """The decoder layers of a *ForCausalLM or *ForSequenceClassification model
-    (optionally inside a PeftModel)."""
+    """(the *ForCausalLM or *ForSequenceClassification model, optionally inside a PeftModel,
+    and its decoder layers).
+
+    Raises:
+        ValueError: the model keeps no list of layers where transformers' decoders do.
+    """
     causal_lm = causal_lm_of(model)
-    return causal_lm, causal_lm.model.layers
+    decoder = getattr(causal_lm, "base_model", None) or getattr(causal_lm, "model", None)
+    for name in LAYER_LISTS:
+        layers = getattr(decoder, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return causal_lm, layers
+    raise ValueError(
+        f"slothkit finds no decoder layers in {type(causal_lm).__name__}: it looks for a list of "
+        f"layers at its base model's {', '.join('.' + n for n in LAYER_LISTS)}"
+    )
 
 
 def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:

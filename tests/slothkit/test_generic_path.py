@@ -244,6 +244,30 @@ def test_moe_targets_name_what_is_wrong(tmp_path):
     assert set(fast.peft_config["default"].target_parameters) == {"experts.gate_up_proj"}
 
 
+def test_a_decoder_whose_layers_are_not_at_model_layers_trains(tmp_path):
+    """GPT-2 keeps its blocks at transformer.h: LoRA on its c_attn raised an AttributeError
+    (no `.model`); it trains like HF + PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    path = tmp_path / "gpt2"
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=256)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0  # the same numbers on both sides
+    GPT2LMHeadModel(config).save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    fast, _ = FastModel.from_pretrained(
+        str(path), dtype=torch.float32, load_in_4bit=False, max_seq_length=256
+    )
+    fast = FastModel.get_peft_model(fast, r=4, lora_alpha=8, target_modules=["c_attn"])
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3407)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    plain = get_peft_model(plain, lora).train()
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    _assert_trains_like(fast, plain, ids)
+
+
 def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     """None (FastModel's default) gives SDPA where the model's class runs it and eager
     attention, said once, where it does not (Gemma 2, VaultGemma: soft-capped scores); an
