@@ -98,6 +98,15 @@ def check_target(
         # would replace it with a folder, or fail ("Not a directory").
         target = target.resolve()
     check_folder_path(target, "the save folder")
+    here = pathlib.Path.cwd().resolve()
+    if target.resolve() == here or target.resolve() in here.parents:
+        # The save builds the folder beside it and renames it into place, which would take
+        # the working directory out from under this process (EBUSY, or a deleted cwd).
+        raise OverlappingPathsError(
+            f"{str(target)!r} is {'the folder' if target.resolve() == here else 'a folder that holds the folder'} "
+            f"this process works in ({str(here)!r}); a save replaces its folder whole: save into a "
+            f"subfolder, e.g. {str(target / 'model')!r}"
+        )
     if is_non_empty_directory(target, ignoring) and not overwrite:
         raise DirectoryNotEmptyError(
             f"{str(target)!r} is not empty; pass overwrite=True to replace its contents "

@@ -279,6 +279,24 @@ def test_overwrite_refuses_to_replace_a_folder_with_a_file(make_lora_model, tmp_
     assert _siblings(target) == []
 
 
+def test_the_working_folder_and_those_above_it_are_refused(make_lora_model, tmp_path, monkeypatch):
+    """save_pretrained_merged(".", overwrite=True) failed with EBUSY: a save replaces its
+    folder whole, which would take the working directory out from under the process."""
+    from slothkit.export.atomic import OverlappingPathsError
+
+    model, tokenizer, _ = make_lora_model("llama", seed=17)
+    work = tmp_path / "project" / "run"
+    work.mkdir(parents=True)
+    (work / "notes.md").write_text("mine")
+    monkeypatch.chdir(work)
+    for target in (".", str(work), str(tmp_path / "project")):
+        with pytest.raises(OverlappingPathsError, match="this process works in .* save into a subfolder"):
+            save_pretrained_merged(model, target, tokenizer, save_method="lora", overwrite=True)
+    assert [p.name for p in work.iterdir()] == ["notes.md"]
+    save_pretrained_merged(model, "model", tokenizer, save_method="lora")
+    assert (work / "model" / "adapter_config.json").is_file()
+
+
 def test_overwrite_keeps_the_users_readme_and_writes_the_card_beside_it(make_lora_model, tmp_path):
     """A README.md slothkit did not write stays (PEFT keeps it too); the card goes to
     README.slothkit.md, said once, and is replaced by the next save. An earlier slothkit
