@@ -195,19 +195,31 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
     context = getattr(causal_lm.config, "max_position_embeddings", None) or 4096
     positions = (torch.arange(CHECK_TOKENS) * (context // CHECK_TOKENS)).unsqueeze(0).to(device)
     x = torch.randn(1, CHECK_TOKENS, hidden, generator=generator).to(device)
+    random_weights = {}  # one random weight per projection shape, shared by the layers
+
+    def random_linear(own: nn.Module) -> nn.Linear:
+        key = (own.in_features, own.out_features, own.bias is not None)
+        if key not in random_weights:
+            weight = (
+                torch.randn(own.out_features, own.in_features, generator=generator) / own.in_features**0.5
+            )
+            bias = torch.randn(own.out_features, generator=generator) * 0.1 if key[2] else None
+            random_weights[key] = (weight.to(device), None if bias is None else bias.to(device))
+        linear = nn.Linear(own.in_features, own.out_features, bias=key[2], device="meta")
+        weight, bias = random_weights[key]
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        return linear
+
     worst = 0.0
     for layer in causal_lm.model.layers:
-        attention = copy.deepcopy(layer.self_attn)
-        for name in PROJECTIONS:  # (4-bit or 16-bit) projections -> random float32 ones
-            own = getattr(attention, name)
-            linear = nn.Linear(own.in_features, own.out_features, bias=own.bias is not None, device=device)
-            with torch.no_grad():
-                linear.weight.copy_(
-                    torch.randn(linear.weight.shape, generator=generator) / own.in_features**0.5
-                )
-                if linear.bias is not None:
-                    linear.bias.copy_(torch.randn(linear.bias.shape, generator=generator) * 0.1)
-            setattr(attention, name, linear)
+        # A copy without the projections' weights (the memo stands them in): random float32
+        # ones of the same shapes take their place.
+        projections = {name: getattr(layer.self_attn, name) for name in PROJECTIONS}
+        attention = copy.deepcopy(layer.self_attn, memo={id(m): None for m in projections.values()})
+        for name, own in projections.items():
+            setattr(attention, name, random_linear(own))
         attention.float()  # q/k norms, attention sinks and the like
         with torch.no_grad():
             cos, sin = rotary(x, positions)
