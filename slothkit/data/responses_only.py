@@ -145,12 +145,60 @@ def _template_contexts(tokenizer) -> list[str]:
     return texts
 
 
+def check_marker_order(tokenizer, instruction_part: str, response_part: str) -> None:
+    """Refuse markers the tokenizer's chat template shows to be swapped.
+
+    Both markers of a chat template occur in every sample, so swapped ones mask without a
+    word: every user turn is trained on and no reply.  The tokenizer's own template tells
+    which is which: in its rendering of a system/user/assistant probe, the marker nearest
+    before the user's text must be instruction_part and the one nearest before the
+    assistant's text response_part.  Reading the template's rendering, rather than the data,
+    is what makes this reliable: the roles are known there, while in a sample they are what
+    the markers are supposed to tell.  Only a rendering where both markers occur and both
+    roles are preceded by the other marker is refused; a template that does not show both
+    markers (text formats such as Alpaca on a chat tokenizer) cannot tell, and passes.
+    """
+    if not tokenizer.chat_template:
+        return
+    question, answer = _PROBE[:2]
+    exchange = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    text = None
+    for messages in ([{"role": "system", "content": "Be brief."}] + exchange, exchange):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            break
+        except Exception:  # e.g. a template without a system role
+            continue
+    if text is None or question not in text or answer not in text:
+        return
+    if instruction_part not in text or response_part not in text:
+        return
+
+    def nearest_before(content: str) -> str | None:
+        at = text.index(content)
+        instruction, response = text.rfind(instruction_part, 0, at), text.rfind(response_part, 0, at)
+        if instruction == response == -1:
+            return None
+        return "instruction" if instruction > response else "response"
+
+    if nearest_before(question) == "response" and nearest_before(answer) == "instruction":
+        raise ValueError(
+            f"instruction_part={instruction_part!r} and response_part={response_part!r} look swapped: the "
+            f"tokenizer's chat template opens the user's turn with {response_part!r} and the assistant's "
+            f"with {instruction_part!r}, so the user's turns would be trained on and no reply. Pass "
+            f"instruction_part={response_part!r} and response_part={instruction_part!r} (the text that opens "
+            "a user turn, then the text that opens an assistant turn), or leave both out to read them from "
+            "the chat template."
+        )
+
+
 class ResponseMasker:
     """Which tokens of a batch belong to assistant replies, found through the markers."""
 
     def __init__(self, tokenizer, instruction_part: str, response_part: str, *, force_match: bool = True):
         if instruction_part == response_part:
             raise ValueError(f"instruction_part and response_part are both {instruction_part!r}")
+        check_marker_order(tokenizer, instruction_part, response_part)
         self.tokenizer = tokenizer
         self.instruction_part = instruction_part
         self.response_part = response_part
@@ -371,8 +419,9 @@ def train_on_responses_only(
         The same trainer.
 
     Raises:
-        ValueError: the trainer has no tokenizer and none was passed, or the markers
-            cannot be read from the chat template.
+        ValueError: the trainer has no tokenizer and none was passed, the markers
+            cannot be read from the chat template, or the chat template shows them
+            swapped (check_marker_order).
         NoTrainableTokensError: no sample has a reply token left.
     """
     if tokenizer is None:

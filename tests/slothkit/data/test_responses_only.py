@@ -298,3 +298,32 @@ def test_an_instruction_marker_that_never_occurs_is_reported():
         train_on_responses_only(
             _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer))
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_swapped_markers_are_refused(name, arch):
+    """Both markers occur in every sample, so swapped ones trained on every user turn and on
+    no reply without a word; the chat template tells which marker opens which role."""
+    tokenizer = _tokenizer(arch, name)
+    instruction, response = infer_markers(tokenizer)
+    texts = apply_chat_template([{"messages": c} for c in CONVERSATIONS], tokenizer)["text"]
+    with pytest.raises(ValueError) as error:
+        train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+            instruction_part=response,
+            response_part=instruction,
+        )
+    message = str(error.value)
+    assert f"instruction_part={response!r} and response_part={instruction!r} look swapped" in message
+    assert f"Pass instruction_part={instruction!r} and response_part={response!r}" in message
+
+    # The markers the right way round: replies kept, user turns not.
+    trainer = train_on_responses_only(
+        _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+        instruction_part=instruction,
+        response_part=response,
+    )
+    labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+    kept = tokenizer.decode(labels[labels != -100])
+    assert "Hello!" in kept and "4" in kept and "What is 2+2?" not in kept and "Hi there" not in kept
