@@ -22,6 +22,7 @@ the decoded sequence.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -33,6 +34,7 @@ _PLAIN_RIGHT = ("Hello", " Hello", "1", "\nHello", "(", "Hello!", " 1")
 # Placeholders for probing a template: plain words that no template rewrites.
 _PROBE = ("QUESTIONONE", "ANSWERONE", "QUESTIONTWO", "ANSWERTWO")
 _SAMPLE_CHARS = 800
+_SWAP_CHECK_ROWS = 256  # samples read for the swapped-markers hint (warn_if_swapped)
 
 
 class NoTrainableTokensError(ValueError):
@@ -145,12 +147,63 @@ def _template_contexts(tokenizer) -> list[str]:
     return texts
 
 
+def check_marker_order(tokenizer, instruction_part: str, response_part: str) -> bool:
+    """Refuse markers the tokenizer's chat template shows to be swapped; return whether the
+    template could tell (it shows both markers).
+
+    Both markers of a chat template occur in every sample, so swapped ones mask without a
+    word: every user turn is trained on and no reply.  The tokenizer's own template tells
+    which is which: in its rendering of a system/user/assistant probe, the marker nearest
+    before the user's text must be instruction_part and the one nearest before the
+    assistant's text response_part.  Reading the template's rendering, rather than the data,
+    is what makes this reliable: the roles are known there, while in a sample they are what
+    the markers are supposed to tell.  Only a rendering where both markers occur and both
+    roles are preceded by the other marker is refused; a template that does not show both
+    markers (text formats such as Alpaca on a chat tokenizer) cannot tell, and passes; the
+    data is then checked more weakly (ResponseMasker.warn_if_swapped).
+    """
+    if not tokenizer.chat_template:
+        return False
+    question, answer = _PROBE[:2]
+    exchange = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    text = None
+    for messages in ([{"role": "system", "content": "Be brief."}] + exchange, exchange):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            break
+        except Exception:  # e.g. a template without a system role
+            continue
+    if text is None or question not in text or answer not in text:
+        return False
+    if instruction_part not in text or response_part not in text:
+        return False
+
+    def nearest_before(content: str) -> str | None:
+        at = text.index(content)
+        instruction, response = text.rfind(instruction_part, 0, at), text.rfind(response_part, 0, at)
+        if instruction == response == -1:
+            return None
+        return "instruction" if instruction > response else "response"
+
+    if nearest_before(question) == "response" and nearest_before(answer) == "instruction":
+        raise ValueError(
+            f"instruction_part={instruction_part!r} and response_part={response_part!r} look swapped: the "
+            f"tokenizer's chat template opens the user's turn with {response_part!r} and the assistant's "
+            f"with {instruction_part!r}, so the user's turns would be trained on and no reply. Pass "
+            f"instruction_part={response_part!r} and response_part={instruction_part!r} (the text that opens "
+            "a user turn, then the text that opens an assistant turn), or leave both out to read them from "
+            "the chat template."
+        )
+    return True
+
+
 class ResponseMasker:
     """Which tokens of a batch belong to assistant replies, found through the markers."""
 
     def __init__(self, tokenizer, instruction_part: str, response_part: str, *, force_match: bool = True):
         if instruction_part == response_part:
             raise ValueError(f"instruction_part and response_part are both {instruction_part!r}")
+        self.template_told_order = check_marker_order(tokenizer, instruction_part, response_part)
         self.tokenizer = tokenizer
         self.instruction_part = instruction_part
         self.response_part = response_part
@@ -228,6 +281,39 @@ class ResponseMasker:
             stacklevel=4,
         )
 
+    def ends_after_instruction(self, ids) -> bool | None:
+        """Whether the last marker of the 1-D `ids` is the instruction marker; None when
+        the sequence lacks one of the markers."""
+        ids = torch.as_tensor(ids)
+        instructions = self._matches(ids, self.instruction_variants)
+        responses = self._matches(ids, self.response_variants)
+        if not instructions or not responses:
+            return None
+        return instructions[-1][0] > responses[-1][0]
+
+    def warn_if_swapped(self, where: str, rows) -> None:
+        """Where the chat template cannot tell the markers' order (check_marker_order), the
+        data can hint at it: a training sample ends with a reply, so its last marker is the
+        response marker.  When each sample holding both (of the first _SWAP_CHECK_ROWS) ends
+        after the instruction marker instead, the markers look swapped: say so (a warning, as
+        data can be unusual)."""
+        if self.template_told_order:
+            return
+        rows = list(itertools.islice(rows, _SWAP_CHECK_ROWS))
+        verdicts = [(row, self.ends_after_instruction(row)) for row in rows]
+        verdicts = [(row, verdict) for row, verdict in verdicts if verdict is not None]
+        if not verdicts or not all(verdict for _, verdict in verdicts):
+            return
+        warnings.warn(
+            f"train_on_responses_only: instruction_part={self.instruction_part!r} and "
+            f"response_part={self.response_part!r} look swapped: {len(verdicts)} of the first {len(rows)} "
+            f"samples of {where} hold both, and each ends with a turn opened by {self.instruction_part!r}, "
+            "where a sample ends with a reply; so the prompts would be trained on and the replies not. Pass "
+            "the text that opens a user turn as instruction_part and the text that opens a reply as "
+            f"response_part: {self.describe(verdicts[0][0])}",
+            stacklevel=4,
+        )
+
     def describe(self, ids) -> str:
         """The markers and the decoded sequence, for error messages."""
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -260,6 +346,9 @@ class ResponsesOnlyCollator:
             self.instruction_checked = True
             if not any(self.masker.has_instruction(row) for row in input_ids):
                 self.masker.warn_missing_instruction("the first batch", _unpadded(batch, 0))
+            self.masker.warn_if_swapped(
+                "the first batch", [_unpadded(batch, b) for b in range(len(input_ids))]
+            )
         keep = self.masker.keep_mask(input_ids, batch.get("position_ids"))
         labels = labels.masked_fill(~keep, -100)
         if not (labels != -100).any():
@@ -320,6 +409,7 @@ def _mask_dataset(dataset, masker: ResponseMasker, name: str, num_proc: int | No
         )
     if not any(masker.has_instruction(ids) for ids in dataset["input_ids"]):
         masker.warn_missing_instruction(f"the {name} dataset", dataset[0]["input_ids"])
+    masker.warn_if_swapped(f"the {name} dataset", dataset["input_ids"])
     if empty:
         warnings.warn(
             f"train_on_responses_only: {len(empty)} of {len(counts)} samples of the {name} dataset have no reply "
@@ -371,8 +461,9 @@ def train_on_responses_only(
         The same trainer.
 
     Raises:
-        ValueError: the trainer has no tokenizer and none was passed, or the markers
-            cannot be read from the chat template.
+        ValueError: the trainer has no tokenizer and none was passed, the markers
+            cannot be read from the chat template, or the chat template shows them
+            swapped (check_marker_order).
         NoTrainableTokensError: no sample has a reply token left.
     """
     if tokenizer is None:

@@ -17,7 +17,13 @@ WatchedTransport that
 - keeps the deadline, `stall_timeout_s` after the last byte sent to or received from the Hub.
   The clock runs while the push waits on the network: a request in flight, or the pauses and
   retries after a failed one. It stops after a complete exchange, so local work between
-  requests (hashing large files) never counts.  An Xet transfer (hf_xet's own HTTP client)
+  requests (hashing large files) never counts.  After a request fails, bytes sent no longer
+  restart the clock until the Hub answers again: a stopped Hub whose kernel still completes
+  connects takes a retry's request into its socket buffers, so "sent" proves nothing.
+  Counted, they would let every retry restart the clock, and a deadline longer than
+  `timeout_s` (the defaults: 180 s and 60 s) would never come.  The price: a retry that
+  sends one body for longer than the deadline with no answer in between is cut off
+  (a multipart upload is answered part by part).  An Xet transfer (hf_xet's own HTTP client)
   would pass outside this transport: pushes upload through LFS instead (hub_transfers);
 - raises PushStalled when the deadline is reached: a request in flight runs into it, a request
   would start after it, or a request fails with less than RETRY_PAUSE_MAX_S left (the pause
@@ -98,6 +104,9 @@ class StallClock:
         self._bytes_confirmed = 0
         self._commits_confirmed = 0
         self._commit_unanswered = False
+        # A request failed and the Hub has not answered since: bytes sent do not restart the
+        # clock (module docstring), only bytes received do.
+        self._failed_unanswered = False
 
     def _remaining(self, now: float) -> float:
         if self._waiting_since is None:
@@ -136,9 +145,14 @@ class StallClock:
         return _Exchange(request, remaining)
 
     def moved(self, exchange: _Exchange, sent: int = 0) -> None:
-        """Bytes went out (`sent`) or came in for `exchange`: the clock starts again."""
+        """Bytes went out (`sent`) or came in for `exchange`: the clock starts again, unless
+        they went out after a failed request that the Hub has not answered since."""
         exchange.sent += sent
         with self._lock:
+            if sent and self._failed_unanswered:
+                return  # maybe only into the socket buffers of a Hub that stopped reading
+            if not sent:
+                self._failed_unanswered = False  # the Hub answered
             self._waiting_since = time.monotonic()
 
     def answered(self, exchange: _Exchange, status: int) -> None:
@@ -165,6 +179,7 @@ class StallClock:
         with self._lock:
             self._in_flight -= 1
             self._last = (exchange.request, error)  # the clock keeps running: the push still waits
+            self._failed_unanswered = True
             too_late = self._remaining(time.monotonic()) <= RETRY_PAUSE_MAX_S
         if too_late:
             raise self.stalled(exchange.request, error) from error

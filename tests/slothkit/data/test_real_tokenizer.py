@@ -115,6 +115,29 @@ def test_responses_only_keeps_exactly_the_assistant_replies(tokenizer):
         assert torch.tensor(marked["assistant_masks"]).bool().tolist() == inside
 
 
+def test_swapped_chatml_markers_are_refused_on_smollm2s_own_template(tokenizer):
+    """SmolLM2's own template (untouched) opens user turns with <|im_start|>user and replies
+    with <|im_start|>assistant; the markers swapped trained on every user turn, silently."""
+    from transformers import DataCollatorWithPadding
+
+    def trainer():
+        return types.SimpleNamespace(
+            processing_class=tokenizer,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            train_dataset=None,
+            eval_dataset=None,
+        )
+
+    user, assistant = "<|im_start|>user\n", "<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match=r"instruction_part='<\|im_start\|>assistant\\n' and "
+                       r"response_part='<\|im_start\|>user\\n' look swapped"):  # fmt: skip
+        train_on_responses_only(trainer(), instruction_part=assistant, response_part=user)
+    right = train_on_responses_only(trainer(), instruction_part=user, response_part=assistant)
+    ids, inside = _reply_tokens(tokenizer, CONVERSATIONS[0])
+    kept = (right.data_collator([{"input_ids": ids}])["labels"][0] != -100).tolist()
+    assert kept == inside
+
+
 def test_the_eos_token_sentinel_keeps_each_real_tokenizers_own_eos(smollm2_path, gemma3_path):
     """Unsloth's notebooks pass (template, "eos_token") to mean the tokenizer's own EOS: the
     template renders that EOS, and no token is added (so no model is needed)."""

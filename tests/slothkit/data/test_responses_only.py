@@ -298,3 +298,75 @@ def test_an_instruction_marker_that_never_occurs_is_reported():
         train_on_responses_only(
             _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer))
         )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_swapped_markers_are_refused(name, arch):
+    """Both markers occur in every sample, so swapped ones trained on every user turn and on
+    no reply without a word; the chat template tells which marker opens which role."""
+    tokenizer = _tokenizer(arch, name)
+    instruction, response = infer_markers(tokenizer)
+    texts = apply_chat_template([{"messages": c} for c in CONVERSATIONS], tokenizer)["text"]
+    with pytest.raises(ValueError) as error:
+        train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+            instruction_part=response,
+            response_part=instruction,
+        )
+    message = str(error.value)
+    assert f"instruction_part={response!r} and response_part={instruction!r} look swapped" in message
+    assert f"Pass instruction_part={instruction!r} and response_part={response!r}" in message
+
+    # The markers the right way round: replies kept, user turns not.
+    trainer = train_on_responses_only(
+        _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+        instruction_part=instruction,
+        response_part=response,
+    )
+    labels = trainer.data_collator([trainer.train_dataset[0]])["labels"][0]
+    kept = tokenizer.decode(labels[labels != -100])
+    assert "Hello!" in kept and "4" in kept and "What is 2+2?" not in kept and "Hi there" not in kept
+
+
+def test_swapped_markers_without_a_template_to_tell_are_reported_from_the_data():
+    """Alpaca text on a tokenizer without a chat template: nothing names the roles but the
+    data, where each sample ends with its reply; swapped markers trained on the prompts."""
+    import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_path("mistral")))
+    tokenizer.chat_template = None
+    records = datasets.Dataset.from_list(
+        [
+            {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Name a colour.", "input": "", "output": "Blue."},
+        ]
+    )
+    texts = format_alpaca(records, tokenizer)["text"]
+    instruction, response = "### Instruction:\n", "### Response:\n"
+    with pytest.warns(UserWarning, match=r"instruction_part='### Response:\\n' and response_part="
+                      r"'### Instruction:\\n' look swapped: 2 of the first 2 samples"):  # fmt: skip
+        swapped = train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+            instruction_part=response,
+            response_part=instruction,
+        )
+    # Why it matters: the instruction is trained on, the reply not.
+    labels = swapped.data_collator([swapped.train_dataset[0]])["labels"][0]
+    kept = tokenizer.decode(labels[labels != -100])
+    assert "Add the numbers." in kept and "5" not in kept
+
+    # A dataset tokenized later is checked on its first batch.
+    untokenized = _trainer_stub(tokenizer, None, _pad_collator(tokenizer))
+    train_on_responses_only(untokenized, instruction_part=response, response_part=instruction)
+    with pytest.warns(UserWarning, match="look swapped: 2 of the first 2 samples of the first batch"):
+        untokenized.data_collator([{"input_ids": tokenizer(t)["input_ids"]} for t in texts])
+
+    # The right way round: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_on_responses_only(
+            _trainer_stub(tokenizer, _tokenized(tokenizer, texts), _pad_collator(tokenizer)),
+            instruction_part=instruction,
+            response_part=response,
+        )

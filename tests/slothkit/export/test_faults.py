@@ -391,6 +391,33 @@ def test_a_hub_killed_mid_upload_ends_in_a_hub_connection_error_within_the_deadl
     assert _tree(tmp_path / "export") == before
 
 
+def test_a_hub_that_takes_each_retry_and_never_answers_gives_up_at_a_deadline_past_the_timeout(
+    local_hub, make_lora_model, tmp_path
+):
+    """A stopped Hub whose kernel still completes connects takes every retry's request into
+    its buffers and never answers.  With the defaults' structure, a deadline longer than the
+    per-request timeout (180 s and 60 s; here 10 s and 1 s, still past huggingface_hub's 8 s
+    pause), each retry's bytes restarted the clock: the deadline never came, and the push
+    ended after every retry of huggingface_hub's and slothkit's (over 80 s here; still
+    retrying after 360 s at the defaults)."""
+    model, tokenizer, _ = make_lora_model("llama", seed=52)
+    save_pretrained_merged(model, tmp_path / "export", tokenizer, save_method="lora")
+    before = _tree(tmp_path / "export")
+    repo = "local-user/taken-never-answered"
+    local_hub.stall_next("PUT", r"/lfs-upload/", seconds=600, times=1000)  # every try of the upload
+    stall_s, timeout_s = 10.0, 1.0
+    message, elapsed = _push_until_it_gives_up(
+        local_hub, tmp_path / "export", repo, timeout_s=timeout_s, stall_timeout_s=stall_s
+    )
+    assert elapsed < stall_s + 1.5
+    assert f"pushing to {repo} gave up: " in message
+    assert f"stall_timeout_s={stall_s:g}" in message or f"for {stall_s:g} s (stall_timeout_s)" in message
+    assert f"last request: PUT {local_hub.endpoint}/lfs-upload/{repo}/" in message
+    assert "No upload had been confirmed. Nothing was committed: the repo is as it was." in message
+    assert set(local_hub.files(repo)) == {".gitattributes"}  # the remote as it was
+    assert _tree(tmp_path / "export") == before
+
+
 def test_an_upload_the_storage_refuses_is_a_hub_connection_error_naming_the_file(
     local_hub, make_lora_model, tmp_path
 ):
