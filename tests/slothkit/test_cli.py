@@ -324,7 +324,10 @@ def test_export_onto_its_own_adapter_is_one_line_and_names_the_flag(tmp_path, ca
     (adapter / "adapter_config.json").write_text(
         '{"base_model_name_or_path": "' + str(tmp_path / "base") + '"}'
     )
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"stand_in": torch.zeros(1)}, adapter / "adapter_model.safetensors")  # a readable file
     assert main(["export", str(adapter), "--to", "merged_16bit", "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--base-model" in err and err.count("\n") == 1

@@ -96,7 +96,10 @@ def test_an_adapter_export_names_a_damaged_base_before_loading(checkpoint, tmp_p
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(checkpoint)}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"stand_in": torch.zeros(1)}, adapter / "adapter_model.safetensors")  # a readable file
     (checkpoint / "config.json").write_text("not json")
     with pytest.raises(ValueError, match=r"config\.json' is not valid JSON"):
         export_adapter(adapter, "merged_16bit", output=tmp_path / "out")
