@@ -43,7 +43,7 @@ from slothkit_kernels.rope import rope
 from slothkit_kernels.utils import use_triton
 
 
-def _bind(module: nn.Module, forward, **record) -> None:
+def bind_forward(module: nn.Module, forward, **record) -> None:
     """Replace ``module``'s forward (on this instance) with ``forward``, keeping its own
     and ``record``'s fields in its PatchedModule record."""
     attach_patched_module(module, PatchedModule(original_forward=module.forward, **record))
@@ -66,7 +66,7 @@ def patch_rms_norm(norm: nn.Module, adds_one: bool) -> None:
     eps = getattr(norm, "variance_epsilon", None)
     if eps is None:
         eps = norm.eps
-    _bind(norm, _rms_norm_forward, eps=float(eps), adds_one=adds_one)
+    bind_forward(norm, _rms_norm_forward, eps=float(eps), adds_one=adds_one)
 
 
 # --- MLP ---------------------------------------------------------------------
@@ -111,7 +111,9 @@ def patch_mlp(mlp: nn.Module, activation: str, output_unread_in_recompute: bool 
     that is the layer's output (Llama, Mistral, Gemma, Qwen), so a checkpoint's re-run may
     skip the down projection; False where something reads it first (Gemma 3's
     post_feedforward_layernorm)."""
-    _bind(mlp, _mlp_forward, activation=activation, output_unread_in_recompute=output_unread_in_recompute)
+    bind_forward(
+        mlp, _mlp_forward, activation=activation, output_unread_in_recompute=output_unread_in_recompute
+    )
 
 
 # --- attention ---------------------------------------------------------------
@@ -263,7 +265,7 @@ def patch_attention(attention: nn.Module, qk_norm: bool = False) -> None:
     by the caller) before RoPE (Qwen3)."""
     # The decoder layer's forward calls attention_values to apply o_proj with the residual
     # sum itself.
-    _bind(
+    bind_forward(
         attention,
         _attention_forward,
         attention_values=types.MethodType(attention_values, attention),
@@ -278,7 +280,7 @@ def patch_decoder_layer(layer: nn.Module, sandwich_norms: bool = False) -> None:
     """Only for layers whose forward is the two residual sums ``decoder_layer_forward``
     computes (Llama, Mistral, Gemma, Qwen; with ``sandwich_norms`` Gemma 3's, a norm on
     each sum's second term), with their submodules patched."""
-    _bind(
+    bind_forward(
         layer,
         decoder_layer_forward,
         checkpoints_in_forward=checkpoints_in_forward(layer),
@@ -344,7 +346,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 def patch_causal_lm(model: nn.Module) -> None:
     if patched_module(model) is None:  # idempotent
-        _bind(model, _causal_lm_forward)
+        bind_forward(model, _causal_lm_forward)
 
 
 # --- the whole model ---------------------------------------------------------------

@@ -20,13 +20,13 @@ module's own forward, said once with the reason.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from slothkit.model_state import PatchedModule, attach_patched_module, patched_module
+from slothkit.engine.decoder import bind_forward
+from slothkit.model_state import patched_module
 from slothkit.models.experts import DEFAULT_GATES, OWN_GATES, ExpertGate
 from slothkit.notices import say_once
 from slothkit_kernels.moe import ExpertLoRA, moe_lora_experts
@@ -207,8 +207,7 @@ def patch_experts(model: nn.Module) -> int:
     blocks = experts_modules(model)
     for module in blocks:
         if patched_module(module) is None:
-            attach_patched_module(module, PatchedModule(original_forward=module.forward))
-            module.forward = types.MethodType(_experts_forward, module)
+            bind_forward(module, _experts_forward)
     return len(blocks)
 
 
