@@ -23,7 +23,7 @@ TEMPLATE_ENVIRONMENT = {
     },
 }
 # Notebook models whose real checkpoints are image-text models (FastModel loads their text
-# model alone, slothkit.text_tower): they run on a tiny image-text stand-in, so that the
+# model alone, slothkit.loading.text_tower): they run on a tiny image-text stand-in, so that the
 # notebook meets what a user's load meets.
 IMAGE_TEXT_MODELS = {"gemma-3-4b"}
 _state = {}

@@ -193,7 +193,7 @@ compare_answers(before, after)
 # ## 10. Save: the LoRA adapter, the merged 16-bit model, GGUF files (each behind its Config flag)
 
 # %%
-from slothkit.distributed import is_main_process
+from slothkit.core.distributed import is_main_process
 from slothkit.notebook.saving import list_files
 
 out = config.output_dir

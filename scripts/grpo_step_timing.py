@@ -92,7 +92,7 @@ def build(impl: str, args, dtype):
     if impl == "slothkit":
         from slothkit import FastModel
         from slothkit.engine.decoder import patch_decoder
-        from slothkit.generation import accept_encoding_in_generate
+        from slothkit.inference.generation import accept_encoding_in_generate
         from slothkit.models import architecture_for
 
         patch_decoder(model, architecture_for(model.config))

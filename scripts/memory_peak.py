@@ -30,7 +30,7 @@ import torch
 
 from slothkit.bench.memory_trace import allocated_peak, pools, reserved_peak
 from slothkit.bench.model_setup import build_model, prepare
-from slothkit.environment import allocator_settings
+from slothkit.core.environment import allocator_settings
 
 
 def main(argv=None) -> int:

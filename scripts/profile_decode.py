@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     from slothkit.bench.generate_worker import prepare
     from slothkit.bench.train import environment
-    from slothkit.model_state import state_of
+    from slothkit.core.model_state import state_of
 
     args.rank, args.seed, args.prompt_len, args.new_tokens = 16, 0, 128, 128
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

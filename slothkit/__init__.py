@@ -2,9 +2,9 @@
 
 Importing slothkit changes nothing in other libraries: every speed-up is applied
 to the model instance it is given. (Loading a model adds one filter to one logger of
-bitsandbytes, dropping a notice about an optional kernel package: slothkit.engine.loading;
+bitsandbytes, dropping a notice about an optional kernel package: slothkit.checkpoint.before_loading;
 loading one for a GPU turns on torch's expandable segments where the user has not set the
-allocator's variable, said once: slothkit.allocator.)
+allocator's variable, said once: slothkit.core.allocator.)
 
 The names older Unsloth notebooks import from their package are here too
 (``is_bfloat16_supported``, ``UnslothTrainer``, ``to_sharegpt``, ``standardize_sharegpt``,
@@ -12,7 +12,7 @@ the dataset-level ``apply_chat_template``, ...; the chat template helpers in
 slothkit.chat_templates, the TRL trainers in slothkit.trl).
 """
 
-__version__ = "0.1.0"
+from slothkit.core.version import __version__
 
 # name -> the module that defines it; imported on first use so that `import slothkit` (and
 # the CLI) stays light.
@@ -25,7 +25,7 @@ _LAZY = {
     "FastGemma2Model": "slothkit.fast_model",
     "FastQwen2Model": "slothkit.fast_model",
     "FastQwen3Model": "slothkit.fast_model",
-    "is_bfloat16_supported": "slothkit.engine.loading",
+    "is_bfloat16_supported": "slothkit.checkpoint.before_loading",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",
     "UnslothTrainingArguments": "slothkit.trl",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slothkit.arguments import positive_int
+from slothkit.core.arguments import positive_int
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -89,7 +89,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from slothkit.environment import describe
+    from slothkit.core.environment import describe
 
     print(describe())
     return 0
@@ -151,7 +151,7 @@ def _cmd_new_notebook(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from slothkit.plan import plan
+    from slothkit.memory.plan import plan
 
     result = plan(
         args.model,
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     notebook.add_argument("--force", action="store_true", help="overwrite an existing notebook")
     notebook.set_defaults(func=_cmd_new_notebook)
 
-    from slothkit.plan import add_arguments as add_plan_arguments
+    from slothkit.memory.plan import add_arguments as add_plan_arguments
 
     plan_parser = sub.add_parser(
         "plan", help="predict GPU memory for training a model and pick settings that fit"
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if kernel_args is not None:
         args.bench_args = kernel_args
-    from slothkit.configuration import debug_tracebacks
+    from slothkit.core.configuration import debug_tracebacks
 
     try:
         debug = args.debug if args.debug is not None else debug_tracebacks()

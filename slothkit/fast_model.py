@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import torch
 
-from slothkit import training_mode
-from slothkit.load_model import LoadOptions, load_model
-from slothkit.lora_setup import LoraSettings, add_lora
-from slothkit.saved_adapter import is_adapter_folder, load_saved_adapter
-from slothkit.training_mode import CheckpointingOptions, ready_for_training
-from slothkit.unsloth_options import check_loading_options, targets_from_layer_flags
+from slothkit.compat.unsloth_options import check_loading_options, targets_from_layer_flags
+from slothkit.loading import training_mode
+from slothkit.loading.load_model import LoadOptions, load_model
+from slothkit.loading.lora_setup import LoraSettings, add_lora
+from slothkit.loading.saved_adapter import is_adapter_folder, load_saved_adapter
+from slothkit.loading.training_mode import CheckpointingOptions, ready_for_training
 
 
 class FastModel:
     """Namespace for the loading and LoRA entry points (mirrors Unsloth's API): each
     gathers its keywords into the options of one concern and hands them on
-    (slothkit.load_model, slothkit.lora_setup, slothkit.training_mode,
-    slothkit.unsloth_options)."""
+    (slothkit.loading.load_model, slothkit.loading.lora_setup, slothkit.loading.training_mode,
+    slothkit.compat.unsloth_options)."""
 
     @staticmethod
     def from_pretrained(
@@ -66,7 +66,7 @@ class FastModel:
                 quantised loads as it is, whatever this says.
             device_map: passed to transformers; None (default) puts the whole model on
                 the current GPU (under torchrun or accelerate launch, the GPU of this
-                process's LOCAL_RANK, made current: slothkit.distributed), or leaves it
+                process's LOCAL_RANK, made current: slothkit.core.distributed), or leaves it
                 on the CPU when there is none.
             token: a Hugging Face token, for gated or private Hub models (default
                 None).
@@ -88,7 +88,7 @@ class FastModel:
                 adapters (get_peft_model).
             fast_inference: accepted (said once): the models slothkit returns always
                 have vLLM's ``fast_generate`` (and ``save_lora`` / ``load_lora`` after
-                get_peft_model: slothkit.vllm_generate), without a vLLM engine; the vLLM
+                get_peft_model: slothkit.inference.vllm_generate), without a vLLM engine; the vLLM
                 options that come with it (gpu_memory_utilization, max_lora_rank) are
                 unused.
             num_labels: None (default): a causal LM.  A positive integer: the checkpoint's
@@ -108,7 +108,7 @@ class FastModel:
         A folder holding a saved LoRA adapter (adapter_config.json, no config.json) loads
         the base model its adapter_config.json names, with these settings, and the adapter
         onto it, trainable: a ``peft.PeftModel`` as ``get_peft_model`` returns, with the
-        folder's tokenizer when it holds one (slothkit.saved_adapter).
+        folder's tokenizer when it holds one (slothkit.loading.saved_adapter).
 
         Returns:
             ``(model, tokenizer)``: the transformers model and its tokenizer, which pads
@@ -117,7 +117,7 @@ class FastModel:
         Raises:
             FileNotFoundError: no such checkpoint, or it has no usable tokenizer.
             ValueError: ``max_seq_length``, ``dtype`` or ``num_labels`` is not accepted;
-                the checkpoint lacks tensors or holds NaN or Inf (slothkit.loaded_weights);
+                the checkpoint lacks tensors or holds NaN or Inf (slothkit.checkpoint.loaded_weights);
                 a saved adapter's base holds other weights than it was trained on.
             ImportError: ``load_in_4bit`` without bitsandbytes installed.
         """
@@ -209,7 +209,7 @@ class FastModel:
                 finetune_attention_modules and finetune_mlp_modules (False: those
                 projections get no adapter), finetune_language_layers and
                 finetune_vision_layers (slothkit loads text models: language layers
-                only; slothkit.unsloth_options).
+                only; slothkit.compat.unsloth_options).
 
         Returns:
             The ``peft.PeftModel``, in training mode.
@@ -217,7 +217,7 @@ class FastModel:
         Raises:
             ValueError: an argument is not accepted (the message says what is), or a
                 SLOTHKIT_* variable is set to a value it does not accept.
-            slothkit.memory_model.MemoryBudgetError: with "auto" and batch_size, the
+            slothkit.memory.memory_model.MemoryBudgetError: with "auto" and batch_size, the
                 step does not fit the budget even with every layer offloaded (the
                 message gives the least it needs).
         """

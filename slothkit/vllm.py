@@ -3,11 +3,11 @@
     from vllm import SamplingParams                 ->  from slothkit.vllm import SamplingParams
     from vllm.lora.request import LoRARequest       ->  from slothkit.vllm import LoRARequest
 
-slothkit decodes without vLLM (slothkit.vllm_generate); what each setting means:
-slothkit.sampling_params.
+slothkit decodes without vLLM (slothkit.inference.vllm_generate); what each setting means:
+slothkit.compat.sampling_params.
 """
 
-from slothkit.sampling_params import SamplingParams
-from slothkit.vllm_generate import CompletionOutput, LoRARequest, RequestOutput
+from slothkit.compat.sampling_params import SamplingParams
+from slothkit.inference.vllm_generate import CompletionOutput, LoRARequest, RequestOutput
 
 __all__ = ["CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams"]

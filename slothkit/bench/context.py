@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slothkit.arguments import positive_float, positive_int
 from slothkit.bench.train import check_implementations, environment, run_worker, write_record
+from slothkit.core.arguments import positive_float, positive_int
 
 
 def longest_sequence(impl: str, args, probe=run_worker) -> dict:

@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 
-from slothkit.arguments import positive_float, positive_int
 from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
+from slothkit.core.arguments import positive_float, positive_int
 from slothkit.models import SHAPES, shape_by_name
 
 IMPLEMENTATIONS = ("slothkit", "hf", "unsloth", "slothkit-merged")

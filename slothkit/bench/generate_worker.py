@@ -23,12 +23,12 @@ import traceback
 
 import torch
 
-from slothkit.allocator import prefer_expandable_segments
 from slothkit.bench.decode_limit import copy_gb_per_s, decode_limit
 from slothkit.bench.model_setup import build_model, load_with_unsloth, lora_targets, take_fast_model_path
 from slothkit.bench.train_worker import RESULT_TAG
-from slothkit.environment import allocator_settings
-from slothkit.model_state import state_of
+from slothkit.core.allocator import prefer_expandable_segments
+from slothkit.core.environment import allocator_settings
+from slothkit.core.model_state import state_of
 
 # Tokens of each row compared between implementations (the first 32).
 COMPARED_TOKENS = 32
@@ -79,7 +79,7 @@ def prepare(impl: str, args, dtype, device):
         return model
     if impl in ("slothkit", "slothkit-merged"):
         from slothkit import FastModel
-        from slothkit.generation import accept_encoding_in_generate
+        from slothkit.inference.generation import accept_encoding_in_generate
 
         take_fast_model_path(model)
         accept_encoding_in_generate(model)

@@ -38,10 +38,10 @@ import sys
 
 import torch
 
-from slothkit.arguments import non_negative_int, positive_int
 from slothkit.bench.kernel_cases import OPS, build_cases
 from slothkit.bench.kernel_report import environment, markdown_report, text_table
 from slothkit.bench.kernel_timing import DTYPES, Row, Settings, bench_case, copy_bandwidth
+from slothkit.core.arguments import non_negative_int, positive_int
 
 
 def _list_arg(values: list[str], allowed, what: str, parser) -> list[str]:

@@ -26,7 +26,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from slothkit.load_model import attention_for
+    from slothkit.loading.load_model import attention_for
     from slothkit.models import record_for, shape_by_name
 
     config = shape_by_name(shape_name).config()
@@ -73,7 +73,7 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
 
 
 def _is_projection(name: str, module) -> bool:
-    from slothkit.lora_setup import FUSED_PROJECTIONS
+    from slothkit.loading.lora_setup import FUSED_PROJECTIONS
 
     leaf = name.rsplit(".", 1)[-1]
     return leaf in (*LORA_TARGETS, *FUSED_PROJECTIONS.values()) and isinstance(module, torch.nn.Linear)
@@ -81,9 +81,9 @@ def _is_projection(name: str, module) -> bool:
 
 def lora_targets(model) -> list[str]:
     """LORA_TARGETS as ``model`` names its layers: a fused layer in place of the group it
-    computes (Phi-3's qkv_proj, gate_up_proj: slothkit.lora_setup.FUSED_PROJECTIONS), the
+    computes (Phi-3's qkv_proj, gate_up_proj: slothkit.loading.lora_setup.FUSED_PROJECTIONS), the
     layers FastModel adapts for the seven names, so that HF + PEFT adapts the same ones."""
-    from slothkit.lora_setup import FUSED_PROJECTIONS
+    from slothkit.loading.lora_setup import FUSED_PROJECTIONS
 
     leaves = {
         name.rsplit(".", 1)[-1]
@@ -171,7 +171,7 @@ def prepare(
 
         _apply_liger_kernel_to_instance(model=model)
     if impl in ("hf", "liger"):
-        from slothkit.lora_setup import onto_expert_parameters
+        from slothkit.loading.lora_setup import onto_expert_parameters
 
         # A mixture-of-experts model's experts: the same 3-D parameters FastModel adapts.
         targets, expert_parameters = onto_expert_parameters(model, lora_targets(model))
@@ -218,7 +218,7 @@ def take_fast_model_path(model) -> None:
     has a fused record for the family, else the generic path (its own modules, the fused
     cross-entropy on its head where that passes its self-check)."""
     from slothkit.engine.decoder import patch_decoder
-    from slothkit.load_model import take_generic_path
+    from slothkit.loading.load_model import take_generic_path
     from slothkit.models import architecture_for
 
     arch = architecture_for(model.config)

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from slothkit.distributed import Launch, launch
+from slothkit.core.distributed import Launch, launch
 
 # Per-process memory figures: the gathered result keeps the largest; bench train
 # carries them from a worker's result into its row.
@@ -118,7 +118,7 @@ def start_process_group() -> Launch:
     group started (NCCL on GPUs, gloo on the CPU); ``Launch()`` when not launched.
 
     Returns:
-        The ``Launch`` (slothkit.distributed).
+        The ``Launch`` (slothkit.core.distributed).
     """
     where = launch()
     if not where.distributed:
@@ -134,7 +134,7 @@ def start_process_group() -> Launch:
 
 def wrap(model, where: Launch):
     """The model in DistributedDataParallel as the Trainer builds it for slothkit
-    (slothkit.distributed.ddp_defaults): no search for unused parameters, no buffer
+    (slothkit.core.distributed.ddp_defaults): no search for unused parameters, no buffer
     broadcast; the model itself when not launched.
 
     Args:

@@ -135,7 +135,7 @@ def render_summary(records: list[dict]) -> str:
 
 
 def _t4_cells(record: dict, row: dict) -> list[str]:
-    from slothkit.plan import plan
+    from slothkit.memory.plan import plan
 
     predicted = plan(
         record["model"],

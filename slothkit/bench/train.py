@@ -20,12 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slothkit.arguments import non_negative_int, positive_float, positive_int
 from slothkit.bench.best import candidate_summary, fastest_that_fits, settings_for
 from slothkit.bench.model_setup import CHECKPOINTING, CUDA_GRAPHS, KEEP_SUMS
 from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, with_scaling
 from slothkit.bench.train_worker import RESULT_TAG
-from slothkit.configuration import environment_defaults
+from slothkit.core.arguments import non_negative_int, positive_float, positive_int
+from slothkit.core.configuration import environment_defaults
 from slothkit.models import SHAPES, shape_by_name
 
 IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
@@ -150,7 +150,7 @@ def flops_per_token(shape_name: str, seq: int, recomputed: float = 1.0) -> float
 
 
 def environment() -> dict:
-    from slothkit.environment import accelerator, host, package_versions
+    from slothkit.core.environment import accelerator, host, package_versions
 
     return {
         "accelerator": accelerator(),
@@ -479,7 +479,7 @@ def add_arguments(parser) -> None:
 
 def apply_environment_defaults(args) -> None:
     """--cuda-graphs and --keep-sums left at auto take the default a SLOTHKIT_* variable
-    sets (slothkit.configuration), so that the record and the workers' arguments say
+    sets (slothkit.core.configuration), so that the record and the workers' arguments say
     what ran."""
     defaults = environment_defaults()
     words = {value: word for word, value in CUDA_GRAPHS.items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slothkit.model_state import state_of
+from slothkit.core.model_state import state_of
 
 
 def layer_graphs_of(model):

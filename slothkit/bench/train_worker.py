@@ -32,7 +32,6 @@ import traceback
 
 import torch
 
-from slothkit.allocator import prefer_expandable_segments
 from slothkit.bench.model_setup import (
     CHECKPOINTING,
     CUDA_GRAPHS,
@@ -49,9 +48,10 @@ from slothkit.bench.train_measures import (
     reset_peak_host,
     slothkit_settings,
 )
-from slothkit.distributed import launch
-from slothkit.environment import allocator_settings
-from slothkit.memory_model import MemoryBudgetError
+from slothkit.core.allocator import prefer_expandable_segments
+from slothkit.core.distributed import launch
+from slothkit.core.environment import allocator_settings
+from slothkit.memory.memory_model import MemoryBudgetError
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 

@@ -38,7 +38,7 @@ def accept_older_chat_template_calls(tokenizer, text_by_default: bool = False):
         tokenizer: changed in place; calling this again keeps its one wrapper.
         text_by_default: a call that asks for no tokens (no tokenize, return_tensors or
             return_dict) returns the text, as an image-text checkpoint's processor does
-            (slothkit.text_tower); once set, it stays set.
+            (slothkit.loading.text_tower); once set, it stays set.
 
     Returns:
         The same tokenizer (unchanged when it has no ``apply_chat_template``).

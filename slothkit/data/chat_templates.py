@@ -31,6 +31,7 @@ import dataclasses
 import warnings
 import weakref
 
+from slothkit.core.inspection import causal_lm_of
 from slothkit.data.chat_formats import (
     DEFAULT_MAPPING,
     FORMATS,
@@ -43,7 +44,6 @@ from slothkit.data.chat_formats import (
 )
 from slothkit.data.marker_tokens import plan_custom_turn_end, plan_marker_tokens, say_what_was_mapped
 from slothkit.data.template_text import replace_written_text
-from slothkit.engine.inspection import causal_lm_of
 
 # Conversations on which a tokenizer's own template is compared with slothkit's formats.
 _PROBES = (

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from slothkit.core.notices import say_once
 from slothkit.data.chat_formats import ChatFormat
-from slothkit.notices import say_once
 
 
 @dataclasses.dataclass(frozen=True)

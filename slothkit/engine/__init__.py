@@ -12,7 +12,7 @@
   a layer's re-run see of it).
 - checkpointing: which checkpointer the decoder layers get (enable_checkpointing).
 - recompute_policy: use_gradient_checkpointing="auto", which layers keep their activations
-  under a memory budget (slothkit.memory_model's arithmetic).
+  under a memory budget (slothkit.memory.memory_model's arithmetic).
 - layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing
   (layer_graph_calls: a layer call as a graph sees it; layer_graph_buffers: the static
   buffers the graphs read and write).

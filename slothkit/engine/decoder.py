@@ -5,7 +5,7 @@ Only the given model's modules get new ``forward`` methods (bound with
 ``types.MethodType``); transformers' classes are never touched, so a plain and a
 fused model can live in one process and importing slothkit changes nothing.
 The original forward of each patched module is kept in its ``PatchedModule`` record
-(slothkit.model_state) and is what runs whenever the fused path cannot (an unsupported LoRA setting, a trainable lm_head, evaluation with
+(slothkit.core.model_state) and is what runs whenever the fused path cannot (an unsupported LoRA setting, a trainable lm_head, evaluation with
 logits requested).
 """
 
@@ -19,12 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
-from slothkit.engine.inspection import attention_window, causal_lm_of
-from slothkit.engine.lora_projection import projections_or_none, row_projections_or_none
-from slothkit.engine.recomputation import recomputing
-from slothkit.engine.sizes import mlp_token_chunk
-from slothkit.model_state import (
+from slothkit.core.inspection import attention_window, causal_lm_of
+from slothkit.core.model_state import (
     PatchedModule,
     attach_patched_module,
     attach_state,
@@ -32,8 +28,12 @@ from slothkit.model_state import (
     patched_module,
     state_of,
 )
+from slothkit.core.notices import say_once
+from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
+from slothkit.engine.lora_projection import projections_or_none, row_projections_or_none
+from slothkit.engine.recomputation import recomputing
+from slothkit.memory.sizes import mlp_token_chunk
 from slothkit.models.architecture import Architecture
-from slothkit.notices import say_once
 from slothkit_kernels.attention import attention as tiled_attention
 from slothkit_kernels.cross_entropy import check_labels_in_range
 from slothkit_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy

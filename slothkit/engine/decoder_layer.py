@@ -49,9 +49,9 @@ import warnings
 import torch
 from torch import nn
 
+from slothkit.core.model_state import patched_module
 from slothkit.engine.lora_projection import projections_or_none
 from slothkit.engine.recomputation import keep, kept, recomputing, unread_sum
-from slothkit.model_state import patched_module
 from slothkit_kernels.lora import lora_o_residual
 
 ATTENTION_SUM = "attention_sum"  # the name h is kept under

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slothkit.core.model_state import patched_module
+from slothkit.core.notices import say_once
 from slothkit.engine.decoder import bind_forward
-from slothkit.model_state import patched_module
 from slothkit.models.experts import DEFAULT_GATES, OWN_GATES, ExpertGate
-from slothkit.notices import say_once
 from slothkit_kernels.moe import ExpertLoRA, moe_lora_experts
 
 # The experts' parameters slothkit reads, by their name on transformers' modules.

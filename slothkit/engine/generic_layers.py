@@ -26,8 +26,8 @@ import copy
 import torch
 from torch import nn
 
+from slothkit.core.model_state import detach_patched_module, patched_module
 from slothkit.engine.decoder import patch_attention, patch_decoder_layer, patch_mlp, patch_rms_norm
-from slothkit.model_state import detach_patched_module, patched_module
 from slothkit.models.architecture import generic_path_reason
 
 CHECK_TOKENS = 24  # the random batch the hidden states are compared on: 1 x CHECK_TOKENS

@@ -54,7 +54,7 @@ import torch
 
 from slothkit.engine.layer_graph_buffers import _accumulate, _gradients_watched, _Statics
 from slothkit.engine.layer_graph_calls import _Call, _has_active_dropout, _has_grad_hooks, _is_sharded
-from slothkit.engine.sizes import SHORT_STEP_TOKENS
+from slothkit.memory.sizes import SHORT_STEP_TOKENS
 
 
 class LayerGraphs:

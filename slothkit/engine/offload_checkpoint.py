@@ -35,7 +35,7 @@ import torch
 from slothkit.engine.layer_graphs import LayerGraphs
 from slothkit.engine.offloaded_activation import _OffloadedActivation
 from slothkit.engine.recomputation import _collecting, _output_may_be_read, _recomputation
-from slothkit.engine.sizes import SHORT_STEP_TOKENS, pinned_bytes
+from slothkit.memory.sizes import SHORT_STEP_TOKENS, pinned_bytes
 
 
 class _Checkpoint(torch.autograd.Function):

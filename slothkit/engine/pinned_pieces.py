@@ -7,7 +7,7 @@ the difference: Llama-3-70B's at 98,304 tokens is 1.5 GiB and took a 2 GiB block
 80 offloaded inputs of one step asked for a third more host memory than they hold, and
 the host ran out.  Split into the binary decomposition of its size (1 GiB + 512 MiB),
 each piece is an exact power of two: nothing is rounded but the last piece below
-``slothkit.engine.sizes.MIN_PIECE``, and the inputs of the next step, of the same sizes,
+``slothkit.memory.sizes.MIN_PIECE``, and the inputs of the next step, of the same sizes,
 reuse the same blocks.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.engine.sizes import MIN_PIECE, piece_sizes, pinned_bytes
+from slothkit.memory.sizes import MIN_PIECE, piece_sizes, pinned_bytes
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ class PinnedPieces:
     Args:
         like: the tensor whose shape, dtype and size the copy has (not copied here).
         pin: allocate page-locked memory (a GPU is needed for that).
-        min_piece: ``slothkit.engine.sizes.piece_sizes``'s.
+        min_piece: ``slothkit.memory.sizes.piece_sizes``'s.
     """
 
     def __init__(self, like: torch.Tensor, pin: bool = True, min_piece: int = MIN_PIECE):

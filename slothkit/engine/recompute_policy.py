@@ -10,7 +10,7 @@ first, so the offloaded inputs come back while the kept layers' backward runs, a
 last layers' inputs, the newest ones offloaded, are not copied out just to be copied
 straight back.
 
-How many layers to keep is slothkit.memory_model's arithmetic on the model's shape
+How many layers to keep is slothkit.memory.memory_model's arithmetic on the model's shape
 (``TrainingMemory.recompute_choice``: the most layers with the predicted peak reserved
 memory at or under the budget), the same that `slothkit plan` prints.  It depends on
 the tokens per step: decided when ``get_peft_model`` is given the batch size (with
@@ -38,14 +38,14 @@ import warnings
 import torch
 from torch import nn
 
-from slothkit.memory_model import (
+from slothkit.core.model_state import attach_state, state_of
+from slothkit.memory.memory_model import (
     RecomputeChoice,
     TrainingMemory,
     budget_from_free,
     free_bytes,
     gib_or_bytes,
 )
-from slothkit.model_state import attach_state, state_of
 from slothkit.models.shape import shape_from_config
 
 
@@ -122,7 +122,7 @@ class RecomputePolicy:
             The choice in force.
 
         Raises:
-            slothkit.memory_model.MemoryBudgetError: not even every layer offloaded fits.
+            slothkit.memory.memory_model.MemoryBudgetError: not even every layer offloaded fits.
         """
         if self.choice is not None and tokens <= self.choice.tokens:
             return self.choice
@@ -170,7 +170,7 @@ def training_memory(causal_lm: nn.Module, peft_model: nn.Module, checkpointer) -
         peft_model: the PeftModel.
         checkpointer: the layers' OffloadedCheckpointer.
     """
-    from slothkit.engine.inspection import compute_dtype, is_4bit_model
+    from slothkit.core.inspection import compute_dtype, is_4bit_model
 
     trainable = sum(4 * p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
     config = getattr(peft_model, "peft_config", {}).get("default")
@@ -214,7 +214,7 @@ def enable_recompute_policy(
 
     Raises:
         ValueError: max_memory is not accepted.
-        slothkit.memory_model.MemoryBudgetError: with ``tokens``, not even every layer
+        slothkit.memory.memory_model.MemoryBudgetError: with ``tokens``, not even every layer
             offloaded fits the budget.
     """
     device = next(causal_lm.parameters()).device

@@ -19,7 +19,7 @@ import os
 import pathlib
 import tempfile
 
-from slothkit.engine.loading import check_local_checkpoint
+from slothkit.checkpoint.before_loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
 from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
@@ -193,9 +193,9 @@ def load_adapter_model(adapter_dir: str | os.PathLike, base_model: str | None = 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # Here, not at the top: slothkit.loaded_weights reads slothkit.export.finite, and
+    # Here, not at the top: slothkit.checkpoint.loaded_weights reads slothkit.checkpoint.finite, and
     # importing that runs this package's __init__, which imports this module.
-    from slothkit.loaded_weights import check_loaded_weights
+    from slothkit.checkpoint.loaded_weights import check_loaded_weights
 
     folder = pathlib.Path(adapter_dir).expanduser()
     base_path = resolve_base_model(read_adapter_config(folder), base_model)

@@ -51,10 +51,10 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
+from slothkit.core.folder_paths import check_folder_path
 from slothkit.export.base_fingerprint import FINGERPRINT_FILE
 from slothkit.export.model_card import CARD_MARKER
 from slothkit.export.mount_point import STAGING_PREFIX, is_mount_point, move_staged_entries, staged_leftovers
-from slothkit.folder_paths import check_folder_path
 
 try:
     import fcntl

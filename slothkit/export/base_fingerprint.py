@@ -29,8 +29,8 @@ import pathlib
 
 import torch
 
+from slothkit.checkpoint.finite import listing
 from slothkit.export.checkpoint_files import SafetensorsCheckpoint
-from slothkit.export.finite import listing
 from slothkit.export.merge import base_model_name, local_checkpoint_folder
 
 FINGERPRINT_FILE = "base_fingerprint.json"

@@ -27,7 +27,7 @@ import shutil
 import torch
 from torch import nn
 
-from slothkit.engine.inspection import causal_lm_of, is_4bit_parameter
+from slothkit.core.inspection import causal_lm_of, is_4bit_parameter
 
 # numpy's tofile (which GGUFWriter writes tensors with) reports a short write without an errno.
 _SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")

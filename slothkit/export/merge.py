@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from slothkit.engine.inspection import causal_lm_of, is_4bit_model, is_4bit_parameter, weights_dtype
+from slothkit.core.inspection import causal_lm_of, is_4bit_model, is_4bit_parameter, weights_dtype
 from slothkit.export.checkpoint_files import SafetensorsCheckpoint, is_unquantized_safetensors_checkpoint
 
 MERGE_SOURCES = ("16bit", "dequantized_4bit", "original_checkpoint")

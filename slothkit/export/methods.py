@@ -24,12 +24,12 @@ import types
 
 from torch import nn
 
-from slothkit.engine.inspection import is_4bit_model
+from slothkit.compat.unsloth_options import gguf_method_keyword, gguf_push_arguments
+from slothkit.core.folder_paths import check_folder_path
+from slothkit.core.inspection import is_4bit_model
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.hub import push_to_hub_merged
 from slothkit.export.save import merged_plain_model, resolve_tokenizer, save_pretrained_merged
-from slothkit.folder_paths import check_folder_path
-from slothkit.unsloth_options import gguf_method_keyword, gguf_push_arguments
 
 GGUF_MODULE = "slothkit.export.gguf"
 GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")

@@ -89,7 +89,7 @@ CARD_MARKER = "Saved with [slothkit](https://pypi.org/project/slothkit/)"
 
 
 def render(facts: CardFacts) -> str:
-    from slothkit import __version__
+    from slothkit.core.version import __version__
 
     library = "peft" if facts.save_method == "lora" else "transformers"
     tags = ["slothkit", "lora", "text-generation"]

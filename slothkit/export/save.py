@@ -21,18 +21,18 @@ import tempfile
 import torch
 from torch import nn
 
-from slothkit.engine.inspection import causal_lm_of, is_4bit_model, weights_dtype
-from slothkit.engine.loading import nf4_settings, pick_dtype
+from slothkit.checkpoint.before_loading import nf4_settings, pick_dtype
+from slothkit.checkpoint.finite import finite_tensors
+from slothkit.core.folder_paths import check_folder_path
+from slothkit.core.inspection import causal_lm_of, is_4bit_model, weights_dtype
+from slothkit.core.model_state import state_of
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target, scratch_directory
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.checkpoint_files import write_sharded
 from slothkit.export.disk_space import check_free_space, estimated_save_bytes
-from slothkit.export.finite import finite_tensors
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
-from slothkit.folder_paths import check_folder_path
-from slothkit.model_state import state_of
 
 SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -184,7 +184,7 @@ def write_requantized_checkpoint(
 
 
 def _check_adapter_weights(model: nn.Module) -> None:
-    """Refuse an adapter with NaN or Inf weights (slothkit.export.finite) before PEFT writes it."""
+    """Refuse an adapter with NaN or Inf weights (slothkit.checkpoint.finite) before PEFT writes it."""
     from peft.utils import get_peft_model_state_dict
 
     for _ in finite_tensors(get_peft_model_state_dict(model).items(), "the LoRA adapter"):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.engine.inspection import causal_lm_of
+from slothkit.core.inspection import causal_lm_of
+from slothkit.core.model_state import attach_state, state_of
+from slothkit.core.notices import say_once
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.model_step import longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
-from slothkit.model_state import attach_state, state_of
 from slothkit.models import ARCHITECTURES, architecture_for
-from slothkit.notices import say_once
 
 __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
 
@@ -47,7 +47,7 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
 
 def enable_fast_decode(model, fast: bool | None = None, while_training: bool = False) -> bool:
     """Give the model inside ``model`` a FastDecoder, so that its ``generate`` (with the
-    instance glue of slothkit.generation) decodes through it.
+    instance glue of slothkit.inference.generation) decodes through it.
 
     Args:
         model: a model from FastModel (a PeftModel or the causal LM itself).

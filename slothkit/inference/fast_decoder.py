@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from slothkit.core.model_state import state_of
+from slothkit.core.notices import say_once
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.inference.model_step import ModelStep
 from slothkit.inference.sampling import (
@@ -29,8 +31,6 @@ from slothkit.inference.sampling import (
     next_tokens,
     setting,
 )
-from slothkit.model_state import state_of
-from slothkit.notices import say_once
 
 # Cache lengths are rounded up to a multiple of this, so that prompts of nearby lengths
 # share one cache and one captured graph.

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.engine.inspection import attention_window
-from slothkit.engine.sizes import mlp_token_chunk
+from slothkit.core.inspection import attention_window
+from slothkit.core.model_state import patched_module
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
-from slothkit.model_state import patched_module
+from slothkit.memory.sizes import mlp_token_chunk
 from slothkit_kernels import attention, geglu, rope, rope_into_cache, swiglu
 
 
@@ -130,7 +130,7 @@ class _DecodeMLP:
     kernel, where the model is on the fused path).
 
     A long prompt's prefill runs it in chunks of tokens, as training's long steps do
-    (slothkit.engine.sizes.mlp_token_chunk): the (tokens, intermediate) tensors, gate, up
+    (slothkit.memory.sizes.mlp_token_chunk): the (tokens, intermediate) tensors, gate, up
     and their product, are most of a prefill's working memory (Llama-3-8B at 131,072
     tokens: 3.5 GiB each), and the MLP treats each token on its own."""
 

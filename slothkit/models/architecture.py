@@ -24,13 +24,13 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       module does not scale by sqrt(hidden) itself
     qk_norm           the fused attention (slothkit.engine.decoder) and the fast decode step:
                       norm each head's q and k before RoPE
-    fused_projections the planner's adapter bytes (slothkit.memory_model.lora_bytes): q/k/v
+    fused_projections the planner's adapter bytes (slothkit.memory.memory_model.lora_bytes): q/k/v
                       and gate/up are one layer each (Phi-3), so one A serves each group
     sandwich_norms    the fused decoder layer (slothkit.engine.decoder_layer): a norm after
                       attention and after the MLP too (Gemma 3, Gemma 2); such layers keep no residual
                       sum for their re-run (keeps_attention_sum: the checkpointer, the planner),
                       (the fast decode step reads the extra norms off the layer)
-    text_tower_of     loading (slothkit.text_tower): a multimodal checkpoint of these
+    text_tower_of     loading (slothkit.loading.text_tower): a multimodal checkpoint of these
                       model_types loads as this family's text model
 
 tests/slothkit/models checks every record against transformers' own classes.
@@ -137,7 +137,7 @@ class Architecture:
     sandwich_norms: bool = False
     # Multimodal model_types whose checkpoints hold this family's text model as their
     # language model (Gemma 3's 4B, 12B and 27B: "gemma3"); FastModel loads that text tower
-    # alone (slothkit.text_tower).
+    # alone (slothkit.loading.text_tower).
     text_tower_of: tuple[str, ...] = ()
     # q, k, v are one layer (qkv_proj) and gate, up another (gate_up_proj), adapted as they
     # are (Phi-3): one LoRA A per group. The fused path reads them as row slices

@@ -5,7 +5,7 @@ SwiGLU MLP, rotary attention with grouped-query heads) with two projections fuse
     gate_up_proj  2 * intermediate rows: gate's, then up's
 
 LoRA goes on these layers as they are (qkv_proj, o_proj, gate_up_proj, down_proj; the
-seven Llama names a notebook passes map onto them, slothkit.lora_setup), rather than on
+seven Llama names a notebook passes map onto them, slothkit.loading.lora_setup), rather than on
 q/k/v and gate/up split into layers of their own. So a saved adapter loads on the original
 model with plain PEFT, a merged save needs no re-fusing, and GGUF's phi3 layout (one
 attn_qkv, one ffn_up holding gate and up) is written as it is. The price is one rank-r

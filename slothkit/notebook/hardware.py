@@ -25,9 +25,9 @@ def hardware_report(config):
     """
     from transformers import AutoConfig
 
-    from slothkit.distributed import launch, select_process_gpu
+    from slothkit.core.distributed import launch, select_process_gpu
+    from slothkit.memory.plan import plan, shape_from_config
     from slothkit.notebook.multi_gpu import print_multi_gpu_notice_once
-    from slothkit.plan import plan, shape_from_config
 
     select_process_gpu()  # under a launcher: before CUDA starts on GPU 0 in every process
     if not torch.cuda.is_available():

@@ -3,7 +3,7 @@
 A notebook kernel is one process and trains on one GPU; that stays the default.  To train
 on all of them, the notebook runs as a script under a launcher that starts one process
 per GPU, each training its own copy of the model on its own batches under PyTorch's
-DistributedDataParallel (slothkit.distributed says what slothkit sets for it):
+DistributedDataParallel (slothkit.core.distributed says what slothkit sets for it):
 
     jupytext --to py:percent NOTEBOOK.ipynb -o train.py
     torchrun --nproc-per-node 2 --local-ranks-filter 0 train.py
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from slothkit.distributed import Launch
+from slothkit.core.distributed import Launch
 
 
 def launch_commands(gpus: int, notebook: str = "NOTEBOOK.ipynb", script: str = "train.py") -> list[str]:
@@ -44,7 +44,7 @@ def multi_gpu_notice(gpus: int, launch: Launch) -> str | None:
 
     Args:
         gpus: the GPUs this machine has.
-        launch: this process's place among the launched ones (slothkit.distributed).
+        launch: this process's place among the launched ones (slothkit.core.distributed).
 
     Returns:
         Under a launcher, which process this is and how the batch adds up; with more GPUs

@@ -48,7 +48,7 @@ def _process_group() -> tuple[int, int]:
     """(rank, world size): of the process group, started on first use (gloo, CPU)."""
     import torch.distributed as dist
 
-    from slothkit.distributed import launch
+    from slothkit.core.distributed import launch
 
     where = launch()
     if not where.distributed:

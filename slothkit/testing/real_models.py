@@ -50,7 +50,7 @@ import zipfile
 
 import torch
 
-from slothkit.folder_paths import check_folder_path
+from slothkit.core.folder_paths import check_folder_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +185,7 @@ def real_model_path(
 def cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
     """Where wheels and built folders are kept: `cache_dir`, else the configured default."""
     if cache_dir is None:
-        from slothkit.configuration import real_model_cache_dir
+        from slothkit.core.configuration import real_model_cache_dir
 
         cache_dir = real_model_cache_dir()
     check_folder_path(cache_dir, "cache_dir")

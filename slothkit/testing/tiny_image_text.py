@@ -2,7 +2,7 @@
 Gemma 3 text checkpoint as its language model, under a one-layer vision tower, saved as
 transformers saves such models (the published layout, language_model.model.*), with the
 text checkpoint's tokenizer. It stands in for Gemma 3 4B-27B, which FastModel loads as
-their text model alone (slothkit.text_tower)."""
+their text model alone (slothkit.loading.text_tower)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.model_state import state_of
+from slothkit.core.model_state import state_of
 
 MAX_SEQ = 96
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -2,7 +2,7 @@
 
 Each class here is the transformers or TRL class of the same name with one change: its
 constructor first rewrites keywords that newer releases renamed or removed, saying once
-(slothkit.notices) how they are written now.  The result is the library's own config, so
+(slothkit.core.notices) how they are written now.  The result is the library's own config, so
 everything downstream sees an ordinary ``trl.SFTConfig`` (or ``DPOConfig``, ...).
 
 What is translated, for every config:
@@ -33,7 +33,7 @@ import dataclasses
 
 import transformers
 
-from slothkit.notices import say_once
+from slothkit.core.notices import say_once
 from slothkit.trl.library import trl_class
 from slothkit.trl.online_configs import translate_online_keywords
 
@@ -144,7 +144,7 @@ def _init_translated(self, base, args, kwargs, online: bool = False) -> None:
     if defaults.get("bf16", False) is None and "bf16" not in kwargs and not kwargs.get("fp16"):
         # TRL's configs default to bf16=True, which transformers refuses on a CPU or a GPU
         # without bf16: default to it only where it runs.
-        from slothkit.engine.loading import is_bfloat16_supported
+        from slothkit.checkpoint.before_loading import is_bfloat16_supported
 
         kwargs["bf16"] = is_bfloat16_supported()
     kept = {name: kwargs.pop(name, None) for name in extras}

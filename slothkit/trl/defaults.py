@@ -20,7 +20,7 @@ Defaults that differ from TRL's, and why:
   GRPO and RLOO have no max_length: max_completion_length bounds what they generate.
 * Under torchrun or accelerate launch (WORLD_SIZE > 1), ``ddp_find_unused_parameters=False``:
   the Trainer would search for unused parameters (a PeftModel is not a PreTrainedModel),
-  and the search cannot follow slothkit's offloaded checkpointing (slothkit.distributed).
+  and the search cannot follow slothkit's offloaded checkpointing (slothkit.core.distributed).
 * Learning rates for LoRA, per method (LEARNING_RATES): SFT 2e-4, DPO, KTO, GRPO and RLOO
   5e-6, ORPO 8e-6, reward 1e-4.
 """
@@ -32,10 +32,10 @@ import importlib.util
 
 import torch
 
-from slothkit.distributed import ddp_defaults
-from slothkit.engine.inspection import compute_dtype
-from slothkit.engine.loading import pick_dtype
-from slothkit.model_state import state_of
+from slothkit.checkpoint.before_loading import pick_dtype
+from slothkit.core.distributed import ddp_defaults
+from slothkit.core.inspection import compute_dtype
+from slothkit.core.model_state import state_of
 from slothkit.trl import configs
 
 COMMON_DEFAULTS = dict(
@@ -88,7 +88,7 @@ def hardware_defaults(model=None) -> dict:
 def machine_defaults(model=None) -> dict:
     """``hardware_defaults(model)``, ``dataloader_pin_memory`` (pinned host memory speeds
     copies to a GPU; without one torch warns that it is unused) and, under a launcher
-    (WORLD_SIZE > 1), ``ddp_find_unused_parameters=False`` (slothkit.distributed says why).
+    (WORLD_SIZE > 1), ``ddp_find_unused_parameters=False`` (slothkit.core.distributed says why).
 
     Args:
         model: as ``hardware_defaults``.

@@ -13,8 +13,8 @@ graph stay allocated across steps and are freed when ``train`` returns.
 
 from __future__ import annotations
 
+from slothkit.core.model_state import state_of
 from slothkit.inference import disable_fast_decode, enable_fast_decode
-from slothkit.model_state import state_of
 
 
 def generate_on_fast_path(trainer, model, fast: bool | None = None):

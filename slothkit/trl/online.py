@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import trl
 
+from slothkit.core.notices import say_once
 from slothkit.data.validation import check_prompt_dataset
-from slothkit.notices import say_once
 from slothkit.trl.configs import GRPOConfig, RLOOConfig
 from slothkit.trl.on_policy_generation import generate_on_fast_path
 from slothkit.trl.setup import TrainerSetup

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from slothkit.notices import say_once
+from slothkit.core.notices import say_once
 
 # vLLM settings with a GRPOConfig field of the same meaning, and vLLM's defaults for them
 # (top_k: -1 and 0 both mean no top-k there, 0 in TRL's config).

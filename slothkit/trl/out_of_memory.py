@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.engine.inspection import causal_lm_of, is_4bit_model
-from slothkit.model_state import state_of
+from slothkit.core.inspection import causal_lm_of, is_4bit_model
+from slothkit.core.model_state import state_of
 
 
 class TrainingOutOfMemoryError(torch.cuda.OutOfMemoryError):
@@ -42,7 +42,7 @@ def explain_out_of_memory(trainer, model):
 
 
 def out_of_memory_advice(args, model, error) -> str:
-    from slothkit.plan import plan, shape_from_config
+    from slothkit.memory.plan import plan, shape_from_config
 
     causal_lm = causal_lm_of(model)
     batch = getattr(args, "per_device_train_batch_size", None)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import trl
 
+from slothkit.core.inspection import causal_lm_of
 from slothkit.data.validation import check_preference_dataset
-from slothkit.engine.inspection import causal_lm_of
 from slothkit.trl.configs import RewardConfig
 from slothkit.trl.setup import TrainerSetup
 

@@ -20,11 +20,11 @@ import warnings
 
 import torch
 
-from slothkit.distributed import check_ddp_settings
+from slothkit.core.distributed import check_ddp_settings
+from slothkit.core.inspection import causal_lm_of
+from slothkit.core.model_state import state_of
+from slothkit.core.notices import say_once
 from slothkit.engine.checkpointing import uses_offloaded_checkpoint
-from slothkit.engine.inspection import causal_lm_of
-from slothkit.model_state import state_of
-from slothkit.notices import say_once
 from slothkit.trl.configs import convert_arguments, field_names
 from slothkit.trl.defaults import default_config
 from slothkit.trl.out_of_memory import explain_out_of_memory
@@ -35,7 +35,7 @@ def check_setup(model, tokenizer, args) -> None:
     larger than the model's embeddings, bf16 on a machine without it.  Turns off (with a
     warning) ``args.gradient_checkpointing``, which would replace the checkpointing
     ``FastModel.get_peft_model`` set up; under a launcher (WORLD_SIZE > 1) sets an unset
-    ``ddp_find_unused_parameters`` to False (slothkit.distributed.check_ddp_settings).
+    ``ddp_find_unused_parameters`` to False (slothkit.core.distributed.check_ddp_settings).
 
     Args:
         model: the model to train (a PeftModel or a plain model).

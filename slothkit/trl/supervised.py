@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import trl
 
+from slothkit.core.notices import say_once
 from slothkit.data.validation import check_sft_dataset
-from slothkit.notices import say_once
 from slothkit.trl.configs import SFTConfig
 from slothkit.trl.setup import TrainerSetup
 

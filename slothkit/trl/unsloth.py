@@ -4,8 +4,8 @@ for the embeddings, for continued pretraining), ``unsloth_train`` and ``PatchDPO
 
 from __future__ import annotations
 
-from slothkit.engine.inspection import causal_lm_of
-from slothkit.notices import say_once
+from slothkit.core.inspection import causal_lm_of
+from slothkit.core.notices import say_once
 from slothkit.trl.configs import UnslothTrainingArguments
 from slothkit.trl.supervised import SFTTrainer
 

@@ -66,7 +66,7 @@ def checkpointing_asked(monkeypatch):
     """The switches FastModel.get_peft_model gives enable_checkpointing (its keyword
     arguments but the host memory limit, which depends on the machine), one dict per
     call (the call itself still runs)."""
-    from slothkit import training_mode
+    from slothkit.loading import training_mode
 
     calls = []
     enable = training_mode.enable_checkpointing

@@ -275,12 +275,12 @@ def test_debug_and_slothkit_debug_show_the_traceback(monkeypatch):
 
 
 def test_a_runtime_failure_exits_1(monkeypatch, capsys):
-    import slothkit.plan
+    import slothkit.memory.plan
 
     def disk_gone(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(slothkit.plan, "plan", disk_gone)
+    monkeypatch.setattr(slothkit.memory.plan, "plan", disk_gone)
     assert main(["plan", "llama-3-8b"]) == 1
     assert (
         capsys.readouterr().err

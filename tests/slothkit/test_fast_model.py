@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# What FastModel adapts for the seven names (slothkit.lora_setup), and so what HF + PEFT
+# What FastModel adapts for the seven names (slothkit.loading.lora_setup), and so what HF + PEFT
 # is given: Phi-3's fused projections.
 PEFT_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
 STEPS = 8
@@ -468,7 +468,7 @@ def test_the_fused_path_is_taken_where_triton_runs_and_chosen_explicitly_elsewhe
     """Automatic: fused on a CUDA device or under the Triton interpreter; on a CPU without
     it the plain Hugging Face modules stay (they are faster there than the kernels' torch
     references), said once.  fused=True / False override; a bad value is refused."""
-    from slothkit import load_model
+    from slothkit.loading import load_model
 
     path = str(tiny_model_path("llama"))
 
@@ -544,7 +544,7 @@ def test_clear_errors_for_bad_input(tmp_path):
 def test_max_seq_length_beyond_the_context_scales_rope_linearly():
     """Twice the context: each position p of the extended model turns q and k by the angles
     the original gives p / 2 (linear RoPE scaling), said once; the refusals say the limits."""
-    from slothkit.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import LegacySpellingWarning, say_once
 
     path = str(tiny_model_path("llama"))
     say_once.cache_clear()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from slothkit import FastModel
+from slothkit.core.model_state import patched_module
 from slothkit.engine.generic_head import why_head_stays
-from slothkit.model_state import patched_module
 from slothkit.testing import build_tiny_tokenizer
 
 STEPS = 8
@@ -18,8 +18,8 @@ STEPS = 8
 
 @pytest.fixture(autouse=True)
 def fresh_notices():
-    from slothkit.load_model import _notice_generic_path, _warn_unsupported
-    from slothkit.notices import say_once
+    from slothkit.core.notices import say_once
+    from slothkit.loading.load_model import _notice_generic_path, _warn_unsupported
 
     for notice in (say_once, _notice_generic_path, _warn_unsupported):
         notice.cache_clear()
@@ -274,8 +274,8 @@ def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     implementation the user names is taken as it is."""
     from transformers import AutoConfig
 
-    from slothkit.load_model import attention_for
-    from slothkit.notices import LegacySpellingWarning
+    from slothkit.core.notices import LegacySpellingWarning
+    from slothkit.loading.load_model import attention_for
 
     llama, gemma2 = AutoConfig.for_model("llama"), AutoConfig.for_model("gemma2")
     with warnings.catch_warnings(record=True) as caught:
@@ -300,9 +300,9 @@ def test_soft_capped_attention_never_runs_sdpa(monkeypatch):
     from transformers import AutoConfig
     from transformers.models.gemma2 import modeling_gemma2
 
+    from slothkit.core.notices import LegacySpellingWarning
     from slothkit.engine.decoder import _attention_function
-    from slothkit.load_model import attention_for
-    from slothkit.notices import LegacySpellingWarning
+    from slothkit.loading.load_model import attention_for
 
     monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)  # as in 5.17
     gemma2 = AutoConfig.for_model("gemma2")

@@ -1,4 +1,5 @@
-"""The modules of slothkit (and of slothkit_kernels) import each other without a cycle.
+"""The modules of slothkit (and of slothkit_kernels) import each other without a cycle, and
+slothkit's wings stand on floors: a wing imports only the wings on the floors below it.
 
 The graph is read from the source (ast), not by importing, so it sees every import: absolute
 and relative, at module level and inside functions. Imports inside functions count: a lazy
@@ -150,7 +151,10 @@ def _shortest_cycle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
 @pytest.mark.parametrize(
     "package, some_modules",
     [
-        ("slothkit", {"slothkit", "slothkit.plan", "slothkit.engine.decoder", "slothkit.export.gguf.writer"}),
+        (
+            "slothkit",
+            {"slothkit", "slothkit.memory.plan", "slothkit.engine.decoder", "slothkit.export.gguf.writer"},
+        ),
         ("slothkit_kernels", {"slothkit_kernels", "slothkit_kernels.lora", "slothkit_kernels.utils"}),
     ],
 )
@@ -179,3 +183,92 @@ def test_the_check_sees_lazy_relative_and_package_imports():
 def test_the_check_names_each_cycle_once():
     graph = {"a": {"b"}, "b": {"a", "c"}, "c": {"b"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
     assert _cycles(graph) == [["a", "b", "a"], ["d", "e", "d"]]
+
+
+# slothkit's wings, lowest floor first.  A module's wing is its folder under slothkit/ (the
+# modules left at the root are the public face and the command line).  Each wing may import
+# its own modules and the wings of lower floors, never a wing on its own floor or above.
+FLOORS = [
+    {"core"},  # state, notices, configuration, environment, inspection: imports no wing
+    {"models", "checkpoint", "compat"},  # family records; checkpoint checks; other libraries' spellings
+    {"memory", "data"},  # the memory model and planner; datasets and chat formats
+    {"engine"},  # the fused training path, patched onto instances
+    {"export"},  # saving, merging, GGUF, the Hub
+    {"inference"},  # generation after training, vLLM's calls
+    {"loading", "trl"},  # FastModel's loading pipeline; TRL's trainers with slothkit's defaults
+    {"face"},  # slothkit, fast_model, chat_templates, vllm: what users import
+    {"testing"},  # tiny fixtures, parity harnesses, a local Hub
+    {"bench", "notebook"},  # slothkit bench; notebook templates and their helpers
+    {"command_line"},  # cli, demo
+]
+FACE = {"slothkit", "slothkit.fast_model", "slothkit.chat_templates", "slothkit.vllm"}
+COMMAND_LINE = {"slothkit.cli", "slothkit.demo"}
+
+
+def _wing(module: str) -> str:
+    if module in FACE:
+        return "face"
+    if module in COMMAND_LINE:
+        return "command_line"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or _is_package(module, _MODULES) else f"root module {module}"
+
+
+_MODULES = set(_package_sources())
+
+
+def _floor_of(wing: str) -> int:
+    for floor, wings in enumerate(FLOORS):
+        if wing in wings:
+            return floor
+    raise AssertionError(
+        f"{wing} has no floor: place the folder in FLOORS (tests/slothkit/test_imports.py), "
+        "or move a module left at the package root into the wing it belongs to"
+    )
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'a -> b (wing -> wing)' for each import of a wing on the same floor or above."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = _wing(module), _wing(target)
+            if here != there and _floor_of(there) >= _floor_of(here):
+                found.append(f"{module} -> {target} ({here} -> {there})")
+    return found
+
+
+def test_every_module_stands_in_a_wing_on_a_floor():
+    for module in _MODULES:
+        _floor_of(_wing(module))
+
+
+def test_wings_import_only_the_floors_below():
+    upward = _upward_imports(_graph(_package_sources()))
+    assert not upward, "imports of a wing on the same floor or above:\n" + "\n".join(upward)
+
+
+def test_the_floor_check_sees_an_import_upward_and_across():
+    graph = {
+        "slothkit.core.notices": {"slothkit.engine.decoder"},  # up
+        "slothkit.memory.plan": {"slothkit.data.packing"},  # across one floor
+        "slothkit.engine.decoder": {"slothkit.core.notices", "slothkit.engine.sizes"},  # down; inside
+    }
+    assert _upward_imports(graph) == [
+        "slothkit.core.notices -> slothkit.engine.decoder (core -> engine)",
+        "slothkit.memory.plan -> slothkit.data.packing (memory -> data)",
+    ]
+    with pytest.raises(AssertionError, match="root module slothkit.helpers has no floor"):
+        _floor_of(_wing("slothkit.helpers"))
+
+
+def test_the_kernel_library_knows_nothing_of_slothkit():
+    graph = _graph({**_package_sources("slothkit_kernels"), **_package_sources()})
+    reaching = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.startswith("slothkit_kernels")
+        for target in targets
+        if not target.startswith("slothkit_kernels")
+    )
+    assert not reaching, "\n".join(reaching)

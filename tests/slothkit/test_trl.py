@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("trl")
 
 from slothkit import FastModel
+from slothkit.core.notices import LegacySpellingWarning
 from slothkit.data import (
     NoTrainableTokensError,
     apply_chat_template,
@@ -26,7 +27,6 @@ from slothkit.data import (
     get_chat_template,
     train_on_responses_only,
 )
-from slothkit.notices import LegacySpellingWarning
 from slothkit.testing import tiny_model_path
 from slothkit.testing.training_parity import (
     MAX_SEQ,

@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("trl")
 
 from slothkit import FastModel
+from slothkit.core.model_state import state_of
 from slothkit.data import example_dataset
-from slothkit.model_state import state_of
 from slothkit.testing.training_parity import RUN, assert_same_lora, history, load_for_training, lora_weights
 from slothkit.trl import KTOTrainer, ORPOTrainer, RewardTrainer, RLOOTrainer
 from slothkit.trl.defaults import LEARNING_RATES, kto_config, orpo_config, reward_config, rloo_config

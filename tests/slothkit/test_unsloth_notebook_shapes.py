@@ -35,7 +35,7 @@ from slothkit import (  # noqa: E402
 from slothkit.chat_templates import (  # noqa: E402
     get_chat_template,
 )
-from slothkit.notices import LegacySpellingWarning, say_once  # noqa: E402
+from slothkit.core.notices import LegacySpellingWarning, say_once  # noqa: E402
 from slothkit.testing import tiny_model_path  # noqa: E402
 from slothkit.trl import (  # noqa: E402
     DPOTrainer,
@@ -478,7 +478,7 @@ def test_the_tool_calling_notebooks_loader_call():
     """Unsloth's Qwen2.5-Coder tool-calling notebook: its per-family loader name,
     max_seq_length=None and fix_tokenizer=False."""
     import slothkit
-    from slothkit.model_state import state_of
+    from slothkit.core.model_state import state_of
 
     assert slothkit.FastQwen2Model is slothkit.FastLlamaModel is FastLanguageModel
     say_once.cache_clear()

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from slothkit.notices import LegacySpellingWarning, say_once  # noqa: E402
+from slothkit.core.notices import LegacySpellingWarning, say_once  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SCRIPTS = Path(__file__).resolve().parent / "unsloth_notebooks"

@@ -42,6 +42,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quant_shape_to_byte_shape
 
+from slothkit.checkpoint.finite import finite_tensors
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
 from slothkit.export.disk_space import (
     NotEnoughSpaceError,
@@ -50,7 +51,6 @@ from slothkit.export.disk_space import (
     is_disk_full,
     megabytes,
 )
-from slothkit.export.finite import finite_tensors
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, to_gguf
 from slothkit.export.gguf.metadata import (

@@ -12,7 +12,7 @@ import torch
 
 from slothkit.bench import multi_gpu, train
 from slothkit.cli import main
-from slothkit.distributed import Launch
+from slothkit.core.distributed import Launch
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 

@@ -155,7 +155,7 @@ def test_settings_and_context_records_are_shown(tmp_path):
 
 
 def test_t4_runs_get_their_own_table_with_the_planner_prediction(tmp_path):
-    from slothkit.plan import plan
+    from slothkit.memory.plan import plan
 
     row = {
         "impl": "slothkit",

@@ -10,7 +10,7 @@ import torch
 
 from slothkit.bench.model_setup import build_model
 from slothkit.cli import main
-from slothkit.model_state import state_of
+from slothkit.core.model_state import state_of
 from slothkit.models import SHAPES, shape_by_name
 
 
@@ -687,6 +687,8 @@ def test_the_slothkit_row_takes_the_path_from_pretrained_would(monkeypatch):
     assert state_of(fused).architecture == "qwen3"
     generic = build_model("tiny-olmo2", torch.float32, "cpu", seed=0)
     taken = []
-    monkeypatch.setattr("slothkit.load_model.take_generic_path", lambda model, fused: taken.append(fused))
+    monkeypatch.setattr(
+        "slothkit.loading.load_model.take_generic_path", lambda model, fused: taken.append(fused)
+    )
     take_fast_model_path(generic)
     assert taken == [None] and state_of(generic) is None

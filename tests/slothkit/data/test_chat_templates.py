@@ -391,7 +391,7 @@ def test_a_turn_end_the_tokenizer_lacks_is_written_as_its_eos(name):
     """By default nothing is added: the golden text with the turn end replaced by the
     tokenizer's EOS, the other markers as text; the assistant masks keep each reply and its
     EOS; the notice is given once."""
-    from slothkit.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import LegacySpellingWarning, say_once
 
     say_once.cache_clear()
     tokenizer = _tokenizer("mistral")
@@ -483,7 +483,7 @@ def test_a_custom_pairs_turn_end_the_tokenizer_lacks_is_written_as_its_eos():
     """As for a named format: the template writes the tokenizer's EOS where it wrote the
     token, nothing is added (no model needed) and a notice says so once; with
     add_missing_tokens=True or map_eos_token=False the token is added instead."""
-    from slothkit.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import LegacySpellingWarning, say_once
 
     say_once.cache_clear()
     tokenizer = _tokenizer("mistral")

@@ -197,7 +197,7 @@ def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_pat
     at <|im_end|>, and a notice says so once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slothkit.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import LegacySpellingWarning, say_once
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
@@ -320,7 +320,7 @@ def test_a_custom_llama3_pair_on_smollm2_ends_turns_with_its_eos_and_adds_nothin
     train_on_responses_only keeps exactly each reply and its <|im_end|>."""
     from transformers import DataCollatorWithPadding
 
-    from slothkit.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import LegacySpellingWarning, say_once
 
     say_once.cache_clear()
     with warnings.catch_warnings(record=True) as caught:

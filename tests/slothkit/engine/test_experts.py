@@ -13,8 +13,8 @@ import torch
 
 import slothkit.engine.experts as experts_glue
 from slothkit import FastModel
+from slothkit.core.model_state import patched_module
 from slothkit.engine.experts import describe_experts, experts_base, experts_modules
-from slothkit.model_state import patched_module
 from slothkit.testing import build_tiny_tokenizer
 
 STEPS = 8
@@ -37,8 +37,8 @@ LAYOUTS = {
 
 @pytest.fixture(autouse=True)
 def fresh_notices():
-    from slothkit.load_model import _notice_generic_path, _warn_unsupported
-    from slothkit.notices import say_once
+    from slothkit.core.notices import say_once
+    from slothkit.loading.load_model import _notice_generic_path, _warn_unsupported
 
     for notice in (say_once, _notice_generic_path, _warn_unsupported):
         notice.cache_clear()

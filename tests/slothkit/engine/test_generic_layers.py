@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from slothkit import FastModel
+from slothkit.core.model_state import patched_module
 from slothkit.engine.generic_layers import fuse_generic_layers
-from slothkit.model_state import patched_module
 from slothkit.testing import build_tiny_tokenizer
 
 SIZES = dict(

@@ -1,12 +1,12 @@
-"""Long steps run each decoder layer's MLP over token chunks (slothkit.engine.sizes'
+"""Long steps run each decoder layer's MLP over token chunks (slothkit.memory.sizes'
 SHORT_STEP_TOKENS / MLP_TOKEN_CHUNK, slothkit_kernels.lora.lora_mlp's token_chunk): the
 same training, step for step, as the whole MLP."""
 
 import pytest
 import torch
 
-import slothkit.engine.sizes as sizes
-import slothkit.memory_model as memory_model
+import slothkit.memory.memory_model as memory_model
+import slothkit.memory.sizes as sizes
 import slothkit_kernels.lora as lora
 from slothkit import FastModel
 from slothkit.testing import build_tiny_model

@@ -67,7 +67,7 @@ def test_a_host_limit_keeps_later_layers_on_the_gpu_and_trains_the_same(tmp_path
     step and keeps the others' inputs on the GPU; the losses are those of an unlimited
     run, and every pinned byte is given back by the end of each backward."""
     from slothkit import FastModel
-    from slothkit.engine.sizes import pinned_bytes
+    from slothkit.memory.sizes import pinned_bytes
     from slothkit.testing import build_tiny_model
 
     path = build_tiny_model("llama", tmp_path / "tiny", num_layers=4)

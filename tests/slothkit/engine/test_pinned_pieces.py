@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slothkit.engine.pinned_pieces import PinnedPieces
-from slothkit.engine.sizes import MIN_PIECE, piece_sizes, pinned_bytes
-from slothkit.memory_model import TrainingMemory, lora_bytes
+from slothkit.memory.memory_model import TrainingMemory, lora_bytes
+from slothkit.memory.sizes import MIN_PIECE, piece_sizes, pinned_bytes
 from slothkit.models import shape_by_name
 
 GIB = 2**30

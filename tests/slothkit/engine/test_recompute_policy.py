@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from slothkit import FastModel
+from slothkit.core.model_state import state_of
 from slothkit.engine import recompute_policy
 from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
-from slothkit.engine.sizes import MIN_PIECE
-from slothkit.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
-from slothkit.model_state import state_of
+from slothkit.memory.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
+from slothkit.memory.sizes import MIN_PIECE
 from slothkit.testing import build_tiny_model
 
 LAYERS = 4
@@ -376,7 +376,7 @@ def test_the_plan_predicts_the_same_split_under_a_host_budget(tiny_path, referen
 
 
 def test_max_host_memory_is_gib_or_bytes_and_checked(tiny_path):
-    from slothkit.memory_model import host_budget_bytes
+    from slothkit.memory.memory_model import host_budget_bytes
 
     assert host_budget_bytes(12) == host_budget_bytes(12 * GIB) == 12 * GIB
     assert 0 < host_budget_bytes() < 2**50  # the host's available memory, less a margin

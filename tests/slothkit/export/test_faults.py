@@ -512,7 +512,7 @@ def test_nan_or_inf_weights_are_refused_and_the_previous_save_kept(
 ):
     import torch
 
-    from slothkit.export.finite import NonFiniteWeightsError
+    from slothkit.checkpoint.finite import NonFiniteWeightsError
 
     model, tokenizer, _ = make_lora_model("llama", seed=47)
     target = tmp_path / "out"
@@ -531,7 +531,7 @@ def test_nan_or_inf_weights_are_refused_and_the_previous_save_kept(
 def test_every_bad_tensor_is_named_and_float16_overflow_is_caught(make_lora_model, tmp_path):
     import torch
 
-    from slothkit.export.finite import NonFiniteWeightsError
+    from slothkit.checkpoint.finite import NonFiniteWeightsError
 
     model, tokenizer, _ = make_lora_model("llama", seed=48)
     with torch.no_grad():
@@ -559,7 +559,7 @@ def test_every_bad_tensor_is_named_and_float16_overflow_is_caught(make_lora_mode
 def test_gguf_export_refuses_nan_inf_and_float16_overflow(tmp_path, method, value, expected):
     import torch
 
-    from slothkit.export.finite import NonFiniteWeightsError
+    from slothkit.checkpoint.finite import NonFiniteWeightsError
     from slothkit.export.gguf import save_pretrained_gguf
 
     model, tokenizer = _plain_tiny()

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slothkit.core.model_state import attach_state
 from slothkit.export import DirectoryNotEmptyError, save_pretrained_merged
 from slothkit.export import atomic as atomic_module
 from slothkit.export.atomic import atomic_directory
 from slothkit.export.merge import merged_state_dict
-from slothkit.model_state import attach_state
 
 ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
 SAME = 1e-4

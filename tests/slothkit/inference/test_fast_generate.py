@@ -10,9 +10,9 @@ import torch
 from transformers import TextIteratorStreamer, TextStreamer
 
 from slothkit import FastModel
+from slothkit.core.model_state import state_of
+from slothkit.core.notices import say_once
 from slothkit.inference import disable_fast_decode, enable_fast_decode
-from slothkit.model_state import state_of
-from slothkit.notices import say_once
 from slothkit.testing import tiny_model_path
 
 ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
@@ -474,7 +474,7 @@ def test_disabled_adapters_are_seen_by_the_fast_loop():
 def test_cpu_default_keeps_hf_generate_and_says_so_once_at_loading(recwarn, monkeypatch):
     if DEVICE == "cuda":
         pytest.skip("the CPU default")
-    from slothkit.load_model import _notice_plain_path
+    from slothkit.loading.load_model import _notice_plain_path
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a plain CPU: no Triton
 

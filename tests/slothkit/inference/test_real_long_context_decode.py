@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slothkit import FastModel
-from slothkit.model_state import state_of
+from slothkit.core.model_state import state_of
 from slothkit.testing import CORPUS
 
 NEW_TOKENS = 16

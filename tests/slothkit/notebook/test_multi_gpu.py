@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slothkit.distributed import Launch
+from slothkit.core.distributed import Launch
 from slothkit.notebook.multi_gpu import launch_commands, multi_gpu_notice
 
 ROOT = Path(__file__).resolve().parents[3]

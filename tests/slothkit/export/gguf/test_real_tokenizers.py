@@ -27,7 +27,7 @@ import gguf
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from slothkit.configuration import real_model_cache_dir
+from slothkit.core.configuration import real_model_cache_dir
 from slothkit.export.gguf import write_gguf
 from slothkit.export.gguf.pre_tokenizer import (
     CHECK_TEXT,

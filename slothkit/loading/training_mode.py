@@ -1,0 +1,193 @@
+"""The training/inference switch: set a PEFT model up to train (checkpointing, the save
+and push methods), and move a model between training and generation.
+
+    ready_for_training(peft_model, CheckpointingOptions("auto", max_memory=40))
+    for_inference(model)   # eval mode, left padding, generate on the fast decode loop
+    for_training(model)    # back: train mode, right padding, the decode cache freed
+
+FastModel.get_peft_model, FastModel.for_training and FastModel.for_inference call these;
+so does loading a saved adapter (slothkit.loading.saved_adapter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from slothkit.core.configuration import environment_defaults
+from slothkit.core.inspection import causal_lm_of, is_4bit_model
+from slothkit.core.model_state import attach_state, state_of
+from slothkit.engine.checkpointing import enable_checkpointing
+from slothkit.engine.decoder import decoder_layers
+from slothkit.engine.recompute_policy import enable_recompute_policy
+from slothkit.inference.generation import accept_encoding_in_generate
+from slothkit.inference.vllm_generate import attach_vllm_methods
+from slothkit.memory.memory_model import host_budget_bytes
+from slothkit.models import architecture_named
+
+CHECKPOINTING_CHOICES = ("offload", "auto", "unsloth", True, False)
+_OFFLOADING = ("offload", "unsloth", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointingOptions:
+    """get_peft_model's checkpointing options, which travel together (its docstring says
+    what each means); checked when made.
+
+    Attributes:
+        mode: use_gradient_checkpointing: "offload", "auto", True or False ("unsloth" is
+            read as "offload").
+        cuda_graphs: with "offload", replay each layer from CUDA graphs; None: the default.
+        keep_sums: with "offload", keep each layer's sum after attention; None: the default.
+        max_memory: with "auto", the GPU memory budget (GiB or bytes).
+        batch_size: with "auto", the per-device batch size, to decide now.
+        max_host_memory: with "auto" or "offload", the host memory the offloaded inputs
+            may pin (GiB or bytes).
+    """
+
+    mode: bool | str = "offload"
+    cuda_graphs: bool | str | None = None
+    keep_sums: bool | None = None
+    max_memory: float | None = None
+    batch_size: int | None = None
+    max_host_memory: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_mode(self.mode)
+        _check_budget_options(self)
+
+    @property
+    def offloads(self) -> bool:
+        return self.mode in _OFFLOADING
+
+
+def _check_mode(mode) -> None:
+    if not any(
+        mode is choice or (isinstance(choice, str) and mode == choice) for choice in CHECKPOINTING_CHOICES
+    ):
+        raise ValueError(
+            f"use_gradient_checkpointing={mode!r}; accepted: 'offload', 'auto', True, False "
+            f"('unsloth' is read as 'offload')"
+        )
+
+
+def _check_budget_options(options: CheckpointingOptions) -> None:
+    """Refuse the "auto" policy's options given without it (they would do nothing)."""
+    given = [name for name in ("max_memory", "batch_size") if getattr(options, name) is not None]
+    if options.max_host_memory is not None and not options.offloads:
+        given.append("max_host_memory")
+    if given and options.mode != "auto":
+        raise ValueError(
+            f"{' and '.join(given)} set the memory budget of use_gradient_checkpointing='auto' "
+            f"(max_host_memory: of 'offload' too); "
+            f"with use_gradient_checkpointing={options.mode!r} they do nothing: pass 'auto' or leave them out"
+        )
+    batch_size = options.batch_size
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0
+    ):
+        raise ValueError(
+            f"batch_size={batch_size!r}; expected a positive integer (the per-device batch size)"
+        )
+
+
+def ready_for_training(peft_model, checkpointing: CheckpointingOptions = CheckpointingOptions()):
+    """What get_peft_model (and loading a saved adapter) does after PEFT wraps the model:
+    checkpointing, the save and push methods, training mode.
+
+    Args:
+        peft_model: the ``peft.PeftModel``.
+        checkpointing: get_peft_model's checkpointing options.
+
+    Returns:
+        The same PeftModel, in training mode.
+    """
+    causal_lm, layers = decoder_layers(peft_model)
+    causal_lm.config.use_cache = False
+    _enable_checkpointing(causal_lm, layers, checkpointing)
+    if checkpointing.mode:
+        # Checkpointed layers recompute in backward; their input must require grad.
+        causal_lm.enable_input_require_grads()
+    if checkpointing.mode == "auto":
+        _enable_recompute_policy(causal_lm, peft_model, layers, checkpointing)
+    from slothkit.export import attach_export_methods
+
+    attach_export_methods(peft_model)  # save_pretrained_merged, save_pretrained_gguf, push_to_hub_*
+    accept_encoding_in_generate(peft_model)
+    attach_vllm_methods(peft_model)  # fast_generate, save_lora, load_lora
+    return for_training(peft_model)
+
+
+def _enable_checkpointing(causal_lm, layers, options: CheckpointingOptions) -> None:
+    defaults = environment_defaults()
+    enable_checkpointing(
+        layers,
+        "offload" if options.mode == "auto" else options.mode,
+        cuda_graphs=defaults.cuda_graphs if options.cuda_graphs is None else options.cuda_graphs,
+        launch_bound=is_launch_bound(causal_lm),
+        keep_sums=_layers_keep_sums(causal_lm)
+        and (defaults.keep_sums if options.keep_sums is None else options.keep_sums),
+        host_limit_bytes=host_budget_bytes(options.max_host_memory) if options.offloads else None,
+    )
+
+
+def _layers_keep_sums(causal_lm) -> bool:
+    """Whether the fused layers offer their sum after attention to the re-run: not Gemma 3's
+    (Architecture.keeps_attention_sum). There the checkpointer is built not to keep, so that
+    the "auto" policy's memory model counts no kept sums either."""
+    state = state_of(causal_lm)
+    fused = state is not None and state.architecture is not None
+    return not fused or architecture_named(state.architecture).keeps_attention_sum
+
+
+def is_launch_bound(causal_lm) -> bool:
+    """Whether the host issuing kernels, not the GPU running them, limits a decoder layer on a
+    fast GPU: 4-bit weights (a dequantisation per projection) or per-head q/k RMSNorms (four
+    more kernels each way per layer, Qwen3; Gemma 3 adds two more norms), which CUDA graphs
+    replay without the host. Gemma 3's layers replay like the others: their extra norms and
+    per-layer rotary tables and masks are tensors the graph reads (the CPU harness of
+    tests/slothkit/engine/test_layer_graphs.py replays them)."""
+    state = state_of(causal_lm)
+    fused = state is not None and state.architecture is not None
+    return is_4bit_model(causal_lm) or (fused and architecture_named(state.architecture).qk_norm)
+
+
+def _enable_recompute_policy(causal_lm, peft_model, layers, options: CheckpointingOptions) -> None:
+    seq = attach_state(causal_lm).max_seq_length
+    if options.batch_size is not None and seq is None:
+        raise ValueError(
+            f"batch_size={options.batch_size} needs the sequence length too: pass max_seq_length= "
+            f"to get_peft_model (or leave batch_size out: the first training step decides)"
+        )
+    tokens = options.batch_size * seq if options.batch_size is not None else None
+    enable_recompute_policy(causal_lm, peft_model, layers, options.max_memory, tokens)
+
+
+def for_training(model):
+    """FastModel.for_training: train mode, no KV cache, the tokenizer padding on the right."""
+    from slothkit.inference import disable_fast_decode
+
+    disable_fast_decode(model)  # frees the decode cache and graph
+    model.train()
+    # A KV cache is of no use in training, and clashes with checkpointing.
+    causal_lm_of(model).config.use_cache = False
+    _pad_tokenizer(model, "right")
+    return model
+
+
+def for_inference(model, fast_decode: bool | None = None):
+    """FastModel.for_inference: eval mode, the KV cache on, the tokenizer padding on the
+    left, generate through the fast decode loop where it runs."""
+    from slothkit.inference import enable_fast_decode
+
+    model.eval()
+    causal_lm_of(model).config.use_cache = True
+    accept_encoding_in_generate(model)
+    enable_fast_decode(model, fast_decode)
+    _pad_tokenizer(model, "left")
+    return model
+
+
+def _pad_tokenizer(model, side: str) -> None:
+    state = state_of(model)
+    if state is not None and state.tokenizer is not None:
+        state.tokenizer.padding_side = side

@@ -1,0 +1,470 @@
+"""GPU memory of a LoRA training step, predicted from the model's shape: the arithmetic
+that `slothkit plan` (slothkit.memory.plan) and use_gradient_checkpointing="auto"
+(slothkit.engine.recompute_policy) share.
+
+In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
+
+  weights      16-bit: e per parameter.  NF4: 0.5 per projection parameter plus its
+               scales (1/64 of a byte for the uint8 block scale, 4/16384 for the
+               nested fp32 scale); embeddings, head and norms stay 16-bit.
+  LoRA         r * (in + out) per adapted projection, trained in fp32: weight 4,
+               gradient 4, AdamW moments 8 = 16 per adapter parameter.
+  activations  with every layer checkpointed (offloaded), the GPU holds one decoder
+               layer's saved tensors at a time, its gradients and two layer inputs in
+               flight; per token about e * (6 H + 4 I + 2 (Hq + 2 Hkv) D), plus the
+               fused loss's d_hidden (e H) and one chunk of logits.  In steps of more
+               than 16,384 tokens with every layer offloaded the MLP runs in
+               8,192-token chunks, so its 4 I counts for 8,192 tokens only.  Plain
+               checkpointing adds one layer input (e H) per layer; each layer that is not
+               checkpointed adds what it saves for backward (``kept_layer_bytes``).
+  allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
+               reports.
+  host         with every layer offloaded, each checkpointed layer's input (and kept
+               sum) in pinned host memory: e H (1 or 2) per token per layer, held in
+               power-of-two pieces (``host_checkpoint_bytes``: torch's pinned
+               allocator rounds each request up to a power of two, which would cost up
+               to 2x); a layer the host budget cannot take keeps them
+               on the GPU instead (checkpointed on the GPU), adding as much there.
+  reserved     what the caching allocator holds at the peak, and what an
+               out-of-memory error is about: the allocated peak plus 4 % and 0.5 GiB of
+               allocator slack (rounding, fragmentation), plus, per checkpointed layer,
+               0.5 (keep sums: the kept sums' prefetched copies) and 3 (CUDA graphs: the
+               graphs' private pool) hidden-state-sized tensors (tokens x H x e).
+
+Where the engine changes what it does with the step's size (graphs and kept sums up to
+16,384 tokens, the MLP's chunks beyond, the pinned pieces) is the engine's own rule,
+slothkit.memory.sizes, which this model reads.  The fitted constants (the working set, the
+slack, the keep-sums and graph terms) come from `slothkit bench train` records on an H200
+(results/bench/); the report's test (tests/slothkit/bench/test_report.py) holds every
+committed record to them and docs/planner.md compares predictions with measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slothkit.memory.sizes import SHORT_STEP_TOKENS, mlp_token_chunk, pinned_bytes
+from slothkit.models import architecture_for
+from slothkit.models.shape import Shape
+
+if TYPE_CHECKING:  # torch is imported where GPU memory is asked about, not by the planner
+    import torch
+
+GIB = 2**30
+# Reserved above allocated: the caching allocator's rounding and fragmentation.
+ALLOCATOR_SLACK_GIB = 0.5
+ALLOCATOR_SLACK_FRACTION = 0.04
+# Per checkpointed layer, in hidden-state-sized tensors (tokens x H x e): the kept
+# residual sums' copies in flight (keep_sums), and the CUDA graphs' private pool.  Fitted
+# to the 2026-12-01 records (Llama-3-8B, Mistral-7B, Gemma-7B at 2 x 2048, every layer
+# offloaded); scaling with the checkpointed layers is the model's assumption.
+KEEP_SUMS_RESERVE = 0.5
+GRAPH_POOL_RESERVE = 3.0
+# The default budget leaves this share of the free memory unused.
+BUDGET_MARGIN = 0.05
+
+
+def _head_dim(shape: Shape) -> int:
+    return shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
+
+
+def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
+    """The frozen weights: the projections in element_bytes (mode "lora") or NF4 ("qlora"),
+    the embeddings, head and norms in element_bytes.
+
+    Args:
+        shape: the model's shape.
+        mode: "lora" or "qlora".
+        element_bytes: bytes per 16-bit weight (4 for an fp32 model).
+    """
+    d = _head_dim(shape)
+    h, i = shape.hidden_size, shape.intermediate_size
+    projections = shape.num_hidden_layers * (
+        h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i
+    )
+    embeddings = shape.vocab_size * h
+    arch = architecture_for(shape)
+    # A shape may say itself (Qwen's small sizes tie, its large ones do not).
+    tied = shape.extra.get("tie_word_embeddings", arch is not None and arch.tied_embeddings)
+    head = 0 if tied else shape.vocab_size * h
+    norms = (2 * shape.num_hidden_layers + 1) * h
+    per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
+    return projections * per_projection + element_bytes * (embeddings + head + norms)
+
+
+def lora_bytes(shape: Shape, rank: int) -> float:
+    """LoRA adapters on all seven projections, trained in fp32, with their gradients and
+    AdamW's two moments. Each adapter is r * (in + out): A reads the input, B writes the
+    output; where q/k/v and gate/up are one layer each (Phi-3: the record's
+    fused_projections), one A reads the input for the group.
+
+    Args:
+        shape: the model's shape.
+        rank: the LoRA rank.
+    """
+    d = _head_dim(shape)
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
+    arch = architecture_for(shape)
+    reads_hidden = 2 if arch is not None and arch.fused_projections else 5  # q, k, v, gate, up
+    a_columns = reads_hidden * h + q + i  # ... and o_proj (reads q), down_proj (reads i)
+    b_rows = q + 2 * kv + h + 2 * i + h  # q, k, v, o, gate, up, down
+    return 16.0 * shape.num_hidden_layers * rank * (a_columns + b_rows)
+
+
+def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:
+    """What one decoder layer that is not checkpointed keeps for backward.
+
+    Per token, in element_bytes each: the layer input and the attention's normed input
+    (2 H), q, k and v after RoPE and the attention output ((2 Hq + 2 Hkv) D), the sum
+    after attention and the MLP's normed input (2 H), the gate and up projections (2 I),
+    x A^T of the seven adapters (7 r); in fp32, the attention's log-sum-exp per head and
+    the two norms' 1/rms.  That is what slothkit's fused layer saves
+    (tests/slothkit/memory/test_memory_model.py counts it through autograd's saved-tensor hooks).
+
+    The architecture's record adds what its further norms keep.  slothkit_kernels'
+    RMSNorm saves its input (element_bytes each) and 1/rms per row (fp32); its weight is
+    a parameter, held anyway.  So, per token:
+
+        qk_norm         q and k before their norms, (Hq + Hkv) D elements, and one 1/rms
+                        per head, 4 (Hq + Hkv) bytes; the normed q and k, rotated in
+                        place, are the attention's q and k counted above.
+        sandwich_norms  post_attention_layernorm's input, o_proj's output, and
+                        post_feedforward_layernorm's, the MLP's output: 2 H elements and
+                        two 1/rms, 8 bytes; pre_feedforward_layernorm keeps what Llama's
+                        post_attention_layernorm keeps (the sum after attention).
+
+    Args:
+        shape: the model's shape.
+        tokens: tokens per step (batch x sequence).
+        rank: the LoRA rank.
+        element_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+    """
+    d = _head_dim(shape)
+    h, i = shape.hidden_size, shape.intermediate_size
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    per_token = element_bytes * (4 * h + 2 * i + 2 * (heads + kv_heads) * d + 7 * rank)
+    per_token += 4 * (heads + 2)
+    arch = architecture_for(shape)
+    if arch is not None and arch.qk_norm:
+        per_token += (element_bytes * d + 4) * (heads + kv_heads)
+    if arch is not None and arch.sandwich_norms:
+        per_token += 2 * (element_bytes * h + 4)
+    return float(tokens * per_token)
+
+
+def activation_bytes(
+    shape: Shape,
+    tokens: int,
+    checkpointing: str | bool = "offload",
+    kept_layers: int = 0,
+    rank: int = 16,
+    element_bytes: int = 2,
+) -> float:
+    """Activation memory at the peak of a training step.
+
+    Args:
+        shape: the model's shape.
+        tokens: tokens per step (batch x sequence).
+        checkpointing: how the layers that are not kept are checkpointed: "offload"
+            (their inputs in host memory) or True (their inputs on the GPU).
+        kept_layers: decoder layers that are not checkpointed.
+        rank: the LoRA rank.
+        element_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+    """
+    if checkpointing is not True and checkpointing != "offload":
+        raise ValueError(f"checkpointing={checkpointing!r}; accepted: 'offload' or True")
+    d = _head_dim(shape)
+    h, i = shape.hidden_size, shape.intermediate_size
+    per_token = 6 * h + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
+    per_token += h  # the fused loss's d_hidden
+    # The MLP's (tokens, intermediate) tensors: over one chunk of tokens in the long
+    # steps of offloaded layers (whose re-runs are chunked); whole where a kept layer's
+    # backward (or torch's checkpoint) runs the MLP unchunked.
+    chunked = checkpointing == "offload" and kept_layers == 0
+    mlp_tokens = (mlp_token_chunk(tokens) or tokens) if chunked else tokens
+    logits_chunk = shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
+    total = element_bytes * (tokens * per_token + mlp_tokens * 4 * i + logits_chunk)
+    if checkpointing is True:
+        total += (shape.num_hidden_layers - kept_layers) * tokens * element_bytes * h
+    return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)
+
+
+class MemoryBudgetError(ValueError):
+    """Training does not fit the memory budget even with every layer offloaded (or, where
+    host memory is short, with every layer checkpointed: the host's share offloaded,
+    the rest on the GPU)."""
+
+    def __init__(
+        self, minimum_bytes: float, budget_bytes: float, tokens: int, on_gpu: int = 0, quantized: bool = False
+    ):
+        self.minimum_bytes, self.budget_bytes, self.tokens = minimum_bytes, budget_bytes, tokens
+        where = (
+            f"every layer checkpointed, {on_gpu} of them on the GPU for want of host memory"
+            if on_gpu
+            else "every layer's activations offloaded"
+        )
+        host_hint = ", or free host memory (max_host_memory=)" if on_gpu else ""
+        super().__init__(
+            f"training at {tokens:,} tokens per step needs at least {minimum_bytes / GIB:.2f} GiB "
+            f"(the predicted peak with {where}), more than the budget of {budget_bytes / GIB:.2f} GiB; "
+            f"raise max_memory{host_hint}, or lower the batch size or max_seq_length"
+            + ("" if quantized else ", or load the model with load_in_4bit=True")
+        )
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """What use_gradient_checkpointing="auto" does at one step size: the last ``kept``
+    decoder layers keep their activations; of the others, the first ``offloaded`` send
+    their inputs to host memory and the next ``on_gpu`` (those the host budget cannot
+    take) keep their inputs on the GPU."""
+
+    kept: int
+    layers: int
+    budget_bytes: float
+    peak_bytes: float  # predicted peak reserved
+    tokens: int
+    on_gpu: int = 0
+    host_budget_bytes: float | None = None
+    host_bytes: float = 0.0  # predicted pinned host memory of the offloaded layers
+
+    @property
+    def offloaded(self) -> int:
+        return self.layers - self.kept - self.on_gpu
+
+    def notice(self) -> str:
+        """The one line that says what was chosen."""
+        line = (
+            f"slothkit: use_gradient_checkpointing='auto' keeps {self.kept} of {self.layers} layers' "
+            f"activations at {self.tokens:,} tokens per step (budget {self.budget_bytes / GIB:.1f} GiB, "
+            f"predicted peak {self.peak_bytes / GIB:.1f} GiB), offloads {self.offloaded}"
+        )
+        if self.on_gpu:
+            line += (
+                f" ({self.host_bytes / GIB:.1f} GiB of host memory, budget "
+                f"{self.host_budget_bytes / GIB:.1f} GiB) and checkpoints {self.on_gpu} on the GPU"
+            )
+        return line
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """The memory one model's LoRA training step needs, as a function of the tokens per
+    step and of how many decoder layers keep their activations (are not checkpointed).
+
+    Args:
+        shape: the model's shape.
+        mode: "lora" (16-bit weights) or "qlora" (NF4 projections).
+        trainable_bytes: the trained parameters with their gradients and optimizer moments.
+        rank: the LoRA rank (the adapters' saved x A^T per token).
+        element_bytes: bytes per 16-bit weight and activation element (4 for fp32 models).
+        cuda_graphs: whether checkpointed layers replay from CUDA graphs.
+        keep_sums: whether checkpointed layers keep their residual sums for the re-run.
+        graph_max_tokens: steps of more tokens run without graphs and kept sums
+            (LayerGraphs.max_tokens, OffloadedCheckpointer.keep_max_tokens).
+    """
+
+    shape: Shape
+    mode: str
+    trainable_bytes: float
+    rank: int = 16
+    element_bytes: int = 2
+    cuda_graphs: bool = False
+    keep_sums: bool = False
+    graph_max_tokens: int = SHORT_STEP_TOKENS
+
+    @property
+    def layers(self) -> int:
+        return self.shape.num_hidden_layers
+
+    def checkpoint_bytes(self, tokens: int) -> float:
+        """What one checkpointed layer saves: its input, and its kept residual sum where
+        sums are kept at this step size; in pinned host memory when offloaded, on the GPU
+        otherwise.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+        """
+        return float(self._copies(tokens) * tokens * self.shape.hidden_size * self.element_bytes)
+
+    def host_checkpoint_bytes(self, tokens: int) -> float:
+        """``checkpoint_bytes`` as pinned host memory holds it (``pinned_bytes``).
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+        """
+        return float(
+            self._copies(tokens) * pinned_bytes(tokens * self.shape.hidden_size * self.element_bytes)
+        )
+
+    def _copies(self, tokens: int) -> int:
+        return 1 + int(self.keep_sums and tokens <= self.graph_max_tokens)
+
+    def allocated(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
+        """Predicted peak allocated bytes: weights, trained parameters and activations.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            kept_layers: decoder layers that are not checkpointed.
+            on_gpu_layers: checkpointed layers whose inputs stay on the GPU.
+        """
+        return (
+            weights_bytes(self.shape, self.mode, self.element_bytes)
+            + self.trainable_bytes
+            + activation_bytes(self.shape, tokens, "offload", kept_layers, self.rank, self.element_bytes)
+            + on_gpu_layers * self.checkpoint_bytes(tokens)
+        )
+
+    def reserved(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
+        """Predicted peak reserved bytes: the allocated peak and the allocator's slack,
+        and per checkpointed layer the kept sums' and the graphs' hidden-state-sized
+        tensors (module docstring).
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            kept_layers: decoder layers that are not checkpointed.
+            on_gpu_layers: checkpointed layers whose inputs stay on the GPU.
+        """
+        reserved = self.allocated(tokens, kept_layers, on_gpu_layers) * (1 + ALLOCATOR_SLACK_FRACTION)
+        reserved += ALLOCATOR_SLACK_GIB * GIB
+        per_layer = 0.0
+        if tokens <= self.graph_max_tokens:
+            per_layer = KEEP_SUMS_RESERVE * self.keep_sums + GRAPH_POOL_RESERVE * self.cuda_graphs
+        hidden_state = tokens * self.shape.hidden_size * self.element_bytes
+        return reserved + per_layer * (self.layers - kept_layers) * hidden_state
+
+    def host_layers(self, tokens: int, host_budget_bytes: float | None = None) -> int:
+        """How many checkpointed layers' inputs ``host_budget_bytes`` of pinned host
+        memory take (every layer where there is no host budget).
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            host_budget_bytes: the host memory offloaded layers may pin, or None.
+        """
+        if host_budget_bytes is None:
+            return self.layers
+        return min(self.layers, int(max(host_budget_bytes, 0.0) // self.host_checkpoint_bytes(tokens)))
+
+    def least_reserved(self, tokens: int, host_budget_bytes: float | None = None) -> float:
+        """The predicted reserved peak with no layer kept: the host's share of the layers
+        offloaded, the rest checkpointed on the GPU.  The least a step of ``tokens``
+        needs.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            host_budget_bytes: the host memory offloaded layers may pin, or None.
+        """
+        return self.reserved(tokens, 0, self.layers - self.host_layers(tokens, host_budget_bytes))
+
+    def recompute_choice(
+        self, tokens: int, budget_bytes: float, host_budget_bytes: float | None = None
+    ) -> RecomputeChoice:
+        """The most layers whose activations can be kept with the predicted reserved peak
+        at or under ``budget_bytes``; the others are offloaded, as many as
+        ``host_budget_bytes`` of pinned host memory take, and the rest checkpointed on the
+        GPU.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+            budget_bytes: the memory the step may reserve on the GPU.
+            host_budget_bytes: the host memory the offloaded layers may pin; None: no limit.
+
+        Raises:
+            MemoryBudgetError: even with every layer checkpointed the peak exceeds the budget.
+        """
+        host_layers = self.host_layers(tokens, host_budget_bytes)
+
+        def on_gpu(kept: int) -> int:
+            return max(0, self.layers - kept - host_layers)
+
+        peaks = [self.reserved(tokens, kept, on_gpu(kept)) for kept in range(self.layers + 1)]
+        if peaks[0] > budget_bytes:
+            raise MemoryBudgetError(peaks[0], budget_bytes, tokens, on_gpu(0), quantized=self.mode == "qlora")
+        kept = max(k for k, peak in enumerate(peaks) if peak <= budget_bytes)
+        offloaded = self.layers - kept - on_gpu(kept)
+        return RecomputeChoice(
+            kept,
+            self.layers,
+            budget_bytes,
+            peaks[kept],
+            tokens,
+            on_gpu=on_gpu(kept),
+            host_budget_bytes=host_budget_bytes,
+            host_bytes=offloaded * self.host_checkpoint_bytes(tokens),
+        )
+
+
+def budget_from_free(free_bytes: float) -> float:
+    """The default budget: the memory this process can have, less ``BUDGET_MARGIN`` of it
+    for what the prediction misses.
+
+    Args:
+        free_bytes: the memory this process can have.
+    """
+    return free_bytes * (1 - BUDGET_MARGIN)
+
+
+def free_bytes(device: torch.device) -> float | None:
+    """The memory this process can have on ``device``: the free memory plus what its
+    caching allocator already holds (the model's weights among it), no more than the
+    per-process memory fraction allows; None where there is no GPU memory to budget.
+
+    Args:
+        device: the model's device.
+    """
+    if device.type != "cuda":
+        return None
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    available = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.13 and up
+    if fraction is not None:
+        available = min(available, fraction(device) * total)
+    return float(available)
+
+
+# The default host budget leaves this share of the available memory unused.
+HOST_MARGIN = 0.10
+
+
+def gib_or_bytes(name: str, value) -> float:
+    """A memory size given as GiB (a number under 2**20) or bytes, checked; in bytes.
+
+    Raises:
+        ValueError: value is not a positive number.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            f"{name}={value!r}; expected a positive number: GiB (such as 40 or 22.5), "
+            f"or bytes (2**20 and up, such as 40 * 2**30)"
+        )
+    return float(value) if value >= 2**20 else float(value) * GIB
+
+
+def host_budget_bytes(max_host_memory=None) -> float | None:
+    """The host memory offloaded layer inputs may pin: ``max_host_memory`` (GiB, or bytes
+    from 2**20 up), else the host's available memory less ``HOST_MARGIN``, shared among
+    the processes of this host that train together (LOCAL_WORLD_SIZE, set by torchrun
+    and accelerate); None where the platform does not say (no limit).
+
+    Args:
+        max_host_memory: the budget asked for, or None.
+
+    Raises:
+        ValueError: max_host_memory is not a positive number.
+    """
+    if max_host_memory is not None:
+        return gib_or_bytes("max_host_memory", max_host_memory)
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    return float(psutil.virtual_memory().available) * (1 - HOST_MARGIN) / processes

@@ -1,0 +1,203 @@
+"""slothkit.memory.memory_model: what a kept layer saves, counted through autograd, and the
+recompute choice as the budget grows."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from slothkit import FastModel
+from slothkit.core.model_state import state_of
+from slothkit.memory.memory_model import (
+    GIB,
+    MemoryBudgetError,
+    TrainingMemory,
+    kept_layer_bytes,
+    lora_bytes,
+)
+from slothkit.models import shape_by_name
+from slothkit.models.shape import shape_from_config
+from slothkit.testing import build_tiny_model
+
+
+def _saved_bytes_per_layer(model, ids) -> list[int]:
+    """Bytes each decoder layer's forward hands autograd to keep for backward: distinct
+    storages, parameters (frozen or trained) left out, as they are held anyway, and so are
+    the layer's inputs other than its hidden states (the position embeddings' cos and sin, the
+    mask): the model makes them once per step and every layer reads the same ones."""
+    layers = model.get_base_model().model.layers
+    held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    current, saved, shared = [None], [dict() for _ in layers], set()
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if current[0] is not None and storage.data_ptr() not in held and storage.data_ptr() not in shared:
+            saved[current[0]][storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def enter(index, args, kwargs):
+        current[0] = index
+        inputs = list(args[1:]) + [v for k, v in kwargs.items() if k != "hidden_states"]
+        shared.clear()
+        for value in inputs:
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    shared.add(tensor.untyped_storage().data_ptr())
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda _, args, kwargs, i=index: enter(i, args, kwargs), with_kwargs=True
+            )
+        )
+        handles.append(layer.register_forward_hook(lambda *_: current.__setitem__(0, None)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    return [sum(layer.values()) for layer in saved]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
+)
+@pytest.mark.parametrize("arch", ["llama", "gemma", "qwen3", "gemma3", "phi3"])
+def test_a_kept_layer_saves_what_the_model_says(arch, tmp_path):
+    """Layer by layer, the fused path (the kernels' own autograd Functions, under the
+    Triton interpreter) keeps exactly ``kept_layer_bytes``, to the byte: in fp32 on the CPU
+    nothing is rounded or padded.  Qwen3's and Gemma 3's q/k norms and Gemma 3's sandwich
+    norms keep their inputs and 1/rms on top of Llama's layer.  The first layer is left
+    out: its input, the embeddings, needs no gradient, so its first norm saves nothing.
+    Gemma 3's window is wider than the sequence, so its sliding layers run unmasked like
+    the others: given a mask, transformers' SDPA repeats K and V to every query head and
+    the layer keeps those copies, which the model does not count.  Phi-3's fused qkv_proj
+    and gate_up_proj, read as row slices, save what Llama's separate projections do."""
+    window = {"sliding_window": 32} if arch == "gemma3" else {}
+    path = build_tiny_model(arch, tmp_path, num_layers=3, num_heads=4, num_kv_heads=2, **window)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+    batch, seq = 2, 20
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    measured = _saved_bytes_per_layer(model, ids)
+    expected = kept_layer_bytes(shape_from_config(model.config), batch * seq, rank=8, element_bytes=4)
+    assert measured[1:] == [expected, expected]
+
+
+@pytest.mark.cuda
+def test_each_kept_layer_adds_what_it_saves_to_the_peak_on_a_gpu(tmp_path):
+    """On a GPU (bf16, flash attention): a kept layer's saved tensors within 2 % of
+    ``kept_layer_bytes``, an offloaded one's none, and each layer "auto" keeps raising the
+    step's allocated peak by that much against every layer offloaded (within 15 %: the two
+    peaks fall in different phases, the kept run's as backward starts, the other's in a
+    layer's re-run)."""
+    from slothkit.engine.recompute_policy import RecomputeNotice
+
+    layers, batch, seq = 8, 4, 512
+    path = build_tiny_model(
+        "llama",
+        tmp_path,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=2,
+    )
+    peaks = {}
+    for kept in (0, 6):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.bfloat16, load_in_4bit=False)
+        model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing="auto", max_memory=2**40)
+        policy = state_of(model).recompute_policy
+        tokens = batch * seq
+        # A budget between the peaks of `kept` and `kept + 1` kept layers.
+        policy.budget = (policy.memory.reserved(tokens, kept) + policy.memory.reserved(tokens, kept + 1)) / 2
+        shape = policy.memory.shape
+        ids = torch.randint(3, shape.vocab_size, (batch, seq), device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecomputeNotice)
+            measured = _saved_bytes_per_layer(model, ids)  # the first step: the policy decides
+        # Offloaded layers save nothing in their forward; the kept ones (the last) their share.
+        assert measured[: layers - kept] == [0] * (layers - kept)
+        for saved in measured[layers - kept :]:
+            assert saved == pytest.approx(kept_layer_bytes(shape, tokens, rank=8), rel=0.02)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecomputeNotice)
+            model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        peaks[kept] = torch.cuda.max_memory_allocated() - base
+        assert policy.choice.kept == kept
+        del model, policy
+        torch.cuda.empty_cache()
+    per_layer = (peaks[6] - peaks[0]) / 6
+    assert per_layer == pytest.approx(kept_layer_bytes(shape, batch * seq, rank=8), rel=0.15)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_lora_bytes_count_the_adapters_get_peft_model_adds(arch, tmp_path):
+    """16 bytes (fp32 weight, gradient, two AdamW moments) per adapter parameter; Phi-3's
+    fused qkv_proj and gate_up_proj have one A per group."""
+    path = build_tiny_model(arch, tmp_path, num_layers=2, num_heads=4, num_kv_heads=2)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=False)
+    model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_bytes(shape_from_config(model.config), 8) == 16 * trained
+
+
+def _memory(**switches) -> TrainingMemory:
+    shape = shape_by_name("llama-3-8b")
+    return TrainingMemory(shape, "qlora", lora_bytes(shape, 16), **switches)
+
+
+@pytest.mark.parametrize("switches", [{}, {"cuda_graphs": True, "keep_sums": True}])
+def test_the_kept_layers_grow_with_the_budget(switches):
+    memory = _memory(**switches)
+    tokens = 2 * 2048
+    least, most = memory.reserved(tokens, 0), memory.reserved(tokens, 32)
+    assert memory.recompute_choice(tokens, least).kept == 0
+    assert memory.recompute_choice(tokens, 10**15).kept == 32
+    assert memory.recompute_choice(tokens, most).kept == 32
+    assert memory.recompute_choice(tokens, most - 1).kept == 31
+    kept = [memory.recompute_choice(tokens, least + step * (most - least) / 50).kept for step in range(51)]
+    assert kept == sorted(kept) and kept[0] == 0 and kept[-1] == 32
+    assert len(set(kept)) > 20  # every layer is a step of its own, not a jump to all
+    for budget in (least, (least + most) / 2, most):
+        choice = memory.recompute_choice(tokens, budget)
+        assert choice.peak_bytes == memory.reserved(tokens, choice.kept) <= budget
+        if choice.kept < 32:
+            assert memory.reserved(tokens, choice.kept + 1) > budget
+
+
+def test_a_budget_below_full_offload_names_the_least_it_needs():
+    memory = _memory()
+    least = memory.reserved(4096, 0)
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {least / GIB:.2f} GiB") as error:
+        memory.recompute_choice(4096, least - 1)
+    assert error.value.minimum_bytes == least and error.value.budget_bytes == least - 1
+    assert "budget of" in str(error.value) and "max_memory" in str(error.value)
+    assert "load_in_4bit" not in str(error.value)  # NF4 already: no advice to load it so
+    sixteen_bit = dataclasses.replace(memory, mode="lora")
+    with pytest.raises(MemoryBudgetError) as error:
+        sixteen_bit.recompute_choice(4096, sixteen_bit.reserved(4096, 0) - 1)
+    assert "or load the model with load_in_4bit=True" in str(error.value)
+
+
+def test_graphs_and_kept_sums_cost_reserved_memory_only_while_layers_are_checkpointed():
+    plain, both = _memory(), _memory(cuda_graphs=True, keep_sums=True)
+    hidden = 4096 * 4096 * 2  # tokens x H x 2 bytes
+    assert both.allocated(4096, 5) == plain.allocated(4096, 5)
+    assert both.reserved(4096, 5) - plain.reserved(4096, 5) == pytest.approx(3.5 * 27 * hidden)
+    assert both.reserved(4096, 32) == plain.reserved(4096, 32)
+    # Past the graphs' token bound the layers run eagerly and keep nothing.
+    assert both.reserved(32768, 0) == plain.reserved(32768, 0)
+
+
+def test_the_default_token_bound_is_the_checkpointer_s():
+    from slothkit.engine.layer_graphs import LayerGraphs
+    from slothkit.engine.offload_checkpoint import OffloadedCheckpointer
+
+    bound = TrainingMemory(shape_by_name("tiny-llama"), "lora", 0.0).graph_max_tokens
+    assert bound == LayerGraphs().max_tokens == OffloadedCheckpointer().keep_max_tokens
