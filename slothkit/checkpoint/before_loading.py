@@ -290,7 +290,7 @@ def extend_context(config, max_seq_length: int | None) -> bool:
     Returns:
         Whether the config was changed.
     """
-    from slothkit.core.notices import say_once
+    from slothkit.core.notices import SettingChangedWarning, say_once
 
     check_max_seq_length(config, max_seq_length, extends=True)
     context = getattr(config, "max_position_embeddings", None)
@@ -301,7 +301,8 @@ def extend_context(config, max_seq_length: int | None) -> bool:
     config.max_position_embeddings = max_seq_length
     say_once(
         f"max_seq_length={max_seq_length} exceeds this model's context of {context} tokens: RoPE is "
-        f"scaled linearly by {factor:g} (rope_parameters: rope_type='linear', factor={factor:g}) to reach it"
+        f"scaled linearly by {factor:g} (rope_parameters: rope_type='linear', factor={factor:g}) to reach it",
+        SettingChangedWarning,
     )
     return True
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, LegacySpellingWarning, say_once
 
 # vLLM settings that older notebooks pass with fast_inference=True.
 FAST_INFERENCE_OPTIONS = ("gpu_memory_utilization", "max_lora_rank", "float8_kv_cache")
@@ -35,7 +35,9 @@ def check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwar
         )
     for name, reason in UNSLOTH_LOADER_OPTIONS.items():
         if name in hf_kwargs:
-            say_once(f"from_pretrained({name}={hf_kwargs.pop(name)!r}) is ignored: {reason}")
+            say_once(
+                f"from_pretrained({name}={hf_kwargs.pop(name)!r}) is ignored: {reason}", LegacySpellingWarning
+            )
     given = [name for name in FAST_INFERENCE_OPTIONS if name in hf_kwargs]
     for name in given:
         hf_kwargs.pop(name)
@@ -44,7 +46,8 @@ def check_loading_options(load_in_8bit, full_finetuning, fast_inference, hf_kwar
             "from_pretrained(fast_inference=True"
             + "".join(f", {name}=..." for name in given)
             + ") needs no vLLM engine in slothkit: model.fast_generate, save_lora and load_lora take vLLM's "
-            "calls and decode through slothkit's own loop (slothkit.inference.vllm_generate); the vLLM settings are unused"
+            "calls and decode through slothkit's own loop (slothkit.inference.vllm_generate); the vLLM settings are unused",
+            LegacySpellingWarning,
         )
 
 
@@ -61,7 +64,8 @@ def embeddings_trained_in_full(target_modules: list, modules_to_save):
         return target_modules, modules_to_save
     say_once(
         f"get_peft_model(target_modules=[..., {', '.join(map(repr, named))}]) is written "
-        f"modules_to_save={named!r} in PEFT: they are trained in full, not through an adapter"
+        f"modules_to_save={named!r} in PEFT: they are trained in full, not through an adapter",
+        LegacySpellingWarning,
     )
     saved = list(modules_to_save or [])
     return [m for m in target_modules if m not in named], saved + [m for m in named if m not in saved]
@@ -101,7 +105,8 @@ def targets_from_layer_flags(target_modules, lora_kwargs: dict):
     if flags.get("finetune_vision_layers"):
         say_once(
             "get_peft_model(finetune_vision_layers=True): slothkit loads text models (a multimodal "
-            "checkpoint as its text model alone), so only the language layers get adapters"
+            "checkpoint as its text model alone), so only the language layers get adapters",
+            FallbackWarning,
         )
     if flags.get("finetune_language_layers", True) is False:
         raise ValueError(
@@ -151,7 +156,8 @@ def gguf_method_keyword(kwargs: dict) -> dict:
     kwargs["quantization_method"] = kwargs.pop("quantization_type")
     say_once(
         f"save_pretrained_gguf(quantization_type={kwargs['quantization_method']!r}) is written "
-        f"quantization_method={kwargs['quantization_method']!r} in slothkit"
+        f"quantization_method={kwargs['quantization_method']!r} in slothkit",
+        LegacySpellingWarning,
     )
     return kwargs
 
@@ -175,6 +181,7 @@ def gguf_push_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     say_once(
         f"push_to_hub_gguf({str(folder)!r}, repo_id={kwargs['repo_id']!r}) is written "
         f"push_to_hub_gguf({kwargs['repo_id']!r}) in slothkit: the files are written into a temporary folder "
-        f"and uploaded, not into {str(folder)!r} (save_pretrained_gguf writes a local copy)"
+        f"and uploaded, not into {str(folder)!r} (save_pretrained_gguf writes a local copy)",
+        LegacySpellingWarning,
     )
     return tuple(rest), kwargs

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.data.chat_formats import ChatFormat
 
 
@@ -133,5 +133,6 @@ def say_what_was_mapped(template: str, plan: MarkerTokens) -> None:
     say_once(
         f"get_chat_template({template}): " + "; ".join(said) + ". No token is added and the embeddings "
         f"keep their size. For {own}, pass add_missing_tokens=True (the embeddings and head grow, and "
-        f"every save carries them; train the new {rows} with modules_to_save=['embed_tokens', 'lm_head'])"
+        f"every save carries them; train the new {rows} with modules_to_save=['embed_tokens', 'lm_head'])",
+        FallbackWarning,
     )

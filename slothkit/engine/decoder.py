@@ -28,7 +28,7 @@ from slothkit.core.model_state import (
     patched_module,
     state_of,
 )
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
 from slothkit.engine.lora_projection import projections_or_none, row_projections_or_none
 from slothkit.engine.recomputation import recomputing
@@ -131,7 +131,8 @@ def _attention_function(attention: nn.Module):
         say_once(
             f"slothkit: {type(attention).__name__} soft-caps its attention scores, which SDPA "
             f"cannot do; slothkit's fused attention runs eager attention for it instead of the "
-            f"SDPA that was asked for"
+            f"SDPA that was asked for",
+            FallbackWarning,
         )
         implementation = "eager"
     if implementation == "eager":

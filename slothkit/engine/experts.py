@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from slothkit.core.model_state import patched_module
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.decoder import bind_forward
 from slothkit.models.experts import DEFAULT_GATES, OWN_GATES, ExpertGate
 from slothkit_kernels.moe import ExpertLoRA, moe_lora_experts
@@ -168,7 +168,9 @@ def _experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, 
     call = describe_experts(self) if top_k_index is not None and not args and not kwargs else None
     if not isinstance(call, ExpertsCall):
         if call is not None:
-            say_once(f"slothkit: a mixture-of-experts layer runs its own experts module: {call}")
+            say_once(
+                f"slothkit: a mixture-of-experts layer runs its own experts module: {call}", FallbackWarning
+            )
         return patched_module(self).original_forward(
             hidden_states, top_k_index, top_k_weights, *args, **kwargs
         )

@@ -15,7 +15,7 @@ import torch
 
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state, state_of
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.model_step import longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
@@ -69,7 +69,7 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
     if reason is not None:
         disable_fast_decode(model)
         if reason:
-            say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate")
+            say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate", FallbackWarning)
         return False
     state = attach_state(causal_lm)
     if state.fast_decoder is None:
@@ -135,5 +135,8 @@ def fast_generate(model, args: tuple, kwargs: dict):
 
 
 def _refuse(what: str):
-    say_once(f"slothkit: fast generation does not cover {what}; that call runs Hugging Face's generate")
+    say_once(
+        f"slothkit: fast generation does not cover {what}; that call runs Hugging Face's generate",
+        FallbackWarning,
+    )
     return None

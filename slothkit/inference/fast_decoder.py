@@ -22,7 +22,7 @@ import math
 import torch
 
 from slothkit.core.model_state import state_of
-from slothkit.core.notices import say_once
+from slothkit.core.notices import DataWarning, FallbackWarning, say_once
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.inference.model_step import ModelStep
 from slothkit.inference.sampling import (
@@ -157,7 +157,8 @@ def _warn_past_context(causal_lm, length: int) -> None:
         say_once(
             f"slothkit: this generate call reaches {length} tokens (prompt + max_new_tokens), past the "
             f"model's {limit} positions; what it generates beyond them degrades. Lower max_new_tokens, "
-            f"or load with a longer max_seq_length (RoPE scaling)"
+            f"or load with a longer max_seq_length (RoPE scaling)",
+            DataWarning,
         )
 
 
@@ -237,7 +238,8 @@ class FastDecoder:
                 raise
             say_once(
                 f"slothkit: the decode step could not be captured as a CUDA graph ({error}); "
-                "generating without the graph (slower)"
+                "generating without the graph (slower)",
+                FallbackWarning,
             )
             self.use_graph = False
             self.captured = _CapturedStep(self.step, self.cache, use_graph=False)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.data.chat_template_calls import TokenTensor
 
 
@@ -57,7 +57,8 @@ class UnpackingGenerate:
             say_once(
                 "model.generate(input_ids=inputs) with the dict that apply_chat_template(..., "
                 "return_tensors='pt') returns in transformers 5 is written model.generate(**inputs); "
-                "slothkit unpacked it"
+                "slothkit unpacked it",
+                LegacySpellingWarning,
             )
             for key, value in encoding.items():
                 kwargs.setdefault(key, value)

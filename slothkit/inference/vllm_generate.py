@@ -32,7 +32,7 @@ import torch
 from slothkit.compat.sampling_params import SamplingParams
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import state_of
-from slothkit.core.notices import say_once
+from slothkit.core.notices import DataWarning, say_once
 from slothkit.export.adapter_export import check_adapter_weights
 from slothkit.export.save import tokenizer_of
 from slothkit.inference.sampling import eos_ids
@@ -300,7 +300,8 @@ def _stops(causal_lm, tokenizer, params: SamplingParams):
     if cut_strings:
         say_once(
             f"fast_generate: stop strings {cut_strings!r} span more than one token: each sample decodes "
-            "to its end token or max_tokens and its text is cut where one first appears"
+            "to its end token or max_tokens and its text is cut where one first appears",
+            DataWarning,
         )
     return eos, by_token, cut_strings
 

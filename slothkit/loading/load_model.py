@@ -31,7 +31,7 @@ from slothkit.core.distributed import device_map_for_process
 from slothkit.core.folder_paths import check_folder_path
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import patch_decoder
@@ -191,7 +191,8 @@ def attention_for(config, asked: str | None = None, sequence_classifier: bool = 
     say_once(
         f"slothkit: {model_class.__name__} cannot run SDPA attention ({reason}); transformers' "
         f"modules run eager attention, which is slower and holds the attention weights{fused}. "
-        f"Pass attn_implementation='flash_attention_2' where flash-attn is installed"
+        f"Pass attn_implementation='flash_attention_2' where flash-attn is installed",
+        FallbackWarning,
     )
     return "eager"
 

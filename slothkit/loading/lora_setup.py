@@ -17,7 +17,7 @@ import torch
 from slothkit.checkpoint.before_loading import ALL_PROJECTIONS, linear_module_leaves, matching_modules
 from slothkit.compat.unsloth_options import embeddings_trained_in_full
 from slothkit.core.inspection import causal_lm_of, is_sequence_classifier
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, SettingChangedWarning, say_once
 from slothkit.engine.experts import has_fused_experts, patch_experts
 from slothkit.loading.load_model import set_max_seq_length
 
@@ -143,7 +143,8 @@ def onto_fused_projections(model, target_modules: list) -> list:
             say_once(
                 f"slothkit: this model computes {', '.join(group)} as one layer, {fused}; LoRA adapts "
                 f"it there with one rank-r update for the whole group, not one per projection "
-                f"(target_modules={fused!r} says so directly)"
+                f"(target_modules={fused!r} says so directly)",
+                SettingChangedWarning,
             )
     return names
 
@@ -177,7 +178,8 @@ def onto_expert_parameters(model, target_modules: list) -> tuple[list, list]:
         say_once(
             f"slothkit: this model's experts hold their MLP projections as 3-D parameters "
             f"({', '.join(parameters)}), not linear layers; LoRA adapts each expert there through "
-            f"PEFT's target_parameters, {where}"
+            f"PEFT's target_parameters, {where}",
+            FallbackWarning,
         )
     return names, parameters
 

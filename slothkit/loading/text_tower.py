@@ -17,7 +17,7 @@ import contextlib
 import copy
 import logging
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.models import RECORDS
 
@@ -56,7 +56,8 @@ def text_tower_config(config, model_name: str):
         f"model alone ({text.model_type}) and trains that, so the vision tower is not loaded and "
         f"the adapter, merged and GGUF saves are of the text model (they read no images); its "
         f"tokenizer's apply_chat_template returns text unless asked to tokenize, as the checkpoint's "
-        f"processor does"
+        f"processor does",
+        FallbackWarning,
     )
     return text
 

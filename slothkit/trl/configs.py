@@ -33,7 +33,7 @@ import dataclasses
 
 import transformers
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.trl.library import trl_class
 from slothkit.trl.online_configs import translate_online_keywords
 
@@ -80,14 +80,16 @@ def translate_training_keywords(kwargs: dict, owner: str, fields: set[str], extr
         if steps:
             say_once(
                 f"{owner}(warmup_ratio={ratio}, warmup_steps={steps}): warmup_steps wins, as it did when "
-                f"both were given; transformers 5 has no warmup_ratio: write warmup_steps={steps} alone"
+                f"both were given; transformers 5 has no warmup_ratio: write warmup_steps={steps} alone",
+                LegacySpellingWarning,
             )
         else:
             kwargs["warmup_steps"] = ratio
             say_once(
                 f"{owner}(warmup_ratio={ratio}) is written warmup_steps={ratio} in transformers 5: a value "
                 "below 1 is the fraction of the training steps, rounded up once the total is known "
-                "(max_steps, or num_train_epochs times the batches per epoch)"
+                "(max_steps, or num_train_epochs times the batches per epoch)",
+                LegacySpellingWarning,
             )
     for old, new in _RENAMED.items():
         if old in kwargs:
@@ -96,12 +98,13 @@ def translate_training_keywords(kwargs: dict, owner: str, fields: set[str], extr
                     f"{owner}: got both {old}= and {new}=; {old} is the old name of {new}: keep {new}"
                 )
             kwargs[new] = kwargs.pop(old)
-            say_once(f"{owner}({old}=...) is written {new}=... now")
+            say_once(f"{owner}({old}=...) is written {new}=... now", LegacySpellingWarning)
     if "group_by_length" in kwargs:
         if kwargs.pop("group_by_length"):
             kwargs["train_sampling_strategy"] = "group_by_length"
         say_once(
-            f"{owner}(group_by_length=True) is written train_sampling_strategy='group_by_length' in transformers 5"
+            f"{owner}(group_by_length=True) is written train_sampling_strategy='group_by_length' in transformers 5",
+            LegacySpellingWarning,
         )
     for old, (kept_value, reason) in _DROPPED.items():
         if old in kwargs:
@@ -110,14 +113,14 @@ def translate_training_keywords(kwargs: dict, owner: str, fields: set[str], extr
                 raise ValueError(
                     f"{owner}({old}={value!r}) is not possible any more: {reason}; leave {old} out"
                 )
-            say_once(f"{owner}({old}=...) is ignored: {reason}; leave it out")
+            say_once(f"{owner}({old}=...) is ignored: {reason}; leave it out", LegacySpellingWarning)
     if "max_seq_length" in kwargs and "max_length" in fields:
         if "max_length" in kwargs:
             raise ValueError(
                 f"{owner}: got both max_seq_length= and max_length=; max_seq_length is the old name: keep max_length"
             )
         kwargs["max_length"] = kwargs.pop("max_seq_length")
-        say_once(f"{owner}(max_seq_length=...) is written max_length=... in TRL 1.x")
+        say_once(f"{owner}(max_seq_length=...) is written max_length=... in TRL 1.x", LegacySpellingWarning)
     unknown = sorted(set(kwargs) - fields - set(extras))
     if unknown:
         raise TypeError(
@@ -257,7 +260,8 @@ def convert_arguments(args, config_class, overrides: dict, owner: str):
     if not isinstance(args, target):
         say_once(
             f"{owner}(args={type(args).__name__}(...)) is written {owner}(args={target.__name__}(...)) in "
-            "TRL 1.x; slothkit converted it, keeping every value set"
+            "TRL 1.x; slothkit converted it, keeping every value set",
+            LegacySpellingWarning,
         )
     # gradient_checkpointing* mirror activation_checkpointing* in transformers 5 (copying
     # both would warn that the old names are deprecated).

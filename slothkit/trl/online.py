@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import trl
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import DataWarning, say_once
 from slothkit.data.validation import check_prompt_dataset
 from slothkit.trl.configs import GRPOConfig, RLOOConfig
 from slothkit.trl.on_policy_generation import generate_on_fast_path
@@ -117,7 +117,8 @@ def _without_long_prompts(dataset, tokenizer, limit: int):
     say_once(
         f"max_prompt_length={limit}: {dropped} of {len(dataset)} prompts are longer (the longest, prompt "
         f"{longest[0]}, {longest[1]} tokens) and are left out of training; TRL 1.16 no longer cuts prompts, and "
-        "cutting a chat prompt would drop its system turn (filter them out yourself to keep this quiet)"
+        "cutting a chat prompt would drop its system turn (filter them out yourself to keep this quiet)",
+        DataWarning,
     )
     return dataset.select(kept)
 

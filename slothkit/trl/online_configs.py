@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import SettingChangedWarning, say_once
 
 # vLLM settings with a GRPOConfig field of the same meaning, and vLLM's defaults for them
 # (top_k: -1 and 0 both mean no top-k there, 0 in TRL's config).
@@ -55,7 +55,8 @@ def translate_online_keywords(kwargs: dict, owner: str, base) -> dict:
         kwargs["use_vllm"] = False
         say_once(
             f"{owner}(use_vllm=True): slothkit samples the completions through its own fast decode loop, "
-            "without vLLM; use_vllm is set False"
+            "without vLLM; use_vllm is set False",
+            SettingChangedWarning,
         )
     params = kwargs.get("vllm_sampling_params")
     if params is not None:
@@ -78,7 +79,8 @@ def _take_sampling_settings(kwargs: dict, params, owner: str, fields: set[str]) 
         if name in kwargs and kwargs[name] != value:
             say_once(
                 f"{owner}(vllm_sampling_params=SamplingParams({name}={value!r}), {name}={kwargs[name]!r}): "
-                f"the config's own {name} is used"
+                f"the config's own {name} is used",
+                SettingChangedWarning,
             )
             continue
         kwargs[name] = value
@@ -90,7 +92,8 @@ def _take_sampling_settings(kwargs: dict, params, owner: str, fields: set[str]) 
     if unused:
         say_once(
             f"{owner}(vllm_sampling_params=...): its {', '.join(unused)} have no effect on the trainer's sampling; "
-            "temperature, top_p, top_k, min_p and repetition_penalty are taken"
+            "temperature, top_p, top_k, min_p and repetition_penalty are taken",
+            SettingChangedWarning,
         )
 
 
@@ -114,5 +117,6 @@ def _whole_groups(kwargs: dict, owner: str, defaults: dict) -> None:
     kwargs["per_device_train_batch_size"] = raised
     say_once(
         f"{owner}(per_device_train_batch_size={batch}, num_generations={groups}): each generation batch must "
-        f"hold whole groups of a prompt's {groups} completions; per_device_train_batch_size is raised to {raised}"
+        f"hold whole groups of a prompt's {groups} completions; per_device_train_batch_size is raised to {raised}",
+        SettingChangedWarning,
     )

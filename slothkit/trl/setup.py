@@ -23,7 +23,7 @@ import torch
 from slothkit.core.distributed import check_ddp_settings
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import state_of
-from slothkit.core.notices import say_once
+from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.engine.checkpointing import uses_offloaded_checkpoint
 from slothkit.trl.configs import convert_arguments, field_names
 from slothkit.trl.defaults import default_config
@@ -121,7 +121,10 @@ class TrainerSetup:
             if kwargs.get("processing_class") is not None:
                 raise ValueError(f"{owner}: got both tokenizer= and processing_class=; keep processing_class")
             kwargs["processing_class"] = kwargs.pop("tokenizer")
-            say_once(f"{owner}(tokenizer=...) is written {owner}(processing_class=...) in TRL 1.x")
+            say_once(
+                f"{owner}(tokenizer=...) is written {owner}(processing_class=...) in TRL 1.x",
+                LegacySpellingWarning,
+            )
         accepted = set(inspect.signature(trl_trainer.__init__).parameters) - {"self", "args"}
         fields = field_names(config_class) | set(config_class._extra_keywords)
         options = {}
@@ -130,12 +133,14 @@ class TrainerSetup:
             if name in _DROPPED_OPTIONS:
                 kwargs.pop(name)
                 say_once(
-                    f"{owner}({name}=...) is ignored: {_DROPPED_OPTIONS[name]}; TRL 1.x has no such option"
+                    f"{owner}({name}=...) is ignored: {_DROPPED_OPTIONS[name]}; TRL 1.x has no such option",
+                    LegacySpellingWarning,
                 )
             elif new in fields:
                 options[new] = kwargs.pop(name)
                 say_once(
-                    f"{owner}({name}=...) is written {config_class.__name__}({new}=...) in TRL 1.x; passed on there"
+                    f"{owner}({name}=...) is written {config_class.__name__}({new}=...) in TRL 1.x; passed on there",
+                    LegacySpellingWarning,
                 )
         unknown = sorted(set(kwargs) - accepted)
         if unknown:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import trl
 
-from slothkit.core.notices import say_once
+from slothkit.core.notices import DataWarning, say_once
 from slothkit.data.validation import check_sft_dataset
 from slothkit.trl.configs import SFTConfig
 from slothkit.trl.setup import TrainerSetup
@@ -82,7 +82,8 @@ def _text_over_conversations(dataset, field: str):
     say_once(
         f"the dataset has a {field!r} column and {', '.join(map(repr, conversations))}: slothkit trains on "
         f"{field!r} (dataset_text_field), as TRL did before 1.x; drop the {field!r} column to have TRL render "
-        "the conversations with the chat template instead"
+        "the conversations with the chat template instead",
+        DataWarning,
     )
     return dataset.remove_columns(conversations)
 
@@ -102,7 +103,8 @@ def _without_written_bos(dataset, processing_class, field: str):
         return dataset
     say_once(
         f"the {field!r} column starts with the BOS token {bos!r} and tokenizing adds one: slothkit drops the "
-        "written one (render the text with slothkit.data.apply_chat_template, which leaves it out)"
+        "written one (render the text with slothkit.data.apply_chat_template, which leaves it out)",
+        DataWarning,
     )
     return dataset.map(
         lambda record: {field: record[field][len(bos) :] if record[field].startswith(bos) else record[field]},

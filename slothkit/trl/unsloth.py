@@ -5,7 +5,7 @@ for the embeddings, for continued pretraining), ``unsloth_train`` and ``PatchDPO
 from __future__ import annotations
 
 from slothkit.core.inspection import causal_lm_of
-from slothkit.core.notices import say_once
+from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.trl.configs import UnslothTrainingArguments
 from slothkit.trl.supervised import SFTTrainer
 
@@ -76,5 +76,6 @@ def PatchDPOTrainer() -> None:  # noqa: N802 - the name older notebooks call
     they are.  Says so once."""
     say_once(
         "PatchDPOTrainer() does nothing on slothkit: TRL's DPOTrainer trains slothkit's models as they are; "
-        "leave the call out (import DPOTrainer from slothkit.trl for the older keywords)"
+        "leave the call out (import DPOTrainer from slothkit.trl for the older keywords)",
+        LegacySpellingWarning,
     )

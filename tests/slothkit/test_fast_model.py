@@ -544,14 +544,14 @@ def test_clear_errors_for_bad_input(tmp_path):
 def test_max_seq_length_beyond_the_context_scales_rope_linearly():
     """Twice the context: each position p of the extended model turns q and k by the angles
     the original gives p / 2 (linear RoPE scaling), said once; the refusals say the limits."""
-    from slothkit.core.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import SettingChangedWarning, say_once
 
     path = str(tiny_model_path("llama"))
     say_once.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         extended, tokenizer = FastModel.from_pretrained(path, max_seq_length=4096, load_in_4bit=False)
-    notices = [str(w.message) for w in caught if issubclass(w.category, LegacySpellingWarning)]
+    notices = [str(w.message) for w in caught if issubclass(w.category, SettingChangedWarning)]
     assert any(
         "exceeds this model's context of 2048 tokens: RoPE is scaled linearly by 2" in n for n in notices
     )

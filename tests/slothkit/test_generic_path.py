@@ -274,7 +274,7 @@ def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
     implementation the user names is taken as it is."""
     from transformers import AutoConfig
 
-    from slothkit.core.notices import LegacySpellingWarning
+    from slothkit.core.notices import FallbackWarning
     from slothkit.loading.load_model import attention_for
 
     llama, gemma2 = AutoConfig.for_model("llama"), AutoConfig.for_model("gemma2")
@@ -284,7 +284,7 @@ def test_attention_falls_back_by_the_class_and_keeps_what_the_user_asked():
         assert attention_for(gemma2) == attention_for(gemma2) == "eager"
         assert attention_for(gemma2, sequence_classifier=True) == "eager"
         assert attention_for(AutoConfig.for_model("vaultgemma")) == "eager"
-    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    notices = [str(w.message) for w in caught if w.category is FallbackWarning]
     assert len(notices) == 3  # once per class: Gemma2ForCausalLM, ...ForSequenceClassification, VaultGemma
     assert notices[0].startswith("slothkit: Gemma2ForCausalLM cannot run SDPA attention")
     for asked in ("sdpa", "eager", "flash_attention_2"):
@@ -300,7 +300,7 @@ def test_soft_capped_attention_never_runs_sdpa(monkeypatch):
     from transformers import AutoConfig
     from transformers.models.gemma2 import modeling_gemma2
 
-    from slothkit.core.notices import LegacySpellingWarning
+    from slothkit.core.notices import FallbackWarning
     from slothkit.engine.decoder import _attention_function
     from slothkit.loading.load_model import attention_for
 
@@ -319,7 +319,7 @@ def test_soft_capped_attention_never_runs_sdpa(monkeypatch):
         warnings.simplefilter("always")
         assert _attention_function(attention) is modeling_gemma2.eager_attention_forward
         assert _attention_function(attention) is modeling_gemma2.eager_attention_forward
-    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    notices = [str(w.message) for w in caught if w.category is FallbackWarning]
     assert len(notices) == 1 and "soft-caps its attention scores" in notices[0]
     attention.attn_logit_softcapping = None
     assert _attention_function(attention) is not modeling_gemma2.eager_attention_forward

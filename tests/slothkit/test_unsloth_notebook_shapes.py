@@ -35,7 +35,7 @@ from slothkit import (  # noqa: E402
 from slothkit.chat_templates import (  # noqa: E402
     get_chat_template,
 )
-from slothkit.core.notices import LegacySpellingWarning, say_once  # noqa: E402
+from slothkit.core.notices import FallbackWarning, SlothkitNotice, say_once  # noqa: E402
 from slothkit.testing import tiny_model_path  # noqa: E402
 from slothkit.trl import (  # noqa: E402
     DPOTrainer,
@@ -147,7 +147,7 @@ def _training_arguments(**overrides):
 
 
 def _notices(caught) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, LegacySpellingWarning)]
+    return [str(w.message) for w in caught if issubclass(w.category, SlothkitNotice)]
 
 
 def _lora(model):
@@ -264,7 +264,7 @@ def test_chatml_on_a_tokenizer_without_its_tokens_grows_the_model_it_came_with()
         get_chat_template(loose, chat_template="chatml", add_missing_tokens=True)
     size = len(loose)  # by default nothing is added, so no model is needed
     say_once.cache_clear()
-    with pytest.warns(LegacySpellingWarning, match="each turn ends with its EOS '</s>'"):
+    with pytest.warns(FallbackWarning, match="each turn ends with its EOS '</s>'"):
         get_chat_template(loose, chat_template="chatml")
     assert len(loose) == size and loose.eos_token == "</s>"
     assert get_chat_template(

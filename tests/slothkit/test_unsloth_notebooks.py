@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from slothkit.core.notices import LegacySpellingWarning, say_once  # noqa: E402
+from slothkit.core.notices import SlothkitNotice, say_once  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SCRIPTS = Path(__file__).resolve().parent / "unsloth_notebooks"
@@ -54,7 +54,7 @@ def _run(name: str, **given) -> dict:
 
 
 def _notices(caught) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, LegacySpellingWarning)]
+    return [str(w.message) for w in caught if issubclass(w.category, SlothkitNotice)]
 
 
 def _assert_trained(trainer):

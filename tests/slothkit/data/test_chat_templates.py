@@ -391,7 +391,7 @@ def test_a_turn_end_the_tokenizer_lacks_is_written_as_its_eos(name):
     """By default nothing is added: the golden text with the turn end replaced by the
     tokenizer's EOS, the other markers as text; the assistant masks keep each reply and its
     EOS; the notice is given once."""
-    from slothkit.core.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import FallbackWarning, say_once
 
     say_once.cache_clear()
     tokenizer = _tokenizer("mistral")
@@ -400,9 +400,9 @@ def test_a_turn_end_the_tokenizer_lacks_is_written_as_its_eos(name):
         warnings.simplefilter("always")
         get_chat_template(tokenizer, name)  # no model needed: nothing is added
         get_chat_template(tokenizer, name)
-    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    notices = [str(w.message) for w in caught if w.category is FallbackWarning]
     assert len(notices) == 1 and f"no token {turn_end!r}, so each turn ends with its EOS '</s>'" in notices[0]
-    assert [str(w.message) for w in caught if w.category is not LegacySpellingWarning] == []
+    assert [str(w.message) for w in caught if w.category is not FallbackWarning] == []
     assert len(tokenizer) == size and tokenizer.eos_token == "</s>"
 
     def mapped(text):
@@ -483,7 +483,7 @@ def test_a_custom_pairs_turn_end_the_tokenizer_lacks_is_written_as_its_eos():
     """As for a named format: the template writes the tokenizer's EOS where it wrote the
     token, nothing is added (no model needed) and a notice says so once; with
     add_missing_tokens=True or map_eos_token=False the token is added instead."""
-    from slothkit.core.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import FallbackWarning, say_once
 
     say_once.cache_clear()
     tokenizer = _tokenizer("mistral")
@@ -492,13 +492,13 @@ def test_a_custom_pairs_turn_end_the_tokenizer_lacks_is_written_as_its_eos():
         warnings.simplefilter("always")
         get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"))
         get_chat_template(tokenizer, (CUSTOM_TEMPLATE, "<|eot_id|>"))
-    assert [str(w.message) for w in caught if w.category is LegacySpellingWarning] == [
+    assert [str(w.message) for w in caught if w.category is FallbackWarning] == [
         "get_chat_template((template, '<|eot_id|>')): this tokenizer has no token '<|eot_id|>', so each turn "
         "ends with its EOS '</s>' (map_eos_token=True). No token is added and the embeddings keep their "
         "size. For a token of its own, pass add_missing_tokens=True (the embeddings and head grow, and "
         "every save carries them; train the new row with modules_to_save=['embed_tokens', 'lm_head'])"
     ]
-    assert [w for w in caught if w.category is not LegacySpellingWarning] == []
+    assert [w for w in caught if w.category is not FallbackWarning] == []
     assert (len(tokenizer), tokenizer.eos_token) == (size, "</s>")
     text = tokenizer.apply_chat_template(CUSTOM_CONVERSATION, tokenize=False, add_generation_prompt=True)
     assert text == "User: Hi <|eot_id|> there</s>Bot: Yo</s>Bot: "

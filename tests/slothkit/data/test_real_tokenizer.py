@@ -197,7 +197,7 @@ def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_pat
     at <|im_end|>, and a notice says so once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slothkit.core.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import FallbackWarning, say_once
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
@@ -206,7 +206,7 @@ def test_llama31_on_smollm2_ends_turns_with_its_eos_and_adds_nothing(smollm2_pat
         warnings.simplefilter("always")
         get_chat_template(tokenizer, "llama-3.1", model=model)
         get_chat_template(tokenizer, "llama-3.1", model=model)  # the notebooks install it twice
-    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    notices = [str(w.message) for w in caught if w.category is FallbackWarning]
     assert notices == [
         "get_chat_template('llama-3'): this tokenizer has no token '<|eot_id|>', so each turn ends with its "
         "EOS '<|im_end|>' (map_eos_token=True); '<|start_header_id|>' and '<|end_header_id|>' stay plain "
@@ -320,20 +320,20 @@ def test_a_custom_llama3_pair_on_smollm2_ends_turns_with_its_eos_and_adds_nothin
     train_on_responses_only keeps exactly each reply and its <|im_end|>."""
     from transformers import DataCollatorWithPadding
 
-    from slothkit.core.notices import LegacySpellingWarning, say_once
+    from slothkit.core.notices import FallbackWarning, say_once
 
     say_once.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         get_chat_template(tokenizer, (LLAMA3_CUSTOM_TEMPLATE, "<|eot_id|>"))
         get_chat_template(tokenizer, (LLAMA3_CUSTOM_TEMPLATE, "<|eot_id|>"))
-    notices = [str(w.message) for w in caught if w.category is LegacySpellingWarning]
+    notices = [str(w.message) for w in caught if w.category is FallbackWarning]
     assert len(notices) == 1 and notices[0].startswith(
         "get_chat_template((template, '<|eot_id|>')): this tokenizer has no token '<|eot_id|>', so each "
         "turn ends with its EOS '<|im_end|>' (map_eos_token=True). No token is added"
     )
     assert "pass add_missing_tokens=True" in notices[0]
-    assert [w for w in caught if w.category is not LegacySpellingWarning] == []
+    assert [w for w in caught if w.category is not FallbackWarning] == []
     assert (len(tokenizer), tokenizer.eos_token, tokenizer.eos_token_id) == (49152, "<|im_end|>", 2)
     text = tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
     assert text == LLAMA3_TURNS_ENDING_IN_IM_END
