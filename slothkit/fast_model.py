@@ -170,9 +170,9 @@ class FastModel:
                 fused kernels fall back to PEFT's path for those layers).
             bias: which biases train: "none" (default), "all" or "lora_only".
             use_gradient_checkpointing: "offload" (default: each layer's input is
-                kept in pinned host memory, slothkit.engine.offload_checkpoint), "auto"
+                kept in pinned host memory, slothkit.engine.checkpointing.offload_checkpoint), "auto"
                 (as many of the last layers as fit the memory budget are not
-                checkpointed, the others offloaded; slothkit.engine.recompute_policy,
+                checkpointed, the others offloaded; slothkit.engine.checkpointing.recompute_policy,
                 said in one line), True (torch's checkpoint, inputs kept on the GPU) or
                 False (none).
             random_state: the seed of the adapters' initialisation (default 3407).

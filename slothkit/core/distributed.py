@@ -14,7 +14,7 @@ Three things follow for slothkit, and this module is where they are decided:
   it every process would load onto GPU 0, the current device until accelerate sets
   another, which happens only when the trainer's config is built, after loading;
 - the trainers' DDP must not search for unused parameters (``ddp_defaults``): the
-  offloaded checkpoint (slothkit.engine.offload_checkpoint) runs each layer's backward
+  offloaded checkpoint (slothkit.engine.checkpointing.offload_checkpoint) runs each layer's backward
   inside its own autograd call, as reentrant checkpointing does, and DDP's search (which
   the Trainer turns on for a PeftModel) would first count the layer's parameters as
   unused, then see their gradients arrive, and stop with "Expected to mark a variable

@@ -49,7 +49,7 @@ class ModelState:
         max_seq_length: the longest sequence to train on, as from_pretrained or
             get_peft_model were given it.
         recompute_policy: use_gradient_checkpointing="auto"'s policy
-            (slothkit.engine.recompute_policy.RecomputePolicy), else None.
+            (slothkit.engine.checkpointing.recompute_policy.RecomputePolicy), else None.
         fast_decoder: the FastDecoder ``for_inference`` attached (slothkit.inference),
             else None; not copied with the model.
     """

@@ -1,19 +1,18 @@
 """The fused training path's internals: what FastModel puts together.
 
-- inspection: the model inside a PeftModel, whether it is 4-bit, its dtypes.
-- loading: checks and choices made before a model is loaded (dtype, bitsandbytes, targets).
-- lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record.
+- lora_projection: reads a PEFT LoRA layer (16-bit or NF4 base) into a kernel record
+  (nf4_layout: the 4-bit weight's layout as the kernels read it).
 - decoder, decoder_layer: the decoder glue, written once for every architecture record
   in slothkit.models, patched onto the model instance.
-- generic_head: the fused loss on the head of a model without a record, where its own
-  loss is the plain one.
-- offload_checkpoint: gradient checkpointing with layer inputs offloaded to host memory
-  (offloaded_activation: one layer's host copies; recomputation: what the modules inside
-  a layer's re-run see of it).
-- checkpointing: which checkpointer the decoder layers get (enable_checkpointing).
-- recompute_policy: use_gradient_checkpointing="auto", which layers keep their activations
-  under a memory budget (slothkit.memory.memory_model's arithmetic).
+- experts: the fused mixture-of-experts block on a model's experts modules.
+- generic_head, generic_layers: the fused loss, attention and MLP on a model without a
+  record, each checked against the model's own before it is kept.
+- checkpointing/: gradient checkpointing (which checkpointer, offloaded to host memory,
+  use_gradient_checkpointing="auto").
 - layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing
   (layer_graph_calls: a layer call as a graph sees it; layer_graph_buffers: the static
   buffers the graphs read and write).
+
+What the engine reads of a model (slothkit.core.inspection) and the sizes it cuts a step
+into (slothkit.memory.sizes) live on the floors below it.
 """

@@ -29,9 +29,9 @@ from slothkit.core.model_state import (
     state_of,
 )
 from slothkit.core.notices import FallbackWarning, say_once
+from slothkit.engine.checkpointing.recomputation import recomputing
 from slothkit.engine.decoder_layer import checkpoints_in_forward, decoder_layer_forward
 from slothkit.engine.lora_projection import projections_or_none, row_projections_or_none
-from slothkit.engine.recomputation import recomputing
 from slothkit.memory.sizes import mlp_token_chunk
 from slothkit.models.architecture import Architecture
 from slothkit_kernels.attention import attention as tiled_attention

@@ -7,7 +7,7 @@ transformers' layer forward is two residual sums:
     y = h + mlp(norm2(h))                      the layer output
 
 This forward computes the same, through the patched modules, with two differences in
-the marked re-run of a checkpointed layer (``slothkit.engine.offload_checkpoint``), whose
+the marked re-run of a checkpointed layer (``slothkit.engine.checkpointing.offload_checkpoint``), whose
 output nobody reads:
 
 - h is the one the checkpointed forward kept (``keep``/``kept``), so the output
@@ -37,7 +37,7 @@ a wrapper, which this instance method replaces; so where the class is wrapped th
 this forward checkpoints itself as the wrapper would.  Older versions checkpoint in
 ``__call__``, around this forward.  Either way each layer reads its own
 ``gradient_checkpointing`` flag at every call, so checkpointing is chosen per layer:
-use_gradient_checkpointing="auto" (slothkit.engine.recompute_policy) clears it on the
+use_gradient_checkpointing="auto" (slothkit.engine.checkpointing.recompute_policy) clears it on the
 layers whose activations fit the memory budget.
 """
 
@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from slothkit.core.model_state import patched_module
+from slothkit.engine.checkpointing.recomputation import keep, kept, recomputing, unread_sum
 from slothkit.engine.lora_projection import projections_or_none
-from slothkit.engine.recomputation import keep, kept, recomputing, unread_sum
 from slothkit_kernels.lora import lora_o_residual
 
 ATTENTION_SUM = "attention_sum"  # the name h is kept under

@@ -16,9 +16,9 @@ import dataclasses
 from slothkit.core.configuration import environment_defaults
 from slothkit.core.inspection import causal_lm_of, is_4bit_model
 from slothkit.core.model_state import attach_state, state_of
-from slothkit.engine.checkpointing import enable_checkpointing
+from slothkit.engine.checkpointing.choice import enable_checkpointing
+from slothkit.engine.checkpointing.recompute_policy import enable_recompute_policy
 from slothkit.engine.decoder import decoder_layers
-from slothkit.engine.recompute_policy import enable_recompute_policy
 from slothkit.inference.generation import accept_encoding_in_generate
 from slothkit.inference.vllm_generate import attach_vllm_methods
 from slothkit.memory.memory_model import host_budget_bytes

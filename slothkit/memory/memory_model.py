@@ -1,6 +1,6 @@
 """GPU memory of a LoRA training step, predicted from the model's shape: the arithmetic
 that `slothkit plan` (slothkit.memory.plan) and use_gradient_checkpointing="auto"
-(slothkit.engine.recompute_policy) share.
+(slothkit.engine.checkpointing.recompute_policy) share.
 
 In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
 

@@ -10,7 +10,7 @@ out-of-memory error is about).  With every decoder layer's activations offloaded
 budget, the batch is halved, then the sequence.  Then the plan says what
 use_gradient_checkpointing="auto" would do under the budget: how many layers keep their
 activations, and the predicted peak, in the very words the policy
-(slothkit.engine.recompute_policy) prints.
+(slothkit.engine.checkpointing.recompute_policy) prints.
 
 The budget: ``max_memory`` GiB if given, else the GPU's free memory (``--gpu auto``) or
 its size less the CUDA context (a named GPU), less 5 % (memory_model.BUDGET_MARGIN).
@@ -57,7 +57,7 @@ GPU_MEMORY_GIB = {
     "h200": 141.0,
 }
 # Compute capability below 8.0: no bfloat16, and neither CUDA graphs nor kept sums by
-# default (slothkit.engine.checkpointing.enable_checkpointing).
+# default (slothkit.engine.checkpointing.choice.enable_checkpointing).
 NO_BF16 = {"t4", "v100"}
 # Memory a GPU has that no process can allocate: the CUDA context and its kernels.
 CUDA_CONTEXT_GIB = 0.5

@@ -5,14 +5,14 @@ the numbers the engine runs by rather than from copies of them.
 
 - Steps of up to SHORT_STEP_TOKENS tokens replay checkpointed layers from CUDA graphs
   (slothkit.engine.layer_graphs) and keep their residual sums for the re-run
-  (slothkit.engine.offload_checkpoint); in longer ones attention dominates the re-run,
+  (slothkit.engine.checkpointing.offload_checkpoint); in longer ones attention dominates the re-run,
   while the graphs' pool and the kept tensors grow with the tokens.
 - Longer steps run each fused MLP in chunks of MLP_TOKEN_CHUNK tokens
   (``mlp_token_chunk``, slothkit_kernels.lora.lora_mlp's token_chunk), where the
   (tokens, intermediate) tensors are most of a layer's working memory; 8,192-token chunks
   keep every GEMM large.
 - Offloaded layer inputs are held in pinned host memory as power-of-two pieces
-  (slothkit.engine.pinned_pieces), since torch's pinned-memory allocator rounds each
+  (slothkit.engine.checkpointing.pinned_pieces), since torch's pinned-memory allocator rounds each
   request up to one: ``piece_sizes`` splits a copy, ``pinned_bytes`` is what it then
   takes.
 """

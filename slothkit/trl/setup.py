@@ -24,7 +24,7 @@ from slothkit.core.distributed import check_ddp_settings
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import state_of
 from slothkit.core.notices import LegacySpellingWarning, say_once
-from slothkit.engine.checkpointing import uses_offloaded_checkpoint
+from slothkit.engine.checkpointing.choice import uses_offloaded_checkpoint
 from slothkit.trl.configs import convert_arguments, field_names
 from slothkit.trl.defaults import default_config
 from slothkit.trl.out_of_memory import explain_out_of_memory

@@ -320,7 +320,7 @@ def test_a_hooked_layer_is_recomputed_in_full(device, mlp_calls):
 def test_offload_checkpoint_of_any_function_is_recomputed_in_full(device, mlp_calls):
     """offload_checkpoint(fn) may wrap anything, here two fused MLPs in a row, where the
     first one's output is read in the re-run: it is not marked, so nothing is skipped."""
-    from slothkit.engine.offload_checkpoint import offload_checkpoint
+    from slothkit.engine.checkpointing.offload_checkpoint import offload_checkpoint
 
     model = _fused(tiny_model_path("llama"), load_in_4bit=False)
     mlp = model.get_base_model().model.layers[0].mlp

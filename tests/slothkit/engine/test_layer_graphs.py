@@ -357,7 +357,7 @@ def test_backward_frees_the_callers_copies_before_the_prefetch(capture):
 
 
 def test_graphs_by_default_only_where_the_host_is_the_limit(monkeypatch):
-    from slothkit.engine.checkpointing import enable_checkpointing
+    from slothkit.engine.checkpointing.choice import enable_checkpointing
 
     class Layer(nn.Module):
         gradient_checkpointing = False

@@ -92,7 +92,7 @@ def test_each_kept_layer_adds_what_it_saves_to_the_peak_on_a_gpu(tmp_path):
     step's allocated peak by that much against every layer offloaded (within 15 %: the two
     peaks fall in different phases, the kept run's as backward starts, the other's in a
     layer's re-run)."""
-    from slothkit.engine.recompute_policy import RecomputeNotice
+    from slothkit.engine.checkpointing.recompute_policy import RecomputeNotice
 
     layers, batch, seq = 8, 4, 512
     path = build_tiny_model(
@@ -196,8 +196,8 @@ def test_graphs_and_kept_sums_cost_reserved_memory_only_while_layers_are_checkpo
 
 
 def test_the_default_token_bound_is_the_checkpointer_s():
+    from slothkit.engine.checkpointing.offload_checkpoint import OffloadedCheckpointer
     from slothkit.engine.layer_graphs import LayerGraphs
-    from slothkit.engine.offload_checkpoint import OffloadedCheckpointer
 
     bound = TrainingMemory(shape_by_name("tiny-llama"), "lora", 0.0).graph_max_tokens
     assert bound == LayerGraphs().max_tokens == OffloadedCheckpointer().keep_max_tokens

@@ -1,5 +1,5 @@
 """Offloaded layer inputs are held in power-of-two pieces of host memory
-(slothkit.engine.pinned_pieces): what the pieces are, what they cost, and that a tensor
+(slothkit.engine.checkpointing.pinned_pieces): what the pieces are, what they cost, and that a tensor
 comes back from them bit for bit."""
 
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from slothkit.engine.pinned_pieces import PinnedPieces
+from slothkit.engine.checkpointing.pinned_pieces import PinnedPieces
 from slothkit.memory.memory_model import TrainingMemory, lora_bytes
 from slothkit.memory.sizes import MIN_PIECE, piece_sizes, pinned_bytes
 from slothkit.models import shape_by_name

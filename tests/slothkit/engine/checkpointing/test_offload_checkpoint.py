@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from slothkit.engine.checkpointing import enable_checkpointing
-from slothkit.engine.recomputation import keep, kept, unread_sum
+from slothkit.engine.checkpointing.choice import enable_checkpointing
+from slothkit.engine.checkpointing.recomputation import keep, kept, unread_sum
 
 
 def test_unread_sum_sends_the_gradient_to_both_terms():
@@ -49,8 +49,8 @@ def test_keeping_by_default_only_on_fast_gpus(monkeypatch):
 def test_past_the_host_limit_a_layer_is_not_offloaded_and_that_is_said_once(recwarn):
     """offload() answers None (the caller keeps the tensors on the GPU) once the pinned
     bytes would pass host_limit_bytes; the notice comes once per limit."""
-    import slothkit.engine.offload_checkpoint as offload_checkpoint
-    from slothkit.engine.offload_checkpoint import OffloadedCheckpointer
+    import slothkit.engine.checkpointing.offload_checkpoint as offload_checkpoint
+    from slothkit.engine.checkpointing.offload_checkpoint import OffloadedCheckpointer
 
     offload_checkpoint._notice_host_memory_spent.cache_clear()
     checkpointer = OffloadedCheckpointer(marks_recompute=True, host_limit_bytes=100.0)

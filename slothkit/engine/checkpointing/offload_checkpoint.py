@@ -32,9 +32,9 @@ import weakref
 
 import torch
 
+from slothkit.engine.checkpointing.offloaded_activation import _OffloadedActivation
+from slothkit.engine.checkpointing.recomputation import _collecting, _output_may_be_read, _recomputation
 from slothkit.engine.layer_graphs import LayerGraphs
-from slothkit.engine.offloaded_activation import _OffloadedActivation
-from slothkit.engine.recomputation import _collecting, _output_may_be_read, _recomputation
 from slothkit.memory.sizes import SHORT_STEP_TOKENS, pinned_bytes
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.engine.offload_checkpoint import DeviceCheckpointer, OffloadedCheckpointer
+from slothkit.engine.checkpointing.offload_checkpoint import DeviceCheckpointer, OffloadedCheckpointer
 
 
 def uses_offloaded_checkpoint(layers) -> bool:

@@ -10,8 +10,8 @@ import torch
 
 from slothkit import FastModel
 from slothkit.core.model_state import state_of
-from slothkit.engine import recompute_policy
-from slothkit.engine.recompute_policy import RecomputeNotice, budget_bytes, training_memory
+from slothkit.engine.checkpointing import recompute_policy
+from slothkit.engine.checkpointing.recompute_policy import RecomputeNotice, budget_bytes, training_memory
 from slothkit.memory.memory_model import BUDGET_MARGIN, GIB, MemoryBudgetError
 from slothkit.memory.sizes import MIN_PIECE
 from slothkit.testing import build_tiny_model
@@ -249,7 +249,7 @@ def test_options_of_auto_without_auto_are_refused(tiny_path, kwargs, message):
 
 def _split(model):
     """Per layer: "offloaded", "on GPU" (checkpointed, input kept on the GPU) or "kept"."""
-    from slothkit.engine.offload_checkpoint import DeviceCheckpointer, OffloadedCheckpointer
+    from slothkit.engine.checkpointing.offload_checkpoint import DeviceCheckpointer, OffloadedCheckpointer
 
     names = []
     for layer in _layers(model):
@@ -271,7 +271,7 @@ def test_layers_the_host_cannot_take_are_checkpointed_on_the_gpu(tiny_path, memo
     tokens = BATCH * SEQ
     per_layer = memory.checkpoint_bytes(tokens)
     assert per_layer == tokens * memory.shape.hidden_size * memory.element_bytes * (1 + memory.keep_sums)
-    # On the host each copy takes whole power-of-two pieces (slothkit.engine.pinned_pieces).
+    # On the host each copy takes whole power-of-two pieces (slothkit.engine.checkpointing.pinned_pieces).
     host_per_layer = memory.host_checkpoint_bytes(tokens)
     assert per_layer <= host_per_layer < per_layer + 2 * MIN_PIECE
     host = 1.5 * host_per_layer

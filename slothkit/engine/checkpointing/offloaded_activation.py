@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit.engine.pinned_pieces import PinnedPieces
+from slothkit.engine.checkpointing.pinned_pieces import PinnedPieces
 
 
 class _OffloadedActivation:

@@ -4,7 +4,7 @@ memory budget allows, and offload the rest.
 A layer that is not checkpointed keeps what it saves for backward on the GPU (about
 13 hidden states per token on Llama-3-8B: 0.4 GiB per layer at 2 x 2048 tokens) and is
 not re-run in backward, which saves about a third of its work; an offloaded one
-(slothkit.engine.offload_checkpoint) keeps only its input, in host memory.  The policy
+(slothkit.engine.checkpointing.offload_checkpoint) keeps only its input, in host memory.  The policy
 keeps the last layers and offloads the first ones: in backward the last layers run
 first, so the offloaded inputs come back while the kept layers' backward runs, and the
 last layers' inputs, the newest ones offloaded, are not copied out just to be copied
