@@ -9,9 +9,9 @@ import pytest
 import torch
 from bitsandbytes.functional import QuantState
 
-import slothkit_kernels.nf4 as nf4_module
+import slothkit_kernels.nf4.dequantize as nf4_module
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.utils import warn_reference_once
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

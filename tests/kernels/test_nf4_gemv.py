@@ -14,9 +14,10 @@ import pytest
 import torch
 import triton
 
-from slothkit_kernels import level_lookup, split_k
-from slothkit_kernels.lora_gemv import lora_gemv_reference
-from slothkit_kernels.nf4_gemv import (
+from slothkit_kernels import split_k
+from slothkit_kernels.lora.gemv import lora_gemv_reference
+from slothkit_kernels.nf4 import level_lookup
+from slothkit_kernels.nf4.gemv import (
     CANDIDATES,
     LOOKUPS,
     has_level_source,
@@ -27,7 +28,7 @@ from slothkit_kernels.nf4_gemv import (
     supports,
     tile,
 )
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -201,7 +201,7 @@ def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
     root = Path(__file__).resolve().parents[3]
     tree = tmp_path / "old"
     shutil.copytree(root / "slothkit", tree / "slothkit")
-    shutil.copytree(root / "kernels", tree / "slothkit_kernels")
+    shutil.copytree(root / "slothkit_kernels", tree / "slothkit_kernels")
     init = tree / "slothkit" / "__init__.py"
     init.write_text('raise ImportError("this is the other tree")\n' + init.read_text())
     output = tmp_path / "record.json"
