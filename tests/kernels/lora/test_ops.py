@@ -6,6 +6,10 @@ layers wrapped by ``get_peft_model`` (adapters kept in fp32 as PEFT does for a
 records, and the forward output and the gradients of x and of every adapter
 matrix are compared.  For an NF4 base, PEFT runs on the bitsandbytes-dequantised
 weights while our functions get the packed NF4Weight.
+
+The modules behind the ops are tested here, through them: lora/attention.py's and
+lora/gated_mlp.py's autograd Functions, lora/gemms.py's GEMMs (NF4 column slabs
+included) and lora/projection.py's record and its input checks.
 """
 
 import copy

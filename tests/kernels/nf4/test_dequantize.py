@@ -1,4 +1,8 @@
-"""NF4 dequantisation: bit-exact against bitsandbytes' own dequantize_4bit."""
+"""NF4 dequantisation: bit-exact against bitsandbytes' own dequantize_4bit.
+
+nf4/weight.py (NF4Weight, read from bitsandbytes' quantisation state) is tested here and
+in test_gemv.py, which also tests nf4/scales.py (nested and plain block scales) and
+nf4/gemv_mma.py (its tensor-core candidates, in fp16 and bf16)."""
 
 import copy
 import dataclasses
