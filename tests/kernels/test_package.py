@@ -1,4 +1,8 @@
-"""The kernel library's public surface and its independence from model code."""
+"""The kernel library's public surface and its independence from model code.
+
+The helpers the ops share are tested through them: utils' dispatch rule and input checks
+by each op's fallback and refusal tests, split_k by the split-K cases of lora/test_gemv.py
+and nf4/test_gemv.py; testing's comparisons in test_testing.py."""
 
 import os
 import subprocess
