@@ -13,8 +13,11 @@ rev=${1:?usage: scripts/ab_tree.sh REV}
 out=.ab/$rev
 rm -rf "$out"
 mkdir -p "$out"
-git archive "$rev" slothkit kernels templates | tar -x -C "$out"
-# The package names pyproject.toml gives kernels/ and templates/.
-mv "$out/kernels" "$out/slothkit_kernels"
+# The kernel library's folder: slothkit_kernels/, or kernels/ in a revision whose
+# pyproject.toml installs that folder as slothkit_kernels.
+if git cat-file -e "$rev:slothkit_kernels" 2>/dev/null; then kernels=slothkit_kernels; else kernels=kernels; fi
+git archive "$rev" slothkit "$kernels" templates | tar -x -C "$out"
+if [ "$kernels" != slothkit_kernels ]; then mv "$out/$kernels" "$out/slothkit_kernels"; fi
+# The package name pyproject.toml gives templates/.
 mv "$out/templates" "$out/slothkit_templates"
 echo "$out"

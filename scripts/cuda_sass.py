@@ -1,6 +1,6 @@
 """Compile a decode GEMV (nf4_lora_gemv, or the 16-bit lora_gemv) for a CUDA GPU on a
 machine without one, and count the machine instructions of its main loop: what a weight
-costs in each tile, multiplier and lookup (kernels/level_lookup.py).
+costs in each tile, multiplier and lookup (slothkit_kernels/nf4/level_lookup.py).
 
 Triton compiles for any target it is told (its ptxas and cuobjdump ship with it); only
 launching needs the GPU.  So the kernel is compiled through the op's ``launch`` (the
@@ -32,10 +32,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
-from slothkit_kernels import nf4_gemv  # noqa: E402
-from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES  # noqa: E402
-from slothkit_kernels.lora_gemv import launch as dense_launch  # noqa: E402
-from slothkit_kernels.nf4_weight import NF4Weight  # noqa: E402
+from slothkit_kernels.lora.gemv import CANDIDATES as DENSE_CANDIDATES  # noqa: E402
+from slothkit_kernels.lora.gemv import launch as dense_launch  # noqa: E402
+from slothkit_kernels.nf4 import gemv as nf4_gemv  # noqa: E402
+from slothkit_kernels.nf4.weight import NF4Weight  # noqa: E402
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
 BRANCH_TARGET = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")

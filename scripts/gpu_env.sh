@@ -30,9 +30,8 @@ if ls .whl/slothkit/slothkit-*.whl > /dev/null 2>&1; then
     export PYTHONPATH="$site" PYTHONSAFEPATH=1
     (cd /tmp && python3 -c "import slothkit; print('slothkit from', slothkit.__file__)") | tee -a "$OUT/gpu.txt"
 else
-    # slothkit_kernels / slothkit_templates are kernels/ and templates/ under other names
-    # (see pyproject.toml).
-    ln -sfn "$PWD/kernels" "$site/slothkit_kernels"
+    # slothkit_templates is templates/ under another name (see pyproject.toml);
+    # slothkit and slothkit_kernels are found in the checkout.
     ln -sfn "$PWD/templates" "$site/slothkit_templates"
     export PYTHONPATH="$site:$PWD"
 fi

@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cuda_sass  # noqa: E402
 import torch  # noqa: E402
 
-from slothkit_kernels import level_lookup, nf4_gemv  # noqa: E402
+from slothkit_kernels.nf4 import gemv as nf4_gemv  # noqa: E402
+from slothkit_kernels.nf4 import level_lookup  # noqa: E402
 
 VARIANTS = ("shuffle", "registers", "shifts", "no lookup")
 RANK = 16

@@ -1,5 +1,5 @@
 """How long backward's dX = dY W takes for an NF4 W dequantised whole or a column slab at a
-time (``slothkit_kernels.lora_gemms._add_base_term``), at the MLP shapes of the benchmark's models.
+time (``slothkit_kernels.lora.gemms._add_base_term``), at the MLP shapes of the benchmark's models.
 
     python scripts/slab_gemm_timing.py            # on a CUDA GPU, bitsandbytes installed
 
@@ -16,9 +16,9 @@ import statistics
 
 import torch
 
-from slothkit_kernels.lora_gemms import _add_in_slabs
-from slothkit_kernels.lora_projection import _base_weight
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.gemms import _add_in_slabs
+from slothkit_kernels.lora.projection import _base_weight
+from slothkit_kernels.nf4.weight import NF4Weight
 
 
 def median_ms(function, runs: int = 50, warmup: int = 10) -> float:

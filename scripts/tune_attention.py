@@ -1,6 +1,6 @@
 """Time every launch of slothkit_kernels.attention's three kernels over a grid of tile
 sizes, warps and pipeline stages, on the current GPU, and print the fastest per kernel
-and head width (the values kernels/attention.py's _TUNED holds).
+and head width (the values slothkit_kernels/attention.py's _TUNED holds).
 
     python scripts/tune_attention.py [--dims 256 128] [--json PATH]
 

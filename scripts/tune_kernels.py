@@ -2,12 +2,12 @@
 
 Prints, per setting, the median time and the share of the device-to-device copy
 bandwidth (bytes read + written, measured here).  Used to pick the constants in
-kernels/rms_norm.py, kernels/swiglu.py and kernels/rope_kernel.py; the numbers go to
+slothkit_kernels/rms_norm.py, slothkit_kernels/swiglu.py and slothkit_kernels/rope/kernel.py; the numbers go to
 docs/kernel-benchmarks.md.
 
     python scripts/tune_kernels.py            # everything but nf4
     python scripts/tune_kernels.py rms_norm   # the RMSNorm backward only
-    python scripts/tune_kernels.py nf4        # the NF4 dequantisation (kernels/nf4.py) only
+    python scripts/tune_kernels.py nf4        # the NF4 dequantisation (slothkit_kernels/nf4/dequantize.py) only
 
 The NF4 sweep times one dequantisation replayed from a CUDA graph, as training runs it,
 per (ELEMENTS_PER_PROGRAM, NUM_WARPS), against a plain fill of the bf16 output: the
@@ -24,9 +24,9 @@ import triton.testing
 # functions named like their modules, and `import a.b as m` binds the attribute a.b.
 geglu_mod = importlib.import_module("slothkit_kernels.geglu")
 rms_mod = importlib.import_module("slothkit_kernels.rms_norm")
-rope_mod = importlib.import_module("slothkit_kernels.rope_kernel")
+rope_mod = importlib.import_module("slothkit_kernels.rope.kernel")
 swiglu_mod = importlib.import_module("slothkit_kernels.swiglu")
-nf4_mod = importlib.import_module("slothkit_kernels.nf4")
+nf4_mod = importlib.import_module("slothkit_kernels.nf4.dequantize")
 
 NF4_SHAPES = {  # (out, in) of the largest and the most frequent weights
     "llama/mistral gate, up": (14336, 4096),

@@ -117,7 +117,7 @@ def dist(tmp_path_factory):
 def _source_files() -> set[str]:
     """Every file the wheel must hold, as its path inside the wheel."""
     names = {f"slothkit/{p.relative_to(ROOT / 'slothkit')}" for p in (ROOT / "slothkit").rglob("*.py")}
-    names |= {f"slothkit_kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")}
+    names |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "slothkit_kernels").rglob("*.py")}
     names |= {f"slothkit_templates/{p.name}" for p in (ROOT / "templates").glob("*.py")}
     names.add("slothkit_templates/models.json")
     names |= {
@@ -134,6 +134,10 @@ def test_wheel_ships_every_module_and_data_file(dist):
         "slothkit/inference/__init__.py",
         "slothkit/trl/__init__.py",
         "slothkit/export/gguf/__init__.py",
+        "slothkit_kernels/rope/__init__.py",
+        "slothkit_kernels/lora/__init__.py",
+        "slothkit_kernels/nf4/__init__.py",
+        "slothkit_kernels/moe/__init__.py",
     } <= expected
     missing = sorted(expected - names)
     assert not missing, f"the wheel lacks {missing}"
@@ -152,10 +156,14 @@ def test_sdist_ships_the_sources_the_wheel_is_built_from(dist):
         "LICENSE",
         "README.md",
         "templates/models.json",
-        "kernels/rms_norm.py",
+        "slothkit_kernels/rms_norm.py",
     ):
         assert name in members, f"the sdist lacks {name}"
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "slothkit").rglob("*.py")}
+    sources = {
+        p.relative_to(ROOT).as_posix()
+        for folder in ("slothkit", "slothkit_kernels")
+        for p in (ROOT / folder).rglob("*.py")
+    }
     missing = sorted(s for s in sources if "__pycache__" not in s and s not in members)
     assert not missing, f"the sdist lacks {missing}"
 
@@ -315,20 +323,3 @@ def test_lowest_declared_versions_pass_the_core_tests(dist, tmp_path):
         env=_user_environment(TRITON_INTERPRET="1"),
         timeout=2400,
     )
-
-
-def test_python_started_in_the_repository_root_gets_the_installed_kernels_package(tmp_path):
-    """`python -m ...` or `python -c ...` in the repository root puts the root first on
-    sys.path, where the kernels/ folder would shadow Hugging Face's `kernels` package,
-    which transformers >= 5.25 imports (and depends on): the folder hands the import over."""
-    installed = tmp_path / "site" / "kernels"
-    installed.mkdir(parents=True)
-    (installed / "__init__.py").write_text("CUDAProperties = 'the installed package'\n")
-    probe = (
-        "import kernels; from kernels import CUDAProperties; print(kernels.__file__); print(CUDAProperties)"
-    )
-    environment = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, env=environment, capture_output=True, text=True, check=True
-    )
-    assert done.stdout.splitlines() == [str(installed / "__init__.py"), "the installed package"]

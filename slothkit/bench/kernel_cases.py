@@ -299,7 +299,7 @@ NF4_NESTED_BLOCKSIZE = 256  # bitsandbytes' fixed block for double quantisation
 def _nf4_inputs(rows: int, cols: int, dtype: torch.dtype, device) -> Inputs:
     import bitsandbytes.functional as bnbf  # optional: without it the case is not available
 
-    from slothkit_kernels.nf4_weight import NF4Weight
+    from slothkit_kernels.nf4.weight import NF4Weight
 
     torch.manual_seed(0)
     dense = _randn((rows, cols), device, dtype, scale=0.02)

@@ -24,7 +24,7 @@ import collections
 from dataclasses import dataclass
 
 # Where a stack frame is "ours": the innermost two such frames name an allocation.
-OWN_CODE = ("slothkit", "kernels/", "scripts/", "torch/optim")
+OWN_CODE = ("slothkit", "scripts/", "torch/optim")  # "slothkit" covers slothkit_kernels
 
 _GROWS = ("segment_alloc", "segment_map")
 _SHRINKS = ("segment_free", "segment_unmap")
@@ -37,7 +37,7 @@ def owner(frames: list[dict], own_code: tuple[str, ...] = OWN_CODE) -> str:
     for frame in frames:
         name = frame.get("filename", "")
         if any(part in name for part in own_code):
-            short = name.split("/slothkit/")[-1].split("/kernels/")[-1].split("/torch/")[-1]
+            short = name.split("/slothkit/")[-1].split("/slothkit_kernels/")[-1].split("/torch/")[-1]
             short = short.split("/scripts/")[-1]
             ours.append(f"{short}:{frame.get('line')} {frame.get('name')}")
             if len(ours) == 2:

@@ -62,10 +62,9 @@ def check_implementations(impls: list[str]) -> None:
 
 def tree_first_path(tree: str, pythonpath: str) -> str:
     """PYTHONPATH for a worker running slothkit from `tree`: the tree first, and without
-    any entry that holds another slothkit source tree.  A source checkout's root has
-    kernels/ (slothkit_kernels under its own name), which transformers imports as Hugging
-    Face's `kernels` package when looking for it; from that checkout it then imports the
-    other slothkit_kernels' names from the tree's and fails."""
+    any entry that holds another slothkit source tree (the GPU scripts put the checkout's
+    root on the path), so that the worker imports one version of slothkit, its kernels
+    and its templates, and a name the tree lacks fails rather than comes from another."""
 
     def other_tree(entry: str) -> bool:
         return (Path(entry) / "slothkit" / "__init__.py").is_file()

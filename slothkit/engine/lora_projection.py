@@ -18,8 +18,8 @@ from torch import nn
 from slothkit.core.inspection import is_4bit_parameter
 from slothkit.core.model_state import keep_nf4_cache, nf4_cache
 from slothkit.engine.nf4_layout import is_repacked_for_cpu, repacked_weight_error
-from slothkit_kernels.lora_projection import LoRAProjection
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.projection import LoRAProjection
+from slothkit_kernels.nf4.weight import NF4Weight
 
 
 def base_weight(layer: nn.Module) -> torch.Tensor | NF4Weight | None:

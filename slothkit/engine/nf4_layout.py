@@ -12,7 +12,7 @@ changes a model slothkit loads in three ways:
     block_n"), in Hugging Face's generate as much as in slothkit's;
   * the numbers change: w = code * bf16(absmax) rather than code * absmax, and a bf16
     product even in an fp32 model, so evaluation no longer computes what training did;
-  * the weight can no longer be read as NF4 (slothkit_kernels.nf4_weight), and
+  * the weight can no longer be read as NF4 (slothkit_kernels.nf4.weight), and
     bitsandbytes' inverse cannot give it back: the rounded scales are quantised again,
     around another offset.
 

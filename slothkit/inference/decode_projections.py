@@ -54,11 +54,11 @@ from slothkit.inference.gemv_choice import (
     nf4_gemv_candidate,
     nf4_group_gemv_candidate,
 )
-from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
-from slothkit_kernels.lora_gemv_group import MAX_GROUPS, lora_gemv_group
-from slothkit_kernels.nf4_gemv import host_levels, nf4_lora_gemv, supports
-from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.gemv import MAX_ROWS, lora_gemv
+from slothkit_kernels.lora.gemv_group import MAX_GROUPS, lora_gemv_group
+from slothkit_kernels.nf4.gemv import host_levels, nf4_lora_gemv, supports
+from slothkit_kernels.nf4.gemv_group import nf4_lora_gemv_group
+from slothkit_kernels.nf4.weight import NF4Weight
 
 
 def _base_layer(layer: nn.Module) -> nn.Module:

@@ -27,13 +27,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from slothkit_kernels import nf4_gemv
-from slothkit_kernels.lora_gemv import CANDIDATES as DENSE_CANDIDATES
-from slothkit_kernels.lora_gemv import MAX_ROWS, lora_gemv
-from slothkit_kernels.lora_gemv_group import group_terms, lora_gemv_group
-from slothkit_kernels.nf4 import checked
-from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.gemv import CANDIDATES as DENSE_CANDIDATES
+from slothkit_kernels.lora.gemv import MAX_ROWS, lora_gemv
+from slothkit_kernels.lora.gemv_group import group_terms, lora_gemv_group
+from slothkit_kernels.nf4 import gemv as nf4_gemv
+from slothkit_kernels.nf4.dequantize import checked
+from slothkit_kernels.nf4.gemv_group import nf4_lora_gemv_group
+from slothkit_kernels.nf4.weight import NF4Weight
 
 MIN_GAIN = 0.03
 TIMING_MS = 10  # of replays per timed path

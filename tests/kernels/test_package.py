@@ -1,4 +1,8 @@
-"""The kernel library's public surface and its independence from model code."""
+"""The kernel library's public surface and its independence from model code.
+
+The helpers the ops share are tested through them: utils' dispatch rule and input checks
+by each op's fallback and refusal tests, split_k by the split-K cases of lora/test_gemv.py
+and nf4/test_gemv.py; testing's comparisons in test_testing.py."""
 
 import os
 import subprocess
@@ -22,19 +26,39 @@ def test_kernel_library_needs_only_torch_and_triton():
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
 
 
-def test_no_top_level_kernels_module_is_installed():
-    # 'kernels' is Hugging Face's package name (transformers 5.25 depends on it, so it may
-    # be installed); slothkit installs as slothkit_kernels only. A checkout's root on
-    # PYTHONPATH (as the GPU scripts set it) exposes kernels/ itself; what is checked here
-    # is what installing put on the path: no `kernels` that is slothkit's folder.
+def test_the_repository_root_shadows_no_kernels_package(tmp_path):
+    """Python started in the repository root (`python -c`, `python -m`, pytest-xdist's
+    workers) puts the root first on sys.path.  There `kernels` is Hugging Face's package,
+    which transformers imports when it is installed (a stand-in here), or nothing: the
+    kernel library's folder is named slothkit_kernels and imports as that from the
+    checkout."""
     root = Path(__file__).resolve().parents[2]
-    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    pythonpath = os.pathsep.join(e for e in entries if e and Path(e).resolve() != root)
-    code = "import importlib.util; spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else '')"
-    env = {**os.environ, "PYTHONPATH": pythonpath}
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True, check=True
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("")
+    probe = (
+        "import importlib.util, sys\n"
+        "assert sys.path[0] in ('', '.'), sys.path[0]\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(spec.origin if spec else None)\n"
+        "print(importlib.util.find_spec('slothkit_kernels').origin)\n"
     )
-    origin = done.stdout.strip()
-    assert not origin or Path(origin).resolve().parent != root / "kernels", origin
-    assert not origin or not (Path(origin).parent / "lora_projection.py").exists(), origin
+    found = {}
+    for name, pythonpath in (("stand-in", str(tmp_path / "site")), ("none", "")):
+        environment = {**os.environ, "PYTHONPATH": pythonpath}
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=root,
+            env=environment,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        found[name] = done.stdout.splitlines()
+    assert found["stand-in"] == [
+        str(installed / "__init__.py"),
+        str(root / "slothkit_kernels" / "__init__.py"),
+    ]
+    origin, kernel_library = found["none"]
+    assert origin == "None" or not Path(origin).resolve().is_relative_to(root), origin
+    assert kernel_library == str(root / "slothkit_kernels" / "__init__.py")

@@ -163,7 +163,7 @@ def test_each_available_op_is_measured(tiny_run, op):
 
 
 def _install_stand_in_rms_norm(monkeypatch):
-    """A plain-torch rms_norm module, so the harness is tested whatever exists in kernels/."""
+    """A plain-torch rms_norm module, so the harness is tested whatever exists in slothkit_kernels/."""
 
     def rms_norm_reference(x, weight, eps=1e-6, gemma=False):
         xf = x.float()

@@ -201,7 +201,7 @@ def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
     root = Path(__file__).resolve().parents[3]
     tree = tmp_path / "old"
     shutil.copytree(root / "slothkit", tree / "slothkit")
-    shutil.copytree(root / "kernels", tree / "slothkit_kernels")
+    shutil.copytree(root / "slothkit_kernels", tree / "slothkit_kernels")
     init = tree / "slothkit" / "__init__.py"
     init.write_text('raise ImportError("this is the other tree")\n' + init.read_text())
     output = tmp_path / "record.json"
@@ -232,8 +232,7 @@ def test_slothkit_from_another_source_tree_runs_that_tree(tmp_path):
 
 def test_worker_path_for_another_tree_leaves_out_this_checkout(tmp_path):
     """The GPU scripts put the checkout's root on PYTHONPATH; a worker for another tree
-    must not see it: transformers imports the root's kernels/ as Hugging Face's `kernels`
-    package, which then imports names the other tree's slothkit_kernels lacks."""
+    must not see it, so that it imports one version of slothkit and its kernels."""
     from slothkit.bench.train import tree_first_path
 
     root = str(Path(__file__).resolve().parents[3])

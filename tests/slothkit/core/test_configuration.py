@@ -90,7 +90,7 @@ def test_the_scan_finds_reads_and_passes_prose():
 
 def test_only_the_configuration_module_and_the_notebook_layer_read_slothkit_variables():
     offenders = {}
-    for package in ("slothkit", "kernels"):
+    for package in ("slothkit", "slothkit_kernels"):
         for path in sorted((ROOT / package).rglob("*.py")):
             relative = path.relative_to(ROOT).as_posix()
             if relative.startswith(ALLOWED):

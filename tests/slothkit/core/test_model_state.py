@@ -90,7 +90,7 @@ def test_fast_model_state_is_shared_through_peft():
     assert patched_module(layer.self_attn).attention_values is not None
 
 
-@pytest.mark.parametrize("folder", ["slothkit", "kernels"])
+@pytest.mark.parametrize("folder", ["slothkit", "slothkit_kernels"])
 def test_no_slothkit_attribute_is_named_outside_the_state_module(folder):
     root = pathlib.Path(__file__).resolve().parents[3]
     found = subprocess.run(

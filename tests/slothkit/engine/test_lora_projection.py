@@ -7,7 +7,7 @@ from torch import nn
 
 from slothkit.engine.lora_projection import describe_rows
 from slothkit_kernels.lora import lora_qkv
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 
 SPLITS = (0, 32, 48, 64)  # q: 32 rows, k and v: 16 each
 

@@ -7,7 +7,7 @@ import torch
 
 import slothkit.memory.memory_model as memory_model
 import slothkit.memory.sizes as sizes
-import slothkit_kernels.lora as lora
+import slothkit_kernels.lora.ops as lora
 from slothkit import FastModel
 from slothkit.testing import build_tiny_model
 

@@ -153,7 +153,7 @@ def test_rope_and_cache_write_in_one_kernel_give_the_same_logits(arch, monkeypat
     the logits still equal the model's forward (Llama; Qwen3's q/k norms before RoPE;
     Gemma 2's windowed layers)."""
     from slothkit.inference import model_step
-    from slothkit_kernels import rope_cache
+    from slothkit_kernels.rope import cache as rope_cache
 
     calls = []
 

@@ -12,10 +12,10 @@ import torch
 from slothkit.engine.lora_projection import base_weight
 from slothkit.inference import gemv_choice
 from slothkit.inference.decode_projections import _nf4_base_output
-from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv
+from slothkit_kernels.lora.gemv import CANDIDATES, lora_gemv
 from slothkit_kernels.nf4 import dequantize_nf4_reference
-from slothkit_kernels.nf4_gemv import CANDIDATES as NF4_CANDIDATES
-from slothkit_kernels.nf4_gemv import nf4_lora_gemv
+from slothkit_kernels.nf4.gemv import CANDIDATES as NF4_CANDIDATES
+from slothkit_kernels.nf4.gemv import nf4_lora_gemv
 
 
 def _seed() -> int:
@@ -260,7 +260,7 @@ def _assert_group_listed_once(kind: str, rows: int, candidate, kernel: str) -> N
 def test_group_choices_on_the_gpu_run_what_they_timed(rows):
     """On a GPU: the decision for q, k and v of a Llama-like layer read together, listed
     once, and the chosen path's outputs within bf16 rounding of each projection apart."""
-    from slothkit_kernels.lora_gemv_group import lora_gemv_group
+    from slothkit_kernels.lora.gemv_group import lora_gemv_group
 
     generator = torch.Generator().manual_seed(_seed())
     widths, k, rank = (1024, 256, 256), 1024, 8
@@ -324,7 +324,7 @@ def test_a_group_times_the_tiles_fastest_for_its_projections(monkeypatch):
 def test_nf4_group_choices_on_the_gpu_run_what_they_timed(rows):
     """On a GPU: the decision for three Linear4bit layers read together, listed once, and
     the chosen path's outputs within bf16 rounding of each layer's own."""
-    from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group
+    from slothkit_kernels.nf4.gemv_group import nf4_lora_gemv_group
 
     torch.manual_seed(_seed())
     layers = [

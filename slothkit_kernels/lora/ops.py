@@ -1,13 +1,13 @@
 """LoRA-adapted projections with hand-derived backward passes: the public functions and
 their plain-torch references.
 
-Each takes its projections as ``LoRAProjection`` records (``lora_projection``: the
+Each takes its projections as ``LoRAProjection`` records (``projection``: the
 record, the precision rules and the input checks).  Where the rest lives:
 
-* ``lora_gemms``: one projection's GEMMs, forward and backward, and the derivation;
-* ``lora_attention``: the autograd Functions of ``lora_linear``, ``lora_o``,
+* ``gemms``: one projection's GEMMs, forward and backward, and the derivation;
+* ``attention``: the autograd Functions of ``lora_linear``, ``lora_o``,
   ``lora_qkv``, ``lora_qkv_rope`` and ``lora_o_residual``;
-* ``lora_gated_mlp``: those of ``lora_mlp``, whole or over token chunks.
+* ``gated_mlp``: those of ``lora_mlp``, whole or over token chunks.
 
 The functions here are torch matmuls and run on any device; the Triton kernels
 they call (the fused activations, NF4 dequantisation) dispatch by themselves.
@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from slothkit_kernels.geglu import geglu_reference
-from slothkit_kernels.lora_attention import _KnownLoRASumFunction, _LoRAProjectionsFunction
-from slothkit_kernels.lora_gated_mlp import (
+from slothkit_kernels.lora.attention import _KnownLoRASumFunction, _LoRAProjectionsFunction
+from slothkit_kernels.lora.gated_mlp import (
     ACTIVATIONS,
     _chunked_mlp_forward,
     _ChunkedLoRAMLPRecompute,
     _LoRAMLPFunction,
 )
-from slothkit_kernels.lora_projection import LoRAProjection, _base_weight, _check_projection, _prepare
+from slothkit_kernels.lora.projection import LoRAProjection, _base_weight, _check_projection, _prepare
 from slothkit_kernels.swiglu import swiglu_reference
 
 # ----------------------------------------------------------------------------

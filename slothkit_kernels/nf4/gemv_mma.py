@@ -1,7 +1,7 @@
 """nf4_lora_gemv's tensor-core kernel: the NF4 weight's levels looked up in 16 bits and
 multiplied by x on the tensor cores, one to eight rows padded to sixteen.
 
-The CUDA-core kernel (nf4_gemv.py) spends a fused multiply-add per weight per row of x
+The CUDA-core kernel (gemv.py) spends a fused multiply-add per weight per row of x
 and about six integer instructions per weight to make an exact fp32 level; at eight rows
 the multiply-adds alone are two per weight per row.  Here each step looks a tile of
 codes up as bf16 (or fp16) levels, 22 integer instructions per eight codes
@@ -32,9 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slothkit_kernels import level_lookup
-from slothkit_kernels.lora_gemv import epilogue
-from slothkit_kernels.nf4_scales import block_scale
+from slothkit_kernels.lora.gemv import epilogue
+from slothkit_kernels.nf4 import level_lookup
+from slothkit_kernels.nf4.scales import block_scale
 
 _LOOKUP_CONSTRAINTS = tl.constexpr(level_lookup.constraints(16))
 

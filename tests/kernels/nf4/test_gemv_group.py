@@ -9,9 +9,9 @@ import bitsandbytes.functional as bnbf
 import pytest
 import torch
 
-from slothkit_kernels.nf4_gemv import CANDIDATES, nf4_lora_gemv
-from slothkit_kernels.nf4_gemv_group import nf4_lora_gemv_group, nf4_lora_gemv_group_reference
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.gemv import CANDIDATES, nf4_lora_gemv
+from slothkit_kernels.nf4.gemv_group import nf4_lora_gemv_group, nf4_lora_gemv_group_reference
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.testing import relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -9,7 +9,7 @@ W is never written out: each program reads a band of BLOCK_N rows of the packed 
 
 in fp32, the nested scale's product and sum rounded separately as bitsandbytes rounds
 them.  The epilogue adds the adapter's second product ``s xa B^T`` and the bias and
-rounds once (lora_gemv.py's ``epilogue``), and K may be cut into slices (split_k.py), as
+rounds once (lora/gemv.py's ``epilogue``), and K may be cut into slices (split_k.py), as
 in the 16-bit lora_gemv.  This moves about a quarter of a 16-bit weight's bytes.
 
 Numbers.  The weights are the products level x scale in fp32, not rounded to the 16-bit
@@ -47,7 +47,7 @@ independent loads are in flight at once: a step's loads are 8 bytes of codes a t
 and these kernels wait on memory rather than on their instructions (docs/inference.md).
 
 Two multipliers.  The candidates above run this file's kernel on the CUDA cores or
-nf4_gemv_mma.py's on the tensor cores (16-bit levels, x padded to 16 rows: fewer
+gemv_mma.py's on the tensor cores (16-bit levels, x padded to 16 rows: fewer
 instructions per weight, the same at one row as at eight, for weights that dequantise
 to bf16 or fp16).  bitsandbytes reads an NF4 weight for one row with its own GEMV and,
 for more rows, dequantises it whole and multiplies; which of those and the candidates is
@@ -61,18 +61,19 @@ import torch
 import triton
 import triton.language as tl
 
-from slothkit_kernels import level_lookup, split_k
-from slothkit_kernels.lora_gemv import (
+from slothkit_kernels import split_k
+from slothkit_kernels.lora.gemv import (
     MAX_ROWS,
     check_low_rank,
     epilogue,
     epilogue_arguments,
     lora_gemv_reference,
 )
-from slothkit_kernels.nf4 import checked, dequantize_nf4_reference, launch_arguments
-from slothkit_kernels.nf4_gemv_mma import _nf4_lora_gemv_mma_kernel
-from slothkit_kernels.nf4_scales import block_scale
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4 import level_lookup
+from slothkit_kernels.nf4.dequantize import checked, dequantize_nf4_reference, launch_arguments
+from slothkit_kernels.nf4.gemv_mma import _nf4_lora_gemv_mma_kernel
+from slothkit_kernels.nf4.scales import block_scale
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
 # (BLOCK_N, BLOCK_K, num_warps, programs per SM, multiplier) to try per shape; a step's
@@ -80,7 +81,7 @@ from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_referen
 # CUDA cores is that many columns per loop iteration in steps of a block (``tile``),
 # programs per SM 0 = no split of K; the multiplier is "cuda cores" (this file's kernel:
 # fp32 levels, a fused multiply-add per weight per row) or "tensor cores"
-# (nf4_gemv_mma.py: 16-bit levels, x padded to 16 rows; 16-bit weights only).
+# (gemv_mma.py: 16-bit levels, x padded to 16 rows; 16-bit weights only).
 CANDIDATES = (
     (32, 64, 4, 0, "cuda cores"),
     (32, 256, 4, 8, "cuda cores"),

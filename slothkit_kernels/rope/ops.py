@@ -29,16 +29,16 @@ The incoming gradients are read and the results written to new buffers: autograd
 may hand the same gradient tensor to several consumers, so overwriting it is not
 safe in general.  cos and sin receive no gradient.
 
-The kernel and its rounding are in ``rope_kernel``; what q, k and the tables may be
-(checked before anything is written) in ``rope_checks``.
+The kernel and its rounding are in ``kernel``; what q, k and the tables may be
+(checked before anything is written) in ``checks``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from slothkit_kernels.rope_checks import _check_rotatable, _checked_tables
-from slothkit_kernels.rope_kernel import _launch
+from slothkit_kernels.rope.checks import _check_rotatable, _checked_tables
+from slothkit_kernels.rope.kernel import _launch
 from slothkit_kernels.utils import use_triton, warn_reference_once
 
 

@@ -13,7 +13,7 @@ import bitsandbytes.functional as bnbf
 import pytest
 import torch
 
-from slothkit_kernels import level_lookup
+from slothkit_kernels.nf4 import level_lookup
 
 MASK32 = 0xFFFFFFFF
 

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from slothkit_kernels import split_k
-from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv, lora_gemv_reference, tile
+from slothkit_kernels.lora.gemv import CANDIDATES, lora_gemv, lora_gemv_reference, tile
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

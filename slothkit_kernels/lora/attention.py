@@ -3,7 +3,7 @@
 ``_LoRAProjectionsFunction`` runs k projections of one input (k = 1 for ``lora_linear``
 and ``lora_o``, 3 for ``lora_qkv``, with RoPE on q and k for ``lora_qkv_rope``);
 ``_KnownLoRASumFunction`` is ``lora_o_residual`` given its sum.  Their forward and
-backward GEMMs are ``lora_gemms``'.
+backward GEMMs are ``gemms``'.
 
 * ``lora_qkv``: q, k, v projections of one input.  X is saved once and
   dX = sum over the three projections of the dX of each.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from slothkit_kernels.lora_gemms import (
+from slothkit_kernels.lora.gemms import (
     _adapter_backward,
     _adapter_needs,
     _input_gradient,
@@ -25,8 +25,8 @@ from slothkit_kernels.lora_gemms import (
     _projection_forward,
     _save_projections,
 )
-from slothkit_kernels.lora_projection import _N_FIELDS, LoRAProjection
-from slothkit_kernels.rope import rotate
+from slothkit_kernels.lora.projection import _N_FIELDS, LoRAProjection
+from slothkit_kernels.rope.ops import rotate
 
 
 def _heads(y: torch.Tensor, head_dim: int) -> torch.Tensor:

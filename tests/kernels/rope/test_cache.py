@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slothkit_kernels.rope import rope, rope_reference
-from slothkit_kernels.rope_cache import rope_into_cache
+from slothkit_kernels.rope.cache import rope_into_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hkv, T, D, S): one decode token, a prefill of several, Gemma's D=256, grouped heads.

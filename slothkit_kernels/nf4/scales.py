@@ -7,7 +7,7 @@ and an offset:
     scale = fp32(fp32(NESTED_CODE[absmax_code] * nested_absmax[block // NESTED_BLOCKSIZE]) + offset)
 
 rounded after the product and after the sum, never fused into one FMA, as bitsandbytes
-rounds them (nf4_weight.py).  The decode GEMVs (nf4_gemv.py, nf4_gemv_mma.py) read one
+rounds them (weight.py).  The decode GEMVs (gemv.py, gemv_mma.py) read one
 scale per row per step.
 """
 

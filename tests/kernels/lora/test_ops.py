@@ -6,6 +6,10 @@ layers wrapped by ``get_peft_model`` (adapters kept in fp32 as PEFT does for a
 records, and the forward output and the gradients of x and of every adapter
 matrix are compared.  For an NF4 base, PEFT runs on the bitsandbytes-dequantised
 weights while our functions get the packed NF4Weight.
+
+The modules behind the ops are tested here, through them: lora/attention.py's and
+lora/gated_mlp.py's autograd Functions, lora/gemms.py's GEMMs (NF4 column slabs
+included) and lora/projection.py's record and its input checks.
 """
 
 import copy
@@ -30,8 +34,8 @@ from slothkit_kernels.lora import (
     lora_qkv_reference,
     lora_qkv_rope,
 )
-from slothkit_kernels.lora_projection import LoRAProjection
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.projection import LoRAProjection
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.rope import rope
 from slothkit_kernels.testing import relative_error
 
@@ -61,7 +65,7 @@ def _has_nf4_kernel() -> bool:
 
 needs_nf4_kernel = pytest.mark.skipif(
     not _has_nf4_kernel(),
-    reason="slothkit_kernels.nf4 (kernels/nf4.py, dequantize_nf4) is not written yet; "
+    reason="slothkit_kernels.nf4 (dequantize_nf4) is not written yet; "
     "the NF4 plumbing is covered by the *_nf4_stub tests meanwhile",
 )
 
@@ -584,8 +588,9 @@ def test_lora_no_grad_inference(device):
 
 @pytest.fixture
 def nf4_stub(monkeypatch):
-    """A stand-in ``slothkit_kernels.nf4`` whose dequantize_nf4 returns bitsandbytes'
-    dequantised weight, and counts its calls, to test lora.py's NF4 plumbing."""
+    """A stand-in ``slothkit_kernels.nf4.dequantize`` whose dequantize_nf4 returns
+    bitsandbytes' dequantised weight, and counts its calls, to test the LoRA ops' NF4
+    plumbing."""
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     calls = []
 
@@ -611,9 +616,9 @@ def nf4_stub(monkeypatch):
         )
         return _bnb_dequantize(weight.packed, state)
 
-    module = types.ModuleType("slothkit_kernels.nf4")
+    module = types.ModuleType("slothkit_kernels.nf4.dequantize")
     module.dequantize_nf4 = dequantize_nf4
-    monkeypatch.setitem(sys.modules, "slothkit_kernels.nf4", module)
+    monkeypatch.setitem(sys.modules, "slothkit_kernels.nf4.dequantize", module)
     return calls
 
 
@@ -706,8 +711,8 @@ def test_lora_nf4_input_gradient_in_column_slabs(dtype, adapters, device, monkey
     """With the slab bound below a weight's size, backward dequantises it a column slab
     at a time (forward still whole), and every gradient equals the whole-weight run's;
     also where no adapter term comes first (frozen projections: dX starts empty)."""
-    import slothkit_kernels.lora_gemms as gemms_module
-    import slothkit_kernels.nf4 as nf4_module
+    import slothkit_kernels.lora.gemms as gemms_module
+    import slothkit_kernels.nf4.dequantize as nf4_module
 
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
     hidden, inter = 128, 192  # rows of whole 64-element blocks

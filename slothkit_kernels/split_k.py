@@ -1,4 +1,4 @@
-"""Split-K for the decode GEMVs (lora_gemv, nf4_gemv): several programs share one band of
+"""Split-K for the decode GEMVs (lora_gemv, nf4_lora_gemv): several programs share one band of
 output rows, each summing one slice of K, in one launch and deterministically.
 
 At one to eight rows a projection with few output rows (a Llama-3-8B k/v projection:

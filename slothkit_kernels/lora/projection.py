@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.utils import check_float_dtype, check_not_empty
 
 
@@ -61,7 +61,7 @@ _N_FIELDS = 5  # LoRAProjection.fields() as passed to Function.apply
 def _base_weight(weight: torch.Tensor | NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The base weight as a (out, in) tensor of ``dtype``; NF4 is dequantised afresh."""
     if isinstance(weight, NF4Weight):
-        from slothkit_kernels.nf4 import dequantize_nf4
+        from slothkit_kernels.nf4.dequantize import dequantize_nf4
 
         weight = dequantize_nf4(weight)
     return weight if weight.dtype == dtype else weight.to(dtype)

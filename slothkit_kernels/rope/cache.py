@@ -9,7 +9,7 @@ program per token
     rotates its k heads into ``keys[b, :, slots[t]]``,
     copies its v heads into ``values[b, :, slots[t]]``,
 
-with ``rope``'s arithmetic and rounding (rope_kernel.py; k in the cache holds exactly the
+with ``rope``'s arithmetic and rounding (kernel.py; k in the cache holds exactly the
 values ``rope`` would have left in k).  ``slots`` is a device tensor, so a CUDA graph
 captured once writes where each replay's step is.
 
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from slothkit_kernels.rope import rope_reference
-from slothkit_kernels.rope_checks import _check_rotatable
-from slothkit_kernels.rope_kernel import MAX_TILE, NUM_WARPS, _rotate_token
+from slothkit_kernels.rope.checks import _check_rotatable
+from slothkit_kernels.rope.kernel import MAX_TILE, NUM_WARPS, _rotate_token
+from slothkit_kernels.rope.ops import rope_reference
 from slothkit_kernels.utils import use_triton, warn_reference_once
 
 

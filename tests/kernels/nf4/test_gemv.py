@@ -14,9 +14,10 @@ import pytest
 import torch
 import triton
 
-from slothkit_kernels import level_lookup, split_k
-from slothkit_kernels.lora_gemv import lora_gemv_reference
-from slothkit_kernels.nf4_gemv import (
+from slothkit_kernels import split_k
+from slothkit_kernels.lora.gemv import lora_gemv_reference
+from slothkit_kernels.nf4 import level_lookup
+from slothkit_kernels.nf4.gemv import (
     CANDIDATES,
     LOOKUPS,
     has_level_source,
@@ -27,7 +28,7 @@ from slothkit_kernels.nf4_gemv import (
     supports,
     tile,
 )
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.testing import relative_error
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -241,7 +242,7 @@ def test_every_lookup_compiles_for_an_h100_and_the_ptx_loops_load_no_levels(tmp_
     LOP3, and fewer instructions than the permutes' (about six a code at one row); on
     tensor cores the products are warpgroup MMAs and the loop spends about five or six a
     code whatever the rows (the 16-bit lookup's 2.75 and the MMAs' staging)."""
-    script = Path(__file__).parents[2] / "scripts" / "cuda_sass.py"
+    script = Path(__file__).parents[3] / "scripts" / "cuda_sass.py"
     output = tmp_path / "sass.json"
     tensor_cores = _first_tensor_cores() + 1  # 64 x 64, four warps
     assert CANDIDATES[tensor_cores][:2] == (64, 64)
@@ -275,7 +276,7 @@ def test_the_lookup_bound_stand_ins_compile_for_an_h100_without_the_lookups_work
     levels at a known cost) to see what the lookup costs on a GPU; compiled here for
     sm_90, "no lookup" keeps the loads and multiply-adds but no shuffle or permute, and
     "shifts" no shuffle, so each differs from the real loop by its lookup alone."""
-    script = Path(__file__).parents[2] / "scripts" / "nf4_lookup_bound.py"
+    script = Path(__file__).parents[3] / "scripts" / "nf4_lookup_bound.py"
     output = tmp_path / "bound.json"
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"}
     subprocess.run(

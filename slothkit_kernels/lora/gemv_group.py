@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from slothkit_kernels import split_k
-from slothkit_kernels.lora_gemv import (
+from slothkit_kernels.lora.gemv import (
     CANDIDATES,
     MAX_ROWS,
     band_product,

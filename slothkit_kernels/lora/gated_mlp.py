@@ -7,7 +7,7 @@ tokens at once or over chunks of them.
       h, de, dg     = fused activation backward (recomputes h; written into the
                       buffers of dh, e, g, so no new (N, intermediate) tensors)
       dA_d = s_d (dY B_d)^T h,   dB_d = s_d dY^T (h A_d^T)
-      gate and up projections as one projection's (``lora_gemms``) with dY := de and
+      gate and up projections as one projection's (``gemms``) with dY := de and
       dg, their dX summed.
   Because e and g are overwritten, the block's backward can run only once (no
   ``retain_graph=True`` double backward); a second attempt raises.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from slothkit_kernels.geglu import geglu_backward, geglu_forward
-from slothkit_kernels.lora_gemms import (
+from slothkit_kernels.lora.gemms import (
     _adapter_backward,
     _adapter_needs,
     _input_gradient,
@@ -37,7 +37,7 @@ from slothkit_kernels.lora_gemms import (
     _save_projections,
     _scaled_mm,
 )
-from slothkit_kernels.lora_projection import _N_FIELDS, LoRAProjection
+from slothkit_kernels.lora.projection import _N_FIELDS, LoRAProjection
 from slothkit_kernels.swiglu import swiglu_backward, swiglu_forward
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "geglu")

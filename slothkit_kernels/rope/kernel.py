@@ -1,6 +1,6 @@
 """RoPE's Triton kernel and its launch: one program per token rotates all of that
 token's q and k heads, by the rotation or, with INVERSE, by its transpose (what
-``rope``'s backward applies; rope.py derives both).
+``rope``'s backward applies; ops.py derives both).
 
 Rounding mirrors transformers' eager code: cos and sin are rounded to q's dtype
 (LlamaRotaryEmbedding returns them in the activations' dtype), and each product

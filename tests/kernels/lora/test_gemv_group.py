@@ -8,8 +8,8 @@ import torch
 import triton
 
 from slothkit_kernels import split_k
-from slothkit_kernels.lora_gemv import CANDIDATES, lora_gemv, tile
-from slothkit_kernels.lora_gemv_group import lora_gemv_group, lora_gemv_group_reference
+from slothkit_kernels.lora.gemv import CANDIDATES, lora_gemv, tile
+from slothkit_kernels.lora.gemv_group import lora_gemv_group, lora_gemv_group_reference
 from slothkit_kernels.testing import relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

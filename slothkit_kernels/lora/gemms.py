@@ -1,8 +1,8 @@
 """The GEMMs of one LoRA projection, forward and backward, outside autograd, and how a
 Function saves its projections on ``ctx``: what the autograd Functions of
-``lora_attention`` and ``lora_gated_mlp`` are built from.
+``attention`` and ``gated_mlp`` are built from.
 
-Forward Y = X W^T + s (X A^T) B^T (+ bias) (``lora_projection``).  Backward, given
+Forward Y = X W^T + s (X A^T) B^T (+ bias) (``projection``).  Backward, given
 dY (N, out):
 
     dX = dY W + s (dY B) A
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slothkit_kernels.lora_projection import _N_FIELDS, LoRAProjection, _base_weight
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.lora.projection import _N_FIELDS, LoRAProjection, _base_weight
+from slothkit_kernels.nf4.weight import NF4Weight
 
 
 def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scaling: float, out: torch.Tensor | None = None):
@@ -113,7 +113,7 @@ def _backward_slabs(weight, dtype: torch.dtype) -> list[tuple[int, int]] | None:
 
 def _add_in_slabs(dx, dy, weight: NF4Weight, slabs: list[tuple[int, int]]):
     """dx + dY W (or dY W when dx is None), W dequantised one column slab at a time."""
-    from slothkit_kernels.nf4 import dequantize_nf4
+    from slothkit_kernels.nf4.dequantize import dequantize_nf4
 
     beta = 1
     if dx is None:

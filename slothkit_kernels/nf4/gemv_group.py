@@ -7,10 +7,10 @@ up) in 4 bits,
 A Llama-3-8B k or v projection is 2 MB of codes: alone, its GEMV is mostly a launch's
 fill and drain (7.9 us on an H100 against 13.2 for q's 8 MB, docs/inference.md), which
 one grid over the three weights' bands shares.  Each program runs one band of one
-projection through the CUDA-core or tensor-core band product of nf4_gemv.py /
-nf4_gemv_mma.py (the candidate's), with that projection's codes and scales, then
+projection through the CUDA-core or tensor-core band product of gemv.py /
+gemv_mma.py (the candidate's), with that projection's codes and scales, then
 lora_gemv's epilogue with its adapter, bias and output; the split-K workspace spans the
-groups' bands side by side (lora_gemv_group.py).
+groups' bands side by side (lora/gemv_group.py).
 
 The weights must share their quantisation: K, the block sizes, double quantisation or
 not, the dtype they dequantise to, and their 16 levels (the lookup, made from the first
@@ -26,15 +26,15 @@ import triton
 import triton.language as tl
 
 from slothkit_kernels import split_k
-from slothkit_kernels.lora_gemv import epilogue
-from slothkit_kernels.lora_gemv_group import (
+from slothkit_kernels.lora.gemv import epilogue
+from slothkit_kernels.lora.gemv_group import (
     bands_of,
     check_group_terms,
     group_epilogue_arguments,
     group_terms,
 )
-from slothkit_kernels.nf4 import launch_arguments
-from slothkit_kernels.nf4_gemv import (
+from slothkit_kernels.nf4.dequantize import launch_arguments
+from slothkit_kernels.nf4.gemv import (
     CANDIDATES,
     LOOKUPS,
     _check,
@@ -45,8 +45,8 @@ from slothkit_kernels.nf4_gemv import (
     steps,
     tile,
 )
-from slothkit_kernels.nf4_gemv_mma import tensor_core_band
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.gemv_mma import tensor_core_band
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.utils import interpreter_enabled, use_triton, warn_reference_once
 
 

@@ -50,7 +50,7 @@ dense (rows, stop - start) tensor: blocks run along rows, so when the row length
 both bounds are multiples of the block size every row's slab is whole blocks, and
 output block ``b`` is source block ``(b // slab_blocks) * row_blocks + first_block +
 b % slab_blocks``.  Backward uses it to dequantise a large weight a slab at a time
-(kernels/lora.py, ``_input_gradient``).
+(lora/gemms.py, ``_input_gradient``).
 
 There is no backward: the packed codes are frozen and not differentiable.
 """
@@ -63,8 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .nf4_weight import NF4Weight
-from .utils import (
+from slothkit_kernels.nf4.weight import NF4Weight
+from slothkit_kernels.utils import (
     SUPPORTED_FLOAT_DTYPES,
     interpreter_enabled,
     use_triton,

@@ -1,4 +1,8 @@
-"""NF4 dequantisation: bit-exact against bitsandbytes' own dequantize_4bit."""
+"""NF4 dequantisation: bit-exact against bitsandbytes' own dequantize_4bit.
+
+nf4/weight.py (NF4Weight, read from bitsandbytes' quantisation state) is tested here and
+in test_gemv.py, which also tests nf4/scales.py (nested and plain block scales) and
+nf4/gemv_mma.py (its tensor-core candidates, in fp16 and bf16)."""
 
 import copy
 import dataclasses
@@ -9,9 +13,9 @@ import pytest
 import torch
 from bitsandbytes.functional import QuantState
 
-import slothkit_kernels.nf4 as nf4_module
+import slothkit_kernels.nf4.dequantize as nf4_module
 from slothkit_kernels.nf4 import dequantize_nf4, dequantize_nf4_reference
-from slothkit_kernels.nf4_weight import NF4Weight
+from slothkit_kernels.nf4.weight import NF4Weight
 from slothkit_kernels.utils import warn_reference_once
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

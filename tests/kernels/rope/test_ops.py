@@ -11,6 +11,9 @@ CPU carry u = 2^-7.  When cos/sin are not the very tensors transformers used (a
 table gathered by position, or an fp32 table for bf16 q) one more rounding of
 cos/sin is allowed for (k = 3).  The gradients are bounded the same way with
 M = |g * cos| + |rotate_half(g * sin)|.
+
+rope/kernel.py and rope/checks.py are tested here, through ``rope`` and ``rotate``: every
+case runs the kernel, and the refusals are the checks'.
 """
 
 import pytest
