@@ -11,8 +11,9 @@ or, on a model passed through `attach_export_methods` (FastModel does this):
 GGUF export lives in slothkit.export.gguf.
 """
 
-from slothkit.export.adapter_export import EXPORT_TARGETS, export_adapter
+from slothkit.export.adapter_export import export_adapter
 from slothkit.export.atomic import DirectoryNotEmptyError, atomic_directory
+from slothkit.export.export_types import EXPORT_TARGETS, SAVE_METHODS
 from slothkit.export.hub import (
     HubAuthError,
     HubConnectionError,
@@ -22,7 +23,7 @@ from slothkit.export.hub import (
 )
 from slothkit.export.merge import MergeSource, merged_state_dict
 from slothkit.export.methods import attach_export_methods
-from slothkit.export.save import SAVE_METHODS, SaveResult, save_pretrained_merged
+from slothkit.export.save import SaveResult, save_pretrained_merged
 
 __all__ = [
     "EXPORT_TARGETS",

@@ -23,11 +23,10 @@ from slothkit.checkpoint.before_loading import check_local_checkpoint
 from slothkit.export.atomic import check_not_an_input, check_target
 from slothkit.export.base_fingerprint import check_base_fingerprint
 from slothkit.export.disk_space import check_free_space, checkpoint_bytes, checkpoint_parameter_count
+from slothkit.export.export_types import EXPORT_TARGETS
 from slothkit.export.hub import PushResult, check_repo_id, push_folder_to_hub
 from slothkit.export.merge import find_original_checkpoint
-from slothkit.export.save import SAVE_METHODS, SaveResult, merged_plain_model, save_pretrained_merged
-
-EXPORT_TARGETS = (*SAVE_METHODS, "gguf")
+from slothkit.export.save import SaveResult, merged_plain_model, save_pretrained_merged
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ from torch import nn
 
 from slothkit.export.disk_space import megabytes
 from slothkit.export.hub_client import PushStalled, StallClock, hub_client, stalled_in, url_without_query
+from slothkit.export.hub_options import HubOptions
 from slothkit.export.hub_transfers import upload_protocol
 from slothkit.export.save import SaveResult, check_save_method, save_pretrained_merged
 
@@ -54,10 +55,7 @@ MODEL_FILE_PATTERNS = (
     "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
 )  # fmt: skip
 
-# A push's defaults: any one read or write may wait a minute; the whole push gives up after
-# three minutes without a byte moving, room for two stalled tries and huggingface_hub's pauses.
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_STALL_TIMEOUT_S = 180.0
+DEFAULT_STALL_TIMEOUT_S = HubOptions.stall_timeout_s  # push_to_hub_gguf's default
 
 _TRANSIENT_STATUS = {408, 429}
 _NETWORK_ERROR_NAMES = {
@@ -168,11 +166,11 @@ def stall_error(stalled: PushStalled, repo_id: str) -> HubConnectionError:
 
 
 @contextlib.contextmanager
-def hub_session(timeout_s: float | None, stall_timeout_s: float | None, repo_id: str):
-    """Requests of a push to `repo_id` in the block: with timeouts and a stall deadline
-    (hub_client); a push that runs out of time ends in HubConnectionError (stall_error).
-    Yields the block's StallClock (None without a deadline)."""
-    with hub_client(timeout_s, stall_timeout_s) as clock:
+def hub_session(options: HubOptions, repo_id: str):
+    """Requests of a push to `repo_id` in the block: with the timeouts and stall deadline of
+    `options` (hub_client); a push that runs out of time ends in HubConnectionError
+    (stall_error).  Yields the block's StallClock (None without a deadline)."""
+    with hub_client(options) as clock:
         try:
             yield clock
         except Exception as error:
@@ -273,18 +271,17 @@ def _upload_failure(error: BaseException) -> RuntimeError | None:
     return None
 
 
-def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message: str,
-            replace_model_files: bool, retries: int, retry_wait_s: float,
-            clock: StallClock | None, use_xet: bool):  # fmt: skip
-    for attempt in range(retries + 1):
+def _upload(api, folder: pathlib.Path, repo_id: str, token: str, replace_model_files: bool,
+            options: HubOptions, clock: StallClock | None):  # fmt: skip
+    for attempt in range(options.retries + 1):
         try:
-            with upload_protocol(use_xet):  # LFS unless use_xet: hub_transfers says why
+            with upload_protocol(options.use_xet):  # LFS unless use_xet: hub_transfers says why
                 return api.upload_folder(
                     repo_id=repo_id,
                     folder_path=str(folder),
                     repo_type="model",
                     token=token,
-                    commit_message=commit_message,
+                    commit_message=options.commit_message,
                     delete_patterns=list(MODEL_FILE_PATTERNS) if replace_model_files else None,
                 )
         except Exception as error:
@@ -297,19 +294,20 @@ def _upload(api, folder: pathlib.Path, repo_id: str, token: str, commit_message:
             transient = is_transient(error)
             if not transient and upload_failure is None:
                 raise
-            if not transient or attempt == retries:
+            if not transient or attempt == options.retries:
                 what = f"uploading {folder} to {repo_id}"
                 if upload_failure is not None:  # it names the file
                     what += f" ({str(upload_failure).rstrip('.')})"
                 raise connection_error(error, what, f"{api.endpoint}/{repo_id}", attempt + 1) from error
-            pause = retry_wait_s * 2**attempt
+            pause = options.retry_wait_s * 2**attempt
             clock.pause(pause) if clock is not None else time.sleep(pause)
     raise AssertionError("unreachable")
 
 
-def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, commit_message: str,
-          replace_model_files: bool, retries: int, retry_wait_s: float,
-          clock: StallClock | None, use_xet: bool) -> PushResult:  # fmt: skip
+def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, replace_model_files: bool,
+          options: HubOptions, clock: StallClock | None) -> PushResult:  # fmt: skip
+    """Create the repo if missing and upload `folder` in one commit, with
+    options.commit_message (set by the caller)."""
     try:
         repo_url = api.create_repo(repo_id, token=token, private=private, repo_type="model", exist_ok=True)
     except Exception as error:
@@ -322,18 +320,7 @@ def _push(api, token: str, folder: pathlib.Path, repo_id: str, private: bool, co
             ) from error
         raise
     repo_id = getattr(repo_url, "repo_id", None) or repo_id  # "name" alone gains the user's namespace
-    info = _upload(
-        api,
-        folder,
-        repo_id,
-        token,
-        commit_message,
-        replace_model_files,
-        retries,
-        retry_wait_s,
-        clock,
-        use_xet,
-    )
+    info = _upload(api, folder, repo_id, token, replace_model_files, options, clock)
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     return PushResult(repo_id=repo_id, commit_oid=info.oid, commit_url=info.commit_url, files=files)
 
@@ -344,14 +331,14 @@ def push_folder_to_hub(
     token: str | None = None,
     private: bool = False,
     *,
-    commit_message: str | None = None,
-    endpoint: str | None = None,
+    commit_message: str | None = HubOptions.commit_message,
+    endpoint: str | None = HubOptions.endpoint,
     replace_model_files: bool = True,
-    retries: int = 2,
-    retry_wait_s: float = 2.0,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
-    use_xet: bool = False,
+    retries: int = HubOptions.retries,
+    retry_wait_s: float = HubOptions.retry_wait_s,
+    timeout_s: float | None = HubOptions.timeout_s,
+    stall_timeout_s: float | None = HubOptions.stall_timeout_s,
+    use_xet: bool = HubOptions.use_xet,
 ) -> PushResult:
     """Upload a saved folder (any export: merged, adapter, GGUF) to `repo_id` in one commit.
 
@@ -392,14 +379,19 @@ def push_folder_to_hub(
     folder = pathlib.Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise FileNotFoundError(f"{str(folder)!r} is not a non-empty folder; nothing to push")
-    api = HfApi(endpoint=endpoint)
-    with hub_session(timeout_s, stall_timeout_s, repo_id) as clock:
+    options = HubOptions(
+        commit_message=commit_message or f"Upload {folder.name} with slothkit",
+        endpoint=endpoint,
+        retries=retries,
+        retry_wait_s=retry_wait_s,
+        timeout_s=timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        use_xet=use_xet,
+    )
+    api = HfApi(endpoint=options.endpoint)
+    with hub_session(options, repo_id) as clock:
         token = resolve_token(token, api)
-        message = commit_message or f"Upload {folder.name} with slothkit"
-        return _push(
-            api, token, folder, repo_id, private, message, replace_model_files, retries, retry_wait_s, clock,
-            use_xet,
-        )  # fmt: skip
+        return _push(api, token, folder, repo_id, private, replace_model_files, options, clock)
 
 
 def push_to_hub_merged(
@@ -410,13 +402,13 @@ def push_to_hub_merged(
     token: str | None = None,
     private: bool = False,
     *,
-    commit_message: str | None = None,
-    endpoint: str | None = None,
-    retries: int = 2,
-    retry_wait_s: float = 2.0,
-    timeout_s: float | None = DEFAULT_TIMEOUT_S,
-    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
-    use_xet: bool = False,
+    commit_message: str | None = HubOptions.commit_message,
+    endpoint: str | None = HubOptions.endpoint,
+    retries: int = HubOptions.retries,
+    retry_wait_s: float = HubOptions.retry_wait_s,
+    timeout_s: float | None = HubOptions.timeout_s,
+    stall_timeout_s: float | None = HubOptions.stall_timeout_s,
+    use_xet: bool = HubOptions.use_xet,
     **save_kwargs,
 ) -> PushResult:
     """Save `model` as ``save_pretrained_merged`` does, into a temporary folder, and push
@@ -476,17 +468,23 @@ def push_to_hub_merged(
 
     check_repo_id(repo_id)
     check_save_method(save_method)
-    api = HfApi(endpoint=endpoint)
-    with hub_session(timeout_s, stall_timeout_s, repo_id):
+    options = HubOptions(
+        commit_message=commit_message or f"Upload {save_method} model with slothkit",
+        endpoint=endpoint,
+        retries=retries,
+        retry_wait_s=retry_wait_s,
+        timeout_s=timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        use_xet=use_xet,
+    )
+    api = HfApi(endpoint=options.endpoint)
+    with hub_session(options, repo_id):
         token = resolve_token(token, api)
     with tempfile.TemporaryDirectory(prefix="slothkit-push-") as scratch:
         folder = pathlib.Path(scratch) / repo_id.rsplit("/", 1)[-1]
         saved = save_pretrained_merged(model, folder, tokenizer, save_method=save_method, **save_kwargs)
-        message = commit_message or f"Upload {save_method} model with slothkit"
         # A deadline of its own: the save's time is not the Hub's.
-        with hub_session(timeout_s, stall_timeout_s, repo_id) as clock:
-            result = _push(
-                api, token, folder, repo_id, private, message, True, retries, retry_wait_s, clock, use_xet
-            )
+        with hub_session(options, repo_id) as clock:
+            result = _push(api, token, folder, repo_id, private, True, options, clock)
     result.save = saved
     return result

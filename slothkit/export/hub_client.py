@@ -41,6 +41,8 @@ import time
 
 from huggingface_hub.utils import _http as hub_http
 
+from slothkit.export.hub_options import HubOptions
+
 # The HTTP library huggingface_hub sends through: httpx2 from huggingface_hub 2.x, httpx (the
 # same API under its former name) before; the transports wrapped here must be its classes.
 http = getattr(hub_http, "httpx2", None) or hub_http.httpx
@@ -293,7 +295,7 @@ def _watch(client: http.Client, limits: dict, clock: StallClock | None) -> None:
 
 
 @contextlib.contextmanager
-def hub_client(timeout_s: float | None, stall_timeout_s: float | None):
+def hub_client(options: HubOptions):
     """Make every HTTP client huggingface_hub builds in the block send through a
     WatchedTransport (module docstring); yield the block's StallClock (None without a deadline).
 
@@ -303,16 +305,12 @@ def hub_client(timeout_s: float | None, stall_timeout_s: float | None):
     built in the block, the first one included, is watched. The factory is put back afterwards.
 
     Args:
-        timeout_s: seconds any connect (at most CONNECT_TIMEOUT_S), read or write may wait;
-            None: no limit per request.
-        stall_timeout_s: seconds the push may go on without a byte sent or received; None: no
-            deadline.
+        options: the push's; its timeout_s is the seconds any connect (at most
+            CONNECT_TIMEOUT_S), read or write may wait (None: no limit per request), its
+            stall_timeout_s the seconds the push may go on without a byte sent or received
+            (None: no deadline).
     """
-    if stall_timeout_s is not None and not stall_timeout_s > 0:
-        raise ValueError(
-            f"stall_timeout_s={stall_timeout_s!r}: expected a positive number of seconds, or None for no limit"
-        )
-    if timeout_s is None and stall_timeout_s is None:
+    if options.timeout_s is None and options.stall_timeout_s is None:
         yield None
         return
     import huggingface_hub
@@ -320,8 +318,8 @@ def hub_client(timeout_s: float | None, stall_timeout_s: float | None):
 
     # The factory in use has no public getter; the default stands in where it is missing.
     factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
-    clock = StallClock(stall_timeout_s) if stall_timeout_s is not None else None
-    limits = _limits(timeout_s)
+    clock = StallClock(options.stall_timeout_s) if options.stall_timeout_s is not None else None
+    limits = _limits(options.timeout_s)
     unwatched: dict[int, tuple[http.Client, http.BaseTransport, dict]] = {}
 
     def watched_client() -> http.Client:

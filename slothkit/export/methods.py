@@ -6,7 +6,8 @@
     model.save_pretrained_gguf("out-gguf", tokenizer, quantization_method="q4_k_m")
     model.push_to_hub_gguf("me/my-model-GGUF", tokenizer, quantization_method="q4_k_m")
 
-Only the instance gets the attributes (types.MethodType); no class is patched. The GGUF
+Only the instance gets the attributes (types.MethodType); no class is patched. The methods
+are those the export types name (slothkit.export.export_types), each once. The GGUF
 methods call `slothkit.export.gguf.save_pretrained_gguf` / `push_to_hub_gguf`, imported when
 called (and attached only when that module is installed), with the model merged first
 (`merged_plain_model`): the GGUF writer takes a plain 16-bit model.  A PEFT model's
@@ -28,11 +29,8 @@ from slothkit.compat.unsloth_options import gguf_method_keyword, gguf_push_argum
 from slothkit.core.folder_paths import check_folder_path
 from slothkit.core.inspection import is_4bit_model
 from slothkit.export.base_fingerprint import write_base_fingerprint
-from slothkit.export.hub import push_to_hub_merged
-from slothkit.export.save import merged_plain_model, resolve_tokenizer, save_pretrained_merged
-
-GGUF_MODULE = "slothkit.export.gguf"
-GGUF_FUNCTIONS = ("save_pretrained_gguf", "push_to_hub_gguf")
+from slothkit.export.export_types import EXPORT_TYPES, GGUF_MODULE
+from slothkit.export.save import merged_plain_model, resolve_tokenizer
 
 
 def _gguf_available() -> bool:
@@ -85,15 +83,25 @@ def _gguf_method(name: str):
     return method
 
 
+def export_functions() -> dict:
+    """The save and push function of every export type (export_types), by name, each once:
+    GGUF's through ``_gguf_method`` and only where that module is installed."""
+    functions = {}
+    for export in EXPORT_TYPES.values():
+        for name in (export.save, export.push):
+            if name in functions:
+                continue
+            if export.module != GGUF_MODULE:
+                functions[name] = export.function(name)
+            elif _gguf_available():
+                functions[name] = _gguf_method(name)
+    return functions
+
+
 def attach_export_methods(model: nn.Module) -> nn.Module:
     """Give `model` (a peft.PeftModel or a transformers model) save_pretrained_merged and
     push_to_hub_merged methods (and the GGUF ones where available); returns the model."""
-    methods = {
-        "save_pretrained_merged": save_pretrained_merged,
-        "push_to_hub_merged": push_to_hub_merged,
-    }
-    if _gguf_available():
-        methods.update({name: _gguf_method(name) for name in GGUF_FUNCTIONS})
+    methods = export_functions()
     if hasattr(model, "peft_config"):
         methods["save_pretrained"] = _save_pretrained_recording_the_base(type(model).save_pretrained)
     for name, function in methods.items():

@@ -13,6 +13,8 @@ import json
 import os
 import re
 
+from slothkit.export.export_types import EXPORT_TYPES
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -35,11 +37,10 @@ class CardFacts:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-_METHOD_TEXT = {
-    "merged_16bit": "LoRA adapter merged into the base weights, saved unquantised",
-    "merged_4bit": "LoRA adapter merged into the base weights, saved re-quantised with bitsandbytes 4-bit",
-    "lora": "LoRA adapter only (standard PEFT format; load it on top of the base model)",
-}
+def _method_text(save_method: str) -> str:
+    export = EXPORT_TYPES.get(save_method)
+    return export.holds if export is not None else save_method
+
 
 LORA_CARD_FIELDS = (
     "r", "lora_alpha", "use_rslora", "target_modules", "lora_dropout", "bias",
@@ -110,7 +111,7 @@ def render(facts: CardFacts) -> str:
 
     summary = [
         ("base model", f"`{facts.base_model}`" if facts.base_model else "unknown"),
-        ("method", f"`{facts.save_method}`: {_METHOD_TEXT.get(facts.save_method, facts.save_method)}"),
+        ("method", f"`{facts.save_method}`: {_method_text(facts.save_method)}"),
     ]
     if facts.merged_into:
         summary.append(("merged into", facts.merged_into))

@@ -31,10 +31,10 @@ from slothkit.export.atomic import atomic_directory, check_not_an_input, check_t
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.checkpoint_files import write_sharded
 from slothkit.export.disk_space import check_free_space, estimated_save_bytes
+from slothkit.export.export_types import SAVE_METHODS
 from slothkit.export.generation_config import write_generation_config
 from slothkit.export.model_card import CardFacts, lora_facts, render
 
-SAVE_METHODS = ("merged_16bit", "merged_4bit", "lora")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -191,6 +191,39 @@ def _check_adapter_weights(model: nn.Module) -> None:
         pass
 
 
+def _write_merged_16bit(model, staging, source, max_shard_size, dtype) -> tuple[merge.MergeReport, str]:
+    _, report, saved_dtype = write_merged_checkpoint(model, staging, source, max_shard_size, dtype)
+    return report, f"{str(saved_dtype).removeprefix('torch.')} safetensors, not quantised"
+
+
+def _write_merged_4bit(model, staging, source, max_shard_size, dtype) -> tuple[merge.MergeReport, str]:
+    _, report, quantization = write_requantized_checkpoint(model, staging, source, max_shard_size, dtype)
+    double = ", double quantisation" if quantization.bnb_4bit_use_double_quant else ""
+    compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
+    return (
+        report,
+        f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}",
+    )
+
+
+def _write_adapter(model, staging, source, max_shard_size, dtype) -> tuple[None, str]:
+    _check_adapter_weights(model)
+    model.save_pretrained(str(staging))
+    write_base_fingerprint(model, staging)  # also for a model save_pretrained does not write it for
+    base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
+    return None, f"LoRA adapter weights; the base was {base} during training"
+
+
+# What writes the weights (and config) of each export type save_pretrained_merged writes
+# (slothkit.export.export_types.SAVE_METHODS) into the staging folder: (the merge's report,
+# None for no merge; the model card's line on the weights).
+FOLDER_WRITERS = {
+    "merged_16bit": _write_merged_16bit,
+    "merged_4bit": _write_merged_4bit,
+    "lora": _write_adapter,
+}
+
+
 def _training_facts(model: nn.Module, training_settings: dict | None) -> dict | None:
     facts = dict(training_settings or {})
     state = state_of(model)
@@ -293,24 +326,8 @@ def save_pretrained_merged(
         training=_training_facts(model, training_settings),
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
-    report = None
     with atomic_directory(target, overwrite, keep_other_files=True) as staging:
-        if save_method == "merged_16bit":
-            _, report, saved_dtype = write_merged_checkpoint(model, staging, source, max_shard_size, dtype)
-            facts.weights = f"{str(saved_dtype).removeprefix('torch.')} safetensors, not quantised"
-        elif save_method == "merged_4bit":
-            _, report, quantization = write_requantized_checkpoint(
-                model, staging, source, max_shard_size, dtype
-            )
-            double = ", double quantisation" if quantization.bnb_4bit_use_double_quant else ""
-            compute = str(quantization.bnb_4bit_compute_dtype).removeprefix("torch.")
-            facts.weights = f"bitsandbytes 4-bit {quantization.bnb_4bit_quant_type.upper()}{double}, compute dtype {compute}"
-        else:
-            _check_adapter_weights(model)
-            model.save_pretrained(str(staging))
-            write_base_fingerprint(model, staging)  # also for a model save_pretrained does not write it for
-            base = "4-bit (bitsandbytes)" if is_4bit_model(model) else "16-bit"
-            facts.weights = f"LoRA adapter weights; the base was {base} during training"
+        report, facts.weights = FOLDER_WRITERS[save_method](model, staging, source, max_shard_size, dtype)
         if report is not None:
             facts.merged_into = source.describe()
             if report.ties_broken:

@@ -131,13 +131,12 @@ def train(
     Returns:
         The TrainResult.
     """
-    from slothkit.trl import DPOTrainer, SFTTrainer, defaults
+    from slothkit.trl.registry import TRAINERS_BY_METHOD
 
     if method not in ("sft", "dpo"):
         raise ValueError(f"method={method!r}; accepted: 'sft', 'dpo'")
-    make_config = defaults.sft_config if method == "sft" else defaults.dpo_config
-    trainer_class = SFTTrainer if method == "sft" else DPOTrainer
-    args = make_config(
+    record = TRAINERS_BY_METHOD[method]
+    args = record.factory(
         model,
         output_dir=f"{config.output_dir}/checkpoints",
         per_device_train_batch_size=config.batch_size,
@@ -148,7 +147,7 @@ def train(
         save_strategy="no",
         **overrides,
     )
-    trainer = trainer_class(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
+    trainer = record.trainer(model=model, processing_class=tokenizer, train_dataset=dataset, args=args)
     if responses_only:
         from slothkit.data import train_on_responses_only
 

@@ -13,14 +13,9 @@ slothkit.trl.defaults that the trainers use when given no config.  Each trainer 
 keywords older notebooks pass, checks the setup and the data before TRL sees them, keeps
 the adapters in float32 and explains a CUDA out-of-memory error (slothkit.trl.setup).
 
-    method  trainer, config            defaults factory  data (columns)                        module
-    SFT     SFTTrainer, SFTConfig      sft_config        text | conversations | prompt+completion  supervised
-    DPO     DPOTrainer, DPOConfig      dpo_config        prompt, chosen, rejected              preference
-    ORPO    ORPOTrainer, ORPOConfig    orpo_config       prompt, chosen, rejected              preference
-    KTO     KTOTrainer, KTOConfig      kto_config        prompt, completion, label             preference
-    GRPO    GRPOTrainer, GRPOConfig    grpo_config       prompt, and reward functions          online
-    RLOO    RLOOTrainer, RLOOConfig    rloo_config       prompt, and reward functions          online
-    reward  RewardTrainer, RewardConfig reward_config    [prompt,] chosen, rejected            reward
+The trainers, each with its TRL class, config, defaults and data, are the records of
+slothkit.trl.registry (``TRAINERS``; docs/trainers.md shows them as a table): supervised
+(SFT), preference (DPO, ORPO, KTO), online (GRPO, RLOO) and reward define them.
 
 The other modules: configs (the configs taking older keywords), library (TRL's version
 floor and where it keeps each class), on_policy_generation (GRPO's and RLOO's sampling
@@ -64,6 +59,8 @@ from slothkit.trl.reward import RewardTrainer
 from slothkit.trl.supervised import SFTTrainer
 from slothkit.trl.unsloth import PatchDPOTrainer, UnslothTrainer, unsloth_train
 
+# Named one by one, so that editors and type checkers see them; test_trl_registry.py
+# checks that these are exactly the registered trainers and configs.
 __all__ = [
     "DPOConfig",
     "DPOTrainer",

@@ -203,18 +203,13 @@ def push_to_hub_gguf(
     """
     from huggingface_hub import HfApi
 
-    from slothkit.export.hub import (
-        DEFAULT_TIMEOUT_S,
-        check_repo_id,
-        hub_session,
-        push_folder_to_hub,
-        resolve_token,
-    )
+    from slothkit.export.hub import check_repo_id, hub_session, push_folder_to_hub, resolve_token
+    from slothkit.export.hub_options import HubOptions
 
     check_repo_id(repo_id)
     methods = quantization_methods(quantization_method)  # refuse bad input before any work
     architecture_of(model)
-    with hub_session(DEFAULT_TIMEOUT_S, stall_timeout_s, repo_id):
+    with hub_session(HubOptions(stall_timeout_s=stall_timeout_s), repo_id):
         token = resolve_token(token, HfApi(endpoint=endpoint))
     labels = ", ".join(m.label for m in methods)
     with tempfile.TemporaryDirectory(prefix="slothkit-gguf-") as scratch:

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.core.model_state import attach_state
-from slothkit.export import DirectoryNotEmptyError, save_pretrained_merged
+from slothkit.export import SAVE_METHODS, DirectoryNotEmptyError, save_pretrained_merged
 from slothkit.export import atomic as atomic_module
 from slothkit.export.atomic import atomic_directory
 from slothkit.export.merge import merged_state_dict
@@ -39,7 +39,7 @@ def test_lora_adapter_reloads_in_plain_peft(
     assert relative_error(logits(reloaded, input_ids), logits(model, input_ids)) < SAME
 
 
-@pytest.mark.parametrize("save_method", ["merged_16bit", "merged_4bit", "lora"])
+@pytest.mark.parametrize("save_method", SAVE_METHODS)
 def test_every_save_writes_tokenizer_chat_template_generation_config_and_card(
     save_method, make_lora_model, tmp_path
 ):
