@@ -10,14 +10,18 @@ activations and their backward), ``combine`` (sorted rows back to tokens),
 from slothkit_kernels.moe.experts import moe_lora_experts, moe_lora_experts_reference
 from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, grouped_lora_gemm_reference
 from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.nf4_experts import NF4Experts
+from slothkit_kernels.moe.nf4_quantize import quantize_nf4_experts
 from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
 
 __all__ = [
     "ExpertLoRA",
     "ExpertRouting",
+    "NF4Experts",
     "grouped_lora_gemm",
     "grouped_lora_gemm_reference",
     "moe_lora_experts",
     "moe_lora_experts_reference",
+    "quantize_nf4_experts",
     "route_to_experts",
 ]
