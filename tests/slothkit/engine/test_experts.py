@@ -332,6 +332,18 @@ def test_4bit_experts_compute_what_their_dequantised_weights_do(family, tmp_path
         torch.testing.assert_close(grads[0][name], grad, **tolerance, msg=name)
 
 
+def test_4bit_experts_generate_as_their_dequantised_weights(tmp_path):
+    """After for_inference, greedy generation reads the NF4 experts as training does."""
+    path = _checkpoint(tmp_path, "gpt_oss")
+    quantized, gold = _load_4bit(path, False), _load_4bit(path, True)
+    ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens = []
+    for model in (quantized, gold):
+        FastModel.for_inference(model)
+        tokens.append(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False).tolist())
+    assert tokens[0] == tokens[1]
+
+
 def test_4bit_experts_refuse_what_only_their_own_forward_computes(tmp_path):
     """NF4 experts have no 16-bit weights for the module's own forward, and none to merge
     into: both are refused with the reason."""
