@@ -29,6 +29,12 @@ def is_4bit_parameter(param) -> bool:
     return getattr(param, "quant_state", None) is not None
 
 
+def nf4_experts_of(param):
+    """The NF4 record (slothkit_kernels.moe.NF4Experts) that a mixture-of-experts parameter
+    quantised by slothkit stands for (slothkit.engine.experts_nf4), or None."""
+    return getattr(param, "nf4_experts", None)
+
+
 def is_4bit_model(model: nn.Module) -> bool:
     """Whether any weight of ``model`` (or of the model inside a PeftModel) is 4-bit.
     Judged by the weights, not by transformers' ``is_loaded_in_4bit`` flag: a model

@@ -16,6 +16,10 @@ experts module at loading and again to the outermost wrapper after ``get_peft_mo
 slothkit.engine.lora_projection reads a LoRA linear layer (adapters can be switched off,
 merged or swapped between calls); what the fused experts do not compute runs the
 module's own forward, said once with the reason.
+
+In a model loaded in 4 bits the experts' weights are quantised to NF4 where they are fused
+(slothkit.engine.experts_nf4): then only the fused experts can read them, and a call they
+cannot compute is refused with the reason instead.
 """
 
 from __future__ import annotations
@@ -25,11 +29,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slothkit.core.inspection import is_4bit_model
 from slothkit.core.model_state import patched_module
 from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.decoder import bind_forward
+from slothkit.engine.experts_nf4 import (
+    has_nf4_experts,
+    nf4_experts_of,
+    quantize_expert_parameters,
+    say_quantized,
+)
 from slothkit.models.experts import DEFAULT_GATES, OWN_GATES, ExpertGate
-from slothkit_kernels.moe import ExpertLoRA, moe_lora_experts
+from slothkit_kernels.moe import ExpertLoRA, NF4Experts, moe_lora_experts
 
 # The experts' parameters slothkit reads, by their name on transformers' modules.
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
@@ -39,8 +50,8 @@ GATE_UP, DOWN = "gate_up_proj", "down_proj"
 class ExpertsCall:
     """What one call of an experts module computes, as slothkit_kernels.moe takes it."""
 
-    gate_up: torch.Tensor  # (E, 2I, H), or (E, H, 2I) with weights_in_out
-    down: torch.Tensor  # (E, H, I), or (E, I, H) with weights_in_out
+    gate_up: torch.Tensor | NF4Experts  # (E, 2I, H), or (E, H, 2I) with weights_in_out
+    down: torch.Tensor | NF4Experts  # (E, H, I), or (E, I, H) with weights_in_out
     weights_in_out: bool  # transformers' is_transposed: y = x @ W_e rather than x @ W_e^T
     interleaved: bool  # gate and up alternate by column (not is_concatenated: gpt-oss)
     gate_up_bias: torch.Tensor | None
@@ -131,9 +142,10 @@ def describe_experts(module: nn.Module) -> ExpertsCall | str:
     if isinstance(gate, str):
         return gate
     gate_up, down = getattr(experts, GATE_UP), getattr(experts, DOWN)
+    gate_up, down = nf4_experts_of(gate_up) or gate_up, nf4_experts_of(down) or down
     if gate_up.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the experts' weights are {gate_up.dtype}, not 16- or 32-bit floats"
-    if torch.is_grad_enabled() and (gate_up.requires_grad or down.requires_grad):
+    if torch.is_grad_enabled() and any(getattr(w, "requires_grad", False) for w in (gate_up, down)):
         return "the experts' base weights are trainable (the fused experts assume a frozen base)"
     weights_in_out = bool(getattr(experts, "is_transposed", False))
     hidden, widths = (
@@ -167,6 +179,15 @@ def describe_experts(module: nn.Module) -> ExpertsCall | str:
 def _experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
     call = describe_experts(self) if top_k_index is not None and not args and not kwargs else None
     if not isinstance(call, ExpertsCall):
+        if has_nf4_experts(experts_base(self)[0], (GATE_UP, DOWN)):
+            reason = (
+                call or "it is called with other arguments than (hidden_states, top_k_index, top_k_weights)"
+            )
+            raise ValueError(
+                f"slothkit: this mixture-of-experts layer's experts were quantised to 4 bits (NF4) at "
+                f"loading, which only slothkit's fused experts read, and they cannot compute this "
+                f"call: {reason}. Load with load_in_4bit=False to run it otherwise"
+            )
         if call is not None:
             say_once(
                 f"slothkit: a mixture-of-experts layer runs its own experts module: {call}", FallbackWarning
@@ -205,12 +226,31 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 
 def patch_experts(model: nn.Module) -> int:
     """Bind the fused experts forward onto the module each expert block calls (once per
-    module); the number of blocks whose experts it computes."""
+    module); the number of blocks whose experts it computes.  In a 4-bit model the experts
+    the fused forward computes get their weights quantised to NF4 (experts_nf4)."""
     blocks = experts_modules(model)
     for module in blocks:
         if patched_module(module) is None:
             bind_forward(module, _experts_forward)
+    if is_4bit_model(model):
+        _quantize_fused_experts(blocks)
     return len(blocks)
+
+
+def _quantize_fused_experts(blocks: list[nn.Module]) -> None:
+    """Quantise the weights of the experts modules the fused experts compute, said once
+    with the bytes.  Judged without grad: at loading the parameters still require it, which
+    PEFT turns off."""
+    quantized, before, after = 0, 0, 0
+    for module in blocks:
+        with torch.no_grad():
+            call = describe_experts(module)
+        if not isinstance(call, ExpertsCall):
+            continue
+        taken, left = quantize_expert_parameters(experts_base(module)[0], (GATE_UP, DOWN))
+        quantized, before, after = quantized + (taken > 0), before + taken, after + left
+    if quantized:
+        say_quantized(quantized, before, after)
 
 
 def has_fused_experts(model: nn.Module) -> bool:

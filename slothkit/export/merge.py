@@ -42,7 +42,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from slothkit.core.inspection import causal_lm_of, is_4bit_model, is_4bit_parameter, weights_dtype
+from slothkit.core.inspection import (
+    causal_lm_of,
+    is_4bit_model,
+    is_4bit_parameter,
+    nf4_experts_of,
+    weights_dtype,
+)
 from slothkit.export.checkpoint_files import SafetensorsCheckpoint, is_unquantized_safetensors_checkpoint
 
 MERGE_SOURCES = ("16bit", "dequantized_4bit", "original_checkpoint")
@@ -146,6 +152,18 @@ def find_original_checkpoint(name: str | None) -> pathlib.Path | None:
     return folder if folder is not None and is_unquantized_safetensors_checkpoint(folder) else None
 
 
+def _refuse_nf4_experts(model: nn.Module) -> None:
+    """Refuse, before anything is written, a model with experts slothkit quantised to NF4
+    (slothkit.engine.experts_nf4): merging into them is not supported."""
+    for name, param in causal_lm_of(model).named_parameters():
+        if nf4_experts_of(param) is not None:
+            raise ValueError(
+                f"{name} holds mixture-of-experts weights that slothkit quantised to NF4 at loading "
+                f"(load_in_4bit=True), and merging into them is not supported: load the model with "
+                f"load_in_4bit=False to save it merged (the adapters alone save as they are)"
+            )
+
+
 def choose_merge_source(model: nn.Module, base_weights: str | os.PathLike | None = "auto") -> MergeSource:
     """Where W comes from.
 
@@ -161,6 +179,7 @@ def choose_merge_source(model: nn.Module, base_weights: str | os.PathLike | None
             "this model has bitsandbytes 8-bit weights; slothkit merges into 16-bit or 4-bit (NF4/FP4) "
             "bases only: load the base with load_in_4bit=True or in 16-bit"
         )
+    _refuse_nf4_experts(model)
     quantized = is_4bit_model(model)
     own = MergeSource("dequantized_4bit" if quantized else "16bit")
     if base_weights is None:

@@ -45,6 +45,7 @@ from slothkit_kernels.moe.combine import combine_rows
 from slothkit_kernels.moe.expert_sums import expert_sums
 from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, tile_sizes
 from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.nf4_experts import NF4Experts
 from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
 from slothkit_kernels.utils import check_float_dtype, check_not_empty, use_triton, warn_reference_once
 
@@ -52,10 +53,16 @@ MAX_RANK = 64
 
 
 def _logical_weights(gate_up, down, weights_in_out: bool):
-    """(E, 2I, H) and (E, H, I) views of the base weights, whatever their storage."""
+    """(E, 2I, H) and (E, H, I) views of the base weights, whatever their storage
+    (tensors, or NF4Experts records, whose ``mT`` is a tensor's)."""
     if weights_in_out:
-        return gate_up.transpose(1, 2), down.transpose(1, 2)
+        return gate_up.mT, down.mT
     return gate_up, down
+
+
+def _dense(weight: torch.Tensor | NF4Experts) -> torch.Tensor:
+    """The weight as a tensor: an NF4Experts record dequantised, in its logical shape."""
+    return weight.dequantize() if isinstance(weight, NF4Experts) else weight
 
 
 def _expert_linear(x, weight, lora: ExpertLoRA | None, bias, e: int):
@@ -71,8 +78,8 @@ def moe_lora_experts_reference(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | NF4Experts,
+    down: torch.Tensor | NF4Experts,
     *,
     gate_up_lora: ExpertLoRA | None = None,
     down_lora: ExpertLoRA | None = None,
@@ -87,7 +94,7 @@ def moe_lora_experts_reference(
     """moe_lora_experts in plain torch, differentiable: a loop over experts as
     transformers' expert modules run it, in x's dtype (the routing weight's product is
     taken in the promoted dtype, then rounded to x's, as they do)."""
-    w_gu, w_d = _logical_weights(gate_up, down, weights_in_out)
+    w_gu, w_d = _logical_weights(_dense(gate_up), _dense(down), weights_in_out)
     out = torch.zeros_like(x)
     for e in range(w_gu.shape[0]):
         token_idx, k_pos = torch.where(expert_ids == e)
@@ -106,8 +113,8 @@ def moe_lora_experts_reference(
 class _Experts:
     """What the autograd Function needs besides its differentiable inputs."""
 
-    gate_up: torch.Tensor  # (E, 2I, H) logical view
-    down: torch.Tensor  # (E, H, I) logical view
+    gate_up: torch.Tensor | NF4Experts  # (E, 2I, H) logical view
+    down: torch.Tensor | NF4Experts  # (E, H, I) logical view
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     gate_up_scale: float
@@ -158,7 +165,7 @@ class _MoELoRAExpertsFunction(torch.autograd.Function):
         grad_y, dout_b = grouped_lora_gemm(
             d_out,
             routing,
-            experts.down.transpose(1, 2),
+            experts.down.mT,
             None if d_lora is None else d_lora.transposed(),
             gather=True,
             store_xa=need_d_a,
@@ -188,7 +195,7 @@ class _MoELoRAExpertsFunction(torch.autograd.Function):
             dx_rows, dg_b = grouped_lora_gemm(
                 d_gate_up,
                 routing,
-                experts.gate_up.transpose(1, 2),
+                experts.gate_up.mT,
                 None if gu_lora is None else gu_lora.transposed(),
                 gather=False,
                 store_xa=need_gu_a,
@@ -229,6 +236,36 @@ def _check_lora(name: str, lora: ExpertLoRA | None, experts: int, out_f: int, in
         raise ValueError(f"moe_lora_experts: {name} is not on x's device {x.device}")
 
 
+def _check_nf4(name: str, record: NF4Experts) -> None:
+    """An NF4Experts record's tensors agree with its shape and with each other."""
+    experts, rows, cols = record.stored_shape
+    blocks = -(-rows * cols // record.blocksize)
+    expected = {
+        "packed": (record.packed, torch.uint8, (experts, (rows * cols + 1) // 2)),
+        "absmax": (record.absmax, torch.uint8, (experts, blocks)),
+        "nested_absmax": (
+            record.nested_absmax,
+            torch.float32,
+            (experts, -(-blocks // record.nested_blocksize)),
+        ),
+        "offset": (record.offset, torch.float32, (experts,)),
+        "code": (record.code, torch.float32, (16,)),
+        "nested_code": (record.nested_code, torch.float32, (256,)),
+    }
+    for field, (tensor, dtype, shape) in expected.items():
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or tensor.stride()[-1] != 1:
+            raise ValueError(
+                f"{name}: NF4Experts.{field} is {tensor.dtype} {tuple(tensor.shape)}; a record of "
+                f"{experts} experts of ({rows}, {cols}) needs {dtype} {shape}, last dimension contiguous"
+            )
+        if tensor.device != record.device:
+            raise ValueError(
+                f"{name}: NF4Experts.{field} is on {tensor.device}, its codes on {record.device}"
+            )
+    if record.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name}: NF4Experts.dtype is {record.dtype}; supported: float32, float16, bfloat16")
+
+
 def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_bias, d_bias, activation):
     op = "moe_lora_experts"
     check_float_dtype(f"{op}: x", x)
@@ -247,7 +284,7 @@ def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_
             f"{op}: expert_weights has shape {tuple(expert_weights.shape)}, expert_ids {tuple(expert_ids.shape)}; they must match"
         )
     check_float_dtype(f"{op}: expert_weights", expert_weights)
-    if w_gu.dim() != 3 or w_d.dim() != 3:
+    if len(w_gu.shape) != 3 or len(w_d.shape) != 3:
         raise ValueError(f"{op}: gate_up and down must be 3-D (experts, ., .)")
     experts, two_i, gu_in = w_gu.shape
     if gu_in != hidden or two_i % 2 or tuple(w_d.shape) != (experts, hidden, two_i // 2):
@@ -256,7 +293,10 @@ def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_
             f"(E, {hidden}, I); got {tuple(w_gu.shape)} and {tuple(w_d.shape)} (after weights_in_out)"
         )
     for name, w in (("gate_up", w_gu), ("down", w_d)):
-        check_float_dtype(f"{op}: {name}", w)
+        if isinstance(w, NF4Experts):
+            _check_nf4(f"{op}: {name}", w)
+        else:
+            check_float_dtype(f"{op}: {name}", w)
         if w.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"{op}: {name} has dtype {w.dtype} but x has {x.dtype}; they must match "
@@ -267,7 +307,7 @@ def _check_inputs(x, expert_ids, expert_weights, w_gu, w_d, gu_lora, d_lora, gu_
             raise ValueError(f"{op}: {name} must be ({experts}, {n}), got {tuple(bias.shape)}")
     if torch.is_grad_enabled():
         for name, t in (("gate_up", w_gu), ("down", w_d), ("gate_up_bias", gu_bias), ("down_bias", d_bias)):
-            if t is not None and t.requires_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
                 raise ValueError(
                     f"{op}: {name} requires grad, but the base weights are frozen here; detach it"
                 )
@@ -292,8 +332,8 @@ def moe_lora_experts(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | NF4Experts,
+    down: torch.Tensor | NF4Experts,
     *,
     gate_up_lora: ExpertLoRA | None = None,
     down_lora: ExpertLoRA | None = None,
@@ -314,7 +354,9 @@ def moe_lora_experts(
             (as the id E that Qwen3-MoE and Mixtral skip) contributes nothing.
         expert_weights: (T, top_k) routing weights, any float dtype; gets a gradient.
         gate_up: the fused gate/up weights, (E, 2I, H) (out, in), or (E, H, 2I) with
-            ``weights_in_out``; x's dtype; frozen.
+            ``weights_in_out``; x's dtype; frozen.  Either weight may be an NF4Experts
+            record of that shape and dtype (``quantize_nf4_experts``): the GEMMs then
+            dequantise it a tile at a time (grouped_gemm.py).
         down: (E, H, I), or (E, I, H) with ``weights_in_out``; frozen.
         gate_up_lora, down_lora: ``ExpertLoRA(A (E, r, in), B (E, out, r), scale)``, any
             strides, r <= 64; get gradients.
@@ -350,7 +392,9 @@ def moe_lora_experts(
         # The compute dtype is autocast's, as for F.linear: x and the base weights are cast
         # to it (a copy only where they differ); the adapters are read in their own dtype.
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, w_gu, w_d = x.to(dtype), w_gu.to(dtype), w_d.to(dtype)
+        # An NF4 record is dequantised to its dtype, then rounded to x's in the kernel.
+        x = x.to(dtype)
+        w_gu, w_d = (w if isinstance(w, NF4Experts) else w.to(dtype) for w in (w_gu, w_d))
         gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(dtype)
         down_bias = None if down_bias is None else down_bias.to(dtype)
     experts = _Experts(
