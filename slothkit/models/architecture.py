@@ -16,7 +16,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       neutral norm weight of the fixtures and of the bench's random models
     tied_embeddings   the tiny fixtures, the planner's weight bytes
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
-    gguf              GGUF export (slothkit.export.gguf: layout, writer, verify)
+    gguf              GGUF export (slothkit.export.gguf: layout, writer, verify, attention,
+                      longrope: the graph's name, tensor layout, rope tensors, query scale)
     tiny              slothkit.testing.tiny_models
     shapes            slothkit.models.SHAPES (planner, bench), the notebooks' tiny model
     families          messages
@@ -32,6 +33,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       (the fast decode step reads the extra norms off the layer)
     text_tower_of     loading (slothkit.text_tower): a multimodal checkpoint of these
                       model_types loads as this family's text model
+    demo_model        `slothkit demo` (slothkit.notebook.execute): the real model it trains
+    unsloth_block_compile  the bench's Unsloth runs (slothkit.bench.train_worker)
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -77,6 +80,15 @@ class GGUFLayout:
     # llama.cpp's graph soft-caps the attention scores and the output logits, by the file's
     # attn_logit_softcapping and final_logit_softcapping (Gemma 2); False: it caps neither.
     logit_softcapping: bool = False
+    # llama.cpp's graph reads 'llama3' rope scaling from a rope_freqs tensor (its "llama"
+    # graph); False: a model with that scaling is refused.
+    rope_freqs: bool = False
+    # llama.cpp's graph reads 'longrope' scaling from rope_factors_long / _short tensors (its
+    # "phi3" graph); False: a model with that scaling is refused.
+    rope_factors: bool = False
+    # llama.cpp takes a model of this many layers for the family's 27B, whose queries it
+    # scales by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (Gemma 3: 62, Gemma 2: 46).
+    query_scale_hidden_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +155,13 @@ class Architecture:
     # are (Phi-3): one LoRA A per group. The fused path reads them as row slices
     # (slothkit.engine.lora_projection.describe_rows) by the modules it finds.
     fused_projections: bool = False
+    # The real pretrained model of this family that `slothkit demo` trains, a name in
+    # slothkit.testing.real_models (Llama: SmolLM2-135M-Instruct); None: the demo trains a
+    # tiny random one.
+    demo_model: str | None = None
+    # `slothkit bench --impl unsloth` lets Unsloth compile each decoder block; False where
+    # that compile crashes in inductor (Gemma: shared/GPU.md).
+    unsloth_block_compile: bool = True
 
     @property
     def keeps_attention_sum(self) -> bool:

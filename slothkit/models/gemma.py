@@ -65,5 +65,6 @@ GEMMA = Architecture(
         "tiny-gemma": Shape("gemma", 64, 192, 2, 4, 1, 512, 2048, {**_GEMMA, "head_dim": 32}),
     },
     families=("Gemma 2B", "Gemma 7B"),
+    unsloth_block_compile=False,
     embedding_scale=True,
 )

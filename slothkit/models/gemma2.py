@@ -56,6 +56,7 @@ GEMMA2 = Architecture(
         windowed_layers=True,
         fixed_sliding_pattern=2,
         logit_softcapping=True,
+        query_scale_hidden_layers=46,
     ),
     fused=True,
     sandwich_norms=True,
@@ -97,5 +98,6 @@ GEMMA2 = Architecture(
         ),
     },
     families=("Gemma 2",),
+    unsloth_block_compile=False,
     embedding_scale=True,
 )

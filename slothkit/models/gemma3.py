@@ -53,6 +53,7 @@ GEMMA3 = Architecture(
             ("post_feedforward_layernorm", "post_ffw_norm"),
         ),
         windowed_layers=True,
+        query_scale_hidden_layers=62,
     ),
     fused=True,
     qk_norm=True,
@@ -106,6 +107,7 @@ GEMMA3 = Architecture(
         ),
     },
     families=("Gemma 3 (text)",),
+    unsloth_block_compile=False,
     embedding_scale=True,
     text_tower_of=("gemma3",),  # the 4B, 12B and 27B checkpoints hold a vision tower too
 )

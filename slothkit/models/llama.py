@@ -31,7 +31,7 @@ LLAMA = Architecture(
     norm_adds_one=False,
     tied_embeddings=False,
     sliding_window=False,
-    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False, rope_freqs=True),
     fused=True,
     tiny=TinyTraits(
         rope_theta=500_000.0,
@@ -52,4 +52,5 @@ LLAMA = Architecture(
         "tiny-llama": Shape("llama", 64, 192, 2, 4, 2, 512, 2048, _LLAMA3),
     },
     families=("Llama 2", "Llama 3", "CodeLlama", "Yi", "TinyLlama"),
+    demo_model="smollm2-135m-instruct",
 )

@@ -40,7 +40,7 @@ MISTRAL = Architecture(
     tied_embeddings=False,
     sliding_window=True,
     # llama.cpp runs Mistral with its llama graph (which ignores the window).
-    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False, rope_freqs=True),
     fused=True,
     tiny=TinyTraits(
         rope_theta=10_000.0,

@@ -77,7 +77,9 @@ PHI3 = Architecture(
     norm_adds_one=False,
     tied_embeddings=False,
     sliding_window=False,  # the class default; a checkpoint's window is read per module
-    gguf=GGUFLayout(arch="phi3", permute_qk=False, output_always_tied=False, optional_window=True),
+    gguf=GGUFLayout(
+        arch="phi3", permute_qk=False, output_always_tied=False, optional_window=True, rope_factors=True
+    ),
     fused=True,
     fused_projections=True,
     tiny=TinyTraits(
