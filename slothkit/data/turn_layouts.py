@@ -38,37 +38,40 @@ class TurnLayout:
     turn_end: str | None  # the token that ends each turn; None: the tokenizer's EOS
     special_tokens: tuple[str, ...]  # the markers the format's own tokenizers hold as single tokens
     system_fold: str = "\n\n"  # after a folded system text (system None)
+    # (start, end) around the role's name where every turn opens with it (ChatML, Llama 3,
+    # Gemma, Phi-4), as the families' own templates write it: start + role + end.
+    header: tuple[str, str] | None = None
 
 
-def _headed(start: str, end: str, close: str) -> dict[str, Turn]:
-    """Turns whose opening names the role between two markers (ChatML, Llama 3, Phi-4)."""
-    return {role: Turn(start + role + end, close) for role in ("system", "user", "assistant")}
+def _headed(
+    start: str, end: str, close: str, special_tokens: tuple[str, ...], *, assistant: str = "assistant"
+) -> TurnLayout:
+    """A layout whose turns open with the role's name between two markers and close alike."""
+    return TurnLayout(
+        system=Turn(start + "system" + end, close),
+        user=Turn(start + "user" + end, close),
+        assistant=Turn(start + assistant + end, close),
+        turn_end=special_tokens[-1],
+        special_tokens=special_tokens,
+        header=(start, end),
+    )
 
 
-_CHATML = _headed("<|im_start|>", "\n", "<|im_end|>\n")
-CHATML = TurnLayout(
-    system=_CHATML["system"],
-    user=_CHATML["user"],
-    assistant=_CHATML["assistant"],
-    turn_end="<|im_end|>",
-    special_tokens=("<|im_start|>", "<|im_end|>"),
+CHATML = _headed("<|im_start|>", "\n", "<|im_end|>\n", ("<|im_start|>", "<|im_end|>"))
+
+LLAMA_3 = _headed(
+    "<|start_header_id|>",
+    "<|end_header_id|>\n\n",
+    "<|eot_id|>",
+    ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
 )
 
-_LLAMA_3 = _headed("<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>")
-LLAMA_3 = TurnLayout(
-    system=_LLAMA_3["system"],
-    user=_LLAMA_3["user"],
-    assistant=_LLAMA_3["assistant"],
-    turn_end="<|eot_id|>",
-    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-)
-
-GEMMA = TurnLayout(
+# Gemma's assistant is called "model"; it has no system turn.
+GEMMA = dataclasses.replace(
+    _headed(
+        "<start_of_turn>", "\n", "<end_of_turn>\n", ("<start_of_turn>", "<end_of_turn>"), assistant="model"
+    ),
     system=None,
-    user=Turn("<start_of_turn>user\n", "<end_of_turn>\n"),
-    assistant=Turn("<start_of_turn>model\n", "<end_of_turn>\n"),
-    turn_end="<end_of_turn>",
-    special_tokens=("<start_of_turn>", "<end_of_turn>"),
 )
 
 PHI_3 = TurnLayout(
@@ -80,14 +83,7 @@ PHI_3 = TurnLayout(
 )
 
 # Phi-4: ChatML's tokens with <|im_sep|> after the role and no newline anywhere.
-_PHI_4 = _headed("<|im_start|>", "<|im_sep|>", "<|im_end|>")
-PHI_4 = TurnLayout(
-    system=_PHI_4["system"],
-    user=_PHI_4["user"],
-    assistant=_PHI_4["assistant"],
-    turn_end="<|im_end|>",
-    special_tokens=("<|im_start|>", "<|im_sep|>", "<|im_end|>"),
-)
+PHI_4 = _headed("<|im_start|>", "<|im_sep|>", "<|im_end|>", ("<|im_start|>", "<|im_sep|>", "<|im_end|>"))
 
 # Mistral Instruct v1 and Llama 2: the reply follows [/INST] and ends with the tokenizer's EOS.
 INST = TurnLayout(

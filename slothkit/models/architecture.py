@@ -18,7 +18,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
     gguf              GGUF export (slothkit.export.gguf: layout, writer, verify, attention,
                       longrope: the graph's name, tensor layout, rope tensors, query scale)
-    tiny              slothkit.testing.tiny_models
+    tiny              slothkit.testing.tiny_models (chat_format: the template of the tiny
+                      tokenizer, slothkit.testing.tiny_chat_templates)
     shapes            slothkit.models.SHAPES (planner, bench), the notebooks' tiny model
     families          messages
     embedding_scale   the fast decode step (slothkit.inference), where transformers' embedding
@@ -100,7 +101,9 @@ class TinyTraits:
     head_dim: int | None  # None: hidden_size // num_heads
     sliding_window: int | None  # default window; None where the family has none
     tokenizer: str  # default flavour: "bpe" (Llama 3's byte-level BPE), "qwen" (Qwen's) or "sentencepiece"
-    chat_template: str  # Jinja, in the format of the family's instruct models
+    # The slothkit.data chat format of the family's instruct models; the tiny checkpoint's own
+    # template is written in it (slothkit.testing.tiny_chat_templates).
+    chat_format: str
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
     # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern).

@@ -64,7 +64,7 @@ GEMMA3 = Architecture(
         head_dim=256,  # as in every Gemma 3, and what query_pre_attn_scalar (256) assumes
         sliding_window=16,  # short, so that a few sentences hit it
         tokenizer="sentencepiece",
-        chat_template=GEMMA.tiny.chat_template,  # Gemma 3 keeps Gemma's turn format
+        chat_format=GEMMA.tiny.chat_format,  # Gemma 3 keeps Gemma's turn format
         chat_specials=GEMMA.tiny.chat_specials,
         end_of_turn=GEMMA.tiny.end_of_turn,
         # Every second layer global (the real models: every sixth), so that two layers hold

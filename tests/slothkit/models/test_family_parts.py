@@ -1,6 +1,6 @@
 """Every record brings what the per-family tests and the notebooks need beside it: a tiny
 fixture flavour (slothkit.testing.tiny_models builds the family from its record's `tiny`
-traits and its "tiny-<name>" shape) and a notebook entry (templates/models.json, keyed by
+traits, in a tokenizer flavour and a chat format it has, and its "tiny-<name>" shape) and a notebook entry (templates/models.json, keyed by
 one of its shapes). The tests that run "each family" parametrise over the records
 (slothkit.testing.FUSED_FAMILIES), so a record lacking either would go untested or
 unlisted; this says what to add and where."""
@@ -16,6 +16,7 @@ import slothkit
 from slothkit.models import RECORDS, Architecture, architecture_named
 from slothkit.notebook.render import model_data
 from slothkit.testing import TOKENIZER_FLAVOURS
+from slothkit.testing.tiny_chat_templates import CHAT_FORMATS as TINY_CHAT_FORMATS
 
 
 def _record_file(arch: Architecture) -> str:
@@ -43,6 +44,12 @@ def missing_parts(arch: Architecture, notebook_models: dict[str, dict]) -> list[
             f"slothkit.testing.tiny_tokenizers; set `tiny=TinyTraits(tokenizer=...)` in {where} to one of "
             f"{', '.join(TOKENIZER_FLAVOURS)}"
         )
+    if arch.tiny.chat_format not in TINY_CHAT_FORMATS:
+        missing.append(
+            f"{arch.name}: no tiny fixture chat template in its format {arch.tiny.chat_format!r}: set "
+            f"`tiny=TinyTraits(chat_format=...)` in {where} to one of {', '.join(TINY_CHAT_FORMATS)}, or add "
+            "a writer for the format to slothkit/testing/tiny_chat_templates.py"
+        )
     if not any(name in arch.shapes for name in notebook_models):
         real = [name for name in arch.shapes if not name.startswith("tiny-")]
         fields = ", ".join(next(iter(notebook_models.values())))
@@ -64,13 +71,14 @@ def test_a_record_without_them_is_told_what_to_add_and_where():
     bare = dataclasses.replace(
         llama,
         name="newfam",
-        tiny=dataclasses.replace(llama.tiny, tokenizer="wordpiece"),
+        tiny=dataclasses.replace(llama.tiny, tokenizer="wordpiece", chat_format="vicuna"),
         shapes={"newfam-7b": llama.shapes["llama-3-8b"]},
     )
     missing = missing_parts(bare, model_data())
-    assert len(missing) == 3
+    assert len(missing) == 4
     assert missing[0].startswith("newfam: no tiny fixture flavour: add a Shape named 'tiny-newfam'")
     assert "'wordpiece' is no flavour" in missing[1] and "bpe, qwen, sentencepiece" in missing[1]
-    assert missing[2].startswith("newfam: no notebook entry: add one to templates/models.json")
-    assert "(newfam-7b)" in missing[2] and "display_name" in missing[2]
+    assert "format 'vicuna'" in missing[2] and "slothkit/testing/tiny_chat_templates.py" in missing[2]
+    assert missing[3].startswith("newfam: no notebook entry: add one to templates/models.json")
+    assert "(newfam-7b)" in missing[3] and "display_name" in missing[3]
     assert all("slothkit/models/" in message for message in missing)
