@@ -52,6 +52,7 @@ from slothkit.core.allocator import prefer_expandable_segments
 from slothkit.core.distributed import launch
 from slothkit.core.environment import allocator_settings
 from slothkit.memory.memory_model import MemoryBudgetError
+from slothkit.models import SHAPES, record_for
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 
@@ -65,8 +66,8 @@ def run(args) -> dict | None:
         if importlib.util.find_spec("unsloth") is None:
             raise ImportError("No module named 'unsloth'")
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-        if args.model.startswith("gemma"):
-            # Unsloth's per-block torch.compile crashes in inductor on Gemma (shared/GPU.md).
+        record = record_for(SHAPES.get(args.model))
+        if record is not None and not record.unsloth_block_compile:
             os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
     if args.impl == "slothkit" and torch.cuda.is_available():

@@ -7,7 +7,8 @@
     ...
     trainer = train_on_responses_only(trainer)
 
-Each name lives in the file after it: chat_formats (the formats, as data), chat_templates
+Each name lives in the file after it: chat_formats (the formats, as data; the markers of
+their turns in turn_layouts, which ollama_templates writes as an Ollama Modelfile too), chat_templates
 (installing one), marker_tokens (which of a format's markers are added, mapped onto the
 EOS or left as text), sharegpt, columns_to_sharegpt (to_sharegpt: table-like records as
 conversations), conversations (with prompt_templates: a {SYSTEM}/{INPUT}/{OUTPUT} prompt

@@ -5,61 +5,117 @@ leading system message, and `message[content_key]`, `message[role_key] == user_r
 the dataset's names; chat_formats.template_source puts the shared prelude (names, default
 system text, role checks, BOS) in front. Every assistant reply sits inside
 ``{% generation %}...{% endgeneration %}`` (the assistant-token masks).
+
+The formats with marked turns write the markers of their layout (slothkit.data.turn_layouts),
+which the Ollama Modelfile (slothkit.data.ollama_templates) writes too: _marked_turns for
+those with a system turn (ChatML, Qwen3 and Qwen3 thinking, which add to ChatML's blocks
+rather than repeat them; Llama 3, Phi-3, Phi-4), _folded_system_turns for those that put the
+system text into the first user turn (Gemma, Mistral).
 """
 
-CHATML = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
-    {%- else -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + '<|im_end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
+from slothkit.data.turn_layouts import CHATML as CHATML_TURNS
+from slothkit.data.turn_layouts import EMPTY_THINKING, THINKING_CLOSING, THINKING_OPENING, TurnLayout, quoted
+from slothkit.data.turn_layouts import GEMMA as GEMMA_TURNS
+from slothkit.data.turn_layouts import INST as INST_TURNS
+from slothkit.data.turn_layouts import LLAMA_3 as LLAMA_3_TURNS
+from slothkit.data.turn_layouts import PHI_3 as PHI_3_TURNS
+from slothkit.data.turn_layouts import PHI_4 as PHI_4_TURNS
 
-# Qwen3's: the model writes its reasoning between <think> and </think> before the answer
-# of the current exchange (the turns after the last user turn); an answer given there
-# without reasoning is rendered with an empty block, as Qwen3's own template renders it,
-# and is trained that way. Earlier answers are rendered plain.
-QWEN3 = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
+
+def _emit(depth: int, expression: str) -> str:
+    return "    " * depth + "{{- " + expression + " -}}\n"
+
+
+def _marked_turns(
+    layout: TurnLayout,
+    *,
+    trim: bool = False,
+    last_user: bool = False,
+    reply_setup: str = "",
+    reply_opening: str = "",
+    reply: str = "message[content_key]",
+    prompt: str | None = None,
+    prompt_after: str = "",
+) -> str:
+    """The body of a format whose every turn is marked, system turn included (layout.system).
+
+    trim: strip the system text and each message; last_user: set ns.last_user to the index
+    of the last user turn; reply_setup: statements before an assistant turn; reply_opening:
+    statements inside its generation block, before the reply; reply: the reply's expression;
+    prompt: the generation prompt's text (default the assistant turn's opening);
+    prompt_after: statements after it.
+    """
+    trimmed = " | trim" if trim else ""
+    system, user, assistant = layout.system, layout.user, layout.assistant
+    body = "\n{%- if system is not none -%}\n"
+    body += _emit(1, f"{quoted(system.open)} + system{trimmed} + {quoted(system.close)}")
+    body += "{%- endif -%}\n"
+    if last_user:
+        body += _LAST_USER
+    body += "{%- for message in turns -%}\n    {%- if message[role_key] == user_role -%}\n"
+    body += _emit(2, f"{quoted(user.open)} + message[content_key]{trimmed} + {quoted(user.close)}")
+    body += "    {%- else -%}\n" + reply_setup
+    body += _emit(2, quoted(assistant.open))
+    body += "        {%- generation -%}\n" + reply_opening
+    body += _emit(3, f"{reply}{trimmed} + {quoted(assistant.close)}")
+    body += "        {%- endgeneration -%}\n    {%- endif -%}\n{%- endfor -%}\n"
+    body += "{%- if add_generation_prompt -%}\n"
+    body += _emit(1, quoted(assistant.open if prompt is None else prompt)) + prompt_after
+    return body + "{%- endif -%}\n"
+
+
+def _folded_system_turns(
+    layout: TurnLayout, *, trim: bool = False, reply: str = "message[content_key]"
+) -> str:
+    """The body of a format without a system turn (layout.system None): the system text goes
+    before the first user text. trim and reply as for _marked_turns; a reply without an
+    opening marker (INST) has no generation prompt: the user turn prompts it."""
+    trimmed = " | trim" if trim else ""
+    user, assistant = layout.user, layout.assistant
+    close = "eos_token" if layout.turn_end is None else quoted(assistant.close)
+    body = "\n{%- for message in turns -%}\n    {%- if message[role_key] == user_role -%}\n"
+    body += f"        {{%- set prefix = system{trimmed} + {quoted(layout.system_fold)} if loop.first and system else '' -%}}\n"
+    body += _emit(2, f"{quoted(user.open)} + prefix + message[content_key]{trimmed} + {quoted(user.close)}")
+    body += "    {%- else -%}\n"
+    if assistant.open:
+        body += _emit(2, quoted(assistant.open))
+    body += "        {%- generation -%}\n"
+    body += _emit(3, f"{reply}{trimmed} + {close}")
+    body += "        {%- endgeneration -%}\n    {%- endif -%}\n{%- endfor -%}\n"
+    if assistant.open:
+        body += "{%- if add_generation_prompt -%}\n" + _emit(1, quoted(assistant.open)) + "{%- endif -%}\n"
+    return body
+
+
+# The index of the last user turn: the current exchange's answers follow it.
+_LAST_USER = r"""{%- set ns = namespace(last_user=-1) -%}
 {%- for message in turns -%}
     {%- if message[role_key] == user_role -%}
         {%- set ns.last_user = loop.index0 -%}
     {%- endif -%}
 {%- endfor -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
-    {%- else -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- generation -%}
-            {%- if loop.index0 > ns.last_user and '<think>' not in message[content_key] -%}
-                {{- '<think>\n\n</think>\n\n' -}}
-            {%- endif -%}
-            {{- message[content_key] + '<|im_end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- if enable_thinking is defined and enable_thinking is false -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
-{%- endif -%}
 """
+
+CHATML = _marked_turns(CHATML_TURNS)
+
+# Qwen3's: the model writes its reasoning between <think> and </think> before the answer
+# of the current exchange (the turns after the last user turn); an answer given there
+# without reasoning is rendered with an empty block, as Qwen3's own template renders it,
+# and is trained that way. Earlier answers are rendered plain.
+QWEN3 = _marked_turns(
+    CHATML_TURNS,
+    last_user=True,
+    reply_opening=(
+        "            {%- if loop.index0 > ns.last_user and '<think>' not in message[content_key] -%}\n"
+        + _emit(4, quoted(EMPTY_THINKING))
+        + "            {%- endif -%}\n"
+    ),
+    prompt_after=(
+        "    {%- if enable_thinking is defined and enable_thinking is false -%}\n"
+        + _emit(2, quoted(EMPTY_THINKING))
+        + "    {%- endif -%}\n"
+    ),
+)
 
 # Qwen3's thinking-only models (Qwen3-*-Thinking-2507): the generation prompt opens the
 # thinking block itself, so the model writes its reasoning, "</think>" and the answer.  An
@@ -67,39 +123,24 @@ QWEN3 = r"""
 # its reasoning what stood before "</think>" in the message (none: an empty block);
 # earlier answers keep only what follows their "</think>", as Qwen's own template drops
 # the reasoning of past turns.  enable_thinking has no effect.
-QWEN3_THINKING = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system\n' + system + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set ns.last_user = loop.index0 -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user\n' + message[content_key] + '<|im_end|>\n' -}}
-    {%- else -%}
-        {%- set answer = message[content_key] -%}
+QWEN3_THINKING = _marked_turns(
+    CHATML_TURNS,
+    last_user=True,
+    reply_setup=r"""        {%- set answer = message[content_key] -%}
         {%- set reasoning = '' -%}
         {%- if '</think>' in answer -%}
             {%- set reasoning = answer.split('</think>')[0].split('<think>')[-1].strip('\n') -%}
             {%- set answer = answer.split('</think>')[-1].lstrip('\n') -%}
         {%- endif -%}
-        {{- '<|im_start|>assistant\n' -}}
-        {%- generation -%}
-            {%- if loop.index0 > ns.last_user -%}
-                {{- '<think>\n' + reasoning + '\n</think>\n\n' -}}
-            {%- endif -%}
-            {{- answer + '<|im_end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n<think>\n' -}}
-{%- endif -%}
-"""
+""",
+    reply_opening=(
+        "            {%- if loop.index0 > ns.last_user -%}\n"
+        + _emit(4, f"{quoted(THINKING_OPENING)} + reasoning + {quoted(THINKING_CLOSING)}")
+        + "            {%- endif -%}\n"
+    ),
+    reply="answer",
+    prompt=CHATML_TURNS.assistant.open + THINKING_OPENING,
+)
 
 # FastChat's ADD_COLON_TWO style: system + " ", then "USER: u" + " " and
 # "ASSISTANT: a" + "</s>"; an open assistant turn is "ASSISTANT:".
@@ -162,55 +203,12 @@ ALPACA = r"""
 {%- endif -%}
 """
 
-LLAMA_3 = r"""
-{%- if system is not none -%}
-    {{- '<|start_header_id|>system<|end_header_id|>\n\n' + system | trim + '<|eot_id|>' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|start_header_id|>user<|end_header_id|>\n\n' + message[content_key] | trim + '<|eot_id|>' -}}
-    {%- else -%}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-        {%- generation -%}
-            {{- message[content_key] | trim + '<|eot_id|>' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-"""
+LLAMA_3 = _marked_turns(LLAMA_3_TURNS, trim=True)
 
-GEMMA = r"""
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set prefix = system | trim + '\n\n' if loop.first and system else '' -%}
-        {{- '<start_of_turn>user\n' + prefix + message[content_key] | trim + '<end_of_turn>\n' -}}
-    {%- else -%}
-        {{- '<start_of_turn>model\n' -}}
-        {%- generation -%}
-            {{- message[content_key] | trim + '<end_of_turn>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-"""
+GEMMA = _folded_system_turns(GEMMA_TURNS, trim=True)
 
 # The prompt of an open assistant turn is the user turn itself: no generation prompt.
-MISTRAL = r"""
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {%- set prefix = system + '\n\n' if loop.first and system else '' -%}
-        {{- '[INST] ' + prefix + message[content_key] + ' [/INST]' -}}
-    {%- else -%}
-        {%- generation -%}
-            {{- ' ' + message[content_key] + eos_token -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-"""
+MISTRAL = _folded_system_turns(INST_TURNS, reply="' ' + message[content_key]")
 
 # Meta's layout: the system text inside the first [INST], every later exchange opened by
 # BOS (when the tokenizer has one), each reply followed by " " and EOS.
@@ -230,44 +228,10 @@ LLAMA_2 = r"""
 {%- endfor -%}
 """
 
-PHI_3 = r"""
-{%- if system is not none -%}
-    {{- '<|system|>\n' + system + '<|end|>\n' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|user|>\n' + message[content_key] + '<|end|>\n' -}}
-    {%- else -%}
-        {{- '<|assistant|>\n' -}}
-        {%- generation -%}
-            {{- message[content_key] + '<|end|>\n' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|assistant|>\n' -}}
-{%- endif -%}
-"""
+PHI_3 = _marked_turns(PHI_3_TURNS)
 
 # Phi-4: ChatML's tokens with <|im_sep|> after the role and no newline anywhere.
-PHI_4 = r"""
-{%- if system is not none -%}
-    {{- '<|im_start|>system<|im_sep|>' + system + '<|im_end|>' -}}
-{%- endif -%}
-{%- for message in turns -%}
-    {%- if message[role_key] == user_role -%}
-        {{- '<|im_start|>user<|im_sep|>' + message[content_key] + '<|im_end|>' -}}
-    {%- else -%}
-        {{- '<|im_start|>assistant<|im_sep|>' -}}
-        {%- generation -%}
-            {{- message[content_key] + '<|im_end|>' -}}
-        {%- endgeneration -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant<|im_sep|>' -}}
-{%- endif -%}
-"""
+PHI_4 = _marked_turns(PHI_4_TURNS)
 
 # FastChat's first Vicuna layout (turns "### Human: " and "### Assistant: ", one per line),
 # with EOS closing each reply so that generation stops there.

@@ -53,6 +53,7 @@ import dataclasses
 import re
 
 from slothkit.data import chat_format_bodies as bodies
+from slothkit.data import turn_layouts as turns
 
 TEMPLATE_TAG = "{#- slothkit chat template: "
 _TAG_PATTERN = re.compile(r"^\{#- slothkit chat template: ([a-z0-9._-]+) -#\}")
@@ -76,16 +77,26 @@ class ChatFormat:
     source: str
 
 
+def _markers(layout: turns.TurnLayout, also: tuple[str, ...] = ()) -> dict:
+    """A marked format's instruction_part, response_part, turn_end and special tokens, read
+    from its turns (slothkit.data.turn_layouts). A reply without an opening marker (INST)
+    starts where the user turn closes; the parts lose the spaces around them ("[INST] "),
+    which tokenisers join to the next word."""
+    return {
+        "instruction_part": layout.user.open.strip(" "),
+        "response_part": (layout.assistant.open or layout.user.close).strip(" "),
+        "turn_end": layout.turn_end,
+        "special_tokens": layout.special_tokens + also,
+    }
+
+
 FORMATS: dict[str, ChatFormat] = {
     f.name: f
     for f in (
         ChatFormat(
             name="chatml",
             body=bodies.CHATML,
-            instruction_part="<|im_start|>user\n",
-            response_part="<|im_start|>assistant\n",
-            turn_end="<|im_end|>",
-            special_tokens=("<|im_start|>", "<|im_end|>"),
+            **_markers(turns.CHATML),
             default_system=None,
             alternate=False,
             source="OpenAI ChatML (Qwen, OpenHermes)",
@@ -132,10 +143,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="llama-3",
             body=bodies.LLAMA_3,
-            instruction_part="<|start_header_id|>user<|end_header_id|>\n\n",
-            response_part="<|start_header_id|>assistant<|end_header_id|>\n\n",
-            turn_end="<|eot_id|>",
-            special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            **_markers(turns.LLAMA_3),
             default_system=None,
             alternate=False,
             source="Meta Llama 3 Instruct",
@@ -143,10 +151,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="gemma",
             body=bodies.GEMMA,
-            instruction_part="<start_of_turn>user\n",
-            response_part="<start_of_turn>model\n",
-            turn_end="<end_of_turn>",
-            special_tokens=("<start_of_turn>", "<end_of_turn>"),
+            **_markers(turns.GEMMA),
             default_system=None,
             alternate=True,
             source="Gemma instruct (system text as Gemma 3 places it)",
@@ -154,10 +159,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="mistral",
             body=bodies.MISTRAL,
-            instruction_part="[INST]",
-            response_part="[/INST]",
-            turn_end=None,
-            special_tokens=(),  # plain text in the v1 tokenizer; control tokens from v3 on
+            **_markers(turns.INST),  # plain text in the v1 tokenizer; control tokens from v3 on
             default_system=None,
             alternate=True,
             source="Mistral Instruct v1 (mistral-common's v1 tokenizer)",
@@ -165,10 +167,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="llama-2",
             body=bodies.LLAMA_2,
-            instruction_part="[INST]",
-            response_part="[/INST]",
-            turn_end=None,
-            special_tokens=(),  # plain text in Llama 2's tokenizer
+            **_markers(turns.INST),  # plain text in Llama 2's tokenizer
             default_system=None,
             alternate=True,
             source="Meta Llama 2 Chat",
@@ -176,10 +175,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="qwen-2.5",
             body=bodies.CHATML,
-            instruction_part="<|im_start|>user\n",
-            response_part="<|im_start|>assistant\n",
-            turn_end="<|im_end|>",
-            special_tokens=("<|im_start|>", "<|im_end|>"),
+            **_markers(turns.CHATML),
             default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
             alternate=False,
             source="Qwen2.5 Instruct (ChatML with Qwen's default system text)",
@@ -187,10 +183,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="qwen3",
             body=bodies.QWEN3,
-            instruction_part="<|im_start|>user\n",
-            response_part="<|im_start|>assistant\n",
-            turn_end="<|im_end|>",
-            special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+            **_markers(turns.CHATML, also=("<think>", "</think>")),
             default_system=None,
             alternate=False,
             source="Qwen3 (ChatML with its thinking block)",
@@ -198,10 +191,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="qwen3-thinking",
             body=bodies.QWEN3_THINKING,
-            instruction_part="<|im_start|>user\n",
-            response_part="<|im_start|>assistant\n",
-            turn_end="<|im_end|>",
-            special_tokens=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+            **_markers(turns.CHATML, also=("<think>", "</think>")),
             default_system=None,
             alternate=False,
             source="Qwen3 Thinking-2507 (ChatML; the generation prompt opens the thinking block)",
@@ -209,10 +199,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="phi-3",
             body=bodies.PHI_3,
-            instruction_part="<|user|>\n",
-            response_part="<|assistant|>\n",
-            turn_end="<|end|>",
-            special_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+            **_markers(turns.PHI_3),
             default_system=None,
             alternate=False,
             source="Microsoft Phi-3 / Phi-3.5 Instruct",
@@ -220,10 +207,7 @@ FORMATS: dict[str, ChatFormat] = {
         ChatFormat(
             name="phi-4",
             body=bodies.PHI_4,
-            instruction_part="<|im_start|>user<|im_sep|>",
-            response_part="<|im_start|>assistant<|im_sep|>",
-            turn_end="<|im_end|>",
-            special_tokens=("<|im_start|>", "<|im_sep|>", "<|im_end|>"),
+            **_markers(turns.PHI_4),
             default_system=None,
             alternate=False,
             source="Microsoft Phi-4",

@@ -186,8 +186,8 @@ def install_prompt_template(tokenizer, chat_template: str, default_system_messag
         ValueError: `chat_template` is not such a prompt, or default_system_message is given
             for one without {SYSTEM}.
     """
+    from slothkit.data.ollama_templates import render_modelfile
     from slothkit.data.prompt_templates import is_prompt_template, jinja_template, parse_prompt_template
-    from slothkit.export.gguf.modelfile import render_modelfile
 
     if not is_prompt_template(chat_template):
         raise ValueError(

@@ -25,7 +25,7 @@ cut into these pieces (``PromptTemplate``):
                      with it, so that the model learns to stop
 
 The Jinja template carries the pieces in its first line, so that the Ollama Modelfile
-(slothkit.export.gguf.modelfile) writes the same layout after a save and reload.
+(slothkit.data.ollama_templates) writes the same layout after a save and reload.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import pathlib
 
-_PROBE_ANSWER = "slothkit probe answer"
+from slothkit.data.turn_end_token import end_of_turn_token_id
 
 
 def _as_list(value) -> list[int]:
@@ -22,26 +22,6 @@ def _as_list(value) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value if v is not None]
     return [int(value)]
-
-
-def end_of_turn_token_id(tokenizer) -> int | None:
-    """The special token that closes an assistant turn in the tokenizer's chat template."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    conversation = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": _PROBE_ANSWER}]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-    except Exception:  # templates may reject this conversation shape; then nothing to learn
-        return None
-    if not isinstance(text, str) or _PROBE_ANSWER not in text:
-        return None
-    after = text[text.rindex(_PROBE_ANSWER) + len(_PROBE_ANSWER) :]
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-    special = set(getattr(tokenizer, "all_special_ids", []))
-    for token_id in ids:
-        if token_id in special:
-            return int(token_id)
-    return None
 
 
 def generation_config_with_eos(causal_lm, tokenizer):

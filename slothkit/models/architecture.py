@@ -16,8 +16,10 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       neutral norm weight of the fixtures and of the bench's random models
     tied_embeddings   the tiny fixtures, the planner's weight bytes
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
-    gguf              GGUF export (slothkit.export.gguf: layout, writer, verify)
-    tiny              slothkit.testing.tiny_models
+    gguf              GGUF export (slothkit.export.gguf: layout, writer, verify, attention,
+                      longrope: the graph's name, tensor layout, rope tensors, query scale)
+    tiny              slothkit.testing.tiny_models (chat_format: the template of the tiny
+                      tokenizer, slothkit.testing.tiny_chat_templates)
     shapes            slothkit.models.SHAPES (planner, bench), the notebooks' tiny model
     families          messages
     embedding_scale   the fast decode step (slothkit.inference), where transformers' embedding
@@ -32,6 +34,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       (the fast decode step reads the extra norms off the layer)
     text_tower_of     loading (slothkit.loading.text_tower): a multimodal checkpoint of these
                       model_types loads as this family's text model
+    demo_model        `slothkit demo` (slothkit.notebook.execute): the real model it trains
+    unsloth_block_compile  the bench's Unsloth runs (slothkit.bench.train_worker)
 
 tests/slothkit/models checks every record against transformers' own classes.
 """
@@ -77,6 +81,15 @@ class GGUFLayout:
     # llama.cpp's graph soft-caps the attention scores and the output logits, by the file's
     # attn_logit_softcapping and final_logit_softcapping (Gemma 2); False: it caps neither.
     logit_softcapping: bool = False
+    # llama.cpp's graph reads 'llama3' rope scaling from a rope_freqs tensor (its "llama"
+    # graph); False: a model with that scaling is refused.
+    rope_freqs: bool = False
+    # llama.cpp's graph reads 'longrope' scaling from rope_factors_long / _short tensors (its
+    # "phi3" graph); False: a model with that scaling is refused.
+    rope_factors: bool = False
+    # llama.cpp takes a model of this many layers for the family's 27B, whose queries it
+    # scales by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (Gemma 3: 62, Gemma 2: 46).
+    query_scale_hidden_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +101,9 @@ class TinyTraits:
     head_dim: int | None  # None: hidden_size // num_heads
     sliding_window: int | None  # default window; None where the family has none
     tokenizer: str  # default flavour: "bpe" (Llama 3's byte-level BPE), "qwen" (Qwen's) or "sentencepiece"
-    chat_template: str  # Jinja, in the format of the family's instruct models
+    # The slothkit.data chat format of the family's instruct models; the tiny checkpoint's own
+    # template is written in it (slothkit.testing.tiny_chat_templates).
+    chat_format: str
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
     # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern).
@@ -143,6 +158,13 @@ class Architecture:
     # are (Phi-3): one LoRA A per group. The fused path reads them as row slices
     # (slothkit.engine.lora_projection.describe_rows) by the modules it finds.
     fused_projections: bool = False
+    # The real pretrained model of this family that `slothkit demo` trains, a name in
+    # slothkit.testing.real_models (Llama: SmolLM2-135M-Instruct); None: the demo trains a
+    # tiny random one.
+    demo_model: str | None = None
+    # `slothkit bench --impl unsloth` lets Unsloth compile each decoder block; False where
+    # that compile crashes in inductor (Gemma: shared/GPU.md).
+    unsloth_block_compile: bool = True
 
     @property
     def keeps_attention_sum(self) -> bool:

@@ -9,29 +9,6 @@ module) and by llama.cpp's gemma graph; only slothkit's own decode step applies 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# Gemma calls the assistant "model" and has no system role either.
-_CHAT_TEMPLATE = r"""
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
-    {%- set conversation = messages[1:] -%}
-{%- else -%}
-    {%- set system_prefix = '' -%}
-    {%- set conversation = messages -%}
-{%- endif -%}
-{{- bos_token -}}
-{%- for message in conversation -%}
-    {%- if message['role'] not in ['user', 'assistant'] -%}
-        {{- raise_exception('Gemma accepts the roles system (first message only), user and assistant') -}}
-    {%- endif -%}
-    {%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
-    {%- set prefix = system_prefix if loop.first else '' -%}
-    {{- '<start_of_turn>' + role + '\n' + prefix + message['content'] | trim + '<end_of_turn>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\n' -}}
-{%- endif -%}
-""".strip()
-
 _ACT = "gelu_pytorch_tanh"
 # hidden_activation: the name transformers 4.x reads for Gemma's MLP.
 _ACTIVATION_KEYS = ("hidden_activation", "hidden_act")
@@ -55,7 +32,7 @@ GEMMA = Architecture(
         head_dim=256,
         sliding_window=None,
         tokenizer="sentencepiece",
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="gemma",
         chat_specials=("<start_of_turn>", "<end_of_turn>"),
         end_of_turn="<end_of_turn>",
     ),
@@ -65,5 +42,6 @@ GEMMA = Architecture(
         "tiny-gemma": Shape("gemma", 64, 192, 2, 4, 1, 512, 2048, {**_GEMMA, "head_dim": 32}),
     },
     families=("Gemma 2B", "Gemma 7B"),
+    unsloth_block_compile=False,
     embedding_scale=True,
 )

@@ -56,6 +56,7 @@ GEMMA2 = Architecture(
         windowed_layers=True,
         fixed_sliding_pattern=2,
         logit_softcapping=True,
+        query_scale_hidden_layers=46,
     ),
     fused=True,
     sandwich_norms=True,
@@ -65,7 +66,7 @@ GEMMA2 = Architecture(
         head_dim=256,  # as in Gemma 2 2B and 9B, and what query_pre_attn_scalar (256) assumes
         sliding_window=16,  # short, so that a few sentences hit it
         tokenizer="sentencepiece",
-        chat_template=GEMMA.tiny.chat_template,  # Gemma 2 keeps Gemma's turn format
+        chat_format=GEMMA.tiny.chat_format,  # Gemma 2 keeps Gemma's turn format
         chat_specials=GEMMA.tiny.chat_specials,
         end_of_turn=GEMMA.tiny.end_of_turn,
     ),
@@ -97,5 +98,6 @@ GEMMA2 = Architecture(
         ),
     },
     families=("Gemma 2",),
+    unsloth_block_compile=False,
     embedding_scale=True,
 )

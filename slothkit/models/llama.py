@@ -8,18 +8,6 @@ tokenizer, Llama 3's chat format.
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# Llama 3's chat format: a header per turn, each turn closed by <|eot_id|>.
-_CHAT_TEMPLATE = r"""
-{{- bos_token -}}
-{%- for message in messages -%}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' -}}
-    {{- message['content'] | trim + '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-{%- endif -%}
-""".strip()
-
 _LLAMA3 = {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu"}
 
 LLAMA = Architecture(
@@ -31,7 +19,7 @@ LLAMA = Architecture(
     norm_adds_one=False,
     tied_embeddings=False,
     sliding_window=False,
-    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False, rope_freqs=True),
     fused=True,
     tiny=TinyTraits(
         rope_theta=500_000.0,
@@ -39,7 +27,7 @@ LLAMA = Architecture(
         head_dim=None,
         sliding_window=None,
         tokenizer="bpe",
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="llama-3",
         chat_specials=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
         end_of_turn="<|eot_id|>",
     ),
@@ -52,4 +40,5 @@ LLAMA = Architecture(
         "tiny-llama": Shape("llama", 64, 192, 2, 4, 2, 512, 2048, _LLAMA3),
     },
     families=("Llama 2", "Llama 3", "CodeLlama", "Yi", "TinyLlama"),
+    demo_model="smollm2-135m-instruct",
 )

@@ -7,29 +7,6 @@ a SentencePiece-style tokenizer and Mistral's [INST] chat format.
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# Mistral has no system role: a system message is put in front of the first user turn.
-_CHAT_TEMPLATE = r"""
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set system_prefix = messages[0]['content'] | trim + '\n\n' -%}
-    {%- set conversation = messages[1:] -%}
-{%- else -%}
-    {%- set system_prefix = '' -%}
-    {%- set conversation = messages -%}
-{%- endif -%}
-{{- bos_token -}}
-{%- for message in conversation -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{- raise_exception('Mistral turns must alternate user, assistant, user, ...') -}}
-    {%- endif -%}
-    {%- if message['role'] == 'user' -%}
-        {%- set prefix = system_prefix if loop.first else '' -%}
-        {{- '[INST] ' + prefix + message['content'] | trim + ' [/INST]' -}}
-    {%- else -%}
-        {{- ' ' + message['content'] | trim + eos_token -}}
-    {%- endif -%}
-{%- endfor -%}
-""".strip()
-
 MISTRAL = Architecture(
     name="mistral",
     model_types=("mistral",),
@@ -40,7 +17,7 @@ MISTRAL = Architecture(
     tied_embeddings=False,
     sliding_window=True,
     # llama.cpp runs Mistral with its llama graph (which ignores the window).
-    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False),
+    gguf=GGUFLayout(arch="llama", permute_qk=True, output_always_tied=False, rope_freqs=True),
     fused=True,
     tiny=TinyTraits(
         rope_theta=10_000.0,
@@ -48,7 +25,7 @@ MISTRAL = Architecture(
         head_dim=None,
         sliding_window=32,
         tokenizer="sentencepiece",
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="mistral",
         chat_specials=("[INST]", "[/INST]"),
         end_of_turn=None,
     ),

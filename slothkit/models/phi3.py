@@ -40,29 +40,6 @@ as its "phi3" graph (neox rotation: Q/K rows as stored).
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# Phi-3's turn format: a header per role, each turn closed by <|end|>, a finished
-# conversation by <|endoftext|> (Phi-3's eos_token); BOS first, as in slothkit's "phi-3"
-# chat format (slothkit.data.chat_formats). llama.cpp looks <|endoftext|> up in the
-# vocabulary of any model whose name holds "phi3", so the tiny tokenizer has it too.
-_CHAT_TEMPLATE = r"""
-{{- bos_token -}}
-{%- for message in messages -%}
-    {%- if message['role'] == 'system' -%}
-        {{- '<|system|>\n' -}}
-    {%- elif message['role'] == 'user' -%}
-        {{- '<|user|>\n' -}}
-    {%- else -%}
-        {{- '<|assistant|>\n' -}}
-    {%- endif -%}
-    {{- message['content'] + '<|end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|assistant|>\n' -}}
-{%- else -%}
-    {{- '<|endoftext|>' -}}
-{%- endif -%}
-""".strip()
-
 # A shape is a size (what the planner predicts from, the bench's random weights): the 4k
 # models' 2,047-token window and the 128k models' longrope tables are left out, as neither
 # changes it.
@@ -77,7 +54,9 @@ PHI3 = Architecture(
     norm_adds_one=False,
     tied_embeddings=False,
     sliding_window=False,  # the class default; a checkpoint's window is read per module
-    gguf=GGUFLayout(arch="phi3", permute_qk=False, output_always_tied=False, optional_window=True),
+    gguf=GGUFLayout(
+        arch="phi3", permute_qk=False, output_always_tied=False, optional_window=True, rope_factors=True
+    ),
     fused=True,
     fused_projections=True,
     tiny=TinyTraits(
@@ -86,7 +65,9 @@ PHI3 = Architecture(
         head_dim=None,
         sliding_window=None,
         tokenizer="sentencepiece",  # Phi-3's is Llama 2's SentencePiece vocabulary
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="phi-3",
+        # <|endoftext|> (Phi-3's eos_token) closes a finished conversation; llama.cpp looks it
+        # up in the vocabulary of any model whose name holds "phi3", so the tiny tokenizer has it.
         chat_specials=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"),
         end_of_turn="<|end|>",
     ),

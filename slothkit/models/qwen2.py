@@ -14,23 +14,6 @@ written as stored, and the three biases as blk.N.attn_{q,k,v}.bias.
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# ChatML as Qwen2.5 Instruct writes it: a default system turn when none is given.
-_CHAT_TEMPLATE = r"""
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' -}}
-    {%- set conversation = messages[1:] -%}
-{%- else -%}
-    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}
-    {%- set conversation = messages -%}
-{%- endif -%}
-{%- for message in conversation -%}
-    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-""".strip()
-
 _QWEN25 = {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6}
 _TIED = {**_QWEN25, "tie_word_embeddings": True}
 
@@ -51,7 +34,7 @@ QWEN2 = Architecture(
         head_dim=None,
         sliding_window=None,
         tokenizer="qwen",
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="qwen-2.5",
         chat_specials=("<|im_start|>", "<|im_end|>"),
         end_of_turn="<|im_end|>",
     ),

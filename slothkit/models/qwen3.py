@@ -16,31 +16,6 @@ attn_k_norm per layer; neox rotation).
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
 
-# ChatML with Qwen3's thinking block: the answer of the current exchange (after the last
-# user turn) opens with an empty <think></think> when it holds none; enable_thinking=False
-# closes one in the generation prompt. No default system turn.
-_CHAT_TEMPLATE = r"""
-{%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages -%}
-    {%- if message['role'] == 'user' -%}
-        {%- set ns.last_user = loop.index0 -%}
-    {%- endif -%}
-{%- endfor -%}
-{%- for message in messages -%}
-    {{- '<|im_start|>' + message['role'] + '\n' -}}
-    {%- if message['role'] == 'assistant' and loop.index0 > ns.last_user and '<think>' not in message['content'] -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
-    {{- message['content'] + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- if enable_thinking is defined and enable_thinking is false -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
-{%- endif -%}
-""".strip()
-
 _QWEN3 = {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "head_dim": 128}
 _TIED = {**_QWEN3, "tie_word_embeddings": True}
 
@@ -72,7 +47,7 @@ QWEN3 = Architecture(
         head_dim=32,  # unlike hidden_size // num_heads (16), as in Qwen3-0.6B
         sliding_window=None,
         tokenizer="qwen",
-        chat_template=_CHAT_TEMPLATE,
+        chat_format="qwen3",
         chat_specials=("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
         end_of_turn="<|im_end|>",
     ),

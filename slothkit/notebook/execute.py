@@ -21,8 +21,6 @@ from pathlib import Path
 
 DEFAULT_MODEL = "llama-3-8b"
 DEFAULT_TEMPLATE = "finetune"
-# The real pretrained model the demo trains, per architecture (slothkit.testing.real_models).
-REAL_MODELS = {"llama": "smollm2-135m-instruct"}
 # The templates the demo runs: those whose training shows on the demo's model in minutes on
 # a CPU.  GRPO learns only from the rewards its samples earn, and SmolLM2-135M-Instruct
 # did not write the <answer> tags the GRPO notebook rewards in any of 24 samples of its
@@ -37,10 +35,10 @@ def demo_base(model: str, tiny: bool = False, output_dir: str | Path = "slothkit
     from slothkit.notebook.render import architecture_of
     from slothkit.testing import build_tiny_model, real_model_path
 
-    arch = architecture_of(model).name
-    if not tiny and arch in REAL_MODELS:
-        name = REAL_MODELS[arch]
-        return name, real_model_path(name)
+    record = architecture_of(model)
+    arch = record.name
+    if not tiny and record.demo_model is not None:
+        return record.demo_model, real_model_path(record.demo_model)
     checkpoint = Path(output_dir) / f"tiny-{arch}"
     if not (checkpoint / "config.json").exists():
         build_tiny_model(arch, checkpoint)

@@ -11,8 +11,12 @@ from slothkit.testing import real_tokenizer_path
 path = real_tokenizer_path("qwen2.5-tokenizer")   # a tokenizer alone, AutoTokenizer loads it
 
 from slothkit.testing import LocalHub    # speaks the Hub's HTTP protocol on localhost
+
+from slothkit.testing import FUSED_FAMILIES
+@pytest.mark.parametrize("arch", FUSED_FAMILIES)  # every fused record's name: a new family is tested too
 """
 
+from slothkit.testing.families import FUSED_FAMILIES
 from slothkit.testing.real_models import (
     REAL_MODELS,
     RealModelUnavailable,
@@ -31,6 +35,7 @@ from slothkit.testing.tiny_tokenizers import (
 __all__ = [
     "ARCHITECTURES",
     "CORPUS",
+    "FUSED_FAMILIES",
     "LARGE_VOCAB_SIZE",
     "TOKENIZER_FLAVOURS",
     "REAL_MODELS",

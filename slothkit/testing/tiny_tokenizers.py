@@ -27,6 +27,7 @@ import tempfile
 from slothkit.models import RECORDS as _RECORDS
 from slothkit.models import architecture_named
 from slothkit.models.tokenizer_splits import LLAMA3_SPLIT, QWEN2_SPLIT
+from slothkit.testing.tiny_chat_templates import tiny_chat_template
 
 ARCHITECTURES = tuple(arch.name for arch in _RECORDS)
 TOKENIZER_FLAVOURS = ("bpe", "qwen", "sentencepiece")
@@ -252,7 +253,7 @@ def _write_tokenizer(flavour: str, arch: str, path: pathlib.Path, model_max_leng
         "model_input_names": ["input_ids", "attention_mask"],
         "model_max_length": model_max_length,
         "padding_side": "right",
-        "chat_template": tiny.chat_template,
+        "chat_template": tiny_chat_template(tiny.chat_format),
     }
     _write_json(path / "tokenizer_config.json", config)
     _write_json(path / "special_tokens_map.json", {**special_map, "additional_special_tokens": list(extra)})

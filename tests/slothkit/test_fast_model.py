@@ -14,15 +14,15 @@ import torch
 from slothkit import FastModel
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.models import architecture_named
-from slothkit.testing import tiny_model_path
+from slothkit.testing import FUSED_FAMILIES, tiny_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
+ARCHS = FUSED_FAMILIES
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# What FastModel adapts for the seven names (slothkit.loading.lora_setup), and so what HF + PEFT
-# is given: Phi-3's fused projections.
-PEFT_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}
+# What FastModel adapts for the seven names (slothkit.loading.lora_setup) in a family whose q/k/v
+# and gate/up are one layer each (Phi-3), and so what HF + PEFT is given.
+FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 STEPS = 8
 
 
@@ -34,11 +34,15 @@ def _batch(vocab_size, seed=0, batch=2, seq=12):
     return ids, labels
 
 
+def _peft_targets(arch: str) -> list[str]:
+    return FUSED_TARGETS if architecture_named(arch).fused_projections else SEVEN
+
+
 def _attention(path) -> str:
-    """Gemma 2 soft-caps its attention scores, which SDPA cannot: transformers runs it eager."""
+    """A model that soft-caps its attention scores (Gemma 2) runs eager: SDPA cannot cap them."""
     from transformers import AutoConfig
 
-    return "eager" if AutoConfig.from_pretrained(path).model_type == "gemma2" else "sdpa"
+    return "eager" if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) else "sdpa"
 
 
 def _plain_peft(path, load_in_4bit, device, targets=SEVEN):
@@ -99,7 +103,7 @@ def _train(model, ids, labels, steps):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_training_matches_hf_peft(arch, load_in_4bit, device):
     path = tiny_model_path(arch)
-    plain = _plain_peft(path, load_in_4bit, device, PEFT_TARGETS.get(arch, SEVEN))
+    plain = _plain_peft(path, load_in_4bit, device, _peft_targets(arch))
     fused = _fused(path, load_in_4bit)
     ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
 
@@ -131,10 +135,10 @@ def test_phi3_default_setup_trains_like_hf_peft_on_its_fused_layers(device, recw
     HF + PEFT given the fused layers' names: 8 steps, the losses and the trained adapters
     within 1e-5, and every projection on the fused path (no fallback warning)."""
     path = tiny_model_path("phi3")
-    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    plain = _plain_peft(path, False, device, FUSED_TARGETS)
     model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
     fused = FastModel.get_peft_model(model, r=8, lora_alpha=16)
-    assert fused.peft_config["default"].target_modules == set(PEFT_TARGETS["phi3"])
+    assert fused.peft_config["default"].target_modules == set(FUSED_TARGETS)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, plain.config.vocab_size, (2, 24), generator=g).to(device)
     labels = ids.clone()
@@ -167,7 +171,7 @@ def test_phi3_longrope_tables_reach_the_fused_attention(device, tmp_path):
     }  # fmt: skip
     config["original_max_position_embeddings"] = 8  # the batch's 12 tokens take the long factors
     (path / "config.json").write_text(json.dumps(config))
-    plain = _plain_peft(path, False, device, PEFT_TARGETS["phi3"])
+    plain = _plain_peft(path, False, device, FUSED_TARGETS)
     fused = _fused(path, load_in_4bit=False)
     assert fused.config.rope_parameters["rope_type"] == "longrope"
     ids, labels = (t.to(device) for t in _batch(plain.config.vocab_size))
@@ -191,10 +195,8 @@ def test_phi3_sliding_window_is_applied_as_transformers_applies_it(device, tmp_p
     (path / "config.json").write_text(json.dumps(config))
     ids, labels = (t.to(device) for t in _batch(config["vocab_size"]))
     fused_losses, _ = _train(_fused(path, load_in_4bit=False), ids, labels, STEPS)
-    plain_losses, _ = _train(_plain_peft(path, False, device, PEFT_TARGETS["phi3"]), ids, labels, STEPS)
-    unwindowed, _ = _train(
-        _plain_peft(tiny_model_path("phi3"), False, device, PEFT_TARGETS["phi3"]), ids, labels, 1
-    )
+    plain_losses, _ = _train(_plain_peft(path, False, device, FUSED_TARGETS), ids, labels, STEPS)
+    unwindowed, _ = _train(_plain_peft(tiny_model_path("phi3"), False, device, FUSED_TARGETS), ids, labels, 1)
     torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
     assert abs(unwindowed[0] - plain_losses[0]) > 1e-3  # the window changes the attention
 
@@ -667,7 +669,7 @@ def test_fp16_training_with_loss_scaling_follows_hf_peft(arch, device):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_path(arch)
-    targets = PEFT_TARGETS.get(arch, SEVEN)
+    targets = _peft_targets(arch)
     plain = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float16, attn_implementation=_attention(path), device_map={"": device}
     )

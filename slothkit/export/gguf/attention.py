@@ -51,9 +51,6 @@ from __future__ import annotations
 
 from slothkit.models import Architecture
 
-# llama.cpp takes a model of this many layers for the 27B, whose queries it scales by hidden / heads.
-_LLAMA_CPP_27B_LAYERS = {"gemma3": 62, "gemma2": 46}
-
 
 def rope_parameters(config) -> tuple[dict, dict | None]:
     """(the global layers' rope parameters, the sliding layers' or None when every layer
@@ -160,7 +157,7 @@ def check_windowed_attention(config, arch: Architecture, head_dim: int, sliding_
             )
     scalar = getattr(config, "query_pre_attn_scalar", None)
     expected = head_dim
-    layers_27b = _LLAMA_CPP_27B_LAYERS.get(arch.gguf.arch)
+    layers_27b = arch.gguf.query_scale_hidden_layers
     if config.num_hidden_layers == layers_27b:
         expected = config.hidden_size // config.num_attention_heads
     if scalar is not None and scalar != expected:

@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from slothkit.models import Architecture
+from slothkit.models import RECORDS, Architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +65,12 @@ def longrope(config, rope: dict, rope_dims: int, arch: Architecture) -> LongRope
         config: the model's transformers config.
         rope: its rope parameters (attention.rope_parameters), of rope type "longrope".
         rope_dims: the rotated part of each head (head_dim x partial_rotary_factor).
-        arch: the model's record; llama.cpp's phi3 graph is the one that reads the factors.
+        arch: the model's record; its GGUF layout says whether llama.cpp's graph reads the factors.
     """
-    if arch.gguf.arch != "phi3":
+    if not arch.gguf.rope_factors:
+        graphs = " and ".join(repr(record.gguf.arch) for record in RECORDS if record.gguf.rope_factors)
         raise NotImplementedError(
-            f"'longrope' rope scaling is exported for llama.cpp's 'phi3' graph only, which reads the "
+            f"'longrope' rope scaling is exported for llama.cpp's {graphs} graph only, which reads the "
             f"rope_factors tensors; this model's GGUF architecture is {arch.gguf.arch!r}"
         )
     # HF's Phi-3 config keeps the original length beside rope_scaling, and that one wins.

@@ -63,7 +63,7 @@ from slothkit.export.gguf.modelfile import write_modelfile
 from slothkit.export.gguf.tensor_types import QuantizationMethod, quantization_methods
 from slothkit.export.gguf.tokenizer import gguf_vocab
 from slothkit.export.hub import DEFAULT_STALL_TIMEOUT_S
-from slothkit.models import Architecture
+from slothkit.models import RECORDS, Architecture
 
 T = GGMLQuantizationType
 
@@ -380,8 +380,11 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
         )
 
     if hp.rope_type == "llama3":
-        if arch.gguf.arch != "llama":
-            raise NotImplementedError("'llama3' rope scaling is supported for the llama architecture only")
+        if not arch.gguf.rope_freqs:
+            graphs = " and ".join(sorted({record.gguf.arch for record in RECORDS if record.gguf.rope_freqs}))
+            raise NotImplementedError(
+                f"'llama3' rope scaling is supported for the {graphs} architecture only"
+            )
         divisors = llama3_rope_divisors(hp)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
     if hp.longrope is not None:

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from slothkit.data import apply_chat_template, standardize_sharegpt, to_sharegpt
 from slothkit.data.conversations import install_prompt_template
-from slothkit.export.gguf.modelfile import render_modelfile
+from slothkit.data.ollama_templates import render_modelfile
 from slothkit.testing import tiny_model_path
 
 E = "<|end_of_text|>"  # the tiny Llama tokenizer's EOS

@@ -11,8 +11,9 @@ from slothkit.export import SAVE_METHODS, DirectoryNotEmptyError, save_pretraine
 from slothkit.export import atomic as atomic_module
 from slothkit.export.atomic import atomic_directory
 from slothkit.export.merge import merged_state_dict
+from slothkit.testing import FUSED_FAMILIES
 
-ARCHS = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
+ARCHS = FUSED_FAMILIES
 SAME = 1e-4
 END_OF_TURN = {"llama": "<|eot_id|>", "mistral": "</s>", "gemma": "<end_of_turn>"}
 

@@ -13,9 +13,9 @@ from slothkit import FastModel
 from slothkit.core.model_state import state_of
 from slothkit.core.notices import say_once
 from slothkit.inference import disable_fast_decode, enable_fast_decode
-from slothkit.testing import tiny_model_path
+from slothkit.testing import FUSED_FAMILIES, tiny_model_path
 
-ARCHES = ["llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3", "gemma2", "phi3"]
+ARCHES = FUSED_FAMILIES
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", "Hi"]
 

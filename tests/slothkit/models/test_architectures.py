@@ -17,6 +17,7 @@ from slothkit.models import (
     record_for,
 )
 from slothkit.testing import TOKENIZER_FLAVOURS
+from slothkit.testing.tiny_chat_templates import tiny_chat_template
 
 EVERY_RECORD = pytest.mark.parametrize("arch", RECORDS, ids=lambda a: a.name)
 FUSED = pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.name)
@@ -130,7 +131,7 @@ def test_tiny_traits_are_consistent(arch):
     tiny = arch.tiny
     assert tiny.tokenizer in TOKENIZER_FLAVOURS
     assert tiny.end_of_turn is None or tiny.end_of_turn in tiny.chat_specials
-    assert all(token in tiny.chat_template for token in tiny.chat_specials)
+    assert all(token in tiny_chat_template(tiny.chat_format) for token in tiny.chat_specials)
     assert (tiny.sliding_window is not None) <= arch.sliding_window
 
 

@@ -1,4 +1,4 @@
-"""Ollama Modelfiles (slothkit.export.gguf.modelfile): the Go template renders a prompt exactly as the
+"""Ollama Modelfiles (slothkit.data.ollama_templates): the Go template renders a prompt exactly as the
 HF chat template does, and generation stops at the end of the assistant's turn."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from slothkit.export.gguf.modelfile import (
+from slothkit.data.ollama_templates import (
     CHAT_FORMATS,
     GENERIC_FORMAT,
     chat_format,

@@ -1,0 +1,178 @@
+"""The chat templates of the tiny fixtures: each family's own template as its instruct models
+ship it (HF's `messages`, roles by their names), in the turns of the format its record names
+(`tiny.chat_format`, a slothkit.data format), whose markers come from slothkit.data.turn_layouts,
+where slothkit's own template of the format and its Ollama Modelfile read them too.
+
+    format     as the templates of                  besides the turns
+    llama-3    Llama 3 Instruct                     BOS, each message trimmed
+    qwen-2.5   Qwen2.5 Instruct                     Qwen's default system text
+    qwen3      Qwen3                                an empty think block in the current answer;
+                                                    enable_thinking=False closes one in the prompt
+    gemma      Gemma (2, 3) instruct                BOS, system text in the first user turn,
+                                                    roles checked
+    mistral    Mistral Instruct                     BOS, system text in the first user turn,
+                                                    turns must alternate
+    phi-3      Phi-3 Instruct                       BOS, <|endoftext|> after a finished conversation
+"""
+
+from __future__ import annotations
+
+from slothkit.data import turn_layouts as turns
+from slothkit.data.chat_formats import FORMATS
+from slothkit.data.turn_layouts import quoted
+
+
+def _emit(depth: int, expression: str) -> str:
+    return "    " * depth + "{{- " + expression + " -}}\n"
+
+
+def _header(layout: turns.TurnLayout, role: str) -> str:
+    """The expression opening a turn of `role` (a Jinja expression) in a headed layout."""
+    start, end = layout.header
+    return f"{quoted(start)} + {role} + {quoted(end)}"
+
+
+def _generation_prompt(opening: str, after: str = "") -> str:
+    return "{%- if add_generation_prompt -%}\n" + _emit(1, quoted(opening)) + after + "{%- endif -%}\n"
+
+
+# The leading system message split off as a prefix of the first user turn.
+_SYSTEM_PREFIX = r"""{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system_prefix = messages[0]['content'] | trim + @FOLD@ -%}
+    {%- set conversation = messages[1:] -%}
+{%- else -%}
+    {%- set system_prefix = '' -%}
+    {%- set conversation = messages -%}
+{%- endif -%}
+{{- bos_token -}}
+"""
+
+
+def _llama_3() -> str:
+    layout = turns.LLAMA_3
+    return (
+        "{{- bos_token -}}\n{%- for message in messages -%}\n"
+        + _emit(1, _header(layout, "message['role']"))
+        + _emit(1, f"message['content'] | trim + {quoted(layout.assistant.close)}")
+        + "{%- endfor -%}\n"
+        + _generation_prompt(layout.assistant.open)
+    )
+
+
+def _qwen_2_5() -> str:
+    layout, default_system = turns.CHATML, FORMATS["qwen-2.5"].default_system
+    system = layout.system
+    return (
+        "{%- if messages and messages[0]['role'] == 'system' -%}\n"
+        + _emit(1, f"{quoted(system.open)} + messages[0]['content'] + {quoted(system.close)}")
+        + "    {%- set conversation = messages[1:] -%}\n{%- else -%}\n"
+        + _emit(1, quoted(system.open + default_system + system.close))
+        + "    {%- set conversation = messages -%}\n{%- endif -%}\n{%- for message in conversation -%}\n"
+        + _emit(
+            1,
+            _header(layout, "message['role']") + f" + message['content'] + {quoted(layout.assistant.close)}",
+        )
+        + "{%- endfor -%}\n"
+        + _generation_prompt(layout.assistant.open)
+    )
+
+
+def _qwen3() -> str:
+    layout = turns.CHATML
+    empty = _emit(2, quoted(turns.EMPTY_THINKING))
+    think = turns.THINKING_OPENING.strip()
+    return (
+        "{%- set ns = namespace(last_user=-1) -%}\n{%- for message in messages -%}\n"
+        "    {%- if message['role'] == 'user' -%}\n        {%- set ns.last_user = loop.index0 -%}\n"
+        "    {%- endif -%}\n{%- endfor -%}\n{%- for message in messages -%}\n"
+        + _emit(1, _header(layout, "message['role']"))
+        + "    {%- if message['role'] == 'assistant' and loop.index0 > ns.last_user and "
+        + f"{quoted(think)} not in message['content'] -%}}\n"
+        + empty
+        + "    {%- endif -%}\n"
+        + _emit(1, f"message['content'] + {quoted(layout.assistant.close)}")
+        + "{%- endfor -%}\n"
+        + _generation_prompt(
+            layout.assistant.open,
+            "    {%- if enable_thinking is defined and enable_thinking is false -%}\n"
+            + _emit(2, quoted(turns.EMPTY_THINKING))
+            + "    {%- endif -%}\n",
+        )
+    )
+
+
+def _gemma() -> str:
+    layout = turns.GEMMA
+    start, end = layout.header
+    model = layout.assistant.open.removeprefix(start).removesuffix(end)
+    return (
+        _SYSTEM_PREFIX.replace("@FOLD@", quoted(layout.system_fold))
+        + "{%- for message in conversation -%}\n    {%- if message['role'] not in ['user', 'assistant'] -%}\n"
+        + _emit(
+            2, "raise_exception('Gemma accepts the roles system (first message only), user and assistant')"
+        )
+        + "    {%- endif -%}\n"
+        + f"    {{%- set role = {quoted(model)} if message['role'] == 'assistant' else 'user' -%}}\n"
+        + "    {%- set prefix = system_prefix if loop.first else '' -%}\n"
+        + _emit(
+            1, f"{_header(layout, 'role')} + prefix + message['content'] | trim + {quoted(layout.user.close)}"
+        )
+        + "{%- endfor -%}\n"
+        + _generation_prompt(layout.assistant.open)
+    )
+
+
+def _mistral() -> str:
+    layout = turns.INST
+    return (
+        _SYSTEM_PREFIX.replace("@FOLD@", quoted(layout.system_fold))
+        + "{%- for message in conversation -%}\n"
+        + "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+        + _emit(2, "raise_exception('Mistral turns must alternate user, assistant, user, ...')")
+        + "    {%- endif -%}\n    {%- if message['role'] == 'user' -%}\n"
+        + "        {%- set prefix = system_prefix if loop.first else '' -%}\n"
+        + _emit(
+            2,
+            f"{quoted(layout.user.open)} + prefix + message['content'] | trim + {quoted(layout.user.close)}",
+        )
+        + "    {%- else -%}\n"
+        + _emit(2, "' ' + message['content'] | trim + eos_token")
+        + "    {%- endif -%}\n{%- endfor -%}\n"
+    )
+
+
+def _phi_3() -> str:
+    layout = turns.PHI_3
+    return (
+        "{{- bos_token -}}\n{%- for message in messages -%}\n    {%- if message['role'] == 'system' -%}\n"
+        + _emit(2, quoted(layout.system.open))
+        + "    {%- elif message['role'] == 'user' -%}\n"
+        + _emit(2, quoted(layout.user.open))
+        + "    {%- else -%}\n"
+        + _emit(2, quoted(layout.assistant.open))
+        + "    {%- endif -%}\n"
+        + _emit(1, f"message['content'] + {quoted(layout.assistant.close)}")
+        + "{%- endfor -%}\n"
+        + _generation_prompt(layout.assistant.open, "{%- else -%}\n" + _emit(1, "'<|endoftext|>'"))
+    )
+
+
+_WRITERS = {
+    "llama-3": _llama_3,
+    "qwen-2.5": _qwen_2_5,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "mistral": _mistral,
+    "phi-3": _phi_3,
+}
+CHAT_FORMATS = tuple(_WRITERS)
+
+
+def tiny_chat_template(chat_format: str) -> str:
+    """The Jinja chat template of a tiny fixture whose record names `chat_format`."""
+    if chat_format not in _WRITERS:
+        raise ValueError(
+            f"no tiny fixture chat template in the format {chat_format!r}; written: {', '.join(_WRITERS)} "
+            "(slothkit/testing/tiny_chat_templates.py)"
+        )
+    return _WRITERS[chat_format]().strip()
