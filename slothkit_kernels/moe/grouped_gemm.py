@@ -39,7 +39,7 @@ from slothkit_kernels.moe.routing import ExpertRouting
 from slothkit_kernels.utils import interpreter_enabled
 
 
-def tile_sizes(dtype: torch.dtype) -> dict:
+def tile_sizes(dtype: torch.dtype, nf4: bool = False) -> dict:
     """Block sizes and launch settings of the grouped kernels for x's dtype.
 
     16-bit: the fastest of nine (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) settings timed
@@ -47,9 +47,16 @@ def tile_sizes(dtype: torch.dtype) -> dict:
     tokens) at a Qwen3-30B-A3B layer's shape (H 2048, I 768, 128 experts, top 8): 3.32 ms
     against 3.54 for (64, 128, 64, 4, 4), and at gpt-oss-20b's (H = I = 2880, 32 experts,
     top 4): 6.40 ms against 7.03.  A BLOCK_M of 128 wastes more of each expert's last tile.
+
+    NF4 weights: each element of a weight tile gathers its byte and three scale values,
+    and software pipelining would stage every gather in shared memory (about 440 KB at the
+    16-bit tiles, twice an H100's); one stage, and half the columns, keep the tile's
+    gathers in registers.
     """
     if interpreter_enabled():
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+    if nf4:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 1}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
@@ -253,7 +260,7 @@ def grouped_lora_gemm(
     """
     m = routing.num_rows
     num_experts, n, k = weight.shape
-    settings = tile_sizes(x.dtype)
+    settings = tile_sizes(x.dtype, nf4=isinstance(weight, NF4Experts))
     block_m = settings.pop("BLOCK_M")
     if block_m != routing.block_m:
         raise ValueError(f"routing was built for tiles of {routing.block_m} rows, the kernel uses {block_m}")
