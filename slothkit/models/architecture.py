@@ -106,7 +106,8 @@ class TinyTraits:
     chat_format: str
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
-    # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern).
+    # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern). A
+    # `layer_types` list is a pattern, repeated over the layers the fixture builds.
     config: Mapping[str, object] = field(default_factory=dict, compare=False)
 
 

@@ -4,6 +4,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
 
+import dataclasses
 import functools
 import json
 import socket
@@ -12,8 +13,9 @@ from collections.abc import Mapping
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from slothkit.models import architecture_named
 from slothkit.testing import (
     ARCHITECTURES,
     LARGE_VOCAB_SIZE,
@@ -190,6 +192,23 @@ def test_gemma3_alternates_sliding_and_global_layers():
         diff = (windowed(ids).logits - unwindowed(ids).logits).abs().amax(-1)[0]
     assert diff[:16].max() < 1e-5
     assert diff[16:].min() > 1e-3
+
+
+def test_a_layer_types_pattern_repeats_over_the_layers_built(tmp_path, monkeypatch):
+    """A record's tiny `layer_types` is a pattern: the fixture repeats it over as many layers
+    as it builds, so that any num_layers gives a valid config."""
+    from slothkit.testing import tiny_models
+
+    qwen2 = architecture_named("qwen2")
+    pattern = ["full_attention", "sliding_attention"]
+    patterned = dataclasses.replace(
+        qwen2, tiny=dataclasses.replace(qwen2.tiny, config={"layer_types": pattern})
+    )
+    monkeypatch.setattr(tiny_models, "architecture_named", lambda name: patterned)
+    for layers, expected in [(1, pattern[:1]), (3, [*pattern, pattern[0]]), (4, pattern * 2)]:
+        path = build_tiny_model("qwen2", tmp_path / str(layers), num_layers=layers)
+        assert AutoConfig.from_pretrained(path).layer_types == expected
+        assert _config_json(path)["layer_types"] == expected
 
 
 # ---------------------------------------------------------------------------------------
