@@ -1,6 +1,7 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py, phi3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py, phi3.py,
+ministral.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
