@@ -24,13 +24,14 @@ from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.llama import LLAMA
+from slothkit.models.ministral import MINISTRAL
 from slothkit.models.mistral import MISTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
 from slothkit.models.shape import Shape
 
-RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3)
+RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},

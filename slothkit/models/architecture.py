@@ -1,6 +1,7 @@
 """What slothkit knows about a decoder architecture, as one record per family.
 
-Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py, phi3.py) fills in one Architecture; the
+Each family file (llama.py, mistral.py, gemma.py, gemma3.py, gemma2.py, qwen2.py, qwen3.py, phi3.py,
+ministral.py) fills in one Architecture; the
 rest of slothkit reads what differs between families from it and from nowhere else:
 
     field             read by
@@ -106,7 +107,8 @@ class TinyTraits:
     chat_format: str
     chat_specials: tuple[str, ...]  # special tokens the chat template needs
     end_of_turn: str | None  # token closing an assistant turn; None: the tokenizer's eos
-    # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern).
+    # Further config fields of the tiny checkpoint (Gemma 3: its layer pattern). A
+    # `layer_types` list is a pattern, repeated over the layers the fixture builds.
     config: Mapping[str, object] = field(default_factory=dict, compare=False)
 
 

@@ -83,15 +83,15 @@ def build_tiny_model(
 ) -> pathlib.Path:
     """Write a random-initialised checkpoint of `arch` with its tokenizer; return the folder.
 
-    arch: "llama", "mistral", "gemma", "qwen2", "qwen3", "gemma3" or "gemma2" (see the module docstring
-        for what each keeps).
+    arch: a record's name (slothkit.models.RECORDS: "llama", "gemma", ...; the module docstring
+        says what each keeps).
     path: where to write; a fresh temporary folder (left for the caller) when None.
     intermediate_size: MLP width; default 3 * hidden_size.
     head_dim: default hidden_size // num_heads, except Gemma's, Gemma 3's and Gemma 2's 256 and Qwen3's 32.
     vocab_size: model vocabulary (embedding rows); default the tokenizer's size rounded up
         to a multiple of 256. `large_vocab=True` gives 256,000 rows instead.
-    sliding_window: Mistral, Gemma 3 and Gemma 2 only; default 32 (Gemma 3, Gemma 2: 16), so sequences longer
-        than that hit it.
+    sliding_window: records with a sliding window only; default the record's (Mistral: 32, Gemma 3,
+        Gemma 2: 16), so sequences longer than that hit it.
     tokenizer: "bpe", "qwen" or "sentencepiece"; default the record's (Llama: "bpe", Qwen:
         "qwen", the others: "sentencepiece").
     seed: the weights are a pure function of the arguments.
@@ -206,6 +206,10 @@ def _check_positive(name: str, value) -> None:
 def _make_config(record: Architecture, *, dtype: torch.dtype, sliding_window: int | None, **sizes):
     from transformers import AutoConfig
 
+    tiny_config = dict(record.tiny.config)
+    if "layer_types" in tiny_config:  # a pattern, repeated over as many layers as are built
+        pattern = tiny_config["layer_types"]
+        tiny_config["layer_types"] = [pattern[i % len(pattern)] for i in range(sizes["num_hidden_layers"])]
     kwargs = dict(
         sizes,
         architectures=[record.causal_lm_class],
@@ -216,7 +220,7 @@ def _make_config(record: Architecture, *, dtype: torch.dtype, sliding_window: in
         initializer_range=0.02,
         attention_dropout=0.0,
         use_cache=True,
-        **record.tiny.config,
+        **tiny_config,
     )
     if record.sliding_window:
         kwargs["sliding_window"] = sliding_window

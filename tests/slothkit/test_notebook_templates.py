@@ -56,6 +56,7 @@ def test_each_model_is_a_shape_its_architecture_record_names():
         "gemma-2-9b": "gemma2",
         "phi-3-mini-4k": "phi3",
         "phi-4": "phi3",
+        "ministral-8b": "ministral",
     }
     assert {model: architecture_of(model).name for model in model_data()} == expected
     for model, data in model_data().items():

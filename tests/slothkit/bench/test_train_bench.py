@@ -25,6 +25,7 @@ from slothkit.models import SHAPES, shape_by_name
         "tiny-gemma3",
         "tiny-phi3",
         "tiny-gemma2",
+        "tiny-ministral",
         "tiny-olmo2",
     ],
 )

@@ -13,9 +13,11 @@ from slothkit import FastModel
 from slothkit.core.model_state import state_of
 from slothkit.core.notices import say_once
 from slothkit.inference import disable_fast_decode, enable_fast_decode
+from slothkit.models import architecture_named
 from slothkit.testing import FUSED_FAMILIES, tiny_model_path
 
 ARCHES = FUSED_FAMILIES
+WINDOWED = tuple(arch for arch in ARCHES if architecture_named(arch).sliding_window)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ["The sloth climbs", "Once upon a time, in a forest far away, there", "Hi"]
 
@@ -192,7 +194,7 @@ def test_long_prefill_runs_the_mlp_in_chunks_of_tokens(arch, monkeypatch):
     assert all(tokens > 7 and tokens % 7 for tokens in chunked), "no chunk was short"
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma2", "mistral"])
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_ring_caches_of_windowed_layers_past_their_window(arch):
     """Layers with a sliding window narrower than the cache keep a ring of that many
     slots: a left-padded prefill longer than the window (its ring keeps the last W
@@ -200,7 +202,7 @@ def test_ring_caches_of_windowed_layers_past_their_window(arch):
     _check_prefill_and_step_logits(arch, prompt_lengths=(70, 41, 3), steps=70)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_unpadded_prefill_past_the_window_runs_the_tiled_kernel(arch, monkeypatch):
     """A prefill without padding needs no mask: where a window shorter than the prompt or
     a soft-cap rules out plain causal SDPA, slothkit's tiled attention kernel applies

@@ -139,7 +139,7 @@ def test_lookups_name_what_is_known():
     assert architecture_named("gemma").model_types == ("gemma",)
     with pytest.raises(
         ValueError,
-        match="unknown architecture 'gpt2'; known: llama, mistral, gemma, qwen2, qwen3, gemma3, gemma2, phi3$",
+        match="unknown architecture 'gpt2'; known: llama, mistral, gemma, qwen2, qwen3, gemma3, gemma2, phi3, ministral$",
     ):
         architecture_named("gpt2")
     assert architecture_of_shape("mistral-7b") is architecture_named("mistral")

@@ -4,6 +4,7 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing may download
 
+import dataclasses
 import functools
 import json
 import socket
@@ -12,8 +13,9 @@ from collections.abc import Mapping
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from slothkit.models import architecture_named
 from slothkit.testing import (
     ARCHITECTURES,
     LARGE_VOCAB_SIZE,
@@ -85,6 +87,7 @@ def test_builds_and_loads_offline(arch, tmp_path, no_network):
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
         "phi3": "Phi3ForCausalLM",
+        "ministral": "MinistralForCausalLM",
     }
     assert type(model).__name__ == expected_class[arch]
     assert tokenizer.is_fast
@@ -109,6 +112,7 @@ TRAITS = [
     ("qwen2", "silu", 1_000_000.0, False, 16, None, 1.0),
     ("qwen3", "silu", 1_000_000.0, False, 32, None, 1.0),
     ("gemma2", "gelu_pytorch_tanh", 10_000.0, True, 256, 16, 0.0),
+    ("ministral", "silu", 100_000_000.0, False, 16, 8, 1.0),
 ]
 
 
@@ -190,6 +194,43 @@ def test_gemma3_alternates_sliding_and_global_layers():
         diff = (windowed(ids).logits - unwindowed(ids).logits).abs().amax(-1)[0]
     assert diff[:16].max() < 1e-5
     assert diff[16:].min() > 1e-3
+
+
+def test_a_layer_types_pattern_repeats_over_the_layers_built(tmp_path, monkeypatch):
+    """A record's tiny `layer_types` is a pattern: the fixture repeats it over as many layers
+    as it builds, so that any num_layers gives a valid config."""
+    from slothkit.testing import tiny_models
+
+    qwen2 = architecture_named("qwen2")
+    pattern = ["full_attention", "sliding_attention"]
+    patterned = dataclasses.replace(
+        qwen2, tiny=dataclasses.replace(qwen2.tiny, config={"layer_types": pattern})
+    )
+    monkeypatch.setattr(tiny_models, "architecture_named", lambda name: patterned)
+    for layers, expected in [(1, pattern[:1]), (3, [*pattern, pattern[0]]), (4, pattern * 2)]:
+        path = build_tiny_model("qwen2", tmp_path / str(layers), num_layers=layers)
+        assert AutoConfig.from_pretrained(path).layer_types == expected
+        assert _config_json(path)["layer_types"] == expected
+
+
+def test_ministral_slides_on_its_first_layer_only(tmp_path):
+    """Layer 0 slides over 8 tokens, layer 1 attends to everything: the window is hit after
+    8 tokens, q/k/v carry no bias (Mistral's, not Qwen2's), and the pattern repeats over
+    however many layers are built."""
+    path, windowed, _ = _load("ministral")
+    config, raw = windowed.config, _config_json(path)
+    assert raw["layer_types"] == config.layer_types == ["sliding_attention", "full_attention"]
+    assert [layer.self_attn.sliding_window for layer in windowed.model.layers] == [8, None]
+    assert windowed.model.layers[0].self_attn.q_proj.bias is None
+    deeper = AutoConfig.from_pretrained(build_tiny_model("ministral", tmp_path, num_layers=3))
+    assert deeper.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+    _, unwindowed, _ = _load("ministral", sliding_window=2048)
+    ids = torch.randint(0, 600, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (windowed(ids).logits - unwindowed(ids).logits).abs().amax(-1)[0]
+    assert diff[:8].max() < 1e-5
+    assert diff[8:].min() > 1e-3
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,6 +389,7 @@ EXPECTED_CHAT = {
 }
 EXPECTED_CHAT["gemma3"] = EXPECTED_CHAT["gemma"]  # Gemma 3 keeps Gemma's turn format
 EXPECTED_CHAT["gemma2"] = EXPECTED_CHAT["gemma"]  # and so does Gemma 2
+EXPECTED_CHAT["ministral"] = EXPECTED_CHAT["mistral"]  # Mistral's [INST] turns
 _CHATML = (
     "<|im_start|>system\nBe brief.<|im_end|>\n"
     "<|im_start|>user\nHi there<|im_end|>\n"

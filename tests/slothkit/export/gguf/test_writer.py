@@ -26,7 +26,7 @@ from slothkit.models import architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
-ARCHS = ("llama", "mistral", "gemma", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "gemma", "qwen2", "qwen3", "phi3", "ministral")
 METHODS = ("f16", "bf16", "q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k")
 SIZES = dict(hidden_size=256, intermediate_size=512)  # every row a multiple of 256 (K-quants)
 needs_llama_cpp = pytest.mark.skipif(
@@ -42,6 +42,7 @@ EXPECTED = {
     "qwen2": dict(arch="qwen2", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
     "qwen3": dict(arch="qwen3", head_dim=64, rope_base=1e6, eps=1e-6, tokenizer="gpt2", tied=False),
     "phi3": dict(arch="phi3", head_dim=64, rope_base=10000.0, eps=1e-5, tokenizer="llama", tied=False),
+    "ministral": dict(arch="llama", head_dim=64, rope_base=1e8, eps=1e-5, tokenizer="llama", tied=False),
 }
 # Each layer's projections: Phi-3 writes its fused ones as they are (attn_qkv; ffn_up holds
 # gate and up), as llama.cpp's converter does.
@@ -139,7 +140,7 @@ def test_metadata_tensor_names_shapes_and_types(arch, method, exported):
     assert field(reader, f"{a}.rope.freq_base") == spec["rope_base"]
     assert math.isclose(field(reader, f"{a}.attention.layer_norm_rms_epsilon"), spec["eps"], rel_tol=1e-6)
     window = reader.fields.get(f"{a}.attention.sliding_window")
-    assert (window.contents() if window else None) == (32 if arch == "mistral" else None)
+    assert (window.contents() if window else None) == {"mistral": 32, "ministral": 8}.get(arch)
 
     assert field(reader, "tokenizer.ggml.model") == spec["tokenizer"]
     tokens = field(reader, "tokenizer.ggml.tokens")
