@@ -165,11 +165,13 @@ def write_requantized_checkpoint(
     model: nn.Module, directory: pathlib.Path, source: merge.MergeSource, max_shard_size, dtype=None
 ) -> tuple[list[str], merge.MergeReport, object]:
     """Merge into a scratch 16-bit checkpoint, load it back quantised by transformers +
-    bitsandbytes (so the result is exactly what their loader produces), save that."""
+    bitsandbytes (so the result is exactly what their loader produces), save that.
+
+    The scratch copy (the whole 16-bit model) is locked while in use; one a killed save
+    left beside the output is removed, naming it, by the next."""
     from transformers import AutoModelForCausalLM
 
-    with tempfile.TemporaryDirectory(prefix=".merged-16bit-", dir=directory.parent) as scratch:
-        scratch = pathlib.Path(scratch)
+    with scratch_directory(".merged-16bit-", directory.parent) as scratch:
         _, report, saved_dtype = write_merged_checkpoint(model, scratch, source, max_shard_size, dtype)
         quantization = bnb_4bit_config_for(model, saved_dtype)
         device = _model_device(model)

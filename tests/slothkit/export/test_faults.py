@@ -211,6 +211,30 @@ def test_a_killed_exports_merged_scratch_is_removed_by_the_next_export(make_lora
     assert sorted(p.name for p in tmp_path.iterdir()) == [".slothkit-merged-live"]  # its own is gone too
 
 
+def test_a_killed_merged_4bit_saves_scratch_is_removed_by_the_next_save(make_lora_model, tmp_path):
+    """kill -9 during a merged_4bit save leaves its `.merged-16bit-*` scratch (the whole
+    16-bit model) beside the output; the next save removes it, naming it, leaves one that a
+    save in progress holds (locked) alone, and removes its own."""
+    pytest.importorskip("bitsandbytes")
+    model, tokenizer, _ = make_lora_model("mistral", load_in_4bit=True, seed=45)
+    dead = tmp_path / ".merged-16bit-dead"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 2_500_000)
+    live = tmp_path / ".merged-16bit-live"
+    live.mkdir()
+    held = atomic_module._lock(live)
+    try:
+        with pytest.warns(UserWarning, match=rf"removed what interrupted exports left: '{dead}' \(2.5 MB\)"):
+            save_pretrained_merged(
+                model, tmp_path / "q", tokenizer, save_method="merged_4bit", base_weights=None
+            )
+    finally:
+        os.close(held)
+    assert not dead.exists() and live.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".merged-16bit-live", "q"]
+    assert (tmp_path / "q" / "config.json").is_file()
+
+
 def test_a_set_aside_folder_is_reported_not_removed(tmp_path):
     # `.NAME.replaced-*` may hold the only copy of a save (a crash between two renames).
     aside = tmp_path / ".out.replaced-abc"
