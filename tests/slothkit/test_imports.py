@@ -196,12 +196,12 @@ FLOORS = [
     {"export"},  # saving, merging, GGUF, the Hub
     {"inference"},  # generation after training, vLLM's calls
     {"loading", "trl"},  # FastModel's loading pipeline; TRL's trainers with slothkit's defaults
-    {"face"},  # slothkit, fast_model, chat_templates, vllm: what users import
+    {"face"},  # slothkit, fast_model, chat_templates, vllm, trainers: what users import
     {"testing"},  # tiny fixtures, parity harnesses, a local Hub
     {"bench", "notebook"},  # slothkit bench; notebook templates and their helpers
     {"command_line"},  # cli, demo
 ]
-FACE = {"slothkit", "slothkit.fast_model", "slothkit.chat_templates", "slothkit.vllm"}
+FACE = {"slothkit", "slothkit.fast_model", "slothkit.chat_templates", "slothkit.vllm", "slothkit.trainers"}
 COMMAND_LINE = {"slothkit.cli", "slothkit.demo"}
 
 

@@ -81,3 +81,23 @@ def test_the_exported_trainers_and_configs_are_the_registered_ones():
     exported = {name for name in slothkit.trl.__all__ if name.endswith(("Trainer", "Config"))} - unsloth_names
     registered = {cls.__name__ for record in TRAINERS for cls in (record.trainer, record.config)}
     assert exported == registered
+
+
+def test_the_older_module_path_gives_the_same_names_and_says_the_current_one():
+    import importlib
+    import sys
+    import warnings
+
+    from slothkit.core.notices import LegacySpellingWarning, say_once
+
+    sys.modules.pop("slothkit.trainers", None)
+    say_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainers = importlib.import_module("slothkit.trainers")
+    assert [str(w.message) for w in caught if w.category is LegacySpellingWarning] == [
+        "import slothkit.trainers is written slothkit.trl now (from slothkit.trl import SFTTrainer, "
+        "SFTConfig, ...); the names are the same"
+    ]
+    assert trainers.__all__ == slothkit.trl.__all__
+    assert all(getattr(trainers, name) is getattr(slothkit.trl, name) for name in slothkit.trl.__all__)
