@@ -1,5 +1,6 @@
-"""``slothkit.trainers``, the module path slothkit's docs taught for its TRL trainers before
-``slothkit.trl``: the same names, and a notice saying the current path, once."""
+"""``slothkit.trainers``, an older module path of ``slothkit.trl`` that user code imports:
+the same names, and a notice saying the current path, once.  It stays at the package root
+because that path is what the code imports."""
 
 from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.trl import *  # noqa: F403 - every trainer and config, under TRL's names
