@@ -1,12 +1,13 @@
 """Forward + backward of slothkit_kernels.moe.moe_lora_experts at a real layer's shape, with
-16-bit experts and with NF4 experts under several tile settings, on one CUDA GPU.
+16-bit experts and with NF4 experts at several sizes of the dequantised run, on one CUDA
+GPU; and the dequantisation of all experts alone.
 
     python3 scripts/moe_nf4_timing.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--tokens 4096]
 
-Prints one line per setting: milliseconds (median of triton.testing.do_bench) and the
-largest difference of the output from the 16-bit experts' run on the same dequantised
-weights.  The tile settings are tried by replacing grouped_gemm.tile_sizes for the run;
-a setting that needs more shared memory than the GPU has is reported as such.
+Prints one line per setting: milliseconds (median of triton.testing.do_bench), the peak
+memory the step allocated beyond what was held before it, and the largest difference of
+the output from the 16-bit experts' run on the same dequantised weights (0: the NF4 path
+multiplies the same 16-bit values with the same kernel).
 """
 
 from __future__ import annotations
@@ -16,21 +17,15 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from slothkit_kernels.moe import ExpertLoRA, grouped_gemm, moe_lora_experts
+import slothkit_kernels.moe.grouped_gemm as grouped_gemm
+from slothkit_kernels.moe import ExpertLoRA, dequantize_nf4_experts, moe_lora_experts
 from slothkit_kernels.moe.nf4_quantize import quantize_nf4_experts
 
 SHAPES = {  # hidden, intermediate, experts, top-k, activation, weights stored (in, out)
     "qwen3-30b-a3b": (2048, 768, 128, 8, "swiglu", False),
     "gpt-oss-20b": (2880, 2880, 32, 4, "gpt_oss", True),
 }
-NF4_SETTINGS = [  # BLOCK_N, BLOCK_K, warps, stages
-    (128, 64, 8, 1),
-    (64, 64, 4, 1),
-    (128, 64, 4, 1),
-    (64, 64, 4, 2),
-    (128, 32, 8, 2),
-    (256, 64, 8, 1),
-]
+STAGE_MIB = (128, 256, 512, 1024, 4096)  # sizes of the dequantised run tried, MiB
 
 
 def main() -> None:
@@ -38,13 +33,6 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument(
-        "--setting",
-        type=int,
-        action="append",
-        help="index into NF4_SETTINGS to try (repeatable; default all). A CUDA fault poisons the "
-        "process, so to see each setting's own result run them one per process",
-    )
     args = parser.parse_args()
     hidden, inter, experts, top_k, activation, in_out = SHAPES[args.shape]
     torch.manual_seed(0)
@@ -75,34 +63,31 @@ def main() -> None:
         out.backward(grad)
         return out
 
+    def timed(name, run):
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = run()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - held) / 2**20
+        difference = 0.0 if out is None else (out.detach().float() - reference.float()).abs().max().item()
+        ms = do_bench(run, warmup=25, rep=100)
+        print(f"| {name} | {ms:.2f} | {extra:,.0f} | {difference:.3g} |")
+
     reference = step(dequantised).detach()
-    print(f"| {args.shape}, {args.tokens} tokens, r={r} | ms fwd+bwd | max |out - 16-bit| |")
-    print("|---|---|---|")
-    print(f"| 16-bit experts | {do_bench(lambda: step(dequantised), warmup=25, rep=100):.2f} | 0 |")
-    original = grouped_gemm.tile_sizes
-    chosen = [NF4_SETTINGS[i] for i in args.setting] if args.setting else NF4_SETTINGS
-    for block_n, block_k, warps, stages in chosen:
-        setting = {
-            "BLOCK_M": 64,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
-            "num_warps": warps,
-            "num_stages": stages,
-        }
-
-        def sizes(dtype, nf4=False, setting=setting):
-            return dict(setting) if nf4 else original(dtype)
-
-        grouped_gemm.tile_sizes = sizes
-        name = f"NF4 N{block_n} K{block_k} w{warps} s{stages}"
-        try:
-            difference = (step(nf4).detach().float() - reference.float()).abs().max().item()
-            ms = do_bench(lambda: step(nf4), warmup=25, rep=100)
-            print(f"| {name} | {ms:.2f} | {difference:.3g} |")
-        except Exception as error:  # noqa: BLE001 - a setting that does not fit is a result
-            print(f"| {name} | {type(error).__name__}: {str(error)[:80]} | - |")
-        finally:
-            grouped_gemm.tile_sizes = original
+    print(f"| {args.shape}, {args.tokens} tokens, r={r} | ms | peak MiB beyond held | max |out - 16-bit| |")
+    print("|---|---|---|---|")
+    timed("16-bit experts, fwd+bwd", lambda: step(dequantised))
+    default = grouped_gemm.NF4_STAGE_BYTES
+    for mib in STAGE_MIB:
+        grouped_gemm.NF4_STAGE_BYTES = mib * 2**20
+        marker = " (default)" if mib * 2**20 == default else ""
+        timed(f"NF4 experts, runs of <= {mib} MiB{marker}, fwd+bwd", lambda: step(nf4))
+    grouped_gemm.NF4_STAGE_BYTES = default
+    timed(
+        "dequantise all experts (gate_up + down), once",
+        lambda: [dequantize_nf4_experts(w) for w in nf4] and None,
+    )
 
 
 if __name__ == "__main__":

@@ -9,15 +9,17 @@ activations and their backward), ``combine`` (sorted rows back to tokens),
 4-bit experts: ``nf4_experts`` (``NF4Experts``, E experts' weights each in bitsandbytes'
 NF4 with double-quantised scales, and its plain-torch dequantisation), ``nf4_quantize``
 (``quantize_nf4_experts``, bitsandbytes' quantisation in plain torch, one expert at a
-time) and ``nf4_tile`` (a weight tile dequantised in registers).  ``moe_lora_experts``
-and ``grouped_lora_gemm`` take an ``NF4Experts`` wherever they take a base weight, and
-read it a tile at a time inside the GEMMs' K loops, forward and backward: no 16-bit copy
-of the experts is made.
+time) and ``nf4_dequantize`` (a run of experts dequantised in one launch).
+``moe_lora_experts`` and ``grouped_lora_gemm`` take an ``NF4Experts`` wherever they take
+a base weight, and multiply it a run of experts at a time (at most
+``grouped_gemm.NF4_STAGE_BYTES`` dequantised at once), forward and backward: no 16-bit
+copy of all the experts is made.
 """
 
 from slothkit_kernels.moe.experts import moe_lora_experts, moe_lora_experts_reference
 from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, grouped_lora_gemm_reference
 from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.nf4_dequantize import dequantize_nf4_experts
 from slothkit_kernels.moe.nf4_experts import NF4Experts
 from slothkit_kernels.moe.nf4_quantize import quantize_nf4_experts
 from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
@@ -26,6 +28,7 @@ __all__ = [
     "ExpertLoRA",
     "ExpertRouting",
     "NF4Experts",
+    "dequantize_nf4_experts",
     "grouped_lora_gemm",
     "grouped_lora_gemm_reference",
     "moe_lora_experts",

@@ -356,7 +356,7 @@ def moe_lora_experts(
         gate_up: the fused gate/up weights, (E, 2I, H) (out, in), or (E, H, 2I) with
             ``weights_in_out``; x's dtype; frozen.  Either weight may be an NF4Experts
             record of that shape and dtype (``quantize_nf4_experts``): the GEMMs then
-            dequantise it a tile at a time (grouped_gemm.py).
+            dequantise a run of experts at a time (grouped_gemm.py).
         down: (E, H, I), or (E, I, H) with ``weights_in_out``; frozen.
         gate_up_lora, down_lora: ``ExpertLoRA(A (E, r, in), B (E, out, r), scale)``, any
             strides, r <= 64; get gradients.

@@ -15,11 +15,11 @@ the same loaded X tile; the epilogue adds s (X A^T) B^T, a rank-r GEMM, and the 
 and rounds once to the output dtype.  X A^T may be stored (by the programs of the first
 column block) for the backward pass, which needs it for dB.
 
-W may be an ``NF4Experts`` record instead (4-bit experts): each W_e^T tile is then
-dequantised in registers in the K loop (``nf4_tile``), to the values ``NF4Experts.dequantize``
-gives, and multiplied as a 16-bit tile of the record's dtype would be, so no 16-bit copy of
-the experts is ever made, in forward or backward (the record's ``mT`` is W^T).  Under the
-interpreter a cast to bf16 truncates, as every cast to bf16 there does.
+W may be an ``NF4Experts`` record instead (4-bit experts): a run of experts at a time is
+dequantised into a 16-bit buffer (``nf4_dequantize``, at most ``NF4_STAGE_BYTES``) and
+the same kernel multiplies it, restricted to that run's tiles, so no 16-bit copy of all
+the experts is ever held, in forward or backward (the record's ``mT`` is W^T).  Under
+the interpreter a cast to bf16 truncates, as every cast to bf16 there does.
 
 Precision: 16-bit inputs multiply on the tensor cores with fp32 accumulation, the
 adapter rounded to x's dtype as the base weight is; fp32 inputs, and every input under
@@ -33,13 +33,13 @@ import triton
 import triton.language as tl
 
 from slothkit_kernels.moe.lora import ExpertLoRA
+from slothkit_kernels.moe.nf4_dequantize import dequantize_nf4_experts
 from slothkit_kernels.moe.nf4_experts import NF4Experts
-from slothkit_kernels.moe.nf4_tile import nf4_weight_tile
 from slothkit_kernels.moe.routing import ExpertRouting
 from slothkit_kernels.utils import interpreter_enabled
 
 
-def tile_sizes(dtype: torch.dtype, nf4: bool = False) -> dict:
+def tile_sizes(dtype: torch.dtype) -> dict:
     """Block sizes and launch settings of the grouped kernels for x's dtype.
 
     16-bit: the fastest of nine (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) settings timed
@@ -47,19 +47,20 @@ def tile_sizes(dtype: torch.dtype, nf4: bool = False) -> dict:
     tokens) at a Qwen3-30B-A3B layer's shape (H 2048, I 768, 128 experts, top 8): 3.32 ms
     against 3.54 for (64, 128, 64, 4, 4), and at gpt-oss-20b's (H = I = 2880, 32 experts,
     top 4): 6.40 ms against 7.03.  A BLOCK_M of 128 wastes more of each expert's last tile.
-
-    NF4 weights: each element of a weight tile gathers its byte and three scale values,
-    and software pipelining would stage every gather in shared memory (about 440 KB at the
-    16-bit tiles, twice an H100's); one stage, and half the columns, keep the tile's
-    gathers in registers.
     """
     if interpreter_enabled():
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    if nf4:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 1}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+# The most bytes of 4-bit experts held dequantised at once by one grouped GEMM: a run of
+# experts of at most this size (at least one expert) is dequantised and multiplied, then
+# the next.  Qwen3-30B-A3B's gate_up (805 MB in bf16) goes in two runs, gpt-oss-20b's
+# (1.06 GB) in three; a run costs one dequantisation launch and one GEMM launch whose
+# programs of other experts' tiles return at once.
+NF4_STAGE_BYTES = 512 * 2**20
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -78,17 +79,12 @@ def _grouped_lora_gemm_kernel(
     stride_xm,  # X's row stride
     stride_xk,  # X's column stride
     ROWS,  # pointer to the row of X each sorted row reads, (M,) int32 (GATHER only)
-    W,  # pointer to the base weights, logically (E, N, K): y = x W_e^T (NF4: packed codes)
-    stride_we,  # W's expert stride (NF4: bytes per expert)
-    stride_wn,  # W's stride along N (output features) (NF4: in elements of the stored matrix)
-    stride_wk,  # W's stride along K (input features) (NF4: likewise)
-    W_ABSMAX,  # pointer to the NF4 block scale codes, (E, blocks) uint8 (NF4 only)
-    stride_w_absmax,  # W_ABSMAX's expert stride
-    W_NESTED_ABSMAX,  # pointer to the NF4 group scales, (E, groups) fp32 (NF4 only)
-    stride_w_nested,  # W_NESTED_ABSMAX's expert stride
-    W_OFFSET,  # pointer to the NF4 offsets, (E,) fp32 (NF4 only)
-    W_NESTED_CODE,  # pointer to the 256 levels of the scale codes (NF4 only)
-    W_CODE,  # pointer to the 16 NF4 levels (NF4 only)
+    W,  # pointer to the base weights, logically (E, N, K): y = x W_e^T
+    stride_we,  # W's expert stride
+    stride_wn,  # W's stride along N (output features)
+    stride_wk,  # W's stride along K (input features)
+    EXPERT_FIRST,  # the first expert of this launch: W holds experts EXPERT_FIRST ..
+    EXPERT_STOP,  # one past the last; tiles of other experts are left to other launches
     BIAS,  # pointer to the biases, (E, N) (HAS_BIAS only)
     stride_bias_e,  # BIAS's expert stride
     stride_bias_n,  # BIAS's feature stride
@@ -118,10 +114,6 @@ def _grouped_lora_gemm_kernel(
     HAS_LORA: tl.constexpr,  # add s (X A_e^T) B_e^T
     STORE_XA: tl.constexpr,  # write X A_e^T to XA
     DOT_FP32: tl.constexpr,  # multiply in fp32 (else 16-bit tensor cores, fp32 accumulation)
-    NF4: tl.constexpr,  # W is an NF4Experts record, dequantised tile by tile (nf4_tile.py)
-    W_BLOCKSIZE: tl.constexpr,  # NF4: elements per block scale
-    W_NESTED_BLOCKSIZE: tl.constexpr,  # NF4: block scales per group scale
-    W_DTYPE: tl.constexpr,  # NF4: the dtype the record dequantises to
     BLOCK_M: tl.constexpr,  # rows per tile (the routing's block_m)
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # input features per step of the K loop
@@ -130,7 +122,7 @@ def _grouped_lora_gemm_kernel(
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(TILE_EXPERT + tile)
-    if expert < 0:
+    if expert < EXPERT_FIRST or expert >= EXPERT_STOP:  # no expert (-1), or another launch's
         return
     e = expert.to(tl.int64)
     row_end = tl.load(OFFSETS + expert + 1)
@@ -148,33 +140,15 @@ def _grouped_lora_gemm_kernel(
 
     # Tiles of X (BLOCK_M, BLOCK_K), W_e^T (BLOCK_K, BLOCK_N) and A_e^T (BLOCK_K, BLOCK_R).
     x_ptrs = X + src[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = W + e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    if NF4:
-        w_offset = tl.load(W_OFFSET + e)
-        # Element (k, n) of the W_e^T tile in the expert's stored matrix, at k0 = 0.
-        w_flat = offs_k[:, None].to(tl.int64) * stride_wk + offs_n[None, :].to(tl.int64) * stride_wn
+    w_e = e - EXPERT_FIRST
+    w_ptrs = W + w_e * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     a_ptrs = A + e * stride_ae + offs_k[:, None] * stride_ak + offs_r[None, :] * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if NF4:
-            w = nf4_weight_tile(
-                W + e * stride_we,
-                W_ABSMAX + e * stride_w_absmax,
-                W_NESTED_ABSMAX + e * stride_w_nested,
-                W_NESTED_CODE,
-                W_CODE,
-                w_offset,
-                w_flat,
-                k_mask[:, None] & n_mask[None, :],
-                W_BLOCKSIZE,
-                W_NESTED_BLOCKSIZE,
-                W_DTYPE,
-            )
-        else:
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_FP32:
             x = x.to(tl.float32)
             acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
@@ -188,8 +162,6 @@ def _grouped_lora_gemm_kernel(
                 xa = tl.dot(x, a.to(x.dtype), xa)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
-        if NF4:
-            w_flat += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
 
     if HAS_LORA:
@@ -211,33 +183,6 @@ def _grouped_lora_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def _weight_arguments(weight: torch.Tensor | NF4Experts, dummy: torch.Tensor) -> tuple[list, dict]:
-    """The kernel's weight arguments (W and its strides, then the NF4 tensors) and its
-    NF4 switches, for a tensor or an NF4Experts record."""
-    if not isinstance(weight, NF4Experts):
-        unused = [dummy, 0, dummy, 0, dummy, dummy, dummy]
-        switches = {"NF4": False, "W_BLOCKSIZE": 1, "W_NESTED_BLOCKSIZE": 1, "W_DTYPE": tl.float32}
-        return [weight, *weight.stride(), *unused], switches
-    nf4 = [
-        weight.absmax, weight.absmax.stride(0),
-        weight.nested_absmax, weight.nested_absmax.stride(0),
-        weight.offset, weight.nested_code, weight.code,
-    ]  # fmt: skip
-    switches = {
-        "NF4": True,
-        "W_BLOCKSIZE": weight.blocksize,
-        "W_NESTED_BLOCKSIZE": weight.nested_blocksize,
-        "W_DTYPE": _TL_DTYPES[weight.dtype],
-        # bitsandbytes rounds a block scale's product before adding the offset; an FMA
-        # would round once and change the last bit of some scales.
-        "enable_fp_fusion": False,
-    }
-    return [weight.packed, weight.packed.stride(0), *weight.element_strides(), *nf4], switches
-
-
 def grouped_lora_gemm(
     x: torch.Tensor,
     routing: ExpertRouting,
@@ -252,34 +197,52 @@ def grouped_lora_gemm(
 
     x: (T, K) read through routing.tokens when ``gather``, else (M, K) in sorted order.
     weight: logically (E, N, K), any strides, or an NF4Experts record of that logical
-    shape (read transposed through ``.mT``), dequantised a tile at a time in the K loop;
+    shape (read transposed through ``.mT``), dequantised a run of experts at a time;
     lora: A (E, r, K), B (E, N, r); bias (E, N).
     Returns (Y (M, N) in x's dtype, X A^T (M, r) in x's dtype when ``store_xa`` and there
     is an adapter, else None).  Rows past the last expert's (ids outside [0, E)) are left
     unwritten.
     """
     m = routing.num_rows
-    num_experts, n, k = weight.shape
-    settings = tile_sizes(x.dtype, nf4=isinstance(weight, NF4Experts))
+    num_experts, n, _ = weight.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    xa = None
+    if lora is not None and store_xa:
+        xa = torch.empty((m, lora.rank), dtype=x.dtype, device=x.device)
+    if not isinstance(weight, NF4Experts):
+        _launch(x, routing, weight, (0, num_experts), lora, bias, y, xa, gather)
+        return y, xa
+    _, rows, cols = weight.stored_shape
+    per_run = max(1, NF4_STAGE_BYTES // (rows * cols * weight.dtype.itemsize))
+    buffer = torch.empty((min(per_run, num_experts), rows, cols), dtype=weight.dtype, device=x.device)
+    for first in range(0, num_experts, per_run):
+        stop = min(first + per_run, num_experts)
+        stored = dequantize_nf4_experts(weight, first, stop, out=buffer)
+        dense = stored.mT if weight.transposed else stored
+        _launch(x, routing, dense, (first, stop), lora, bias, y, xa, gather)
+    return y, xa
+
+
+def _launch(x, routing: ExpertRouting, weight, experts, lora, bias, y, xa, gather: bool) -> None:
+    """One launch of the kernel over the tiles of ``experts`` = (first, stop), whose
+    weights ``weight`` holds as (stop - first, N, K); writes their rows of y (and xa)."""
+    settings = tile_sizes(x.dtype)
     block_m = settings.pop("BLOCK_M")
     if block_m != routing.block_m:
         raise ValueError(f"routing was built for tiles of {routing.block_m} rows, the kernel uses {block_m}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    xa = None
+    n, k = weight.shape[1:]
     rank = lora.rank if lora is not None else 1
-    if lora is not None and store_xa:
-        xa = torch.empty((m, rank), dtype=x.dtype, device=x.device)
     dummy = y  # any pointer for arguments a constexpr switch leaves unread
     a, b = (lora.A, lora.B) if lora is not None else (dummy.view(1, 1, -1), dummy.view(1, -1, 1))
     bias_t = bias if bias is not None else dummy
     bias_strides = bias.stride() if bias is not None else (0, 0)
     xa_t = xa if xa is not None else dummy
-    weight_args, weight_switches = _weight_arguments(weight, dummy)
     grid = (routing.num_tiles, triton.cdiv(n, settings["BLOCK_N"]))
     _grouped_lora_gemm_kernel[grid](
         x, x.stride(0), x.stride(1),
         routing.tokens,
-        *weight_args,
+        weight, *weight.stride(),
+        *experts,
         bias_t, *bias_strides,
         a, *a.stride(),
         b, *b.stride(),
@@ -295,10 +258,8 @@ def grouped_lora_gemm(
         DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=block_m,
         BLOCK_R=rank_block(rank),
-        **weight_switches,
         **settings,
     )  # fmt: skip
-    return y, xa
 
 
 def grouped_lora_gemm_reference(

@@ -156,6 +156,8 @@ def _dequantize_nf4_kernel(
     row_blocks,  # with COLUMN_SLAB: blocks per row of the whole weight
     slab_blocks,  # with COLUMN_SLAB: blocks per row of the slab
     first_block,  # with COLUMN_SLAB: the slab's first block within a row
+    expert_blocks,  # with PER_EXPERT: blocks per expert (each expert's elements are whole blocks)
+    expert_groups,  # with PER_EXPERT: nested scales per expert, ceil(expert_blocks / NESTED_BLOCKSIZE)
     BLOCKSIZE: tl.constexpr,  # weight elements per block scale (a power of two)
     BLOCKS_PER_PROGRAM: tl.constexpr,  # quantisation blocks handled by one program
     NESTED: tl.constexpr,  # whether the block scales are double-quantised
@@ -164,6 +166,7 @@ def _dequantize_nf4_kernel(
     STORE_PAIRS: tl.constexpr,  # output pairs per 16-byte store: 4 (fp16/bf16) or 2 (fp32)
     SOFTWARE_BF16_ROUNDING: tl.constexpr,  # round fp32 -> bf16 with integer ops (interpreter)
     COLUMN_SLAB: tl.constexpr,  # whether the output is a column slab of the weight
+    PER_EXPERT: tl.constexpr,  # a stack of weights, each with its own nested scales and offset
 ):
     HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per block
     DTYPE: tl.constexpr = OUT.dtype.element_ty
@@ -178,10 +181,14 @@ def _dequantize_nf4_kernel(
     if NESTED:
         q = tl.load(ABSMAX + blocks, mask=block_mask, other=0).to(tl.int32)
         level = tl.load(NESTED_CODE + q).to(tl.float32)
-        nested_scale = tl.load(NESTED_ABSMAX + blocks // NESTED_BLOCKSIZE, mask=block_mask, other=0.0).to(
-            tl.float32
-        )
-        offset = tl.load(OFFSET).to(tl.float32)
+        if PER_EXPERT:  # expert e's groups start at e * expert_groups, its offset is OFFSET[e]
+            expert = blocks // expert_blocks
+            group = expert * expert_groups + (blocks - expert * expert_blocks) // NESTED_BLOCKSIZE
+            offset = tl.load(OFFSET + expert, mask=block_mask, other=0.0).to(tl.float32)
+        else:
+            group = blocks // NESTED_BLOCKSIZE
+            offset = tl.load(OFFSET).to(tl.float32)
+        nested_scale = tl.load(NESTED_ABSMAX + group, mask=block_mask, other=0.0).to(tl.float32)
         # Rounded after the product and after the sum (no FMA: see the launch).
         scale = level * nested_scale + offset
     else:
@@ -414,6 +421,8 @@ def dequantize_nf4(
         cols // weight.blocksize,
         0 if columns is None else (columns[1] - columns[0]) // weight.blocksize,
         0 if columns is None else columns[0] // weight.blocksize,
+        1,
+        1,
         BLOCKSIZE=weight.blocksize,
         BLOCKS_PER_PROGRAM=blocks_per_program,
         NESTED=nested,
@@ -422,6 +431,7 @@ def dequantize_nf4(
         STORE_PAIRS=16 // pair_dtype.itemsize,
         SOFTWARE_BF16_ROUNDING=weight.dtype == torch.bfloat16 and interpreter_enabled(),
         COLUMN_SLAB=columns is not None,
+        PER_EXPERT=False,
         num_warps=NUM_WARPS,
         # bitsandbytes rounds the nested product before adding the offset; an FMA
         # would round once and change the last bit of some scales.
