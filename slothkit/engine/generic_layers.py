@@ -146,22 +146,45 @@ def _norms(causal_lm: nn.Module) -> list[nn.Module]:
     return norms
 
 
-def _outputs(causal_lm: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+def _is_experts_block(mlp: nn.Module) -> bool:
+    return hasattr(mlp, "experts") and not all(hasattr(mlp, name) for name in MLP_PROJECTIONS)
+
+
+def _outputs(causal_lm: nn.Module, ids: torch.Tensor, experts_inputs: list | None = None):
     """What each layer's attention and MLP add to the residual stream, then the last
-    hidden state, on ``ids`` (float32 copies). The attention's and the MLP's outputs are
-    compared one by one, since each is small beside the residual stream it is added to:
-    at random weights a layer that computes its attention otherwise (another RoPE, no
-    RoPE) moves the last hidden state by less than a 16-bit dtype's rounding, but its own
-    output by order one. (With a hook on it, the patched layer calls its attention module
-    rather than fusing o_proj with the residual sum, so the hook sees the fused output.)"""
-    seen = []
+    hidden state, on ``ids`` (float32 copies), and the inputs of its mixture-of-experts
+    blocks. The attention's and the MLP's outputs are compared one by one, since each is
+    small beside the residual stream it is added to: at random weights a layer that
+    computes its attention otherwise (another RoPE, no RoPE) moves the last hidden state
+    by less than a 16-bit dtype's rounding, but its own output by order one. (With a hook
+    on it, the patched layer calls its attention module rather than fusing o_proj with the
+    residual sum, so the hook sees the fused output.)
+
+    A mixture-of-experts block routes each token to its top-k experts, and at random
+    weights many tokens have near-tied router scores: a 16-bit rounding in its input
+    flips a choice and moves that token's output by order one. So with
+    ``experts_inputs`` (the first run's) each block's input is recorded for comparison
+    (it is the post-attention norm's output, listed after the last hidden state) and the
+    first run's is passed on in its place: the block, which is not patched here, then routes as it did, and what is
+    compared is what the patches change."""
+    seen, inputs = [], []
 
     def record(module, args, output):
         seen.append((output[0] if isinstance(output, tuple) else output).detach().float())
 
+    def route_as_before(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        inputs.append(hidden.detach())
+        if experts_inputs is None:
+            return None
+        earlier = experts_inputs[len(inputs) - 1]
+        return ((earlier, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": earlier})
+
     hooks = []
     for layer in causal_lm.model.layers:
         hooks.append(layer.self_attn.register_forward_hook(record))
+        if _is_experts_block(layer.mlp):
+            hooks.append(layer.mlp.register_forward_pre_hook(route_as_before, with_kwargs=True))
         hooks.append(layer.mlp.register_forward_hook(record))
     try:
         with torch.no_grad():
@@ -169,7 +192,7 @@ def _outputs(causal_lm: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
     finally:
         for hook in hooks:
             hook.remove()
-    return seen
+    return seen + [hidden.float() for hidden in inputs], inputs
 
 
 def _largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> float:
@@ -278,11 +301,11 @@ def fuse_generic_layers(causal_lm: nn.Module) -> str | None:
                 f"its attention computes something else than the fused one (in float32 at random "
                 f"weights, their outputs differ by {attention_difference:.2g}, relative)"
             )
-        own = _outputs(causal_lm, ids)
+        own, experts_inputs = _outputs(causal_lm, ids)
         for module, patch in _patches(causal_lm, adds_one):
             patch(module)
             patched.append(module)
-        fused = _outputs(causal_lm, ids)
+        fused, _ = _outputs(causal_lm, ids, experts_inputs)
     except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as error:
         _unpatch(patched)
         return f"its layers could not be checked against the fused ones ({type(error).__name__}: {error})"
