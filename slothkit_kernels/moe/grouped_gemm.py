@@ -57,10 +57,13 @@ def tile_sizes(dtype: torch.dtype) -> dict:
 
 # The most bytes of 4-bit experts held dequantised at once by one grouped GEMM: a run of
 # experts of at most this size (at least one expert) is dequantised and multiplied, then
-# the next.  Qwen3-30B-A3B's gate_up (805 MB in bf16) goes in two runs, gpt-oss-20b's
-# (1.06 GB) in three; a run costs one dequantisation launch and one GEMM launch whose
-# programs of other experts' tiles return at once.
-NF4_STAGE_BYTES = 512 * 2**20
+# the next.  A launch restricted to a run has that run's tiles only, so small runs leave
+# SMs idle: on an H100 (bf16, r 16, 4,096 tokens, forward and backward,
+# results/kernels/h100-2026-12-06-moe-experts-nf4-runs-933096a.md) Qwen3-30B-A3B's layer
+# took 9.51, 6.26, 5.46 and 4.41 ms at runs of 128, 256, 512 and 1024 MiB (3.20 with
+# 16-bit experts), gpt-oss-20b's 9.30, 7.98, 7.83 and 7.66 (6.35); 1 GiB holds either's
+# largest weight (805 MB; 1.06 GB in two runs) for at most 1.1-1.5 GiB more at the peak.
+NF4_STAGE_BYTES = 2**30
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
