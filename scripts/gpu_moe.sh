@@ -7,11 +7,11 @@
 #   bash scripts/gpu_moe.sh [bench job ...]
 #   bash scripts/gpu_moe.sh "train --model qwen3-30b-a3b-12l --mode qlora --impl slothkit,hf,unsloth --no-autocast"
 #
-# Set MOE_STEPS to a space-separated subset of "tests timing profile" to skip others.
+# MOE_STEPS="tests timing profile" (the default) or a subset; MOE_STEPS="" runs the jobs only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-steps="${MOE_STEPS:-tests timing profile}"
+steps="${MOE_STEPS-tests timing profile}"
 
 if [[ " $steps " == *" tests "* ]]; then
     echo "== tests ($(date +%T))"
