@@ -8,6 +8,8 @@ auxiliary loss included where the config asks for it. What the fused experts do 
 compute runs the module's own forward, said once, with the same numbers.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -378,3 +380,22 @@ def test_4bit_experts_left_unfused_stay_as_loaded(tmp_path):
     experts = [experts_base(m)[0] for m in experts_modules(model)]
     assert experts and all(nf4_experts_of(e.gate_up_proj) is None for e in experts)
     assert all(e.gate_up_proj.untyped_storage().nbytes() == e.gate_up_proj.numel() * 4 for e in experts)
+
+
+def test_models_with_fused_experts_or_qk_norms_are_launch_bound(tmp_path):
+    """FastModel's default for layer graphs: on where the host's launches limit a layer:
+    fused experts (Qwen3-MoE, gpt-oss), per-head q/k norms (a record's or on the generic
+    path); not a plain 16-bit Llama."""
+    from slothkit.loading.training_mode import is_launch_bound
+    from slothkit.testing import tiny_model_path
+
+    def loaded(path):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not is_launch_bound(loaded(tiny_model_path("llama")))
+        assert is_launch_bound(loaded(tiny_model_path("qwen3")))
+        assert is_launch_bound(loaded(_checkpoint(tmp_path, "qwen3_moe")))
+        assert is_launch_bound(loaded(_checkpoint(tmp_path, "gpt_oss")))
