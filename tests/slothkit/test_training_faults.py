@@ -12,6 +12,8 @@ import torch
 
 pytest.importorskip("trl")
 
+from transformers import TrainerCallback
+
 from slothkit.testing.resumed_training import KILL_AFTER, SAVE_STEPS, STEPS, build_trainer, step_losses
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,3 +112,119 @@ def test_a_run_with_layer_graphs_killed_with_sigkill_resumes_with_the_same_losse
         pytest.importorskip("bitsandbytes")
     # rtol: a GPU kernel that sums with atomic adds may round differently from run to run.
     _assert_resume_matches(tmp_path, checkpointing, load_in_4bit, cuda_graphs=True, rtol=1e-4)
+
+
+def _sft_trainer(steps=4, callbacks=(), precision=None, **options):
+    """A tiny SFT run on slothkit's fused path (slothkit.testing.training_parity)."""
+    from slothkit.data import apply_chat_template, example_dataset
+    from slothkit.testing.training_parity import RUN, load_for_training
+    from slothkit.trl import SFTTrainer
+    from slothkit.trl.defaults import sft_config
+
+    dtype = {None: torch.float32, "fp16": torch.float16}[precision]
+    model, tokenizer = load_for_training("slothkit", dtype=dtype)
+    dataset = apply_chat_template(example_dataset("chat").select(range(8)), tokenizer)
+    args = sft_config(model, max_steps=steps, learning_rate=2e-3, output_dir="run", **{**RUN, **options})
+    trainer = SFTTrainer(
+        model=model, processing_class=tokenizer, train_dataset=dataset, args=args, callbacks=list(callbacks)
+    )
+    return trainer, model
+
+
+class _ArmAt(TrainerCallback):
+    """Calls ``arm()`` as step ``step`` begins and keeps the adapters as they were then."""
+
+    def __init__(self, step, arm):
+        self.step, self.arm, self.adapters = step, arm, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.step:
+            self.adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            self.arm()
+
+
+def _nan_out_of_layer(model, index):
+    """A switch that makes decoder layer ``index`` return NaN from its next call on."""
+    from slothkit.engine.decoder import decoder_layers
+
+    armed = []
+
+    def hook(module, args, output):
+        if not armed:
+            return output
+        hidden = output[0] if isinstance(output, tuple) else output
+        poisoned = hidden * float("nan")
+        return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
+
+    decoder_layers(model)[1][index].register_forward_hook(hook)
+    return lambda: armed.append(True)
+
+
+def test_a_nan_loss_stops_training_at_its_step_naming_the_layer(reference_kernels):
+    """transformers' Trainer would leave the NaN out of the logged mean and train on, writing
+    NaN into every adapter; slothkit stops before that step's update."""
+    from slothkit.trl.non_finite_loss import NonFiniteLossError
+
+    trainer, model = _sft_trainer(save_steps=2, save_strategy="steps")
+    arm = _ArmAt(3, _nan_out_of_layer(model, 1))
+    trainer.add_callback(arm)
+    with pytest.raises(NonFiniteLossError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    assert message.startswith("the training loss was nan at step 3 (micro-batch 1 of 1)")
+    assert "come out of decoder layer 1;" in message and "the micro-batch: 2 sequences of" in message
+    assert "the adapters are those of the step before" in message
+    assert "lower the learning rate (it is 0.002)" in message and "(precision: fp32)" in message
+    assert "resume from run/checkpoint-2" in message
+    assert trainer.state.global_step == 2 and len([e for e in trainer.state.log_history if "loss" in e]) == 2
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param.detach(), arm.adapters[name]), name  # step 3 changed nothing
+
+
+def test_a_nan_loss_with_the_trainers_filter_off_is_named_at_the_log(reference_kernels):
+    from slothkit.trl.non_finite_loss import NonFiniteLossError
+
+    trainer, model = _sft_trainer(logging_nan_inf_filter=False)
+    trainer.add_callback(_ArmAt(3, _nan_out_of_layer(model, 0)))
+    with pytest.raises(
+        NonFiniteLossError, match=r"^the training loss was nan at step 3 \(micro-batch 1 of 1\)"
+    ):
+        trainer.train()
+    assert trainer.state.log_history[-1]["step"] == 3 and trainer.state.log_history[-1]["loss"] != 0
+
+
+def test_an_infinite_gradient_with_a_finite_loss_is_named_at_its_step(reference_kernels):
+    """Without a GradScaler (bf16, fp32) an infinite gradient reaches the optimizer."""
+    from slothkit.trl.non_finite_loss import NonFiniteLossError
+
+    trainer, model = _sft_trainer()
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    armed = []
+    param.register_hook(lambda grad: grad * float("inf") if armed else grad)
+    trainer.add_callback(_ArmAt(2, lambda: armed.append(True)))
+    with pytest.raises(
+        NonFiniteLossError, match=r"^the gradient norm was (inf|nan) at step 2 \(the loss logged: \d"
+    ):
+        trainer.train()
+
+
+@pytest.mark.cuda
+def test_fp16_steps_the_grad_scaler_skips_are_not_reported():
+    """fp16 with a GradScaler: an infinite gradient skips its step and lowers the scale, and
+    training goes on; a NaN loss still stops it."""
+    from slothkit.trl.non_finite_loss import NonFiniteLossError
+
+    trainer, model = _sft_trainer(precision="fp16", fp16=True, bf16=False)
+    _, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    armed = []
+    param.register_hook(lambda grad: grad * float("inf") if len(armed) == 1 else grad)
+    trainer.add_callback(_ArmAt(2, lambda: armed.append(True)))
+    trainer.add_callback(_ArmAt(3, lambda: armed.append(True)))  # the inf for step 2 only
+    trainer.train()
+    assert trainer.state.global_step == 4
+
+    trainer, model = _sft_trainer(precision="fp16", fp16=True, bf16=False)
+    trainer.add_callback(_ArmAt(3, _nan_out_of_layer(model, 1)))
+    with pytest.raises(NonFiniteLossError, match=r"at step 3 .*\n.*\n.*train in bf16"):
+        trainer.train()
