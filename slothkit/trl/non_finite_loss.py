@@ -122,7 +122,8 @@ class NonFiniteWatch:
         ]
         if precision == "fp16":
             advice.append(
-                "train in bf16 where the GPU has it (Ampere or newer): fp16 overflows above 65,504, bf16 does not"
+                "train in bf16 where the GPU has it (Ampere or newer): "
+                "fp16 overflows above 65,504, bf16 does not"
             )
         text = "; ".join(advice) + f" (precision: {precision})."
         last = get_last_checkpoint(args.output_dir) if args.output_dir and _is_dir(args.output_dir) else None

@@ -228,3 +228,68 @@ def test_fp16_steps_the_grad_scaler_skips_are_not_reported():
     trainer.add_callback(_ArmAt(3, _nan_out_of_layer(model, 1)))
     with pytest.raises(NonFiniteLossError, match=r"at step 3 .*\n.*\n.*train in bf16"):
         trainer.train()
+
+
+def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoints(reference_kernels, tmp_path):
+    """An out-of-memory error in step 5 of a run with "auto" checkpointing that saved at step 3."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from slothkit.core.inspection import causal_lm_of
+    from slothkit.core.model_state import state_of
+    from slothkit.trl.out_of_memory import TrainingOutOfMemoryError
+
+    trainer = build_trainer(tmp_path / "run", "auto")
+    model = trainer.model
+    saved = {}
+
+    class KeepTheSavedAdapter(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            saved[state.global_step] = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+    trainer.add_callback(KeepTheSavedAdapter())
+    forward, calls = model.forward, []
+
+    def forward_out_of_memory_at_step_5(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+        return forward(*args, **kwargs)
+
+    model.forward = forward_out_of_memory_at_step_5
+    with pytest.raises(TrainingOutOfMemoryError) as caught:
+        trainer.train()
+    message = str(caught.value)
+    policy = state_of(causal_lm_of(model)).recompute_policy  # the budget "auto" had
+    assert message.startswith(
+        "CUDA ran out of memory while training at step 5 (lora, per_device_train_batch_size=2, "
+    )
+    assert "max_length=96 (the model's max_seq_length: 96)" in message
+    assert (
+        f"use_gradient_checkpointing='auto' with a budget of {policy.budget / 2**30:.2f} GiB, "
+        f"keeping 1 of 2 layers' activations at {policy.choice.tokens:,} tokens per step" in message
+    )
+    assert (
+        f"a lower budget than its {policy.budget / 2**30:.2f} GiB (get_peft_model's max_memory=)" in message
+    )
+    assert (
+        "lower per_device_train_batch_size (now 2)" in message
+        and "max_seq_length (max_length, now 96)" in message
+    )
+    last = tmp_path / "run" / f"checkpoint-{SAVE_STEPS}"
+    assert f"resume from {last} with trainer.train(resume_from_checkpoint=True)" in message
+    assert message.endswith("The original error: CUDA out of memory. Tried to allocate 3.00 GiB.")
+    assert len(message.splitlines()) == 2  # the planner's line needs a GPU
+
+    # The checkpoint written before it is whole: the adapter as it was saved, the
+    # optimizer, scheduler, RNG and trainer state, each readable.
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint-")) == [
+        last.name
+    ]
+    adapter = load_file(last / "adapter_model.safetensors")
+    assert adapter.keys() == saved[SAVE_STEPS].keys()
+    for name, weight in adapter.items():
+        assert torch.equal(weight, saved[SAVE_STEPS][name]), name
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.load(last / name, weights_only=False)
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == SAVE_STEPS
