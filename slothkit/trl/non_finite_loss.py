@@ -25,6 +25,7 @@ When it is checked, and what it costs:
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -88,7 +89,7 @@ class NonFiniteWatch:
             step = self.trainer.state.global_step
             raise NonFiniteLossError(
                 f"the gradient norm was {grad_norm} at step {step} (the loss logged: {logs.get('loss')}); "
-                f"the optimizer took that step, so the adapters may hold NaN now. " + self._advice(step)
+                f"the optimizer took that step, so the adapters may hold NaN now. " + self._advice()
             )
 
     def _message(self, step: int, micro_batch: int, value: float, where: str | None, before: bool) -> str:
@@ -107,10 +108,10 @@ class NonFiniteWatch:
                 "The optimizer took that step (logging_nan_inf_filter=False checks at the logging steps): "
                 "the adapters may hold NaN now."
             )
-        lines.append(self._advice(step))
+        lines.append(self._advice())
         return "\n".join(lines)
 
-    def _advice(self, step: int) -> str:
+    def _advice(self) -> str:
         from transformers.trainer_utils import get_last_checkpoint
 
         args = self.trainer.args
@@ -126,16 +127,14 @@ class NonFiniteWatch:
                 "fp16 overflows above 65,504, bf16 does not"
             )
         text = "; ".join(advice) + f" (precision: {precision})."
-        last = get_last_checkpoint(args.output_dir) if args.output_dir and _is_dir(args.output_dir) else None
+        last = (
+            get_last_checkpoint(args.output_dir)
+            if args.output_dir and os.path.isdir(args.output_dir)
+            else None
+        )
         if last is not None:
             text += f" Then resume from {last} with trainer.train(resume_from_checkpoint=True)."
         return text
-
-
-def _is_dir(path) -> bool:
-    import os
-
-    return os.path.isdir(path)
 
 
 def _where_it_appears(model, inputs) -> str:
@@ -152,7 +151,10 @@ def _where_it_appears(model, inputs) -> str:
     trained = _trained_tokens(inputs)
     batch = f"the micro-batch: {input_ids.shape[0]} sequences of {input_ids.shape[-1]} tokens"
     batch += f", {trained} trained." if trained is not None else "."
-    module = _first_non_finite_module(model, inputs)
+    try:
+        module = _first_non_finite_module(model, inputs)
+    except Exception:  # a model the plain re-run does not fit: the report goes without the module
+        return batch
     if module is not None:
         return f"the first values that are not finite come out of {module}; {batch}"
     if trained == 0:

@@ -6,6 +6,8 @@ out-of-memory error inside a step leaves every one written before it complete.""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from slothkit.core.inspection import causal_lm_of, is_4bit_model
@@ -123,8 +125,6 @@ def _checkpointing_in_effect(model, policy) -> str:
 
 
 def _last_checkpoint(args) -> str:
-    import os
-
     from transformers.trainer_utils import get_last_checkpoint
 
     folder = getattr(args, "output_dir", None)

@@ -300,3 +300,26 @@ def test_out_of_memory_mid_run_names_the_settings_and_keeps_the_checkpoints(refe
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
         torch.load(last / name, weights_only=False)
     assert json.loads((last / "trainer_state.json").read_text())["global_step"] == SAVE_STEPS
+
+
+def test_a_forward_that_cannot_be_run_again_leaves_the_report_without_the_module(
+    reference_kernels, monkeypatch
+):
+    """The module is looked for by running the micro-batch again; where that fails, the
+    NonFiniteLossError still comes, without it, and not that failure."""
+    from slothkit.trl import non_finite_loss
+    from slothkit.trl.non_finite_loss import NonFiniteLossError
+
+    def cannot_run_again(model, inputs):
+        raise TypeError("forward() got an unexpected keyword argument")
+
+    monkeypatch.setattr(non_finite_loss, "_first_non_finite_module", cannot_run_again)
+    trainer, model = _sft_trainer(steps=2)
+    trainer.add_callback(_ArmAt(2, _nan_out_of_layer(model, 0)))
+    with pytest.raises(NonFiniteLossError) as caught:
+        trainer.train()
+    first_line = str(caught.value).splitlines()[0]
+    assert first_line.startswith(
+        "the training loss was nan at step 2 (micro-batch 1 of 1); the micro-batch: 2 "
+    )
+    assert "layer" not in first_line
