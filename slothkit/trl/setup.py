@@ -10,7 +10,9 @@
    column or a bad record is named before TRL's preprocessing meets it); a list of records
    is taken as a ``datasets.Dataset``;
 4. after TRL's constructor, give the adapters back the dtype TRL changed, and make
-   ``train()`` explain a CUDA out-of-memory error (slothkit.trl.out_of_memory).
+   ``train()`` explain a CUDA out-of-memory error (slothkit.trl.out_of_memory);
+5. in training, stop at the first NaN or infinite loss, naming its step
+   (slothkit.trl.non_finite_loss).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from slothkit.core.notices import LegacySpellingWarning, say_once
 from slothkit.engine.checkpointing.choice import uses_offloaded_checkpoint
 from slothkit.trl.configs import convert_arguments, field_names
 from slothkit.trl.defaults import default_config
+from slothkit.trl.non_finite_loss import NonFiniteWatch
 from slothkit.trl.out_of_memory import explain_out_of_memory
 
 
@@ -178,6 +181,16 @@ class TrainerSetup:
                 self._check_dataset(dataset, tokenizer, args, kwargs, name)
         dtypes = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad} if is_model else {}
         self._trl_trainer.__init__(self, model=model, args=args, **kwargs)
+        self._non_finite_watch = NonFiniteWatch(self)
         if is_model:
             restore_adapter_dtypes(model, dtypes)
             explain_out_of_memory(self, model)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self._non_finite_watch.after_micro_batch(model, inputs, loss)
+        return loss
+
+    def log(self, logs, *args, **kwargs):
+        super().log(logs, *args, **kwargs)
+        self._non_finite_watch.after_log(logs)  # after: the NaN is in the log history too
