@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from slothkit.memory.sizes import SHORT_STEP_TOKENS, mlp_token_chunk, pinned_bytes
 from slothkit.models import architecture_for
+from slothkit.models.generic_shapes import PER_HEAD_QK_NORM_TYPES
 from slothkit.models.shape import Shape
 
 if TYPE_CHECKING:  # torch is imported where GPU memory is asked about, not by the planner
@@ -72,7 +73,9 @@ def _head_dim(shape: Shape) -> int:
 
 def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     """The frozen weights: the projections in element_bytes (mode "lora") or NF4 ("qlora"),
-    the embeddings, head and norms in element_bytes.
+    the embeddings, head and norms in element_bytes.  A mixture-of-experts layer's experts
+    count as projections (slothkit quantises them to NF4 with the rest), its router stays
+    in element_bytes.
 
     Args:
         shape: the model's shape.
@@ -81,9 +84,14 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     """
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
-    projections = shape.num_hidden_layers * (
-        h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2 + 3 * h * i
-    )
+    experts = shape.experts()
+    sparse = experts.layers if experts else 0
+    attention = h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2
+    projections = shape.num_hidden_layers * attention + (shape.num_hidden_layers - sparse) * 3 * h * i
+    routers = 0
+    if experts:
+        projections += sparse * experts.count * 3 * h * experts.width
+        routers = sparse * experts.count * h
     embeddings = shape.vocab_size * h
     arch = architecture_for(shape)
     # A shape may say itself (Qwen's small sizes tie, its large ones do not).
@@ -91,14 +99,16 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     head = 0 if tied else shape.vocab_size * h
     norms = (2 * shape.num_hidden_layers + 1) * h
     per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
-    return projections * per_projection + element_bytes * (embeddings + head + norms)
+    return projections * per_projection + element_bytes * (embeddings + head + norms + routers)
 
 
 def lora_bytes(shape: Shape, rank: int) -> float:
     """LoRA adapters on all seven projections, trained in fp32, with their gradients and
     AdamW's two moments. Each adapter is r * (in + out): A reads the input, B writes the
     output; where q/k/v and gate/up are one layer each (Phi-3: the record's
-    fused_projections), one A reads the input for the group.
+    fused_projections), one A reads the input for the group.  In a mixture-of-experts
+    layer every expert has its own adapters on its gate/up (one 3-D parameter: A reads
+    the input, B writes 2 W) and its down projection.
 
     Args:
         shape: the model's shape.
@@ -108,10 +118,15 @@ def lora_bytes(shape: Shape, rank: int) -> float:
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     arch = architecture_for(shape)
-    reads_hidden = 2 if arch is not None and arch.fused_projections else 5  # q, k, v, gate, up
-    a_columns = reads_hidden * h + q + i  # ... and o_proj (reads q), down_proj (reads i)
-    b_rows = q + 2 * kv + h + 2 * i + h  # q, k, v, o, gate, up, down
-    return 16.0 * shape.num_hidden_layers * rank * (a_columns + b_rows)
+    fused = arch is not None and arch.fused_projections
+    attention = (1 if fused else 3) * h + q + (q + 2 * kv + h)  # A columns (o reads q), B rows
+    mlp = (1 if fused else 2) * h + i + (2 * i + h)
+    experts = shape.experts()
+    sparse = experts.layers if experts else 0
+    per_rank = shape.num_hidden_layers * attention + (shape.num_hidden_layers - sparse) * mlp
+    if experts:
+        per_rank += sparse * experts.count * (h + experts.width + 2 * experts.width + h)
+    return 16.0 * rank * per_rank
 
 
 def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:
@@ -128,7 +143,8 @@ def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: i
     RMSNorm saves its input (element_bytes each) and 1/rms per row (fp32); its weight is
     a parameter, held anyway.  So, per token:
 
-        qk_norm         q and k before their norms, (Hq + Hkv) D elements, and one 1/rms
+        qk_norm         (a record's, or a record-less family of PER_HEAD_QK_NORM_TYPES)
+                        q and k before their norms, (Hq + Hkv) D elements, and one 1/rms
                         per head, 4 (Hq + Hkv) bytes; the normed q and k, rotated in
                         place, are the attention's q and k counted above.
         sandwich_norms  post_attention_layernorm's input, o_proj's output, and
@@ -147,8 +163,21 @@ def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: i
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = element_bytes * (4 * h + 2 * i + 2 * (heads + kv_heads) * d + 7 * rank)
     per_token += 4 * (heads + 2)
+    experts = shape.experts()
+    if experts:
+        # The fused experts keep G (2 W) and the two adapters' x A^T (2 r) per routed row
+        # and the routing (ROUTING_BYTES a row); transformers' router its fp32
+        # probabilities (4 E), the top-k indices (int64) and weights and their sum
+        # (12 k + 4); the attention's four adapters keep theirs.  Layers of both kinds:
+        # the larger.
+        k = experts.top_k
+        sparse = element_bytes * (
+            4 * h + k * 2 * (experts.width + rank) + 2 * (heads + kv_heads) * d + 4 * rank
+        )
+        sparse += 4 * (heads + 2) + ROUTING_BYTES * k + 4 * experts.count + 12 * k + 4
+        per_token = sparse if experts.layers == shape.num_hidden_layers else max(per_token, sparse)
     arch = architecture_for(shape)
-    if arch is not None and arch.qk_norm:
+    if arch.qk_norm if arch is not None else shape.model_type in PER_HEAD_QK_NORM_TYPES:
         per_token += (element_bytes * d + 4) * (heads + kv_heads)
     if arch is not None and arch.sandwich_norms:
         per_token += 2 * (element_bytes * h + 4)
@@ -186,10 +215,50 @@ def activation_bytes(
     chunked = checkpointing == "offload" and kept_layers == 0
     mlp_tokens = (mlp_token_chunk(tokens) or tokens) if chunked else tokens
     logits_chunk = shape.vocab_size * max(1, min(tokens, max(tokens // 16, 4 * 2**20 // shape.vocab_size)))
-    total = element_bytes * (tokens * per_token + mlp_tokens * 4 * i + logits_chunk)
+    mlp = mlp_tokens * 4 * i * element_bytes
+    experts = shape.experts()
+    if experts:  # the experts' working set, unchunked; a model with dense layers too has both
+        sparse = experts_working_bytes(shape, tokens, element_bytes)
+        mlp = sparse if experts.layers == shape.num_hidden_layers else max(mlp, sparse)
+    total = element_bytes * (tokens * per_token + logits_chunk) + mlp
     if checkpointing is True:
         total += (shape.num_hidden_layers - kept_layers) * tokens * element_bytes * h
     return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)
+
+
+# Per routed (token, expert) row, what slothkit_kernels.moe.route_to_experts keeps: the
+# sort order (int64), the row's token, its inverse and its expert (int32 each).
+ROUTING_BYTES = 20
+
+
+def experts_working_bytes(shape: Shape, tokens: int, element_bytes: int = 2) -> float:
+    """The most a mixture-of-experts layer's fused experts (slothkit_kernels.moe) hold at
+    once in a training step, beyond the layer's input and output.
+
+    Each token is routed to k experts: M = tokens x k rows of width W.  The backward holds
+    the forward's gate/up output G (2 W per row), the gradient of the down projection's
+    input and the recomputed activation (W each) and G's gradient (2 W): 6 W elements per
+    row; the routing adds ROUTING_BYTES per row, the router its fp32 logits and
+    probabilities (8 E per token).  The adapters' (M, r) products are under 1 % of that at r = 16.
+    """
+    experts = shape.experts()
+    rows = tokens * experts.top_k
+    return float(rows * (6 * experts.width * element_bytes + ROUTING_BYTES) + tokens * 8 * experts.count)
+
+
+# The most bytes of NF4 experts the grouped GEMMs hold dequantised at once
+# (slothkit_kernels.moe.grouped_gemm.NF4_STAGE_BYTES; a test holds the two equal: the
+# planner does not import the kernel library, which imports torch).
+NF4_EXPERTS_STAGE_BYTES = 2**30
+
+
+def nf4_experts_stage_bytes(shape: Shape, element_bytes: int = 2) -> float:
+    """The buffer NF4 experts are dequantised into, a run at a time: as many whole
+    experts' gate/up weights (the larger of the two) as fit NF4_EXPERTS_STAGE_BYTES, at
+    least one, at most all of them."""
+    experts = shape.experts()
+    per_expert = 2 * experts.width * shape.hidden_size * element_bytes
+    return float(min(experts.count, max(1, NF4_EXPERTS_STAGE_BYTES // per_expert)) * per_expert)
 
 
 class MemoryBudgetError(ValueError):
@@ -311,10 +380,14 @@ class TrainingMemory:
             kept_layers: decoder layers that are not checkpointed.
             on_gpu_layers: checkpointed layers whose inputs stay on the GPU.
         """
+        staged = 0.0
+        if self.mode == "qlora" and self.shape.experts():
+            staged = nf4_experts_stage_bytes(self.shape, self.element_bytes)
         return (
             weights_bytes(self.shape, self.mode, self.element_bytes)
             + self.trainable_bytes
             + activation_bytes(self.shape, tokens, "offload", kept_layers, self.rank, self.element_bytes)
+            + staged
             + on_gpu_layers * self.checkpoint_bytes(tokens)
         )
 

@@ -233,6 +233,17 @@ def plan(
                 + ("; try load_in_4bit=True (qlora)" if mode == "lora" else "")
             )
     fits = None if budget is None else recompute is not None
+    if mode == "qlora" and shape.experts():
+        # bitsandbytes loads 3-D expert parameters in 16 bits; slothkit quantises them
+        # once the model is loaded (slothkit.engine.experts_nf4), so loading needs them
+        # whole on the GPU first.
+        loading = weights_bytes(shape, "lora") / GIB
+        notes.append(
+            f"the experts load in 16 bits and are quantised to NF4 after loading: loading needs "
+            f"about {loading:.1f} GiB"
+        )
+        if budget is not None and loading * GIB > budget:
+            fits = False
     if fused is None:
         # The generic path keeps the model's own modules, which "auto" cannot budget: it
         # offloads every layer, and a layer's recompute holds more than a fused one's.

@@ -24,6 +24,11 @@ _QWEN3_MOE = {
 # sinks, sliding (128) and full layers alternating; 20b has 32 experts, 120b 128.
 _GPT_OSS = {"num_experts_per_tok": 4, "head_dim": 64, "sliding_window": 128, "rope_theta": 150_000.0}
 
+# Record-less families whose attention normalises each head's q and k (Qwen3's q_norm and
+# k_norm): the generic path fuses those norms as a record's, and the planner counts what
+# they keep (slothkit.memory.memory_model.kept_layer_bytes).
+PER_HEAD_QK_NORM_TYPES = frozenset({"qwen3_moe"})
+
 # One shape a line.
 # fmt: off
 GENERIC_SHAPES: dict[str, Shape] = {

@@ -37,6 +37,20 @@ class Shape:
             **self.extra,
         )
 
+    def experts(self) -> ExpertsShape | None:
+        """The mixture-of-experts layers' sizes, or None for a dense model."""
+        routed = self.extra.get("num_experts_per_tok")
+        count = self.extra.get("num_experts") or self.extra.get("num_local_experts")
+        if not routed or not count:
+            return None
+        # Qwen3-MoE may keep some layers dense: every decoder_sparse_step-th layer is
+        # sparse, except those listed in mlp_only_layers.
+        step = self.extra.get("decoder_sparse_step", 1) or 1
+        dense = set(self.extra.get("mlp_only_layers") or ())
+        layers = sum(1 for n in range(self.num_hidden_layers) if n not in dense and (n + 1) % step == 0)
+        width = self.extra.get("moe_intermediate_size", self.intermediate_size)
+        return ExpertsShape(count, width, routed, layers)
+
     def matmul_parameters(self) -> int:
         """Parameters of the projections and LM head that cost FLOPs per token: of a
         mixture-of-experts layer, the router and the experts each token is routed to."""
@@ -44,13 +58,37 @@ class Shape:
         q = self.hidden_size * self.num_attention_heads * head_dim
         kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
         o = self.num_attention_heads * head_dim * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        routed = self.extra.get("num_experts_per_tok")
-        if routed:
-            experts = self.extra.get("num_experts") or self.extra.get("num_local_experts")
-            width = self.extra.get("moe_intermediate_size", self.intermediate_size)
-            mlp = routed * 3 * self.hidden_size * width + experts * self.hidden_size
-        return self.num_hidden_layers * (q + kv + o + mlp) + self.vocab_size * self.hidden_size
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        experts = self.experts()
+        sparse_layers = experts.layers if experts else 0
+        mlps = (self.num_hidden_layers - sparse_layers) * dense_mlp
+        if experts:
+            routed = experts.top_k * 3 * self.hidden_size * experts.width + experts.count * self.hidden_size
+            mlps += sparse_layers * routed
+        return self.num_hidden_layers * (q + kv + o) + mlps + self.vocab_size * self.hidden_size
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    """A model's mixture-of-experts layers: ``count`` experts of MLP width ``width``, each
+    token routed to ``top_k`` of them, in ``layers`` of the decoder layers (the others
+    have a dense MLP of the shape's intermediate_size)."""
+
+    count: int
+    width: int
+    top_k: int
+    layers: int
+
+
+# The config fields Shape.experts reads.
+EXPERTS_FIELDS = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 
 
 def _check_positive(config, name: str, required: bool) -> None:
@@ -83,6 +121,10 @@ def shape_from_config(config) -> Shape:
     head_dim = getattr(config, "head_dim", None)
     if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
         extra["head_dim"] = head_dim
+    for name in EXPERTS_FIELDS:  # a mixture-of-experts model's (Shape.experts)
+        value = getattr(config, name, None)
+        if value is not None and not isinstance(value, bool):
+            extra[name] = list(value) if isinstance(value, (list, tuple)) else value
     return Shape(
         config.model_type,
         config.hidden_size,

@@ -65,6 +65,11 @@ MEASURED = {
         cap=80.0,
         recompute={"kept_layers": 29, "predicted_peak_gib": 79.764},
     ),
+    # 128 experts, top 8, every expert adapted, layer graphs (H100):
+    # h100-2026-12-06-qwen3-30b-a3b-12l-lora-no-autocast-graphs-1de3d39.json
+    "qwen3-30b-a3b-12l-lora-graphs": _step(
+        "qwen3-30b-a3b-12l", "lora", 2, 2048, True, True, 15.087, 18.262, 19.035
+    ),
     # a long uncapped step, the MLP in chunks:
     # h200-2026-12-02-llama-3-8b-qlora-1x32768-steps-3-ab-mlp-token-chunks-29d30a1.json
     "llama-3-8b-qlora-1x32768": _step("llama-3-8b", "qlora", 1, 32768, False, True, 5.312, 9.771, 13.121),
@@ -270,3 +275,40 @@ def test_gemma3_layers_are_planned_without_kept_sums():
     assert reserved("gemma-3-4b", keep_sums=True) == reserved("gemma-3-4b", keep_sums=False)
     assert reserved("gemma-2-9b", keep_sums=True) == reserved("gemma-2-9b", keep_sums=False)
     assert reserved("llama-3-8b", keep_sums=True) > reserved("llama-3-8b", keep_sums=False)
+
+
+def test_4_bit_experts_are_planned_quantised_after_loading_them_in_16_bits():
+    """bitsandbytes loads the experts' 3-D parameters in 16 bits and slothkit quantises
+    them after loading: the plan counts them in NF4 for training (with the buffer they are
+    dequantised into, a run at a time) and says what loading needs; a budget below that
+    does not fit."""
+    from slothkit.memory.memory_model import NF4_EXPERTS_STAGE_BYTES, nf4_experts_stage_bytes, weights_bytes
+    from slothkit_kernels.moe import grouped_gemm
+
+    assert NF4_EXPERTS_STAGE_BYTES == grouped_gemm.NF4_STAGE_BYTES
+    shape = shape_by_name("qwen3-30b-a3b-12l")
+    # Qwen3-30B-A3B's gate/up is 805 MB in bf16: one run of all 128 experts.
+    assert nf4_experts_stage_bytes(shape) == 128 * 2 * 768 * 2048 * 2
+    assert weights_bytes(shape, "qlora") < weights_bytes(shape, "lora") / 3
+    planned = plan("qwen3-30b-a3b-12l", gpu="l4", mode="qlora")
+    assert planned.fits and any("loading needs about 15.1 GiB" in note for note in planned.notes)
+    assert not plan("qwen3-30b-a3b-12l", gpu="t4", mode="qlora", max_memory=12).fits
+
+
+def test_a_checkpoint_s_experts_are_read_from_its_config(tmp_path):
+    """`slothkit plan DIR`: the experts' fields of config.json make the shape's experts."""
+    import json
+
+    config = {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 12,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    named, read = (
+        plan("qwen3-30b-a3b-12l", gpu="h100", mode="lora"),
+        plan(str(tmp_path), gpu="h100", mode="lora"),
+    )
+    assert read.weights_gib == pytest.approx(named.weights_gib, rel=1e-3)
+    assert read.total_gib == pytest.approx(named.total_gib, rel=0.01)
