@@ -114,7 +114,7 @@ def check_target(
     if is_non_empty_directory(target, ignoring) and not overwrite:
         if replacing is not None and holds_only_an_earlier_save(target, replacing, ignoring):
             say_once(
-                f"{str(target)!r} held only slothkit's earlier {replacing} save: this save replaces it "
+                f"slothkit: {str(target)!r} held only slothkit's earlier {replacing} save: this save replaces it "
                 f"(atomically, once complete); save into another folder to keep both",
                 SettingChangedWarning,
             )
