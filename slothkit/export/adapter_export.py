@@ -239,7 +239,8 @@ def export_adapter(
         token: the Hub token for push; None: the logged-in one.
         base_model: override the base named in adapter_config.json.
         overwrite: replace the model files of a non-empty output folder, keeping its other
-            files.
+            files; not needed to replace an earlier export of the same ``to`` (not GGUF)
+            that is all the folder holds (slothkit.export.saved_files).
         endpoint: another Hub's URL for push.
         allow_other_base: merge into the base even when its weights are not those the
             adapter recorded it was trained on (slothkit.export.base_fingerprint); default
@@ -277,7 +278,7 @@ def export_adapter(
     if output is None and push is None:
         output = folder.with_name(f"{folder.resolve().name}-{to}")
     if output is not None:
-        check_target(output, overwrite)
+        check_target(output, overwrite, replacing=to if to != "gguf" else None)
         check_not_an_input(output, {"the adapter": folder, "the base model": base_path})
         check_writable(output)
 

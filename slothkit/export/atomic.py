@@ -17,11 +17,13 @@ aside, the new one renamed in, and the old one deleted; only a crash between tho
 can leave the target missing, with the old files still in the `.NAME.replaced-XXXX` sibling.
 
 What overwrite replaces: with keep_other_files=True, only the files a save writes
-(SAVED_FILE_PATTERNS: weights, configs, tokenizer, model card, GGUF files) are replaced;
+(slothkit.export.saved_files: weights, configs, tokenizer, model card, GGUF files) are replaced;
 every other file and folder of the old directory (notes, scripts, checkpoints) is carried
 into the new one as a hard link (a copy where links are not possible) before the swap.  A
 folder is never replaced by a file: a save that writes a file under the name of a folder
-there is refused, before the swap.
+there is refused, before the swap.  Without overwrite, a non-empty folder is refused unless
+it holds only slothkit's own earlier save of the same method, unchanged
+(slothkit.export.saved_files), which is replaced in the same way.
 
 A target that is a symbolic link is saved into the folder the link points to (the link
 stays); a target that is a mount point, which cannot be renamed over, is written as
@@ -42,7 +44,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fnmatch
 import os
 import pathlib
 import shutil
@@ -52,23 +53,15 @@ import warnings
 from collections.abc import Iterator
 
 from slothkit.core.folder_paths import check_folder_path
-from slothkit.export.base_fingerprint import FINGERPRINT_FILE
+from slothkit.core.notices import SettingChangedWarning, say_once
 from slothkit.export.model_card import CARD_MARKER
 from slothkit.export.mount_point import STAGING_PREFIX, is_mount_point, move_staged_entries, staged_leftovers
+from slothkit.export.saved_files import earlier_save_method, holds_only_an_earlier_save, is_saved_file
 
 try:
     import fcntl
 except ImportError:  # Windows: leftovers are reported, not removed
     fcntl = None
-
-# The files a slothkit save writes: an overwrite replaces these and keeps everything else.
-SAVED_FILE_PATTERNS = (
-    "*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.gguf",
-    "Modelfile", "Modelfile.*", "adapter_config.json", "config.json", "generation_config.json",
-    "README.md", "README.slothkit.md", "chat_template.jinja", "chat_template.json", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "vocab.json", "merges.txt", FINGERPRINT_FILE,
-)  # fmt: skip
 
 
 class DirectoryNotEmptyError(FileExistsError):
@@ -84,12 +77,23 @@ def is_non_empty_directory(path: pathlib.Path, ignoring: pathlib.Path | None = N
 
 
 def check_target(
-    target: str | os.PathLike, overwrite: bool, ignoring: pathlib.Path | None = None
+    target: str | os.PathLike,
+    overwrite: bool,
+    ignoring: pathlib.Path | None = None,
+    *,
+    replacing: str | None = None,
 ) -> pathlib.Path:
     """Refuse a target that would lose data without overwrite=True; return it as a Path.
 
     Called before any expensive work (merging a model) so that the refusal comes first.
-    `ignoring`: a save's own staging folder inside the target (a mount point).
+
+    Args:
+        target: the folder a save writes.
+        overwrite: a non-empty folder may be replaced.
+        ignoring: a save's own staging folder inside the target (a mount point).
+        replacing: the save method of the save; a folder that holds only slothkit's own
+            earlier save of that method, unchanged, is replaced without overwrite
+            (slothkit.export.saved_files), said once per folder.
     """
     target = pathlib.Path(target).expanduser()
     if target.is_symlink():
@@ -108,8 +112,20 @@ def check_target(
             f"subfolder, e.g. {str(target / 'model')!r}"
         )
     if is_non_empty_directory(target, ignoring) and not overwrite:
+        if replacing is not None and holds_only_an_earlier_save(target, replacing, ignoring):
+            say_once(
+                f"slothkit: {str(target)!r} held only slothkit's earlier {replacing} save: this save replaces it "
+                f"(atomically, once complete); save into another folder to keep both",
+                SettingChangedWarning,
+            )
+            return target
+        earlier = earlier_save_method(target)
+        if replacing is not None and earlier is not None and earlier != replacing:
+            holds = f"holds slothkit's earlier {earlier} save, and this one is {replacing}"
+        else:
+            holds = "is not empty"
         raise DirectoryNotEmptyError(
-            f"{str(target)!r} is not empty; pass overwrite=True to replace its contents "
+            f"{str(target)!r} {holds}; pass overwrite=True to replace its contents "
             f"(the replacement is atomic), or choose a new directory"
         )
     return target
@@ -158,6 +174,7 @@ def atomic_directory(
     *,
     keep_other_files: bool = False,
     keep_unwritten_files: bool = False,
+    replacing: str | None = None,
 ) -> Iterator[pathlib.Path]:
     """Yield an empty staging directory that becomes `target` when the block completes.
 
@@ -169,8 +186,10 @@ def atomic_directory(
         keep_unwritten_files: carry over every file and folder the block did not write,
             saved kinds included: a save that adds files to a folder (GGUF files of
             another quantisation beside earlier ones).
+        replacing: the save method written; replaces slothkit's own earlier save of that
+            method without overwrite (check_target).
     """
-    target = check_target(target, overwrite)
+    target = check_target(target, overwrite, replacing=replacing)
     in_mount_point = is_mount_point(target)  # cannot be renamed over: staged inside it
     if not in_mount_point:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +203,7 @@ def atomic_directory(
     try:
         yield staging
         # Checked again: another process may have filled the target while we were writing.
-        check_target(target, overwrite, ignoring=staging)
+        check_target(target, overwrite, ignoring=staging, replacing=replacing)
         os.chmod(staging, 0o777 & ~_umask())
         if in_mount_point:
             _fsync_tree(staging)
@@ -253,11 +272,6 @@ def scratch_directory(prefix: str, parent: str | os.PathLike | None) -> Iterator
         shutil.rmtree(folder, ignore_errors=True)
         if lock is not None:
             os.close(lock)
-
-
-def is_saved_file(name: str) -> bool:
-    """A file name of the kinds a slothkit save writes (SAVED_FILE_PATTERNS)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in SAVED_FILE_PATTERNS)
 
 
 def _keep_users_readme(old: pathlib.Path, staging: pathlib.Path) -> None:

@@ -12,7 +12,9 @@ methods call `slothkit.export.gguf.save_pretrained_gguf` / `push_to_hub_gguf`, i
 called (and attached only when that module is installed), with the model merged first
 (`merged_plain_model`): the GGUF writer takes a plain 16-bit model.  A PEFT model's
 ``save_pretrained`` (what Trainer checkpoints call too) is PEFT's, followed by writing the
-fingerprint of the base weights beside the adapter (slothkit.export.base_fingerprint).
+fingerprint of the base weights beside the adapter (slothkit.export.base_fingerprint); into
+a folder that holds a full model (a merged save) it is refused, as adapter files there
+would hide the merged weights from transformers.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from torch import nn
 from slothkit.compat.unsloth_options import gguf_method_keyword, gguf_push_arguments
 from slothkit.core.folder_paths import check_folder_path
 from slothkit.core.inspection import is_4bit_model
+from slothkit.export.atomic import DirectoryNotEmptyError
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.export_types import EXPORT_TYPES, GGUF_MODULE
 from slothkit.export.save import merged_plain_model, resolve_tokenizer
+from slothkit.export.saved_files import full_model_files
 
 
 def _gguf_available() -> bool:
@@ -111,10 +115,12 @@ def attach_export_methods(model: nn.Module) -> nn.Module:
 
 def _save_pretrained_recording_the_base(save_pretrained):
     """PEFT's save_pretrained (what Trainer checkpoints call too), then the fingerprint of
-    the base weights beside the adapter (slothkit.export.base_fingerprint)."""
+    the base weights beside the adapter (slothkit.export.base_fingerprint).  A folder that
+    holds a full model (a merged save) is refused first: check_no_full_model."""
 
     def method(model, save_directory, *args, **kwargs):
         check_folder_path(save_directory, "the save folder")
+        check_no_full_model(save_directory)
         result = save_pretrained(model, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):  # under DDP, the process that wrote the adapter
             write_base_fingerprint(model, save_directory)
@@ -123,3 +129,27 @@ def _save_pretrained_recording_the_base(save_pretrained):
     method.__name__ = "save_pretrained"
     method.__doc__ = save_pretrained.__doc__
     return method
+
+
+def check_no_full_model(save_directory) -> None:
+    """Refuse to write an adapter into a folder that holds a full model.
+
+    transformers loads a folder with adapter_config.json as the base model named there plus
+    the adapter, so an adapter beside merged weights would hide them; PEFT would write it
+    there without a word.
+
+    Raises:
+        DirectoryNotEmptyError: naming the model's files and the two ways on.
+    """
+    found = full_model_files(save_directory)
+    if not found:
+        return
+    folder = str(save_directory)
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    raise DirectoryNotEmptyError(
+        f"{folder!r} holds a full model ({shown}); an adapter saved beside it would make transformers "
+        f"load the base model with the adapter instead of these weights. Save the adapter into another "
+        f"folder, e.g. model.save_pretrained({pathlib.Path(folder).name + '_lora'!r}), or replace the model "
+        f"with the adapter: model.save_pretrained_merged({folder!r}, tokenizer, save_method='lora', "
+        f"overwrite=True)"
+    )

@@ -87,6 +87,18 @@ def _table(rows: list[tuple[str, object]]) -> str:
 # The line every card slothkit writes holds: a README.md without it is the user's own
 # (slothkit.export.atomic keeps it on overwrite).
 CARD_MARKER = "Saved with [slothkit](https://pypi.org/project/slothkit/)"
+# The card's title, naming the save method (read back by card_save_method).
+CARD_TITLE = "# {} export of a LoRA fine-tune"
+_CARD_TITLE_LINE = re.compile("^" + re.escape(CARD_TITLE).replace(r"\{\}", r"(\S+)") + "$", re.MULTILINE)
+
+
+def card_save_method(text: str) -> str | None:
+    """The save method a card that render() wrote names in its title; None for a text that
+    is no slothkit card."""
+    if CARD_MARKER not in text:
+        return None
+    match = _CARD_TITLE_LINE.search(text)
+    return match.group(1) if match else None
 
 
 def render(facts: CardFacts) -> str:
@@ -125,7 +137,7 @@ def render(facts: CardFacts) -> str:
 
     body = [
         "",
-        f"# {facts.save_method} export of a LoRA fine-tune",
+        CARD_TITLE.format(facts.save_method),
         "",
         f"{CARD_MARKER} {__version__}.",
         "",

@@ -7,7 +7,9 @@
 
 Every folder also gets the tokenizer (chat template included), generation_config.json with
 the EOS ids generation must stop at, and a README.md model card. The folder appears only once
-complete (slothkit.export.atomic); a non-empty one is replaced only with overwrite=True.
+complete (slothkit.export.atomic); a non-empty one is replaced only with overwrite=True, or
+when it holds nothing but slothkit's own earlier save of the same save_method, unchanged
+(slothkit.export.saved_files).
 """
 
 from __future__ import annotations
@@ -269,7 +271,9 @@ def save_pretrained_merged(
         overwrite: replace the model files (weights, configs, tokenizer, model card) of a
             non-empty ``save_directory`` atomically, keeping every other file and folder
             in it (default False: such a folder is refused).  A folder that is, contains
-            or lies inside the base checkpoint is always refused.
+            or lies inside the base checkpoint is always refused.  A folder that holds
+            only slothkit's own earlier save of the same ``save_method``, unchanged since,
+            is replaced without it, atomically (said once).
         base_weights: for merges from a 4-bit model, where the base weights W come from:
             "auto" (default: the original 16-bit checkpoint when the adapter's
             base_model_name_or_path is one on this machine, else the dequantised 4-bit
@@ -296,14 +300,15 @@ def save_pretrained_merged(
         ValueError: an unknown save_method or dtype (for merged_16bit, one that is not
             16-bit), "lora" for a model without adapters,
             no tokenizer, or base_weights that is not an unquantised checkpoint.
-        FileExistsError: ``save_directory`` is not empty and ``overwrite`` is False.
+        FileExistsError: ``save_directory`` is not empty, ``overwrite`` is False and it holds
+            more than slothkit's earlier save of this ``save_method``.
         NotEnoughSpaceError: the save's estimated size exceeds the free space of its disk
             (an OSError), found before any merging.
         OverlappingPathsError: ``save_directory`` is, contains or lies inside the base
             checkpoint the model was loaded from (a ValueError).
     """
     check_save_method(save_method)
-    target = check_target(save_directory, overwrite)
+    target = check_target(save_directory, overwrite, replacing=save_method)
     check_not_an_input(target, input_folders(model, base_weights))
     tokenizer = resolve_tokenizer(model, tokenizer)
     dtype = _check_dtype(dtype)
@@ -328,7 +333,7 @@ def save_pretrained_merged(
         training=_training_facts(model, training_settings),
         chat_template=bool(getattr(tokenizer, "chat_template", None)),
     )
-    with atomic_directory(target, overwrite, keep_other_files=True) as staging:
+    with atomic_directory(target, overwrite, keep_other_files=True, replacing=save_method) as staging:
         report, facts.weights = FOLDER_WRITERS[save_method](model, staging, source, max_shard_size, dtype)
         if report is not None:
             facts.merged_into = source.describe()

@@ -39,6 +39,7 @@ from slothkit.engine.experts import patch_experts
 from slothkit.engine.generic_head import fuse_generic_head
 from slothkit.engine.generic_layers import fuse_generic_layers
 from slothkit.engine.nf4_layout import keep_nf4_layout
+from slothkit.engine.position_limit import watch_position_limit
 from slothkit.inference.generation import accept_encoding_in_generate
 from slothkit.inference.vllm_generate import attach_vllm_methods
 from slothkit.loading.text_tower import (
@@ -147,6 +148,7 @@ def load_model(model_name: str, options: LoadOptions):
         take_generic_path(model, options.fused)
     elif takes_fused_path(model, arch, options.fused):
         patch_decoder(model, arch)
+    watch_position_limit(causal_lm_of(model))
     link_tokenizer(model, tokenizer)
     set_max_seq_length(model, max_seq_length, checked=True)
     return model, tokenizer

@@ -88,7 +88,8 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
     """`slothkit demo` as the README's first command runs it: the Llama 3 notebook on
     SmolLM2-135M-Instruct and the shipped Alpaca records (short answers such as "50 + 55 =
     105." and "8 metres is 800 centimetres."). Before training the model rambles on past
-    its answer; after 24 steps it answers in the records' form and stops."""
+    its answer (and gets 12 + 30 wrong); after 24 steps it answers in the records' form,
+    rightly, and stops."""
     import nbformat
 
     out = tmp_path / "demo"
@@ -104,10 +105,12 @@ def test_demo_on_the_real_model_changes_its_answers_the_way_the_data_teaches(smo
     answers = {prompt: (before, after) for prompt, before, after in re.findall(
         r"^  (.*)\n    before training: (.*)\n    after training:  (.*)$", printed, re.MULTILINE
     )}  # fmt: skip
+    # The first screen shows no wrong fact after training: each answer is right, in the
+    # records' one-sentence form (a few steps teach the form, not facts the model lacks).
     before, after = answers["What is 12 plus 30?"]
-    assert re.fullmatch(r"12 \+ 30 = \d+\.", after) and not re.fullmatch(r"12 \+ 30 = \d+\.", before)
-    before, after = answers["Convert 3 kilometres to metres."]
-    assert re.fullmatch(r"3 kilometres is \d+ metres\.", after) and after != before
+    assert after == "12 + 30 = 42." and before != after
+    before, after = answers["What is the capital of France?"]
+    assert after == "The capital of France is Paris." and before != after
 
     # What the cells print for a notebook user: no deprecation, optional-kernel or other
     # library's noise, only slothkit's one-line notice that a CPU keeps the Hugging Face modules.

@@ -200,14 +200,16 @@ if True:
 if False:
     model.push_to_hub_merged("hf/model", tokenizer, save_method="merged_16bit", token="")
 if True:
-    # overwrite=True added, as for the LoRA cell below: "model" holds the 16-bit merge now.
+    # overwrite=True added: "model" holds the 16-bit merge now, which slothkit replaces
+    # unasked only with another 16-bit merge (the 4-bit weights cannot give it back).
     model.save_pretrained_merged("model", tokenizer, save_method="merged_4bit", overwrite=True)
 if False:
     model.push_to_hub_merged("hf/model", tokenizer, save_method="merged_4bit", token="")
 if True:
-    # overwrite=True added: slothkit refuses to save into a folder that holds an earlier save
-    # (here the merged model: adapter files beside it would make transformers load the base
-    # model and the adapter instead of the merged weights); this replaces it atomically.
+    # overwrite=True added: slothkit refuses to save into a folder that holds another
+    # method's save (here the merged model: adapter files beside it would make transformers
+    # load the base model and the adapter instead of the merged weights); this replaces it
+    # atomically.
     model.save_pretrained_merged("model", tokenizer, save_method="lora", overwrite=True)
 if False:
     model.push_to_hub_merged("hf/model", tokenizer, save_method="lora", token="")
