@@ -1,6 +1,8 @@
 """Layers that read tensors with grad besides their input, and write tensors into a mapping
 that later layers read (layer_call): the offloaded checkpointer gives the gradients of
-no checkpointing."""
+no checkpointing, on toy layers and, through FastModel, on the families that have such
+layers (Gemma 4 and Gemma 3n: per-layer input embeddings, keys and values shared across
+layers), for every use_gradient_checkpointing."""
 
 import collections
 
@@ -99,6 +101,102 @@ def test_a_stored_tensor_that_no_layer_reads_costs_no_gradient():
     expected, got = gradients(False), gradients("offload")
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+# The seven projections and the per-layer input path: the model's projection of the
+# embeddings into every layer's per-layer input (whose gradient comes only through the
+# layers that read it) and each layer's gate and projection of it.
+TARGETS = [
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "per_layer_model_projection", "per_layer_input_gate", "per_layer_projection",
+]  # fmt: skip
+STEPS = 4
+CHECKPOINTING = ["default", "unsloth", "auto", True, False]
+
+
+@pytest.fixture(scope="module")
+def sharing_checkpoints(tmp_path_factory):
+    """tiny-gemma4 and tiny-gemma3n (slothkit.models.generic_shapes) as checkpoints with a
+    tokenizer, built on first use, with HF + PEFT's losses and LoRA gradients on them."""
+    built = {}
+
+    def checkpoint(name):
+        if name not in built:
+            from transformers import AutoModelForCausalLM
+
+            from slothkit.models.generic_shapes import GENERIC_SHAPES
+            from slothkit.testing import build_tiny_tokenizer
+
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(name)
+            model = AutoModelForCausalLM.from_config(GENERIC_SHAPES[name].config())
+            with torch.no_grad():  # as trained: Gemma 3n starts with its per-layer path at 0
+                for parameter in model.parameters():
+                    if not parameter.any():
+                        parameter.normal_(0.0, 0.5)
+            model.save_pretrained(path)
+            build_tiny_tokenizer("bpe", path)
+            built[name] = path, _train(_plain_peft(path))
+        return built[name]
+
+    return checkpoint
+
+
+def _plain_peft(path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(3407)  # FastModel.get_peft_model's random_state
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
+    return get_peft_model(model, config).train()
+
+
+def _train(model):
+    """STEPS steps of AdamW: each step's loss and LoRA gradients."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 500, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    steps = []
+    for _ in range(STEPS):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n}
+        steps.append((loss.item(), grads))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return steps
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+@pytest.mark.parametrize("name", ["tiny-gemma4", "tiny-gemma3n"])
+def test_shared_kv_and_per_layer_inputs_train_like_hf_peft(name, checkpointing, sharing_checkpoints):
+    """Every use_gradient_checkpointing (left out: the default) gives HF + PEFT's losses
+    and LoRA gradients at every step, those of the layers whose keys and values later
+    layers reuse and of the per-layer input path included."""
+    from slothkit import FastModel
+
+    path, expected = sharing_checkpoints(name)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    options = {} if checkpointing == "default" else {"use_gradient_checkpointing": checkpointing}
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, target_modules=TARGETS, **options)
+    layers = model.get_base_model().model.layers
+    assert all(layer.gradient_checkpointing for layer in layers) is (checkpointing is not False)
+    got = _train(model)
+
+    producers = [i for i, layer in enumerate(layers) if layer.self_attn.store_full_length_kv]
+    assert producers == [0, 1]  # the last sliding and full layers before the sharing point
+    watched = [f"layers.{i}.self_attn.{p}_proj.lora_B" for i in producers for p in "kv"]
+    watched.append("per_layer_model_projection.lora_B")
+    for (loss, grads), (expected_loss, expected_grads) in zip(got, expected):
+        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert set(grads) == set(expected_grads)
+        for part in watched:
+            assert any(part in n and expected_grads[n].abs().max() > 0 for n in expected_grads), part
+        for n, value in expected_grads.items():
+            torch.testing.assert_close(grads[n], value, rtol=1e-5, atol=1e-5, msg=n)
 
 
 def test_a_forward_without_backward_leaves_nothing_behind():
