@@ -83,6 +83,31 @@ def test_reads_and_writes_beside_the_input_get_the_gradients_of_no_checkpointing
     assert (lost - expected["layers.0.k.weight"]).abs().max() > 1e-3
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_on_a_gpu_the_offloaded_layers_that_read_and_write_train_the_same(cuda_graphs):
+    """On a GPU the layer inputs go to pinned host memory and back, and the layer graphs,
+    when on, leave these layers to the checkpointer: the gradients of no checkpointing,
+    over three steps (the graphs capture a signature the second time they see it)."""
+    torch.manual_seed(0)
+    model = _SharingModel(width=64, mapping=collections.UserDict).cuda().train()
+    x = torch.randn(2, 16, 64, device="cuda")
+
+    def gradients(checkpointing):
+        enable_checkpointing(model.layers, checkpointing, cuda_graphs=cuda_graphs, keep_sums=False)
+        steps = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            steps.append({name: p.grad.clone() for name, p in model.named_parameters()})
+        return steps
+
+    expected, got = gradients(False), gradients("offload")
+    for step, (got_step, expected_step) in enumerate(zip(got, expected)):
+        for name, value in expected_step.items():
+            torch.testing.assert_close(got_step[name], value, rtol=1e-5, atol=1e-6, msg=f"{step}: {name}")
+
+
 def test_a_stored_tensor_that_no_layer_reads_costs_no_gradient():
     """The last layer stores what nobody reads (Gemma 4's producers store their keys and
     values for assistant models too): its checkpoint gets no gradient for it, and the
