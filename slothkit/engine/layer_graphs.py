@@ -32,7 +32,9 @@ Not captured (the layer then runs as before): CPU tensors; a layer with active d
 (the graph would replay the same random mask); parameters with gradient hooks; a layer
 FSDP2 shards (its gathered weights move between steps); layer
 arguments other than tensors, None, numbers and strings (a KV cache); a layer whose
-output is not one tensor.  A signature is captured the second time it is seen (the first
+output is not one tensor; a layer that reads a tensor with grad besides its input or is
+handed a mapping it may write into (the checkpointer runs those itself: their gradients
+are more than the input's; ``checkpointing.layer_call``).  A signature is captured the second time it is seen (the first
 run warms Triton's autotuner and cuBLAS); a model that keeps changing shape replays
 nothing after ``max_signatures`` shapes.  Batches of more than ``max_tokens`` tokens run
 eagerly: a layer's GPU time grows with the tokens while the host's does not, so long

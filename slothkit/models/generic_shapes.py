@@ -23,6 +23,24 @@ _QWEN3_MOE = {
 # gpt-oss: experts of width 2880 with biases and the clamped SwiGLU, 4 per token, attention
 # sinks, sliding (128) and full layers alternating; 20b has 32 experts, 120b 128.
 _GPT_OSS = {"num_experts_per_tok": 4, "head_dim": 64, "sliding_window": 128, "rope_theta": 150_000.0}
+# Gemma 4 E2B/E4B's traits at a tiny size: per-layer input embeddings (each layer is handed
+# its slice of an embedding computed once before the layers), the last two layers reusing
+# the keys and values of the last sliding and full layers before them (and a double-wide
+# MLP there), sliding and full layers alternating, full layers with a wider head.
+_TINY_GEMMA4 = {
+    "head_dim": 16, "global_head_dim": 32, "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 512, "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+    "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2,
+}  # fmt: skip
+# Gemma 3n's text model, which shares those two traits, with its own: four alternating
+# predictions of the hidden states (AltUp), a low-rank residual branch (LAuReL), and the
+# first layer's MLP keeping only its top 5 % activations.
+_TINY_GEMMA3N = {
+    "head_dim": 16, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 512,
+    "num_kv_shared_layers": 2, "sliding_window": 8, "laurel_rank": 8, "altup_num_inputs": 2,
+    "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}  # fmt: skip
 
 # Record-less families whose attention normalises each head's q and k (Qwen3's q_norm and
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
@@ -38,6 +56,8 @@ GENERIC_SHAPES: dict[str, Shape] = {
     "gpt-oss-20b": Shape("gpt_oss", 2880, 2880, 24, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 32}),
     "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),
     "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "head_dim": 16}),
+    "tiny-gemma4": Shape("gemma4_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA4),
+    "tiny-gemma3n": Shape("gemma3n_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA3N),
     "tiny-gpt-oss": Shape("gpt_oss", 64, 32, 2, 4, 2, 512, 2048, {**_GPT_OSS, "num_local_experts": 8, "head_dim": 16, "sliding_window": 8}),
 }
 # fmt: on

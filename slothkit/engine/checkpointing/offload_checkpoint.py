@@ -15,6 +15,11 @@ through it.  Parameter gradients (the LoRA matrices) accumulate during that
 inner backward, as in reentrant checkpointing, so the model's inputs must
 require grad (``model.enable_input_require_grads()``; FastModel does this).
 
+A layer may read tensors that require grad besides its input (Gemma 4's per-layer
+input) and write tensors into a mapping it was given for the layers after it (Gemma 4's
+shared keys and values): those are the checkpoint's further inputs and outputs, so their
+gradients are those of the plain model (``layer_call``).
+
 Where host memory is short, ``DeviceCheckpointer`` (``OffloadedCheckpointer.on_device``)
 checkpoints a layer the same way but leaves its input on the GPU, as plain checkpointing
 does; use_gradient_checkpointing="auto" gives it to the layers the host cannot take.
@@ -32,6 +37,7 @@ import weakref
 
 import torch
 
+from slothkit.engine.checkpointing.layer_call import LayerCall
 from slothkit.engine.checkpointing.offloaded_activation import _OffloadedActivation
 from slothkit.engine.checkpointing.recomputation import _collecting, _output_may_be_read, _recomputation
 from slothkit.engine.layer_graphs import LayerGraphs
@@ -40,26 +46,28 @@ from slothkit.memory.sizes import SHORT_STEP_TOKENS, pinned_bytes
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, checkpointer, run_function, hidden_states, *args):
-        ctx.run_function = run_function
+    def forward(ctx, checkpointer, call, hidden_states, *reads):
+        run_function = call.run_function
+        ctx.call = call
         ctx.marks_recompute = checkpointer.marks_recompute
-        ctx.args = args
+        ctx.set_materialize_grads(False)  # a written tensor nobody read has no gradient
         ctx.autocast = _autocast_state(hidden_states.device.type)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
-        ctx.graphs = checkpointer.graphs
         # Kept tensors are for a marked re-run only.
         collector = (
             {} if checkpointer.keeps_for(hidden_states) and not _output_may_be_read(run_function) else None
         )
         output = None
+        # The layer graphs replay a layer whose gradient is its input's alone.
+        ctx.graphs = checkpointer.graphs if call.plain else None
         if ctx.graphs is not None:
             output = ctx.graphs.forward(
-                run_function, hidden_states, args, ctx.autocast, collector, _collecting
+                run_function, hidden_states, call.args, ctx.autocast, collector, _collecting
             )
         if output is None:
             with torch.no_grad(), _collecting(collector):
-                output = run_function(hidden_states, *args)
+                output = call.run(hidden_states)
         ctx.kept_names = list(collector or ())
         kept_tensors = [collector[name] for name in ctx.kept_names]
         if hidden_states.is_cuda and checkpointer.to_host:
@@ -71,7 +79,11 @@ class _Checkpoint(torch.autograd.Function):
             ctx.offloaded = None
             ctx.saved = [hidden_states.detach(), *kept_tensors]
         ctx.input_requires_grad = hidden_states.requires_grad
-        return output
+        if not call.written:
+            return output
+        call.output_is_tensor = isinstance(output, torch.Tensor)
+        outputs = (output,) if call.output_is_tensor else tuple(output)
+        return (*outputs, *call.written)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -86,12 +98,13 @@ class _Checkpoint(torch.autograd.Function):
         # The next layer's copy overlaps this layer's recompute; a replayed layer frees
         # its fetched tensors (copied into the graph's buffers) before it is allocated.
         prefetch = previous.prefetch if previous is not None else None
-        marked = ctx.marks_recompute and not _output_may_be_read(ctx.run_function)
+        call = ctx.call
+        marked = ctx.marks_recompute and not _output_may_be_read(call.run_function)
         if ctx.graphs is not None and len(grad_outputs) == 1:
             grad_input = ctx.graphs.backward(
-                ctx.run_function,
+                call.run_function,
                 saved,
-                ctx.args,
+                call.args,
                 ctx.autocast,
                 grad_outputs[0],
                 lambda kept: _recomputation(marked, kept),
@@ -99,13 +112,14 @@ class _Checkpoint(torch.autograd.Function):
                 before_replay=prefetch,
             )
             if grad_input is not None:
-                return (None, None, grad_input if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
+                return None, None, grad_input if ctx.input_requires_grad else None
         if prefetch is not None:
             prefetch()  # a second call does nothing
         hidden_states, *kept_values = saved
         del saved
         kept_tensors = dict(zip(ctx.kept_names, kept_values))
         hidden_states = hidden_states.detach().requires_grad_(ctx.input_requires_grad)
+        reads = [tensor.detach().requires_grad_(True) for tensor in call.reads]
         devices = [hidden_states.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.cpu_rng)
@@ -116,18 +130,33 @@ class _Checkpoint(torch.autograd.Function):
                 _autocast(hidden_states.device.type, ctx.autocast),
                 _recomputation(marked, kept_tensors),
             ):
-                outputs = ctx.run_function(hidden_states, *ctx.args)
+                outputs, written = call.rerun(hidden_states, reads)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
+        # The output's gradients come first, then the written tensors' (forward's order).
         pairs = [
             (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
+            for out, grad in zip((*outputs, *written), grad_outputs)
             if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
         ]
         if pairs:
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         grad_input = hidden_states.grad if ctx.input_requires_grad else None
-        return (None, None, grad_input) + (None,) * len(ctx.args)
+        return None, None, grad_input, *(read.grad for read in reads)
+
+
+def _checkpointed(checkpointer, run_function, hidden_states, args):
+    """``run_function(hidden_states, *args)`` through ``_Checkpoint``, with the tensors the
+    layer reads with grad as its inputs and those it writes into its mappings as its
+    outputs, handed over to the mappings (``layer_call``)."""
+    call = LayerCall(run_function, args)
+    result = _Checkpoint.apply(checkpointer, call, hidden_states, *call.reads)
+    if not call.written:
+        call.hand_over(())
+        return result
+    outputs = result[: len(result) - len(call.written)]
+    call.hand_over(result[len(outputs) :])
+    return outputs[0] if call.output_is_tensor else outputs
 
 
 def _autocast_state(device_type: str):
@@ -210,7 +239,7 @@ class OffloadedCheckpointer:
         self.pinned_bytes -= nbytes
 
     def __call__(self, run_function, hidden_states, *args):
-        return _Checkpoint.apply(self, run_function, hidden_states, *args)
+        return _checkpointed(self, run_function, hidden_states, args)
 
 
 @functools.cache
@@ -259,7 +288,7 @@ class DeviceCheckpointer:
         return self.offloading.keeps_for(hidden_states)
 
     def __call__(self, run_function, hidden_states, *args):
-        return _Checkpoint.apply(self, run_function, hidden_states, *args)
+        return _checkpointed(self, run_function, hidden_states, args)
 
 
 def offload_checkpoint(run_function, hidden_states, *args):
