@@ -14,8 +14,6 @@ system text into the first user turn (Gemma, Mistral).  GPT_OSS writes harmony's
 (its layout's turns, a message per channel).
 """
 
-import re
-
 from slothkit.data.turn_layouts import CHATML as CHATML_TURNS
 from slothkit.data.turn_layouts import (
     EMPTY_THINKING,
@@ -28,6 +26,7 @@ from slothkit.data.turn_layouts import (
     THINKING_CLOSING,
     THINKING_OPENING,
     TurnLayout,
+    filled,
     quoted,
 )
 from slothkit.data.turn_layouts import GEMMA as GEMMA_TURNS
@@ -271,13 +270,6 @@ VICUNA_OLD = r"""
 """
 
 
-def _filled(text: str, **expressions: str) -> str:
-    """`text` as a Jinja expression, each {name} in it replaced by expressions[name]."""
-    pieces = re.split(r"\{(\w+)\}", text)
-    terms = [quoted(piece) if i % 2 == 0 else expressions[piece] for i, piece in enumerate(pieces)]
-    return " + ".join(term for term in terms if term != "''")
-
-
 def _harmony() -> str:
     """gpt-oss's harmony messages, as its own template writes them for conversations without
     tools: harmony's system message (identity, knowledge cutoff, today's date, reasoning
@@ -290,7 +282,7 @@ def _harmony() -> str:
     (response_part), so the generation block holds the rest of the message."""
     layout = HARMONY_TURNS
     developer, user, assistant = layout.system, layout.user, layout.assistant
-    system_text = _filled(
+    system_text = filled(
         HARMONY_SYSTEM_TEXT,
         identity="harmony.identity",
         date="strftime_now('%Y-%m-%d')",

@@ -24,6 +24,7 @@ their record's `tiny.chat_format` names).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,3 +133,10 @@ HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
 def quoted(text: str) -> str:
     """`text` as a single-quoted Jinja string literal, as the bodies write their markers."""
     return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
+
+
+def filled(text: str, **expressions: str) -> str:
+    """`text` as a Jinja expression, each {name} in it replaced by the expression expressions[name]."""
+    pieces = re.split(r"\{(\w+)\}", text)
+    terms = [quoted(piece) if i % 2 == 0 else expressions[piece] for i, piece in enumerate(pieces)]
+    return " + ".join(term for term in terms if term != "''")

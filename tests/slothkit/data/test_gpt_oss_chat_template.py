@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slothkit.data import FORMATS, get_chat_template
 from slothkit.data.responses_only import ResponseMasker, infer_markers, probe_markers
 from slothkit.testing import tiny_model_path
+from slothkit.testing.tiny_chat_templates import tiny_chat_template
 
 REFERENCE = (
     pathlib.Path(__file__).parent / "reference_templates" / "gpt_oss_chat_template.jinja"
@@ -85,6 +86,17 @@ def test_renders_as_gpt_oss_own_template(tokenizer, case, add_generation_prompt)
     messages = CONVERSATIONS[case]
     ours, reference = _both(tokenizer, messages, add_generation_prompt=add_generation_prompt)
     assert ours == reference
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_the_tiny_fixtures_template_renders_as_gpt_oss_own(tokenizer, add_generation_prompt):
+    """The template a tiny gpt-oss fixture ships (slothkit.testing.tiny_chat_templates)."""
+    own = tiny_chat_template("gpt-oss")
+    for case, messages in CONVERSATIONS.items():
+        for kwargs in ({}, {"reasoning_effort": "low", "model_identity": "You are Sloth."}):
+            render = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            ours = tokenizer.apply_chat_template(messages, chat_template=own, **render)
+            assert ours == tokenizer.apply_chat_template(messages, chat_template=REFERENCE, **render), case
 
 
 @pytest.mark.parametrize(
