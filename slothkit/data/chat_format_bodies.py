@@ -303,7 +303,7 @@ def _harmony() -> str:
     body += _emit(
         1,
         "raise_exception('chat template gpt-oss: slothkit renders conversations without tools; "
-        "for tools and tool calls use the model\\'s own chat template')",
+        "for tools and tool calls keep the tokenizer\\'s own gpt-oss template (do not call get_chat_template on it)')",
     )
     body += "{%- endif -%}\n"
     body += f"{{%- set harmony = namespace(identity={quoted(HARMONY_IDENTITY)}, effort={quoted(HARMONY_DEFAULT_EFFORT)}) -%}}\n"

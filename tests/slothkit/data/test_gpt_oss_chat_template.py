@@ -2,6 +2,7 @@
 chat template (reference_templates/gpt_oss_chat_template.jinja) does, and its replies are
 what train_on_responses_only keeps."""
 
+import copy
 import pathlib
 import warnings
 
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.data import FORMATS, get_chat_template
+from slothkit.data.chat_formats import format_of_template
 from slothkit.data.responses_only import ResponseMasker, infer_markers, probe_markers
 from slothkit.testing import tiny_model_path
 from slothkit.testing.tiny_chat_templates import tiny_chat_template
@@ -136,8 +138,25 @@ def test_tools_are_refused_with_the_way_out(tokenizer):
     from jinja2 import TemplateError
 
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
-    with pytest.raises(TemplateError, match="without tools; for tools and tool calls use the model's own"):
+    with pytest.raises(
+        TemplateError,
+        match="without tools; for tools and tool calls keep the tokenizer's own gpt-oss template",
+    ):
         tokenizer.apply_chat_template(CONVERSATIONS["system"], tokenize=False, tools=tools)
+
+
+def test_gpt_oss_own_template_is_recognised_and_probed(tokenizer):
+    """A tokenizer carrying gpt-oss's own template: train_on_responses_only finds the same
+    markers in it, and get_chat_template(tokenizer, "model") recognises it as gpt-oss (so
+    that it gains the generation marks)."""
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = REFERENCE
+    fmt = FORMATS["gpt-oss"]
+    assert probe_markers(own) == (fmt.instruction_part, fmt.response_part)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pass model= (nothing is added here)
+        get_chat_template(own, "model")
+    assert format_of_template(own.chat_template) is fmt
 
 
 def _kept(ids, keep, tokenizer):
