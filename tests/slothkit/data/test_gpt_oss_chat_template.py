@@ -188,3 +188,16 @@ def test_responses_only_keeps_exactly_the_assistant_messages(add_missing_tokens)
         "<|channel|>final<|message|>Hello!<|end|><|channel|>final<|message|>4<|end|>"
         "<|channel|>analysis<|message|>Three and three.<|end|><|channel|>final<|message|>6" + end
     )
+
+
+def test_unsloths_gpt_oss_markers_keep_the_final_answers_only(tokenizer):
+    """Unsloth's gpt-oss notebooks pass the final channel's header as response_part: the
+    answers are trained, the reasoning is not."""
+    masker = ResponseMasker(
+        tokenizer, "<|start|>user<|message|>", "<|start|>assistant<|channel|>final<|message|>"
+    )
+    encoded = tokenizer.apply_chat_template(
+        CONVERSATIONS["multi-turn reasoning"], tokenize=True, return_dict=True
+    )
+    ids = torch.tensor(encoded["input_ids"])
+    assert _kept(ids, masker.keep_row(ids), tokenizer) == "Hello!<|end|>4<|end|>6<|return|>"
