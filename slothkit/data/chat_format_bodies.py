@@ -10,12 +10,27 @@ The formats with marked turns write the markers of their layout (slothkit.data.t
 which the Ollama Modelfile (slothkit.data.ollama_templates) writes too: _marked_turns for
 those with a system turn (ChatML, Qwen3 and Qwen3 thinking, which add to ChatML's blocks
 rather than repeat them; Llama 3, Phi-3, Phi-4), _folded_system_turns for those that put the
-system text into the first user turn (Gemma, Mistral).
+system text into the first user turn (Gemma, Mistral).  GPT_OSS writes harmony's messages
+(its layout's turns, a message per channel).
 """
 
 from slothkit.data.turn_layouts import CHATML as CHATML_TURNS
-from slothkit.data.turn_layouts import EMPTY_THINKING, THINKING_CLOSING, THINKING_OPENING, TurnLayout, quoted
+from slothkit.data.turn_layouts import (
+    EMPTY_THINKING,
+    HARMONY_ANALYSIS,
+    HARMONY_DEFAULT_EFFORT,
+    HARMONY_FINAL,
+    HARMONY_IDENTITY,
+    HARMONY_SYSTEM,
+    HARMONY_SYSTEM_TEXT,
+    THINKING_CLOSING,
+    THINKING_OPENING,
+    TurnLayout,
+    filled,
+    quoted,
+)
 from slothkit.data.turn_layouts import GEMMA as GEMMA_TURNS
+from slothkit.data.turn_layouts import HARMONY as HARMONY_TURNS
 from slothkit.data.turn_layouts import INST as INST_TURNS
 from slothkit.data.turn_layouts import LLAMA_3 as LLAMA_3_TURNS
 from slothkit.data.turn_layouts import PHI_3 as PHI_3_TURNS
@@ -253,3 +268,63 @@ VICUNA_OLD = r"""
     {{- '### Assistant:' -}}
 {%- endif -%}
 """
+
+
+def _harmony() -> str:
+    """gpt-oss's harmony messages, as its own template writes them for conversations without
+    tools: harmony's system message (identity, knowledge cutoff, today's date, reasoning
+    effort: the `model_identity` and `reasoning_effort` arguments of apply_chat_template,
+    default "medium"), the dataset's system text as the developer message, then the turns.
+    An answer is a message in the final channel; the last turn of a training text (an
+    answer, no generation prompt) ends with <|return|> and is preceded by its reasoning in
+    the analysis channel when the message carries `thinking`. Earlier answers end with
+    <|end|> and lose their reasoning.  Each message's "<|start|>assistant" opens the reply
+    (response_part), so the generation block holds the rest of the message."""
+    layout = HARMONY_TURNS
+    developer, user, assistant = layout.system, layout.user, layout.assistant
+    system_text = filled(
+        HARMONY_SYSTEM_TEXT,
+        identity="harmony.identity",
+        date="strftime_now('%Y-%m-%d')",
+        effort="harmony.effort",
+    )
+
+    def message(depth: int, channel: str, text: str, close: str) -> str:
+        return (
+            _emit(depth, quoted(assistant.open))
+            + "    " * depth
+            + "{%- generation -%}\n"
+            + _emit(depth + 1, f"{quoted(channel)} + {text} + {quoted(close)}")
+            + "    " * depth
+            + "{%- endgeneration -%}\n"
+        )
+
+    body = "\n{%- if tools is defined and tools or builtin_tools is defined and builtin_tools -%}\n"
+    body += _emit(
+        1,
+        "raise_exception('chat template gpt-oss: slothkit renders conversations without tools; "
+        "for tools and tool calls keep the tokenizer\\'s own gpt-oss template (do not call get_chat_template on it)')",
+    )
+    body += "{%- endif -%}\n"
+    body += f"{{%- set harmony = namespace(identity={quoted(HARMONY_IDENTITY)}, effort={quoted(HARMONY_DEFAULT_EFFORT)}) -%}}\n"
+    body += "{%- if model_identity is defined -%}\n    {%- set harmony.identity = model_identity -%}\n{%- endif -%}\n"
+    body += "{%- if reasoning_effort is defined -%}\n    {%- set harmony.effort = reasoning_effort -%}\n{%- endif -%}\n"
+    body += _emit(0, f"{quoted(HARMONY_SYSTEM.open)} + {system_text} + {quoted(HARMONY_SYSTEM.close)}")
+    body += "{%- if system -%}\n"
+    body += _emit(1, f"{quoted(developer.open)} + system + {quoted(developer.close)}")
+    body += "{%- endif -%}\n{%- for message in turns -%}\n    {%- if message[role_key] == user_role -%}\n"
+    body += _emit(2, f"{quoted(user.open)} + message[content_key] + {quoted(user.close)}")
+    body += (
+        "    {%- elif loop.last and not add_generation_prompt -%}\n        {%- if 'thinking' in message -%}\n"
+    )
+    body += message(3, HARMONY_ANALYSIS, "message['thinking']", assistant.close)
+    body += "        {%- endif -%}\n"
+    body += message(2, HARMONY_FINAL, "message[content_key]", layout.turn_end)
+    body += "    {%- else -%}\n"
+    body += message(2, HARMONY_FINAL, "message[content_key]", assistant.close)
+    body += "    {%- endif -%}\n{%- endfor -%}\n"
+    body += "{%- if add_generation_prompt -%}\n" + _emit(1, quoted(assistant.open)) + "{%- endif -%}\n"
+    return body
+
+
+GPT_OSS = _harmony()

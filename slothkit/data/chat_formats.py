@@ -30,6 +30,13 @@ Each format is written from its authors' public description:
     vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
                                                                                          layout ("### Human:" /
                                                                                          "### Assistant:" turns)
+    gpt-oss   <|start|>system<|message|>(identity, cutoff, date, reasoning effort)<|end|> OpenAI harmony (gpt-oss),
+              <|start|>developer<|message|># Instructions\n\ns\n\n<|end|>                as gpt-oss's own template
+              <|start|>user<|message|>u<|end|>                                          renders conversations
+              <|start|>assistant<|channel|>final<|message|>a<|end|>                     without tools
+              the last answer: its `thinking` as <|start|>assistant<|channel|>analysis<|message|>r<|end|>,
+              then the answer closed by <|return|>; earlier answers lose their thinking;
+              a leading "developer" message is the system text
 
 Every template starts with the tokenizer's BOS when the tokenizer puts one in front of
 plain text (the model was pre-trained on documents that start with it), and nowhere else
@@ -75,6 +82,7 @@ class ChatFormat:
     default_system: str | None  # system text used when a conversation has none
     alternate: bool  # turns must alternate user, assistant, user, ...
     source: str
+    also_system: tuple[str, ...] = ()  # roles besides the system role a leading system message may have
 
 
 def _markers(layout: turns.TurnLayout, also: tuple[str, ...] = ()) -> dict:
@@ -226,6 +234,15 @@ FORMATS: dict[str, ChatFormat] = {
             alternate=True,
             source="FastChat's first Vicuna conversation layout",
         ),
+        ChatFormat(
+            name="gpt-oss",
+            body=bodies.GPT_OSS,
+            **_markers(turns.HARMONY),
+            default_system=None,
+            alternate=False,
+            source="OpenAI harmony, as gpt-oss's own chat template renders conversations without tools",
+            also_system=("developer",),
+        ),
     )
 }
 
@@ -252,6 +269,9 @@ ALIASES = {
     "phi-3.5": "phi-3",
     "phi-35": "phi-3",
     "phi4": "phi-4",
+    "gpt_oss": "gpt-oss",
+    "gptoss": "gpt-oss",
+    "harmony": "gpt-oss",
 }
 
 # Names older notebooks use for formats slothkit does not ship, and what to write instead.
@@ -320,8 +340,9 @@ def jinja_string(value: str) -> str:
 
 # Shared by every format: the dataset's names, the default system text, each message's
 # content as text (a list of typed parts, as transformers' multimodal chat messages and
-# Unsloth's Gemma 3 notebooks write it, is joined from its text parts), the split of a
-# leading system message from the turns, the role checks, and BOS.  @NAME@-style fields are
+# Unsloth's Gemma 3 notebooks write it, is joined from its text parts) and its `thinking`
+# where it has one (the reasoning gpt-oss's format writes), the split of a leading system
+# message from the turns, the role checks, and BOS.  @NAME@-style fields are
 # filled in by template_source (names are restricted to characters safe in a Jinja string).
 _PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
 {%- set role_key = @ROLE_KEY@ -%}
@@ -329,6 +350,7 @@ _PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
 {%- set user_role = @USER_ROLE@ -%}
 {%- set assistant_role = @ASSISTANT_ROLE@ -%}
 {%- set system_role = @SYSTEM_ROLE@ -%}
+{%- set system_roles = [system_role]@ALSO_SYSTEM@ -%}
 {%- set default_system = @DEFAULT_SYSTEM@ -%}
 {%- macro text_of(content) -%}
     {%- if content is string -%}
@@ -344,9 +366,13 @@ _PRELUDE = r"""{#- slothkit chat template: @NAME@ -#}
 {%- endmacro -%}
 {%- set text = namespace(messages=[]) -%}
 {%- for message in messages -%}
-    {%- set text.messages = text.messages + [{role_key: message[role_key], content_key: text_of(message[content_key])}] -%}
+    {%- if 'thinking' in message -%}
+        {%- set text.messages = text.messages + [{role_key: message[role_key], content_key: text_of(message[content_key]), 'thinking': message['thinking']}] -%}
+    {%- else -%}
+        {%- set text.messages = text.messages + [{role_key: message[role_key], content_key: text_of(message[content_key])}] -%}
+    {%- endif -%}
 {%- endfor -%}
-{%- if text.messages and text.messages[0][role_key] == system_role -%}
+{%- if text.messages and text.messages[0][role_key] in system_roles -%}
     {%- set system = text.messages[0][content_key] -%}
     {%- set turns = text.messages[1:] -%}
 {%- else -%}
@@ -393,7 +419,9 @@ def template_source(
         "@ASSISTANT_ROLE@": jinja_string(mapping["assistant"]),
         "@SYSTEM_ROLE@": jinja_string(mapping["system"]),
         "@DEFAULT_SYSTEM@": "none" if default_system is None else jinja_string(default_system),
-        "@ROLES@": f"{mapping['system']} (first message only), {mapping['user']}, {mapping['assistant']}",
+        "@ALSO_SYSTEM@": "".join(f" + [{jinja_string(role)}]" for role in fmt.also_system),
+        "@ROLES@": f"{' or '.join((mapping['system'], *fmt.also_system))} (first message only), "
+        f"{mapping['user']}, {mapping['assistant']}",
         "@ORDER@": f"{mapping['user']}, {mapping['assistant']}, {mapping['user']}, ...",
     }
     prelude = _PRELUDE

@@ -9,6 +9,10 @@ write too), rendering a (system, user) prompt exactly as the HF template does (B
 llama.cpp adds it when the GGUF says add_bos; slothkit.export.gguf.modelfile writes the file):
 
     marker in the chat template   format
+    <|channel|>final<|message|>   gpt-oss (OpenAI harmony, over Ollama's .Messages: its system
+                                  message dated by Ollama's currentDate, reasoning "medium";
+                                  the system text as the developer message; stops at <|return|>
+                                  and <|call|>)
     <|start_header_id|>           Llama 3
     [INST]                        Mistral / Llama 2 ([INST] ... [/INST], system folded into the first turn)
     <start_of_turn>               Gemma (system folded into the first turn, assistant called "model")
@@ -79,7 +83,43 @@ def _marked(name: str, marker: str, layout: TurnLayout, reply_opening: str = "")
     return OllamaFormat(name, marker, go_template(layout, reply_opening), stops, layout.turn_end)
 
 
+def _harmony() -> OllamaFormat:
+    """gpt-oss: harmony's system message once, then every message of the conversation (Ollama's
+    .Messages: a template of one exchange would repeat the system message before each), past
+    answers in the final channel closed by <|end|> as gpt-oss's own template writes them.
+    The reply runs on from "<|start|>assistant" with its channels; generation stops at
+    <|return|> (the answer's end) or <|call|> (a tool call), not at the <|end|> closing its
+    reasoning."""
+    layout = turns.HARMONY
+    developer, user, assistant = layout.system, layout.user, layout.assistant
+    system = turns.HARMONY_SYSTEM_TEXT.format(
+        identity=turns.HARMONY_IDENTITY, date="{{ currentDate }}", effort=turns.HARMONY_DEFAULT_EFFORT
+    )
+    template = (
+        turns.HARMONY_SYSTEM.open
+        + system
+        + turns.HARMONY_SYSTEM.close
+        + '{{ range .Messages }}{{ if eq .Role "system" }}'
+        + developer.open
+        + "{{ .Content }}"
+        + developer.close
+        + '{{ else if eq .Role "user" }}'
+        + user.open
+        + "{{ .Content }}"
+        + user.close
+        + '{{ else if eq .Role "assistant" }}'
+        + assistant.open
+        + turns.HARMONY_FINAL
+        + "{{ .Content }}"
+        + assistant.close
+        + "{{ end }}{{ end }}"
+        + assistant.open
+    )
+    return OllamaFormat("gpt-oss", turns.HARMONY_FINAL, template, ("<|return|>", "<|call|>"), layout.turn_end)
+
+
 CHAT_FORMATS = (
+    _harmony(),
     _marked("llama3", "<|start_header_id|>", turns.LLAMA_3),
     _marked("mistral", "[INST]", turns.INST),
     _marked("gemma", "<start_of_turn>", turns.GEMMA),

@@ -69,28 +69,31 @@ def probe_markers(tokenizer) -> tuple[str, str]:
         raise ValueError(
             "cannot find the markers in this chat template; pass instruction_part and response_part"
         )
+    response = _probed_response(tokenizer, conversation, text)
     turn_end = text[text.index(a2) + len(a2) :]  # what closes a reply
     between_exchanges = text[text.index(a1) + len(a1) : text.index(q2)]  # a reply's close + a user header
-    shared = 0
-    while (
-        shared < min(len(turn_end), len(between_exchanges)) and turn_end[shared] == between_exchanges[shared]
-    ):
-        shared += 1
-    instruction = between_exchanges[shared:]
+    if between_exchanges.startswith(turn_end):
+        instruction = between_exchanges[len(turn_end) :]
+    else:
+        # The last reply closes otherwise than earlier ones (harmony's <|return|> and
+        # <|end|>): the user's turn opens where a header like the reply's opens, the
+        # longest start of the response marker found there ("<|start|>").
+        shared = 0
+        while (
+            shared < min(len(turn_end), len(between_exchanges))
+            and turn_end[shared] == between_exchanges[shared]
+        ):
+            shared += 1
+        header = next(
+            (response[:n] for n in range(len(response), 0, -1) if response[:n] in between_exchanges),
+            "",
+        )
+        instruction = (
+            between_exchanges[between_exchanges.rfind(header) :] if header else between_exchanges[shared:]
+        )
     bos = tokenizer.bos_token
     if bos and instruction.startswith(bos):  # a BOS opening each exchange (llama-2) stops a reply anyway
         instruction = instruction[len(bos) :]
-    prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
-    plain = tokenizer.apply_chat_template(conversation[:1], tokenize=False)
-    if prompt.startswith(plain) and len(prompt) > len(plain):
-        response = prompt[len(plain) :]
-        # A generation prompt that opens more than a reply's header (Qwen3 Thinking's
-        # "<think>\n", which a past reply does not have): the part of it that opens every reply.
-        opening = text[: text.index(a1)].rstrip(" ")
-        while response.strip() and not opening.endswith(response.rstrip(" ")):
-            response = response[:-1]
-    else:  # no generation prompt (Mistral): the text between a question and its answer
-        response = text[text.index(q2) + len(q2) : text.index(a2)]
     instruction, response = instruction.strip(" "), response.strip(" ")
     if not instruction.strip() or not response.strip():
         raise ValueError(
@@ -98,6 +101,27 @@ def probe_markers(tokenizer) -> tuple[str, str]:
             "pass instruction_part and response_part"
         )
     return instruction, response
+
+
+def _probed_response(tokenizer, conversation: list[dict], text: str) -> str:
+    """The text that opens a reply in `text` (a rendering of `conversation`)."""
+    _, a1, q2, a2 = _PROBE
+    prompt = tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True)
+    plain = tokenizer.apply_chat_template(conversation[:1], tokenize=False)
+    if not (prompt.startswith(plain) and len(prompt) > len(plain)):
+        # No generation prompt (Mistral): the text between a question and its answer.
+        return text[text.index(q2) + len(q2) : text.index(a2)]
+    response = prompt[len(plain) :]
+    opening = text[: text.index(a1)].rstrip(" ")
+    reply_opening = opening[len(plain) :] if opening.startswith(plain) else ""
+    if reply_opening.startswith(response.rstrip(" ")):
+        # The prompt opens the reply, which goes on with a header of its own (harmony's channel).
+        return response
+    # A generation prompt that opens more than a reply's header (Qwen3 Thinking's
+    # "<think>\n", which a past reply does not have): the part of it that opens every reply.
+    while response.strip() and not opening.endswith(response.rstrip(" ")):
+        response = response[:-1]
+    return response
 
 
 def marker_variants(tokenizer, marker: str, contexts: list[str]) -> list[tuple[int, ...]]:

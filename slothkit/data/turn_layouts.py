@@ -11,6 +11,8 @@ before the first user text, followed by `system_fold`:
     PHI_3      <|system|>\\n                              <|user|>\\n / <|assistant|>\\n      <|end|>\\n
     PHI_4      <|im_start|>system<|im_sep|>             <|im_start|>user<|im_sep|> / ...  <|im_end|>
     INST       folded into the first user turn          [INST] ... [/INST] / (none)      the tokenizer's EOS
+    HARMONY    <|start|>developer<|message|># Instructions\\n\\n  <|start|>user<|message|> /     <|end|> (the last
+               (after harmony's own system message)     <|start|>assistant + channel     reply: <|return|>)
 
 Readers: slothkit.data.chat_format_bodies (the Jinja bodies get_chat_template installs),
 slothkit.data.chat_formats (each format's instruction_part, response_part, turn_end and
@@ -22,6 +24,7 @@ their record's `tiny.chat_format` names).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +104,39 @@ THINKING_OPENING = "<think>\n"
 THINKING_CLOSING = "\n</think>\n\n"
 
 
+# OpenAI's harmony format (gpt-oss). Every message is <|start|>{role}<|message|>...<|end|>;
+# an assistant's names its channel after the role: "final" for the answer, "analysis" for
+# the reasoning. A conversation opens with harmony's own system message (HARMONY_SYSTEM),
+# which carries the model's identity, knowledge cutoff, date and reasoning effort; the
+# dataset's system text is the developer message. The last reply of a training text ends
+# with <|return|> (the token generation stops at) where earlier ones end with <|end|>.
+HARMONY = TurnLayout(
+    system=Turn("<|start|>developer<|message|># Instructions\n\n", "\n\n<|end|>"),
+    user=Turn("<|start|>user<|message|>", "<|end|>"),
+    assistant=Turn("<|start|>assistant", "<|end|>"),
+    turn_end="<|return|>",
+    special_tokens=("<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>", "<|call|>"),
+)
+HARMONY_SYSTEM = Turn("<|start|>system<|message|>", "<|end|>")
+HARMONY_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
+HARMONY_DEFAULT_EFFORT = "medium"
+# Harmony's system message without tools; {identity}, {date} (YYYY-MM-DD) and {effort}
+# are filled in by each reader in its own template language.
+HARMONY_SYSTEM_TEXT = (
+    "{identity}\nKnowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: {effort}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+)
+HARMONY_FINAL = "<|channel|>final<|message|>"
+HARMONY_ANALYSIS = "<|channel|>analysis<|message|>"
+
+
 def quoted(text: str) -> str:
     """`text` as a single-quoted Jinja string literal, as the bodies write their markers."""
     return "'" + text.replace("\\", "\\\\").replace("\n", "\\n").replace("'", "\\'") + "'"
+
+
+def filled(text: str, **expressions: str) -> str:
+    """`text` as a Jinja expression, each {name} in it replaced by the expression expressions[name]."""
+    pieces = re.split(r"\{(\w+)\}", text)
+    terms = [quoted(piece) if i % 2 == 0 else expressions[piece] for i, piece in enumerate(pieces)]
+    return " + ".join(term for term in terms if term != "''")

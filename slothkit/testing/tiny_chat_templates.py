@@ -13,6 +13,10 @@ where slothkit's own template of the format and its Ollama Modelfile read them t
     mistral    Mistral Instruct                     BOS, system text in the first user turn,
                                                     turns must alternate
     phi-3      Phi-3 Instruct                       BOS, <|endoftext|> after a finished conversation
+    gpt-oss    gpt-oss (OpenAI harmony, no tools)   harmony's system message (model_identity,
+                                                    today's date, reasoning_effort); a leading
+                                                    system or developer message as the developer
+                                                    message; the last answer's thinking
 """
 
 from __future__ import annotations
@@ -157,6 +161,46 @@ def _phi_3() -> str:
     )
 
 
+def _gpt_oss() -> str:
+    layout = turns.HARMONY
+    developer, user, assistant = layout.system, layout.user, layout.assistant
+    system_text = turns.filled(
+        turns.HARMONY_SYSTEM_TEXT, identity="identity", date="strftime_now('%Y-%m-%d')", effort="effort"
+    )
+    return (
+        f"{{%- set identity = model_identity if model_identity is defined else {quoted(turns.HARMONY_IDENTITY)} -%}}\n"
+        f"{{%- set effort = reasoning_effort if reasoning_effort is defined else {quoted(turns.HARMONY_DEFAULT_EFFORT)} -%}}\n"
+        + _emit(
+            0, f"{quoted(turns.HARMONY_SYSTEM.open)} + {system_text} + {quoted(turns.HARMONY_SYSTEM.close)}"
+        )
+        + "{%- if messages and messages[0]['role'] in ['system', 'developer'] -%}\n"
+        "    {%- set developer_message = messages[0]['content'] -%}\n"
+        "    {%- set conversation = messages[1:] -%}\n{%- else -%}\n"
+        "    {%- set developer_message = '' -%}\n    {%- set conversation = messages -%}\n{%- endif -%}\n"
+        "{%- if developer_message -%}\n"
+        + _emit(1, f"{quoted(developer.open)} + developer_message + {quoted(developer.close)}")
+        + "{%- endif -%}\n{%- for message in conversation -%}\n    {%- if message['role'] == 'user' -%}\n"
+        + _emit(2, f"{quoted(user.open)} + message['content'] + {quoted(user.close)}")
+        + "    {%- elif loop.last and not add_generation_prompt -%}\n        {%- if 'thinking' in message -%}\n"
+        + _emit(
+            3,
+            f"{quoted(assistant.open + turns.HARMONY_ANALYSIS)} + message['thinking'] + {quoted(assistant.close)}",
+        )
+        + "        {%- endif -%}\n"
+        + _emit(
+            2,
+            f"{quoted(assistant.open + turns.HARMONY_FINAL)} + message['content'] + {quoted(layout.turn_end)}",
+        )
+        + "    {%- else -%}\n"
+        + _emit(
+            2,
+            f"{quoted(assistant.open + turns.HARMONY_FINAL)} + message['content'] + {quoted(assistant.close)}",
+        )
+        + "    {%- endif -%}\n{%- endfor -%}\n"
+        + _generation_prompt(assistant.open)
+    )
+
+
 _WRITERS = {
     "llama-3": _llama_3,
     "qwen-2.5": _qwen_2_5,
@@ -164,6 +208,7 @@ _WRITERS = {
     "gemma": _gemma,
     "mistral": _mistral,
     "phi-3": _phi_3,
+    "gpt-oss": _gpt_oss,
 }
 CHAT_FORMATS = tuple(_WRITERS)
 

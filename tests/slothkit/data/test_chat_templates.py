@@ -1,6 +1,7 @@
 """Chat templates render each format's text exactly, tokenize with one BOS, mark the
 assistant replies for TRL, and end replies with the token generation stops on."""
 
+import datetime
 import os
 import warnings
 
@@ -107,6 +108,12 @@ GOLDEN = {
 }
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# gpt-oss (harmony): its own system message, dated today, opens every conversation.
+HARMONY_SYSTEM = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    f"Knowledge cutoff: 2024-06\nCurrent date: {datetime.date.today().isoformat()}\n\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+)
 VICUNA_OLD_SYSTEM = (
     "A chat between a curious human and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the human's questions."
@@ -156,6 +163,15 @@ GOLDEN.update(
             B + "Be brief.\n### Human: Name a colour.\n### Assistant: Blue." + E + "\n",
             B + VICUNA_OLD_SYSTEM + "\n### Human: Name a colour.\n### Assistant:",
         ),
+        # The last answer of a training text ends with <|return|>, earlier ones with <|end|>.
+        "gpt-oss": (
+            B + HARMONY_SYSTEM + "<|start|>user<|message|>Hi there<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Hello!<|end|><|start|>user<|message|>What is 2 + 2?<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>4<|return|>",
+            B + HARMONY_SYSTEM + "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
+            "<|start|>user<|message|>Name a colour.<|end|><|start|>assistant<|channel|>final<|message|>Blue.<|return|>",
+            B + HARMONY_SYSTEM + "<|start|>user<|message|>Name a colour.<|end|><|start|>assistant",
+        ),
     }
 )
 
@@ -175,6 +191,7 @@ KEPT = {
     "phi-3": "Hello!<|end|>\n4<|end|>\n",
     "phi-4": "Hello!<|im_end|>4<|im_end|>",
     "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",
+    "gpt-oss": "<|channel|>final<|message|>Hello!<|end|><|channel|>final<|message|>4<|return|>",
 }
 
 
