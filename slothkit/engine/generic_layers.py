@@ -26,6 +26,7 @@ import copy
 import torch
 from torch import nn
 
+from slothkit.core.inspection import attention_window
 from slothkit.core.model_state import detach_patched_module, patched_module
 from slothkit.engine.decoder import patch_attention, patch_decoder_layer, patch_mlp, patch_rms_norm
 from slothkit.models.architecture import generic_path_reason
@@ -146,23 +147,38 @@ def _norms(causal_lm: nn.Module) -> list[nn.Module]:
     return norms
 
 
-def _outputs(causal_lm: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+def _outputs(causal_lm: nn.Module, ids: torch.Tensor, expert_inputs: dict) -> list[torch.Tensor]:
     """What each layer's attention and MLP add to the residual stream, then the last
     hidden state, on ``ids`` (float32 copies). The attention's and the MLP's outputs are
     compared one by one, since each is small beside the residual stream it is added to:
     at random weights a layer that computes its attention otherwise (another RoPE, no
     RoPE) moves the last hidden state by less than a 16-bit dtype's rounding, but its own
     output by order one. (With a hook on it, the patched layer calls its attention module
-    rather than fusing o_proj with the residual sum, so the hook sees the fused output.)"""
+    rather than fusing o_proj with the residual sum, so the hook sees the fused output.)
+
+    A mixture-of-experts block, which is not replaced here, has its input recorded in
+    ``expert_inputs`` when that is empty (the model's own pass) and is given that input
+    back otherwise (the fused pass): its router's top-k choice jumps where two experts'
+    scores nearly tie, so a rounding-sized difference in its input can send a token to
+    other experts and move its output by order one in 16 bits."""
     seen = []
+    replay = bool(expert_inputs)
 
     def record(module, args, output):
         seen.append((output[0] if isinstance(output, tuple) else output).detach().float())
+
+    def expert_input(module, args):
+        if replay:
+            return (expert_inputs[id(module)], *args[1:])
+        expert_inputs[id(module)] = args[0]
+        return None
 
     hooks = []
     for layer in causal_lm.model.layers:
         hooks.append(layer.self_attn.register_forward_hook(record))
         hooks.append(layer.mlp.register_forward_hook(record))
+        if not _is_dense(layer.mlp):
+            hooks.append(layer.mlp.register_forward_pre_hook(expert_input))
     try:
         with torch.no_grad():
             seen.append(causal_lm.model(input_ids=ids).last_hidden_state.float())
@@ -179,11 +195,23 @@ def _largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> f
     return max(((f - o).norm() / o.norm().clamp_min(1e-12)).item() for f, o in zip(fused, own))
 
 
+def _causal_mask(tokens: int, window: int | None, device) -> torch.Tensor:
+    """The additive (1, 1, T, T) mask transformers builds for one unpadded sequence: 0 where
+    query i sees key j (j <= i, and i - j < window), float32's lowest value elsewhere. Given
+    to both attentions, since an eager one without a mask attends to every key."""
+    position = torch.arange(tokens, device=device)
+    visible = position[None, :] <= position[:, None]
+    if window is not None:
+        visible &= position[:, None] - position[None, :] < window
+    lowest = torch.finfo(torch.float32).min
+    return torch.zeros(1, 1, tokens, tokens, device=device).masked_fill(~visible, lowest)
+
+
 def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
     """The largest relative difference between each layer's attention and its fused copy,
     computed in float32 on a copy of the module whose projections hold random weights
-    scaled so that the attention scores are of order one, at positions spread over the
-    context. At the model's own small random weights (the tiny checkpoints) the scores
+    scaled so that the attention scores are of order one (and whose own parameters, such
+    as sink logits, random ones of order one), at positions spread over the context. At the model's own small random weights (the tiny checkpoints) the scores
     are near zero and every query attends evenly whatever the rotation, so another RoPE
     (pairs of adjacent dimensions, part of each head, none at all) would go unseen."""
     rotary = getattr(causal_lm.model, "rotary_emb", None)
@@ -221,16 +249,25 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
         for name, own in projections.items():
             setattr(attention, name, random_linear(own))
         attention.float()  # q/k norms, attention sinks and the like
+        with torch.no_grad():  # the module's own parameters (gpt-oss's sinks), at order one too
+            for own in attention.parameters(recurse=False):
+                own.copy_(torch.randn(own.shape, generator=generator))
+        mask = _causal_mask(CHECK_TOKENS, attention_window(attention), device)
         with torch.no_grad():
             cos, sin = rotary(x, positions)
-            own = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            own = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
             if hasattr(attention, "q_norm"):
                 patch_rms_norm(attention.q_norm, adds_one)
                 patch_rms_norm(attention.k_norm, adds_one)
             patch_attention(attention, qk_norm=hasattr(attention, "q_norm"))
-            fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
         worst = max(worst, _largest_difference([fused], [own]))
     return worst
+
+
+def _is_dense(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is a gated MLP of gate/up/down projections (else a mixture of experts)."""
+    return all(hasattr(mlp, name) for name in MLP_PROJECTIONS)
 
 
 def _patches(causal_lm: nn.Module, adds_one: bool) -> list[tuple[nn.Module, object]]:
@@ -240,7 +277,7 @@ def _patches(causal_lm: nn.Module, adds_one: bool) -> list[tuple[nn.Module, obje
     for layer in causal_lm.model.layers:
         attention = layer.self_attn
         patches.append((attention, lambda m: patch_attention(m, qk_norm=hasattr(m, "q_norm"))))
-        if all(hasattr(layer.mlp, name) for name in MLP_PROJECTIONS):
+        if _is_dense(layer.mlp):
             patches.append((layer.mlp, lambda m: patch_mlp(m, _activation(m))))
         patches.append((layer, patch_decoder_layer))
     return patches
@@ -278,11 +315,12 @@ def fuse_generic_layers(causal_lm: nn.Module) -> str | None:
                 f"its attention computes something else than the fused one (in float32 at random "
                 f"weights, their outputs differ by {attention_difference:.2g}, relative)"
             )
-        own = _outputs(causal_lm, ids)
+        expert_inputs = {}
+        own = _outputs(causal_lm, ids, expert_inputs)
         for module, patch in _patches(causal_lm, adds_one):
             patch(module)
             patched.append(module)
-        fused = _outputs(causal_lm, ids)
+        fused = _outputs(causal_lm, ids, expert_inputs)
     except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as error:
         _unpatch(patched)
         return f"its layers could not be checked against the fused ones ({type(error).__name__}: {error})"
