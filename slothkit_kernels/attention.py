@@ -1,5 +1,5 @@
-"""Causal attention with optional score soft-capping, an additive mask and a sliding
-window, in tiles: the (T, S) score matrix is never written to memory.
+"""Causal attention with optional score soft-capping, an additive mask, a sliding window
+and per-head sink logits, in tiles: the (T, S) score matrix is never written to memory.
 
 For one query row q_i (absolute position p_i = S - T + i: the queries are the last T
 of the S keys) and keys k_j, with c the soft-cap (Gemma 2's attn_logit_softcapping):
@@ -8,14 +8,23 @@ of the S keys) and keys k_j, with c the soft-cap (Gemma 2's attn_logit_softcappi
     z_ij = c * tanh(s_ij / c)                          (z = s without a cap)
          + mask_ij                                     (additive: 0 or a large negative)
          - inf where j > p_i (causal) or p_i - j >= W (window W)
-    P_ij = exp(z_ij - lse_i),   lse_i = log sum_j exp(z_ij)
+    P_ij = exp(z_ij - lse_i),   lse_i = log(exp(sink_h) + sum_j exp(z_ij))
     o_i  = sum_j P_ij v_j
+
+A sink (gpt-oss's per-head ``sinks``) is one more logit in every row of query head h that
+takes part in the softmax's denominator and has no value: it draws weight away from the
+keys, so a row's P sums to 1 - exp(sink_h - lse_i).  Without sinks the exp(sink_h) term
+is absent (sink_h = -inf).  transformers' gpt-oss eager attention computes the same by
+appending the sink as an extra column of the scores, taking the softmax (after
+subtracting the row maximum, which changes nothing) and dropping that column.
 
 This is transformers' eager attention (scores, cap, mask, fp32 softmax, values) computed
 the flash-attention way: each program keeps a running row maximum m, sum l and output
 accumulator over key tiles, rescaling by exp(m_old - m_new) when the maximum grows, and
-saves m_i and log l_i (lse_i = m_i + log l_i) for the backward pass.  Grouped-query attention: query head h reads key/value
-head h // (Hq / Hkv).
+saves m_i and log l_i (lse_i = m_i + log l_i) for the backward pass.  With a sink the
+running pair starts from the sink itself, (m, l) = (sink_h, 1), rather than (-inf, 0);
+the accumulator starts at 0 as the sink has no value.  Grouped-query attention: query
+head h reads key/value head h // (Hq / Hkv).
 
 Backward, with g_i = dL/do_i and D_i = sum_d g_id o_id (= sum_j P_ij g_i . v_j):
 
@@ -24,6 +33,15 @@ Backward, with g_i = dL/do_i and D_i = sum_d g_id o_id (= sum_j P_ij g_i . v_j):
     dz_ij = P_ij (dP_ij - D_i)                         (softmax's Jacobian)
     ds_ij = dz_ij (1 - tanh^2(s_ij / c))               (dz/ds of the cap; 1 without one)
     dq_i  = scaling * sum_j ds_ij k_j,   dk_j = scaling * sum_i ds_ij q_i
+
+The sink is a column whose value is 0, so dP_i,sink = g_i . 0 = 0 and the keys' dz above
+is unchanged (lse_i, saved, already holds the sink).  Its own gradient, with
+P_i,sink = exp(sink_h - lse_i), is that column's dz summed over the rows it joins (every
+query of head h, in every batch row):
+
+    d sink_h = sum_(b, i) P_i,sink (0 - D_i) = -sum_(b, i) exp(sink_h - lse_i) D_i
+
+computed in torch from the saved row statistics and D.
 
 The mask is a constant (no gradient).  P is recomputed from the saved row maximum and log-sum, once in the
 kernel that owns a key tile (dk, dv: summed over the query tiles and the query heads that
@@ -67,10 +85,12 @@ def attention_reference(
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same function in plain torch, as transformers' eager attention computes it.
+    """The same function in plain torch, as transformers' eager attention computes it
+    (gpt-oss's with ``sinks``: an extra column of the scores, dropped after the softmax).
 
-    q: (B, Hq, T, D); k, v: (B, Hkv, S, D). Returns (B, T, Hq, D)."""
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); sinks: (Hq,). Returns (B, T, Hq, D)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -80,6 +100,11 @@ def attention_reference(
     scores = scores.float() + _visible_keys(q.shape[2], k.shape[2], window, q.device)
     if mask is not None:
         scores = scores + _additive(mask, q.shape[2], k.shape[2]).unsqueeze(1).float()
+    if sinks is not None:
+        batch, heads, q_len, _ = scores.shape
+        column = sinks.float().reshape(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+        probabilities = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        return (probabilities @ v).transpose(1, 2).contiguous()
     probabilities = torch.softmax(scores, dim=-1).to(q.dtype)
     return (probabilities @ v).transpose(1, 2).contiguous()
 
@@ -198,9 +223,10 @@ def _attention_forward_kernel(
     K,  # (B, Hkv, S, D)
     V,  # (B, Hkv, S, D)
     MASK,  # (B or 1, T, S) additive mask (unused unless HAS_MASK)
+    SINKS,  # (Hq,) sink logits, any float dtype (unused unless HAS_SINKS)
     OUT,  # (B, T, Hq, D) contiguous, written
-    ROW_MAX,  # (B, Hq, T) fp32 contiguous, written: each row's largest score
-    LOG_SUM,  # (B, Hq, T) fp32 contiguous, written: log sum_j exp(z_ij - max)
+    ROW_MAX,  # (B, Hq, T) fp32 contiguous, written: each row's largest score (or sink)
+    LOG_SUM,  # (B, Hq, T) fp32 contiguous, written: log (exp(sink - max) + sum_j exp(z_ij - max))
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_kt, stride_kd,
     stride_vb, stride_vh, stride_vt, stride_vd,
@@ -210,6 +236,7 @@ def _attention_forward_kernel(
     HAS_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,  # fp32 operands for the products (fp32 inputs, or the interpreter)
     IEEE: tl.constexpr,  # full-precision fp32 products (no TF32)
     BLOCK_M: tl.constexpr,
@@ -234,8 +261,12 @@ def _attention_forward_kernel(
     V_head = V + b * stride_vb + kv_h * stride_vh
     MASK_row = MASK + b * stride_mb
 
-    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    if HAS_SINKS:  # the sink is the row's first logit: exp(sink - m) = 1 with m = sink
+        row_max = tl.zeros((BLOCK_M,), tl.float32) + tl.load(SINKS + h).to(tl.float32)
+        row_sum = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     lo, hi = _key_range(start_m, q_len, kv_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
@@ -260,7 +291,8 @@ def _attention_forward_kernel(
             acc += tl.dot(p.to(v.dtype), v)
         row_max = new_max
 
-    # Every causal row sees at least its own key, so row_sum > 0 for real rows.
+    # Every causal row sees at least its own key (or holds its sink), so row_sum > 0 for
+    # real rows.
     row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
     out = acc / row_sum[:, None]
     out_ptrs = OUT + b * q_len * n_q_heads * head_dim + offs_m[:, None] * (n_q_heads * head_dim)
@@ -540,8 +572,9 @@ def _launch_fitting(kernel, grid, tiles: Tiles, head_dim: int, *args, **flags) -
             tiles = smaller
 
 
-def attention_forward(q, k, v, mask3, scaling, softcap, window, tiles: Tiles | None = None):
-    """The forward kernel: (out (B, T, Hq, D), row_max, log_sum (B, Hq, T) fp32)."""
+def attention_forward(q, k, v, mask3, scaling, softcap, window, sinks=None, tiles: Tiles | None = None):
+    """The forward kernel: (out (B, T, Hq, D), row_max, log_sum (B, Hq, T) fp32); sinks
+    None or (Hq,) contiguous."""
     batch, n_q_heads, q_len, head_dim = q.shape
     tiles = tiles or tiles_for("forward", head_dim, q_len, k.shape[2], q.device)
     out = torch.empty((batch, q_len, n_q_heads, head_dim), device=q.device, dtype=q.dtype)
@@ -550,16 +583,19 @@ def attention_forward(q, k, v, mask3, scaling, softcap, window, tiles: Tiles | N
     arguments, flags = _launch_arguments(q, k, v, mask3, scaling, softcap, window)
     _launch_fitting(
         _attention_forward_kernel, lambda t: (triton.cdiv(q_len, t.block_m), batch * n_q_heads), tiles, head_dim,
-        q, k, v, mask3 if mask3 is not None else q, out, row_max, log_sum, *arguments, **flags,
+        q, k, v, mask3 if mask3 is not None else q, sinks if sinks is not None else q, out, row_max, log_sum,
+        *arguments, **flags, HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out, row_max, log_sum
 
 
 def attention_backward(
-    q, k, v, mask3, out, row_max, log_sum, grad_out, scaling, softcap, window,
+    q, k, v, mask3, out, row_max, log_sum, grad_out, scaling, softcap, window, sinks=None,
     kv_tiles: Tiles | None = None, q_tiles: Tiles | None = None,
 ):  # fmt: skip
-    """The two backward kernels: (dq, dk, dv) from grad_out (B, T, Hq, D)."""
+    """The two backward kernels and the sinks' gradient: (dq, dk, dv, dsinks) from
+    grad_out (B, T, Hq, D); dsinks None without sinks.  The kernels read the sinks only
+    through the saved row statistics."""
     batch, n_q_heads, q_len, head_dim = q.shape
     n_kv_heads, kv_len = k.shape[1], k.shape[2]
     kv_tiles = kv_tiles or tiles_for("backward_kv", head_dim, q_len, kv_len, q.device)
@@ -580,22 +616,33 @@ def attention_backward(
         _attention_backward_q_kernel, lambda t: (triton.cdiv(q_len, t.block_m), batch * n_q_heads), q_tiles,
         head_dim, q, k, v, mask_arg, grad_out, row_max, log_sum, delta, dq, *arguments, **flags,
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_gradient(sinks, row_max, log_sum, delta)
+
+
+def sink_gradient(sinks, row_max, log_sum, delta) -> torch.Tensor:
+    """d sink_h = -sum_(b, i) exp(sink_h - lse_i) D_i (module docstring), in sinks' dtype;
+    row_max, log_sum and delta (B, Hq, T) fp32, lse = row_max + log_sum."""
+    sink_weight = torch.exp((sinks.float()[None, :, None] - row_max) - log_sum)  # P_i,sink
+    return -(sink_weight * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask3, scaling, softcap, window):
-        out, row_max, log_sum = attention_forward(q, k, v, mask3, scaling, softcap, window)
-        ctx.save_for_backward(q, k, v, mask3, out, row_max, log_sum)
+    def forward(ctx, q, k, v, mask3, scaling, softcap, window, sinks):
+        out, row_max, log_sum = attention_forward(q, k, v, mask3, scaling, softcap, window, sinks)
+        ctx.save_for_backward(q, k, v, mask3, out, row_max, log_sum, sinks)
         ctx.settings = (scaling, softcap, window)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask3, out, row_max, log_sum = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, mask3, out, row_max, log_sum, grad_out, *ctx.settings)
-        return dq, dk, dv, None, None, None, None
+        q, k, v, mask3, out, row_max, log_sum, sinks = ctx.saved_tensors
+        if not ctx.needs_input_grad[7]:  # frozen sinks (LoRA): no gradient to sum
+            sinks = None
+        dq, dk, dv, dsinks = attention_backward(
+            q, k, v, mask3, out, row_max, log_sum, grad_out, *ctx.settings, sinks=sinks
+        )
+        return dq, dk, dv, None, None, None, None, dsinks
 
 
 def _flags(q, mask3, softcap, window) -> dict:
@@ -617,6 +664,7 @@ def attention(
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q over k and v, in tiles (module docstring: the math).
 
@@ -632,6 +680,9 @@ def attention(
             attn_logit_softcapping), or None.
         window: W: query position p sees key j only when p - j < W (transformers'
             sliding_window), or None.
+        sinks: (Hq,) sink logits, one per query head, any float dtype (gpt-oss's
+            ``sinks``): each row's softmax denominator gains exp(sink_h); differentiable.
+            Or None.
 
     Returns:
         (B, T, Hq, D) in q's dtype, the layout transformers' attention functions return.
@@ -642,7 +693,7 @@ def attention(
             raise ValueError(
                 f"{name} must be (batch, heads, length, head_dim); got shape {tuple(tensor.shape)}"
             )
-    check_same_device(q=q, k=k, v=v, mask=mask)
+    check_same_device(q=q, k=k, v=v, mask=mask, sinks=sinks)
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not fit together")
     if q.shape[1] % k.shape[1] != 0:
@@ -657,8 +708,16 @@ def attention(
         raise ValueError(f"window must be a positive number of positions or None; got {window!r}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if sinks is not None:
+        check_float_dtype("sinks", sinks)
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(
+                f"sinks must hold one logit per query head, shape ({q.shape[1]},); got {tuple(sinks.shape)}"
+            )
     mask3 = None if mask is None else _additive(mask, q.shape[2], k.shape[2])
     if not use_triton(q):
         warn_reference_once("attention", q.device.type)
-        return attention_reference(q, k, v, scaling, mask, softcap, window)
-    return _Attention.apply(q, k, v, mask3, scaling, softcap, window)
+        return attention_reference(q, k, v, scaling, mask, softcap, window, sinks)
+    return _Attention.apply(
+        q, k, v, mask3, scaling, softcap, window, None if sinks is None else sinks.contiguous()
+    )

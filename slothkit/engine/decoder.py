@@ -1,5 +1,6 @@
-"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3: route a loaded model's modules
-through slothkit_kernels by patching the *instance*.
+"""Decoder glue shared by Llama, Mistral, Gemma, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3 and the
+generic path's families (gpt-oss among them): route a loaded model's modules through
+slothkit_kernels by patching the *instance*.
 
 Only the given model's modules get new ``forward`` methods (bound with
 ``types.MethodType``); transformers' classes are never touched, so a plain and a
@@ -119,19 +120,32 @@ def patch_mlp(mlp: nn.Module, activation: str, output_unread_in_recompute: bool 
 # --- attention ---------------------------------------------------------------
 
 
+def _sinks(attention: nn.Module) -> torch.Tensor | None:
+    """The module's per-head sink logits (gpt-oss's ``sinks``: one more logit in each row's
+    softmax, with no value), or None."""
+    sinks = getattr(attention, "sinks", None)
+    return sinks if isinstance(sinks, torch.Tensor) else None
+
+
 def _attention_function(attention: nn.Module):
     """transformers' attention function for this module: the registered one of its config's
     implementation, or under eager attention its own modeling file's (Gemma 2's soft-caps the
-    scores; Llama's, the fallback, takes no soft-cap). A module that soft-caps its scores
-    runs its eager function under SDPA too, said once: SDPA would drop the cap."""
+    scores, gpt-oss's adds its sinks; Llama's, the fallback, does neither). A module that
+    soft-caps its scores or has sinks runs its eager function under SDPA too, said once:
+    SDPA would drop them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     implementation = getattr(attention.config, "_attn_implementation", None) or "sdpa"
-    if implementation == "sdpa" and getattr(attention, "attn_logit_softcapping", None) is not None:
+    if getattr(attention, "attn_logit_softcapping", None) is not None:
+        what = "soft-caps its attention scores"
+    elif _sinks(attention) is not None:
+        what = "adds sink logits to its attention's softmax"
+    else:
+        what = None
+    if implementation == "sdpa" and what is not None:
         say_once(
-            f"slothkit: {type(attention).__name__} soft-caps its attention scores, which SDPA "
-            f"cannot do; slothkit's fused attention runs eager attention for it instead of the "
-            f"SDPA that was asked for",
+            f"slothkit: {type(attention).__name__} {what}, which SDPA cannot do; slothkit's "
+            f"fused attention runs eager attention for it instead of the SDPA that was asked for",
             FallbackWarning,
         )
         implementation = "eager"
@@ -144,12 +158,12 @@ def _attention_function(attention: nn.Module):
 
 
 def _tiled_attention_applies(attention: nn.Module, q, k, dropout: float, kwargs) -> bool:
-    """Whether slothkit's tiled attention computes this soft-capped attention: SDPA cannot
-    cap, and eager writes every (T, S) score matrix several times over (Gemma-2-9B at
-    2 x 2048 trains at about 0.7x the speed it does with the scores uncapped under SDPA).
-    Not under flash or flex attention (they cap themselves), with attention dropout, when
-    the weights are asked for, or when keys were cached before these queries (a static
-    cache's rows need not end at the queries)."""
+    """Whether slothkit's tiled attention computes this soft-capped or sink-holding
+    attention: SDPA can do neither, and eager writes every (T, S) score matrix several
+    times over (Gemma-2-9B at 2 x 2048 trains at about 0.7x the speed it does with the
+    scores uncapped under SDPA). Not under flash or flex attention (they cap and sink
+    themselves), with attention dropout, when the weights are asked for, or when keys were
+    cached before these queries (a static cache's rows need not end at the queries)."""
     implementation = getattr(attention.config, "_attn_implementation", None) or "sdpa"
     return (
         implementation in ("eager", "sdpa")
@@ -204,6 +218,12 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
 
     batch, seq = hidden_states.shape[:-1]
     cos, sin = position_embeddings
+    if cos.shape[-1] * 2 == self.head_dim:
+        # Tables that give each frequency once (gpt-oss's), for a RoPE that rotates the two
+        # halves of each head as rotate_half does: the same tables repeated. (A RoPE over
+        # part of each head has tables this wide too; the generic path's check at loading
+        # refuses it, as every family with a record rotates whole heads.)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     projections = _qkv_projections(self)
     qk_norm = patched_module(self).qk_norm
     if projections is None:
@@ -233,9 +253,13 @@ def attention_values(self, hidden_states, position_embeddings=None, attention_ma
     softcap = getattr(self, "attn_logit_softcapping", None)  # Gemma 2: c * tanh(scores / c)
     if softcap is not None:
         extra["softcap"] = softcap
+    sinks = _sinks(self)
+    if sinks is not None:  # the name transformers' flash and flex functions read them by
+        extra["s_aux"] = sinks
     dropout = 0.0 if not self.training else self.attention_dropout
-    if softcap is not None and _tiled_attention_applies(self, q, k, dropout, kwargs):
-        attn_output = tiled_attention(q, k, v, self.scaling, attention_mask, softcap, window)
+    tiled = softcap is not None or sinks is not None
+    if tiled and _tiled_attention_applies(self, q, k, dropout, kwargs):
+        attn_output = tiled_attention(q, k, v, self.scaling, attention_mask, softcap, window, sinks)
         return attn_output.reshape(batch, seq, -1), None
     attn_output, attn_weights = _attention_function(self)(
         self,

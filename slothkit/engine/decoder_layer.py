@@ -136,6 +136,10 @@ def _layer_body(self, hidden_states, attention_mask=None, position_ids=None, **k
         )
         hidden = hidden_states + attn
     mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+    if isinstance(
+        mlp_out, tuple
+    ):  # a mixture-of-experts block that also returns its router's scores (gpt-oss)
+        mlp_out = mlp_out[0]
     if recomputing():  # the re-run's output is never read
         return unread_sum(hidden, mlp_out)
     return hidden + mlp_out

@@ -26,6 +26,7 @@ import copy
 import torch
 from torch import nn
 
+from slothkit.core.inspection import attention_window
 from slothkit.core.model_state import detach_patched_module, patched_module
 from slothkit.engine.decoder import patch_attention, patch_decoder_layer, patch_mlp, patch_rms_norm
 from slothkit.models.architecture import generic_path_reason
@@ -147,7 +148,7 @@ def _norms(causal_lm: nn.Module) -> list[nn.Module]:
 
 
 def _is_experts_block(mlp: nn.Module) -> bool:
-    return hasattr(mlp, "experts") and not all(hasattr(mlp, name) for name in MLP_PROJECTIONS)
+    return hasattr(mlp, "experts") and not _is_dense(mlp)
 
 
 def _outputs(causal_lm: nn.Module, ids: torch.Tensor, experts_inputs: list | None = None):
@@ -202,11 +203,23 @@ def _largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> f
     return max(((f - o).norm() / o.norm().clamp_min(1e-12)).item() for f, o in zip(fused, own))
 
 
+def _causal_mask(tokens: int, window: int | None, device) -> torch.Tensor:
+    """The additive (1, 1, T, T) mask transformers builds for one unpadded sequence: 0 where
+    query i sees key j (j <= i, and i - j < window), float32's lowest value elsewhere. Given
+    to both attentions, since an eager one without a mask attends to every key."""
+    position = torch.arange(tokens, device=device)
+    visible = position[None, :] <= position[:, None]
+    if window is not None:
+        visible &= position[:, None] - position[None, :] < window
+    lowest = torch.finfo(torch.float32).min
+    return torch.zeros(1, 1, tokens, tokens, device=device).masked_fill(~visible, lowest)
+
+
 def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
     """The largest relative difference between each layer's attention and its fused copy,
     computed in float32 on a copy of the module whose projections hold random weights
-    scaled so that the attention scores are of order one, at positions spread over the
-    context. At the model's own small random weights (the tiny checkpoints) the scores
+    scaled so that the attention scores are of order one (and whose own parameters, such
+    as sink logits, random ones of order one), at positions spread over the context. At the model's own small random weights (the tiny checkpoints) the scores
     are near zero and every query attends evenly whatever the rotation, so another RoPE
     (pairs of adjacent dimensions, part of each head, none at all) would go unseen."""
     rotary = getattr(causal_lm.model, "rotary_emb", None)
@@ -244,16 +257,25 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
         for name, own in projections.items():
             setattr(attention, name, random_linear(own))
         attention.float()  # q/k norms, attention sinks and the like
+        with torch.no_grad():  # the module's own parameters (gpt-oss's sinks), at order one too
+            for own in attention.parameters(recurse=False):
+                own.copy_(torch.randn(own.shape, generator=generator))
+        mask = _causal_mask(CHECK_TOKENS, attention_window(attention), device)
         with torch.no_grad():
             cos, sin = rotary(x, positions)
-            own = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            own = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
             if hasattr(attention, "q_norm"):
                 patch_rms_norm(attention.q_norm, adds_one)
                 patch_rms_norm(attention.k_norm, adds_one)
             patch_attention(attention, qk_norm=hasattr(attention, "q_norm"))
-            fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+            fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
         worst = max(worst, _largest_difference([fused], [own]))
     return worst
+
+
+def _is_dense(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is a gated MLP of gate/up/down projections (else a mixture of experts)."""
+    return all(hasattr(mlp, name) for name in MLP_PROJECTIONS)
 
 
 def _patches(causal_lm: nn.Module, adds_one: bool) -> list[tuple[nn.Module, object]]:
@@ -263,7 +285,7 @@ def _patches(causal_lm: nn.Module, adds_one: bool) -> list[tuple[nn.Module, obje
     for layer in causal_lm.model.layers:
         attention = layer.self_attn
         patches.append((attention, lambda m: patch_attention(m, qk_norm=hasattr(m, "q_norm"))))
-        if all(hasattr(layer.mlp, name) for name in MLP_PROJECTIONS):
+        if _is_dense(layer.mlp):
             patches.append((layer.mlp, lambda m: patch_mlp(m, _activation(m))))
         patches.append((layer, patch_decoder_layer))
     return patches

@@ -1,5 +1,5 @@
-"""attention: tiled causal attention with soft-capping, masks and windows, against an fp32
-autograd reference and transformers' own eager attention (Gemma 2's)."""
+"""attention: tiled causal attention with soft-capping, masks, windows and sinks, against
+an fp32 autograd reference and transformers' own eager attention (Gemma 2's, gpt-oss's)."""
 
 import importlib
 
@@ -268,3 +268,180 @@ def test_gemma2_9b_layer_shape_on_the_gpu(window):
     q, k, v, grad = _inputs(2, 16, 8, 2048, 2048, 256, torch.bfloat16, "cuda", seed=11)
     options = {"scaling": 256**-0.5, "softcap": 50.0, "window": window}
     _check(_run(attention, q, k, v, grad, **options), _gold(q, k, v, grad, **options), torch.bfloat16)
+
+
+def _sinks(heads, device, seed, dtype=torch.float32):
+    """Sink logits of the scores' size (order one), so each head's sink takes a visible
+    share of every row: rows of few keys most, long rows less."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 1.5).to(device, dtype)
+
+
+def _run_with_sinks(function, q, k, v, sinks, grad, **options):
+    """(out, dq, dk, dv, dsinks) of ``function`` with trainable sinks."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = function(*leaves[:3], sinks=leaves[3], **options)
+    out.backward(grad)
+    return [out] + [t.grad for t in leaves]
+
+
+def _score_gradient_scales(q, k, v, sinks, grad, scaling, window=None, mask=None) -> dict:
+    """The norms of dq and dk with every term P_ij (dP_ij - D_i) taken at its size,
+    P_ij (|dP_ij| + |D_i|), in float64: the sizes the fp32 terms are rounded at."""
+    q, k, v, grad = (t.detach().double() for t in (q, k, v, grad))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    visible = attention_module._visible_keys(q.shape[2], k.shape[2], window, q.device).double()
+    scores = (q @ k.transpose(-1, -2)) * scaling + visible
+    if mask is not None:
+        scores = scores + mask.double()
+    batch, heads, q_len, _ = scores.shape
+    column = sinks.double().reshape(1, heads, 1, 1).expand(batch, heads, q_len, 1)
+    p = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    g = grad.transpose(1, 2)  # (B, Hq, T, D)
+    dp = g @ v.transpose(-1, -2)
+    delta = (p * dp).sum(-1, keepdim=True)
+    terms = p * (dp.abs() + delta.abs())  # (B, Hq, T, S)
+    dq = scaling * terms @ k.abs()
+    dk = scaling * (terms.transpose(-1, -2) @ q.abs()).unflatten(1, (-1, group)).sum(2)
+    return {"dq": dq.norm().item(), "dk": dk.norm().item()}
+
+
+SINK_CASES = [
+    # batch, q heads, kv heads, q_len, kv_len, head_dim, window, padding of each batch row
+    (1, 2, 2, 1, 1, 16, None, None),  # one key: the sink is the row's only rival
+    (2, 4, 2, 37, 37, 16, None, None),  # grouped heads, several tiles
+    (2, 4, 1, 40, 40, 24, 8, None),  # gpt-oss's sliding layers: a window, head_dim padded
+    (2, 4, 2, 20, 20, 16, 6, (0, 7)),  # left padding on the second row under a window
+    (1, 2, 1, 5, 30, 16, None, None),  # queries after 25 cached keys
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: "x".join(map(str, c[:7])) + f"-pad{c[7]}")
+def test_sinks_match_the_reference(case, device):
+    """Every row's softmax gains its head's sink: the output and all four gradients (q, k,
+    v and the sinks, summed over batch rows and queries) equal fp32 autograd through the
+    reference, with and without a window, grouped heads, padding and cached keys."""
+    batch, q_heads, kv_heads, q_len, kv_len, head_dim, window, pads = case
+    q, k, v, grad = _inputs(
+        batch, q_heads, kv_heads, q_len, kv_len, head_dim, torch.float32, device, seed=q_len
+    )
+    sinks = _sinks(q_heads, device, seed=kv_len)
+    options = {"scaling": head_dim**-0.5, "window": window}
+    if pads is not None:
+        options["mask"] = _padding_mask(batch, q_len, kv_len, pads, torch.float32, device)
+    ours = _run_with_sinks(attention, q, k, v, sinks, grad, **options)
+    gold = _run_with_sinks(attention_reference, q, k, v, sinks, grad, **options)
+    scales = _score_gradient_scales(q, k, v, sinks, grad, **options)
+    for name, a, e in zip(("out", "dq", "dk", "dv", "dsinks"), ours, gold):
+        assert a.shape == e.shape and a.dtype == e.dtype, name
+        # dq and dk are sums of P_ij (dP_ij - D_i) terms, rounded to fp32 before they cancel
+        # (they cancel most where a sink leaves a row's keys almost all the weight): bounded
+        # by the rounding of the terms' sizes, not of their sum.
+        scale = max(e.norm().item(), scales.get(name, 0.0))
+        error = (a - e).norm().item()
+        assert error < 1e-5 * scale, f"{name}: error {error:.2e} >= 1e-5 x {scale:.2e}"
+    assert relative_error(attention(q, k, v, **options), ours[0]) > 1e-2  # the sinks count here
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sinks_in_16_bits(dtype, device):
+    """16-bit q, k, v with fp32 sinks (a model's parameters may be of either dtype): each
+    result within the dtype's rounding of fp32 autograd through the reference."""
+    q, k, v, grad = _inputs(2, 4, 2, 33, 33, 16, dtype, device, seed=12)
+    sinks = _sinks(4, device, seed=13)
+    options = {"scaling": 0.25, "window": 9}
+    ours = _run_with_sinks(attention, q, k, v, sinks, grad, **options)
+    gold = _run_with_sinks(
+        attention_reference, *(t.float() for t in (q, k, v)), sinks, grad.float(), **options
+    )
+    out_tol, grad_tol = TOLERANCE[dtype]
+    for name, a, e, tol in zip(("out", "dq", "dk", "dv", "dsinks"), ours, gold, (out_tol,) + (grad_tol,) * 4):
+        assert a.dtype == (torch.float32 if name == "dsinks" else dtype), name
+        assert relative_error(a, e) < tol, f"{name}: relative error {relative_error(a, e):.2e} >= {tol}"
+
+
+def test_sinks_gradient_keeps_their_dtype_and_frozen_sinks_get_none(device):
+    """bfloat16 sinks on fp32 attention get a bfloat16 gradient equal to the fp32 one
+    rounded; sinks that do not require a gradient (frozen under LoRA) get none while q, k
+    and v still get theirs."""
+    q, k, v, grad = _inputs(1, 2, 1, 18, 18, 16, torch.float32, device, seed=21)
+    sinks = _sinks(2, device, seed=22, dtype=torch.bfloat16)
+    ours = _run_with_sinks(attention, q, k, v, sinks, grad, scaling=0.25)
+    gold = _run_with_sinks(attention_reference, q, k, v, sinks.float(), grad, scaling=0.25)
+    assert ours[4].dtype == torch.bfloat16
+    torch.testing.assert_close(ours[4].float(), gold[4].bfloat16().float(), rtol=1e-2, atol=0)
+    frozen = _run(lambda *t, **o: attention(*t, sinks=sinks, **o), q, k, v, grad, scaling=0.25)
+    for a, b in zip(frozen, ours[:4]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gpt_oss_eager_attention_is_what_it_computes(device):
+    """transformers' gpt-oss eager attention (the sink as an extra score column, dropped
+    after the softmax) on a sliding layer with the mask the model builds, forward and every
+    gradient, the sinks' included. Padding rows differ by design, as for Gemma 2."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    config = GptOssConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2
+    )
+    module = modeling_gpt_oss.GptOssAttention(config, layer_idx=0).to(device).train()
+    q, k, v, grad = _inputs(2, 4, 2, 24, 24, 16, torch.float32, device, seed=7)
+    sinks = _sinks(4, device, seed=8)
+    window = 8
+    position = torch.arange(24)
+    visible = (position[None, :] <= position[:, None]) & (position[:, None] - position[None, :] < window)
+    mask = torch.zeros(2, 1, 24, 24).masked_fill(~visible, LOWEST).to(device)
+    mask[1, :, :, :4] = LOWEST  # and left padding on the second row
+
+    def eager(q, k, v, sinks, **_):
+        module.sinks = torch.nn.Parameter(sinks)  # the leaf the gradient is read from
+        out, _ = modeling_gpt_oss.eager_attention_forward(module, q, k, v, mask, scaling=module.scaling)
+        grads.append(module.sinks)
+        return out
+
+    grads = []
+    grad[1, :4] = 0.0  # padding rows reach no loss
+    ours = _run_with_sinks(attention, q, k, v, sinks, grad, scaling=module.scaling, window=window, mask=mask)
+    theirs = _run_with_sinks(eager, q, k, v, sinks, grad)
+    theirs[4] = grads[0].grad
+    for output in (ours, theirs):
+        output[0][1, :4] = 0.0
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bad_sinks_are_named(device):
+    q, k, v, _ = _inputs(1, 4, 2, 8, 8, 16, torch.float32, device, seed=0)
+    with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+        attention(q, k, v, scaling=1.0, sinks=torch.zeros(2, device=device))
+    with pytest.raises(TypeError, match="sinks has dtype torch.int64"):
+        attention(q, k, v, scaling=1.0, sinks=torch.zeros(4, dtype=torch.long, device=device))
+
+
+def test_without_triton_the_reference_applies_the_sinks(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    utils.warn_reference_once.cache_clear()
+    q, k, v, _ = _inputs(1, 2, 1, 6, 6, 16, torch.float32, "cpu", seed=1)
+    sinks = _sinks(2, "cpu", seed=2)
+    with pytest.warns(UserWarning, match="no Triton backend"):
+        out = attention(q, k, v, scaling=0.25, sinks=sinks)
+    torch.testing.assert_close(out, attention_reference(q, k, v, 0.25, sinks=sinks))
+    assert (out - attention_reference(q, k, v, 0.25)).abs().max() > 1e-2  # the sinks count
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 128], ids=["full", "sliding"])
+def test_gpt_oss_layer_shape_on_the_gpu(window):
+    """gpt-oss's layer at 2 x 2048 in bf16: 64 query heads over 8 key heads of 64, its
+    sinks, alternately full and sliding over 128 positions."""
+    q, k, v, grad = _inputs(2, 64, 8, 2048, 2048, 64, torch.bfloat16, "cuda", seed=17)
+    sinks = _sinks(64, "cuda", seed=18, dtype=torch.bfloat16)
+    options = {"scaling": 64**-0.5, "window": window}
+    ours = _run_with_sinks(attention, q, k, v, sinks, grad, **options)
+    gold = _run_with_sinks(
+        attention_reference, *(t.float() for t in (q, k, v, sinks)), grad.float(), **options
+    )
+    out_tol, grad_tol = TOLERANCE[torch.bfloat16]
+    for name, a, e, tol in zip(("out", "dq", "dk", "dv", "dsinks"), ours, gold, (out_tol,) + (grad_tol,) * 4):
+        assert relative_error(a, e) < tol, f"{name}: relative error {relative_error(a, e):.2e} >= {tol}"

@@ -42,8 +42,10 @@ def _patched(model) -> list:
         ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
         ("granite", dict(attention_multiplier=0.05)),  # its attention scale: the module's own
         ("smollm3", dict(num_hidden_layers=3)),  # its fourth layer would be without RoPE
+        # sinks, biased q/k/v/o, RoPE tables of half a head, sliding and full layers
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
     ],
-    ids=["qwen3_moe", "qwen3_moe-128-experts", "mixtral", "granite", "smollm3"],
+    ids=["qwen3_moe", "qwen3_moe-128-experts", "mixtral", "granite", "smollm3", "gpt_oss"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_llama_built_layers_take_the_fused_pieces(model_type, config, dtype):
@@ -65,9 +67,8 @@ def test_llama_built_layers_take_the_fused_pieces(model_type, config, dtype):
         ("granite", dict(residual_multiplier=0.22), "its layers compute something else"),
         ("glm4", dict(), "partial_rotary_factor=0.5"),
         ("olmo2", dict(), "normalise the MLP's input or output"),
-        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16), "could not be checked"),
     ],
-    ids=["smollm3-nope", "ernie4_5", "granite-residual", "glm4", "olmo2", "gpt_oss"],
+    ids=["smollm3-nope", "ernie4_5", "granite-residual", "glm4", "olmo2"],
 )
 def test_layers_that_compute_otherwise_keep_their_modules(model_type, config, reason):
     model = _model(model_type, **config)
@@ -120,3 +121,138 @@ def test_fused_generic_layers_train_like_hf_peft(tmp_path):
     for name, value in fast.state_dict().items():
         if "lora_" in name:
             torch.testing.assert_close(value, plain_state[name], rtol=0, atol=5e-5, msg=name)
+
+
+def test_gpt_oss_attention_runs_fused_and_trains_like_hf_peft(tmp_path, monkeypatch):
+    """gpt-oss (no record) through FastModel: its attention, with its sinks, biased q/k/v/o
+    and alternating sliding (4 positions) and full layers, is slothkit's tiled attention,
+    and 4 steps on a left-padded batch give HF + PEFT's losses, first gradients and
+    adapters. The sinks and biases are drawn at order one so that they count; the experts
+    are few and narrow, as the Triton interpreter runs them slowly."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.engine import decoder
+
+    path = tmp_path / "gpt_oss"
+    model = _model(
+        "gpt_oss",
+        intermediate_size=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        head_dim=16,
+        sliding_window=4,
+    )
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks") or ("self_attn" in name and name.endswith("bias")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    model.cpu().save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+
+    tiled_calls = []
+    tiled_attention = decoder.tiled_attention
+
+    def counted(*args, **kwargs):
+        tiled_calls.append(args[7] is not None)  # the sinks reach the kernel
+        return tiled_attention(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "tiled_attention", counted)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    fast = FastModel.get_peft_model(
+        model, r=8, lora_alpha=16, target_modules=attention, use_gradient_checkpointing=False
+    )
+    layers = fast.get_base_model().model.layers
+    assert all(patched_module(layer.self_attn) is not None for layer in layers)
+    assert not any(layer.self_attn.sinks.requires_grad for layer in layers)  # frozen under LoRA
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(3407)
+    plain = (
+        get_peft_model(plain, LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM", target_modules=attention))
+        .train()
+        .to(DEVICE)
+    )
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(sorted(fast.named_parameters()), sorted(plain.named_parameters())):
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+                q.copy_(p)
+
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding, which the loss skips
+    labels = ids.masked_fill(mask == 0, -100)
+    losses, first_gradients = {}, {}
+    for label, model in (("fast", fast), ("plain", plain)):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+        losses[label] = []
+        for step in range(4):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            if step == 0:
+                first_gradients[label] = {
+                    n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n
+                }
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses[label].append(loss.item())
+    assert tiled_calls and all(tiled_calls)
+    assert losses["plain"][-1] < losses["plain"][0]
+    torch.testing.assert_close(torch.tensor(losses["fast"]), torch.tensor(losses["plain"]), rtol=1e-5, atol=0)
+    for name, gradient in first_gradients["plain"].items():
+        torch.testing.assert_close(first_gradients["fast"][name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+    plain_state = plain.state_dict()
+    for name, value in fast.state_dict().items():
+        if "lora_" in name:
+            # Adam divides each step by the gradient's running size, so an entry whose
+            # gradient is near zero moves by its rounding's share of the learning rate.
+            torch.testing.assert_close(value, plain_state[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_fused_gpt_oss_generates_like_hf(tmp_path, monkeypatch):
+    """Hugging Face's generate over the fused gpt-oss (it has no record, so slothkit's fast
+    decode loop does not take it): the prompt runs the tiled attention with the sinks, each
+    new token gpt-oss's own eager attention over the cache, and 6 greedy tokens past a
+    prompt longer than the sliding window equal those of the unpatched model."""
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.engine import decoder
+
+    path = tmp_path / "gpt_oss"
+    model = _model(
+        "gpt_oss",
+        intermediate_size=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        head_dim=16,
+        sliding_window=4,
+    )
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks") or ("self_attn" in name and name.endswith("bias")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    model.cpu().save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    tiled_calls = []
+    tiled_attention = decoder.tiled_attention
+
+    def counted(*args, **kwargs):
+        tiled_calls.append(args[7] is not None)
+        return tiled_attention(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "tiled_attention", counted)
+    fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    assert all(patched_module(layer.self_attn) is not None for layer in fast.model.layers)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    prompt = torch.randint(3, 500, (1, 9), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    tiled_calls.clear()  # the loading check's calls
+    with torch.no_grad():
+        ours = fast.eval().generate(input_ids=prompt, **settings)
+        theirs = plain.generate(input_ids=prompt, **settings)
+    assert tiled_calls == [True, True]  # the prompt, in each of the two layers
+    assert ours.tolist() == theirs.tolist()
