@@ -2,13 +2,16 @@
 
 architecture_for(model.config)     # the fused path's record by config.model_type; None without one
 record_for(model.config)           # any record by config.model_type (GGUF export); None when unknown
+export_record_for(model.config)    # record_for, else a mixture-of-experts family's (GGUF export)
 architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
 shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
 
 RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (every
 record; a record with fused=False would serve export only, its family training on the
-generic path); SHAPES the shapes every record names and those of record-less families
+generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
+(they train on the generic path, so nothing else reads them: no fixture, notebook or fused
+layer); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
 """
@@ -18,7 +21,13 @@ from __future__ import annotations
 import functools
 import warnings
 
-from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits, generic_path_reason
+from slothkit.models.architecture import (
+    Architecture,
+    GGUFExperts,
+    GGUFLayout,
+    TinyTraits,
+    generic_path_reason,
+)
 from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
@@ -29,10 +38,12 @@ from slothkit.models.mistral import MISTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
+from slothkit.models.qwen3_moe import QWEN3_MOE
 from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
+EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE,)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,
@@ -40,15 +51,18 @@ SHAPES: dict[str, Shape] = {
 
 __all__ = [
     "ARCHITECTURES",
+    "EXPERT_RECORDS",
     "RECORDS",
     "SHAPES",
     "Architecture",
+    "GGUFExperts",
     "GGUFLayout",
     "Shape",
     "TinyTraits",
     "architecture_for",
     "architecture_named",
     "architecture_of_shape",
+    "export_record_for",
     "record_for",
     "shape_by_name",
     "supported_summary",
@@ -81,6 +95,16 @@ def record_for(config) -> Architecture | None:
     slothkit knows nothing of its model_type."""
     model_type = getattr(config, "model_type", None)
     for arch in RECORDS:
+        if model_type in arch.model_types:
+            return arch
+    return None
+
+
+def export_record_for(config) -> Architecture | None:
+    """The record GGUF export writes a model of `config` by: record_for's, else the
+    mixture-of-experts family's (EXPERT_RECORDS), else None."""
+    model_type = getattr(config, "model_type", None)
+    for arch in RECORDS + EXPERT_RECORDS:
         if model_type in arch.model_types:
             return arch
     return None

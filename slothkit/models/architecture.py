@@ -18,7 +18,8 @@ rest of slothkit reads what differs between families from it and from nowhere el
     tied_embeddings   the tiny fixtures, the planner's weight bytes
     sliding_window    the tiny fixtures, GGUF metadata, the GGUF verifier's prompt length
     gguf              GGUF export (slothkit.export.gguf: layout, writer, verify, attention,
-                      longrope: the graph's name, tensor layout, rope tensors, query scale)
+                      longrope, experts: the graph's name, tensor layout, rope tensors,
+                      query scale, a mixture-of-experts layer's tensors)
     tiny              slothkit.testing.tiny_models (chat_format: the template of the tiny
                       tokenizer, slothkit.testing.tiny_chat_templates)
     shapes            slothkit.models.SHAPES (planner, bench), the notebooks' tiny model
@@ -47,6 +48,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from slothkit.models.shape import Shape
+
+
+@dataclass(frozen=True)
+class GGUFExperts:
+    """A mixture-of-experts MLP in llama.cpp's layout (slothkit.export.gguf.experts).
+
+    transformers 5 holds a layer's experts as one module (`experts`) with 3-D parameters
+    gate_up_proj (experts, 2 x width, hidden), the gate's rows then the up's, and down_proj
+    (experts, hidden, width); the router's weight (experts, hidden) sits in `router`. The
+    file holds them as blk.N.ffn_gate_exps, ffn_up_exps, ffn_down_exps (each expert's
+    matrix stacked, (experts, out, in) in torch's order) and blk.N.ffn_gate_inp.
+    """
+
+    count_key: str  # config field: how many experts a layer has (expert_count)
+    used_count_key: str  # config field: how many run per token (expert_used_count)
+    width_key: str  # config field: an expert's intermediate size (expert_feed_forward_length)
+    # config field that must be true: llama.cpp's graph renormalises the chosen experts'
+    # softmax weights to sum to 1; None: the family's graph does what HF does.
+    renormalised_key: str | None = None
+    router: str = "mlp.gate"
+    experts: str = "mlp.experts"
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,8 @@ class GGUFLayout:
     # llama.cpp takes a model of this many layers for the family's 27B, whose queries it
     # scales by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (Gemma 3: 62, Gemma 2: 46).
     query_scale_hidden_layers: int | None = None
+    # A mixture-of-experts MLP in every layer, and where its parts are; None: a dense MLP.
+    experts: GGUFExperts | None = None
 
 
 @dataclass(frozen=True)

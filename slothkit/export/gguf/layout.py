@@ -41,7 +41,8 @@ import re
 import numpy as np
 import torch
 
-from slothkit.models import RECORDS, Architecture, record_for
+from slothkit.export.gguf.experts import Piece, expert_pieces
+from slothkit.models import EXPERT_RECORDS, RECORDS, Architecture, export_record_for
 
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -67,11 +68,12 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 def architecture_of(model) -> Architecture:
     """The architecture record of `model`, refused with the supported ones named."""
     config = getattr(model, "config", None)
-    arch = record_for(config)
+    arch = export_record_for(config)
     if arch is None:
         supported = ", ".join(repr(t) for a in RECORDS for t in a.model_types)
+        experts = ", ".join(repr(t) for a in EXPERT_RECORDS for t in a.model_types)
         raise ValueError(
-            f"GGUF export supports the architectures {supported}; "
+            f"GGUF export supports the architectures {supported} and the mixture-of-experts {experts}; "
             f"this model's config.model_type is {getattr(config, 'model_type', None)!r}"
         )
     return arch
@@ -107,6 +109,24 @@ def gguf_tensor_name(hf_name: str, arch: Architecture) -> tuple[str, int | None]
         return None
     layer = int(match.group(1))
     return f"blk.{layer}.{name}.{match.group(3)}", layer
+
+
+def gguf_pieces(hf_name: str, arch: Architecture) -> list[Piece] | None:
+    """The GGUF tensors HF weight `hf_name` goes to: one for a dense weight
+    (gguf_tensor_name), the expert stacks cut from a mixture-of-experts parameter
+    (slothkit.export.gguf.experts); None when it has no place in the file."""
+    pieces = expert_pieces(hf_name, arch)
+    if pieces is not None:
+        return pieces
+    mapped = gguf_tensor_name(hf_name, arch)
+    if mapped is None:
+        return None
+    return [Piece(mapped[0], mapped[1], 0, 1)]
+
+
+def cut(value: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's chunk of an HF weight's rows (the whole weight for a single piece)."""
+    return value if piece.parts == 1 else value.chunk(piece.parts, dim=-2)[piece.part]
 
 
 def _rotary_heads(name: str, arch: Architecture, config) -> int | None:
@@ -185,12 +205,14 @@ def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tens
     stored = {t.name: t for t in GGUFReader(path).tensors}
     weights = {}
     for hf_name, param in model.state_dict().items():
-        mapped = gguf_tensor_name(hf_name, arch)
-        if mapped is None or mapped[0] not in stored:
+        pieces = gguf_pieces(hf_name, arch)
+        if pieces is None or any(piece.name not in stored for piece in pieces):
             continue
-        name = mapped[0]
-        tensor = stored[name]
-        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-        value = from_gguf(value.reshape(param.shape), name, arch, model.config)
+        values = []
+        for piece in pieces:
+            tensor = stored[piece.name]
+            value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
+            values.append(from_gguf(value.reshape(cut(param, piece).shape), piece.name, arch, model.config))
+        value = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
         weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
     return weights

@@ -3,7 +3,8 @@
 Context length, embedding length, block count, feed-forward length, head counts, key/value
 length (head_dim), rope dimension count (head_dim x partial_rotary_factor: the rotated part of
 each head) and base, RMS epsilon, the sliding window where the family has one, rope scaling,
-file type and quantization version. Rope scaling as llama.cpp's converter writes it:
+file type and quantization version; for a mixture-of-experts layer the expert count, how many
+run per token and an expert's width (expert_feed_forward_length). Rope scaling as llama.cpp's converter writes it:
 
     linear     rope.scaling.type and rope.scaling.factor
     llama3     the rope_freqs tensor of per-frequency divisors (llama graph)
@@ -49,6 +50,7 @@ class HyperParameters:
     attn_softcap: float | None = None  # attention-score soft-cap (logit_softcapping)
     final_softcap: float | None = None  # output-logit soft-cap (logit_softcapping)
     longrope: longrope.LongRope | None = None  # rope type "longrope": its factors and lengths
+    experts: tuple[int, int, int] | None = None  # (count, used per token, width); None: dense MLP
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -90,6 +92,16 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         attn_softcap=config.attn_logit_softcapping if arch.gguf.logit_softcapping else None,
         final_softcap=config.final_logit_softcapping if arch.gguf.logit_softcapping else None,
         longrope=scaling,
+        experts=_experts(config, arch),
+    )
+
+
+def _experts(config, arch: Architecture) -> tuple[int, int, int] | None:
+    fields = arch.gguf.experts
+    if fields is None:
+        return None
+    return tuple(
+        int(getattr(config, key)) for key in (fields.count_key, fields.used_count_key, fields.width_key)
     )
 
 
@@ -124,6 +136,11 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
         writer.add_attn_logit_softcapping(float(hp.attn_softcap))
     if hp.final_softcap is not None:
         writer.add_final_logit_softcapping(float(hp.final_softcap))
+    if hp.experts is not None:
+        count, used, width = hp.experts
+        writer.add_expert_count(count)
+        writer.add_expert_used_count(used)
+        writer.add_expert_feed_forward_length(width)
 
 
 def llama3_rope_divisors(hp: HyperParameters) -> torch.Tensor:

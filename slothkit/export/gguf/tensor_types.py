@@ -11,16 +11,19 @@
     q6_k     MOSTLY_Q6_K     Q6_K                             llama-quantize Q6_K
 
 Always F32, whatever the method: vectors (RMSNorm weights, biases, rope_freqs), as llama.cpp
-computes norms in F32 and both llama.cpp tools leave them unquantised.
+computes norms in F32 and both llama.cpp tools leave them unquantised; and a mixture-of-experts
+router (ffn_gate_inp), which both keep in F32 too.
 
 The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense models):
   - output.weight, or token_embd.weight when the output is tied to it (Gemma): Q6_K
     (Q8_0 if its rows are not a multiple of 256; kept Q8_0 for a Q8_0 base);
-  - _M variants: attn_v.weight and ffn_down.weight get Q6_K in the layers where
+  - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight too: llama-quantize
+    matches "ffn_down" in the name) get Q6_K in the layers where
     `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
     (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31);
   - attn_qkv.weight (Phi-3's fused q/k/v): Q5_K in Q4_K_M, Q6_K in Q5_K_M, in every layer;
-  - every other 2-D weight, token_embd included when untied: the base type.
+  - every other 2-D weight, token_embd included when untied, and every 3-D expert stack
+    (quantised row by row, as a 2-D weight of its rows): the base type.
 Fallback for rows that a type's block cannot tile (tensor_type_fallback): Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0 when the row length is not a multiple of 256; then F16 when it is
 not even a multiple of 32 (Q4_0, Q5_0, Q5_1, Q8_0 blocks). The converter's own types (q8_0)
@@ -162,8 +165,12 @@ def mix_type(
     output_tied_to_embeddings: bool,
 ) -> GGMLQuantizationType:
     """The type `method`'s mix gives tensor `name`, before any fallback for its row length."""
-    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight"):
-        return T.F32
+    if (
+        len(shape) < 2
+        or not name.endswith(".weight")
+        or name.endswith(("_norm.weight", ".ffn_gate_inp.weight"))
+    ):
+        return T.F32  # vectors, norms and a mixture-of-experts router (as llama-quantize keeps it)
     if not method.mixed:
         return method.base
     is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
@@ -173,7 +180,7 @@ def mix_type(
         return _QKV_STEP[method.file_type]
     if (
         method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
-        and name.endswith((".attn_v.weight", ".ffn_down.weight"))
+        and name.endswith((".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight"))
         and layer is not None
         and use_more_bits(layer, n_layers)
     ):

@@ -52,7 +52,8 @@ from slothkit.export.disk_space import (
     megabytes,
 )
 from slothkit.export.gguf import tensor_types as types
-from slothkit.export.gguf.layout import architecture_of, gguf_tensor_name, to_gguf
+from slothkit.export.gguf.experts import Piece, check_experts
+from slothkit.export.gguf.layout import architecture_of, cut, gguf_pieces, to_gguf
 from slothkit.export.gguf.metadata import (
     HyperParameters,
     hyperparameters,
@@ -87,8 +88,9 @@ def save_pretrained_gguf(
 
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
-            (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2); slothkit.export.merge turns a LoRA/QLoRA
-            model into one.
+            (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral, and the
+            mixture-of-experts qwen3_moe); slothkit.export.merge turns a LoRA/QLoRA model
+            into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
@@ -366,6 +368,7 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
     """(gguf name, () -> tensor, shape, layer or None) for every tensor of the file, in order;
     the producer applies the layout's transformation (layout.to_gguf) only when called."""
     state = model.state_dict()
+    check_experts(model.config, arch, state)
     embed = state.get("model.embed_tokens.weight")
     head = state.get("lm_head.weight")
     head_is_embed = (
@@ -397,12 +400,13 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             continue  # buffers recomputed by both sides
         if hf_name == "lm_head.weight" and head_is_embed:
             continue
-        mapped = gguf_tensor_name(hf_name, arch)
-        if mapped is None:
+        pieces = gguf_pieces(hf_name, arch)
+        if pieces is None:
             unknown.append(hf_name)
             continue
-        name, layer = mapped
-        yield name, _producer(tensor, name, arch, model.config), tuple(tensor.shape), layer
+        for piece in pieces:
+            shape = tuple(cut(tensor, piece).shape)
+            yield piece.name, _producer(tensor, piece, arch, model.config), shape, piece.layer
     if unknown:
         raise ValueError(
             f"GGUF export does not know where these weights go: {unknown[:8]}"
@@ -410,9 +414,9 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
         )
 
 
-def _producer(tensor: torch.Tensor, name: str, arch: Architecture, config):
+def _producer(tensor: torch.Tensor, piece: Piece, arch: Architecture, config):
     def produce() -> torch.Tensor:
-        return to_gguf(tensor.detach(), name, arch, config)
+        return to_gguf(cut(tensor.detach(), piece), piece.name, arch, config)
 
     return produce
 

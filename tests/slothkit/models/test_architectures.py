@@ -9,11 +9,13 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from slothkit.models import (
     ARCHITECTURES,
+    EXPERT_RECORDS,
     RECORDS,
     SHAPES,
     architecture_for,
     architecture_named,
     architecture_of_shape,
+    export_record_for,
     record_for,
 )
 from slothkit.testing import TOKENIZER_FLAVOURS
@@ -182,3 +184,24 @@ def test_configs_the_fused_layers_do_not_compute_stay_on_the_generic_path(recwar
     ]
     assert architecture_for(AutoConfig.for_model("phi3", resid_pdrop=0.1)) is None
     assert architecture_for(AutoConfig.for_model("phi3", partial_rotary_factor=1.0)) is phi3
+
+
+@pytest.mark.parametrize("arch", EXPERT_RECORDS, ids=lambda a: a.name)
+def test_expert_records_agree_with_transformers_and_gguf(arch):
+    """A mixture-of-experts record (export only): transformers' class and config fields, an
+    experts module and router where it says, and a GGUF graph with expert stacks."""
+    by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    assert gguf.MODEL_TENSOR.FFN_GATE_EXP in gguf.MODEL_TENSORS[by_name[arch.gguf.arch]]
+    experts = arch.gguf.experts
+    for model_type in arch.model_types:
+        config = AutoConfig.for_model(model_type, **TINY, num_experts=4, num_local_experts=4)
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == arch.causal_lm_class
+        assert record_for(config) is None and architecture_for(config) is None  # trains generic
+        assert export_record_for(config) is arch and not arch.fused
+        for key in (experts.count_key, experts.used_count_key, experts.width_key, experts.renormalised_key):
+            assert key is None or hasattr(config, key), key
+        with torch.device("meta"):
+            layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+        module = layer.get_submodule(experts.experts)
+        assert module.gate_up_proj.ndim == module.down_proj.ndim == 3
+        assert layer.get_submodule(experts.router).weight.shape == (4, TINY["hidden_size"])

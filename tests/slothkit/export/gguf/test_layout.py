@@ -1,6 +1,7 @@
 """Where HF weights go in a GGUF file and how they are transformed (slothkit.export.gguf.layout),
 checked without writing a file; test_writer.py checks the files llama.cpp reads."""
 
+import re
 import types
 
 import gguf
@@ -10,12 +11,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from slothkit.export.gguf.layout import (
     from_gguf,
+    gguf_pieces,
     gguf_tensor_name,
     permute_rotary_rows,
     to_gguf,
     unpermute_rotary_rows,
 )
-from slothkit.models import RECORDS, architecture_named
+from slothkit.models import EXPERT_RECORDS, RECORDS, architecture_named
 
 
 @pytest.mark.parametrize(
@@ -142,3 +144,37 @@ def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
     )
     assert not torch.allclose(plain, hf_scores, atol=1e-2)  # without the permutation they differ
     assert torch.equal(unpermute_rotary_rows(pq, heads), wq)
+
+
+@pytest.mark.parametrize("arch", EXPERT_RECORDS, ids=lambda a: a.name)
+def test_every_expert_weight_is_named_as_the_gguf_package_names_it(arch):
+    """A mixture-of-experts model's weights get gguf-py's names for the record's graph: the
+    router and down_proj by their own HF names, the halves of the fused gate_up_proj by the
+    names of the separate gate_proj and up_proj that the tensor map knows, each piece a tensor
+    of the graph."""
+    config = AutoConfig.for_model(
+        arch.model_types[0], hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=64, pad_token_id=0,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    tensor_map = gguf.get_tensor_name_map(by_name[arch.gguf.arch], 2)
+    graph = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[by_name[arch.gguf.arch]]}
+    halves = {"gate_up_proj": ("gate_proj", "up_proj")}
+    written = []
+    for hf_name, _ in model.named_parameters():
+        stem, _, kind = hf_name.rpartition(".")
+        if kind in halves:  # a 3-D parameter: no .weight suffix in HF, .weight in GGUF
+            expected = [tensor_map.get_name(f"{stem}.{half}") + ".weight" for half in halves[kind]]
+        elif kind == "down_proj":
+            expected = [tensor_map.get_name(hf_name) + ".weight"]
+        else:
+            expected = [tensor_map.get_name(stem) + "." + kind]
+        pieces = gguf_pieces(hf_name, arch)
+        assert [piece.name for piece in pieces] == expected, hf_name
+        written += [piece.name for piece in pieces]
+    layer_names = {re.sub(r"blk\.\d+\.", "blk.{bid}.", name).rsplit(".", 1)[0] for name in written}
+    assert layer_names <= graph
+    assert {"blk.{bid}.ffn_gate_inp", "blk.{bid}.ffn_gate_exps", "blk.{bid}.ffn_up_exps"} <= layer_names

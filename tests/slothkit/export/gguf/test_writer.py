@@ -539,7 +539,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     _, tokenizer = tiny("llama")
     supported = ", ".join(repr(model_type) for record in RECORDS for model_type in record.model_types)
     assert "'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'" in supported
-    with pytest.raises(ValueError, match=f"supports the architectures {re.escape(supported)}; .* 'olmo2'"):
+    expected = f"supports the architectures {re.escape(supported)} and the mixture-of-experts 'qwen3_moe'; "
+    with pytest.raises(ValueError, match=f"{expected}.* 'olmo2'"):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
 
