@@ -35,6 +35,7 @@ from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.decoder import bind_forward
 from slothkit.engine.experts_nf4 import (
     has_nf4_experts,
+    nf4_expert_bytes,
     nf4_experts_of,
     quantize_expert_parameters,
     say_quantized,
@@ -238,17 +239,19 @@ def patch_experts(model: nn.Module) -> int:
 
 
 def _quantize_fused_experts(blocks: list[nn.Module]) -> None:
-    """Quantise the weights of the experts modules the fused experts compute, said once
-    with the bytes.  Judged without grad: at loading the parameters still require it, which
-    PEFT turns off."""
+    """Quantise the weights of the experts modules the fused experts compute (those
+    quantised while loading are left), said once with the bytes of all of them.  Judged
+    without grad: at loading the parameters still require it, which PEFT turns off."""
     quantized, before, after = 0, 0, 0
     for module in blocks:
         with torch.no_grad():
             call = describe_experts(module)
         if not isinstance(call, ExpertsCall):
             continue
-        taken, left = quantize_expert_parameters(experts_base(module)[0], (GATE_UP, DOWN))
-        quantized, before, after = quantized + (taken > 0), before + taken, after + left
+        experts = experts_base(module)[0]
+        quantize_expert_parameters(experts, (GATE_UP, DOWN))
+        took, takes = nf4_expert_bytes(experts, (GATE_UP, DOWN))
+        quantized, before, after = quantized + (took > 0), before + took, after + takes
     if quantized:
         say_quantized(quantized, before, after)
 

@@ -3,10 +3,13 @@
 bitsandbytes quantises nn.Linear layers only, so a model loaded with load_in_4bit=True
 keeps its experts' 3-D parameters (gate_up_proj, down_proj) in 16 bits: most of a
 mixture-of-experts model's weights.  Where slothkit's fused experts compute an experts
-module (slothkit.engine.experts), it quantises those two parameters at patch time to
+module (slothkit.engine.experts), it quantises those two parameters to
 slothkit_kernels.moe.NF4Experts (bitsandbytes' NF4 with double-quantised scales, per
 expert), on the parameter's device, one expert at a time, and the fused experts read the
-4-bit codes inside their GEMMs.  About 4.13 bits per weight remain of 16.
+4-bit codes inside their GEMMs.  About 4.13 bits per weight remain of 16.  FastModel
+quantises each parameter as transformers loads it (slothkit.engine.experts_loading), so
+at most one layer's experts are ever in 16 bits; a model quantised otherwise gets its
+experts quantised when the fused experts are bound.
 
 The parameter stays on the module, for what reads its shape, dtype and device (PEFT's
 target_parameters wrappers among them), as a frozen placeholder of that shape whose every
@@ -41,20 +44,37 @@ def _placeholder(weight: torch.Tensor, record: NF4Experts) -> nn.Parameter:
     return placeholder
 
 
-def quantize_expert_parameters(experts: nn.Module, names: tuple[str, ...]) -> tuple[int, int]:
+def nf4_placeholder(weight: torch.Tensor) -> nn.Parameter:
+    """The frozen placeholder standing for ``weight`` (E, rows, cols) quantised to NF4;
+    ``weight`` itself is left to the caller to drop."""
+    with torch.no_grad():
+        return _placeholder(weight, quantize_nf4_experts(weight.detach()))
+
+
+def quantize_expert_parameters(experts: nn.Module, names: tuple[str, ...]) -> int:
     """Quantise the experts module's 3-D parameters ``names`` to NF4 in place (each freed
-    once its record is made); (bytes before, bytes after)."""
-    before = after = 0
+    once its record is made); how many it quantised (those already quantised are left)."""
+    quantized = 0
     for name in names:
         weight = getattr(experts, name)
         if nf4_experts_of(weight) is not None:
             continue
-        with torch.no_grad():
-            record = quantize_nf4_experts(weight.detach())
-        before += weight.numel() * weight.element_size()
-        after += record.nbytes()
-        setattr(experts, name, _placeholder(weight, record))
+        setattr(experts, name, nf4_placeholder(weight))
         del weight
+        quantized += 1
+    return quantized
+
+
+def nf4_expert_bytes(experts: nn.Module, names: tuple[str, ...]) -> tuple[int, int]:
+    """(bytes the quantised parameters among ``names`` took in their dtype, bytes their
+    NF4 records take); (0, 0) where none is quantised."""
+    before = after = 0
+    for name in names:
+        weight = getattr(experts, name, None)
+        record = nf4_experts_of(weight)
+        if record is not None:
+            before += weight.numel() * weight.element_size()
+            after += record.nbytes()
     return before, after
 
 
@@ -66,7 +86,7 @@ def say_quantized(blocks: int, before: int, after: int) -> None:
     """The notice of quantised experts, with the bytes they took and take."""
     say_once(
         f"slothkit: the model is loaded in 4 bits, but bitsandbytes leaves mixture-of-experts "
-        f"weights in 16 bits; slothkit quantised the experts of {blocks} layers to NF4 "
+        f"weights alone; slothkit quantised the experts of {blocks} layers to NF4 "
         f"(bitsandbytes' 4-bit format, double-quantised scales): their weights took "
         f"{_size(before)} ({before} bytes) and take {_size(after)} ({after} bytes). Only the fused "
         f"experts read them; to save a merged model, load with load_in_4bit=False",

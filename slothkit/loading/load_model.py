@@ -36,6 +36,7 @@ from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import patch_decoder
 from slothkit.engine.experts import patch_experts
+from slothkit.engine.experts_loading import quantized_experts_while_loading, settle_loaded_experts
 from slothkit.engine.generic_head import fuse_generic_head
 from slothkit.engine.generic_layers import fuse_generic_layers
 from slothkit.engine.nf4_layout import keep_nf4_layout
@@ -122,11 +123,16 @@ def load_model(model_name: str, options: LoadOptions):
     tokenizer = load_tokenizer(model_name, options.token)
     if text_config is not None:
         renders_text_by_default(tokenizer)
-    with unreported_vision_weights() if text_config is not None else contextlib.nullcontext():
+    quantization_config = _quantization_config(config, options.load_in_4bit, dtype)
+    experts_at_load = _experts_quantized_while_loading(config, quantization_config, options)
+    with (
+        unreported_vision_weights() if text_config is not None else contextlib.nullcontext(),
+        experts_at_load as experts_loaded,
+    ):
         model, loading_info = _auto_class(options.num_labels).from_pretrained(
             model_name,
             dtype=dtype,
-            quantization_config=_quantization_config(config, options.load_in_4bit, dtype),
+            quantization_config=quantization_config,
             device_map=device_map,
             token=options.token,
             attn_implementation=attention_for(
@@ -148,6 +154,8 @@ def load_model(model_name: str, options: LoadOptions):
         take_generic_path(model, options.fused)
     elif takes_fused_path(model, arch, options.fused):
         patch_decoder(model, arch)
+    if experts_loaded is not None:
+        settle_loaded_experts(experts_loaded, causal_lm_of(model))
     watch_position_limit(causal_lm_of(model))
     link_tokenizer(model, tokenizer)
     set_max_seq_length(model, max_seq_length, checked=True)
@@ -234,6 +242,20 @@ def _quantization_config(config, load_in_4bit: bool, dtype: torch.dtype):
     return BitsAndBytesConfig(**nf4_settings(dtype))
 
 
+def _experts_quantized_while_loading(config, quantization_config, options: LoadOptions):
+    """quantized_experts_while_loading where the loaded model's experts will be fused and
+    quantised to NF4 (bitsandbytes quantises it while loading, and it takes the generic
+    path, whose fused experts run where Triton does or everywhere with fused=True), so that
+    they are quantised one parameter at a time as they load; else a block that does
+    nothing (and yields None)."""
+    takes_generic_path = options.num_labels is None and architecture_for(config) is None
+    if quantization_config is None or not takes_generic_path or options.fused is False:
+        return contextlib.nullcontext()
+    if options.fused:
+        return quantized_experts_while_loading(lambda device: True)
+    return quantized_experts_while_loading(lambda device: device.type == "cuda" and triton_runs_on(device))
+
+
 def _auto_class(num_labels: int | None):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -278,8 +300,10 @@ def take_generic_path(model, fused: bool | None) -> None:
     if fused is None and (device.type != "cuda" or not triton_runs_on(device)):
         _warn_unsupported(model_type)
         return
-    reason = fuse_generic_head(causal_lm)
+    # The experts first: the head's check runs the model, whose experts may already be NF4
+    # (slothkit.engine.experts_loading), which only the fused experts read.
     expert_blocks = patch_experts(causal_lm)
+    reason = fuse_generic_head(causal_lm)
     layers_reason = fuse_generic_layers(causal_lm)
     if reason is not None and fused and not expert_blocks and layers_reason is not None:
         raise ValueError(

@@ -234,13 +234,17 @@ def plan(
             )
     fits = None if budget is None else recompute is not None
     if mode == "qlora" and shape.experts():
-        # bitsandbytes loads 3-D expert parameters in 16 bits; slothkit quantises them
-        # once the model is loaded (slothkit.engine.experts_nf4), so loading needs them
-        # whole on the GPU first.
-        loading = weights_bytes(shape, "lora") / GIB
+        # bitsandbytes leaves the experts' 3-D parameters alone; slothkit quantises each to
+        # NF4 as transformers loads it (slothkit.engine.experts_loading), so loading holds
+        # the 4-bit weights and one experts parameter in 16 bits: a per-expert checkpoint's
+        # gate/up is read as every expert's gate and up, each stacked, then joined, up to
+        # three copies of it at once.
+        experts = shape.experts()
+        gate_up = 2 * experts.count * experts.width * shape.hidden_size * 2
+        loading = (weights_bytes(shape, "qlora") + 3 * gate_up) / GIB
         notes.append(
-            f"the experts load in 16 bits and are quantised to NF4 after loading: loading needs "
-            f"about {loading:.1f} GiB"
+            f"the experts are quantised to NF4 as they load, one layer at a time: loading peaks "
+            f"at about {loading:.1f} GiB"
         )
         if budget is not None and loading * GIB > budget:
             fits = False

@@ -8,12 +8,14 @@ auxiliary loss included where the config asks for it. What the fused experts do 
 compute runs the module's own forward, said once, with the same numbers.
 """
 
+import contextlib
 import warnings
 
 import pytest
 import torch
 
 import slothkit.engine.experts as experts_glue
+import slothkit.loading.load_model as load_model_glue
 from slothkit import FastModel
 from slothkit.core.model_state import patched_module
 from slothkit.engine.experts import describe_experts, experts_base, experts_modules
@@ -68,7 +70,7 @@ def _checkpoint(tmp_path, model_type: str, **extra):
         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **sizes, **FAMILIES[model_type], **extra)
+    config = AutoConfig.for_model(model_type, **{**sizes, **FAMILIES[model_type], **extra})
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # gpt-oss's biases start at zero: make them count
         for name, parameter in model.named_parameters():
@@ -247,6 +249,12 @@ def test_greedy_generation_is_hf_peft_s(family, tmp_path, fused_calls):
     assert fused_calls.count(True) == 2 * 8  # two layers, a prefill and seven steps
 
 
+def _loaded_in_16_bits(*args):
+    """In place of load_model's choice: the experts load in 16 bits and are quantised
+    where the fused experts are bound."""
+    return contextlib.nullcontext()
+
+
 def _load_4bit(path, dequantized_back: bool):
     """A 4-bit model with LoRA; with ``dequantized_back`` its experts' weights are quantised
     as the 4-bit path quantises them and put back as 16-bit tensors of the dequantised
@@ -259,16 +267,18 @@ def _load_4bit(path, dequantized_back: bool):
 
         def dequantize_back(experts, names):
             if id(experts) in done:
-                return 0, 0
+                return 0
             done.add(id(experts))
             for name in names:
                 record = quantize_nf4_experts(getattr(experts, name).detach())
                 setattr(experts, name, torch.nn.Parameter(record.dequantize(), requires_grad=False))
-            return 0, 0
+            return 0
 
-        # Through get_peft_model too, which binds the fused experts (and quantises) again.
+        # Through get_peft_model too, which binds the fused experts (and quantises) again;
+        # loaded in 16 bits, to be quantised where the fused experts are bound.
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(experts_glue, "quantize_expert_parameters", dequantize_back)
+            patch.setattr(load_model_glue, "_experts_quantized_while_loading", _loaded_in_16_bits)
             model, _ = FastModel.from_pretrained(
                 str(path), dtype=torch.float32, load_in_4bit=True, fused=True
             )
