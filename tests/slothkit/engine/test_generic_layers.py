@@ -28,6 +28,30 @@ def _model(model_type: str, dtype=torch.float32, **config):
     )
 
 
+def _gpt_oss_checkpoint(tmp_path, seed: int):
+    """A tiny gpt-oss saved with its tokenizer, its sinks and attention biases drawn at
+    order one so that they count (they start at zero); returns the folder, the model and
+    the generator, to draw more from.  Its experts are few and narrow, as the Triton
+    interpreter runs them slowly."""
+    path = tmp_path / "gpt_oss"
+    model = _model(
+        "gpt_oss",
+        intermediate_size=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        head_dim=16,
+        sliding_window=4,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks") or ("self_attn" in name and name.endswith("bias")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    model.cpu().save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    return path, model, generator
+
+
 def _patched(model) -> list:
     return [m for m in model.model.modules() if patched_module(m) is not None]
 
@@ -134,23 +158,8 @@ def test_gpt_oss_attention_runs_fused_and_trains_like_hf_peft(tmp_path, monkeypa
 
     from slothkit.engine import decoder
 
-    path = tmp_path / "gpt_oss"
-    model = _model(
-        "gpt_oss",
-        intermediate_size=32,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        head_dim=16,
-        sliding_window=4,
-    )
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("sinks") or ("self_attn" in name and name.endswith("bias")):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    path, model, generator = _gpt_oss_checkpoint(tmp_path, seed=5)
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
-    model.cpu().save_pretrained(path)
-    build_tiny_tokenizer("bpe", path)
 
     tiled_calls = []
     tiled_attention = decoder.tiled_attention
@@ -221,22 +230,7 @@ def test_fused_gpt_oss_generates_like_hf(tmp_path, monkeypatch):
 
     from slothkit.engine import decoder
 
-    path = tmp_path / "gpt_oss"
-    model = _model(
-        "gpt_oss",
-        intermediate_size=32,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        head_dim=16,
-        sliding_window=4,
-    )
-    generator = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("sinks") or ("self_attn" in name and name.endswith("bias")):
-                parameter.copy_(torch.randn(parameter.shape, generator=generator))
-    model.cpu().save_pretrained(path)
-    build_tiny_tokenizer("bpe", path)
+    path, model, _ = _gpt_oss_checkpoint(tmp_path, seed=6)
     tiled_calls = []
     tiled_attention = decoder.tiled_attention
 
