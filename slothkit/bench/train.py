@@ -189,6 +189,7 @@ def summarise(results: dict[str, list[dict]], args, peak_tflops: float | None) -
             "adapters_in_sync",
             "allocator",
             "peak_host_scope",
+            "trainable_parameters",
         )
         for key in last_run_keys:  # the last run's
             if key in ok[-1]:

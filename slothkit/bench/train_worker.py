@@ -141,6 +141,9 @@ def run(args) -> dict | None:
         "losses": losses,
         "final_loss": losses[-1],
         "loaded_gib": loaded / 2**30,
+        # What each implementation adapts: Unsloth and PEFT may read the same target names
+        # differently on a mixture-of-experts model (experts' 3-D weights or not).
+        "trainable_parameters": sum(p.numel() for p in params),
     }
     if args.impl == "slothkit":
         result.update(slothkit_settings(model))

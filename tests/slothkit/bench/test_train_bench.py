@@ -155,6 +155,8 @@ def test_tiny_run_writes_a_record(tmp_path, capsys, monkeypatch):
         assert len(times) == 2 and rows[impl]["step_s"] == pytest.approx(sum(times) / 2)
         assert all(torch.isfinite(torch.tensor(rows[impl]["losses"])))
         assert rows[impl]["recomputed"] == 1.0  # slothkit offloads, HF checkpoints, every layer
+    # Both adapt the same weights.
+    assert rows["slothkit"]["trainable_parameters"] == rows["hf"]["trainable_parameters"] > 0
     # Same model, data and LoRA init: the first losses agree.
     assert rows["slothkit"]["losses"][0] == pytest.approx(rows["hf"]["losses"][0], rel=1e-4)
     # slothkit reports how many layer graphs it replayed: none on a CPU; on a GPU of
