@@ -139,6 +139,13 @@ STEPS = 4
 CHECKPOINTING = ["default", "unsloth", "auto", True, False]
 
 
+# FastModel loads onto the GPU where there is one; the reference trains beside it. On a
+# GPU, fp32 matrix products inside Triton kernels round their inputs to TF32 (10-bit
+# mantissa), hence the wider tolerance there.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = 2e-3 if DEVICE == "cuda" else 1e-5
+
+
 @pytest.fixture(scope="module")
 def sharing_checkpoints(tmp_path_factory):
     """tiny-gemma4 and tiny-gemma3n (slothkit.models.generic_shapes) as checkpoints with a
@@ -172,6 +179,7 @@ def _plain_peft(path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(DEVICE)  # where FastModel puts it
     torch.manual_seed(3407)  # FastModel.get_peft_model's random_state
     config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=TARGETS)
     return get_peft_model(model, config).train()
@@ -180,7 +188,7 @@ def _plain_peft(path):
 def _train(model):
     """STEPS steps of AdamW: each step's loss and LoRA gradients."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 500, (2, 12), generator=g)
+    ids = torch.randint(3, 500, (2, 12), generator=g).to(DEVICE)
     labels = ids.clone()
     labels[0, :3] = -100
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
@@ -216,12 +224,12 @@ def test_shared_kv_and_per_layer_inputs_train_like_hf_peft(name, checkpointing, 
     watched = [f"layers.{i}.self_attn.{p}_proj.lora_B" for i in producers for p in "kv"]
     watched.append("per_layer_model_projection.lora_B")
     for (loss, grads), (expected_loss, expected_grads) in zip(got, expected):
-        assert loss == pytest.approx(expected_loss, rel=1e-5)
+        assert loss == pytest.approx(expected_loss, rel=TOLERANCE)
         assert set(grads) == set(expected_grads)
         for part in watched:
             assert any(part in n and expected_grads[n].abs().max() > 0 for n in expected_grads), part
         for n, value in expected_grads.items():
-            torch.testing.assert_close(grads[n], value, rtol=1e-5, atol=1e-5, msg=n)
+            torch.testing.assert_close(grads[n], value, rtol=TOLERANCE, atol=TOLERANCE, msg=n)
 
 
 def test_a_forward_without_backward_leaves_nothing_behind():
