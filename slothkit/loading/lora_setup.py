@@ -87,6 +87,7 @@ def lora_config(model, settings: LoraSettings):
     if target_modules != ALL_LINEAR:
         target_modules, modules_to_save = embeddings_trained_in_full(target_modules, modules_to_save)
         target_modules = onto_fused_projections(model, target_modules)
+        target_modules = onto_linear_attention(model, target_modules)
         target_modules, target_parameters = onto_expert_parameters(model, target_modules)
     check_lora_shape(model, target_modules, r, settings.lora_alpha, target_parameters)
     if settings.bias not in BIASES:
@@ -146,6 +147,53 @@ def onto_fused_projections(model, target_modules: list) -> list:
                 f"(target_modules={fused!r} says so directly)",
                 SettingChangedWarning,
             )
+    return names
+
+
+# Gated DeltaNet layers (Qwen3.5, Qwen3-Next): linear attention in place of self-attention
+# in three layers of four, with its own projections.  Their input projections (queries,
+# keys and values; the output gate z) and output projection do what q/k/v/o do in the
+# full-attention layers; the two per-head scalars' projections (in_proj_a, in_proj_b: the
+# decay and the write strength, one number per head) are left, as they are a few
+# thousand weights each.
+ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+LINEAR_ATTENTION_INPUTS = ("in_proj_qkv", "in_proj_qkvz", "in_proj_z")
+
+
+def linear_attention_projections(model) -> list[str]:
+    """The leaf names of the gated DeltaNet layers' projections that LoRA adapts beside
+    q/k/v/o: the input projections and out_proj, where every out_proj is one of them."""
+    inputs, outputs, other_outputs = set(), 0, 0
+    for _, module in model.named_modules():
+        children = module._modules
+        found = [name for name in LINEAR_ATTENTION_INPUTS if isinstance(children.get(name), torch.nn.Module)]
+        inputs.update(found)
+        if "out_proj" in children:
+            if found:
+                outputs += 1
+            else:
+                other_outputs += 1
+    if not inputs:
+        return []
+    return sorted(inputs) + (["out_proj"] if outputs and not other_outputs else [])
+
+
+def onto_linear_attention(model, target_modules: list) -> list:
+    """``target_modules`` with the gated DeltaNet projections added where all of q/k/v/o
+    are asked for, said once: "the attention" of a hybrid model is both kinds of layer,
+    and three of its four layers have no q_proj."""
+    names = list(target_modules)
+    if not all(name in names for name in ATTENTION_NAMES):
+        return names
+    added = [name for name in linear_attention_projections(model) if name not in names]
+    if added:
+        names += added
+        say_once(
+            f"slothkit: this model's linear-attention (gated DeltaNet) layers project through "
+            f"{', '.join(added)} rather than q/k/v/o_proj; LoRA adapts them as it adapts q/k/v/o_proj "
+            f"in the full-attention layers",
+            SettingChangedWarning,
+        )
     return names
 
 

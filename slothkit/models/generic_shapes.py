@@ -42,6 +42,14 @@ _TINY_GEMMA3N = {
     "layer_types": ["sliding_attention", "full_attention"] * 2,
 }  # fmt: skip
 
+# Qwen3.5's text model: three gated DeltaNet (linear attention) layers, then one gated
+# full-attention layer with a quarter of each head rotated.
+_TINY_QWEN3_5 = {
+    "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+}  # fmt: skip
+
 # Record-less families whose attention normalises each head's q and k (Qwen3's q_norm and
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
 # they keep (slothkit.memory.memory_model.kept_layer_bytes).
@@ -58,6 +66,7 @@ GENERIC_SHAPES: dict[str, Shape] = {
     "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "head_dim": 16}),
     "tiny-gemma4": Shape("gemma4_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA4),
     "tiny-gemma3n": Shape("gemma3n_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA3N),
+    "tiny-qwen3.5": Shape("qwen3_5_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_QWEN3_5),
     "tiny-gpt-oss": Shape("gpt_oss", 64, 32, 2, 4, 2, 512, 2048, {**_GPT_OSS, "num_local_experts": 8, "head_dim": 16, "sliding_window": 8}),
 }
 # fmt: on

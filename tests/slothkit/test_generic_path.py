@@ -37,7 +37,7 @@ def _checkpoint(tmp_path, model_type: str, **config):
         num_key_value_heads=2, vocab_size=768, max_position_embeddings=2048, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **config))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**sizes, **config}))
     path = tmp_path / model_type
     model.save_pretrained(path)
     build_tiny_tokenizer("bpe", path)
@@ -242,6 +242,34 @@ def test_moe_targets_name_what_is_wrong(tmp_path):
         )
     fast = FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "gate_proj", "up_proj"])
     assert set(fast.peft_config["default"].target_parameters) == {"experts.gate_up_proj"}
+
+
+def test_qwen3_5_adapts_its_linear_attention_layers_like_hf_peft(tmp_path):
+    """Qwen3.5's gated DeltaNet layers (three in four) have no q/k/v/o_proj: the default
+    targets adapt their input and output projections too, said once, and 8 steps give the
+    losses and adapters of HF + PEFT given those targets. The per-head scalars'
+    projections (in_proj_a, in_proj_b) are left."""
+    from slothkit.models.generic_shapes import GENERIC_SHAPES
+
+    extra = {k: v for k, v in GENERIC_SHAPES["tiny-qwen3.5"].extra.items() if k != "vocab_size"}
+    path = _checkpoint(tmp_path, "qwen3_5_text", num_hidden_layers=4, **extra)
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    with pytest.warns(UserWarning, match="gated DeltaNet.*in_proj_qkv, in_proj_z, out_proj"):
+        fast = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    targets = TARGETS + ["in_proj_qkv", "in_proj_z", "out_proj"]
+    assert fast.peft_config["default"].target_modules == set(targets)
+    adapted = {n.split(".lora_A")[0].split("layers.")[1] for n, _ in fast.named_parameters() if "lora_A" in n}
+    assert {"0.linear_attn.in_proj_qkv", "2.linear_attn.out_proj", "3.self_attn.q_proj"} <= adapted
+    assert not any("in_proj_a" in name or "in_proj_b" in name for name in adapted)
+
+    plain = _plain_peft(path, targets=targets)
+    ids = torch.randint(3, 600, (2, 12), generator=torch.Generator().manual_seed(0))
+    _assert_trains_like(fast, plain, ids)
+
+    # Without all of q/k/v/o the user chose the layers: nothing is added.
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    fast = FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "v_proj", "gate_proj"])
+    assert fast.peft_config["default"].target_modules == {"q_proj", "v_proj", "gate_proj"}
 
 
 def test_a_decoder_whose_layers_are_not_at_model_layers_trains(tmp_path):
