@@ -540,7 +540,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     supported = ", ".join(repr(model_type) for record in RECORDS for model_type in record.model_types)
     assert "'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'" in supported
     experts = ", ".join(repr(model_type) for record in EXPERT_RECORDS for model_type in record.model_types)
-    assert "'qwen3_moe', 'gpt_oss'" in experts
+    assert "'qwen3_moe', 'gpt_oss', 'mixtral'" in experts
     expected = f"supports the architectures {re.escape(supported)} and the mixture-of-experts {experts}; "
     with pytest.raises(ValueError, match=f"{expected}.* 'olmo2'"):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
