@@ -242,3 +242,17 @@ def test_a_gpt_oss_llama_cpp_computes_otherwise_is_refused(changes, message, tmp
     with pytest.raises(NotImplementedError, match=message):
         save_pretrained_gguf(model, tmp_path / "out", None, "q8_0")
     assert not (tmp_path / "out").exists()
+
+
+def test_yarn_is_refused_for_a_graph_that_does_not_run_it(tmp_path):
+    """YaRN is written only for the records whose llama.cpp graph is known to run it."""
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=768, pad_token_id=0, rope_parameters=YARN,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        NotImplementedError, match="'yarn' rope scaling is supported for the gpt-oss architecture only"
+    ):
+        save_pretrained_gguf(model, tmp_path / "out", None, "q8_0")
