@@ -32,9 +32,11 @@ from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.generic_shapes import GENERIC_SHAPES
+from slothkit.models.gpt_oss import GPT_OSS
 from slothkit.models.llama import LLAMA
 from slothkit.models.ministral import MINISTRAL
 from slothkit.models.mistral import MISTRAL
+from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
@@ -43,7 +45,7 @@ from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
-EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE,)
+EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,

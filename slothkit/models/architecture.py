@@ -56,9 +56,11 @@ class GGUFExperts:
 
     transformers 5 holds a layer's experts as one module (`experts`) with 3-D parameters
     gate_up_proj (experts, 2 x width, hidden), the gate's rows then the up's, and down_proj
-    (experts, hidden, width); the router's weight (experts, hidden) sits in `router`. The
-    file holds them as blk.N.ffn_gate_exps, ffn_up_exps, ffn_down_exps (each expert's
-    matrix stacked, (experts, out, in) in torch's order) and blk.N.ffn_gate_inp.
+    (experts, hidden, width), or their transposes (gpt-oss), with biases gate_up_proj_bias
+    and down_proj_bias where the family has them; the router's weight (experts, hidden), and
+    its bias if any, sit in `router`. The file holds them as blk.N.ffn_gate_exps,
+    ffn_up_exps, ffn_down_exps (each expert's matrix stacked, (experts, out, in) in torch's
+    order, and their biases) and blk.N.ffn_gate_inp.
     """
 
     count_key: str  # config field: how many experts a layer has (expert_count)
@@ -69,6 +71,16 @@ class GGUFExperts:
     renormalised_key: str | None = None
     router: str = "mlp.gate"
     experts: str = "mlp.experts"
+    # The parameters are stored (experts, in, out), as x @ W multiplies them (gpt-oss);
+    # False: (experts, out, in), as nn.Linear stores a weight.
+    transposed: bool = False
+    # gate_up_proj's gate and up alternate along its output dimension, the gate first
+    # (gpt-oss: gate at even columns, up at odd); False: the gate's half, then the up's.
+    interleaved: bool = False
+    # Config fields whose value llama.cpp's graph fixes and reads from no key, with that
+    # value (gpt-oss's clamped SwiGLU: swiglu_alpha 1.702, swiglu_limit 7.0); a model with
+    # another is refused.
+    graph_constants: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +122,9 @@ class GGUFLayout:
     # llama.cpp's graph reads 'longrope' scaling from rope_factors_long / _short tensors (its
     # "phi3" graph); False: a model with that scaling is refused.
     rope_factors: bool = False
+    # llama.cpp's graph runs 'yarn' rope scaling from rope.scaling.type and its keys
+    # (slothkit.export.gguf.yarn); False: a model with that scaling is refused.
+    yarn: bool = False
     # llama.cpp takes a model of this many layers for the family's 27B, whose queries it
     # scales by 1/sqrt(hidden / heads) instead of 1/sqrt(head_dim) (Gemma 3: 62, Gemma 2: 46).
     query_scale_hidden_layers: int | None = None

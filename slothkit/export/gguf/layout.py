@@ -15,12 +15,15 @@ Architecture.gguf) and its norm flavour, matching llama.cpp's convert_hf_to_gguf
     gemma3_text     gemma3      as stored          1 + w (in F32)     output.weight unless tied
     phi3            phi3        as stored (fused)  w                  output.weight unless tied
     gemma2          gemma2      as stored          1 + w (in F32)     none: tied to token_embd
+    gpt_oss         gpt-oss     as stored          w                  output.weight
 
 The per-layer norms are named by the record (GGUFLayout.norms): Llama's two are attn_norm and
 ffn_norm; Gemma 3's six are attn_norm, attn_q_norm, attn_k_norm, post_attention_norm,
 ffn_norm (HF's pre_feedforward_layernorm) and post_ffw_norm. Every one of Gemma 3's holds
 1 + w, q/k norms included: llama.cpp's converter adds 1 to every "norm.weight" of Gemma3Model.
-Gemma 2's four are Gemma 3's without the q/k norms.
+Gemma 2's four are Gemma 3's without the q/k norms. gpt-oss's post_attention_layernorm (the
+MLP's input norm, as Llama's) is llama.cpp's post_attention_norm, and its attention sinks
+(self_attn.sinks, one logit per head) are blk.N.attn_sinks.weight.
 
 Q/K permutation: HF's rotary embedding rotates the two halves of each head (rotate_half:
 pairs (i, i + d/2)); llama.cpp's llama arch rotates adjacent pairs (2i, 2i + 1). The rows of
@@ -41,7 +44,7 @@ import re
 import numpy as np
 import torch
 
-from slothkit.export.gguf.experts import Piece, expert_pieces
+from slothkit.export.gguf.experts import Piece, expert_pieces, join, piece_shape
 from slothkit.models import EXPERT_RECORDS, RECORDS, Architecture, export_record_for
 
 _TOP_LEVEL = {
@@ -63,6 +66,8 @@ _PROJECTIONS = {  # every architecture's; the norms come from the record
     "mlp.gate_up_proj": "ffn_up",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# gpt-oss's attention sinks: a parameter of the attention module, one logit per head.
+_SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks")
 
 
 def architecture_of(model) -> Architecture:
@@ -100,6 +105,10 @@ def gguf_tensor_name(hf_name: str, arch: Architecture) -> tuple[str, int | None]
     """
     if hf_name in _TOP_LEVEL:
         return _TOP_LEVEL[hf_name], None
+    sinks = _SINKS.fullmatch(hf_name)
+    if sinks is not None:
+        layer = int(sinks.group(1))
+        return f"blk.{layer}.attn_sinks.weight", layer
     match = _LAYER_NAME.fullmatch(hf_name)
     if match is None:
         return None
@@ -121,12 +130,7 @@ def gguf_pieces(hf_name: str, arch: Architecture) -> list[Piece] | None:
     mapped = gguf_tensor_name(hf_name, arch)
     if mapped is None:
         return None
-    return [Piece(mapped[0], mapped[1], 0, 1)]
-
-
-def cut(value: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The piece's chunk of an HF weight's rows (the whole weight for a single piece)."""
-    return value if piece.parts == 1 else value.chunk(piece.parts, dim=-2)[piece.part]
+    return [Piece(mapped[0], mapped[1])]
 
 
 def _rotary_heads(name: str, arch: Architecture, config) -> int | None:
@@ -212,7 +216,7 @@ def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tens
         for piece in pieces:
             tensor = stored[piece.name]
             value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-            values.append(from_gguf(value.reshape(cut(param, piece).shape), piece.name, arch, model.config))
-        value = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+            values.append(from_gguf(value.reshape(piece_shape(param, piece)), piece.name, arch, model.config))
+        value = join(values, pieces)
         weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
     return weights

@@ -11,6 +11,8 @@ run per token and an expert's width (expert_feed_forward_length). Rope scaling a
     longrope   the rope_factors_long and rope_factors_short tensors (F32, one divisor per
                rotated pair: rope dimensions / 2), rope.scaling.original_context_length and
                rope.scaling.attn_factor (phi3 graph; see slothkit.export.gguf.longrope)
+    yarn       rope.scaling.type yarn, rope.scaling.factor, original_context_length and the
+               two betas (gpt-oss graph; see slothkit.export.gguf.yarn)
 
 Layers that slide, and their rope base, come from slothkit.export.gguf.attention, as do the
 checks that let Gemma 2's attention and output soft-caps be written.
@@ -26,6 +28,7 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
 from slothkit.export.gguf import attention, longrope
 from slothkit.export.gguf.layout import head_counts
+from slothkit.export.gguf.yarn import Yarn, yarn_scaling
 from slothkit.models import Architecture
 
 
@@ -51,6 +54,7 @@ class HyperParameters:
     final_softcap: float | None = None  # output-logit soft-cap (logit_softcapping)
     longrope: longrope.LongRope | None = None  # rope type "longrope": its factors and lengths
     experts: tuple[int, int, int] | None = None  # (count, used per token, width); None: dense MLP
+    yarn: Yarn | None = None  # rope type "yarn": its factor, original context and betas
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -58,9 +62,9 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     rope, sliding_rope = attention.rope_parameters(config)
     rope_type = rope["rope_type"]
-    if rope_type not in ("default", "linear", "llama3", "longrope"):
+    if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
         raise NotImplementedError(
-            "GGUF export supports the rope types 'default', 'linear', 'llama3' and 'longrope'; "
+            "GGUF export supports the rope types 'default', 'linear', 'llama3', 'longrope' and 'yarn'; "
             f"this model uses {rope_type!r}"
         )
     # transformers 5 keeps partial_rotary_factor in rope_parameters, transformers 4 in the config.
@@ -93,6 +97,7 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         final_softcap=config.final_logit_softcapping if arch.gguf.logit_softcapping else None,
         longrope=scaling,
         experts=_experts(config, arch),
+        yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
     )
 
 
@@ -124,6 +129,12 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
     if hp.rope_type == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(hp.rope["factor"]))
+    if hp.yarn is not None:
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(hp.yarn.factor)
+        writer.add_rope_scaling_orig_ctx_len(hp.yarn.original_context)
+        writer.add_rope_scaling_yarn_beta_fast(hp.yarn.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(hp.yarn.beta_slow)
     if hp.longrope is not None:
         writer.add_rope_scaling_orig_ctx_len(hp.longrope.original_context)
         writer.add_rope_scaling_attn_factors(hp.longrope.attention_factor)

@@ -16,10 +16,10 @@ slothkit.export.gguf.layout, from the model's architecture record (slothkit.mode
 Metadata (slothkit.export.gguf.metadata): the hyperparameters llama.cpp builds its graph from,
 and the tokenizer as described in slothkit.export.gguf.tokenizer. Mistral's sliding window is
 written but llama.cpp's llama graph does not apply it (as with its own converter), so the
-GGUF matches HF up to the window length; Gemma 3 and Gemma 2 (records with windowed_layers)
-add which layers slide and their rope base, Gemma 2 its two soft-caps
-(slothkit.export.gguf.attention), and are refused where llama.cpp would compute another
-attention than HF's.
+GGUF matches HF up to the window length; Gemma 3, Gemma 2 and gpt-oss (records with
+windowed_layers) add which layers slide and their rope base, Gemma 2 its two soft-caps
+(slothkit.export.gguf.attention), gpt-oss its YaRN scaling (slothkit.export.gguf.yarn), and
+are refused where llama.cpp would compute another attention than HF's.
 
 Which tensor gets which type: slothkit.export.gguf.tensor_types. K-quants are encoded in torch on the GPU when
 there is one (kquants), everything else with the `gguf` package.
@@ -52,8 +52,8 @@ from slothkit.export.disk_space import (
     megabytes,
 )
 from slothkit.export.gguf import tensor_types as types
-from slothkit.export.gguf.experts import Piece, check_experts
-from slothkit.export.gguf.layout import architecture_of, cut, gguf_pieces, to_gguf
+from slothkit.export.gguf.experts import Piece, check_experts, cut, piece_shape
+from slothkit.export.gguf.layout import architecture_of, gguf_pieces, to_gguf
 from slothkit.export.gguf.metadata import (
     HyperParameters,
     hyperparameters,
@@ -89,8 +89,8 @@ def save_pretrained_gguf(
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral, and the
-            mixture-of-experts qwen3_moe); slothkit.export.merge turns a LoRA/QLoRA model
-            into one, the experts' LoRA updates included.
+            mixture-of-experts qwen3_moe, gpt_oss and mixtral); slothkit.export.merge turns a
+            LoRA/QLoRA model into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
         tokenizer: the model's tokenizer; its vocabulary and chat template go into the files.
@@ -405,7 +405,7 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             unknown.append(hf_name)
             continue
         for piece in pieces:
-            shape = tuple(cut(tensor, piece).shape)
+            shape = piece_shape(tensor, piece)
             yield piece.name, _producer(tensor, piece, arch, model.config), shape, piece.layer
     if unknown:
         raise ValueError(

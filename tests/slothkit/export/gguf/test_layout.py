@@ -150,11 +150,12 @@ def test_qk_permutation_turns_half_split_rope_into_interleaved_rope():
 def test_every_expert_weight_is_named_as_the_gguf_package_names_it(arch):
     """A mixture-of-experts model's weights get gguf-py's names for the record's graph: the
     router and down_proj by their own HF names, the halves of the fused gate_up_proj by the
-    names of the separate gate_proj and up_proj that the tensor map knows, each piece a tensor
+    names of the separate gate_proj and up_proj that the tensor map knows, the experts'
+    biases (gpt-oss) as those tensors' .bias, attention sinks as .weight, each piece a tensor
     of the graph."""
     config = AutoConfig.for_model(
         arch.model_types[0], hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_experts=4, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, vocab_size=64, pad_token_id=0,
     )  # fmt: skip
     with torch.device("meta"):
@@ -162,13 +163,18 @@ def test_every_expert_weight_is_named_as_the_gguf_package_names_it(arch):
     by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
     tensor_map = gguf.get_tensor_name_map(by_name[arch.gguf.arch], 2)
     graph = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[by_name[arch.gguf.arch]]}
-    halves = {"gate_up_proj": ("gate_proj", "up_proj")}
+    halves = ("gate_proj", "up_proj")
     written = []
     for hf_name, _ in model.named_parameters():
         stem, _, kind = hf_name.rpartition(".")
-        if kind in halves:  # a 3-D parameter: no .weight suffix in HF, .weight in GGUF
-            expected = [tensor_map.get_name(f"{stem}.{half}") + ".weight" for half in halves[kind]]
-        elif kind == "down_proj":
+        # 3-D parameters and their biases: no .weight suffix in HF, .weight or .bias in GGUF
+        if kind in ("gate_up_proj", "gate_up_proj_bias"):
+            suffix = ".bias" if kind.endswith("_bias") else ".weight"
+            expected = [tensor_map.get_name(f"{stem}.{half}") + suffix for half in halves]
+        elif kind in ("down_proj", "down_proj_bias"):
+            suffix = ".bias" if kind.endswith("_bias") else ".weight"
+            expected = [tensor_map.get_name(f"{stem}.down_proj") + suffix]
+        elif kind == "sinks":
             expected = [tensor_map.get_name(hf_name) + ".weight"]
         else:
             expected = [tensor_map.get_name(stem) + "." + kind]

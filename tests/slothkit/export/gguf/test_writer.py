@@ -22,7 +22,7 @@ from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf.layout import hf_weights_from_gguf, permute_rotary_rows
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, quantization_method
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
-from slothkit.models import RECORDS, architecture_named
+from slothkit.models import EXPERT_RECORDS, RECORDS, architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
@@ -539,7 +539,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     _, tokenizer = tiny("llama")
     supported = ", ".join(repr(model_type) for record in RECORDS for model_type in record.model_types)
     assert "'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'" in supported
-    expected = f"supports the architectures {re.escape(supported)} and the mixture-of-experts 'qwen3_moe'; "
+    experts = ", ".join(repr(model_type) for record in EXPERT_RECORDS for model_type in record.model_types)
+    assert "'qwen3_moe', 'gpt_oss', 'mixtral'" in experts
+    expected = f"supports the architectures {re.escape(supported)} and the mixture-of-experts {experts}; "
     with pytest.raises(ValueError, match=f"{expected}.* 'olmo2'"):
         save_pretrained_gguf(model, tmp_path / "x", tokenizer, "q8_0")
 
