@@ -1,0 +1,138 @@
+"""A mixture-of-experts block in a decode step: each token through its top-k experts only.
+
+A decode step has 1 to 8 tokens, each routed to top_k of E experts (Qwen3-30B-A3B: 8 of
+128, 9.4 MB of bf16 weights an expert).  Hugging Face's experts module loops over the
+experts hit, reading the hit list back to the host (``nonzero``) and launching a few
+kernels per expert; slothkit's fused experts (slothkit_kernels.moe, the training path)
+schedule tiles for all E experts and, in a 4-bit model, dequantise every expert's NF4
+codes.  Here, for the P = N * top_k (token, choice) pairs of N tokens:
+
+    logits, w, ids = router(x)                 the block's own router: w, ids (N, top_k)
+    W_p = W[ids_p]                              the chosen experts' weights, gathered (NF4:
+                                                only their codes dequantised)
+    gu_p = x_t W_gu,p^T + s (x_t A_p^T) B_p^T + b_p     one batched matmul over the pairs
+    h_p = act(gu_p)                             SwiGLU of the gate and up halves
+    y_p = h_p W_d,p^T + s (h_p A_p^T) B_p^T + b_p
+    out_t = sum_j w_tj y_tj                     the products in the model's dtype as
+                                                transformers forms them, summed in fp32
+
+with each expert's LoRA update read from PEFT's ``target_parameters`` adapter
+(slothkit.engine.experts.describe_experts: A (E, r, in), B (E, out, r) views of its
+parameters, so training in place is seen).  Every shape follows from N and top_k and
+nothing is read back to the host, so the step is captured in the decode's CUDA graph.
+
+A prefill of more than ``GATHER_ROWS`` tokens runs the block's own forward (slothkit's
+fused experts where the model has them), which reads each expert at most once rather than
+once per pair.  So does a block whose experts the description does not cover (several
+active adapters, a bias on B), said once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slothkit.core.notices import FallbackWarning, say_once
+from slothkit.engine.experts import ExpertsCall, describe_experts, experts_base, is_experts_module
+from slothkit_kernels.moe import ExpertLoRA, NF4Experts, dequantize_nf4_experts
+from slothkit_kernels.moe.activation import expert_activation_reference
+
+# Tokens up to which a step gathers its chosen experts (a decode step's batch of 1 to 8);
+# past it the block's own forward reads each expert once for all its tokens.
+GATHER_ROWS = 8
+
+# The router's attribute on transformers' mixture-of-experts blocks (Qwen3-MoE and
+# Mixtral call it gate, gpt-oss router); it returns (logits, weights, ids).
+_ROUTER_NAMES = ("gate", "router")
+
+
+def _router(block: nn.Module) -> nn.Module | None:
+    for name in _ROUTER_NAMES:
+        router = getattr(block, name, None)
+        if isinstance(router, nn.Module) and hasattr(router, "top_k"):
+            return router
+    return None
+
+
+def is_expert_block(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is transformers' mixture-of-experts block: a top-k router and an
+    experts module of 3-D weights (possibly wrapped by PEFT)."""
+    experts = getattr(mlp, "experts", None)
+    return (
+        isinstance(experts, nn.Module)
+        and is_experts_module(experts_base(experts)[0])
+        and _router(mlp) is not None
+    )
+
+
+def _gathered(weight: torch.Tensor | NF4Experts, ids: torch.Tensor) -> torch.Tensor:
+    """The experts ``ids`` (P,) of ``weight`` as a (P, rows, cols) tensor in the 3-D
+    parameter's layout; an NF4 record dequantises those P experts only."""
+    if isinstance(weight, NF4Experts):
+        stored = dequantize_nf4_experts(weight.select(ids))
+        return stored.mT if weight.transposed else stored
+    return weight.index_select(0, ids)
+
+
+def _pair_products(x, weight, ids, weights_in_out: bool, lora: ExpertLoRA | None, bias) -> torch.Tensor:
+    """x (P, 1, in) through each pair's expert: (P, 1, out)."""
+    w = _gathered(weight, ids).to(x.dtype)  # (P, out, in), or (P, in, out) with weights_in_out
+    y = torch.bmm(x, w if weights_in_out else w.transpose(1, 2))
+    if lora is not None:
+        a = lora.A.index_select(0, ids).to(x.dtype)  # (P, r, in)
+        b = lora.B.index_select(0, ids).to(x.dtype)  # (P, out, r)
+        y = y.baddbmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2), alpha=lora.scale)
+    if bias is not None:
+        y = y + bias.index_select(0, ids).to(x.dtype)[:, None]
+    return y
+
+
+def chosen_experts(call: ExpertsCall, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    """The experts' output for tokens ``x`` (N, H) routed to ``ids`` (N, k) with routing
+    ``weights`` (N, k): (N, H), reading the chosen experts' weights only."""
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)  # (P,), pair p = token p // k, choice p % k
+    pairs = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # (P, 1, H)
+    gate_up = _pair_products(
+        pairs, call.gate_up, flat, call.weights_in_out, call.gate_up_lora, call.gate_up_bias
+    )
+    hidden = expert_activation_reference(
+        gate_up, call.gate.activation, call.interleaved, call.alpha, call.limit
+    )
+    y = _pair_products(hidden, call.down, flat, call.weights_in_out, call.down_lora, call.down_bias)
+    weighted = y.view(tokens, top_k, -1) * weights[..., None].to(y.dtype)  # (N, k, H)
+    return weighted.float().sum(dim=1).to(x.dtype)
+
+
+class DecodeExperts:
+    """A mixture-of-experts block as a decode step runs it (module docstring).
+
+    Args:
+        block: transformers' mixture-of-experts block (``is_expert_block``).
+        dtype: the dtype the step computes in.
+    """
+
+    def __init__(self, block: nn.Module, dtype: torch.dtype):
+        self.block = block
+        self.router = _router(block)
+        self.dtype = dtype
+        with torch.no_grad():  # the experts' base weights are frozen; adapters read as views
+            self.call = describe_experts(block.experts)
+        if isinstance(self.call, str):
+            say_once(
+                f"slothkit: a decode step runs this mixture-of-experts block's own forward, which "
+                f"reads every expert hit: {self.call}",
+                FallbackWarning,
+            )
+
+    def refresh(self) -> None:
+        """Nothing to copy: the adapters are read from PEFT's parameters at each step."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[:-1].numel()
+        if isinstance(self.call, str) or tokens > GATHER_ROWS:
+            out = self.block(x)
+            return out[0] if isinstance(out, tuple) else out  # gpt-oss's block adds its scores
+        rows = x.reshape(tokens, x.shape[-1])
+        _, weights, ids = self.router(rows)
+        return chosen_experts(self.call, rows, weights, ids).view(x.shape)
