@@ -8,15 +8,18 @@ schedule tiles for all E experts and, in a 4-bit model, dequantise every expert'
 codes.  Here, for the P = N * top_k (token, choice) pairs of N tokens:
 
     logits, w, ids = router(x)                 the block's own router: w, ids (N, top_k)
-    W_p = W[ids_p]                              the chosen experts' weights, gathered (NF4:
-                                                only their codes dequantised)
-    gu_p = x_t W_gu,p^T + s (x_t A_p^T) B_p^T + b_p     one batched matmul over the pairs
+    W_p = W[ids_p]                              the chosen experts' weights, read where
+                                                they lie (NF4: only theirs dequantised)
+    gu_p = x_t W_gu,p^T + s (x_t A_p^T) B_p^T + b_p     one launch over the pairs
     h_p = act(gu_p)                             SwiGLU of the gate and up halves
     y_p = h_p W_d,p^T + s (h_p A_p^T) B_p^T + b_p
     out_t = sum_j w_tj y_tj                     the products in the model's dtype as
                                                 transformers forms them, summed in fp32
 
-with each expert's LoRA update read from PEFT's ``target_parameters`` adapter
+On a GPU each base product is one launch of slothkit_kernels.moe.expert_gemv over all
+pairs, reading each chosen expert's matrix where it lies; elsewhere (a CPU) the P
+matrices are gathered and multiplied as a batch, which writes and rereads a copy.  Each
+expert's LoRA update is read from PEFT's ``target_parameters`` adapter
 (slothkit.engine.experts.describe_experts: A (E, r, in), B (E, out, r) views of its
 parameters, so training in place is seen).  Every shape follows from N and top_k and
 nothing is read back to the host, so the step is captured in the decode's CUDA graph.
@@ -36,6 +39,7 @@ from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.experts import ExpertsCall, describe_experts, experts_base, is_experts_module
 from slothkit_kernels.moe import ExpertLoRA, NF4Experts, dequantize_nf4_experts
 from slothkit_kernels.moe.activation import expert_activation_reference
+from slothkit_kernels.moe.gemv import expert_gemv, expert_gemv_reference
 
 # Tokens up to which a step gathers its chosen experts (a decode step's batch of 1 to 8);
 # past it the block's own forward reads each expert once for all its tokens.
@@ -65,25 +69,30 @@ def is_expert_block(mlp: nn.Module) -> bool:
     )
 
 
-def _gathered(weight: torch.Tensor | NF4Experts, ids: torch.Tensor) -> torch.Tensor:
-    """The experts ``ids`` (P,) of ``weight`` as a (P, rows, cols) tensor in the 3-D
-    parameter's layout; an NF4 record dequantises those P experts only."""
-    if isinstance(weight, NF4Experts):
-        stored = dequantize_nf4_experts(weight.select(ids))
-        return stored.mT if weight.transposed else stored
-    return weight.index_select(0, ids)
+def _base_products(x, weight, ids, group: int, weights_in_out: bool, bias) -> torch.Tensor:
+    """(P, out): row p // group of ``x`` through expert ids[p]'s base weight (and bias).
+    16-bit experts are read where they lie (slothkit_kernels.moe.expert_gemv on a GPU; a
+    gather and a batched matmul elsewhere); NF4 ones are dequantised for the P pairs only,
+    then read as such a stack."""
+    gemv = expert_gemv if x.is_cuda else expert_gemv_reference
+    if not isinstance(weight, NF4Experts):
+        return gemv(x, ids, weight, group, bias, weights_in_out)
+    stacked = dequantize_nf4_experts(weight.select(ids))  # (P, rows, cols), the parameter's layout
+    if weight.transposed:
+        stacked = stacked.mT
+    pairs = torch.arange(ids.shape[0], device=ids.device)
+    y = gemv(x, pairs, stacked, group, None, weights_in_out)
+    return y if bias is None else y + bias.index_select(0, ids).to(y.dtype)
 
 
-def _pair_products(x, weight, ids, weights_in_out: bool, lora: ExpertLoRA | None, bias) -> torch.Tensor:
-    """x (P, 1, in) through each pair's expert: (P, 1, out)."""
-    w = _gathered(weight, ids).to(x.dtype)  # (P, out, in), or (P, in, out) with weights_in_out
-    y = torch.bmm(x, w if weights_in_out else w.transpose(1, 2))
+def _pair_products(x, group: int, weight, ids, weights_in_out: bool, lora: ExpertLoRA | None, bias):
+    """Row p // group of ``x`` (rows, in) through pair p's expert, its adapter added: (P, out)."""
+    y = _base_products(x, weight, ids, group, weights_in_out, bias)
     if lora is not None:
+        rows = x.repeat_interleave(group, dim=0)[:, None]  # (P, 1, in)
         a = lora.A.index_select(0, ids).to(x.dtype)  # (P, r, in)
         b = lora.B.index_select(0, ids).to(x.dtype)  # (P, out, r)
-        y = y.baddbmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2), alpha=lora.scale)
-    if bias is not None:
-        y = y + bias.index_select(0, ids).to(x.dtype)[:, None]
+        y = y[:, None].baddbmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2), alpha=lora.scale)[:, 0]
     return y
 
 
@@ -92,14 +101,13 @@ def chosen_experts(call: ExpertsCall, x: torch.Tensor, weights: torch.Tensor, id
     ``weights`` (N, k): (N, H), reading the chosen experts' weights only."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)  # (P,), pair p = token p // k, choice p % k
-    pairs = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # (P, 1, H)
     gate_up = _pair_products(
-        pairs, call.gate_up, flat, call.weights_in_out, call.gate_up_lora, call.gate_up_bias
+        x, top_k, call.gate_up, flat, call.weights_in_out, call.gate_up_lora, call.gate_up_bias
     )
     hidden = expert_activation_reference(
         gate_up, call.gate.activation, call.interleaved, call.alpha, call.limit
     )
-    y = _pair_products(hidden, call.down, flat, call.weights_in_out, call.down_lora, call.down_bias)
+    y = _pair_products(hidden, 1, call.down, flat, call.weights_in_out, call.down_lora, call.down_bias)
     weighted = y.view(tokens, top_k, -1) * weights[..., None].to(y.dtype)  # (N, k, H)
     return weighted.float().sum(dim=1).to(x.dtype)
 

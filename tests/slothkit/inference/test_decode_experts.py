@@ -99,10 +99,19 @@ def _assert_greedy_equal(model, batch: int, length: int, new_tokens: int, pad_ro
     assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
 
 
-def test_router_and_chosen_experts_are_the_blocks_own(tmp_path):
-    """One MoE block, 5 tokens: the gathered experts with their adapters give the block's
+@pytest.mark.parametrize("gemv", ["gathered", "kernel"])
+def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gemv):
+    """One MoE block, 5 tokens: the chosen experts with their adapters give the block's
     output (transformers' router and experts, PEFT's wrappers) within fp32 rounding, and
-    each expert's adapter changes it."""
+    each expert's adapter changes it; with the CPU's gather and batched matmul, and with
+    the GPU's kernel (slothkit_kernels.moe.expert_gemv, under the Triton interpreter)."""
+    from slothkit_kernels.moe import expert_gemv
+    from slothkit_kernels.utils import interpreter_enabled
+
+    if gemv == "kernel":
+        if DEVICE == "cpu" and not interpreter_enabled():
+            pytest.skip("the kernel runs on a GPU or under the Triton interpreter")
+        monkeypatch.setattr(decode_experts, "expert_gemv_reference", expert_gemv)
     model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
     block = model.base_model.model.model.layers[1].mlp
     x = torch.randn(1, 5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -159,10 +168,14 @@ def test_nf4_select_dequantises_the_chosen_experts_as_the_whole_record(tmp_path)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("load_in_4bit", [False, True])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch):
-    """On a GPU, with the step captured as a CUDA graph, fp32: the fast loop's greedy tokens
-    at batch 1 and 8 are Hugging Face's generate's."""
-    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch, load_in_4bit):
+    """On a GPU, with the step captured as a CUDA graph (the experts through expert_gemv),
+    fp32: the fast loop's greedy tokens at batch 1 and 8 are Hugging Face's generate's,
+    with 16-bit and with NF4 experts."""
+    if load_in_4bit:
+        pytest.importorskip("bitsandbytes")
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=load_in_4bit)
     _assert_greedy_equal(model, batch, 5, new_tokens=24, pad_rows=batch // 2)
     assert state_of(model).fast_decoder.captured.graph is not None
