@@ -25,6 +25,9 @@ import triton.language as tl
 
 from slothkit_kernels.utils import interpreter_enabled
 
+# (BLOCK_N, BLOCK_K, warps) on a GPU.
+DEFAULT_TILES = (16, 256, 4)
+
 
 @triton.jit
 def _expert_gemv_kernel(
@@ -115,6 +118,7 @@ def expert_gemv(
     group: int = 1,
     bias: torch.Tensor | None = None,
     weights_in_out: bool = False,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """(P, N) in x's dtype: row p // group of ``x`` (rows, K) times expert ``ids[p]``'s
     weight, for the P pairs of ``ids``, reading only those experts' weights (module
@@ -127,6 +131,8 @@ def expert_gemv(
         group: pairs per row of x (top_k for the tokens' hidden states, 1 for the pairs' own rows).
         bias: (E, N) the experts' biases, or None.
         weights_in_out: ``weight`` holds each expert as (in, out) (gpt-oss), y = x W_e.
+        tiles: (BLOCK_N, BLOCK_K, warps) in place of the default (scripts/moe_decode_timing.py
+            times a few).
     """
     w = _logical(weight, weights_in_out)
     _check(x, ids, w, group, bias)
@@ -136,10 +142,12 @@ def expert_gemv(
     y = torch.empty((ids.shape[0], n), dtype=x.dtype, device=x.device)
     if bias is not None:
         bias = bias.contiguous()
-    if interpreter_enabled():
+    if tiles is not None:
+        block_n, block_k, warps = tiles
+    elif interpreter_enabled():
         block_n, block_k, warps = 16, 32, 1
-    else:  # a (16, 256) tile a program: enough programs to fill the GPU at one pair a token
-        block_n, block_k, warps = 16, 256, 4
+    else:  # (16, 256) a program: 768 programs for Qwen3-30B-A3B's gate/up at one token
+        block_n, block_k, warps = DEFAULT_TILES
     grid = (ids.shape[0], triton.cdiv(n, block_n))
     _expert_gemv_kernel[grid](
         x, x.stride(0),
