@@ -21,7 +21,8 @@ pairs, reading each chosen expert's matrix where it lies; elsewhere (a CPU) the 
 matrices are gathered and multiplied as a batch, which writes and rereads a copy.  Each
 expert's LoRA update is read from PEFT's ``target_parameters`` adapter
 (slothkit.engine.experts.describe_experts: A (E, r, in), B (E, out, r) views of its
-parameters, so training in place is seen).  Every shape follows from N and top_k and
+parameters; B copied expert-major in the compute dtype, refreshed when training changes
+it in place).  Every shape follows from N and top_k and
 nothing is read back to the host, so the step is captured in the decode's CUDA graph.
 
 A prefill of more than ``GATHER_ROWS`` tokens runs the block's own forward (slothkit's
@@ -85,29 +86,52 @@ def _base_products(x, weight, ids, group: int, weights_in_out: bool, bias) -> to
     return y if bias is None else y + bias.index_select(0, ids).to(y.dtype)
 
 
-def _pair_products(x, group: int, weight, ids, weights_in_out: bool, lora: ExpertLoRA | None, bias):
+class _ExpertAdapter:
+    """One expert projection's adapter as a step reads it: A as PEFT holds it (E, r, in),
+    expert-major already, and a copy of B in the compute dtype laid out (E, out, r).  PEFT
+    holds B as (out, r * E), so expert e's B is every E-th element: gathering it for a
+    few experts would read most of the whole (Qwen3-30B-A3B's down B in fp32: 16.8 MB a
+    layer, read for 9.4 MB of chosen expert weights).  The copy is refreshed in place
+    (its address kept for the graph) when training changed B (its version counter)."""
+
+    def __init__(self, lora: ExpertLoRA, dtype: torch.dtype):
+        self.A, self.scale, self.source = lora.A, lora.scale, lora.B
+        self.B = lora.B.to(dtype, copy=True).contiguous()
+        self.version = lora.B._version
+
+    def refresh(self) -> None:
+        if self.source._version != self.version:
+            self.B.copy_(self.source)
+            self.version = self.source._version
+
+
+def _pair_products(x, group: int, weight, ids, weights_in_out: bool, lora: _ExpertAdapter | None, bias):
     """Row p // group of ``x`` (rows, in) through pair p's expert, its adapter added: (P, out)."""
     y = _base_products(x, weight, ids, group, weights_in_out, bias)
     if lora is not None:
         rows = x.repeat_interleave(group, dim=0)[:, None]  # (P, 1, in)
         a = lora.A.index_select(0, ids).to(x.dtype)  # (P, r, in)
-        b = lora.B.index_select(0, ids).to(x.dtype)  # (P, out, r)
+        b = lora.B.index_select(0, ids)  # (P, out, r), already x's dtype
         y = y[:, None].baddbmm(torch.bmm(rows, a.transpose(1, 2)), b.transpose(1, 2), alpha=lora.scale)[:, 0]
     return y
 
 
-def chosen_experts(call: ExpertsCall, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+def chosen_experts(
+    call: ExpertsCall, adapters: tuple, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+):
     """The experts' output for tokens ``x`` (N, H) routed to ``ids`` (N, k) with routing
-    ``weights`` (N, k): (N, H), reading the chosen experts' weights only."""
+    ``weights`` (N, k): (N, H), reading the chosen experts' weights only; ``adapters``:
+    the (gate_up, down) _ExpertAdapter or None of each."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)  # (P,), pair p = token p // k, choice p % k
+    gate_up_lora, down_lora = adapters
     gate_up = _pair_products(
-        x, top_k, call.gate_up, flat, call.weights_in_out, call.gate_up_lora, call.gate_up_bias
+        x, top_k, call.gate_up, flat, call.weights_in_out, gate_up_lora, call.gate_up_bias
     )
     hidden = expert_activation_reference(
         gate_up, call.gate.activation, call.interleaved, call.alpha, call.limit
     )
-    y = _pair_products(hidden, 1, call.down, flat, call.weights_in_out, call.down_lora, call.down_bias)
+    y = _pair_products(hidden, 1, call.down, flat, call.weights_in_out, down_lora, call.down_bias)
     weighted = y.view(tokens, top_k, -1) * weights[..., None].to(y.dtype)  # (N, k, H)
     return weighted.float().sum(dim=1).to(x.dtype)
 
@@ -126,7 +150,13 @@ class DecodeExperts:
         self.dtype = dtype
         with torch.no_grad():  # the experts' base weights are frozen; adapters read as views
             self.call = describe_experts(block.experts)
-        if isinstance(self.call, str):
+        self.adapters = (None, None)
+        if isinstance(self.call, ExpertsCall):
+            self.adapters = tuple(
+                None if lora is None else _ExpertAdapter(lora, dtype)
+                for lora in (self.call.gate_up_lora, self.call.down_lora)
+            )
+        else:
             say_once(
                 f"slothkit: a decode step runs this mixture-of-experts block's own forward, which "
                 f"reads every expert hit: {self.call}",
@@ -134,7 +164,10 @@ class DecodeExperts:
             )
 
     def refresh(self) -> None:
-        """Nothing to copy: the adapters are read from PEFT's parameters at each step."""
+        """Bring the adapters' B copies up to date with adapters trained in place."""
+        for adapter in self.adapters:
+            if adapter is not None:
+                adapter.refresh()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[:-1].numel()
@@ -143,4 +176,4 @@ class DecodeExperts:
             return out[0] if isinstance(out, tuple) else out  # gpt-oss's block adds its scores
         rows = x.reshape(tokens, x.shape[-1])
         _, weights, ids = self.router(rows)
-        return chosen_experts(self.call, rows, weights, ids).view(x.shape)
+        return chosen_experts(self.call, self.adapters, rows, weights, ids).view(x.shape)

@@ -36,9 +36,9 @@ def gathered_steps(monkeypatch):
     tokens = []
     gathered = decode_experts.chosen_experts
 
-    def counting(call, x, weights, ids):
+    def counting(call, adapters, x, weights, ids):
         tokens.append(x.shape[0])
-        return gathered(call, x, weights, ids)
+        return gathered(call, adapters, x, weights, ids)
 
     monkeypatch.setattr(decode_experts, "chosen_experts", counting)
     return tokens
@@ -139,6 +139,26 @@ def test_greedy_generation_is_hf_peft_s(tmp_path, gathered_steps, batch, length,
     assert gathered_steps == prefill + [batch] * layers * 11
 
 
+def test_expert_adapters_trained_in_place_between_calls_are_seen(tmp_path):
+    """The experts' B changed in place after a fast generate (as an optimizer step does):
+    the next call of the same decoder reads the new values, giving Hugging Face's tokens."""
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+    ids, mask = _prompts(1, 5)
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    FastModel.for_inference(model, fast_decode=True)
+    before = model.generate(**settings)
+    decoder = state_of(model).fast_decoder
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name and "lora_B" in name:
+                parameter.mul_(-4.0)
+    got = model.generate(**settings)
+    assert state_of(model).fast_decoder is decoder
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**settings)
+    assert torch.equal(got, expected) and not torch.equal(got, before)
+
+
 def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gathered_steps):
     """NF4 experts (quantised by slothkit at loading) and NF4 attention: the decode step
     dequantises the chosen experts only, and its greedy tokens are those of Hugging Face's
@@ -179,3 +199,23 @@ def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch, load_in_4bit):
     model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=load_in_4bit)
     _assert_greedy_equal(model, batch, 5, new_tokens=24, pad_rows=batch // 2)
     assert state_of(model).fast_decoder.captured.graph is not None
+
+
+def test_gpt_oss_keeps_hugging_faces_generate_and_says_why(tmp_path):
+    """gpt-oss (attention sinks, a router with a bias) is not covered: for_inference says
+    which families are, and generate stays Hugging Face's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slothkit.core.notices import FallbackWarning
+
+    config = AutoConfig.for_model(
+        "gpt_oss", **{**SIZES, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "oss")
+    build_tiny_tokenizer("bpe", tmp_path / "oss")
+    model, _ = FastModel.from_pretrained(
+        str(tmp_path / "oss"), dtype=torch.float32, load_in_4bit=False, fused=False
+    )
+    with pytest.warns(FallbackWarning, match="fast generation covers .*qwen3_moe, not 'gpt_oss'"):
+        FastModel.for_inference(model, fast_decode=True)
+    assert state_of(model) is None or state_of(model).fast_decoder is None
