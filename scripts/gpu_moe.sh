@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Mixture-of-experts on a GPU machine in one call: the CUDA tests of the MoE kernels and
-# the engine's experts, the experts' timing at two real layer shapes (16-bit and NF4),
+# Mixture-of-experts on a GPU machine in one call: the CUDA tests of the MoE kernels, the
+# engine's experts and their decode, the experts' timing at two real layer shapes (16-bit
+# and NF4) and the decode step's expert products,
 # a profile of a training step, then `slothkit bench train` jobs; a short table last.
 # Full logs go under $OUT.
 #
@@ -17,6 +18,7 @@ if [[ " $steps " == *" tests "* ]]; then
     echo "== tests ($(date +%T))"
     python3 -m pytest -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra" -m "not real_model" \
         tests/kernels/moe tests/kernels/nf4/test_dequantize.py tests/slothkit/engine/test_experts.py \
+        tests/slothkit/inference/test_decode_experts.py \
         > "$OUT/moe-tests.log" 2>&1
     tail -n 3 "$OUT/moe-tests.log"
 fi
@@ -25,6 +27,8 @@ if [[ " $steps " == *" timing "* ]]; then
         echo "== experts timing, $shape ($(date +%T))"
         python3 scripts/moe_nf4_timing.py --shape "$shape" 2>&1 | tee "$OUT/moe-timing-$shape.md"
     done
+    echo "== decode step's expert products, qwen3-30b-a3b ($(date +%T))"
+    python3 scripts/moe_decode_timing.py --shape qwen3-30b-a3b 2>&1 | tee "$OUT/moe-decode-timing.md"
 fi
 if [[ " $steps " == *" profile "* ]]; then
     echo "== profile, qwen3-30b-a3b, 4 layers ($(date +%T))"

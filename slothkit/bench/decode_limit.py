@@ -14,7 +14,8 @@ again, and the keys and values of the positions before it):
 
 where W is the bytes of every weight the step reads (the input embedding table excepted:
 a step gathers a few of its rows; unless it is tied to the head, which reads it whole) and
-KV the bytes of one position's keys and values over all layers.  ``slothkit bench
+KV the bytes of one position's keys and values over all layers.  A mixture-of-experts
+layer's experts count at the share of them a step's tokens choose (``expert_share``).  ``slothkit bench
 generate`` reports each row's tokens/s as a share of this limit at the GPU's datasheet
 bandwidth, with the bandwidth a device-to-device copy reaches beside it.
 """
@@ -71,13 +72,54 @@ def _quant_state_bytes(parameter: torch.Tensor) -> int:
     return total
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights one decode step reads: every parameter once (adapters
-    included), the input embedding table only where it is also the head."""
+def expert_share(config, batch: int) -> float:
+    """The expected share of a mixture-of-experts layer's E experts that a step of
+    ``batch`` tokens reads, each token choosing top_k of them: an expert is left by every
+    token with probability (1 - top_k / E)^batch when the router spreads tokens evenly,
+    as a random router does (Qwen3-30B-A3B, 8 of 128: 6.3% at batch 1, 40% at batch 8).
+    1.0 for a model without experts."""
+    config = getattr(config, "text_config", None) or config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return 1.0
+    return 1.0 - (1.0 - top_k / experts) ** batch
+
+
+def _expert_weights(model: nn.Module) -> set[int]:
+    """ids of the mixture-of-experts experts' 3-D weights (gate_up_proj, down_proj)."""
+    from slothkit.engine.experts import DOWN, GATE_UP, is_experts_module
+
+    return {
+        id(getattr(module, name))
+        for module in model.modules()
+        if is_experts_module(module)
+        for name in (GATE_UP, DOWN)
+    }
+
+
+def _stored_bytes(parameter: torch.Tensor) -> int:
+    """Bytes a weight is stored in: an experts weight quantised by slothkit is its NF4
+    record (the parameter is a placeholder of one element), else the tensor itself and a
+    bitsandbytes weight's scales."""
+    from slothkit.core.inspection import nf4_experts_of
+
+    record = nf4_experts_of(parameter)
+    if record is not None:
+        return record.nbytes()
+    return parameter.numel() * parameter.element_size() + _quant_state_bytes(parameter)
+
+
+def weight_bytes(model: nn.Module, batch: int = 1) -> int:
+    """Bytes of the weights one decode step of ``batch`` rows reads: every parameter once
+    (adapters included), the input embedding table only where it is also the head, a
+    mixture-of-experts layer's experts at the share its tokens choose (expert_share)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     embedding_is_head = head is not None and head.weight is embedding
-    total = 0
+    experts = _expert_weights(model)
+    share = expert_share(model.config, batch) if experts else 1.0
+    total = 0.0
     seen = set()
     for parameter in model.parameters():
         if id(parameter) in seen:
@@ -85,8 +127,8 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(id(parameter))
         if parameter is embedding and not embedding_is_head:
             continue
-        total += parameter.numel() * parameter.element_size() + _quant_state_bytes(parameter)
-    return total
+        total += _stored_bytes(parameter) * (share if id(parameter) in experts else 1.0)
+    return round(total)
 
 
 def kv_bytes_per_position(config, dtype: torch.dtype) -> list[tuple[int, int | None]]:
@@ -138,7 +180,7 @@ def decode_limit(
 ) -> dict:
     """The record fields of one run's bandwidth limit: weight and KV bytes, bytes read,
     and the limit at the datasheet bandwidth (None where the GPU is not listed)."""
-    weights = weight_bytes(model)
+    weights = weight_bytes(model, batch)
     kv_layers = kv_bytes_per_position(model.config, dtype)
     total = bytes_read(weights, kv_layers, batch, prompt, new)
     datasheet = datasheet_bandwidth(device_name)

@@ -2,8 +2,9 @@
 (``python -m slothkit.bench.generate_worker``).
 
 Every implementation decodes the same thing: the named shape with the same random weights
-(slothkit.bench.model_setup.build_model), LoRA r=16 on the seven projections with the
-same random adapter weights (so that the adapters change the output), the same random
+(slothkit.bench.model_setup.build_model), LoRA r=16 on the seven projections (a
+mixture-of-experts model's on its experts' 3-D parameters, as FastModel adapts them) with
+the same random adapter weights (so that the adapters change the output), the same random
 prompts, greedy, ``min_new_tokens = max_new_tokens`` so that every run makes the same
 number of tokens.  ``slothkit-merged`` is slothkit's model with those adapters merged
 into its 16-bit weights (PEFT's merge_and_unload), as a model saved merged decodes; under
@@ -67,10 +68,15 @@ def prepare(impl: str, args, dtype, device):
     if impl == "hf":
         from peft import LoraConfig, get_peft_model
 
+        from slothkit.loading.lora_setup import onto_expert_parameters
+
+        # A mixture-of-experts model's experts: the same 3-D parameters FastModel adapts.
+        targets, expert_parameters = onto_expert_parameters(model, lora_targets(model))
+        extra = {"target_parameters": expert_parameters} if expert_parameters else {}
         model = get_peft_model(
             model,
             LoraConfig(
-                r=args.rank, lora_alpha=args.rank, target_modules=lora_targets(model), task_type="CAUSAL_LM"
+                r=args.rank, lora_alpha=args.rank, target_modules=targets, task_type="CAUSAL_LM", **extra
             ),
         )
         _randomise_adapters(model, args.seed + 2)

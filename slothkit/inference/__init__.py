@@ -5,8 +5,9 @@
     fast_generate(model, args, kwargs)  # generate's glue: the fast loop's output, or None
 
 Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
-sampling.py (generate's settings and logits processors), fast_decoder.py (prefill, the
-captured decode step, the loop).
+decode_experts.py (a mixture-of-experts block's chosen experts in a step), sampling.py
+(generate's settings and logits processors), fast_decoder.py (prefill, the captured
+decode step, the loop).
 """
 
 from __future__ import annotations
@@ -19,20 +20,39 @@ from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.model_step import longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
-from slothkit.models import ARCHITECTURES, architecture_for
+from slothkit.models import ARCHITECTURES, architecture_for, export_record_for
+from slothkit.models.qwen3_moe import QWEN3_MOE
 
 __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
+
+# The mixture-of-experts families whose decode step decode_experts.py computes: a plain
+# softmax router and SwiGLU experts behind Qwen3's attention, checked token for token
+# against Hugging Face's generate.  gpt-oss (attention sinks, a router and experts with
+# biases, the clamped SwiGLU) and Mixtral (not yet checked there) train and export, and
+# generate through Hugging Face's loop.
+DECODED_EXPERT_RECORDS = (QWEN3_MOE,)
 
 # generate's keywords that are not generation settings and that the fast loop reads.
 _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 
 
+def decoded_record(config):
+    """The record of a family the fast loop decodes: a fused family's, or a
+    mixture-of-experts family's (DECODED_EXPERT_RECORDS; its blocks run decode_experts.py),
+    else None."""
+    arch = architecture_for(config)
+    if arch is not None:
+        return arch
+    record = export_record_for(config)
+    return record if record in DECODED_EXPERT_RECORDS else None
+
+
 def _why_not(causal_lm, fast: bool | None) -> str | None:
     """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
     FastModel.from_pretrained's notice has already named)."""
-    arch = architecture_for(causal_lm.config)
+    arch = decoded_record(causal_lm.config)
     if arch is None:
-        covered = ", ".join(arch.name for arch in ARCHITECTURES)
+        covered = ", ".join(arch.name for arch in ARCHITECTURES + DECODED_EXPERT_RECORDS)
         return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
@@ -73,7 +93,7 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
         return False
     state = attach_state(causal_lm)
     if state.fast_decoder is None:
-        arch = architecture_for(causal_lm.config)
+        arch = decoded_record(causal_lm.config)
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
         state.fast_decoder = FastDecoder(causal_lm, arch.embedding_scale, use_graph)
     state.fast_decoder.while_training = while_training

@@ -22,6 +22,7 @@ from torch import nn
 
 from slothkit.core.inspection import attention_window
 from slothkit.core.model_state import patched_module
+from slothkit.inference.decode_experts import DecodeExperts, is_expert_block
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.memory.sizes import mlp_token_chunk
@@ -240,7 +241,10 @@ class _DecodeLayer:
             self.qkv_split = None
             self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
-        self.mlp = _DecodeMLP(layer.mlp, dtype)
+        # A mixture-of-experts block reads its tokens' chosen experts only (decode_experts.py).
+        self.mlp = (
+            DecodeExperts(layer.mlp, dtype) if is_expert_block(layer.mlp) else _DecodeMLP(layer.mlp, dtype)
+        )
 
     def project_qkv(self, x: torch.Tensor) -> tuple:
         """q, k and v of ``x``, (B, T, heads * D) each."""

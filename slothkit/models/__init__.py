@@ -10,8 +10,8 @@ shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench
 RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (every
 record; a record with fused=False would serve export only, its family training on the
 generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
-(they train on the generic path, so nothing else reads them: no fixture, notebook or fused
-layer); SHAPES the shapes every record names and those of record-less families
+and the fast decode loop generates (they train on the generic path: no fixture, notebook
+or fused layer reads them); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
 """

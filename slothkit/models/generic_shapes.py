@@ -63,7 +63,7 @@ GENERIC_SHAPES: dict[str, Shape] = {
     "qwen3-30b-a3b-12l": Shape("qwen3_moe", 2048, 6144, 12, 32, 4, 151936, 40960, _QWEN3_MOE),
     "gpt-oss-20b": Shape("gpt_oss", 2880, 2880, 24, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 32}),
     "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),
-    "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "head_dim": 16}),
+    "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16}),
     "tiny-gemma4": Shape("gemma4_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA4),
     "tiny-gemma3n": Shape("gemma3n_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA3N),
     "tiny-qwen3.5": Shape("qwen3_5_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_QWEN3_5),

@@ -4,8 +4,9 @@ num_experts_per_tok best, weighted by their softmax scores renormalised over the
 (norm_topk_prob); each expert is a SwiGLU MLP of width moe_intermediate_size.
 
 slothkit has no fused decoder for it: FastModel trains it on the generic path, its experts
-through slothkit.engine.experts. This record serves GGUF export (llama.cpp's "qwen3moe" graph),
-which is why it sits in EXPERT_RECORDS and not in RECORDS.
+through slothkit.engine.experts. This record serves GGUF export (llama.cpp's "qwen3moe" graph)
+and the fast decode loop (slothkit.inference: Qwen3's attention, the experts through
+decode_experts.py), which is why it sits in EXPERT_RECORDS and not in RECORDS.
 """
 
 import dataclasses

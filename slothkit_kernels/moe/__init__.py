@@ -4,7 +4,9 @@ One file per concept: ``routing`` (sort by expert, the tile schedule), ``grouped
 (each expert's projection with its adapter fused), ``activation`` (the gated
 activations and their backward), ``combine`` (sorted rows back to tokens),
 ``expert_sums`` (the adapters' per-expert gradients), ``lora`` (the adapter record) and
-``experts`` (the autograd Function and the public op, with the derivation).
+``experts`` (the autograd Function and the public op, with the derivation); ``gemv``
+(``expert_gemv``: a decode step's few tokens, each pair through its chosen expert, reading
+only those experts' weights).
 
 4-bit experts: ``nf4_experts`` (``NF4Experts``, E experts' weights each in bitsandbytes'
 NF4 with double-quantised scales, and its plain-torch dequantisation), ``nf4_quantize``
@@ -17,6 +19,7 @@ copy of all the experts is made.
 """
 
 from slothkit_kernels.moe.experts import moe_lora_experts, moe_lora_experts_reference
+from slothkit_kernels.moe.gemv import expert_gemv, expert_gemv_reference
 from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, grouped_lora_gemm_reference
 from slothkit_kernels.moe.lora import ExpertLoRA
 from slothkit_kernels.moe.nf4_dequantize import dequantize_nf4_experts
@@ -29,6 +32,8 @@ __all__ = [
     "ExpertRouting",
     "NF4Experts",
     "dequantize_nf4_experts",
+    "expert_gemv",
+    "expert_gemv_reference",
     "grouped_lora_gemm",
     "grouped_lora_gemm_reference",
     "moe_lora_experts",

@@ -78,6 +78,20 @@ class NF4Experts:
         tensors = (self.packed, self.absmax, self.nested_absmax, self.offset, self.code, self.nested_code)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def select(self, experts: torch.Tensor) -> NF4Experts:
+        """The experts ``experts`` (a 1-D index tensor, repeats allowed) as a record of
+        their own, in that order: each tensor's rows gathered on the device, so that a
+        decode step dequantises only the experts its tokens chose (len(experts) of E)."""
+        _, rows, cols = self.stored_shape
+        return dataclasses.replace(
+            self,
+            packed=self.packed.index_select(0, experts),
+            absmax=self.absmax.index_select(0, experts),
+            nested_absmax=self.nested_absmax.index_select(0, experts),
+            offset=self.offset.index_select(0, experts),
+            stored_shape=torch.Size((experts.shape[0], rows, cols)),
+        )
+
     def dequantize_expert(self, e: int) -> torch.Tensor:
         """Expert e's stored (rows, cols) matrix in ``dtype``, bit for bit as bitsandbytes'
         ``dequantize_4bit`` gives it, in plain torch."""

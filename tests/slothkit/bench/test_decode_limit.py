@@ -98,3 +98,20 @@ def test_bytes_read_and_the_limit_match_a_step_by_step_count():
 )
 def test_datasheet_bandwidth_by_the_name_torch_reports(name, gb_per_s):
     assert datasheet_bandwidth(name) == gb_per_s
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_weight_bytes_count_the_experts_a_step_chooses(batch):
+    """Qwen3-MoE, each token choosing 2 of 8 experts: the experts' 3-D weights count at
+    1 - (1 - k/E)^batch of their bytes (the expected share a step reads), the rest whole."""
+    model = build_model("tiny-qwen3-moe", torch.float32, "cpu", seed=int(torch.randint(0, 2**31, ())))
+    config = model.config
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    assert top_k < experts
+    embedding = model.get_input_embeddings().weight
+    expert_bytes = sum(_bytes(p) for name, p in model.named_parameters() if ".experts." in name)
+    other = sum(_bytes(p) for name, p in model.named_parameters() if ".experts." not in name)
+    other -= _bytes(embedding)
+    share = 1 - (1 - top_k / experts) ** batch
+    assert expert_bytes > 0
+    assert weight_bytes(model, batch) == round(other + share * expert_bytes)

@@ -31,8 +31,8 @@ def test_rows_compare_speed_time_to_first_token_and_tokens_with_hf():
     assert "| slothkit | 8 | 500.0 | 2.50 |" in "\n".join(table)
 
 
-def _tiny_llamas_prepared_by(*impls: str) -> dict:
-    """Each implementation's model as the worker prepares it: a tiny Llama, fp32, on the CPU."""
+def _tiny_models_prepared_by(shape: str, *impls: str) -> dict:
+    """Each implementation's model as the worker prepares it: a tiny shape, fp32, on the CPU."""
     import argparse
 
     import torch
@@ -41,21 +41,21 @@ def _tiny_llamas_prepared_by(*impls: str) -> dict:
 
     models = {}
     for impl in impls:
-        args = argparse.Namespace(
-            model="tiny-llama", mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4
-        )
+        args = argparse.Namespace(model=shape, mode="lora", rank=8, seed=0, prompt_len=16, new_tokens=4)
         torch.manual_seed(0)
         models[impl] = prepare(impl, args, torch.float32, "cpu")
     return models
 
 
-def test_every_implementation_decodes_the_same_adapted_model():
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen3-moe"])
+def test_every_implementation_decodes_the_same_adapted_model(shape):
     """The rows-equal-HF column compares tokens, so HF + PEFT and slothkit must be given
-    the same model: the same base weights and the same LoRA A and B, although each library
-    draws its own A from the global generator (a tiny Llama, fp32, on the CPU)."""
+    the same model: the same base weights and the same LoRA A and B (a mixture-of-experts
+    model's on its experts too), although each library draws its own A from the global
+    generator (fp32, on the CPU)."""
     import torch
 
-    models = _tiny_llamas_prepared_by("hf", "slothkit")
+    models = _tiny_models_prepared_by(shape, "hf", "slothkit")
     adapters = {
         impl: {n: p for n, p in model.named_parameters() if "lora_" in n} for impl, model in models.items()
     }
@@ -102,7 +102,7 @@ def test_the_merged_row_decodes_the_adapted_model_without_adapters():
     weights: no LoRA layer left, the same logits (a tiny Llama, fp32, on the CPU)."""
     import torch
 
-    models = _tiny_llamas_prepared_by("slothkit", "slothkit-merged")
+    models = _tiny_models_prepared_by("tiny-llama", "slothkit", "slothkit-merged")
     assert not [n for n, _ in models["slothkit-merged"].named_parameters() if "lora_" in n]
     ids = torch.randint(
         3, models["slothkit"].config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)

@@ -233,14 +233,15 @@ def test_loading_fuses_the_plain_experts_and_leaves_them_reachable(tmp_path):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_generation_is_hf_peft_s(family, tmp_path, fused_calls):
-    """After for_inference, generate (transformers' loop over the fused experts and, where
-    the check accepted them, the fused layers with their key/value cache) gives HF + PEFT's
-    greedy tokens."""
+    """After for_inference with Hugging Face's generate (transformers' loop over the fused
+    experts and, where the check accepted them, the fused layers with their key/value
+    cache): HF + PEFT's greedy tokens.  slothkit's own decode loop, which a GPU takes for
+    Qwen3-MoE, is tested in tests/slothkit/inference/test_decode_experts.py."""
     path = _checkpoint(tmp_path, family)
     fast, plain = _fused(path), _plain_peft(path)
     _random_b(fast, seed=6)
     _random_b(plain, seed=6)
-    FastModel.for_inference(fast)
+    FastModel.for_inference(fast, fast_decode=False)
     plain.eval()
     fused_calls.clear()
     ids = torch.randint(3, 500, (1, 6), generator=torch.Generator().manual_seed(0)).to(DEVICE)

@@ -1,0 +1,221 @@
+"""Fast decode of mixture-of-experts models (slothkit.inference.decode_experts) against
+Hugging Face's generate on the same model: a tiny random Qwen3-MoE with LoRA on its
+attention and on its experts' 3-D parameters (random B, so every expert's adapter counts),
+greedy tokens identical, per-step logits equal; 16-bit experts on the module's own
+forward, and 4-bit ones (NF4, read by slothkit's fused experts in Hugging Face's
+generate, by the gathered dequantisation in the decode step).  On a CPU the loop runs
+without the CUDA graph; the CUDA test runs it with the graph at batch 1 and 8."""
+
+import pytest
+import torch
+
+import slothkit.inference.decode_experts as decode_experts
+from slothkit import FastModel
+from slothkit.core.model_state import state_of
+from slothkit.core.notices import say_once
+from slothkit.testing import build_tiny_tokenizer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Hidden and expert widths multiples of 64: bitsandbytes' CPU kernel for the 4-bit
+# attention needs whole blocks of 64 per row.
+SIZES = dict(
+    hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+    max_position_embeddings=4096, pad_token_id=0, norm_topk_prob=True,
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_notices():
+    say_once.cache_clear()
+
+
+@pytest.fixture
+def gathered_steps(monkeypatch):
+    """The number of tokens of each call of the gathered experts."""
+    tokens = []
+    gathered = decode_experts.chosen_experts
+
+    def counting(call, adapters, x, weights, ids):
+        tokens.append(x.shape[0])
+        return gathered(call, adapters, x, weights, ids)
+
+    monkeypatch.setattr(decode_experts, "chosen_experts", counting)
+    return tokens
+
+
+def _checkpoint(path, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **{**SIZES, **extra})
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    build_tiny_tokenizer("bpe", path)
+    return path
+
+
+def _with_lora(model, seed: int):
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # PEFT starts B at zero: give every adapter an effect
+        for name, parameter in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def _load(path, load_in_4bit: bool, dtype=torch.float32):
+    # 16-bit: the experts module's own forward (fused=False), so that Hugging Face's
+    # generate runs transformers' and PEFT's code; 4-bit experts only slothkit's fused
+    # experts read.
+    model, _ = FastModel.from_pretrained(
+        str(path), max_seq_length=512, dtype=dtype, load_in_4bit=load_in_4bit, fused=load_in_4bit
+    )
+    return _with_lora(model, seed=5)
+
+
+def _hf_then_fast(model, **kwargs):
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**kwargs)
+    FastModel.for_inference(model, fast_decode=True)
+    got = model.generate(**kwargs)
+    assert state_of(model).fast_decoder.cache is not None, "the fast loop did not run"
+    return expected, got
+
+
+def _prompts(batch: int, length: int, pad_rows: int = 0):
+    ids = torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(batch + length))
+    mask = torch.ones_like(ids)
+    for row in range(pad_rows):  # left padding of 1 .. pad_rows tokens
+        mask[row, : row + 1] = 0
+        ids[row, : row + 1] = 0
+    return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def _assert_greedy_equal(model, batch: int, length: int, new_tokens: int, pad_rows: int = 0):
+    ids, mask = _prompts(batch, length, pad_rows)
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    expected, got = _hf_then_fast(model, input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+
+
+@pytest.mark.parametrize("gemv", ["gathered", "kernel"])
+def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gemv):
+    """One MoE block, 5 tokens: the chosen experts with their adapters give the block's
+    output (transformers' router and experts, PEFT's wrappers) within fp32 rounding, and
+    each expert's adapter changes it; with the CPU's gather and batched matmul, and with
+    the GPU's kernel (slothkit_kernels.moe.expert_gemv, under the Triton interpreter)."""
+    from slothkit_kernels.moe import expert_gemv
+    from slothkit_kernels.utils import interpreter_enabled
+
+    if gemv == "kernel":
+        if DEVICE == "cpu" and not interpreter_enabled():
+            pytest.skip("the kernel runs on a GPU or under the Triton interpreter")
+        monkeypatch.setattr(decode_experts, "expert_gemv_reference", expert_gemv)
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+    block = model.base_model.model.model.layers[1].mlp
+    x = torch.randn(1, 5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    decode = decode_experts.DecodeExperts(block, torch.float32)
+    assert decode.call.gate_up_lora is not None and decode.call.down_lora is not None
+    with torch.no_grad():
+        expected = block(x)
+        got = decode(x)
+        with model.disable_adapter():
+            without = decode_experts.DecodeExperts(block, torch.float32)(x)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
+    assert (without - expected).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize(("batch", "length", "pad_rows"), [(1, 6, 0), (3, 12, 2)])
+def test_greedy_generation_is_hf_peft_s(tmp_path, gathered_steps, batch, length, pad_rows):
+    """Qwen3-MoE with LoRA on attention and experts: the fast loop's greedy tokens are
+    Hugging Face's generate's, for one prompt (its prefill of 6 tokens gathered too) and a
+    left-padded batch of 3 (its prefill of 36 tokens through the block's own forward)."""
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+    _assert_greedy_equal(model, batch, length, new_tokens=12, pad_rows=pad_rows)
+    layers = SIZES["num_hidden_layers"]
+    prefill = [batch * length] * layers if batch * length <= decode_experts.GATHER_ROWS else []
+    assert gathered_steps == prefill + [batch] * layers * 11
+
+
+def test_expert_adapters_trained_in_place_between_calls_are_seen(tmp_path):
+    """The experts' B changed in place after a fast generate (as an optimizer step does):
+    the next call of the same decoder reads the new values, giving Hugging Face's tokens."""
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+    ids, mask = _prompts(1, 5)
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    FastModel.for_inference(model, fast_decode=True)
+    before = model.generate(**settings)
+    decoder = state_of(model).fast_decoder
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "experts" in name and "lora_B" in name:
+                parameter.mul_(-4.0)
+    got = model.generate(**settings)
+    assert state_of(model).fast_decoder is decoder
+    FastModel.for_inference(model, fast_decode=False)
+    expected = model.generate(**settings)
+    assert torch.equal(got, expected) and not torch.equal(got, before)
+
+
+def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gathered_steps):
+    """NF4 experts (quantised by slothkit at loading) and NF4 attention: the decode step
+    dequantises the chosen experts only, and its greedy tokens are those of Hugging Face's
+    generate over slothkit's fused experts."""
+    pytest.importorskip("bitsandbytes")
+    from slothkit.core.inspection import nf4_experts_of
+    from slothkit.engine.experts import experts_base, experts_modules
+
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=True)
+    assert all(nf4_experts_of(experts_base(m)[0].gate_up_proj) for m in experts_modules(model))
+    _assert_greedy_equal(model, 1, 4, new_tokens=5)
+    assert gathered_steps == [4] * 2 + [1] * 2 * 4
+
+
+def test_nf4_select_dequantises_the_chosen_experts_as_the_whole_record(tmp_path):
+    """NF4Experts.select: the chosen experts (repeats and any order) dequantise to the rows
+    of the whole record's dequantisation."""
+    from slothkit_kernels.moe import dequantize_nf4_experts, quantize_nf4_experts
+
+    weight = torch.randn(6, 64, 32, generator=torch.Generator().manual_seed(4))
+    record = quantize_nf4_experts(weight)
+    ids = torch.tensor([4, 0, 4, 5, 2])
+    torch.testing.assert_close(
+        dequantize_nf4_experts(record.select(ids)), record.dequantize()[ids], rtol=0, atol=0
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("load_in_4bit", [False, True])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch, load_in_4bit):
+    """On a GPU, with the step captured as a CUDA graph (the experts through expert_gemv),
+    fp32: the fast loop's greedy tokens at batch 1 and 8 are Hugging Face's generate's,
+    with 16-bit and with NF4 experts."""
+    if load_in_4bit:
+        pytest.importorskip("bitsandbytes")
+    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=load_in_4bit)
+    _assert_greedy_equal(model, batch, 5, new_tokens=24, pad_rows=batch // 2)
+    assert state_of(model).fast_decoder.captured.graph is not None
+
+
+def test_gpt_oss_keeps_hugging_faces_generate_and_says_why(tmp_path):
+    """gpt-oss (attention sinks, a router with a bias) is not covered: for_inference says
+    which families are, and generate stays Hugging Face's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slothkit.core.notices import FallbackWarning
+
+    config = AutoConfig.for_model(
+        "gpt_oss", **{**SIZES, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "oss")
+    build_tiny_tokenizer("bpe", tmp_path / "oss")
+    model, _ = FastModel.from_pretrained(
+        str(tmp_path / "oss"), dtype=torch.float32, load_in_4bit=False, fused=False
+    )
+    with pytest.warns(FallbackWarning, match="fast generation covers .*qwen3_moe, not 'gpt_oss'"):
+        FastModel.for_inference(model, fast_decode=True)
+    assert state_of(model) is None or state_of(model).fast_decoder is None
