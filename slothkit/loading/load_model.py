@@ -119,6 +119,14 @@ def load_model(model_name: str, options: LoadOptions):
         hf_kwargs["config"] = config
     if options.num_labels is not None:
         hf_kwargs["num_labels"] = options.num_labels
+    from transformers import PreTrainedModel
+
+    if hasattr(PreTrainedModel, "set_use_kernels"):
+        # transformers' Hub kernels (on by default where the `kernels` package is
+        # installed) re-kernelize the model at each train()/eval() switch, putting back the
+        # class forward of every module they decorate (the norms, the gated DeltaNet) over
+        # slothkit's patch of that instance; slothkit's own kernels compute those modules.
+        hf_kwargs.setdefault("use_kernels", False)
     dtype = pick_dtype(options.dtype)
     tokenizer = load_tokenizer(model_name, options.token)
     if text_config is not None:
