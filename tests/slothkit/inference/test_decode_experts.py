@@ -136,7 +136,17 @@ def test_greedy_generation_is_hf_peft_s(tmp_path, gathered_steps, batch, length,
     _assert_greedy_equal(model, batch, length, new_tokens=12, pad_rows=pad_rows)
     layers = SIZES["num_hidden_layers"]
     prefill = [batch * length] * layers if batch * length <= decode_experts.GATHER_ROWS else []
-    assert gathered_steps == prefill + [batch] * layers * 11
+    _assert_gathered(gathered_steps, prefill + [batch] * layers * 11, batch, layers)
+
+
+def _assert_gathered(steps: list[int], eager: list[int], batch: int, layers: int) -> None:
+    """On a CPU every step runs eagerly, so every call of the gathered experts is seen; on a
+    GPU the decode step is captured once as a CUDA graph and replayed, so its calls are
+    seen only while it is warmed up and captured (and the prefill runs the fused path)."""
+    if DEVICE == "cpu":
+        assert steps == eager
+    else:
+        assert steps and steps[-layers:] == [batch] * layers
 
 
 def test_expert_adapters_trained_in_place_between_calls_are_seen(tmp_path):
@@ -170,7 +180,7 @@ def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gat
     model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=True)
     assert all(nf4_experts_of(experts_base(m)[0].gate_up_proj) for m in experts_modules(model))
     _assert_greedy_equal(model, 1, 4, new_tokens=5)
-    assert gathered_steps == [4] * 2 + [1] * 2 * 4
+    _assert_gathered(gathered_steps, [4] * 2 + [1] * 2 * 4, batch=1, layers=2)
 
 
 def test_nf4_select_dequantises_the_chosen_experts_as_the_whole_record(tmp_path):
