@@ -49,17 +49,25 @@ def _hub():
     return _state["hub"]
 
 
-def notebook_environment(stem: str) -> dict[str, str]:
-    from slothkit.notebook.render import architecture_of
+def _stand_in(model: str):
+    """The tiny checkpoint a notebook of `model` runs on: an image-text one, that of its
+    record's family, or (a mixture-of-experts family without a record) its tiny generic shape's."""
+    from slothkit.notebook.render import architecture_of, shape_of
     from slothkit.testing import tiny_image_text_gemma3_path, tiny_model_path
+    from slothkit.testing.tiny_expert_models import tiny_expert_model_path
 
+    if model in IMAGE_TEXT_MODELS:
+        return tiny_image_text_gemma3_path()
+    record = architecture_of(model)
+    if record is None:
+        return tiny_expert_model_path(shape_of(model).model_type)
+    return tiny_model_path(record.name)
+
+
+def notebook_environment(stem: str) -> dict[str, str]:
     hub = _hub()
     model = _model_key(stem)
-    stand_in = (
-        tiny_image_text_gemma3_path()
-        if model in IMAGE_TEXT_MODELS
-        else tiny_model_path(architecture_of(model).name)
-    )
+    stand_in = _stand_in(model)
     return {
         **hub.client_env(),
         "SLOTHKIT_NO_INSTALL": "1",
@@ -68,7 +76,8 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "SLOTHKIT_MAX_STEPS": "16",
         "SLOTHKIT_LEARNING_RATE": "0.002",
         "SLOTHKIT_OUTPUT_DIR": os.path.join(_state["outputs"].name, stem),
-        "SLOTHKIT_SAVE_GGUF": "1",
+        # GGUF where the model's notebook writes it (models.json's save_gguf: not gpt-oss).
+        "SLOTHKIT_SAVE_GGUF": "1" if MODELS[model]["save_gguf"] else "0",
         # One quantisation keeps the run short; every type is tested in tests/slothkit/export.
         "SLOTHKIT_GGUF_QUANTS": "q8_0",
         "SLOTHKIT_HUB_REPO": f"local-user/{stem}",

@@ -19,7 +19,9 @@
 # LoRA (or QLoRA, on 4-bit weights) fine-tuning on instruction data in the Alpaca
 # format, then a few test prompts, then saving: the LoRA adapter, a merged 16-bit
 # model, and GGUF files for llama.cpp / Ollama / LM Studio, optionally pushed to the
-# Hugging Face Hub. The defaults fit a free Colab or Kaggle T4 (15 GB).
+# Hugging Face Hub.
+#
+# The defaults fit a free Colab or Kaggle T4 (15 GB).
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).

@@ -22,8 +22,9 @@
 # reference answers to imitate, only a way to score one: here arithmetic questions whose
 # reply must give the number between `<answer>` and `</answer>`, rewarded for that form
 # and for the right number. Then a streamed chat test, and saving: LoRA adapter, merged
-# 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub. The defaults fit
-# a free Colab or Kaggle T4.
+# 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub.
+#
+# The defaults fit a free Colab or Kaggle T4 (15 GB).
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)

@@ -20,8 +20,9 @@
 # chosen reply and a rejected one, and the model learns to prefer the chosen. The
 # reference model is the same model with its adapters switched off, so no second
 # copy is held in memory. Then a streamed chat test, and saving: LoRA adapter,
-# merged 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub. The
-# defaults fit a free Colab or Kaggle T4.
+# merged 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub.
+#
+# The defaults fit a free Colab or Kaggle T4 (15 GB).
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)

@@ -19,8 +19,9 @@
 # LoRA (or QLoRA) fine-tuning on conversations rendered with the phi-4
 # chat template, with the loss on the assistant replies only. Then a streamed
 # chat test, and saving: LoRA adapter, merged 16-bit model, GGUF files (with an
-# Ollama Modelfile), optionally pushed to the Hugging Face Hub. The defaults fit
-# a free Colab or Kaggle T4.
+# Ollama Modelfile), optionally pushed to the Hugging Face Hub.
+#
+# The defaults fit a free Colab or Kaggle T4 (15 GB).
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)

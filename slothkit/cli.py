@@ -21,7 +21,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            arch = architecture_of(args.model).name
+            record = architecture_of(args.model)
+            if record is None:
+                print(
+                    f"slothkit demo: --quick trains a tiny model of a fused family; {args.model} trains "
+                    f"on the generic path: run `slothkit demo --model {args.model} --tiny`",
+                    file=sys.stderr,
+                )
+                return 2
+            arch = record.name
             if args.arch and args.arch != arch:
                 print(
                     f"slothkit demo: --model {args.model} is a {arch} model, --arch says {args.arch}; "
@@ -35,13 +43,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0 if result["losses"][-1] < result["losses"][0] else 1
 
     from slothkit.notebook.execute import run_notebook_demo
-    from slothkit.notebook.render import architecture_of, model_data
+    from slothkit.notebook.render import family_of, model_data
 
     model = args.model or "llama-3-8b"
     if args.arch:  # --arch picks the first model of that architecture
-        model = next((name for name in model_data() if architecture_of(name).name == args.arch), None)
+        model = next((name for name in model_data() if family_of(name) == args.arch), None)
         if model is None:  # a record without a notebook model (Gemma 3, Phi-3): --quick runs it
-            with_notebooks = sorted({architecture_of(name).name for name in model_data()})
+            with_notebooks = sorted({family_of(name) for name in model_data()})
             print(
                 f"slothkit demo: no notebook model of architecture {args.arch!r}; architectures with "
                 f"one: {', '.join(with_notebooks)} (or run `slothkit demo --quick --arch {args.arch}`)",

@@ -14,8 +14,9 @@
 # LoRA (or QLoRA) fine-tuning on conversations rendered with the ${chat_template}
 # chat template, with the loss on the assistant replies only. Then a streamed
 # chat test, and saving: LoRA adapter, merged 16-bit model, GGUF files (with an
-# Ollama Modelfile), optionally pushed to the Hugging Face Hub. The defaults fit
-# a free Colab or Kaggle T4.
+# Ollama Modelfile), optionally pushed to the Hugging Face Hub.
+#
+# ${gpu_fit}
 
 # %include install
 
@@ -33,7 +34,7 @@ DATASET = "example:chat"  # @param {type:"string"}
 CHAT_TEMPLATE = "${chat_template}"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = True  # @param {type:"boolean"}
+SAVE_GGUF = ${save_gguf}  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

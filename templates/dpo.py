@@ -15,8 +15,9 @@
 # chosen reply and a rejected one, and the model learns to prefer the chosen. The
 # reference model is the same model with its adapters switched off, so no second
 # copy is held in memory. Then a streamed chat test, and saving: LoRA adapter,
-# merged 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub. The
-# defaults fit a free Colab or Kaggle T4.
+# merged 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub.
+#
+# ${gpu_fit}
 
 # %include install
 
@@ -34,7 +35,7 @@ DATASET = "example:preference"  # @param {type:"string"}
 CHAT_TEMPLATE = "${chat_template}"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = True  # @param {type:"boolean"}
+SAVE_GGUF = ${save_gguf}  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

@@ -14,7 +14,9 @@
 # LoRA (or QLoRA, on 4-bit weights) fine-tuning on instruction data in the Alpaca
 # format, then a few test prompts, then saving: the LoRA adapter, a merged 16-bit
 # model, and GGUF files for llama.cpp / Ollama / LM Studio, optionally pushed to the
-# Hugging Face Hub. The defaults fit a free Colab or Kaggle T4 (15 GB).
+# Hugging Face Hub.
+#
+# ${gpu_fit}
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
@@ -34,7 +36,7 @@ GRAD_ACCUM = ${t4_grad_accum}  # @param {type:"integer"}
 DATASET = "example:alpaca"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = True  # @param {type:"boolean"}
+SAVE_GGUF = ${save_gguf}  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

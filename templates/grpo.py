@@ -17,8 +17,9 @@
 # reference answers to imitate, only a way to score one: here arithmetic questions whose
 # reply must give the number between `<answer>` and `</answer>`, rewarded for that form
 # and for the right number. Then a streamed chat test, and saving: LoRA adapter, merged
-# 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub. The defaults fit
-# a free Colab or Kaggle T4.
+# 16-bit model, GGUF files, optionally pushed to the Hugging Face Hub.
+#
+# ${gpu_fit}
 
 # %include install
 
@@ -39,7 +40,7 @@ DATASET = "example:math"  # @param {type:"string"}
 CHAT_TEMPLATE = "${chat_template}"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = True  # @param {type:"boolean"}
+SAVE_GGUF = ${save_gguf}  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

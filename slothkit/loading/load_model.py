@@ -43,6 +43,7 @@ from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.engine.position_limit import watch_position_limit
 from slothkit.inference.generation import accept_encoding_in_generate
 from slothkit.inference.vllm_generate import attach_vllm_methods
+from slothkit.loading.mxfp4_checkpoint import notice_mxfp4_experts
 from slothkit.loading.text_tower import (
     TEXT_TOWER_KEYS,
     renders_text_by_default,
@@ -105,6 +106,7 @@ def load_model(model_name: str, options: LoadOptions):
         # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.
         device_map = device_map_for_process()
     config = resolve_checkpoint(model_name, token=options.token)
+    notice_mxfp4_experts(config, model_name)
     hf_kwargs = dict(options.hf_kwargs)
     hf_kwargs.pop("output_loading_info", None)  # slothkit reads the report itself
     text_config = text_tower_config(config, model_name) if options.num_labels is None else None

@@ -3,8 +3,8 @@ generic path (the model's own modules with slothkit's offloaded checkpointing an
 head) on them, and `slothkit plan` predicts from them with its caveat for that path.
 
 The mixture-of-experts shapes are the released checkpoints' per-layer shapes: the whole
-model where it fits one 80 GB card in 16 bits (gpt-oss-20b), else the same layers with
-fewer of them (the name says how many). Their experts train through slothkit's fused
+model (what `slothkit plan` and the notebooks' hardware cell count), and for benchmarks on
+one 80 GB card in 16 bits the same layers with fewer of them (the name says how many). Their experts train through slothkit's fused
 experts (slothkit.engine.experts), the rest through the model's own modules.
 
 OLMo 2 stands for the record-less families: its layers normalise the attention's and the
@@ -60,6 +60,7 @@ PER_HEAD_QK_NORM_TYPES = frozenset({"qwen3_moe"})
 GENERIC_SHAPES: dict[str, Shape] = {
     "olmo-2-7b": Shape("olmo2", 4096, 11008, 32, 32, 32, 100352, 4096, _OLMO2),
     "tiny-olmo2": Shape("olmo2", 64, 192, 2, 4, 4, 512, 2048, _OLMO2),
+    "qwen3-30b-a3b": Shape("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, _QWEN3_MOE),
     "qwen3-30b-a3b-12l": Shape("qwen3_moe", 2048, 6144, 12, 32, 4, 151936, 40960, _QWEN3_MOE),
     "gpt-oss-20b": Shape("gpt_oss", 2880, 2880, 24, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 32}),
     "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),

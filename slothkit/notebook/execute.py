@@ -32,22 +32,27 @@ def demo_base(model: str, tiny: bool = False, output_dir: str | Path = "slothkit
     """(a description, the checkpoint directory) of the model the demo trains for the
     notebook of `model`: the real one of its architecture (cached), else a tiny random
     one, built under `output_dir` so that the notebook can be run again later."""
-    from slothkit.notebook.render import architecture_of
+    from slothkit.notebook.render import architecture_of, family_of
     from slothkit.testing import build_tiny_model, real_model_path
+    from slothkit.testing.tiny_expert_models import build_tiny_expert_model
 
     record = architecture_of(model)
-    arch = record.name
-    if not tiny and record.demo_model is not None:
+    arch = family_of(model)
+    if not tiny and record is not None and record.demo_model is not None:
         return record.demo_model, real_model_path(record.demo_model)
     checkpoint = Path(output_dir) / f"tiny-{arch}"
     if not (checkpoint / "config.json").exists():
-        build_tiny_model(arch, checkpoint)
+        if record is None:  # a mixture-of-experts family of the generic path
+            build_tiny_expert_model(arch, checkpoint)
+        else:
+            build_tiny_model(arch, checkpoint)
     return f"a tiny random {arch} model", checkpoint.resolve()
 
 
-def demo_config(checkpoint: Path, output_dir: Path, steps: int, real: bool) -> dict:
+def demo_config(checkpoint: Path, output_dir: Path, steps: int, real: bool, save_gguf: bool = True) -> dict:
     """The config cell's values for the demo run (written into the notebook, so that the
-    config it shows is the one that ran)."""
+    config it shows is the one that ran); save_gguf: the model's notebook writes GGUF
+    (models.json's save_gguf: not gpt-oss, which slothkit does not export)."""
     values = {
         "MODEL_NAME": str(checkpoint),
         "LOAD_IN_4BIT": False,  # a CPU has no bitsandbytes kernels; a GPU gets the same run
@@ -55,7 +60,7 @@ def demo_config(checkpoint: Path, output_dir: Path, steps: int, real: bool) -> d
         "OUTPUT_DIR": str(output_dir / "outputs"),
         "SAVE_LORA": True,
         "SAVE_MERGED": True,
-        "SAVE_GGUF": True,
+        "SAVE_GGUF": save_gguf,
         # One type keeps the run short; K-quants need rows in multiples of 256, which
         # neither the tiny models nor SmolLM2 (hidden size 576) have everywhere.
         "GGUF_QUANTS": "q8_0",
@@ -169,7 +174,8 @@ def run_notebook_demo(
     config_values: dict | None = None,
 ) -> dict:
     """Render `template` for `model`, execute it on the demo's model (``demo_base``) and
-    check that the adapter, the merged model and the GGUF file exist.
+    check that the adapter, the merged model and (where the model's notebook writes one)
+    the GGUF file exist.
 
     Args:
         model: a key of templates/models.json.
@@ -187,7 +193,7 @@ def run_notebook_demo(
     """
     import importlib.util
 
-    from slothkit.notebook.render import write_notebook
+    from slothkit.notebook.render import model_data, write_notebook
 
     if template not in DEMO_TEMPLATES:
         raise ValueError(
@@ -200,7 +206,11 @@ def run_notebook_demo(
     base, checkpoint = demo_base(model, tiny, output_dir)
     real = not base.startswith("a tiny")
     steps = steps or (24 if real else 16)
-    values = {**demo_config(checkpoint, output_dir.resolve(), steps, real), **(config_values or {})}
+    save_gguf = model_data()[model]["save_gguf"]
+    values = {
+        **demo_config(checkpoint, output_dir.resolve(), steps, real, save_gguf),
+        **(config_values or {}),
+    }
     notebook_path, script_path = write_notebook(
         template, model, output_dir / f"{model}-{template}", overwrite=overwrite, config_values=values
     )
@@ -214,8 +224,9 @@ def run_notebook_demo(
         "paired script": script_path,
         "lora adapter": outputs / "lora",
         "merged 16-bit": outputs / "merged-16bit",
-        "gguf": next(iter(sorted((outputs / "gguf").glob("*.gguf"))), outputs / "gguf"),
     }
+    if values["SAVE_GGUF"]:
+        artefacts["gguf"] = next(iter(sorted((outputs / "gguf").glob("*.gguf"))), outputs / "gguf")
     missing = [name for name, path in artefacts.items() if not path.exists()]
     if missing:
         raise RuntimeError(

@@ -5,8 +5,10 @@ the values come from templates/models.json (what differs between the models'
 notebooks, as data) plus ``--set key=value`` overrides.  Output: an .ipynb and
 its paired percent-format .py, without outputs.
 
-A model's key in models.json is a shape named by an architecture record
-(slothkit.models): ``architecture_of(model)`` is what the notebook's model is.
+A model's key in models.json is a named shape (slothkit.models.SHAPES): one an
+architecture record names (``architecture_of(model)``, the fused path's family), or a
+generic-path shape (slothkit.models.generic_shapes: Qwen3-MoE, gpt-oss), which has no record
+and whose ``shape_of(model).model_type`` says what the notebook's model is.
 """
 
 from __future__ import annotations
@@ -33,14 +35,33 @@ def model_data() -> dict[str, dict]:
     return json.loads(_package_file("models.json").read_text())
 
 
-def architecture_of(model: str):
-    """The architecture record (slothkit.models.Architecture) of a notebook model."""
-    from slothkit.models import architecture_of_shape
+def shape_of(model: str):
+    """The named shape (slothkit.models.Shape) of a notebook model: its real config's sizes."""
+    from slothkit.models import shape_by_name
 
     models = model_data()
     if model not in models:
         raise ValueError(f"unknown model {model!r}; valid models: {', '.join(models)}")
+    return shape_by_name(model)
+
+
+def architecture_of(model: str):
+    """The architecture record (slothkit.models.Architecture) of a notebook model, or None for
+    a model that trains on the generic path (a shape of slothkit.models.generic_shapes)."""
+    from slothkit.models import architecture_of_shape
+    from slothkit.models.generic_shapes import GENERIC_SHAPES
+
+    shape_of(model)  # an unknown model is refused with the valid ones
+    if model in GENERIC_SHAPES:
+        return None
     return architecture_of_shape(model)
+
+
+def family_of(model: str) -> str:
+    """The family name of a notebook model: its record's name ("qwen3"), else its
+    transformers model_type ("gpt_oss")."""
+    record = architecture_of(model)
+    return record.name if record is not None else shape_of(model).model_type
 
 
 INCLUDE = re.compile(r"^# %include (\w+)$", re.MULTILINE)

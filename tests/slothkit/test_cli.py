@@ -231,7 +231,10 @@ def test_demo_of_an_architecture_without_a_notebook_model_says_how_to_run_it(cap
     models = {name: data for name, data in render.model_data().items() if name != "gemma-3-4b"}
     monkeypatch.setattr(render, "model_data", lambda: models)
     assert main(["demo", "--arch", "gemma3"]) == 2
-    others = ", ".join(sorted(record.name for record in RECORDS if record.name != "gemma3"))
+    # the records' names, and the model types of the generic path's notebook models
+    others = ", ".join(
+        sorted([record.name for record in RECORDS if record.name != "gemma3"] + ["gpt_oss", "qwen3_moe"])
+    )
     assert "gemma3" not in others.split(", ") and {"llama", "qwen3"} <= set(others.split(", "))
     assert (
         f"no notebook model of architecture 'gemma3'; architectures with one: {others} "
@@ -493,6 +496,11 @@ def test_quick_demo_trains_the_model_it_is_given(tmp_path, capsys, reference_ker
         == 2
     )
     assert "--model qwen3-8b is a qwen3 model, --arch says gemma" in capsys.readouterr().err
+    assert main(["demo", "--quick", "--model", "gpt-oss-20b", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        "gpt-oss-20b trains on the generic path: run `slothkit demo --model gpt-oss-20b --tiny`"
+        in capsys.readouterr().err
+    )
     assert main(
         ["demo", "--quick", "--model", "qwen3-8b", "--steps", "2", "--output-dir", str(tmp_path)]
     ) in (0, 1)
