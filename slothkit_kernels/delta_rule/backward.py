@@ -19,10 +19,11 @@ then, with GP = dP * D and GA = dA * D (the products through the decays),
             + beta exp(gamma) dKb
     dV    = beta dVb
     dbeta = rowsum(GA * K K^T) + rowsum(dVb * V) + exp(gamma) rowsum(dKb * K)
-    dgamma_i = rowsum_i(E) - colsum_i(E)  for E = dA * A + dP * P   (D's exponent)
-               + rowsum_i(dQg * Qg) + rowsum_i(dKb * Kb) - rowsum_i(dKc * Kc)
-               + [i = C] (sum(dKc * Kc) + exp(gamma_C) sum(dS * S0))
-    dg_j  = sum_{i >= j} dgamma_i  (gamma is a cumulative sum within the chunk).
+    dg_m  = sum_{i >= m} (rowsum_i(dQg * Qg) + rowsum_i(dKb * Kb))
+            + sum_{i < m} rowsum_i(dKc * Kc)
+            + sum_{i >= m > j} E[i, j]      for E = dA * A + dP * P  (the decays' exponents)
+            + exp(gamma_C) sum(dS * S0)
+    since gamma_i = g_1 + ... + g_i depends on g_m exactly when i >= m.
 
 Every term is linear in (dO, dS) restricted to the program's value features, so the
 programs of one head write partial dQ, dK, dbeta, dg that the caller sums; dV and dS
@@ -83,7 +84,6 @@ def delta_rule_backward_kernel(
     state_ok = k_ok[:, None] & v_ok[None, :]
     causal = offs_c[:, None] >= offs_c[None, :]
     strict = offs_c[:, None] > offs_c[None, :]
-    is_last = offs_c == C - 1
     if HAS_DHT:
         ds = tl.load(DHT + bh * DK * DV + state_offs, mask=state_ok, other=0.0).to(tl.float32)
     else:
@@ -141,18 +141,19 @@ def delta_rule_backward_kernel(
         d_beta = (
             tl.sum(g_a * kk, axis=1) + tl.sum(d_v_beta * v, axis=1) + tl.sum(d_k_beta * k, axis=1) * exp_gamma
         )
-        through_decay = d_a * a + d_p * p
-        d_k_c_k_c = tl.sum(d_k_c * k_c, axis=1)
-        d_gamma = (
-            tl.sum(through_decay, axis=1)
-            - tl.sum(through_decay, axis=0)
-            + tl.sum(d_q_g * q_g, axis=1)
-            + tl.sum(d_k_beta * k_beta, axis=1)
-            - d_k_c_k_c
+        # d/dg_m, term by term (module docstring), each summed only where it depends on g_m:
+        # exp(gamma_i) on Qg and Kb for i >= m, exp(gamma_C - gamma_i) on Kc for i < m (gamma_C - gamma_i = g_{i+1} + ... + g_C), and
+        # decay[i, j] = exp(gamma_i - gamma_j) for i >= m > j.  Summing dgamma first and
+        # differencing would cancel terms of order one down to the small dg of a fast decay.
+        grows = tl.sum(d_q_g * q_g, axis=1) + tl.sum(d_k_beta * k_beta, axis=1)  # (C,) over i
+        to_end_terms = tl.sum(d_k_c * k_c, axis=1)
+        spans = d_a * a + tl.where(strict, d_p * p, 0.0)  # (C, C): pair (i, j), j < i
+        spans_before = tl.cumsum(spans, axis=1) - spans  # [i, m]: sum over j < m
+        d_g = (
+            tl.sum(tl.where(causal, grows[:, None] + spans_before, 0.0), axis=0)
+            + tl.sum(tl.where(offs_c[:, None] < offs_c[None, :], to_end_terms[:, None], 0.0), axis=0)
+            + tl.exp(gamma_last) * tl.sum(tl.sum(ds * s0, axis=1), axis=0)
         )
-        end_terms = tl.sum(d_k_c_k_c, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(ds * s0, axis=1), axis=0)
-        d_gamma += tl.where(is_last, end_terms, 0.0)
-        d_g = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
 
         rows_k = t_idx[:, None] * (HV * DK) + offs_k[None, :]
         tl.store(DQ + part_base + rows_k, d_q, mask=t_ok[:, None] & k_ok[None, :])
