@@ -22,9 +22,12 @@ from slothkit_kernels.utils import check_float_dtype, check_same_device, use_tri
 CHUNK = 64
 # Largest key/value head dim: a program holds a (dk, value block) state and (C, dk) tiles.
 MAX_HEAD_DIM = 256
-# Value features per program: more programs per head, smaller tiles each.
-VALUE_BLOCK = 64
+# Value features per program: a head's dv = 128 makes 4 programs, each with smaller tiles.
+VALUE_BLOCK = 32
 NUM_WARPS = 4
+# The walks carry the state from one chunk to the next; their loads are not pipelined
+# across chunks, which would multiply the shared memory the large tiles already need.
+NUM_STAGES = 1
 
 
 class _GatedDeltaRuleFunction(torch.autograd.Function):
@@ -68,6 +71,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
             BK=block_k,
             BV=block_v,
             num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )
         ctx.save_for_backward(query, key, value, g, beta, tinv, states)
         ctx.settings = (block_k, block_v, n_value_blocks, n_chunks)
@@ -119,6 +123,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
             BK=block_k,
             BV=block_v,
             num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )
         # (NV, B, T, HV, dk) -> (B, T, HK, dk): sum the value blocks, then each key head's group.
         d_q = d_q.sum(0).view(batch, seq_len, num_k_heads, group, k_dim).sum(3)

@@ -71,6 +71,19 @@ def test_without_final_state_gradient_and_two_sequences(device):
         assert relative_error(a, e) < FP32_BOUND, f"{name}: relative error {relative_error(a, e):.2e}"
 
 
+def test_head_dims_off_powers_of_two_and_value_features_over_two_programs(device):
+    """dk = 24 (a masked 32-wide tile), dv = 48: two programs of 32 value features per head,
+    whose partial dq, dk, dg, dbeta are summed."""
+    torch.manual_seed(4)
+    inputs = _inputs(1, 70, 1, 2, 24, 48, True, device)
+    d_output = torch.randn(1, 70, 2, 48, device=device)
+    d_state = torch.randn(1, 2, 24, 48, device=device)
+    ours = _outputs_and_grads(gated_delta_rule, inputs, d_output, d_state)
+    expected = _outputs_and_grads(gated_delta_rule_reference, inputs, d_output, d_state)
+    for name, a, e in zip(NAMES, ours, expected):
+        assert relative_error(a, e) < FP32_BOUND, f"{name}: relative error {relative_error(a, e):.2e}"
+
+
 def test_fast_decays_keep_their_small_gradients(device):
     """Qwen3.5's decays reach g = -20 per position (exp(A_log) up to 16): the state is then
     nearly reset at each step and dg is small next to the chunk's terms it is made of
