@@ -65,6 +65,7 @@ def delta_rule_backward_kernel(
     C: tl.constexpr,  # chunk length
     BK: tl.constexpr,  # DK rounded up to a power of two
     BV: tl.constexpr,  # value features per program
+    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for fp32 inputs, else "tf32"
 ):
     v_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -108,32 +109,47 @@ def delta_rule_backward_kernel(
         to_end = tl.exp(gamma_last - gamma)
         v_beta = v * beta[:, None]
         k_beta = k * (beta * exp_gamma)[:, None]
-        u = tl.dot(tinv, v_beta)  # (C, BV)
-        w = tl.dot(tinv, k_beta)  # (C, BK)
-        v_new = u - tl.dot(w, s0)  # (C, BV)
-        qk = tl.dot(q, tl.trans(k))  # (C, C)
-        kk = tl.dot(k, tl.trans(k))  # (C, C)
+        u = tl.dot(tinv, v_beta, input_precision=PRECISION)  # (C, BV)
+        w = tl.dot(tinv, k_beta, input_precision=PRECISION)  # (C, BK)
+        v_new = u - tl.dot(w, s0, input_precision=PRECISION)  # (C, BV)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (C, C)
+        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # (C, C)
         p = qk * decay
         a = tl.where(strict, beta[:, None] * kk * decay, 0.0)
         q_g = q * exp_gamma[:, None]
         k_c = k * to_end[:, None]
 
-        d_v_new = tl.dot(tl.trans(p), do) + tl.dot(k_c, ds)  # (C, BV)
-        d_p = tl.where(causal, tl.dot(do, tl.trans(v_new)), 0.0)  # (C, C)
-        d_q_g = tl.dot(do, tl.trans(s0))  # (C, BK)
-        d_k_c = tl.dot(v_new, tl.trans(ds))  # (C, BK)
-        d_s0 = tl.dot(tl.trans(q_g), do) + tl.exp(gamma_last) * ds - tl.dot(tl.trans(w), d_v_new)
-        d_v_beta = tl.dot(tl.trans(tinv), d_v_new)  # (C, BV)
-        d_k_beta = -tl.dot(tl.trans(tinv), tl.dot(d_v_new, tl.trans(s0)))  # (C, BK)
-        d_a = tl.where(strict, -(tl.dot(d_v_beta, tl.trans(u)) + tl.dot(d_k_beta, tl.trans(w))), 0.0)
+        d_v_new = tl.dot(tl.trans(p), do, input_precision=PRECISION) + tl.dot(
+            k_c, ds, input_precision=PRECISION
+        )  # (C, BV)
+        d_p = tl.where(causal, tl.dot(do, tl.trans(v_new), input_precision=PRECISION), 0.0)  # (C, C)
+        d_q_g = tl.dot(do, tl.trans(s0), input_precision=PRECISION)  # (C, BK)
+        d_k_c = tl.dot(v_new, tl.trans(ds), input_precision=PRECISION)  # (C, BK)
+        d_s0 = (
+            tl.dot(tl.trans(q_g), do, input_precision=PRECISION)
+            + tl.exp(gamma_last) * ds
+            - tl.dot(tl.trans(w), d_v_new, input_precision=PRECISION)
+        )
+        d_v_beta = tl.dot(tl.trans(tinv), d_v_new, input_precision=PRECISION)  # (C, BV)
+        d_k_beta = -tl.dot(
+            tl.trans(tinv), tl.dot(d_v_new, tl.trans(s0)), input_precision=PRECISION
+        )  # (C, BK)
+        d_a = tl.where(
+            strict,
+            -(
+                tl.dot(d_v_beta, tl.trans(u), input_precision=PRECISION)
+                + tl.dot(d_k_beta, tl.trans(w), input_precision=PRECISION)
+            ),
+            0.0,
+        )
         g_p = d_p * decay
         g_a = d_a * decay
 
-        d_q = tl.dot(g_p, k) + d_q_g * exp_gamma[:, None]
+        d_q = tl.dot(g_p, k, input_precision=PRECISION) + d_q_g * exp_gamma[:, None]
         d_k = (
-            tl.dot(tl.trans(g_p), q)
-            + beta[:, None] * tl.dot(g_a, k)
-            + tl.dot(tl.trans(g_a), k * beta[:, None])
+            tl.dot(tl.trans(g_p), q, input_precision=PRECISION)
+            + beta[:, None] * tl.dot(g_a, k, input_precision=PRECISION)
+            + tl.dot(tl.trans(g_a), k * beta[:, None], input_precision=PRECISION)
             + d_k_c * to_end[:, None]
             + d_k_beta * (beta * exp_gamma)[:, None]
         )

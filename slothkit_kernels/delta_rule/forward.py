@@ -45,6 +45,7 @@ def delta_rule_forward_kernel(
     C: tl.constexpr,  # chunk length
     BK: tl.constexpr,  # DK rounded up to a power of two
     BV: tl.constexpr,  # value features per program
+    PRECISION: tl.constexpr,  # tl.dot's input_precision: "ieee" for fp32 inputs, else "tf32"
 ):
     v_block = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -77,15 +78,17 @@ def delta_rule_forward_kernel(
         tinv = tl.load(TINV + (bh * NC + chunk) * C * C + offs_c[:, None] * C + offs_c[None, :])
 
         tl.store(STATES + (bh * NC + chunk) * DK * DV + state_offs, s, mask=state_ok)
-        u = tl.dot(tinv, v * beta[:, None])  # (C, BV)
-        w = tl.dot(tinv, k * (beta * tl.exp(gamma))[:, None])  # (C, BK)
-        v_new = u - tl.dot(w, s)  # (C, BV)
-        p = tl.dot(q, tl.trans(k)) * decay  # (C, C)
-        o = tl.dot(q * tl.exp(gamma)[:, None], s) + tl.dot(p, v_new)
+        u = tl.dot(tinv, v * beta[:, None], input_precision=PRECISION)  # (C, BV)
+        w = tl.dot(tinv, k * (beta * tl.exp(gamma))[:, None], input_precision=PRECISION)  # (C, BK)
+        v_new = u - tl.dot(w, s, input_precision=PRECISION)  # (C, BV)
+        p = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay  # (C, C)
+        o = tl.dot(q * tl.exp(gamma)[:, None], s, input_precision=PRECISION) + tl.dot(
+            p, v_new, input_precision=PRECISION
+        )
         tl.store(
             O + v_base + t_idx[:, None] * (HV * DV) + offs_v[None, :], o, mask=t_ok[:, None] & v_ok[None, :]
         )
         k_to_end = k * tl.exp(gamma_last - gamma)[:, None]
-        s = tl.exp(gamma_last) * s + tl.dot(tl.trans(k_to_end), v_new)
+        s = tl.exp(gamma_last) * s + tl.dot(tl.trans(k_to_end), v_new, input_precision=PRECISION)
 
     tl.store(HT + bh * DK * DV + state_offs, s, mask=state_ok)

@@ -46,6 +46,9 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
         states = torch.empty(batch, num_v_heads, n_chunks, k_dim, v_dim, **f32)
         final_state = torch.empty(batch, num_v_heads, k_dim, v_dim, **f32)
         has_initial = initial_state is not None
+        # fp32 values keep fp32 products (a float32 model's rounding); 16-bit ones lose more
+        # in their own rounding than tf32's 10-bit mantissa adds.
+        ctx.precision = "ieee" if value.dtype == torch.float32 else "tf32"
         initial = initial_state.contiguous() if has_initial else final_state  # never read when absent
         shape_args = (seq_len, num_k_heads, num_v_heads, k_dim)
         ut_inverse_kernel[(n_chunks, batch * num_v_heads)](
@@ -71,6 +74,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
             BK=block_k,
             BV=block_v,
             num_warps=NUM_WARPS,
+            PRECISION=ctx.precision,
             num_stages=NUM_STAGES,
         )
         ctx.save_for_backward(query, key, value, g, beta, tinv, states)
@@ -123,6 +127,7 @@ class _GatedDeltaRuleFunction(torch.autograd.Function):
             BK=block_k,
             BV=block_v,
             num_warps=NUM_WARPS,
+            PRECISION=ctx.precision,
             num_stages=NUM_STAGES,
         )
         # (NV, B, T, HV, dk) -> (B, T, HK, dk): sum the value blocks, then each key head's group.
