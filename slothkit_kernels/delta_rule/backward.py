@@ -132,7 +132,9 @@ def delta_rule_backward_kernel(
         )
         d_v_beta = tl.dot(tl.trans(tinv), d_v_new, input_precision=PRECISION)  # (C, BV)
         d_k_beta = -tl.dot(
-            tl.trans(tinv), tl.dot(d_v_new, tl.trans(s0)), input_precision=PRECISION
+            tl.trans(tinv),
+            tl.dot(d_v_new, tl.trans(s0), input_precision=PRECISION),
+            input_precision=PRECISION,
         )  # (C, BK)
         d_a = tl.where(
             strict,
@@ -158,9 +160,11 @@ def delta_rule_backward_kernel(
             tl.sum(g_a * kk, axis=1) + tl.sum(d_v_beta * v, axis=1) + tl.sum(d_k_beta * k, axis=1) * exp_gamma
         )
         # d/dg_m, term by term (module docstring), each summed only where it depends on g_m:
-        # exp(gamma_i) on Qg and Kb for i >= m, exp(gamma_C - gamma_i) on Kc for i < m (gamma_C - gamma_i = g_{i+1} + ... + g_C), and
-        # decay[i, j] = exp(gamma_i - gamma_j) for i >= m > j.  Summing dgamma first and
-        # differencing would cancel terms of order one down to the small dg of a fast decay.
+        # exp(gamma_i) on Qg and Kb for i >= m, exp(gamma_C - gamma_i) on Kc for i < m
+        # (gamma_C - gamma_i = g_{i+1} + ... + g_C), decay[i, j] = exp(gamma_i - gamma_j) for
+        # i >= m > j (decay[i, i] = 1 for none).  Summing per position first and then
+        # differencing cumulative sums would cancel terms of order one down to the small dg
+        # of a fast decay.
         grows = tl.sum(d_q_g * q_g, axis=1) + tl.sum(d_k_beta * k_beta, axis=1)  # (C,) over i
         to_end_terms = tl.sum(d_k_c * k_c, axis=1)
         spans = d_a * a + tl.where(strict, d_p * p, 0.0)  # (C, C): pair (i, j), j < i
