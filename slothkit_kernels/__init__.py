@@ -6,13 +6,14 @@ and its plain-torch reference, named ``<op>_reference``, elsewhere.
 
 An op of one module is that module (attention, cross_entropy, fused_linear_cross_entropy,
 geglu, swiglu, rms_norm); a concept of several modules is a folder whose ``__init__``
-exports its public functions (rope/, lora/, nf4/, moe/).  What they share: ``utils``
+exports its public functions (rope/, lora/, nf4/, moe/, delta_rule/).  What they share: ``utils``
 (launch settings and the dispatch rule), ``split_k`` (the decode GEMVs' split-K) and
 ``testing`` (numerical comparisons against references).
 """
 
 from slothkit_kernels.attention import attention, attention_reference
 from slothkit_kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from slothkit_kernels.delta_rule import gated_delta_rule, gated_delta_rule_reference
 from slothkit_kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
@@ -59,6 +60,8 @@ __all__ = [
     "dequantize_nf4_reference",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
     "geglu",
     "geglu_reference",
     "lora_gemv",

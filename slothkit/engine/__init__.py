@@ -7,6 +7,8 @@
 - experts: the fused mixture-of-experts block on a model's experts modules.
 - generic_head, generic_layers: the fused loss, attention and MLP on a model without a
   record, each checked against the model's own before it is kept.
+- gated_deltanet: Qwen3.5's gated DeltaNet layers through the delta rule kernel in
+  training, checked the same way.
 - checkpointing/: gradient checkpointing (which checkpointer, offloaded to host memory,
   use_gradient_checkpointing="auto").
 - layer_graphs: CUDA graphs of whole decoder layers under offloaded checkpointing

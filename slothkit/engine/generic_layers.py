@@ -49,7 +49,7 @@ ACTIVATIONS = {
 }
 
 
-def _relative_tolerance(dtype: torch.dtype) -> float:
+def relative_tolerance(dtype: torch.dtype) -> float:
     # Norm-wise relative difference of one output: the fused kernels round in other
     # places than the modules they replace, one unit of the dtype per operation, and the
     # inputs of later layers differ by what earlier ones rounded. A semantic difference (a
@@ -87,7 +87,7 @@ def _norm_adds_one(norm: nn.Module) -> bool | None:
         for adds_one in (False, True):
             scale = weight.float() + 1.0 if adds_one else weight.float()
             expected = (normed.to(weight.dtype).float() * scale).to(weight.dtype).float()
-            if torch.allclose(own, expected, rtol=_relative_tolerance(weight.dtype) / 3, atol=1e-6):
+            if torch.allclose(own, expected, rtol=relative_tolerance(weight.dtype) / 3, atol=1e-6):
                 return adds_one
     return None
 
@@ -196,7 +196,7 @@ def _outputs(causal_lm: nn.Module, ids: torch.Tensor, experts_inputs: list | Non
     return seen + [hidden.float() for hidden in inputs], inputs
 
 
-def _largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> float:
+def largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> float:
     """The largest norm-wise relative difference between matching outputs."""
     if len(fused) != len(own):
         return float("inf")
@@ -269,7 +269,7 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
                 patch_rms_norm(attention.k_norm, adds_one)
             patch_attention(attention, qk_norm=hasattr(attention, "q_norm"))
             fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
-        worst = max(worst, _largest_difference([fused], [own]))
+        worst = max(worst, largest_difference([fused], [own]))
     return worst
 
 
@@ -318,7 +318,7 @@ def fuse_generic_layers(causal_lm: nn.Module) -> str | None:
     patched = []  # the modules patched so far, undone if the check fails
     try:
         attention_difference = _attention_difference(causal_lm, adds_one)
-        if not attention_difference <= _relative_tolerance(torch.float32):
+        if not attention_difference <= relative_tolerance(torch.float32):
             return (
                 f"its attention computes something else than the fused one (in float32 at random "
                 f"weights, their outputs differ by {attention_difference:.2g}, relative)"
@@ -333,8 +333,8 @@ def fuse_generic_layers(causal_lm: nn.Module) -> str | None:
         return f"its layers could not be checked against the fused ones ({type(error).__name__}: {error})"
     finally:
         causal_lm.train(was_training)
-    difference = _largest_difference(fused, own)
-    if not difference <= _relative_tolerance(dtype):  # a NaN fails too
+    difference = largest_difference(fused, own)
+    if not difference <= relative_tolerance(dtype):  # a NaN fails too
         _unpatch(patched)
         return (
             f"its layers compute something else than the fused ones (an attention's or MLP's output "

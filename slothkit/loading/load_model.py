@@ -31,12 +31,13 @@ from slothkit.core.distributed import device_map_for_process
 from slothkit.core.folder_paths import check_folder_path
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state
-from slothkit.core.notices import FallbackWarning, say_once
+from slothkit.core.notices import FallbackWarning, SlothkitNotice, say_once
 from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import patch_decoder
 from slothkit.engine.experts import patch_experts
 from slothkit.engine.experts_loading import quantized_experts_while_loading, settle_loaded_experts
+from slothkit.engine.gated_deltanet import fuse_deltanet_layers
 from slothkit.engine.generic_head import fuse_generic_head
 from slothkit.engine.generic_layers import fuse_generic_layers
 from slothkit.engine.nf4_layout import keep_nf4_layout
@@ -297,7 +298,9 @@ def take_generic_path(model, fused: bool | None) -> None:
     cross-entropy if its loss is the plain one (slothkit.engine.generic_head), its
     mixture-of-experts layers the fused experts (slothkit.engine.experts), and its layers
     the fused norms, attention, MLP and residual sums where those compute what its own
-    modules do (slothkit.engine.generic_layers). Said once, with what runs.
+    modules do (slothkit.engine.generic_layers), and its gated DeltaNet layers the delta
+    rule kernel where that computes what they do (slothkit.engine.gated_deltanet). Said
+    once, with what runs.
 
     Raises:
         ValueError: fused=True and not even the loss can be fused (the reason named).
@@ -310,12 +313,21 @@ def take_generic_path(model, fused: bool | None) -> None:
     if fused is None and (device.type != "cuda" or not triton_runs_on(device)):
         _warn_unsupported(model_type)
         return
-    # The experts first: the head's check runs the model, whose experts may already be NF4
+    # The gated DeltaNet layers before any other patch: fusing them resets transformers' hub
+    # kernels, which restores the class forward of the modules those decorate.
+    deltanet_layers = _fuse_deltanet_layers(causal_lm)
+    # The experts next: the head's check runs the model, whose experts may already be NF4
     # (slothkit.engine.experts_loading), which only the fused experts read.
     expert_blocks = patch_experts(causal_lm)
     reason = fuse_generic_head(causal_lm)
     layers_reason = fuse_generic_layers(causal_lm)
-    if reason is not None and fused and not expert_blocks and layers_reason is not None:
+    if (
+        reason is not None
+        and fused
+        and not expert_blocks
+        and layers_reason is not None
+        and not deltanet_layers
+    ):
         raise ValueError(
             f"fused=True, but slothkit has no fused path for model_type {model_type!r} and cannot "
             f"fuse its loss: {reason}, nor its layers: {layers_reason}; fused architectures: "
@@ -330,6 +342,26 @@ def take_generic_path(model, fused: bool | None) -> None:
         else f"its Hugging Face modules (not the fused layers: {layers_reason})"
     )
     _notice_generic_path(model_type, layers, head)
+
+
+def _fuse_deltanet_layers(causal_lm) -> int:
+    """Route the gated DeltaNet layers through the delta rule kernel; say once what runs."""
+    count, reason = fuse_deltanet_layers(causal_lm)
+    if count:
+        say_once(
+            f"slothkit: the {count} gated DeltaNet layers of this {causal_lm.config.model_type!r} model "
+            f"compute the gated delta rule with slothkit's chunked Triton kernel in training (checked "
+            f"against their own forward on a random batch); with a cache or packed sequences their "
+            f"own forward runs.",
+            SlothkitNotice,
+        )
+    elif reason is not None:
+        say_once(
+            f"slothkit: the gated DeltaNet layers of this {causal_lm.config.model_type!r} model keep "
+            f"their own forward: {reason}.",
+            FallbackWarning,
+        )
+    return count
 
 
 @functools.cache

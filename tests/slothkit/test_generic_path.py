@@ -12,6 +12,7 @@ from slothkit import FastModel
 from slothkit.core.model_state import patched_module
 from slothkit.engine.generic_head import why_head_stays
 from slothkit.testing import build_tiny_tokenizer
+from slothkit_kernels.testing import relative_error
 
 STEPS = 8
 
@@ -44,11 +45,11 @@ def _checkpoint(tmp_path, model_type: str, **config):
     return path
 
 
-def _train(model, ids, labels):
+def _train(model, ids, labels, steps=STEPS):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=2e-3)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         optimizer.step()
@@ -351,3 +352,68 @@ def test_soft_capped_attention_never_runs_sdpa(monkeypatch):
     assert len(notices) == 1 and "soft-caps its attention scores" in notices[0]
     attention.attn_logit_softcapping = None
     assert _attention_function(attention) is not modeling_gemma2.eager_attention_forward
+
+
+def test_qwen3_5_gated_deltanet_layers_train_through_the_delta_rule_kernel_like_hf_peft(
+    tmp_path, monkeypatch
+):
+    """With the fused path on (here the Triton interpreter), Qwen3.5's gated DeltaNet layers
+    compute the delta rule with slothkit's kernel, checked at loading and said once. Over a
+    sequence of two chunks every LoRA gradient (B set to random values, so that A has one)
+    is HF + PEFT's to fp32 rounding, and so are the losses of 3 AdamW steps (the adapters
+    themselves are not compared: Adam's first steps divide gradients near zero by their
+    own size, which turns rounding into differences of order lr). With a cache the layer's
+    own forward runs."""
+    from slothkit.core.notices import SlothkitNotice
+    from slothkit.engine import gated_deltanet
+    from slothkit.engine.gated_deltanet import deltanet_layers
+    from slothkit.models.generic_shapes import GENERIC_SHAPES
+
+    kernel_calls = []
+    kernel = gated_deltanet.gated_delta_rule
+    monkeypatch.setattr(
+        gated_deltanet, "gated_delta_rule", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
+    )
+    extra = {k: v for k, v in GENERIC_SHAPES["tiny-qwen3.5"].extra.items() if k != "vocab_size"}
+    path = _checkpoint(tmp_path, "qwen3_5_text", num_hidden_layers=4, **extra)
+    with pytest.warns(SlothkitNotice, match="3 gated DeltaNet layers.*chunked Triton kernel"):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    layers = deltanet_layers(model)
+    assert len(layers) == 3 and all(patched_module(layer) is not None for layer in layers)
+    targets = TARGETS + ["in_proj_qkv", "in_proj_z", "out_proj"]
+    fast = FastModel.get_peft_model(
+        model, r=8, lora_alpha=16, target_modules=targets, use_gradient_checkpointing=False
+    )
+    plain = _plain_peft(path, targets=targets)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for (name, ours), theirs in zip(fast.named_parameters(), plain.parameters()):
+            if "lora_B" in name:
+                ours.copy_(torch.randn(ours.shape, generator=generator) * 0.05)
+                theirs.copy_(ours)
+    ids = torch.randint(3, 600, (1, 66), generator=torch.Generator().manual_seed(0))
+    kernel_calls.clear()
+    for model_ in (fast, plain):
+        model_(input_ids=ids, labels=ids).loss.backward()
+    assert len(kernel_calls) == 3  # one per gated DeltaNet layer, after PEFT's wrap and train()
+    theirs = dict(plain.named_parameters())
+    for name, ours in fast.named_parameters():
+        if "lora_" in name:
+            assert relative_error(ours.grad, theirs[name].grad) < 1e-5, name
+    for model_ in (fast, plain):
+        model_.zero_grad(set_to_none=True)
+    losses, plain_losses = _train(fast, ids, ids, steps=3), _train(plain, ids, ids, steps=3)
+    assert plain_losses[-1] < plain_losses[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+
+    record = patched_module(layers[0])
+    cached_calls = []
+
+    def own_forward(*args, **kwargs):
+        cached_calls.append(kwargs.get("cache", kwargs.get("cache_params")) is not None)
+        return kernel_free(*args, **kwargs)
+
+    kernel_free, record.original_forward = record.original_forward, own_forward
+    with torch.no_grad():
+        fast.generate(input_ids=ids[:, :5], max_new_tokens=2, do_sample=False)
+    assert cached_calls and all(cached_calls)
