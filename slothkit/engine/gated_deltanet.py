@@ -13,9 +13,10 @@ Triton kernel for the delta rule.  With a cache (generation) or packed sequences
 
 transformers re-applies Hugging Face's hub kernels (the ``kernels`` package) to the
 layer classes it decorates whenever the model switches between training and evaluation,
-which restores each such instance's class forward.  So before patching, the model's hub
-kernels are reset to transformers' torch code (``reset_kernels``), which also stops the
-re-application; slothkit's kernels take their place.
+which restores each such instance's class forward.  FastModel loads with them off
+(slothkit.loading.load_model); a model that has them on (``use_kernels=True``) has them
+reset to transformers' torch code before patching (``reset_kernels``), which also stops
+the re-application; slothkit's kernels take their place.
 
 As for the fused decoder layers (slothkit.engine.generic_layers), the model decides: each
 patched layer's output on a random batch (over a chunk long) is compared with its own
