@@ -19,9 +19,10 @@ reset to transformers' torch code before patching (``reset_kernels``), which als
 the re-application; slothkit's kernels take their place.
 
 As for the fused decoder layers (slothkit.engine.generic_layers), the model decides: each
-patched layer's output on a random batch (over a chunk long) is compared with its own
-forward's, in eval mode, and every patch is undone if one differs beyond the rounding of
-the model's dtype.
+patched layer's output on a random batch (over a chunk long), and the gradient of its
+input, are compared with its own forward's, in eval mode, and every patch is undone if
+one differs beyond the rounding of the model's dtype, or if the kernels fail to compile
+or run on this GPU (said once, with the error).
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def _unpatch(modules: list[nn.Module]) -> None:
             module.__dict__.pop("forward", None)
 
 
+def _output_and_input_gradient(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The layer's output on ``x`` and the gradient of its sum with respect to ``x``: the
+    backward is compiled and run here, on this GPU, before any training step needs it
+    (torch.autograd.grad leaves the parameters' .grad alone)."""
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(True)
+        output = module(x)
+        (gradient,) = torch.autograd.grad(output.float().sum(), [x])
+    return [output.detach().float(), gradient.float()]
+
+
 def fuse_deltanet_layers(causal_lm: nn.Module) -> tuple[int, str | None]:
     """Route ``causal_lm``'s gated DeltaNet layers through the delta rule kernel where they
     compute what their own forward does (module docstring).
@@ -124,13 +136,13 @@ def fuse_deltanet_layers(causal_lm: nn.Module) -> tuple[int, str | None]:
     causal_lm.eval()
     patched, worst = [], 0.0
     try:
-        with torch.no_grad():
-            for module in modules:
-                own = module(x)
-                patch_deltanet(module)
-                patched.append(module)
-                worst = max(worst, largest_difference([module(x).float()], [own.float()]))
-    except (TypeError, AttributeError, ValueError, RuntimeError) as error:
+        for module in modules:
+            own = _output_and_input_gradient(module, x)
+            patch_deltanet(module)
+            patched.append(module)
+            fused = _output_and_input_gradient(module, x)
+            worst = max(worst, largest_difference(fused, own))
+    except Exception as error:  # noqa: BLE001  (a Triton compile or launch error on this GPU included)
         _unpatch(patched)
         return 0, f"its gated DeltaNet layers could not be checked ({type(error).__name__}: {error})"
     finally:

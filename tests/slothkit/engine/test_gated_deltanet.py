@@ -60,6 +60,37 @@ def test_a_layer_that_computes_something_else_undoes_every_patch():
     assert "forward" not in vars(deltanet_layers(model)[0])
 
 
+def test_a_kernel_that_fails_on_this_gpu_undoes_every_patch(monkeypatch):
+    """A backward that cannot be compiled or launched (Triton's errors are not
+    RuntimeErrors) is met at the check, not at the first training step: every layer keeps
+    its own forward and the reason names the error."""
+    import slothkit.engine.gated_deltanet as glue
+
+    class OutOfResources(Exception):  # as triton.runtime.errors.OutOfResources
+        pass
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q):
+            return q.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    kernel = glue.gated_delta_rule
+
+    def failing_in_backward(q, *args, **kwargs):
+        output, state = kernel(q, *args, **kwargs)
+        return FailingBackward.apply(output), state
+
+    monkeypatch.setattr(glue, "gated_delta_rule", failing_in_backward)
+    model = _tiny_qwen3_5()
+    count, reason = fuse_deltanet_layers(model)
+    assert count == 0 and "OutOfResources: out of resource: shared memory" in reason
+    assert all(patched_module(layer) is None for layer in deltanet_layers(model))
+
+
 def test_a_cache_goes_to_the_layers_own_forward():
     model = _tiny_qwen3_5()
     fuse_deltanet_layers(model)
