@@ -31,7 +31,7 @@ from slothkit.core.distributed import device_map_for_process
 from slothkit.core.folder_paths import check_folder_path
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state
-from slothkit.core.notices import FallbackWarning, SlothkitNotice, say_once
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.data.chat_templates import link_model
 from slothkit.engine.decoder import patch_decoder
@@ -353,7 +353,7 @@ def _fuse_deltanet_layers(causal_lm) -> int:
             f"compute the gated delta rule with slothkit's chunked Triton kernel in training (checked "
             f"against their own forward on a random batch); with a cache or packed sequences their "
             f"own forward runs.",
-            SlothkitNotice,
+            FallbackWarning,  # part of the generic path's notice: no record, HF's decode
         )
     elif reason is not None:
         say_once(
