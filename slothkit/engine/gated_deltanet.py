@@ -11,12 +11,9 @@ that computes the same steps with the layer's own modules (LoRA-wrapped or not) 
 Triton kernel for the delta rule.  With a cache (generation) or packed sequences
 (cu_seq_lens_q) the layer's own forward runs.
 
-transformers re-applies Hugging Face's hub kernels (the ``kernels`` package) to the
-layer classes it decorates whenever the model switches between training and evaluation,
-which restores each such instance's class forward.  FastModel loads with them off
-(slothkit.loading.load_model); a model that has them on (``use_kernels=True``) has them
-reset to transformers' torch code before patching (``reset_kernels``), which also stops
-the re-application; slothkit's kernels take their place.
+transformers re-applies Hugging Face's hub kernels to the classes it decorates at every
+switch between training and evaluation, restoring each instance's class forward; FastModel
+loads with them off (slothkit.loading.load_model), so the patches hold.
 
 As for the fused decoder layers (slothkit.engine.generic_layers), the model decides: each
 patched layer's output on a random batch (over a chunk long), and the gradient of its
@@ -123,8 +120,6 @@ def fuse_deltanet_layers(causal_lm: nn.Module) -> tuple[int, str | None]:
     if all(patched_module(m) is not None for m in modules):
         return len(modules), None
     activations = {m.activation for m in modules}
-    if activations <= set(CONV_ACTIVATIONS) and getattr(causal_lm, "use_kernels", False):
-        causal_lm.reset_kernels()
     if not activations <= set(CONV_ACTIVATIONS):
         return 0, f"its convolution's activation {sorted(activations)} is not SiLU"
     weight = modules[0].out_proj.weight
