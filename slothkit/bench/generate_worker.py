@@ -64,7 +64,15 @@ def prepare(impl: str, args, dtype, device):
         _randomise_adapters(model, args.seed + 2)
         FastLanguageModel.for_inference(model)
         return model
-    model = build_model(args.model, dtype, device, args.seed, quantize_nf4=args.mode == "qlora")
+    qlora = args.mode == "qlora"
+    model = build_model(
+        args.model,
+        dtype,
+        device,
+        args.seed,
+        quantize_nf4=qlora,
+        quantize_experts=qlora and impl.startswith("slothkit"),
+    )
     if impl == "hf":
         from peft import LoraConfig, get_peft_model
 

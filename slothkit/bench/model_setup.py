@@ -15,17 +15,31 @@ KEEP_SUMS = {"auto": None, "on": True, "off": False}
 CHECKPOINTING = {"offload": "offload", "on": True, "auto": "auto"}
 
 
-def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, quantize_nf4: bool = False):
+def build_model(
+    shape_name: str,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+    quantize_nf4: bool = False,
+    quantize_experts: bool = False,
+):
     """The named shape with random weights, built directly on the device.
 
     quantize_nf4: replace the seven projections by bitsandbytes NF4 layers as they are
     built, one at a time, so that the 16-bit model never exists whole: a QLoRA run under
     a memory cap smaller than the 16-bit weights (the --t4 stand-in) can still start.
     The weights are the same either way (one generator, parameters in the same order).
+    quantize_experts: with quantize_nf4, also quantise each mixture-of-experts block's 3-D
+    expert weights to slothkit's NF4 records as soon as that block is built, as
+    FastModel's 4-bit loading does (slothkit.engine.experts_loading): a whole
+    Qwen3-30B-A3B (about 57 GiB of 16-bit experts) then starts under a 24 GiB cap.  Only
+    for slothkit, whose fused experts read those records; HF + PEFT keeps 16-bit experts.
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from slothkit.engine.experts import DOWN, GATE_UP, is_experts_module
+    from slothkit.engine.experts_nf4 import quantize_expert_parameters
     from slothkit.loading.load_model import attention_for
     from slothkit.models import record_for, shape_by_name
 
@@ -67,6 +81,8 @@ def build_model(shape_name: str, dtype: torch.dtype, device: str, seed: int, qua
                 module._parameters[param_name] = param
             if quantize_nf4 and _is_projection(module_name, module):
                 _replace_with_nf4(model, module_name, module, dtype)
+            if quantize_nf4 and quantize_experts and is_experts_module(module):
+                quantize_expert_parameters(module, (GATE_UP, DOWN))
     model.to(device)  # moves the buffers; the parameters are there already
     model.tie_weights()
     return model

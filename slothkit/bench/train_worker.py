@@ -84,7 +84,15 @@ def run(args) -> dict | None:
     if args.impl == "unsloth":  # Unsloth quantises while loading from disk itself
         model, loaded = load_with_unsloth(build_model(args.model, dtype, device, args.seed), args, dtype)
     else:
-        model = build_model(args.model, dtype, device, args.seed, quantize_nf4=args.mode == "qlora")
+        qlora = args.mode == "qlora"
+        model = build_model(
+            args.model,
+            dtype,
+            device,
+            args.seed,
+            quantize_nf4=qlora,
+            quantize_experts=qlora and args.impl == "slothkit",
+        )
         if device == "cuda":
             torch.cuda.synchronize()
             loaded = torch.cuda.memory_allocated()

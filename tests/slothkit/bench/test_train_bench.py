@@ -377,6 +377,27 @@ def test_quantising_while_building_gives_the_same_nf4_weights():
     torch.testing.assert_close(streamed(input_ids=ids).logits, whole(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_experts_quantised_while_building_equal_those_quantised_after(name):
+    # A whole Qwen3-30B-A3B QLoRA bench under a 24 GiB cap builds each block's experts
+    # straight into NF4; they must be the records quantising the built 16-bit experts gives.
+    from slothkit.engine.experts import DOWN, GATE_UP, experts_modules
+    from slothkit.engine.experts_nf4 import nf4_experts_of, quantize_expert_parameters
+
+    after = build_model(name, torch.float32, "cpu", seed=5)
+    streamed = build_model(name, torch.float32, "cpu", seed=5, quantize_nf4=True, quantize_experts=True)
+    pairs = list(zip(experts_modules(after), experts_modules(streamed), strict=True))
+    assert pairs
+    for built, quantized in pairs:
+        quantize_expert_parameters(built, (GATE_UP, DOWN))
+        for weight in (GATE_UP, DOWN):
+            expected, got = nf4_experts_of(getattr(built, weight)), nf4_experts_of(getattr(quantized, weight))
+            assert got is not None, weight
+            assert got.stored_shape == expected.stored_shape, weight
+            for field in ("packed", "absmax", "nested_absmax", "offset"):
+                assert torch.equal(getattr(expected, field), getattr(got, field)), (weight, field)
+
+
 def test_unsloth_checkpoint_is_deleted_once_loaded(monkeypatch, tmp_path):
     """Each Unsloth run saves the random model (16 GB at 8B) for Unsloth to load; left in
     /tmp, a few runs filled the GPU machine's disk."""
