@@ -21,16 +21,17 @@ from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.model_step import longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
 from slothkit.models import ARCHITECTURES, architecture_for, export_record_for
+from slothkit.models.gpt_oss import GPT_OSS
+from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.qwen3_moe import QWEN3_MOE
 
 __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
 
-# The mixture-of-experts families whose decode step decode_experts.py computes: a plain
-# softmax router and SwiGLU experts behind Qwen3's attention, checked token for token
-# against Hugging Face's generate.  gpt-oss (attention sinks, a router and experts with
-# biases, the clamped SwiGLU) and Mixtral (not yet checked there) train and export, and
-# generate through Hugging Face's loop.
-DECODED_EXPERT_RECORDS = (QWEN3_MOE,)
+# The mixture-of-experts families whose decode step decode_experts.py computes, each
+# checked token for token against Hugging Face's generate: Qwen3-MoE (softmax router,
+# SwiGLU experts, q/k-normed attention), gpt-oss (attention sinks and biases, a router and
+# experts with biases, the clamped SwiGLU) and Mixtral (Mistral's attention).
+DECODED_EXPERT_RECORDS = (QWEN3_MOE, GPT_OSS, MIXTRAL)
 
 # generate's keywords that are not generation settings and that the fast loop reads.
 _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")

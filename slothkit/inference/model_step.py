@@ -94,34 +94,52 @@ def _additive_mask(allowed: torch.Tensor, group: int, dtype: torch.dtype) -> tor
     return mask[:, None]
 
 
-def _attend(q, keys, values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+def _attend(q, keys, values, mask, scaling: float, softcap: float | None, sinks=None) -> torch.Tensor:
     """Attention of q (B, KV, R, D) over keys/values (B, KV, S, D) under the additive
     ``mask`` (broadcast to (B, KV, R, S)).
 
     ``softcap`` (Gemma 2's attention-logit soft-capping, which SDPA cannot do): the scores
-    s = q k^T * scaling become softcap * tanh(s / softcap) before the mask and softmax."""
-    if softcap is None:
+    s = q k^T * scaling become softcap * tanh(s / softcap) before the mask and softmax.
+    ``sinks`` (gpt-oss's per-head sink logits, which SDPA cannot take either), broadcast
+    to (B, KV, R, 1): one more column of every row's scores, in the softmax's denominator
+    and dropped after it (it has no value), as transformers' eager attention computes it."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # (B, KV, R, S)
-    scores = torch.tanh(scores / softcap) * softcap + mask
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float() + mask
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(values.dtype), values)
 
 
-def _grouped_attention(q, keys, values, mask, scaling: float, softcap: float | None = None) -> torch.Tensor:
+def _grouped_attention(
+    q, keys, values, mask, scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of q (B, H, T, D) over keys/values (B, KV, S, D), never repeating the
     cache G times for the G query heads that share a key/value head: a one-token step
     stacks them as the G rows of one call under the mask (B, 1, G, S); a prompt attends
-    with each of them in turn under the mask (B, 1, T, S) (_additive_mask)."""
+    with each of them in turn under the mask (B, 1, T, S) (_additive_mask).  ``sinks``:
+    (H,) sink logits, query head h = kv * G + g, or None."""
     batch, heads, tokens, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
+    by_head = None if sinks is None else sinks.view(kv_heads, group)
     if mask.shape[-2] == group * tokens:
-        out = _attend(q.reshape(batch, kv_heads, group * tokens, dim), keys, values, mask, scaling, softcap)
+        # Row g * T + t of key/value head kv is query head kv * G + g's token t.
+        rows = None if by_head is None else by_head.repeat_interleave(tokens, dim=1)[None, :, :, None]
+        out = _attend(
+            q.reshape(batch, kv_heads, group * tokens, dim), keys, values, mask, scaling, softcap, rows
+        )
         return out.reshape(batch, heads, tokens, dim)
     by_group = q.reshape(batch, kv_heads, group, tokens, dim)
     out = torch.empty_like(by_group)
     for head in range(group):
-        out[:, :, head] = _attend(by_group[:, :, head], keys, values, mask, scaling, softcap)
+        rows = None if by_head is None else by_head[None, :, head, None, None]
+        out[:, :, head] = _attend(by_group[:, :, head], keys, values, mask, scaling, softcap, rows)
     return out.view(batch, heads, tokens, dim)
 
 
@@ -225,6 +243,7 @@ class _DecodeLayer:
         self.window = attention_window(attention)
         self.layer_type = getattr(attention, "layer_type", None)
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
+        self.sinks = getattr(attention, "sinks", None)  # gpt-oss: (H,) logits, one per query head
         self.scaling = float(attention.scaling)
         sandwich = all(hasattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
         #   h = x + post_attention_norm(attn(input_norm(x)));  y = h + post_mlp_norm(mlp(mlp_norm(h)))
@@ -290,16 +309,20 @@ class _StepAttention:
         """q (B, H, T, D) over ``keys`` / ``values`` (a ring of width ``ring``, or the
         first ``visible`` slots); returns (B, H, T, D)."""
         window, softcap, scaling = projections.window, projections.softcap, projections.scaling
-        plain = ring is None and softcap is None and (window is None or window >= self.tokens)
+        sinks = projections.sinks
+        plain = (
+            ring is None and softcap is None and sinks is None and (window is None or window >= self.tokens)
+        )
         if self.causal and plain:
             return F.scaled_dot_product_attention(
                 q, keys, values, is_causal=True, scale=scaling, enable_gqa=True
             )
-        if self.tokens > 1 and (self.causal or softcap is not None) and _tiled_prefill_attention(q):
+        beyond_sdpa = softcap is not None or sinks is not None
+        if self.tokens > 1 and (self.causal or beyond_sdpa) and _tiled_prefill_attention(q):
             padding = None
             if not self.causal:  # (B, 1, T, S) booleans, not H times as many fp32 scores
                 padding = self._mask(("padding", window), lambda: self._allowed(window)[:, None])
-            return attention(q, keys, values, scaling, padding, softcap, window).transpose(1, 2)
+            return attention(q, keys, values, scaling, padding, softcap, window, sinks).transpose(1, 2)
         if ring is None:
             mask = self._mask(
                 window, lambda: _additive_mask(self._allowed(window), self.step.group, self.dtype)
@@ -307,7 +330,18 @@ class _StepAttention:
         else:
             marks = self.cache.ring_filled[ring][:, None, :]
             mask = self._mask(("ring", ring), lambda: _additive_mask(marks, self.step.group, self.dtype))
-        return _grouped_attention(q, keys, values, mask, scaling, softcap)
+        return _grouped_attention(q, keys, values, mask, scaling, softcap, sinks)
+
+
+def _whole_head_tables(tables: tuple, head_dim: int) -> tuple:
+    """(cos, sin) over a whole head.  gpt-oss's rotary returns D/2 columns, one per pair,
+    and rotates head halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the same as
+    the rotation of the other families with each table written twice, [cos, cos], which
+    slothkit's RoPE kernels read."""
+    cos, sin = tables
+    if cos.shape[-1] * 2 != head_dim:
+        return tables
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 class ModelStep:
@@ -418,6 +452,7 @@ class ModelStep:
             tables = dict.fromkeys(
                 {p.layer_type for p in self.decode_layers}, self.decoder.rotary_emb(hidden, positions)
             )
+        tables = {kind: _whole_head_tables(pair, self.head_dim) for kind, pair in tables.items()}
         visible = cache.slots if visible is None else visible
         ring_step = tokens == 1  # a one-token step reads each ring whole (_StepAttention)
         attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype)

@@ -1,10 +1,12 @@
 """Fast decode of mixture-of-experts models (slothkit.inference.decode_experts) against
-Hugging Face's generate on the same model: a tiny random Qwen3-MoE with LoRA on its
-attention and on its experts' 3-D parameters (random B, so every expert's adapter counts),
-greedy tokens identical, per-step logits equal; 16-bit experts on the module's own
-forward, and 4-bit ones (NF4, read by slothkit's fused experts in Hugging Face's
-generate, by the gathered dequantisation in the decode step).  On a CPU the loop runs
-without the CUDA graph; the CUDA test runs it with the graph at batch 1 and 8."""
+Hugging Face's generate on the same model: tiny random Qwen3-MoE, gpt-oss (attention
+sinks and biases, sliding and full layers, a router and experts with biases, the clamped
+SwiGLU, half-width rotary tables) and Mixtral, with LoRA on their attention and on their
+experts' 3-D parameters (random B, so every expert's adapter counts), greedy tokens
+identical; 16-bit experts on the module's own forward, and 4-bit ones (NF4, read by
+slothkit's fused experts in Hugging Face's generate, by the gathered dequantisation in the
+decode step).  On a CPU the loop runs without the CUDA graph; the CUDA test runs it with
+the graph at batch 1 and 8."""
 
 import pytest
 import torch
@@ -44,12 +46,34 @@ def gathered_steps(monkeypatch):
     return tokens
 
 
-def _checkpoint(path, **extra):
+# What each family's tiny checkpoint changes from SIZES.  gpt-oss slides every second
+# layer over 4 positions (shorter than the prompts, so the window matters); its sinks and
+# biases are random (transformers starts them at zero, which would not tell a missing one
+# from a present one) and its weights ten times the usual scale, so that attention moves
+# the greedy tokens: a decode step without the sinks gives other tokens.
+FAMILIES = {
+    "qwen3_moe": {},
+    "gpt_oss": {
+        "num_local_experts": 8,
+        "sliding_window": 4,
+        "num_hidden_layers": 4,
+        "initializer_range": 0.2,
+    },
+    "mixtral": {"num_local_experts": 8, "intermediate_size": 32},
+}
+
+
+def _checkpoint(path, family: str = "qwen3_moe", **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", **{**SIZES, **extra})
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    config = AutoConfig.for_model(family, **{**SIZES, **FAMILIES[family], **extra})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks") or name.endswith("bias"):
+                parameter.normal_(0.0, 1.0)
+    model.save_pretrained(path)
     build_tiny_tokenizer("bpe", path)
     return path
 
@@ -99,8 +123,9 @@ def _assert_greedy_equal(model, batch: int, length: int, new_tokens: int, pad_ro
     assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("gemv", ["gathered", "kernel"])
-def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gemv):
+def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gemv, family):
     """One MoE block, 5 tokens: the chosen experts with their adapters give the block's
     output (transformers' router and experts, PEFT's wrappers) within fp32 rounding, and
     each expert's adapter changes it; with the CPU's gather and batched matmul, and with
@@ -112,13 +137,14 @@ def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gem
         if DEVICE == "cpu" and not interpreter_enabled():
             pytest.skip("the kernel runs on a GPU or under the Triton interpreter")
         monkeypatch.setattr(decode_experts, "expert_gemv_reference", expert_gemv)
-    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+    model = _load(_checkpoint(tmp_path / "moe", family), load_in_4bit=False)
     block = model.base_model.model.model.layers[1].mlp
     x = torch.randn(1, 5, SIZES["hidden_size"], generator=torch.Generator().manual_seed(2)).to(DEVICE)
     decode = decode_experts.DecodeExperts(block, torch.float32)
     assert decode.call.gate_up_lora is not None and decode.call.down_lora is not None
     with torch.no_grad():
         expected = block(x)
+        expected = expected[0] if isinstance(expected, tuple) else expected  # gpt-oss adds its scores
         got = decode(x)
         with model.disable_adapter():
             without = decode_experts.DecodeExperts(block, torch.float32)(x)
@@ -127,16 +153,42 @@ def test_router_and_chosen_experts_are_the_blocks_own(tmp_path, monkeypatch, gem
     assert (without - expected).abs().max() > 1e-2 * scale
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize(("batch", "length", "pad_rows"), [(1, 6, 0), (3, 12, 2)])
-def test_greedy_generation_is_hf_peft_s(tmp_path, gathered_steps, batch, length, pad_rows):
-    """Qwen3-MoE with LoRA on attention and experts: the fast loop's greedy tokens are
-    Hugging Face's generate's, for one prompt (its prefill of 6 tokens gathered too) and a
-    left-padded batch of 3 (its prefill of 36 tokens through the block's own forward)."""
-    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=False)
+def test_greedy_generation_is_hf_peft_s(tmp_path, gathered_steps, batch, length, pad_rows, family):
+    """LoRA on attention and experts: the fast loop's greedy tokens are Hugging Face's
+    generate's, for one prompt (its prefill of 6 tokens gathered too) and a left-padded
+    batch of 3 (its prefill of 36 tokens through the block's own forward)."""
+    model = _load(_checkpoint(tmp_path / "moe", family), load_in_4bit=False)
     _assert_greedy_equal(model, batch, length, new_tokens=12, pad_rows=pad_rows)
-    layers = SIZES["num_hidden_layers"]
+    layers = FAMILIES[family].get("num_hidden_layers", SIZES["num_hidden_layers"])
     prefill = [batch * length] * layers if batch * length <= decode_experts.GATHER_ROWS else []
     _assert_gathered(gathered_steps, prefill + [batch] * layers * 11, batch, layers)
+
+
+@pytest.mark.parametrize(("batch", "length", "pad_rows"), [(1, 6, 0), (3, 7, 2)])
+def test_gpt_oss_prefill_through_the_tiled_kernel_with_sinks(tmp_path, monkeypatch, batch, length, pad_rows):
+    """gpt-oss's prefill as a GPU runs it, through slothkit's tiled attention with the
+    sinks (under the Triton interpreter on a CPU), unpadded and left-padded: greedy tokens
+    are Hugging Face's generate's, and every layer's prefill took the kernel."""
+    from slothkit.inference import model_step
+    from slothkit_kernels import attention
+    from slothkit_kernels.utils import interpreter_enabled
+
+    if DEVICE == "cpu" and not interpreter_enabled():
+        pytest.skip("the kernel runs on a GPU or under the Triton interpreter")
+    sinks_seen = []
+
+    def counted(q, k, v, scaling, mask, softcap, window, sinks=None):
+        if q.shape[2] > 1:
+            sinks_seen.append(sinks is not None)
+        return attention(q, k, v, scaling, mask, softcap, window, sinks)
+
+    monkeypatch.setattr(model_step, "_tiled_prefill_attention", lambda q: True)
+    monkeypatch.setattr(model_step, "attention", counted)
+    model = _load(_checkpoint(tmp_path / "oss", "gpt_oss"), load_in_4bit=False)
+    _assert_greedy_equal(model, batch, length, new_tokens=6, pad_rows=pad_rows)
+    assert sinks_seen == [True] * FAMILIES["gpt_oss"]["num_hidden_layers"]
 
 
 def _assert_gathered(steps: list[int], eager: list[int], batch: int, layers: int) -> None:
@@ -169,7 +221,8 @@ def test_expert_adapters_trained_in_place_between_calls_are_seen(tmp_path):
     assert torch.equal(got, expected) and not torch.equal(got, before)
 
 
-def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gathered_steps):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gathered_steps, family):
     """NF4 experts (quantised by slothkit at loading) and NF4 attention: the decode step
     dequantises the chosen experts only, and its greedy tokens are those of Hugging Face's
     generate over slothkit's fused experts."""
@@ -177,10 +230,11 @@ def test_4bit_experts_decode_as_hf_generate_over_the_fused_experts(tmp_path, gat
     from slothkit.core.inspection import nf4_experts_of
     from slothkit.engine.experts import experts_base, experts_modules
 
-    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=True)
+    model = _load(_checkpoint(tmp_path / "moe", family), load_in_4bit=True)
     assert all(nf4_experts_of(experts_base(m)[0].gate_up_proj) for m in experts_modules(model))
     _assert_greedy_equal(model, 1, 4, new_tokens=5)
-    _assert_gathered(gathered_steps, [4] * 2 + [1] * 2 * 4, batch=1, layers=2)
+    layers = FAMILIES[family].get("num_hidden_layers", SIZES["num_hidden_layers"])
+    _assert_gathered(gathered_steps, [4] * layers + [1] * layers * 4, batch=1, layers=layers)
 
 
 def test_nf4_select_dequantises_the_chosen_experts_as_the_whole_record(tmp_path):
@@ -198,34 +252,16 @@ def test_nf4_select_dequantises_the_chosen_experts_as_the_whole_record(tmp_path)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("load_in_4bit", [False, True])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch, load_in_4bit):
-    """On a GPU, with the step captured as a CUDA graph (the experts through expert_gemv),
-    fp32: the fast loop's greedy tokens at batch 1 and 8 are Hugging Face's generate's,
-    with 16-bit and with NF4 experts."""
+def test_captured_decode_is_hf_peft_s_on_a_gpu(tmp_path, batch, load_in_4bit, family):
+    """On a GPU, with the step captured as a CUDA graph (the experts through expert_gemv,
+    gpt-oss's prefill through the tiled attention with its sinks), fp32: the fast loop's
+    greedy tokens at batch 1 and 8 are Hugging Face's generate's, with 16-bit and with NF4
+    experts."""
     if load_in_4bit:
         pytest.importorskip("bitsandbytes")
-    model = _load(_checkpoint(tmp_path / "moe"), load_in_4bit=load_in_4bit)
+    model = _load(_checkpoint(tmp_path / "moe", family), load_in_4bit=load_in_4bit)
     _assert_greedy_equal(model, batch, 5, new_tokens=24, pad_rows=batch // 2)
     assert state_of(model).fast_decoder.captured.graph is not None
-
-
-def test_gpt_oss_keeps_hugging_faces_generate_and_says_why(tmp_path):
-    """gpt-oss (attention sinks, a router with a bias) is not covered: for_inference says
-    which families are, and generate stays Hugging Face's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from slothkit.core.notices import FallbackWarning
-
-    config = AutoConfig.for_model(
-        "gpt_oss", **{**SIZES, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "oss")
-    build_tiny_tokenizer("bpe", tmp_path / "oss")
-    model, _ = FastModel.from_pretrained(
-        str(tmp_path / "oss"), dtype=torch.float32, load_in_4bit=False, fused=False
-    )
-    with pytest.warns(FallbackWarning, match="fast generation covers .*qwen3_moe, not 'gpt_oss'"):
-        FastModel.for_inference(model, fast_decode=True)
-    assert state_of(model) is None or state_of(model).fast_decoder is None

@@ -223,9 +223,9 @@ def _check_tiled_prefill(arch: str, prompt_lengths, monkeypatch) -> None:
 
     calls = []
 
-    def counted(q, k, v, scaling, mask, softcap, window):
+    def counted(q, k, v, scaling, mask, softcap, window, sinks=None):
         calls.append(mask is None)
-        return attention(q, k, v, scaling, mask, softcap, window)
+        return attention(q, k, v, scaling, mask, softcap, window, sinks)
 
     monkeypatch.setattr(model_step, "_tiled_prefill_attention", lambda q: True)
     monkeypatch.setattr(model_step, "attention", counted)
