@@ -54,13 +54,13 @@ def _stand_in(model: str):
     record's family, or (a mixture-of-experts family without a record) its tiny generic shape's."""
     from slothkit.notebook.render import architecture_of, shape_of
     from slothkit.testing import tiny_image_text_gemma3_path, tiny_model_path
-    from slothkit.testing.tiny_expert_models import tiny_expert_model_path
+    from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
     if model in IMAGE_TEXT_MODELS:
         return tiny_image_text_gemma3_path()
     record = architecture_of(model)
     if record is None:
-        return tiny_expert_model_path(shape_of(model).model_type)
+        return tiny_generic_model_path(shape_of(model).model_type)
     return tiny_model_path(record.name)
 
 
