@@ -50,6 +50,12 @@ _TINY_QWEN3_5 = {
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
 }  # fmt: skip
 
+# Multimodal checkpoints of record-less families whose text model FastModel loads alone
+# (slothkit.loading.text_tower), as a record's `text_tower_of` says for its family:
+# multimodal model_type -> its text model's. Gemma 4's E2B, E4B and 31B checkpoints are
+# image-text (E2B and E4B hear audio too).
+TEXT_TOWERS = {"gemma4": "gemma4_text"}
+
 # Record-less families whose attention normalises each head's q and k (Qwen3's q_norm and
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
 # they keep (slothkit.memory.memory_model.kept_layer_bytes).
