@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slothkit.data import FORMATS, get_chat_template
 from slothkit.data.chat_formats import format_named
+from slothkit.data.chat_templates import matching_format
 from slothkit.data.responses_only import ResponseMasker, probe_markers
 from slothkit.testing import tiny_model_path
 
@@ -170,6 +171,16 @@ def test_the_thinking_switch_as_each_family_writes_it():
     assert text.endswith("<|turn>model\n<|channel>thought\nThree and three.\n<channel|>6<turn|>\n")
     for token in ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"):
         assert len(gemma(token, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_the_models_own_template_is_recognised_as_the_format(family):
+    """get_chat_template(tokenizer, "model") on a tokenizer carrying the model's own template
+    installs the format (with its generation marks); the thinking switch tells Qwen3.5's
+    template from Qwen3 Thinking's, which writes the same text but for it."""
+    name, tokenizer, reference = family
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = reference
+    assert matching_format(own) is FORMATS[name]
 
 
 @pytest.mark.parametrize(
