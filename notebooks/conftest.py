@@ -23,9 +23,9 @@ TEMPLATE_ENVIRONMENT = {
     },
 }
 # Notebook models whose real checkpoints are image-text models (FastModel loads their text
-# model alone, slothkit.loading.text_tower): they run on a tiny image-text stand-in, so that the
-# notebook meets what a user's load meets.
-IMAGE_TEXT_MODELS = {"gemma-3-4b"}
+# model alone, slothkit.loading.text_tower): they run on a tiny image-text stand-in (the name of
+# its builder in slothkit.testing), so that the notebook meets what a user's load meets.
+IMAGE_TEXT_MODELS = {"gemma-3-4b": "tiny_image_text_gemma3_path", "gemma-4-e4b": "tiny_image_text_gemma4_path"}
 _state = {}
 
 
@@ -51,16 +51,17 @@ def _hub():
 
 def _stand_in(model: str):
     """The tiny checkpoint a notebook of `model` runs on: an image-text one, that of its
-    record's family, or (a mixture-of-experts family without a record) its tiny generic shape's."""
+    record's family, or (a family without a record) its tiny generic shape's."""
+    import slothkit.testing
     from slothkit.notebook.render import architecture_of, shape_of
-    from slothkit.testing import tiny_image_text_gemma3_path, tiny_model_path
-    from slothkit.testing.tiny_expert_models import tiny_expert_model_path
+    from slothkit.testing import tiny_model_path
+    from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
     if model in IMAGE_TEXT_MODELS:
-        return tiny_image_text_gemma3_path()
+        return getattr(slothkit.testing, IMAGE_TEXT_MODELS[model])()
     record = architecture_of(model)
     if record is None:
-        return tiny_expert_model_path(shape_of(model).model_type)
+        return tiny_generic_model_path(shape_of(model).model_type)
     return tiny_model_path(record.name)
 
 

@@ -8,15 +8,18 @@ system text, role checks, BOS) in front. Every assistant reply sits inside
 
 The formats with marked turns write the markers of their layout (slothkit.data.turn_layouts),
 which the Ollama Modelfile (slothkit.data.ollama_templates) writes too: _marked_turns for
-those with a system turn (ChatML, Qwen3 and Qwen3 thinking, which add to ChatML's blocks
-rather than repeat them; Llama 3, Phi-3, Phi-4), _folded_system_turns for those that put the
-system text into the first user turn (Gemma, Mistral).  GPT_OSS writes harmony's messages
-(its layout's turns, a message per channel).
+those with a system turn (ChatML, Qwen3, Qwen3 thinking and Qwen3.5, which add to ChatML's
+blocks rather than repeat them; Llama 3, Phi-3, Phi-4), _folded_system_turns for those that
+put the system text into the first user turn (Gemma, Mistral).  GPT_OSS writes harmony's
+messages (its layout's turns, a message per channel); GEMMA_4 its turns and thought channel.
 """
 
 from slothkit.data.turn_layouts import CHATML as CHATML_TURNS
 from slothkit.data.turn_layouts import (
     EMPTY_THINKING,
+    GEMMA_4_THINK,
+    GEMMA_4_THOUGHT_CLOSING,
+    GEMMA_4_THOUGHT_OPENING,
     HARMONY_ANALYSIS,
     HARMONY_DEFAULT_EFFORT,
     HARMONY_FINAL,
@@ -30,6 +33,7 @@ from slothkit.data.turn_layouts import (
     quoted,
 )
 from slothkit.data.turn_layouts import GEMMA as GEMMA_TURNS
+from slothkit.data.turn_layouts import GEMMA_4 as GEMMA_4_TURNS
 from slothkit.data.turn_layouts import HARMONY as HARMONY_TURNS
 from slothkit.data.turn_layouts import INST as INST_TURNS
 from slothkit.data.turn_layouts import LLAMA_3 as LLAMA_3_TURNS
@@ -45,6 +49,7 @@ def _marked_turns(
     layout: TurnLayout,
     *,
     trim: bool = False,
+    trim_reply: bool | None = None,
     last_user: bool = False,
     reply_setup: str = "",
     reply_opening: str = "",
@@ -54,13 +59,15 @@ def _marked_turns(
 ) -> str:
     """The body of a format whose every turn is marked, system turn included (layout.system).
 
-    trim: strip the system text and each message; last_user: set ns.last_user to the index
+    trim: strip the system text and each message (the reply too unless trim_reply is False:
+    a reply_setup that trims it itself); last_user: set ns.last_user to the index
     of the last user turn; reply_setup: statements before an assistant turn; reply_opening:
     statements inside its generation block, before the reply; reply: the reply's expression;
     prompt: the generation prompt's text (default the assistant turn's opening);
     prompt_after: statements after it.
     """
     trimmed = " | trim" if trim else ""
+    reply_trimmed = trimmed if trim_reply is None or trim_reply else ""
     system, user, assistant = layout.system, layout.user, layout.assistant
     body = "\n{%- if system is not none -%}\n"
     body += _emit(1, f"{quoted(system.open)} + system{trimmed} + {quoted(system.close)}")
@@ -72,7 +79,7 @@ def _marked_turns(
     body += "    {%- else -%}\n" + reply_setup
     body += _emit(2, quoted(assistant.open))
     body += "        {%- generation -%}\n" + reply_opening
-    body += _emit(3, f"{reply}{trimmed} + {quoted(assistant.close)}")
+    body += _emit(3, f"{reply}{reply_trimmed} + {quoted(assistant.close)}")
     body += "        {%- endgeneration -%}\n    {%- endif -%}\n{%- endfor -%}\n"
     body += "{%- if add_generation_prompt -%}\n"
     body += _emit(1, quoted(assistant.open if prompt is None else prompt)) + prompt_after
@@ -156,6 +163,78 @@ QWEN3_THINKING = _marked_turns(
     reply="answer",
     prompt=CHATML_TURNS.assistant.open + THINKING_OPENING,
 )
+
+# Qwen3.5's (Qwen3.5-4B and larger): Qwen3 Thinking's blocks, with every text trimmed, the
+# reasoning read from the message's `thinking` where it has one (else from before "</think>"
+# in its text), and a switch: enable_thinking=False closes the block in the generation
+# prompt so that the model answers at once.
+QWEN3_5 = _marked_turns(
+    CHATML_TURNS,
+    trim=True,
+    trim_reply=False,
+    last_user=True,
+    reply_setup=r"""        {%- set answer = message[content_key] | trim -%}
+        {%- set reasoning = '' -%}
+        {%- if message['thinking'] is string -%}
+            {%- set reasoning = message['thinking'] -%}
+        {%- elif '</think>' in answer -%}
+            {%- set reasoning = answer.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+            {%- set answer = answer.split('</think>')[-1].lstrip('\n') -%}
+        {%- endif -%}
+""",
+    reply_opening=(
+        "            {%- if loop.index0 > ns.last_user -%}\n"
+        + _emit(4, f"{quoted(THINKING_OPENING)} + reasoning | trim + {quoted(THINKING_CLOSING)}")
+        + "            {%- endif -%}\n"
+    ),
+    reply="answer",
+    prompt_after=(
+        "    {%- if enable_thinking is defined and enable_thinking is false -%}\n"
+        + _emit(2, quoted(EMPTY_THINKING))
+        + "    {%- else -%}\n"
+        + _emit(2, quoted(THINKING_OPENING))
+        + "    {%- endif -%}\n"
+    ),
+)
+
+
+def _gemma_4() -> str:
+    """Gemma 4's turns, as its own template writes conversations without tools: a system turn
+    for the system text, opened by <|think|> when enable_thinking is on (a system turn of its
+    own if the conversation has no system text); every text trimmed; a reply after the last
+    user turn preceded by its `thinking` in the thought channel, and every reply rid of the
+    channel blocks its text holds ("<|channel>...<channel|>"), as the model's own template
+    drops past reasoning."""
+    layout = GEMMA_4_TURNS
+    system, user, assistant = layout.system, layout.user, layout.assistant
+    body = "\n{%- set thinking_on = enable_thinking is defined and enable_thinking -%}\n"
+    body += "{%- if system is not none or thinking_on -%}\n"
+    body += _emit(1, quoted(system.open))
+    body += "    {%- if thinking_on -%}\n" + _emit(2, quoted(GEMMA_4_THINK)) + "    {%- endif -%}\n"
+    body += "    {%- if system is not none -%}\n" + _emit(2, "system | trim") + "    {%- endif -%}\n"
+    body += _emit(1, quoted(system.close)) + "{%- endif -%}\n" + _LAST_USER
+    body += "{%- for message in turns -%}\n    {%- if message[role_key] == user_role -%}\n"
+    body += _emit(2, f"{quoted(user.open)} + message[content_key] | trim + {quoted(user.close)}")
+    body += "    {%- else -%}\n"
+    body += "        {%- set current = loop.index0 > ns.last_user -%}\n"
+    body += "        {%- set answer = namespace(text='') -%}\n"
+    body += "        {%- for piece in message[content_key].split('<channel|>') -%}\n"
+    body += "            {%- set answer.text = answer.text + piece.split('<|channel>')[0] -%}\n"
+    body += "        {%- endfor -%}\n"
+    body += _emit(2, quoted(assistant.open))
+    body += "        {%- generation -%}\n"
+    body += "            {%- if current and message['thinking'] -%}\n"
+    body += _emit(
+        4, f"{quoted(GEMMA_4_THOUGHT_OPENING)} + message['thinking'] + {quoted(GEMMA_4_THOUGHT_CLOSING)}"
+    )
+    body += "            {%- endif -%}\n"
+    body += _emit(3, f"answer.text | trim + {quoted(assistant.close)}")
+    body += "        {%- endgeneration -%}\n    {%- endif -%}\n{%- endfor -%}\n"
+    body += "{%- if add_generation_prompt -%}\n" + _emit(1, quoted(assistant.open)) + "{%- endif -%}\n"
+    return body
+
+
+GEMMA_4 = _gemma_4()
 
 # FastChat's ADD_COLON_TWO style: system + " ", then "USER: u" + " " and
 # "ASSISTANT: a" + "</s>"; an open assistant turn is "ASSISTANT:".

@@ -25,6 +25,9 @@ Each format is written from its authors' public description:
     qwen3-thinking  ChatML; the generation prompt is <|im_start|>assistant\n<think>\n;      Qwen3 Thinking-2507
               the answer after the last user turn is <think>\n{reasoning}\n</think>\n\n{answer},
               earlier answers lose their reasoning ("qwen3-instruct", Instruct-2507, is chatml)
+    qwen3.5   ChatML, every text trimmed; as qwen3-thinking, the generation prompt      Qwen3.5 (4B and larger)
+              opens <think>\n unless enable_thinking=False, which closes it
+              (<think>\n\n</think>\n\n); a message's `thinking` is its reasoning
     phi-3     <|system|>\ns<|end|>\n<|user|>\nu<|end|>\n<|assistant|>\na<|end|>\n         Microsoft Phi-3 / 3.5 Instruct
     phi-4     <|im_start|>user<|im_sep|>u<|im_end|><|im_start|>assistant<|im_sep|>a<|im_end|>  Microsoft Phi-4
     vicuna_old s\n### Human: u\n### Assistant: a</s>\n### Human: ...                     FastChat's first Vicuna
@@ -36,6 +39,10 @@ Each format is written from its authors' public description:
               <|start|>assistant<|channel|>final<|message|>a<|end|>                     without tools
               the last answer: its `thinking` as <|start|>assistant<|channel|>analysis<|message|>r<|end|>,
               then the answer closed by <|return|>; earlier answers lose their thinking;
+              a leading "developer" message is the system text
+    gemma-4   <|turn>system\ns<turn|>\n<|turn>user\nu<turn|>\n<|turn>model\na<turn|>\n     Gemma 4 instruct, as its own
+              enable_thinking=True opens the system turn with <|think|>\n; the last        template renders
+              answer's `thinking` goes first in <|channel>thought\n...\n<channel|>;     conversations without tools
               a leading "developer" message is the system text
 
 Every template starts with the tokenizer's BOS when the tokenizer puts one in front of
@@ -205,6 +212,14 @@ FORMATS: dict[str, ChatFormat] = {
             source="Qwen3 Thinking-2507 (ChatML; the generation prompt opens the thinking block)",
         ),
         ChatFormat(
+            name="qwen3.5",
+            body=bodies.QWEN3_5,
+            **_markers(turns.CHATML, also=("<think>", "</think>")),
+            default_system=None,
+            alternate=False,
+            source="Qwen3.5-4B and larger (ChatML; thinking on unless enable_thinking=False)",
+        ),
+        ChatFormat(
             name="phi-3",
             body=bodies.PHI_3,
             **_markers(turns.PHI_3),
@@ -243,6 +258,17 @@ FORMATS: dict[str, ChatFormat] = {
             source="OpenAI harmony, as gpt-oss's own chat template renders conversations without tools",
             also_system=("developer",),
         ),
+        ChatFormat(
+            name="gemma-4",
+            body=bodies.GEMMA_4,
+            **_markers(turns.GEMMA_4, also=turns.GEMMA_4_CHANNEL_TOKENS),
+            default_system=None,
+            # Gemma 4's own template merges consecutive replies into one turn; slothkit asks
+            # for alternating turns rather than render those differently.
+            alternate=True,
+            source="Gemma 4 instruct (its own template without tools; thinking with enable_thinking=True)",
+            also_system=("developer",),
+        ),
     )
 }
 
@@ -265,6 +291,11 @@ ALIASES = {
     "qwen3-instruct": "chatml",  # Qwen3 Instruct-2507: ChatML, no thinking, no default system
     "qwen-3-instruct": "chatml",
     "qwen-3-thinking": "qwen3-thinking",
+    "qwen-3.5": "qwen3.5",
+    "qwen3_5": "qwen3.5",
+    "qwen35": "qwen3.5",
+    "gemma4": "gemma-4",
+    "gemma_4": "gemma-4",
     "phi3": "phi-3",
     "phi-3.5": "phi-3",
     "phi-35": "phi-3",

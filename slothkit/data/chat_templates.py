@@ -45,9 +45,13 @@ from slothkit.data.chat_formats import (
 from slothkit.data.marker_tokens import plan_custom_turn_end, plan_marker_tokens, say_what_was_mapped
 from slothkit.data.template_text import replace_written_text
 
-# Conversations on which a tokenizer's own template is compared with slothkit's formats.
+# Conversations on which a tokenizer's own template is compared with slothkit's formats,
+# each with the arguments it is rendered with. The last two turn the thinking switch
+# (enable_thinking, which templates without one ignore) both ways: Qwen3.5's template and
+# Qwen3 Thinking's write the same text but for it.
+_PROMPT = [{"role": "user", "content": "Name a colour."}]
 _PROBES = (
-    ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}], False),
+    ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}], {}),
     (
         [
             {"role": "system", "content": "Be brief."},
@@ -56,10 +60,15 @@ _PROBES = (
             {"role": "user", "content": "And 3 + 3?"},
             {"role": "assistant", "content": "6"},
         ],
-        False,
+        {},
     ),
-    ([{"role": "user", "content": "Name a colour."}], True),
-    ([{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}], True),
+    (_PROMPT, {"add_generation_prompt": True}),
+    (
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello"}],
+        {"add_generation_prompt": True},
+    ),
+    (_PROMPT, {"add_generation_prompt": True, "enable_thinking": False}),
+    (_PROMPT, {"add_generation_prompt": True, "enable_thinking": True}),
 )
 
 
@@ -322,17 +331,13 @@ def _own_default_system(tokenizer, own: str, fmt: ChatFormat, use_bos: bool) -> 
 
 def _renders_alike(tokenizer, own: str, candidate: str) -> bool:
     compared = 0
-    for messages, prompt in _PROBES:
+    for messages, kwargs in _PROBES:
         try:
-            expected = tokenizer.apply_chat_template(
-                messages, chat_template=own, tokenize=False, add_generation_prompt=prompt
-            )
+            expected = tokenizer.apply_chat_template(messages, chat_template=own, tokenize=False, **kwargs)
         except Exception:  # the own template refuses this conversation (e.g. a system turn)
             continue
         try:
-            got = tokenizer.apply_chat_template(
-                messages, chat_template=candidate, tokenize=False, add_generation_prompt=prompt
-            )
+            got = tokenizer.apply_chat_template(messages, chat_template=candidate, tokenize=False, **kwargs)
         except Exception:
             return False
         if got != expected:

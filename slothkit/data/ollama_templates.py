@@ -15,8 +15,10 @@ llama.cpp adds it when the GGUF says add_bos; slothkit.export.gguf.modelfile wri
                                   and <|call|>)
     <|start_header_id|>           Llama 3
     [INST]                        Mistral / Llama 2 ([INST] ... [/INST], system folded into the first turn)
+    <|turn>                       Gemma 4 (a system turn, assistant called "model")
     <start_of_turn>               Gemma (system folded into the first turn, assistant called "model")
-    qwen3-thinking (slothkit's tag) ChatML, the generation prompt opening <think>
+    qwen3-thinking, qwen3.5       ChatML, the generation prompt opening <think>
+    (slothkit's tags)
     <|im_start|>                  ChatML
 
 A chat template made from a {SYSTEM}/{INPUT}/{OUTPUT} prompt (slothkit.data.prompt_templates,
@@ -122,10 +124,12 @@ CHAT_FORMATS = (
     _harmony(),
     _marked("llama3", "<|start_header_id|>", turns.LLAMA_3),
     _marked("mistral", "[INST]", turns.INST),
+    _marked("gemma4", "<|turn>", turns.GEMMA_4),
     _marked("gemma", "<start_of_turn>", turns.GEMMA),
-    # get_chat_template(tokenizer, "qwen3-thinking"): ChatML whose generation prompt opens
-    # the thinking block (recognised by the tag slothkit's template starts with).
+    # get_chat_template(tokenizer, "qwen3-thinking" or "qwen3.5"): ChatML whose generation
+    # prompt opens the thinking block (recognised by the tag slothkit's template starts with).
     _marked("qwen3-thinking", "slothkit chat template: qwen3-thinking", turns.CHATML, turns.THINKING_OPENING),
+    _marked("qwen3.5", "slothkit chat template: qwen3.5", turns.CHATML, turns.THINKING_OPENING),
     _marked("chatml", "<|im_start|>", turns.CHATML),
 )
 GENERIC_FORMAT = OllamaFormat(

@@ -8,6 +8,7 @@ before the first user text, followed by `system_fold`:
     CHATML     <|im_start|>system\\n                      <|im_start|>user\\n / assistant\\n  <|im_end|>\\n
     LLAMA_3    <|start_header_id|>system<|end_header_id|>\\n\\n   (same header, user / assistant)  <|eot_id|>
     GEMMA      folded into the first user turn          <start_of_turn>user\\n / model\\n   <end_of_turn>\\n
+    GEMMA_4    <|turn>system\\n                           <|turn>user\\n / <|turn>model\\n  <turn|>\\n
     PHI_3      <|system|>\\n                              <|user|>\\n / <|assistant|>\\n      <|end|>\\n
     PHI_4      <|im_start|>system<|im_sep|>             <|im_start|>user<|im_sep|> / ...  <|im_end|>
     INST       folded into the first user turn          [INST] ... [/INST] / (none)      the tokenizer's EOS
@@ -77,6 +78,10 @@ GEMMA = dataclasses.replace(
     system=None,
 )
 
+# Gemma 4: a turn of its own for the system text, new turn markers (<|turn>, <turn|>), the
+# assistant still called "model".
+GEMMA_4 = _headed("<|turn>", "\n", "<turn|>\n", ("<|turn>", "<turn|>"), assistant="model")
+
 PHI_3 = TurnLayout(
     system=Turn("<|system|>\n", "<|end|>\n"),
     user=Turn("<|user|>\n", "<|end|>\n"),
@@ -102,6 +107,13 @@ INST = TurnLayout(
 EMPTY_THINKING = "<think>\n\n</think>\n\n"
 THINKING_OPENING = "<think>\n"
 THINKING_CLOSING = "\n</think>\n\n"
+
+# Gemma 4's thinking mode: <|think|> opens the system turn when thinking is on, and the
+# reasoning of the current exchange's reply sits in a "thought" channel before the answer.
+GEMMA_4_THINK = "<|think|>\n"
+GEMMA_4_THOUGHT_OPENING = "<|channel>thought\n"
+GEMMA_4_THOUGHT_CLOSING = "\n<channel|>"
+GEMMA_4_CHANNEL_TOKENS = ("<|think|>", "<|channel>", "<channel|>")
 
 
 # OpenAI's harmony format (gpt-oss). Every message is <|start|>{role}<|message|>...<|end|>;

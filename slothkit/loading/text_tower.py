@@ -8,7 +8,11 @@ it like any Gemma 3 text model, the vision tower's weights stay on disk (about 0
 parameters), and every save (adapter, merged, GGUF) is of the text model. That is said
 once, since a merged model pushed from it no longer reads images.
 
-Which multimodal model_types hold which family is the record's `text_tower_of`.
+Gemma 4's checkpoints (Gemma4ForConditionalGeneration: vision and audio towers around a
+Gemma 4 text model) load the same way, their text model on the generic path.
+
+Which multimodal model_types hold which family is the record's `text_tower_of`, and for
+families without a record slothkit.models.generic_shapes.TEXT_TOWERS.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.data.chat_template_calls import accept_older_chat_template_calls
 from slothkit.models import RECORDS
+from slothkit.models.generic_shapes import TEXT_TOWERS
 
 # Where transformers keeps the language model's weights in such a checkpoint: the layout
 # the checkpoints were published in (language_model.model.*, language_model.lm_head.*) and
@@ -35,15 +40,14 @@ TEXT_TOWER_KEYS = {
 
 def text_tower_config(config, model_name: str):
     """The config to load `config`'s checkpoint with as a text model, or None when it is
-    not a multimodal checkpoint whose language model has a record's `text_tower_of`.
+    not a multimodal checkpoint whose language model has a record's `text_tower_of` (or,
+    for a family without a record, an entry of TEXT_TOWERS).
 
     The text config carries the checkpoint's quantization_config (a checkpoint saved in
     4 bits), with the names of the modules it kept in 16 bits renamed to the text model's.
     """
     text = getattr(config, "text_config", None)
-    if text is None or not any(
-        config.model_type in arch.text_tower_of and text.model_type in arch.model_types for arch in RECORDS
-    ):
+    if text is None or not _holds_text_tower(config.model_type, text.model_type):
         return None
     text = copy.deepcopy(text)
     quantization = getattr(config, "quantization_config", None)
@@ -60,6 +64,12 @@ def text_tower_config(config, model_name: str):
         FallbackWarning,
     )
     return text
+
+
+def _holds_text_tower(model_type: str, text_model_type: str) -> bool:
+    if TEXT_TOWERS.get(model_type) == text_model_type:
+        return True
+    return any(model_type in arch.text_tower_of and text_model_type in arch.model_types for arch in RECORDS)
 
 
 def _renamed_skip_modules(quantization):

@@ -50,6 +50,30 @@ _TINY_QWEN3_5 = {
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
 }  # fmt: skip
 
+# Multimodal checkpoints of record-less families whose text model FastModel loads alone
+# (slothkit.loading.text_tower), as a record's `text_tower_of` says for its family:
+# multimodal model_type -> its text model's. Gemma 4's E2B, E4B and 31B checkpoints are
+# image-text (E2B and E4B hear audio too).
+TEXT_TOWERS = {"gemma4": "gemma4_text"}
+
+# Qwen3.5-9B's text model (its checkpoint holds a vision tower too, which transformers'
+# Qwen3_5ForCausalLM leaves on disk): 32 layers, every fourth a gated full-attention layer
+# (16 heads of 256, 4 key/value heads, a quarter of each rotated), the others gated DeltaNet
+# (16 key heads and 32 value heads of 128, a 4-wide causal convolution); untied head.
+_QWEN3_5_9B = {
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "tie_word_embeddings": False,
+}  # fmt: skip
+# Gemma 4 E4B's text model (the checkpoint is image-text and audio): 42 layers, five sliding
+# (512 tokens, heads of 256) to one full (heads of 512); per-layer input embeddings of 256
+# per layer; the last 18 layers reuse earlier layers' keys and values; logits soft-capped.
+_GEMMA4_E4B = {
+    "head_dim": 256, "global_head_dim": 512, "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262_144, "num_kv_shared_layers": 18, "sliding_window": 512,
+    "final_logit_softcapping": 30.0, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7,
+}  # fmt: skip
+
 # Record-less families whose attention normalises each head's q and k (Qwen3's q_norm and
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
 # they keep (slothkit.memory.memory_model.kept_layer_bytes).
@@ -65,6 +89,8 @@ GENERIC_SHAPES: dict[str, Shape] = {
     "gpt-oss-20b": Shape("gpt_oss", 2880, 2880, 24, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 32}),
     "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),
     "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16}),
+    "qwen3.5-9b": Shape("qwen3_5_text", 4096, 12288, 32, 16, 4, 248320, 262144, _QWEN3_5_9B),
+    "gemma-4-e4b": Shape("gemma4_text", 2560, 10240, 42, 8, 2, 262144, 131072, _GEMMA4_E4B),
     "tiny-gemma4": Shape("gemma4_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA4),
     "tiny-gemma3n": Shape("gemma3n_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA3N),
     "tiny-qwen3.5": Shape("qwen3_5_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_QWEN3_5),

@@ -34,7 +34,7 @@ def demo_base(model: str, tiny: bool = False, output_dir: str | Path = "slothkit
     one, built under `output_dir` so that the notebook can be run again later."""
     from slothkit.notebook.render import architecture_of, family_of
     from slothkit.testing import build_tiny_model, real_model_path
-    from slothkit.testing.tiny_expert_models import build_tiny_expert_model
+    from slothkit.testing.tiny_generic_models import build_tiny_generic_model
 
     record = architecture_of(model)
     arch = family_of(model)
@@ -42,8 +42,8 @@ def demo_base(model: str, tiny: bool = False, output_dir: str | Path = "slothkit
         return record.demo_model, real_model_path(record.demo_model)
     checkpoint = Path(output_dir) / f"tiny-{arch}"
     if not (checkpoint / "config.json").exists():
-        if record is None:  # a mixture-of-experts family of the generic path
-            build_tiny_expert_model(arch, checkpoint)
+        if record is None:  # a family of the generic path
+            build_tiny_generic_model(arch, checkpoint)
         else:
             build_tiny_model(arch, checkpoint)
     return f"a tiny random {arch} model", checkpoint.resolve()

@@ -23,7 +23,12 @@ from slothkit.testing.real_models import (
     real_model_path,
 )
 from slothkit.testing.real_tokenizers import REAL_TOKENIZERS, real_tokenizer_path
-from slothkit.testing.tiny_image_text import build_tiny_image_text_gemma3, tiny_image_text_gemma3_path
+from slothkit.testing.tiny_image_text import (
+    build_tiny_image_text_gemma3,
+    build_tiny_image_text_gemma4,
+    tiny_image_text_gemma3_path,
+    tiny_image_text_gemma4_path,
+)
 from slothkit.testing.tiny_models import LARGE_VOCAB_SIZE, build_tiny_model, tiny_model_path
 from slothkit.testing.tiny_tokenizers import (
     ARCHITECTURES,
@@ -43,11 +48,13 @@ __all__ = [
     "LocalHub",
     "RealModelUnavailable",
     "build_tiny_image_text_gemma3",
+    "build_tiny_image_text_gemma4",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "real_model_path",
     "real_tokenizer_path",
     "tiny_image_text_gemma3_path",
+    "tiny_image_text_gemma4_path",
     "tiny_model_path",
 ]
 

@@ -233,7 +233,10 @@ def test_demo_of_an_architecture_without_a_notebook_model_says_how_to_run_it(cap
     assert main(["demo", "--arch", "gemma3"]) == 2
     # the records' names, and the model types of the generic path's notebook models
     others = ", ".join(
-        sorted([record.name for record in RECORDS if record.name != "gemma3"] + ["gpt_oss", "qwen3_moe"])
+        sorted(
+            [record.name for record in RECORDS if record.name != "gemma3"]
+            + ["gpt_oss", "qwen3_moe", "qwen3_5_text", "gemma4_text"]
+        )
     )
     assert "gemma3" not in others.split(", ") and {"llama", "qwen3"} <= set(others.split(", "))
     assert (

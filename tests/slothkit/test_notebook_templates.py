@@ -63,6 +63,8 @@ def test_each_model_is_a_shape_its_architecture_record_names():
         "ministral-8b": "ministral",
         "qwen3-30b-a3b": "qwen3_moe",
         "gpt-oss-20b": "gpt_oss",
+        "qwen3.5-9b": "qwen3_5_text",
+        "gemma-4-e4b": "gemma4_text",
     }
     assert {model: family_of(model) for model in model_data()} == expected
     for model, data in model_data().items():
@@ -73,6 +75,8 @@ def test_each_model_is_a_shape_its_architecture_record_names():
     assert [model for model in model_data() if architecture_of(model) is None] == [
         "qwen3-30b-a3b",
         "gpt-oss-20b",
+        "qwen3.5-9b",
+        "gemma-4-e4b",
     ]
     with pytest.raises(ValueError, match="unknown model 'gemma-9b'; valid models: llama-3-8b"):
         architecture_of("gemma-9b")

@@ -175,6 +175,15 @@ GOLDEN.update(
     }
 )
 
+# Qwen3.5 writes these as Qwen3 Thinking does (no spaces around the texts, no switch passed).
+GOLDEN["qwen3.5"] = GOLDEN["qwen3-thinking"]
+GOLDEN["gemma-4"] = (
+    B + "<|turn>user\nHi there<turn|>\n<|turn>model\nHello!<turn|>\n"
+    "<|turn>user\nWhat is 2 + 2?<turn|>\n<|turn>model\n4<turn|>\n",
+    B + "<|turn>system\nBe brief.<turn|>\n<|turn>user\nName a colour.<turn|>\n<|turn>model\nBlue.<turn|>\n",
+    B + "<|turn>user\nName a colour.<turn|>\n<|turn>model\n",
+)
+
 # What the assistant masks keep of TWO_EXCHANGES: each reply, its end token and separator.
 KEPT = {
     "chatml": "Hello!<|im_end|>\n4<|im_end|>\n",
@@ -188,6 +197,8 @@ KEPT = {
     "qwen-2.5": "Hello!<|im_end|>\n4<|im_end|>\n",
     "qwen3": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
     "qwen3-thinking": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
+    "qwen3.5": "Hello!<|im_end|>\n<think>\n\n</think>\n\n4<|im_end|>\n",
+    "gemma-4": "Hello!<turn|>\n4<turn|>\n",
     "phi-3": "Hello!<|end|>\n4<|end|>\n",
     "phi-4": "Hello!<|im_end|>4<|im_end|>",
     "vicuna_old": " Hello!" + E + "\n 4" + E + "\n",

@@ -11,7 +11,7 @@ import torch
 from slothkit import FastModel
 from slothkit.core.notices import FallbackWarning
 from slothkit.loading.mxfp4_checkpoint import quantization_method
-from slothkit.testing.tiny_expert_models import tiny_expert_model_path
+from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
 MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
 
@@ -19,7 +19,7 @@ MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.sel
 @pytest.mark.parametrize("quantization, said", [(MXFP4, True), (None, False)], ids=["mxfp4", "16-bit"])
 def test_mxfp4_experts_are_said_with_what_trains(quantization, said, tmp_path):
     path = tmp_path / "gpt-oss"
-    shutil.copytree(tiny_expert_model_path("gpt_oss"), path)
+    shutil.copytree(tiny_generic_model_path("gpt_oss"), path)
     config = json.loads((path / "config.json").read_text())
     if quantization is not None:
         config["quantization_config"] = quantization

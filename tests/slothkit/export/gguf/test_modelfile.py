@@ -69,7 +69,14 @@ def test_template_renders_the_prompt_as_the_hf_chat_template(arch, system):
 @pytest.mark.parametrize("system", [None, "You are terse."])
 @pytest.mark.parametrize(
     "name, arch",
-    [("llama-3", "mistral"), ("chatml", "mistral"), ("qwen3-thinking", "mistral"), ("gemma", "llama")],
+    [
+        ("llama-3", "mistral"),
+        ("chatml", "mistral"),
+        ("qwen3-thinking", "mistral"),
+        ("qwen3.5", "mistral"),
+        ("gemma", "llama"),
+        ("gemma-4", "llama"),
+    ],
 )
 def test_a_turn_end_written_as_the_eos_ends_the_turns_and_stops(name, arch, system):
     """get_chat_template writes a turn end the tokenizer lacks as its EOS (Llama 3's
@@ -186,8 +193,10 @@ def test_each_known_format_is_recognised_by_its_marker():
         "gpt-oss",
         "llama3",
         "mistral",
+        "gemma4",
         "gemma",
         "qwen3-thinking",
+        "qwen3.5",
         "chatml",
     ]
     assert (
