@@ -25,6 +25,7 @@ _LAZY = {
     "FastGemma2Model": "slothkit.fast_model",
     "FastQwen2Model": "slothkit.fast_model",
     "FastQwen3Model": "slothkit.fast_model",
+    "FastVisionModel": "slothkit.fast_vision_model",
     "is_bfloat16_supported": "slothkit.checkpoint.before_loading",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",

@@ -17,6 +17,13 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def text_tokenizer(tokenizer):
+    """The tokenizer itself, or the one inside a processor (an image-text model's: its
+    image processor beside a tokenizer)."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    return inner if inner is not None else tokenizer
+
+
 def is_sequence_classifier(model: nn.Module) -> bool:
     """Whether ``model`` (or the model inside a PeftModel) is a transformers
     *ForSequenceClassification: a decoder with a score head in place of the LM head."""
