@@ -30,6 +30,8 @@ _LAZY = {
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",
     "UnslothTrainingArguments": "slothkit.trl",
+    "UnslothVisionDataCollator": "slothkit.trl",
+    "VisionDataCollator": "slothkit.data",
     "PatchDPOTrainer": "slothkit.trl",
     "unsloth_train": "slothkit.trl",
     "to_sharegpt": "slothkit.data",
