@@ -24,8 +24,11 @@ SEED = 3407  # the adapters' initialisation (get_peft_model's random_state)
 LEARNING_RATE = 1e-2
 
 
-def load_for_training(kind: str, family: str, vision: bool, load_in_4bit: bool = False, targets=None):
-    """The tiny `family` checkpoint in float32 with LoRA (r=8, alpha=16).
+def load_for_training(
+    kind: str, family: str, vision: bool, load_in_4bit: bool = False, targets=None, dtype=torch.float32
+):
+    """The tiny `family` checkpoint with LoRA (r=8, alpha=16), on the GPU where there is
+    one (as FastVisionModel places it).
 
     Args:
         kind: "slothkit" (FastVisionModel's loading, with the processor where it loads,
@@ -34,7 +37,7 @@ def load_for_training(kind: str, family: str, vision: bool, load_in_4bit: bool =
         family: a name in slothkit.testing.tiny_image_text.IMAGE_TEXT_FAMILIES.
         vision: whether the vision tower's layers are adapted besides the language model's.
         load_in_4bit: NF4 language layers through bitsandbytes (the vision tower, projector
-            and head 16-bit), computing in float32.
+            and head 16-bit), computing in `dtype`.
         targets: "hf" only: the module paths to adapt (adapted_layers of the slothkit
             model: the same layers, so that the two start from the same adapters).
     """
@@ -46,10 +49,10 @@ def load_for_training(kind: str, family: str, vision: bool, load_in_4bit: bool =
 
         if image_text_processor_loads(family) is None:
             model, _ = FastVisionModel.from_pretrained(
-                path, load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128
+                path, load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128
             )
         else:  # the model alone, where transformers cannot build the processor (Qwen-VL's without torchvision)
-            options = LoadOptions(load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128)
+            options = LoadOptions(load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128)
             model = load_vision_model(path, options)
         return FastVisionModel.get_peft_model(
             model, finetune_vision_layers=vision, r=8, lora_alpha=16, random_state=SEED,
@@ -63,11 +66,14 @@ def load_for_training(kind: str, family: str, vision: bool, load_in_4bit: bool =
     if load_in_4bit:
         quantization = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
+            bnb_4bit_compute_dtype=dtype,
             llm_int8_skip_modules=["model.vision_tower", "model.visual", "model.multi_modal_projector", "lm_head"],
         )  # fmt: skip
+    device_map = (
+        {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    )  # as FastVisionModel
     model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=torch.float32, quantization_config=quantization, attn_implementation="sdpa"
+        path, dtype=dtype, quantization_config=quantization, attn_implementation="sdpa", device_map=device_map
     )
     torch.manual_seed(SEED)
     config = LoraConfig(
@@ -122,13 +128,24 @@ def random_batch(family: str, seed: int, rows: int = 2, text_tokens: int = 20) -
     return batch
 
 
+def on_device(batch: dict, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+    """The batch's tensors on `device`, its pixel values in `dtype` when given."""
+    moved = {name: value.to(device) for name, value in batch.items()}
+    if dtype is not None:
+        moved["pixel_values"] = moved["pixel_values"].to(dtype)
+    return moved
+
+
 def train(model, batches: list[dict]) -> list[float]:
-    """AdamW (no weight decay) on the trainable parameters, one step per batch; the losses."""
+    """AdamW (no weight decay) on the trainable parameters, one step per batch on the
+    model's device; the losses."""
     parameters = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0)
     losses = []
+    device = next(model.parameters()).device
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     for batch in batches:
-        loss = model(**batch).loss
+        loss = model(**on_device(batch, device, dtype)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -138,4 +155,4 @@ def train(model, batches: list[dict]) -> list[float]:
 
 def lora_weights(model) -> dict[str, torch.Tensor]:
     """The adapters' matrices by name, copied."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n}

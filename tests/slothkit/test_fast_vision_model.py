@@ -200,3 +200,29 @@ def test_for_inference_and_for_training_switch_the_processors_padding_and_cache(
     FastVisionModel.for_training(model)
     assert processor.tokenizer.padding_side == "right"
     assert model.training and not model.config.get_text_config().use_cache
+
+
+def test_without_torchvision_a_qwen_vl_processor_is_refused_naming_it():
+    if image_text_processor_loads("qwen2_5_vl") is None:
+        pytest.skip("transformers builds Qwen-VL processors here (torchvision is installed)")
+    with pytest.raises(ImportError, match="pip install torchvision"):
+        FastVisionModel.from_pretrained(str(tiny_image_text_path("qwen2_5_vl")), load_in_4bit=False)
+
+
+def test_the_adapter_reloads_in_plain_peft_with_the_same_logits(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    model, processor = _load("gemma3")
+    model = FastVisionModel.get_peft_model(model, r=4)
+    with torch.no_grad():  # adapters away from B = 0, so that a lost one shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    base = AutoModelForImageTextToText.from_pretrained(tiny_image_text_path("gemma3"), dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    batch = _gemma3_batch(processor, seed=3)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=1e-6)

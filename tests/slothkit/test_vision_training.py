@@ -17,6 +17,7 @@ from slothkit.testing.image_text_parity import (
     adapted_layers,
     load_for_training,
     lora_weights,
+    on_device,
     random_batch,
     train,
 )
@@ -62,6 +63,7 @@ def test_greedy_generation_with_an_image_matches_hf(family):
     prompt = random_batch(family, seed=100, rows=1, text_tokens=8)
     prompt.pop("labels")
     prompt.pop("token_type_ids", None)  # generation reads the image tokens from the ids
+    prompt = on_device(prompt, next(fast.parameters()).device)
     FastVisionModel.for_inference(fast)
     plain.eval()
     with torch.no_grad():
@@ -111,9 +113,32 @@ def test_merged_16bit_keeps_the_vision_tower_and_the_processor(family, tmp_path)
             parameter.copy_(parameter.to(torch.bfloat16).float())
     batch = random_batch(family, seed=77)
     batch.pop("labels")
+    device = next(fast.parameters()).device
+    batch = on_device(batch, device)
     with torch.no_grad():
-        got = merged.float().eval()(**batch).logits
+        got = merged.float().to(device).eval()(**batch).logits
         expected = rounded.eval()(**batch).logits
         adapter = fast(**batch).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert (adapter - got).abs().max() < 0.05 * adapter.abs().max()  # what 16-bit rounding moves
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", IMAGE_TEXT_FAMILIES)
+@pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
+def test_bf16_training_on_the_gpu_follows_hf_and_peft(family, load_in_4bit):
+    """On a GPU in bfloat16 (QLoRA: NF4 language layers), with the language layers' inputs
+    offloaded: the losses follow HF + PEFT's to bfloat16's rounding, and every adapter
+    trains to finite values."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = load_for_training("slothkit", family, True, load_in_4bit, dtype=torch.bfloat16)
+        plain = load_for_training(
+            "hf", family, True, load_in_4bit, targets=adapted_layers(fast), dtype=torch.bfloat16
+        )
+    assert next(fast.parameters()).is_cuda
+    batches = [random_batch(family, seed) for seed in range(STEPS)]
+    fast_losses, plain_losses = train(fast, batches), train(plain, batches)
+    assert fast_losses == pytest.approx(plain_losses, rel=2e-2)
+    for name, weight in lora_weights(fast).items():
+        assert torch.isfinite(weight).all(), name
