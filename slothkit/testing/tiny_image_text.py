@@ -178,6 +178,7 @@ def tiny_image_text_gemma3_path() -> pathlib.Path:
     return tiny_image_text_path("gemma3")
 
 
+@functools.cache
 def image_text_processor_loads(family: str) -> str | None:
     """None where transformers loads the family's processor here; else why not (Qwen-VL's
     video processor needs torchvision)."""
