@@ -19,9 +19,11 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
 
 def text_tokenizer(tokenizer):
     """The tokenizer itself, or the one inside a processor (an image-text model's: its
-    image processor beside a tokenizer)."""
-    inner = getattr(tokenizer, "tokenizer", None)
-    return inner if inner is not None else tokenizer
+    image processor beside a tokenizer).  Judged by the image processor, since some
+    tokenizers (mistral-common's) keep another object under ``.tokenizer``."""
+    if hasattr(tokenizer, "image_processor") and getattr(tokenizer, "tokenizer", None) is not None:
+        return tokenizer.tokenizer
+    return tokenizer
 
 
 def is_sequence_classifier(model: nn.Module) -> bool:
