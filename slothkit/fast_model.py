@@ -208,8 +208,9 @@ class FastModel:
             **lora_kwargs: passed on to ``peft.LoraConfig``, except Unsloth's
                 finetune_attention_modules and finetune_mlp_modules (False: those
                 projections get no adapter), finetune_language_layers and
-                finetune_vision_layers (slothkit loads text models: language layers
-                only; slothkit.compat.unsloth_options).
+                finetune_vision_layers (FastModel loads text models: language layers
+                only; slothkit.compat.unsloth_options; FastVisionModel adapts the
+                vision layers of an image-text model).
 
         Returns:
             The ``peft.PeftModel``, in training mode.

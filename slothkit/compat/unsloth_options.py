@@ -104,14 +104,15 @@ def targets_from_layer_flags(target_modules, lora_kwargs: dict):
     flags = {name: lora_kwargs.pop(name) for name in LAYER_FLAGS if name in lora_kwargs}
     if flags.get("finetune_vision_layers"):
         say_once(
-            "get_peft_model(finetune_vision_layers=True): slothkit loads text models (a multimodal "
-            "checkpoint as its text model alone), so only the language layers get adapters",
+            "FastModel.get_peft_model(finetune_vision_layers=True): FastModel loads text models (a multimodal "
+            "checkpoint as its text model alone), so only the language layers get adapters; "
+            "FastVisionModel loads the whole image-text model and adapts its vision layers too",
             FallbackWarning,
         )
     if flags.get("finetune_language_layers", True) is False:
         raise ValueError(
-            "finetune_language_layers=False leaves nothing to adapt: slothkit loads text models, whose "
-            "layers are all language layers (slothkit has no vision fine-tuning)"
+            "finetune_language_layers=False leaves nothing to adapt: FastModel loads text models, whose "
+            "layers are all language layers; FastVisionModel loads image-text models with their vision layers"
         )
     dropped = [
         kind

@@ -17,6 +17,15 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def text_tokenizer(tokenizer):
+    """The tokenizer itself, or the one inside a processor (an image-text model's: its
+    image processor beside a tokenizer).  Judged by the image processor, since some
+    tokenizers (mistral-common's) keep another object under ``.tokenizer``."""
+    if hasattr(tokenizer, "image_processor") and getattr(tokenizer, "tokenizer", None) is not None:
+        return tokenizer.tokenizer
+    return tokenizer
+
+
 def is_sequence_classifier(model: nn.Module) -> bool:
     """Whether ``model`` (or the model inside a PeftModel) is a transformers
     *ForSequenceClassification: a decoder with a score head in place of the LM head."""

@@ -44,8 +44,9 @@ class ModelState:
     Attributes:
         architecture: the name of the architecture record the fused path was patched
             for (slothkit.engine.decoder.patch_decoder); None: the plain Hugging Face path.
-        tokenizer: the tokenizer FastModel loaded with the model; the save methods and
-            the training/inference switch use it when none is passed.
+        tokenizer: the tokenizer FastModel loaded with the model (FastVisionModel: the
+            processor); the save methods and the training/inference switch use it when
+            none is passed.
         max_seq_length: the longest sequence to train on, as from_pretrained or
             get_peft_model were given it.
         recompute_policy: use_gradient_checkpointing="auto"'s policy

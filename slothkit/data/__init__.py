@@ -39,12 +39,14 @@ from slothkit.data.responses_only import (
     train_on_responses_only,
 )
 from slothkit.data.sharegpt import standardize_data_formats, standardize_sharegpt
+from slothkit.data.vision_collator import VisionDataCollator
 
 __all__ = [
     "FORMATS",
     "ChatFormat",
     "NoTrainableTokensError",
     "PackingCollator",
+    "VisionDataCollator",
     "alpaca_prompt",
     "apply_chat_template",
     "as_dataset",

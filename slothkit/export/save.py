@@ -26,7 +26,7 @@ from torch import nn
 from slothkit.checkpoint.before_loading import nf4_settings, pick_dtype
 from slothkit.checkpoint.finite import finite_tensors
 from slothkit.core.folder_paths import check_folder_path
-from slothkit.core.inspection import causal_lm_of, is_4bit_model, weights_dtype
+from slothkit.core.inspection import causal_lm_of, is_4bit_model, text_tokenizer, weights_dtype
 from slothkit.core.model_state import state_of
 from slothkit.export import merge
 from slothkit.export.atomic import atomic_directory, check_not_an_input, check_target, scratch_directory
@@ -342,9 +342,10 @@ def save_pretrained_merged(
                     "The input and output embeddings are untied in this checkpoint: the adapter "
                     "(or a trained lm_head) changed one of them."
                 )
-        tokenizer.save_pretrained(str(staging))
-        eos = write_generation_config(causal_lm_of(model), tokenizer, staging)
-        facts.eos_tokens = [str(t) for t in tokenizer.convert_ids_to_tokens(eos)]
+        tokenizer.save_pretrained(str(staging))  # a processor writes its image processor's files too
+        text = text_tokenizer(tokenizer)
+        eos = write_generation_config(causal_lm_of(model), text, staging)
+        facts.eos_tokens = [str(t) for t in text.convert_ids_to_tokens(eos)]
         (staging / "README.md").write_text(render(facts), encoding="utf-8")
         all_files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
 

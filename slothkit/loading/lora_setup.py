@@ -272,19 +272,25 @@ def _adapted_linears(model, target_modules) -> list:
     ]  # fmt: skip
 
 
-def check_lora_shape(model, target_modules, r: int, lora_alpha, target_parameters=()) -> None:
+def check_lora_shape(model, target_modules, r: int, lora_alpha, target_parameters=(), chosen=None) -> None:
     """Refuse LoRA settings that would train silently wrong: a target name that matches no
     layer, an alpha that scales the update to nothing (or flips it), and a rank above
     min(in, out) of an adapted layer or expert: B @ A then has no more rank than at
-    min(in, out), only more parameters."""
+    min(in, out), only more parameters.  `chosen`: the adapted layers' module paths, where
+    the caller picked them by path (then target_modules is not read)."""
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not lora_alpha > 0:
         raise ValueError(
             f"lora_alpha={lora_alpha!r}; expected a positive number (the update is scaled by lora_alpha / r: "
             f"0 trains adapters with no effect), e.g. 16, or 2 * r"
         )
-    if target_modules != ALL_LINEAR:
-        _check_targets_exist(model, target_modules)
-    widths = [min(m.in_features, m.out_features) for m in _adapted_linears(model, target_modules)]
+    if chosen is not None:
+        modules = dict(model.named_modules())
+        adapted = [modules[path] for path in chosen]
+    else:
+        if target_modules != ALL_LINEAR:
+            _check_targets_exist(model, target_modules)
+        adapted = _adapted_linears(model, target_modules)
+    widths = [min(m.in_features, m.out_features) for m in adapted]
     widths += [min(p.shape[1:]) for suffix in target_parameters for p in expert_parameters(model, suffix)]
     if widths and r > min(widths):
         raise ValueError(

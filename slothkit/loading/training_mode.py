@@ -16,7 +16,7 @@ import dataclasses
 from torch import nn
 
 from slothkit.core.configuration import environment_defaults
-from slothkit.core.inspection import causal_lm_of, is_4bit_model
+from slothkit.core.inspection import causal_lm_of, is_4bit_model, text_tokenizer
 from slothkit.core.model_state import attach_state, patched_module, state_of
 from slothkit.engine.checkpointing.choice import enable_checkpointing
 from slothkit.engine.checkpointing.recompute_policy import enable_recompute_policy
@@ -183,7 +183,7 @@ def for_training(model):
     disable_fast_decode(model)  # frees the decode cache and graph
     model.train()
     # A KV cache is of no use in training, and clashes with checkpointing.
-    causal_lm_of(model).config.use_cache = False
+    _use_cache(model, False)
     _pad_tokenizer(model, "right")
     return model
 
@@ -194,14 +194,23 @@ def for_inference(model, fast_decode: bool | None = None):
     from slothkit.inference import enable_fast_decode
 
     model.eval()
-    causal_lm_of(model).config.use_cache = True
+    _use_cache(model, True)
     accept_encoding_in_generate(model)
     enable_fast_decode(model, fast_decode)
     _pad_tokenizer(model, "left")
     return model
 
 
+def _use_cache(model, on: bool) -> None:
+    """The KV cache on or off, in the model's config and its language model's (an
+    image-text model's decoder layers read their text config)."""
+    config = causal_lm_of(model).config
+    config.use_cache = on
+    if hasattr(config, "get_text_config"):
+        config.get_text_config().use_cache = on
+
+
 def _pad_tokenizer(model, side: str) -> None:
     state = state_of(model)
     if state is not None and state.tokenizer is not None:
-        state.tokenizer.padding_side = side
+        text_tokenizer(state.tokenizer).padding_side = side

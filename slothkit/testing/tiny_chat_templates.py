@@ -221,3 +221,31 @@ def tiny_chat_template(chat_format: str) -> str:
             "(slothkit/testing/tiny_chat_templates.py)"
         )
     return _WRITERS[chat_format]().strip()
+
+
+def with_image_parts(template: str, image_marker: str) -> str:
+    """`template` taking messages whose content is a list of parts, as image-text processors
+    do ({"type": "image"}, {"type": "text", "text": ...}): each such message is first
+    rewritten as one string, its text parts in order with `image_marker` where an image
+    stands (the text the processor expands into the image's tokens).  A string content
+    renders as `template` renders it."""
+    return (
+        "{%- set image_parts = namespace(messages=[]) -%}\n"
+        "{%- for message in messages -%}\n"
+        "    {%- if message['content'] is string -%}\n"
+        "        {%- set content = message['content'] -%}\n"
+        "    {%- else -%}\n"
+        "        {%- set joined = namespace(text='') -%}\n"
+        "        {%- for part in message['content'] -%}\n"
+        "            {%- if part['type'] == 'image' -%}\n"
+        f"                {{%- set joined.text = joined.text + {quoted(image_marker)} -%}}\n"
+        "            {%- elif part['type'] == 'text' -%}\n"
+        "                {%- set joined.text = joined.text + part['text'] -%}\n"
+        "            {%- endif -%}\n"
+        "        {%- endfor -%}\n"
+        "        {%- set content = joined.text -%}\n"
+        "    {%- endif -%}\n"
+        "    {%- set image_parts.messages = image_parts.messages + [{'role': message['role'], 'content': content}] -%}\n"
+        "{%- endfor -%}\n"
+        "{%- set messages = image_parts.messages -%}\n" + template
+    )

@@ -1,20 +1,48 @@
-"""Tiny image-text Gemma 3 and Gemma 4 checkpoints (Gemma3ForConditionalGeneration,
-Gemma4ForConditionalGeneration), offline: a tiny text checkpoint of the family as the
-language model, under a one-layer vision tower, saved as transformers saves such models
-(the published layouts), with the text checkpoint's tokenizer. They stand in for Gemma 3
-4B-27B and Gemma 4 E2B-31B, which FastModel loads as their text model alone
-(slothkit.loading.text_tower)."""
+"""Tiny image-text checkpoints, offline: a vision tower, a projector and a tiny text model,
+saved as transformers saves such models, with a processor (tokenizer with the image tokens,
+image processor, a chat template that reads image parts).
+
+    gemma3       Gemma3ForConditionalGeneration: the tiny Gemma 3 text checkpoint as its
+                 language model (the published layout, language_model.model.*), a one-layer
+                 SigLIP tower on 28 x 28 images, 4 image tokens per image
+    gemma4       Gemma4ForConditionalGeneration: the tiny gemma4_text checkpoint of
+                 slothkit.testing.tiny_generic_models (per-layer embeddings, shared keys
+                 and values) under a one-layer vision tower, no audio tower, with the text
+                 checkpoint's tokenizer alone (no processor)
+    qwen2_5_vl   Qwen2_5_VLForConditionalGeneration: the tiny Qwen2 sizes with M-RoPE, a
+                 two-block vision tower (one windowed, one full) on 14-pixel patches merged
+                 2 x 2, images of 28 x 28 to 56 x 56 pixels (1 to 4 image tokens)
+
+The Gemma 3 and Gemma 4 ones also stand in for Gemma 3 4B-27B and Gemma 4 E2B-31B,
+which FastModel loads as their text model alone (slothkit.loading.text_tower).  Qwen2.5-VL's processor needs torchvision where
+transformers builds it (its video processor); `image_text_processor_loads` says whether it
+does here.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 import shutil
 import tempfile
 
 import torch
 
+from slothkit.testing.tiny_chat_templates import tiny_chat_template, with_image_parts
 from slothkit.testing.tiny_models import tiny_model_path
+
+IMAGE_TEXT_FAMILIES = ("gemma3", "qwen2_5_vl")
+
+# The text the chat template writes where an image stands, which the processor expands.
+GEMMA3_IMAGE_MARKER = "<start_of_image>"
+QWEN_IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 def build_tiny_image_text_gemma3(
@@ -22,27 +50,115 @@ def build_tiny_image_text_gemma3(
 ) -> pathlib.Path:
     """Write the checkpoint to `path` and return it; its language model's weights and its
     tokenizer are those of the Gemma 3 text checkpoint at `text_path` (default
-    tiny_model_path("gemma3"); the real Gemma 3 270M makes a real-weights stand-in)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    tiny_model_path("gemma3"); the real Gemma 3 270M makes a real-weights stand-in for
+    the text-tower path).  Where Gemma 3's three image tokens fit in the model's rows
+    after the tokenizer's vocabulary (the tiny one), they are added and the processor is
+    written; otherwise (the 270M's vocabulary fills its rows) the image token ids are the
+    rows' last ids and only the tokenizer is written."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
 
+    path = pathlib.Path(path)
     text_path = pathlib.Path(text_path) if text_path is not None else tiny_model_path("gemma3")
-    text_model = _text_model(text_path)
-    vocab = text_model.config.vocab_size
+    text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
+    rows = text_model.config.vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(text_path, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    with_processor = len(tokenizer) <= rows
+    if with_processor:
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA3_IMAGE_TOKENS.items()}
+    else:
+        ids = {"image_token": rows - 1, "boi_token": rows - 2, "eoi_token": rows - 3}
     config = Gemma3Config(
         text_config=text_model.config.to_dict(),
         vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                       "vision_use_head": False},  # as Gemma 3's: no pooling head
         mm_tokens_per_image=4,
-        # The last ids of the tiny vocabulary, which its tokenizer never produces.
-        image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3,
+        image_token_index=ids["image_token"], boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
     )  # fmt: skip
     torch.manual_seed(0)
     model = Gemma3ForConditionalGeneration(config)
     loaded = model.model.language_model.load_state_dict(text_model.model.state_dict())
     assert not loaded.missing_keys and not loaded.unexpected_keys, loaded
     model.lm_head.weight = model.model.language_model.embed_tokens.weight  # tied, as Gemma 3's
+    # transformers starts the projector at zero, which would give every image the same
+    # (zero) features and the vision tower no gradient; its input is RMS-normalised, so
+    # a 1 / sqrt(width) scale gives features of order one.
+    projection = model.model.multi_modal_projector.mm_input_projection_weight
+    with torch.no_grad():
+        projection.normal_(0.0, projection.shape[0] ** -0.5)
     model.save_pretrained(path)
-    return _with_tokenizer(pathlib.Path(path), text_path)
+    if not with_processor:
+        for name in (p.name for p in text_path.iterdir()):
+            if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
+                shutil.copy(text_path / name, path / name)  # the tokenizer's files
+        return path
+    if (text_path / "generation_config.json").exists():
+        shutil.copy(text_path / "generation_config.json", path / "generation_config.json")
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        chat_template=with_image_parts(tokenizer.chat_template, GEMMA3_IMAGE_MARKER),
+        image_seq_length=config.mm_tokens_per_image,
+    )
+    processor.save_pretrained(path)
+    return path
+
+
+def build_tiny_image_text_qwen2_5_vl(path: str | pathlib.Path) -> pathlib.Path:
+    """Write the checkpoint to `path` and return it: random weights (seed 0) in the tiny
+    Qwen2 sizes, the tiny Qwen tokenizer with Qwen-VL's vision tokens added after its
+    vocabulary, and the processor's files (written as files, since transformers builds
+    the processor object only where torchvision is installed)."""
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+    )
+
+    path = pathlib.Path(path)
+    text_path = tiny_model_path("qwen2")
+    text = AutoConfig.from_pretrained(text_path)
+    tokenizer = AutoTokenizer.from_pretrained(text_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(QWEN_VISION_TOKENS))
+    head_dim = text.hidden_size // text.num_attention_heads
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+            num_hidden_layers=text.num_hidden_layers, num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads, max_position_embeddings=text.max_position_embeddings,
+            rms_norm_eps=text.rms_norm_eps, rope_theta=1_000_000.0,
+            # M-RoPE: the rotary pairs of a head split over (time, height, width) positions.
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, head_dim // 2 - 5]},
+            bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+        ),
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+    )  # fmt: skip
+    if len(tokenizer) > text.vocab_size:
+        raise ValueError(f"the tiny Qwen tokenizer with vision tokens outgrows the {text.vocab_size} rows")
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    # A tiny model's random weights are small; give the vision tower's output an order-one
+    # scale, so that image features move the language model's numbers measurably.
+    with torch.no_grad():
+        for parameter in model.model.visual.merger.parameters():
+            parameter.mul_(8.0)
+    model.save_pretrained(path)
+    shutil.copy(text_path / "generation_config.json", path / "generation_config.json")
+    tokenizer.chat_template = with_image_parts(tiny_chat_template("qwen-2.5"), QWEN_IMAGE_MARKER)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=56 * 56).save_pretrained(path)
+    processor_config = {"processor_class": "Qwen2_5_VLProcessor"}
+    (path / "processor_config.json").write_text(json.dumps(processor_config, indent=2) + "\n")
+    return path
 
 
 def build_tiny_image_text_gemma4(
@@ -53,12 +169,13 @@ def build_tiny_image_text_gemma4(
     gemma4_text checkpoint of slothkit.testing.tiny_generic_models: per-layer embeddings,
     shared keys and values). No audio tower: the E2B and E4B checkpoints have one, which
     FastModel leaves on disk as it does the vision tower."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
 
     from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
+    path = pathlib.Path(path)
     text_path = pathlib.Path(text_path) if text_path is not None else tiny_generic_model_path("gemma4_text")
-    text_model = _text_model(text_path)
+    text_model = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
     vocab = text_model.config.vocab_size
     config = Gemma4Config(
         text_config=text_model.config.to_dict(),
@@ -76,35 +193,53 @@ def build_tiny_image_text_gemma4(
     assert not loaded.missing_keys and not loaded.unexpected_keys, loaded
     model.lm_head.weight = model.model.language_model.embed_tokens.weight  # tied, as Gemma 4's
     model.save_pretrained(path)
-    return _with_tokenizer(pathlib.Path(path), text_path)
-
-
-def _text_model(text_path: pathlib.Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32)
-
-
-def _with_tokenizer(path: pathlib.Path, text_path: pathlib.Path) -> pathlib.Path:
-    """`path` with the text checkpoint's tokenizer files copied in."""
     for name in (p.name for p in text_path.iterdir()):
         if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
-            shutil.copy(text_path / name, path / name)
+            shutil.copy(text_path / name, path / name)  # the tokenizer's files
     return path
 
 
+_BUILDERS = {
+    "gemma3": build_tiny_image_text_gemma3,
+    "gemma4": build_tiny_image_text_gemma4,
+    "qwen2_5_vl": build_tiny_image_text_qwen2_5_vl,
+}
+
+
+def tiny_image_text_path(family: str) -> pathlib.Path:
+    """The family's tiny image-text checkpoint, built once per process into a temporary
+    folder removed at exit. Treat it as read-only."""
+    if family not in _BUILDERS:
+        raise ValueError(f"no tiny image-text checkpoint of {family!r}; built: {', '.join(_BUILDERS)}")
+    return _built(family)
+
+
 @functools.cache
+def _built(family: str) -> pathlib.Path:
+    return _BUILDERS[family](pathlib.Path(_folder().name) / f"{family}-image-text")
+
+
 def tiny_image_text_gemma3_path() -> pathlib.Path:
-    """build_tiny_image_text_gemma3 once per process, into a temporary folder removed at
-    exit. Treat it as read-only."""
-    return build_tiny_image_text_gemma3(pathlib.Path(_folder().name) / "gemma3-image-text")
+    """tiny_image_text_path("gemma3")."""
+    return tiny_image_text_path("gemma3")
+
+
+def tiny_image_text_gemma4_path() -> pathlib.Path:
+    """tiny_image_text_path("gemma4")."""
+    return tiny_image_text_path("gemma4")
 
 
 @functools.cache
-def tiny_image_text_gemma4_path() -> pathlib.Path:
-    """build_tiny_image_text_gemma4 once per process, into a temporary folder removed at
-    exit. Treat it as read-only."""
-    return build_tiny_image_text_gemma4(pathlib.Path(_folder().name) / "gemma4-image-text")
+def image_text_processor_loads(family: str) -> str | None:
+    """None where transformers loads the family's processor here; else why not (Qwen-VL's
+    video processor needs torchvision)."""
+    from transformers import AutoProcessor
+
+    try:
+        AutoProcessor.from_pretrained(tiny_image_text_path(family))
+    except (ImportError, AttributeError) as error:
+        return f"transformers cannot build the {family} processor here: {str(error).strip()[:200]}"
+    return None
 
 
 @functools.cache

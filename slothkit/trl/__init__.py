@@ -57,7 +57,7 @@ from slothkit.trl.online import GRPOTrainer, RLOOTrainer
 from slothkit.trl.preference import DPOTrainer, KTOTrainer, ORPOTrainer
 from slothkit.trl.reward import RewardTrainer
 from slothkit.trl.supervised import SFTTrainer
-from slothkit.trl.unsloth import PatchDPOTrainer, UnslothTrainer, unsloth_train
+from slothkit.trl.unsloth import PatchDPOTrainer, UnslothTrainer, UnslothVisionDataCollator, unsloth_train
 
 # Named one by one, so that editors and type checkers see them; test_trl_registry.py
 # checks that these are exactly the registered trainers and configs.
@@ -80,5 +80,6 @@ __all__ = [
     "TrainingArguments",
     "UnslothTrainer",
     "UnslothTrainingArguments",
+    "UnslothVisionDataCollator",
     "unsloth_train",
 ]

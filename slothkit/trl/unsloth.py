@@ -1,11 +1,13 @@
 """Unsloth's trainer names: ``UnslothTrainer`` (an SFTTrainer with its own learning rate
-for the embeddings, for continued pretraining), ``unsloth_train`` and ``PatchDPOTrainer``
-(nothing to do on slothkit)."""
+for the embeddings, for continued pretraining), ``unsloth_train``, ``PatchDPOTrainer``
+(nothing to do on slothkit) and ``UnslothVisionDataCollator`` (slothkit's
+VisionDataCollator, under the name its vision notebooks import from ``unsloth.trainer``)."""
 
 from __future__ import annotations
 
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.notices import LegacySpellingWarning, say_once
+from slothkit.data.vision_collator import VisionDataCollator
 from slothkit.trl.configs import UnslothTrainingArguments
 from slothkit.trl.supervised import SFTTrainer
 
@@ -79,3 +81,6 @@ def PatchDPOTrainer() -> None:  # noqa: N802 - the name older notebooks call
         "leave the call out (import DPOTrainer from slothkit.trl for the older keywords)",
         LegacySpellingWarning,
     )
+
+
+UnslothVisionDataCollator = VisionDataCollator

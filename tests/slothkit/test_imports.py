@@ -201,7 +201,14 @@ FLOORS = [
     {"bench", "notebook"},  # slothkit bench; notebook templates and their helpers
     {"command_line"},  # cli, demo
 ]
-FACE = {"slothkit", "slothkit.fast_model", "slothkit.chat_templates", "slothkit.vllm", "slothkit.trainers"}
+FACE = {
+    "slothkit",
+    "slothkit.fast_model",
+    "slothkit.fast_vision_model",
+    "slothkit.chat_templates",
+    "slothkit.vllm",
+    "slothkit.trainers",
+}
 COMMAND_LINE = {"slothkit.cli", "slothkit.demo"}
 
 
