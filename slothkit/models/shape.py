@@ -51,6 +51,27 @@ class Shape:
         width = self.extra.get("moe_intermediate_size", self.intermediate_size)
         return ExpertsShape(count, width, routed, layers)
 
+    def layer_types(self) -> list[str]:
+        """Each decoder layer's kind, as the config's layer_types names it: "full_attention"
+        for every layer of a model that does not say."""
+        return list(self.extra.get("layer_types") or ["full_attention"] * self.num_hidden_layers)
+
+    def linear_attention(self) -> LinearAttentionShape | None:
+        """The gated DeltaNet (linear attention) layers' sizes, or None where every layer
+        attends in full."""
+        layers = self.layer_types().count("linear_attention")
+        if not layers:
+            return None
+        get = self.extra.get
+        return LinearAttentionShape(
+            get("linear_num_key_heads"),
+            get("linear_num_value_heads"),
+            get("linear_key_head_dim"),
+            get("linear_value_head_dim"),
+            get("linear_conv_kernel_dim"),
+            layers,
+        )
+
     def matmul_parameters(self) -> int:
         """Parameters of the projections and LM head that cost FLOPs per token: of a
         mixture-of-experts layer, the router and the experts each token is routed to."""
@@ -80,6 +101,26 @@ class ExpertsShape:
     layers: int
 
 
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A hybrid model's gated DeltaNet layers (Qwen3.5): ``key_heads`` query/key heads of
+    ``key_dim`` and ``value_heads`` value heads of ``value_dim`` (each key head serving
+    value_heads / key_heads of them), a causal depthwise convolution ``conv_kernel`` wide
+    over q, k and v, in ``layers`` of the decoder layers (the others attend in full)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    layers: int
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
 # The config fields Shape.experts reads.
 EXPERTS_FIELDS = (
     "num_experts",
@@ -88,6 +129,16 @@ EXPERTS_FIELDS = (
     "moe_intermediate_size",
     "decoder_sparse_step",
     "mlp_only_layers",
+)
+
+# The config fields Shape.linear_attention reads.
+LINEAR_ATTENTION_FIELDS = (
+    "layer_types",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 )
 
 
@@ -121,7 +172,9 @@ def shape_from_config(config) -> Shape:
     head_dim = getattr(config, "head_dim", None)
     if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
         extra["head_dim"] = head_dim
-    for name in EXPERTS_FIELDS:  # a mixture-of-experts model's (Shape.experts)
+    hybrid = "linear_attention" in (getattr(config, "layer_types", None) or ())
+    # Shape.experts' fields, and Shape.linear_attention's where some layers are linear.
+    for name in EXPERTS_FIELDS + (LINEAR_ATTENTION_FIELDS if hybrid else ()):
         value = getattr(config, name, None)
         if value is not None and not isinstance(value, bool):
             extra[name] = list(value) if isinstance(value, (list, tuple)) else value
