@@ -45,6 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slothkit.memory import hybrid_layers
 from slothkit.memory.sizes import SHORT_STEP_TOKENS, mlp_token_chunk, pinned_bytes
 from slothkit.models import architecture_for
 from slothkit.models.generic_shapes import PER_HEAD_QK_NORM_TYPES
@@ -84,6 +85,9 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     """
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
+    per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
+    if shape.linear_attention() is not None:  # a hybrid model: each layer by its kind
+        return _hybrid_weights_bytes(shape, per_projection, element_bytes)
     experts = shape.experts()
     sparse = experts.layers if experts else 0
     attention = h * shape.num_attention_heads * d * 2 + h * shape.num_key_value_heads * d * 2
@@ -92,14 +96,24 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     if experts:
         projections += sparse * experts.count * 3 * h * experts.width
         routers = sparse * experts.count * h
-    embeddings = shape.vocab_size * h
+    norms = (2 * shape.num_hidden_layers + 1) * h
+    return projections * per_projection + element_bytes * (_embeddings_and_head(shape) + norms + routers)
+
+
+def _embeddings_and_head(shape: Shape) -> int:
     arch = architecture_for(shape)
     # A shape may say itself (Qwen's small sizes tie, its large ones do not).
     tied = shape.extra.get("tie_word_embeddings", arch is not None and arch.tied_embeddings)
-    head = 0 if tied else shape.vocab_size * h
-    norms = (2 * shape.num_hidden_layers + 1) * h
-    per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
-    return projections * per_projection + element_bytes * (embeddings + head + norms + routers)
+    return (1 if tied else 2) * shape.vocab_size * shape.hidden_size
+
+
+def _hybrid_weights_bytes(shape: Shape, per_projection: float, element_bytes: int) -> float:
+    """A hybrid model's weights: its linear projections at per_projection bytes, the rest
+    (convolutions, norms, the DeltaNet layers' decay parameters) in element_bytes."""
+    types = shape.layer_types()
+    projections = sum(hybrid_layers.projection_parameters(shape, kind) for kind in types)
+    others = sum(hybrid_layers.other_parameters(shape, kind) for kind in types) + shape.hidden_size
+    return projections * per_projection + element_bytes * (_embeddings_and_head(shape) + others)
 
 
 def lora_bytes(shape: Shape, rank: int) -> float:
@@ -114,6 +128,9 @@ def lora_bytes(shape: Shape, rank: int) -> float:
         shape: the model's shape.
         rank: the LoRA rank.
     """
+    if shape.linear_attention() is not None:  # a hybrid model: each layer by its kind
+        columns = sum(hybrid_layers.adapter_columns(shape, kind) for kind in shape.layer_types())
+        return 16.0 * rank * columns
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
@@ -129,8 +146,18 @@ def lora_bytes(shape: Shape, rank: int) -> float:
     return 16.0 * rank * per_rank
 
 
-def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:
-    """What one decoder layer that is not checkpointed keeps for backward.
+def kept_layer_bytes(
+    shape: Shape,
+    tokens: int,
+    rank: int = 16,
+    element_bytes: int = 2,
+    layer_type: str = "full_attention",
+    sequences: int = 1,
+) -> float:
+    """What one decoder layer that is not checkpointed keeps for backward.  A hybrid
+    model's layers (Qwen3.5's gated DeltaNet and gated full-attention layers) keep what
+    slothkit.memory.hybrid_layers says, by ``layer_type``; the rest of this docstring is
+    about the other models.
 
     Per token, in element_bytes each: the layer input and the attention's normed input
     (2 H), q, k and v after RoPE and the attention output ((2 Hq + 2 Hkv) D), the sum
@@ -157,7 +184,15 @@ def kept_layer_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: i
         tokens: tokens per step (batch x sequence).
         rank: the LoRA rank.
         element_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+        layer_type: the layer's kind, as the config's layer_types names it
+            ("full_attention" or, in a hybrid model, "linear_attention").
+        sequences: how many sequences the tokens are (a DeltaNet layer's convolution and
+            chunks are per sequence); one where not known, a few KiB short per further one.
     """
+    if shape.linear_attention() is not None:
+        if layer_type not in ("full_attention", "linear_attention"):
+            raise ValueError(f"layer_type={layer_type!r}; accepted: 'full_attention' or 'linear_attention'")
+        return hybrid_layers.kept_bytes(shape, layer_type, tokens, rank, element_bytes, sequences)
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
@@ -208,6 +243,9 @@ def activation_bytes(
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     per_token = 6 * h + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
+    linear = shape.linear_attention()
+    if linear is not None:  # the larger of the two kinds' working sets
+        per_token = max(per_token, 6 * h + hybrid_layers.deltanet_working_elements(shape, element_bytes))
     per_token += h  # the fused loss's d_hidden
     # The MLP's (tokens, intermediate) tensors: over one chunk of tokens in the long
     # steps of offloaded layers (whose re-runs are chunked); whole where a kept layer's
@@ -223,7 +261,11 @@ def activation_bytes(
     total = element_bytes * (tokens * per_token + logits_chunk) + mlp
     if checkpointing is True:
         total += (shape.num_hidden_layers - kept_layers) * tokens * element_bytes * h
-    return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)
+    # "auto" keeps the last layers (slothkit.engine.checkpointing.recompute_policy).
+    kept_types = shape.layer_types()[shape.num_hidden_layers - kept_layers :] if kept_layers else []
+    if shape.linear_attention() is None:
+        return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)
+    return total + sum(kept_layer_bytes(shape, tokens, rank, element_bytes, kind) for kind in kept_types)
 
 
 # Per routed (token, expert) row, what slothkit_kernels.moe.route_to_experts keeps: the

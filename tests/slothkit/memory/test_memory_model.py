@@ -13,8 +13,10 @@ from slothkit.memory.memory_model import (
     GIB,
     MemoryBudgetError,
     TrainingMemory,
+    activation_bytes,
     kept_layer_bytes,
     lora_bytes,
+    weights_bytes,
 )
 from slothkit.models import shape_by_name
 from slothkit.models.shape import shape_from_config
@@ -244,3 +246,94 @@ def test_a_kept_mixture_of_experts_layer_saves_what_the_model_says(tmp_path):
     expected = kept_layer_bytes(shape, batch * seq, rank=8, element_bytes=4)
     for saved in measured[1:]:
         assert saved == pytest.approx(expected, rel=1e-3)
+
+
+def _tiny_qwen3_5_config(**sizes):
+    """A Qwen3.5 text config whose widths all differ (H, I, Hq D, Hkv D, the DeltaNet's
+    key and value widths), so that a term counted with the wrong one shows."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "qwen3_5_text", hidden_size=48, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, vocab_size=512, linear_num_key_heads=2, linear_num_value_heads=6,
+        linear_key_head_dim=8, linear_value_head_dim=10, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=0, **sizes,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-9b"])
+def test_a_hybrid_model_s_weights_count_its_parameters(name):
+    """Qwen3.5 built on the meta device: weights_bytes at one byte a parameter is its
+    parameter count, both kinds of layer (the gated attention's double q_proj, the
+    DeltaNet layers' projections, convolution and decay parameters) included; in NF4 the
+    projections shrink and the rest does not."""
+    from transformers import AutoModelForCausalLM
+
+    shape = shape_by_name(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.config())
+    assert weights_bytes(shape, "lora", element_bytes=1) == sum(p.numel() for p in model.parameters())
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "proj" in n)
+    others = sum(p.numel() for p in model.parameters()) - linear
+    expected = linear * (0.5 + 1 / 64 + 4 / 16384) + 2 * others
+    assert weights_bytes(shape, "qlora") == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
+)
+@pytest.mark.parametrize(("dtype", "seq"), [(torch.float32, 70), (torch.bfloat16, 20)])
+def test_a_kept_qwen3_5_layer_saves_what_the_model_says(dtype, seq, tmp_path):
+    """A tiny Qwen3.5 (gated DeltaNet layers through slothkit's delta rule kernel, the
+    gated full-attention layer through transformers' modules, PEFT's adapters on both):
+    each kind of layer keeps kept_layer_bytes of its kind, to the byte, in fp32 over two
+    chunks (the last one partial) and in bf16 (where the norms and the kernel keep fp32
+    copies, the adapters fp32 copies of their inputs).  The adapters, in_proj_qkv,
+    in_proj_z and out_proj among them, are lora_bytes exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from slothkit.testing import build_tiny_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_tiny_qwen3_5_config()).save_pretrained(tmp_path / "m")
+    build_tiny_tokenizer("bpe", tmp_path / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generic path and the DeltaNet adapters are said
+        model, _ = FastModel.from_pretrained(str(tmp_path / "m"), dtype=dtype, load_in_4bit=False, fused=True)
+        model = FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+    shape = shape_from_config(model.config)
+    assert shape.linear_attention() is not None
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_bytes(shape, 8) == 16 * trained
+    batch = 2
+    ids = torch.randint(3, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
+    measured = _saved_bytes_per_layer(model, ids)
+    e = 4 if dtype == torch.float32 else 2
+    expected = [
+        kept_layer_bytes(shape, batch * seq, rank=8, element_bytes=e, layer_type=kind, sequences=batch)
+        for kind in shape.layer_types()
+    ]
+    assert measured[1:] == expected[1:]
+    assert expected[1] != expected[3]
+
+
+def test_a_hybrid_model_keeps_its_last_layers_by_their_kind():
+    """The "auto" policy keeps the last layers: in Qwen3.5-9B the last is a full-attention layer, the
+    three before it DeltaNet layers; each adds its own kind's bytes."""
+    shape = shape_by_name("qwen3.5-9b")
+    tokens = 2 * 2048
+    full = kept_layer_bytes(shape, tokens, layer_type="full_attention")
+    linear = kept_layer_bytes(shape, tokens, layer_type="linear_attention")
+    none = activation_bytes(shape, tokens, kept_layers=0)
+    assert activation_bytes(shape, tokens, kept_layers=1) - none == pytest.approx(full)
+    assert activation_bytes(shape, tokens, kept_layers=4) - none == pytest.approx(full + 3 * linear)
+    assert activation_bytes(shape, tokens, kept_layers=32) - none == pytest.approx(8 * full + 24 * linear)
+    with pytest.raises(ValueError, match="layer_type='sliding_attention'; accepted"):
+        kept_layer_bytes(shape, tokens, layer_type="sliding_attention")
+
+
+def test_the_planner_s_delta_rule_chunk_is_the_kernel_s():
+    from slothkit.memory.hybrid_layers import DELTA_RULE_CHUNK
+    from slothkit_kernels.delta_rule.ops import CHUNK
+
+    assert DELTA_RULE_CHUNK == CHUNK

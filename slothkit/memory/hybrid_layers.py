@@ -1,0 +1,176 @@
+"""The memory terms of a hybrid model's decoder layers (Qwen3.5): gated DeltaNet (linear
+attention) layers and gated full-attention layers, each with the model's gated MLP, as
+slothkit trains them: transformers' modules (the fused layers leave a partially rotated
+head alone: slothkit.engine.generic_layers) with PEFT's adapters, and the delta rule
+through slothkit_kernels.delta_rule (slothkit.engine.gated_deltanet).
+
+Sizes, per layer: H hidden, I the MLP's width, r the LoRA rank; a full-attention layer has
+Hq query heads and Hkv key/value heads of D; a DeltaNet layer HK key heads of dk, HV value
+heads of dv, Q = HK dk, V = HV dv, a causal convolution K wide over its N = 2 Q + V
+channels, and runs the delta rule in chunks of C = 64 positions.  e is bytes per element
+of the model's dtype; what is fp32 whatever that dtype counts 4.
+
+What a layer keeps for backward, per token (``kept_bytes``; tests/slothkit/memory/
+test_memory_model.py counts it to the byte through autograd's saved-tensor hooks on a
+tiny Qwen3.5, in fp32 and bf16):
+
+  both kinds    the two RMSNorms (transformers' Qwen3_5RMSNorm computes in fp32): their
+                fp32 inputs, the layer input and the residual sum after the mixer, and
+                1/rms, 8 H + 8; the MLP's gate and up outputs and its activation, 3 I e;
+                each adapter's x A^T in fp32 (PEFT keeps the adapters in fp32), 4 r per
+                adapter: six in a DeltaNet layer (in_proj_qkv, in_proj_z, out_proj, gate,
+                up, down), seven in a full one; each adapter's input as its A reads it
+                (``_adapter_inputs``): in an fp32 model each input once (the mixer's and
+                the MLP's normed inputs H each, the mixer's output, the MLP's product I),
+                in a 16-bit one an fp32 copy for every adapter that reads it.
+  DeltaNet      in_proj_qkv's output and the convolution's (its padding makes K - 1 more
+                positions per sequence), 2 N e; the SiLU's output (N e) in an fp32 model,
+                where a 16-bit one keeps the l2 norms' fp32 copies of q and k (8 Q)
+                instead; the l2 norms' 1/norm (8 HK) and the fp32 q and k the kernel reads
+                (8 Q); v made contiguous (V e); the decay g and a + dt_bias in fp32 and
+                beta (8 HV + HV e); the kernel's per-chunk inverse
+                (I + strict_tril(beta K K^T))^-1 and the state entering each chunk, in
+                fp32 over whole chunks, 4 HV C and 4 HV dk dv / C; the gated RMSNorm on the
+                output: its fp32 input, z and silu(z) (12 V), 1/rms per head (4 HV), the
+                normed output before the gate (V e).
+  full          q_norm's fp32 input (q_proj's output of queries and gate, 8 Hq D, in an
+                fp32 model, of which it reads a view; the queries' copy, 4 Hq D, in a
+                16-bit one) and k_norm's (4 Hkv D); q and k after their norms and RoPE
+                and v (Hq D + 2 Hkv D), the attention's output and its (tokens, Hq D)
+                copy, the gate's sigmoid (3 Hq D), all in e; the attention's
+                log-sum-exp and the q/k norms' 1/rms, 4 (2 Hq + Hkv).  The output's copy
+                is the CPU's: CUDA's flash attention writes its output (tokens, heads, D)
+                already, and there the copy is a view (the prediction is Hq D e high).
+
+Per layer, whatever the tokens: each RMSNorm's (1 + weight) in fp32 (4 H for the two layer
+norms, 4 D each for q_norm and k_norm), and a DeltaNet layer's -exp(A_log) (4 HV).
+
+The recurrent state a DeltaNet layer carries from chunk to chunk is the per-chunk state
+above, in training; each sequence starts from zero and no final state is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+
+from slothkit.models.generic_shapes import OUTPUT_GATE_TYPES
+from slothkit.models.shape import LinearAttentionShape, Shape
+
+# Positions per chunk of the delta rule (slothkit_kernels.delta_rule.ops.CHUNK; a test
+# holds the two equal: the planner does not import the kernel library, which imports torch).
+DELTA_RULE_CHUNK = 64
+FP32 = 4
+
+
+def _head_dim(shape: Shape) -> int:
+    return shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
+
+
+def _linear(shape: Shape) -> LinearAttentionShape:
+    return shape.linear_attention()
+
+
+def _query_width(shape: Shape) -> int:
+    """q_proj's output: the queries, and as many gate values where the layer gates its output."""
+    width = shape.num_attention_heads * _head_dim(shape)
+    return 2 * width if shape.model_type in OUTPUT_GATE_TYPES else width
+
+
+def projection_parameters(shape: Shape, layer_type: str) -> int:
+    """The parameters of one layer's linear projections (NF4 in QLoRA), the MLP's included."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    mlp = 3 * h * i
+    if layer_type == "linear_attention":
+        la = _linear(shape)
+        value_width = la.value_heads * la.value_dim
+        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a read the hidden state; out_proj writes it.
+        return h * (la.conv_channels + value_width + 2 * la.value_heads) + value_width * h + mlp
+    d = _head_dim(shape)
+    kv = shape.num_key_value_heads * d
+    return h * (_query_width(shape) + 2 * kv) + shape.num_attention_heads * d * h + mlp
+
+
+def other_parameters(shape: Shape, layer_type: str) -> int:
+    """One layer's parameters beside its projections, kept in the model's dtype: the two
+    layer norms; a DeltaNet layer's convolution, A_log, dt_bias and gated norm; a
+    full-attention layer's q and k norms."""
+    norms = 2 * shape.hidden_size
+    if layer_type == "linear_attention":
+        la = _linear(shape)
+        return norms + la.conv_channels * la.conv_kernel + 2 * la.value_heads + la.value_dim
+    return norms + 2 * _head_dim(shape)
+
+
+def adapter_columns(shape: Shape, layer_type: str) -> int:
+    """r times this is one layer's LoRA parameters: A's input width plus B's output width
+    for every adapted projection (q/k/v/o asked for adapt in_proj_qkv, in_proj_z and
+    out_proj in a DeltaNet layer: slothkit.loading.lora_setup.onto_linear_attention)."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    mlp = 2 * h + i + (2 * i + h)
+    if layer_type == "linear_attention":
+        la = _linear(shape)
+        value_width = la.value_heads * la.value_dim
+        return 2 * h + value_width + (la.conv_channels + value_width + h) + mlp
+    d = _head_dim(shape)
+    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
+    return 3 * h + q + (_query_width(shape) + 2 * kv + h) + mlp
+
+
+def _adapter_inputs(inputs: list[tuple[int, int]], element_bytes: int) -> int:
+    """Per token, what the adapters keep of their inputs, given (input width, adapters
+    reading it) for each input.  PEFT casts each adapter's input to the adapter's fp32:
+    the input itself in an fp32 model, a copy per adapter in a 16-bit one."""
+    if element_bytes >= FP32:
+        return sum(width * element_bytes for width, _ in inputs)
+    return sum(FP32 * width * readers for width, readers in inputs)
+
+
+def _chunks(tokens: int, sequences: int) -> int:
+    """The delta rule's chunks in a step: each sequence's positions in whole chunks."""
+    return sequences * math.ceil(tokens / sequences / DELTA_RULE_CHUNK)
+
+
+def kept_bytes(
+    shape: Shape, layer_type: str, tokens: int, rank: int, element_bytes: int, sequences: int
+) -> float:
+    """What one layer of ``layer_type`` that is not checkpointed keeps for backward (module
+    docstring), in a step of ``tokens`` tokens in ``sequences`` sequences."""
+    e, h, i = element_bytes, shape.hidden_size, shape.intermediate_size
+    # The two norms' fp32 inputs (the layer input, the residual sum) and 1/rms; the MLP's
+    # gate, up and activation.
+    common = 2 * FP32 * h + 2 * FP32 + 3 * i * e
+    if layer_type == "linear_attention":
+        la = _linear(shape)
+        n, q = la.conv_channels, la.key_heads * la.key_dim
+        v, hv = la.value_heads * la.value_dim, la.value_heads
+        per_token = common + 6 * FP32 * rank + _adapter_inputs([(h, 2), (v, 1), (h, 2), (i, 1)], e)
+        # in_proj_qkv's output and the convolution's; the SiLU's is what the l2 norms read
+        # in an fp32 model, where a 16-bit one keeps their fp32 copies of q and k instead.
+        per_token += 2 * n * e + (n * e if e >= FP32 else 2 * FP32 * q)
+        per_token += FP32 * (2 * la.key_heads + 2 * q)  # the l2 norms' 1/norm, the kernel's q and k
+        per_token += v * e + 2 * FP32 * hv + hv * e  # v, g, a + dt_bias, beta
+        per_token += 3 * FP32 * v + FP32 * hv + v * e  # the gated RMSNorm
+        chunks = _chunks(tokens, sequences)
+        recurrent = chunks * hv * FP32 * (DELTA_RULE_CHUNK**2 + la.key_dim * la.value_dim)
+        convolution = sequences * (la.conv_kernel - 1) * n * e
+        per_layer = FP32 * (2 * h + hv)
+        return float(tokens * per_token + recurrent + convolution + per_layer)
+    d = _head_dim(shape)
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    per_token = common + 7 * FP32 * rank + _adapter_inputs([(h, 3), (heads * d, 1), (h, 2), (i, 1)], e)
+    # q_norm reads q_proj's output (a view of it in an fp32 model, the queries' fp32 copy in
+    # a 16-bit one), k_norm k_proj's fp32 output.
+    per_token += FP32 * ((_query_width(shape) if e >= FP32 else heads * d) + kv_heads * d)
+    per_token += e * (heads * d + 2 * kv_heads * d + 3 * heads * d)
+    per_token += FP32 * (2 * heads + kv_heads)
+    return float(tokens * per_token + FP32 * (2 * h + 2 * d))
+
+
+def deltanet_working_elements(shape: Shape, element_bytes: int) -> float:
+    """Per token, in elements of element_bytes, what a DeltaNet layer's re-run holds beside
+    the hidden-state-sized tensors a full-attention layer's does (where that one holds
+    its q, k, v and their gradients): the convolution's three N-wide tensors, and the
+    delta rule's per-chunk inverse and states (fp32, over whole chunks)."""
+    la = _linear(shape)
+    chunk_buffers = FP32 * la.value_heads * (DELTA_RULE_CHUNK + la.key_dim * la.value_dim / DELTA_RULE_CHUNK)
+    return 3 * la.conv_channels + chunk_buffers / element_bytes
