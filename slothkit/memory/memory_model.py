@@ -17,6 +17,8 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
                8,192-token chunks, so its 4 I counts for 8,192 tokens only.  Plain
                checkpointing adds one layer input (e H) per layer; each layer that is not
                checkpointed adds what it saves for backward (``kept_layer_bytes``).
+  hybrid       a hybrid model's layers (Qwen3.5's gated DeltaNet and gated full-attention
+               layers) count by their kind in all three terms: slothkit.memory.hybrid_layers.
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
   host         with every layer offloaded, each checkpointed layer's input (and kept
