@@ -263,10 +263,10 @@ def activation_bytes(
     total = element_bytes * (tokens * per_token + logits_chunk) + mlp
     if checkpointing is True:
         total += (shape.num_hidden_layers - kept_layers) * tokens * element_bytes * h
-    # "auto" keeps the last layers (slothkit.engine.checkpointing.recompute_policy).
-    kept_types = shape.layer_types()[shape.num_hidden_layers - kept_layers :] if kept_layers else []
-    if shape.linear_attention() is None:
+    if linear is None:
         return total + kept_layers * kept_layer_bytes(shape, tokens, rank, element_bytes)
+    # "auto" keeps the last layers (slothkit.engine.checkpointing.recompute_policy), each its kind.
+    kept_types = shape.layer_types()[shape.num_hidden_layers - kept_layers :] if kept_layers else []
     return total + sum(kept_layer_bytes(shape, tokens, rank, element_bytes, kind) for kind in kept_types)
 
 
