@@ -41,7 +41,9 @@ def hardware_report(config):
         f"bf16 {'yes' if bf16 else 'no (fp16 with loss scaling)'}"
     )
     print_multi_gpu_notice_once(torch.cuda.device_count(), launch())
-    shape = shape_from_config(AutoConfig.from_pretrained(config.model_name))
+    # An image-text checkpoint's config holds its language model's sizes in its text config;
+    # the plan is the language model's (a vision tower in 16 bits and the image tokens are not in it).
+    shape = shape_from_config(AutoConfig.from_pretrained(config.model_name).get_text_config())
     config, result = settings_that_fit(config, shape, gpu="auto")
     print(result.report())
     return config
