@@ -27,6 +27,7 @@ _LAZY = {
     "FastQwen3Model": "slothkit.fast_model",
     "FastVisionModel": "slothkit.fast_vision_model",
     "is_bfloat16_supported": "slothkit.checkpoint.before_loading",
+    "is_bf16_supported": "slothkit.checkpoint.before_loading",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",
     "UnslothTrainingArguments": "slothkit.trl",
