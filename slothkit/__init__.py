@@ -28,6 +28,7 @@ _LAZY = {
     "FastVisionModel": "slothkit.fast_vision_model",
     "is_bfloat16_supported": "slothkit.checkpoint.before_loading",
     "is_bf16_supported": "slothkit.checkpoint.before_loading",
+    "get_chat_template": "slothkit.chat_templates",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",
     "UnslothTrainingArguments": "slothkit.trl",
