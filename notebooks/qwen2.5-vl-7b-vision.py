@@ -22,7 +22,7 @@
 # the LoRA adapter and a merged 16-bit model with its processor, optionally pushed to
 # the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 5 GiB of language weights in NF4 and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). GGUF is not written here: slothkit's GGUF export writes text models, not llama.cpp's multimodal projector file.
+# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 6 GiB of language weights (NF4, with the 16-bit embeddings and head) and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). GGUF is not written here: slothkit's GGUF export writes text models, not llama.cpp's multimodal projector file.
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
