@@ -9,12 +9,20 @@ from pathlib import Path
 
 import pytest
 
-MODELS = json.loads((Path(__file__).resolve().parents[1] / "templates" / "models.json").read_text())
+TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
+MODELS = json.loads((TEMPLATES_DIR / "models.json").read_text())
+# The vision template's models (templates/vision_models.json): each runs on the tiny image-text
+# checkpoint of its family (slothkit.testing.tiny_image_text), processor and all.
+VISION_MODELS = json.loads((TEMPLATES_DIR / "vision_models.json").read_text())
+VISION_STAND_INS = {"gemma-3-4b": "gemma3", "qwen2.5-vl-7b": "qwen2_5_vl"}
 # What a template's notebook runs with beyond the settings every notebook gets.  GRPO
 # samples completions with Hugging Face generate before each step: two short ones per
 # prompt, one prompt a step and two steps keep its run under a minute on a 2-core CPU
 # (tests/slothkit/test_trl.py checks that GRPO's steps on slothkit's model match HF + PEFT).
 TEMPLATE_ENVIRONMENT = {
+    # Each vision record renders its conversation and its prompt through the processor (the
+    # collator locates the answer): one record a step keeps the run short.
+    "vision": {"SLOTHKIT_GRAD_ACCUM": "1", "SLOTHKIT_BATCH_SIZE": "2"},
     "grpo": {
         "SLOTHKIT_MAX_STEPS": "2",
         "SLOTHKIT_GRAD_ACCUM": "1",
@@ -25,15 +33,19 @@ TEMPLATE_ENVIRONMENT = {
 # Notebook models whose real checkpoints are image-text models (FastModel loads their text
 # model alone, slothkit.loading.text_tower): they run on a tiny image-text stand-in (the name of
 # its builder in slothkit.testing), so that the notebook meets what a user's load meets.
-IMAGE_TEXT_MODELS = {"gemma-3-4b": "tiny_image_text_gemma3_path", "gemma-4-e4b": "tiny_image_text_gemma4_path"}
+IMAGE_TEXT_MODELS = {
+    "gemma-3-4b": "tiny_image_text_gemma3_path",
+    "gemma-4-e4b": "tiny_image_text_gemma4_path",
+}
 _state = {}
 
 
 def _model_key(stem: str) -> str:
-    for key in sorted(MODELS, key=len, reverse=True):
+    models = {**MODELS, **VISION_MODELS}
+    for key in sorted(models, key=len, reverse=True):
         if stem.startswith(key + "-"):
             return key
-    raise ValueError(f"notebook {stem!r} is not named <model>-<template>; models: {', '.join(MODELS)}")
+    raise ValueError(f"notebook {stem!r} is not named <model>-<template>; models: {', '.join(models)}")
 
 
 def _template(stem: str) -> str:
@@ -65,10 +77,23 @@ def _stand_in(model: str):
     return tiny_model_path(record.name)
 
 
+def _vision_stand_in(model: str):
+    """The tiny image-text checkpoint a vision notebook of `model` runs on; the test is skipped
+    where transformers cannot build its processor here (Qwen-VL's needs torchvision)."""
+    from slothkit.testing.tiny_image_text import image_text_processor_loads, tiny_image_text_path
+
+    family = VISION_STAND_INS[model]
+    why_not = image_text_processor_loads(family)
+    if why_not is not None:
+        pytest.skip(f"{model} vision notebook: {why_not}")
+    return tiny_image_text_path(family)
+
+
 def notebook_environment(stem: str) -> dict[str, str]:
     hub = _hub()
     model = _model_key(stem)
-    stand_in = _stand_in(model)
+    vision = _template(stem) == "vision"
+    stand_in = _vision_stand_in(model) if vision else _stand_in(model)
     return {
         **hub.client_env(),
         "SLOTHKIT_NO_INSTALL": "1",
@@ -78,7 +103,7 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "SLOTHKIT_LEARNING_RATE": "0.002",
         "SLOTHKIT_OUTPUT_DIR": os.path.join(_state["outputs"].name, stem),
         # GGUF where the model's notebook writes it (models.json's save_gguf: not gpt-oss).
-        "SLOTHKIT_SAVE_GGUF": "1" if MODELS[model]["save_gguf"] else "0",
+        "SLOTHKIT_SAVE_GGUF": "1" if not vision and MODELS[model]["save_gguf"] else "0",
         # One quantisation keeps the run short; every type is tested in tests/slothkit/export.
         "SLOTHKIT_GGUF_QUANTS": "q8_0",
         "SLOTHKIT_HUB_REPO": f"local-user/{stem}",

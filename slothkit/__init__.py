@@ -27,6 +27,8 @@ _LAZY = {
     "FastQwen3Model": "slothkit.fast_model",
     "FastVisionModel": "slothkit.fast_vision_model",
     "is_bfloat16_supported": "slothkit.checkpoint.before_loading",
+    "is_bf16_supported": "slothkit.checkpoint.before_loading",
+    "get_chat_template": "slothkit.chat_templates",
     "TrainingArguments": "slothkit.trl",
     "UnslothTrainer": "slothkit.trl",
     "UnslothTrainingArguments": "slothkit.trl",

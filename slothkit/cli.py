@@ -138,12 +138,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_new_notebook(args: argparse.Namespace) -> int:
-    from slothkit.notebook.render import model_data, parse_overrides, write_notebook
+    from slothkit.notebook.render import models_for, parse_overrides, write_notebook
 
-    models = model_data()
+    models = models_for(args.template)
     if args.model not in models:
         print(
-            f"slothkit new-notebook: unknown model {args.model!r}; valid models: {', '.join(models)}",
+            f"slothkit new-notebook: unknown model {args.model!r} for the {args.template} template; "
+            f"valid models: {', '.join(models)}",
             file=sys.stderr,
         )
         return 2

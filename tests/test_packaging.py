@@ -119,9 +119,11 @@ def _source_files() -> set[str]:
     names = {f"slothkit/{p.relative_to(ROOT / 'slothkit')}" for p in (ROOT / "slothkit").rglob("*.py")}
     names |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "slothkit_kernels").rglob("*.py")}
     names |= {f"slothkit_templates/{p.name}" for p in (ROOT / "templates").glob("*.py")}
-    names.add("slothkit_templates/models.json")
+    names |= {"slothkit_templates/models.json", "slothkit_templates/vision_models.json"}
     names |= {
-        f"slothkit/data/example_data/{p.name}" for p in (ROOT / "slothkit/data/example_data").glob("*.jsonl")
+        f"slothkit/data/example_data/{p.relative_to(ROOT / 'slothkit/data/example_data').as_posix()}"
+        for pattern in ("*.jsonl", "latex_ocr/*.png")
+        for p in (ROOT / "slothkit/data/example_data").glob(pattern)
     }
     return {name for name in names if "__pycache__" not in name}
 

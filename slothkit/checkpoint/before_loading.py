@@ -89,6 +89,9 @@ def is_bfloat16_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+is_bf16_supported = is_bfloat16_supported  # the spelling Unsloth's vision notebooks import
+
+
 def nf4_settings(compute_dtype: torch.dtype) -> dict:
     """QLoRA's bitsandbytes settings, as ``BitsAndBytesConfig`` keywords: NF4 with double
     quantisation (the absmax constants quantised too), packed two values per uint8."""

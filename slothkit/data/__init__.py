@@ -12,7 +12,8 @@ their turns in turn_layouts, which ollama_templates writes as an Ollama Modelfil
 (installing one), marker_tokens (which of a format's markers are added, mapped onto the
 EOS or left as text), sharegpt, columns_to_sharegpt (to_sharegpt: table-like records as
 conversations), conversations (with prompt_templates: a {SYSTEM}/{INPUT}/{OUTPUT} prompt
-as a chat template), alpaca, responses_only, loading, examples,
+as a chat template), alpaca, responses_only, loading, examples, example_images (formula
+images with their LaTeX, for vision fine-tuning), vision_collator,
 packing (PackingCollator: a batch as one row of samples, no padding); validation holds the checks slothkit.trl's trainers run before handing data to TRL; text_encoding finds
 text that is not UTF-8.
 """
@@ -30,6 +31,7 @@ from slothkit.data.conversations import (
     check_conversation,
     conversation_text,
 )
+from slothkit.data.example_images import example_image_dataset, example_images
 from slothkit.data.examples import example_dataset
 from slothkit.data.loading import as_dataset, load_data
 from slothkit.data.packing import PackingCollator
@@ -54,6 +56,8 @@ __all__ = [
     "check_conversation",
     "conversation_text",
     "example_dataset",
+    "example_image_dataset",
+    "example_images",
     "follow_tokenizer",
     "format_alpaca",
     "get_chat_template",

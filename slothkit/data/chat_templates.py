@@ -43,6 +43,7 @@ from slothkit.data.chat_formats import (
     with_turn_end,
 )
 from slothkit.data.marker_tokens import plan_custom_turn_end, plan_marker_tokens, say_what_was_mapped
+from slothkit.data.processor_chat_template import is_processor, keep_processor_template
 from slothkit.data.template_text import replace_written_text
 
 # Conversations on which a tokenizer's own template is compared with slothkit's formats,
@@ -99,7 +100,9 @@ def get_chat_template(
     changes, and why).
 
     Args:
-        tokenizer: a Hugging Face tokenizer; changed in place.
+        tokenizer: a Hugging Face tokenizer; changed in place.  An image-text model's
+            processor keeps its own chat template where that renders the named format
+            (slothkit.data.processor_chat_template).
         chat_template: the format's name: "chatml" (default), "vicuna", "zephyr",
             "alpaca", "llama-3", "gemma", "mistral", "llama-2", "qwen-2.5", "qwen3", "phi-3", "phi-4"
             or "vicuna_old" (aliases such as "llama-3.1", "gemma-3", "llama" for llama-2,
@@ -157,6 +160,13 @@ def get_chat_template(
             turn end that is neither in the vocabulary nor mapped to the EOS.
         TypeError: system_message is not a string, or add_missing_tokens not a bool or None.
     """
+    if is_processor(tokenizer):
+        if mapping is not None or system_message is not None or add_missing_tokens:
+            raise ValueError(
+                "get_chat_template(processor, ...): an image-text model's processor keeps its own chat template; "
+                "mapping, system_message and add_missing_tokens are not accepted with it"
+            )
+        return keep_processor_template(tokenizer, chat_template, matching_format)
     mapping = check_mapping(mapping)
     if system_message is not None and not isinstance(system_message, str):
         raise TypeError(f"system_message must be a string or None; got {type(system_message).__name__}")

@@ -377,23 +377,50 @@ def ties_embeddings(config) -> bool:
     return bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
 
 
+def stored_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """{name in the model: name in its checkpoint} for the checkpoint's tensor `names` that
+    transformers renames as it loads them (an image-text checkpoint's
+    ``language_model.model.*`` and ``vision_tower.*`` are ``model.language_model.*`` and
+    ``model.vision_tower.*`` in transformers 5), read off transformers' own renamings."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without load-time renamings: the names are the model's
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    return {rename_source_key(name, renamings, [])[0]: name for name in names}
+
+
 class _WeightReader:
     """W for a tensor name: from the model (dequantised when 4-bit) or the original checkpoint."""
 
-    def __init__(self, source: MergeSource, target_dtype: torch.dtype, tied_names: tuple[str, str] | None):
+    def __init__(
+        self,
+        source: MergeSource,
+        target_dtype: torch.dtype,
+        tied_names: tuple[str, str] | None,
+        model: nn.Module,
+    ):
         self.source = source
         self.target_dtype = target_dtype
         self.checkpoint = (
             SafetensorsCheckpoint(source.checkpoint) if source.kind == "original_checkpoint" else None
         )
         self.tied_names = tied_names  # (input embedding weight, output weight) when tied
+        self._stored = stored_names(model, self.checkpoint.names()) if self.checkpoint is not None else {}
+
+    def stored_name(self, name: str) -> str:
+        """The checkpoint's name for the model's tensor `name`."""
+        return name if name in self.checkpoint else self._stored.get(name, name)
 
     def read(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         """(value, dtype to save in)."""
         if self.checkpoint is not None:
-            key = name
-            if key not in self.checkpoint and self.tied_names and key == self.tied_names[1]:
-                key = self.tied_names[0]  # a tied head is stored once, as the embedding
+            key = self.stored_name(name)
+            if key not in self.checkpoint and self.tied_names and name == self.tied_names[1]:
+                key = self.stored_name(self.tied_names[0])  # a tied head is stored once, as the embedding
             if key not in self.checkpoint:
                 raise KeyError(
                     f"the original checkpoint {str(self.source.checkpoint)!r} has no tensor {name!r}; "
@@ -429,7 +456,10 @@ def merged_tensors(
     in_weight = f"{in_name}.weight" if in_name is not None else None
     out_weight = f"{out_name}.weight" if out_name is not None else None
     reader = _WeightReader(
-        source, target_dtype, (in_weight, out_weight) if tied and in_weight and out_weight else None
+        source,
+        target_dtype,
+        (in_weight, out_weight) if tied and in_weight and out_weight else None,
+        causal_lm,
     )
     merged_input_embedding = None
 
@@ -457,8 +487,8 @@ def merged_tensors(
             for name, tensor in _own_tensors(trained, prefix, recurse=True):
                 value = tensor.detach()
                 dtype = value.dtype
-                if reader.checkpoint is not None and name in reader.checkpoint:
-                    dtype = reader.checkpoint.dtype_of(name)  # saved as the original stored it
+                if reader.checkpoint is not None and reader.stored_name(name) in reader.checkpoint:
+                    dtype = reader.checkpoint.dtype_of(reader.stored_name(name))  # as the original stored it
                 item = finish(name, value, dtype)
                 if item is not None:
                     yield item

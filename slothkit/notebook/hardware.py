@@ -23,10 +23,7 @@ def hardware_report(config):
         The config, with the batch size, gradient accumulation, sequence length and LoRA
         rank the planner chose for this GPU.
     """
-    from transformers import AutoConfig
-
     from slothkit.core.distributed import launch, select_process_gpu
-    from slothkit.memory.plan import shape_from_config
     from slothkit.notebook.multi_gpu import print_multi_gpu_notice_once
 
     select_process_gpu()  # under a launcher: before CUDA starts on GPU 0 in every process
@@ -41,10 +38,20 @@ def hardware_report(config):
         f"bf16 {'yes' if bf16 else 'no (fp16 with loss scaling)'}"
     )
     print_multi_gpu_notice_once(torch.cuda.device_count(), launch())
-    shape = shape_from_config(AutoConfig.from_pretrained(config.model_name))
-    config, result = settings_that_fit(config, shape, gpu="auto")
+    config, result = settings_that_fit(config, language_shape(config.model_name), gpu="auto")
     print(result.report())
     return config
+
+
+def language_shape(model_name: str):
+    """The Shape the planner reads for a checkpoint: its language model's.  An image-text
+    checkpoint's config holds those sizes in its text config; its vision tower (16-bit
+    weights) and image tokens are not in the plan."""
+    from transformers import AutoConfig
+
+    from slothkit.memory.plan import shape_from_config
+
+    return shape_from_config(AutoConfig.from_pretrained(model_name).get_text_config())
 
 
 # The lowest LoRA rank settings_that_fit lowers to: below it the adapters barely change the model.

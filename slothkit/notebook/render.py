@@ -24,7 +24,11 @@ TEMPLATES = {
     "conversational": "chat fine-tune with the model's chat template, trained on replies only",
     "dpo": "preference tuning with DPO (prompt, chosen, rejected)",
     "grpo": "reinforcement learning with GRPO (prompts, scored by reward functions)",
+    "vision": "image-text fine-tune with FastVisionModel (images with their answers; vision_models.json)",
 }
+# Templates whose models are image-text checkpoints: their values come from
+# templates/vision_models.json, keyed by notebook model name like models.json.
+IMAGE_TEXT_TEMPLATES = ("vision",)
 
 
 def _package_file(name: str):
@@ -32,7 +36,20 @@ def _package_file(name: str):
 
 
 def model_data() -> dict[str, dict]:
+    """The text models' notebook data (templates/models.json), keyed by named shape."""
     return json.loads(_package_file("models.json").read_text())
+
+
+def vision_model_data() -> dict[str, dict]:
+    """The image-text models' notebook data (templates/vision_models.json): Hub ids, T4
+    batch sizes and where the defaults fit, for the templates of IMAGE_TEXT_TEMPLATES."""
+    return json.loads(_package_file("vision_models.json").read_text())
+
+
+def models_for(template: str) -> dict[str, dict]:
+    """The models a template renders for: the image-text ones for IMAGE_TEXT_TEMPLATES, the
+    text ones (models.json) for the others."""
+    return vision_model_data() if template in IMAGE_TEXT_TEMPLATES else model_data()
 
 
 def shape_of(model: str):
@@ -104,10 +121,12 @@ def parse_overrides(pairs: list[str] | None, valid_keys, defaults: dict | None =
     return overrides
 
 
-def values_for(model: str, overrides: dict | None = None) -> dict:
-    models = model_data()
+def values_for(model: str, overrides: dict | None = None, template: str = "finetune") -> dict:
+    models = models_for(template)
     if model not in models:
-        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(models)}")
+        raise ValueError(
+            f"unknown model {model!r} for the {template} template; valid models: {', '.join(models)}"
+        )
     values = {"model_key": model, **models[model]}
     values.update(overrides or {})
     return values
@@ -116,7 +135,7 @@ def values_for(model: str, overrides: dict | None = None) -> dict:
 def render_text(template: str, model: str, overrides: dict | None = None) -> str:
     """The template's percent-format source with the model's values filled in."""
     try:
-        return string.Template(template_text(template)).substitute(values_for(model, overrides))
+        return string.Template(template_text(template)).substitute(values_for(model, overrides, template))
     except KeyError as error:
         raise ValueError(
             f"template {template!r} needs a value for {error}, which models.json does not give for {model!r}"
@@ -213,6 +232,14 @@ def listing() -> str:
         lines.append(
             f"  {name:{width}s} {data['display_name']}: 4-bit {data['model_4bit']}, "
             f"chat template {data['chat_template']}, max_seq_length {data['max_seq_length']}, "
+            f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}"
+        )
+    lines.append("image-text models (--template vision):")
+    width = max(map(len, vision_model_data()))
+    for name, data in vision_model_data().items():
+        lines.append(
+            f"  {name:{width}s} {data['display_name']}: {data['model_4bit']}, "
+            f"max_seq_length {data['max_seq_length']}, "
             f"T4 batch {data['t4_batch']} x accumulation {data['t4_grad_accum']}"
         )
     lines.append("templates:")

@@ -21,6 +21,35 @@ def load_configured_dataset(source: str):
     return load_data(source)
 
 
+def load_configured_image_dataset(source: str) -> list[dict]:
+    """Chat-message records with images for VisionDataCollator: ``example:latex_ocr`` (the
+    formula images shipped with slothkit, slothkit.data.example_images), else load_data(source)
+    whose records are conversations already (a "messages" column) or ``{"image", "text"}``
+    pairs, made conversations with the OCR instruction.
+
+    Raises:
+        ValueError: an unknown example, or records with neither form.
+    """
+    from slothkit.data import load_data
+    from slothkit.data.example_images import IMAGE_FOLDER, as_image_chat, example_image_dataset
+
+    if source.startswith(EXAMPLE_PREFIX):
+        if source != EXAMPLE_PREFIX + IMAGE_FOLDER:
+            raise ValueError(
+                f"unknown example image dataset {source!r}; accepted: {EXAMPLE_PREFIX}{IMAGE_FOLDER}"
+            )
+        return example_image_dataset()
+    dataset = load_data(source)
+    if "messages" in dataset.column_names:
+        return list(dataset)
+    if {"image", "text"} <= set(dataset.column_names):
+        return [as_image_chat(record) for record in dataset]
+    raise ValueError(
+        f"{source}: records with columns {dataset.column_names}; accepted: a 'messages' column of "
+        f"conversations with image parts, or 'image' and 'text' columns"
+    )
+
+
 @dataclasses.dataclass
 class TrainResult:
     first_loss: float

@@ -7,7 +7,15 @@ import pytest
 
 from slothkit.cli import main
 from slothkit.models import SHAPES
-from slothkit.notebook.render import TEMPLATES, architecture_of, model_data, render_notebook
+from slothkit.notebook.render import (
+    IMAGE_TEXT_TEMPLATES,
+    TEMPLATES,
+    architecture_of,
+    model_data,
+    models_for,
+    render_notebook,
+    vision_model_data,
+)
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
@@ -41,6 +49,37 @@ def test_committed_notebook_is_up_to_date(path):
 def test_every_model_has_a_committed_finetune_notebook():
     for model in model_data():
         assert (NOTEBOOKS / f"{model}-finetune.ipynb").is_file(), model
+
+
+def test_every_image_text_model_has_a_committed_vision_notebook():
+    assert list(vision_model_data()) == ["gemma-3-4b", "qwen2.5-vl-7b"]
+    for template in IMAGE_TEXT_TEMPLATES:
+        for model in models_for(template):
+            assert (NOTEBOOKS / f"{model}-{template}.ipynb").is_file(), model
+    with pytest.raises(
+        ValueError, match="unknown model 'llama-3-8b' for the vision template; valid models: gemma"
+    ):
+        render_notebook("vision", "llama-3-8b")
+
+
+def test_image_text_models_language_shapes_fit_a_t4_with_room_for_the_vision_tower():
+    """The vision notebooks' claim that their defaults fit a T4: the planner's peak for the
+    language model (Gemma 3 4B's is the gemma-3-4b shape, Qwen2.5-VL 7B's the qwen2.5-7b
+    shape) leaves room for the vision tower's 16-bit weights (0.4B and 0.7B parameters)."""
+    from slothkit.memory.plan import plan
+    from slothkit.models import shape_by_name
+
+    language = {"gemma-3-4b": ("gemma-3-4b", 0.4e9), "qwen2.5-vl-7b": ("qwen2.5-7b", 0.7e9)}
+    for model, data in vision_model_data().items():
+        assert data["gpu_fit"].startswith("The defaults fit a free Colab or Kaggle T4 (15 GB)"), model
+        assert "GGUF is not written here" in data["gpu_fit"], model
+        shape, tower_parameters = language[model]
+        result = plan(
+            shape_by_name(shape), gpu="t4", seq=data["max_seq_length"], batch=data["t4_batch"], mode="qlora",
+            rank=16, target_batch=data["t4_batch"] * data["t4_grad_accum"],
+        )  # fmt: skip
+        assert result.fits and (result.batch, result.seq) == (data["t4_batch"], data["max_seq_length"]), model
+        assert result.total_gib + tower_parameters * 2 / 2**30 < result.budget_gib, model
 
 
 def test_each_model_is_a_shape_its_architecture_record_names():
@@ -334,13 +373,15 @@ def _run_save_cells(template, tmp_path, monkeypatch, environ=None, **settings):
 
     for name, value in {"WORLD_SIZE": "", "RANK": "", **(environ or {})}.items():
         monkeypatch.setenv(name, value)
-    cells = [c.source for c in render_notebook(template, "llama-3-8b").cells if c.cell_type == "code"]
+    model = next(iter(models_for(template)))
+    cells = [c.source for c in render_notebook(template, model).cells if c.cell_type == "code"]
     save, publish = cells[-2:]
     calls = []
     config = NotebookConfig(model_name="m", output_dir=str(tmp_path), hub_token="hf_x", **settings)
     namespace = {
         "model": _Recorder("model", calls),
         "tokenizer": _Recorder("tokenizer", calls),
+        "processor": _Recorder("processor", calls),
         "config": config,
     }
     exec(save, namespace)
@@ -348,7 +389,7 @@ def _run_save_cells(template, tmp_path, monkeypatch, environ=None, **settings):
     return calls
 
 
-@pytest.mark.parametrize("template", sorted(TEMPLATES))
+@pytest.mark.parametrize("template", sorted(set(TEMPLATES) - set(IMAGE_TEXT_TEMPLATES)))
 def test_save_cells_call_each_save_and_push_behind_its_flag(template, tmp_path, monkeypatch, capsys):
     """The save and publish cells call the methods a user types (PEFT's save_pretrained and
     slothkit's save_pretrained_merged, save_pretrained_gguf, push_to_hub_merged and
@@ -393,3 +434,85 @@ def test_save_cells_call_each_save_and_push_behind_its_flag(template, tmp_path, 
         template, tmp_path, monkeypatch, {"WORLD_SIZE": "2", "RANK": "1"}, save_gguf=True, hub_repo="me/m"
     )
     assert calls == []
+
+
+def test_vision_save_cells_save_the_adapter_and_the_merged_model_with_the_processor(
+    tmp_path, monkeypatch, capsys
+):
+    """The vision notebook's save and publish cells: the adapter and the merged 16-bit model,
+    each written with the processor, each behind its flag; no GGUF."""
+    out = str(tmp_path)
+    calls = _run_save_cells(
+        "vision", tmp_path, monkeypatch, save_merged=True, save_gguf=True, hub_repo="me/m"
+    )
+    assert [call[:2] for call in calls] == [
+        ("model.save_pretrained", f"{out}/lora"),
+        ("processor.save_pretrained", f"{out}/lora"),
+        ("model.save_pretrained_merged", f"{out}/merged-16bit"),
+        ("model.push_to_hub_merged", "me/m-lora"),
+        ("model.push_to_hub_merged", "me/m"),
+    ]
+    assert [call[2].name for call in calls[2:]] == ["processor"] * 3
+    assert [call[-1] for call in calls[2:]] == [
+        {"save_method": "merged_16bit", "overwrite": True},
+        {"save_method": "lora", "token": "hf_x"},
+        {"save_method": "merged_16bit", "token": "hf_x"},
+    ]
+    assert "https://hub/me/m/commit/1" in capsys.readouterr().out
+    calls = _run_save_cells(
+        "vision", tmp_path, monkeypatch, save_lora=False, save_merged=False, hub_repo="me/m"
+    )
+    assert calls == []
+
+
+def test_vision_train_cell_builds_the_config_slothkit_chooses_with_the_collator(monkeypatch, tmp_path):
+    """The vision notebook's SFTConfig(...) is slothkit's sft_config with the notebook config's
+    values and the settings that pass the records to the collator untouched; the trainer gets
+    the processor and a VisionDataCollator cut at the config's sequence length."""
+    import slothkit
+    import slothkit.trl
+    from slothkit.notebook.config import NotebookConfig
+    from slothkit.trl import defaults
+
+    (cell,) = [
+        c for c in render_notebook("vision", "gemma-3-4b").cells if "trainer = SFTTrainer(" in c.source
+    ]
+    built = {}
+    monkeypatch.setattr(slothkit.trl, "SFTTrainer", lambda **kwargs: built.update(kwargs) or "the trainer")
+    monkeypatch.setattr(slothkit, "VisionDataCollator", lambda *args, **kwargs: ("collator", args, kwargs))
+    config = NotebookConfig(
+        model_name="m", batch_size=3, grad_accum=5, max_steps=7, learning_rate=1e-3, max_seq_length=333,
+        output_dir=str(tmp_path),
+    )  # fmt: skip
+    namespace = {"model": None, "processor": "the processor", "dataset": "the records", "config": config}
+    exec(cell.source, namespace)
+
+    expected = defaults.sft_config(
+        None,
+        output_dir=f"{tmp_path}/checkpoints",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=5,
+        max_steps=7,
+        learning_rate=1e-3,
+        max_length=333,
+        save_strategy="no",
+        remove_unused_columns=False,
+        dataset_text_field="",
+        dataset_kwargs={"skip_prepare_dataset": True},
+    )
+    assert built.pop("args").to_dict() == expected.to_dict()
+    assert built == {
+        "model": None,
+        "processing_class": "the processor",
+        "data_collator": ("collator", (None, "the processor"), {"max_seq_length": 333}),
+        "train_dataset": "the records",
+    }
+
+
+def test_new_notebook_renders_the_vision_template_for_an_image_text_model(tmp_path, capsys):
+    out = tmp_path / "nb"
+    assert main(["new-notebook", "qwen2.5-vl-7b", "--template", "vision", "-o", str(out)]) == 0
+    text = (tmp_path / "nb.py").read_text()
+    assert 'MODEL_NAME = "Qwen/Qwen2.5-VL-7B-Instruct"' in text and "FastVisionModel.get_peft_model(" in text
+    assert main(["new-notebook", "qwen2.5-vl-7b", "-o", str(out), "--force"]) == 2
+    assert "unknown model 'qwen2.5-vl-7b' for the finetune template" in capsys.readouterr().err

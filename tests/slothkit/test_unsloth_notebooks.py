@@ -344,6 +344,85 @@ def test_gemma3_conversational(notebook_folder):
     _assert_gguf(folder / "gemma-3-finetune", labels=("Q8_0",))
 
 
+def _image_batch_logits(model, batch):
+    model.eval()
+    with torch.no_grad():
+        return model(**{k: v.to(model.device) for k, v in batch.items()}).logits.float()
+
+
+def test_qwen25_vl_latex_ocr(notebook_folder):
+    """Unsloth's Qwen2.5-VL (7B) LaTeX OCR notebook (on the tiny Qwen2.5-VL where its processor
+    builds, else the tiny image-text Gemma 3): FastVisionModel with every finetune_* flag on,
+    the processor called with the image and the chat template's text, UnslothVisionDataCollator
+    with SFTConfig's skip_prepare_dataset, and both saves, which plain transformers and PEFT
+    load back to the trained model's logits on an image batch."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder, caught = notebook_folder
+    ns = _run("qwen25_vl_latex_ocr")
+    model, processor, trainer = ns["model"], ns["tokenizer"], ns["trainer"]
+    adapted = {n.split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    towers = ("vision_tower", "visual")
+    assert any(t in n for n in adapted for t in towers) and any(
+        all(t not in n for t in towers) for n in adapted
+    )
+    notices = _notices(caught)
+    assert any("SFTTrainer(tokenizer=...) is written SFTTrainer(processing_class=...)" in n for n in notices)
+    assert any("SFTConfig(max_seq_length=...) is written max_length=..." in n for n in notices)
+    _assert_trained(trainer)
+    outputs, prompt_length = ns["outputs"], ns["inputs"]["input_ids"].shape[1]
+    assert outputs.shape[1] > prompt_length
+    assert torch.equal(outputs[:, :prompt_length].cpu(), ns["inputs"]["input_ids"].cpu())
+
+    batch = ns["UnslothVisionDataCollator"](model, processor)(ns["converted_dataset"][:2])
+    trained = _image_batch_logits(model, batch)
+    base = AutoModelForImageTextToText.from_pretrained(ns["MODEL"], dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, str(folder / "lora_model"))
+    _assert_close(_image_batch_logits(reloaded, batch), trained)
+    merged = AutoModelForImageTextToText.from_pretrained(str(folder / "unsloth_finetune"))
+    assert merged.dtype in (torch.bfloat16, torch.float16), f"merged_16bit stored {merged.dtype}"
+    _assert_close(_image_batch_logits(merged.float(), batch), trained, rounded_to_16_bits=True)
+    reloaded_processor = AutoProcessor.from_pretrained(str(folder / "unsloth_finetune"))
+    assert reloaded_processor.apply_chat_template(
+        ns["messages"], add_generation_prompt=True
+    ) == processor.apply_chat_template(ns["messages"], add_generation_prompt=True)
+
+
+def test_gemma3_vision(notebook_folder):
+    """Unsloth's Gemma 3 (4B) Vision notebook: target_modules="all-linear" with the embeddings
+    and head trained in full, get_chat_template on the processor (its own template kept: it
+    places the images), processing_class=processor.tokenizer, SFTConfig's
+    gradient_checkpointing (slothkit's stays) and warmup_ratio; the saved adapter and the
+    merged 16-bit model load back with PEFT and transformers to the trained logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    folder, caught = notebook_folder
+    ns = _run("gemma3_vision")
+    model, processor, trainer = ns["model"], ns["processor"], ns["trainer"]
+    notices = _notices(caught)
+    assert any("renders the gemma format and places the images: kept" in n for n in notices)
+    assert any("SFTConfig(warmup_ratio=0.03) is written warmup_steps=0.03" in n for n in notices)
+    trained_in_full = {
+        n.split(".modules_to_save")[0] for n, _ in model.named_parameters() if "modules_to_save" in n
+    }
+    assert {name.rsplit(".", 1)[-1] for name in trained_in_full} == {"lm_head", "embed_tokens"}
+    assert any("vision_tower" in n and "lora_A" in n for n, _ in model.named_parameters())
+    _assert_trained(trainer)
+    prompt_length = ns["inputs"]["input_ids"].shape[1]
+    assert ns["result"].shape[1] > prompt_length
+
+    batch = ns["UnslothVisionDataCollator"](model, processor)(ns["converted_dataset"][:2])
+    trained = _image_batch_logits(model, batch)
+    base = AutoModelForImageTextToText.from_pretrained(ns["MODEL"], dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, str(folder / "lora_model"))
+    _assert_close(_image_batch_logits(reloaded, batch), trained)
+    merged = AutoModelForImageTextToText.from_pretrained(str(folder / "unsloth_finetune"))
+    assert merged.dtype in (torch.bfloat16, torch.float16), f"merged_16bit stored {merged.dtype}"
+    _assert_close(_image_batch_logits(merged.float(), batch), trained, rounded_to_16_bits=True)
+
+
 def test_qwen3_reasoning_conversational(notebook_folder, capsys):
     """Unsloth's Qwen3 (14B) Reasoning-Conversational notebook: a list of conversations
     through apply_chat_template at once, a pandas mixture of reasoning and chat rows into

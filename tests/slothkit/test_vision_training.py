@@ -142,3 +142,31 @@ def test_bf16_training_on_the_gpu_follows_hf_and_peft(family, load_in_4bit):
     assert fast_losses == pytest.approx(plain_losses, rel=2e-2)
     for name, weight in lora_weights(fast).items():
         assert torch.isfinite(weight).all(), name
+
+
+@pytest.mark.parametrize("family", IMAGE_TEXT_FAMILIES)
+def test_merged_16bit_of_a_4bit_model_folds_the_adapters_into_the_original_weights(family, tmp_path):
+    """A model trained on NF4 language layers merges into the checkpoint's own 16-bit
+    weights, whose names transformers renamed as it loaded them (an image-text checkpoint's
+    language_model.* and vision_tower.* are model.language_model.* and model.vision_tower.*
+    in the model): every saved tensor is the 16-bit model with the same adapters, merged."""
+    pytest.importorskip("bitsandbytes")
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    fast, _ = _pair(family, vision=True, load_in_4bit=True)
+    train(fast, [random_batch(family, seed) for seed in range(2)])
+    fast.eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_image_text_path(family))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast.save_pretrained_merged(str(tmp_path / "merged"), tokenizer)
+        plain = load_for_training("hf", family, True, False, targets=adapted_layers(fast))
+    set_peft_model_state_dict(plain, get_peft_model_state_dict(fast))
+    reference = plain.merge_and_unload().state_dict()
+    saved = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert any(part in name for name in saved for part in VISION_PARTS)
+    assert set(saved) <= set(reference)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, reference[name].to(tensor.dtype), rtol=0, atol=0, msg=name)

@@ -104,3 +104,24 @@ def test_without_a_gpu_nothing_changes():
     config = dataclasses.replace(_defaults("llama-3-8b"), lora_r=32, lora_alpha=64)
     chosen, result = settings_that_fit(config, shape_by_name("llama-3-8b"), "auto")
     assert result.fits is None and chosen == config
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_an_image_text_checkpoint_is_planned_from_its_language_model(family):
+    """The hardware cell plans an image-text checkpoint (the vision notebooks') from its text
+    config, whose sizes the top-level config does not hold."""
+    from transformers import AutoConfig
+
+    from slothkit.notebook.hardware import language_shape
+    from slothkit.testing.tiny_image_text import tiny_image_text_path
+
+    path = tiny_image_text_path(family)
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    shape = language_shape(str(path))
+    assert (shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers, shape.vocab_size) == (
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_hidden_layers,
+        text.vocab_size,
+    )
+    assert shape.model_type == text.model_type != AutoConfig.from_pretrained(path).model_type

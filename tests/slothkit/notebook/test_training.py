@@ -58,3 +58,33 @@ def test_the_curve_says_what_it_is_without_matplotlib(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     training.plot_curve([1.0, 0.5], ylabel="mean reward")
     assert "(no plot of the mean reward: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_the_image_dataset_is_the_shipped_formulas_or_a_file_of_images_with_their_text(tmp_path):
+    import json
+
+    import datasets
+    import numpy as np
+
+    from slothkit.data import example_image_dataset, example_images
+
+    shipped = training.load_configured_image_dataset("example:latex_ocr")
+    assert [r["messages"][1] for r in shipped] == [r["messages"][1] for r in example_image_dataset()]
+    with pytest.raises(ValueError, match="accepted: example:latex_ocr"):
+        training.load_configured_image_dataset("example:chat")
+
+    pairs = example_images()[:3]
+    datasets.Dataset.from_list(pairs).to_parquet(tmp_path / "pairs.parquet")
+    records = training.load_configured_image_dataset(str(tmp_path / "pairs.parquet"))
+    for record, pair in zip(records, pairs, strict=True):
+        user, assistant = record["messages"]
+        assert assistant["content"] == [{"type": "text", "text": pair["text"]}]
+        image = user["content"][0]["image"]
+        np.testing.assert_array_equal(np.asarray(image.convert("RGB")), np.asarray(pair["image"]))
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    assert training.load_configured_image_dataset(str(tmp_path / "chat.jsonl")) == [{"messages": messages}]
+    (tmp_path / "other.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match="accepted: a 'messages' column"):
+        training.load_configured_image_dataset(str(tmp_path / "other.jsonl"))
