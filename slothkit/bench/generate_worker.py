@@ -25,7 +25,13 @@ import traceback
 import torch
 
 from slothkit.bench.decode_limit import copy_gb_per_s, decode_limit
-from slothkit.bench.model_setup import build_model, load_with_unsloth, lora_targets, take_fast_model_path
+from slothkit.bench.model_setup import (
+    build_for,
+    build_model,
+    load_with_unsloth,
+    lora_targets,
+    take_fast_model_path,
+)
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.core.allocator import prefer_expandable_segments
 from slothkit.core.environment import allocator_settings
@@ -64,15 +70,7 @@ def prepare(impl: str, args, dtype, device):
         _randomise_adapters(model, args.seed + 2)
         FastLanguageModel.for_inference(model)
         return model
-    qlora = args.mode == "qlora"
-    model = build_model(
-        args.model,
-        dtype,
-        device,
-        args.seed,
-        quantize_nf4=qlora,
-        quantize_experts=qlora and impl.startswith("slothkit"),
-    )
+    model = build_for(impl, args, dtype, device)
     if impl == "hf":
         from peft import LoraConfig, get_peft_model
 

@@ -88,6 +88,22 @@ def build_model(
     return model
 
 
+def build_for(impl: str, args, dtype: torch.dtype, device: str):
+    """The model ``build_model`` gives implementation ``impl`` of a bench run (``args``: its
+    model, seed and mode): with ``--mode qlora`` its projections in NF4 and, for slothkit
+    (whose fused experts read them), its experts too, as each implementation's 4-bit
+    loading leaves them."""
+    qlora = args.mode == "qlora"
+    return build_model(
+        args.model,
+        dtype,
+        device,
+        args.seed,
+        quantize_nf4=qlora,
+        quantize_experts=qlora and impl.startswith("slothkit"),
+    )
+
+
 def _is_projection(name: str, module) -> bool:
     from slothkit.loading.lora_setup import FUSED_PROJECTIONS
 

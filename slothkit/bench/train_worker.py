@@ -36,6 +36,7 @@ from slothkit.bench.model_setup import (
     CHECKPOINTING,
     CUDA_GRAPHS,
     KEEP_SUMS,
+    build_for,
     build_model,
     load_with_unsloth,
     prepare,
@@ -84,15 +85,7 @@ def run(args) -> dict | None:
     if args.impl == "unsloth":  # Unsloth quantises while loading from disk itself
         model, loaded = load_with_unsloth(build_model(args.model, dtype, device, args.seed), args, dtype)
     else:
-        qlora = args.mode == "qlora"
-        model = build_model(
-            args.model,
-            dtype,
-            device,
-            args.seed,
-            quantize_nf4=qlora,
-            quantize_experts=qlora and args.impl == "slothkit",
-        )
+        model = build_for(args.impl, args, dtype, device)
         if device == "cuda":
             torch.cuda.synchronize()
             loaded = torch.cuda.memory_allocated()

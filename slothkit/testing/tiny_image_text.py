@@ -88,10 +88,7 @@ def build_tiny_image_text_gemma3(
         projection.normal_(0.0, projection.shape[0] ** -0.5)
     model.save_pretrained(path)
     if not with_processor:
-        for name in (p.name for p in text_path.iterdir()):
-            if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
-                shutil.copy(text_path / name, path / name)  # the tokenizer's files
-        return path
+        return _with_tokenizer_files(path, text_path)
     if (text_path / "generation_config.json").exists():
         shutil.copy(text_path / "generation_config.json", path / "generation_config.json")
     from transformers import Gemma3ImageProcessor, Gemma3Processor
@@ -193,9 +190,14 @@ def build_tiny_image_text_gemma4(
     assert not loaded.missing_keys and not loaded.unexpected_keys, loaded
     model.lm_head.weight = model.model.language_model.embed_tokens.weight  # tied, as Gemma 4's
     model.save_pretrained(path)
+    return _with_tokenizer_files(path, text_path)
+
+
+def _with_tokenizer_files(path: pathlib.Path, text_path: pathlib.Path) -> pathlib.Path:
+    """``path`` with the text checkpoint's tokenizer files copied in beside the weights."""
     for name in (p.name for p in text_path.iterdir()):
         if name not in ("config.json", "generation_config.json") and not name.endswith(".safetensors"):
-            shutil.copy(text_path / name, path / name)  # the tokenizer's files
+            shutil.copy(text_path / name, path / name)
     return path
 
 
