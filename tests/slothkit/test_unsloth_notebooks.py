@@ -771,3 +771,35 @@ def test_gemma3_conversational_on_the_real_checkpoint(notebook_folder, gemma3_pa
     (path,) = (folder / "gemma-3-finetune").glob("*.Q8_0.gguf")
     report = verify_gguf(path, model.eval(), tokenizer, "q8_0", prompts=(prompt,), greedy_tokens=8)
     assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+
+
+def test_gpt_oss_fine_tuning(notebook_folder, capsys):
+    """Unsloth's gpt-oss (20B) fine-tuning notebook: harmony prompts with each reasoning
+    effort as a dict of tensors, a `messages` column rendered into `text`, the final
+    answers alone learned (train_on_responses_only with harmony's markers), the experts
+    adapted, the adapter reloaded from its folder and the merged 16-bit save."""
+    folder, _ = notebook_folder
+    ns = _run("gpt_oss_fine_tuning")
+    tokenizer, trainer, dataset = ns["tokenizer"], ns["trainer"], ns["dataset"]
+    # The last prompt: the system message with the reasoning effort asked for, the system
+    # text as the developer message, then the generation prompt of the assistant.
+    prompt = tokenizer.decode(ns["inputs"]["input_ids"][0])
+    assert "Reasoning: high" in prompt and "<|start|>developer<|message|># Instructions" in prompt
+    assert prompt.endswith("<|start|>user<|message|>Solve x^5 + 3x^4 - 10 = 3.<|end|><|start|>assistant")
+    assert ns["_"].shape[1] > ns["inputs"]["input_ids"].shape[1]
+    # Each row learns its answers, each in the final channel and closed by its turn's end
+    # (<|return|> for the last answer, <|end|> for the earlier ones), and nothing else.
+    for index in (0, 100):
+        labels = trainer.train_dataset[index]["labels"]
+        kept = tokenizer.decode([label for label in labels if label != -100])
+        replies = [m["content"] for m in dataset[index]["messages"] if m["role"] == "assistant"]
+        ends = ["<|end|>"] * (len(replies) - 1) + ["<|return|>"]
+        assert labels[0] == -100 and kept == "".join(r + end for r, end in zip(replies, ends)), kept
+    _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
+    # The experts are adapted too: gate_up_proj and down_proj through PEFT's target_parameters.
+    moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
+    assert any("experts" in n for n in moved), sorted(moved)
+    assert "Reasoning: medium" in capsys.readouterr().out
+    _assert_reloaded(ns, trainer)
+    _assert_merged(folder / "gpt_oss_finetune_16bit", ns)
