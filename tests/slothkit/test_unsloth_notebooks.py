@@ -803,3 +803,36 @@ def test_gpt_oss_fine_tuning(notebook_folder, capsys):
     assert "Reasoning: medium" in capsys.readouterr().out
     _assert_reloaded(ns, trainer)
     _assert_merged(folder / "gpt_oss_finetune_16bit", ns)
+
+
+def test_qwen3_moe(notebook_folder):
+    """Unsloth's Qwen3-30B-A3B (Qwen3_MoE) notebook: the experts adapted through the names it
+    gives ("gate_up_proj" among the MLP's), a custom reasoning chat template set on the
+    tokenizer, pandas rows measured with len(apply_chat_template(...)), and every save:
+    both merged models, the adapter and three GGUFs."""
+    folder, _ = notebook_folder
+    ns = _run("qwen3_moe")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    config = trainer.model.peft_config["default"]
+    assert config.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert sorted(config.target_parameters) == ["experts.down_proj", "experts.gate_up_proj"]
+    # The pandas filter kept the numeric answers; each row is its system prompt, problem and
+    # formatted answer, and trains as that text.
+    assert sorted(trainer.train_dataset["expected_answer"]) == ["-2", "1", "12", "7", "9"]
+    for row in trainer.train_dataset:
+        text = tokenizer.decode(row["input_ids"]).removesuffix(tokenizer.eos_token)
+        assert text.startswith(ns["system_prompt"] + tokenizer.eos_token), text
+        assert "<SOLUTION>" + row["expected_answer"] + "</SOLUTION>" in text
+    _assert_trained(trainer)
+    _assert_eight_bit_adam(trainer)
+    moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
+    assert any("experts" in n for n in moved), sorted(moved)
+    prompt = tokenizer(ns["text"], return_tensors="pt")["input_ids"]
+    assert ns["text"].endswith("<start_working_out>") and ns["_"].shape[1] > prompt.shape[1]
+    from slothkit import FastLanguageModel
+
+    reloaded, _ = FastLanguageModel.from_pretrained("qwen_lora", load_in_4bit=False, dtype=torch.float32)
+    _assert_close(_logits(reloaded, tokenizer), _logits(ns["model"], tokenizer))
+    _assert_merged(folder / "qwen_finetune_16bit", ns)
+    _assert_merged_4bit(folder / "qwen_finetune_4bit", ns)
+    _assert_gguf(folder / "qwen_finetune")
