@@ -68,6 +68,26 @@ def _assert_trained(trainer):
     assert moved
 
 
+def _assert_loss_fell(trainer, rows=16):
+    """The trained adapters lower the loss on the first `rows` training rows below the base
+    model's (the adapters off), each row's loss on the labels the trainer learned from."""
+    model = trainer.model.eval()
+
+    def mean_loss():
+        losses = []
+        with torch.no_grad():
+            for row in trainer.train_dataset.select(range(min(rows, len(trainer.train_dataset)))):
+                ids = torch.tensor([row["input_ids"]], device=model.device)
+                labels = torch.tensor([row.get("labels", row["input_ids"])], device=model.device)
+                losses.append(model(input_ids=ids, labels=labels).loss.float().item())
+        return sum(losses) / len(losses)
+
+    trained = mean_loss()
+    with model.disable_adapter():
+        base = mean_loss()
+    assert trained < base, (trained, base)
+
+
 def _logits(model, tokenizer, text=PROBE):
     model.eval()
     inputs = tokenizer([text], return_tensors="pt").to(model.device)
@@ -796,6 +816,7 @@ def test_gpt_oss_fine_tuning(notebook_folder, capsys):
         ends = ["<|end|>"] * (len(replies) - 1) + ["<|return|>"]
         assert labels[0] == -100 and kept == "".join(r + end for r, end in zip(replies, ends)), kept
     _assert_trained(trainer)
+    _assert_loss_fell(trainer)
     _assert_eight_bit_adam(trainer)
     # The experts are adapted too: gate_up_proj and down_proj through PEFT's target_parameters.
     moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
@@ -824,6 +845,7 @@ def test_qwen3_moe(notebook_folder):
         assert text.startswith(ns["system_prompt"] + tokenizer.eos_token), text
         assert "<SOLUTION>" + row["expected_answer"] + "</SOLUTION>" in text
     _assert_trained(trainer)
+    _assert_loss_fell(trainer)
     _assert_eight_bit_adam(trainer)
     moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
     assert any("experts" in n for n in moved), sorted(moved)
