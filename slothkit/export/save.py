@@ -54,9 +54,15 @@ class SaveResult:
 
 def check_save_method(save_method: str) -> str:
     if save_method not in SAVE_METHODS:
-        hint = (
-            " (GGUF files are written by save_pretrained_gguf)" if "gguf" in str(save_method).lower() else ""
-        )
+        if "gguf" in str(save_method).lower():
+            hint = " (GGUF files are written by save_pretrained_gguf)"
+        elif "mxfp4" in str(save_method).lower():  # Unsloth's gpt-oss notebook offers it
+            hint = (
+                " (slothkit writes no MXFP4 checkpoint: 'merged_16bit' keeps the merged weights in 16 "
+                "bits, 'merged_4bit' quantises them to bitsandbytes' NF4)"
+            )
+        else:
+            hint = ""
         raise ValueError(
             f"save_method={save_method!r} is not one of {', '.join(map(repr, SAVE_METHODS))}{hint}"
         )

@@ -199,8 +199,9 @@ def onto_linear_attention(model, target_modules: list) -> list:
 
 # Mixture-of-experts layers (Qwen3-MoE, gpt-oss, Mixtral in transformers 5) hold every
 # expert's MLP projections as one 3-D parameter (experts, out, in) or (experts, in, out)
-# of their "experts" module, not as linear layers: the MLP names a notebook asks for ->
-# those parameters, which PEFT adapts through target_parameters.
+# of their "experts" module, not as linear layers: the MLP names a notebook asks for, or
+# the parameter's own name ("gate_up_proj", as Unsloth's MoE notebooks add it) -> those
+# parameters, which PEFT adapts through target_parameters.
 EXPERT_PARAMETERS = {("gate_proj", "up_proj"): "experts.gate_up_proj", ("down_proj",): "experts.down_proj"}
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -212,15 +213,20 @@ def expert_parameters(model, suffix: str) -> list[torch.nn.Parameter]:
 
 def onto_expert_parameters(model, target_modules: list) -> tuple[list, list]:
     """(target_modules, target_parameters): each complete group of MLP names that the
-    model's experts hold as 3-D parameters adds those parameters, said once, and leaves
-    the target names only where linear layers still bear them (a shared expert)."""
+    model's experts hold as 3-D parameters, or the parameter's own last name, adds those
+    parameters, said once, and leaves the target names only where linear layers still
+    bear them (a shared expert)."""
     present = set(linear_module_leaves(model))
     names, parameters = list(target_modules), []
     for group, parameter in EXPERT_PARAMETERS.items():
-        if all(n in names for n in group) and expert_parameters(model, parameter):
+        own_name = parameter.rsplit(".", 1)[-1]
+        asked = all(n in names for n in group) or own_name in names
+        if asked and expert_parameters(model, parameter):
             parameters.append(parameter)
             if not present.intersection(group):
                 names = [n for n in names if n not in group]
+            if own_name not in present:
+                names = [n for n in names if n != own_name]
     if parameters:
         where = "in slothkit's fused experts" if has_fused_experts(model) else "on Hugging Face's modules"
         say_once(
@@ -309,8 +315,8 @@ def _check_targets_exist(model, target_modules: list) -> None:
             raise ValueError(
                 f"target_modules: {named} name no linear layer of this model: its experts hold "
                 f"{' and '.join(group)} as one 3-D parameter each, {parameter}, which LoRA adapts "
-                f"when every name of the group is given; add {missing} (the MLP names "
-                f"{list(MLP_NAMES)} adapt every expert's whole MLP)"
+                f"when every name of the group, or {parameter.rsplit('.', 1)[-1]!r}, is given; add "
+                f"{missing} (the MLP names {list(MLP_NAMES)} adapt every expert's whole MLP)"
             )
     if unknown == list(target_modules):
         raise ValueError(

@@ -14,9 +14,9 @@ notebook installs (TINY_TOKENIZERS):
     qwen3_5_text   qwen (Qwen3's)        qwen3.5, with the think tokens
     gemma4_text    sentencepiece         gemma-4: <|turn>, <turn|> and the thinking
                    (Gemma's)             tokens added as special tokens, as Gemma 4's hold them
-    gpt_oss        qwen, no BOS (as      none: get_chat_template(tokenizer, "gpt-oss",
-                   gpt-oss's)            model=model) adds harmony's tokens and grows the
-                                         embeddings, as on any tokenizer without them
+    gpt_oss        qwen, no BOS (as      gpt-oss: harmony's markers added as special tokens
+                   gpt-oss's)            and its chat template (reasoning_effort included),
+                                         as gpt-oss-20b's tokenizer ships them
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ TINY_TOKENIZERS = {
     "qwen3_moe": TinyTokenizer("qwen", "qwen3"),
     "qwen3_5_text": TinyTokenizer("qwen", "qwen3", chat_format="qwen3.5"),
     "gemma4_text": TinyTokenizer("sentencepiece", "gemma3", chat_format="gemma-4"),
-    "gpt_oss": TinyTokenizer("qwen", "qwen2"),
+    "gpt_oss": TinyTokenizer("qwen", "qwen2", chat_format="gpt-oss"),
 }
 
 

@@ -245,6 +245,28 @@ def test_moe_targets_name_what_is_wrong(tmp_path):
     assert set(fast.peft_config["default"].target_parameters) == {"experts.gate_up_proj"}
 
 
+@pytest.mark.parametrize("source", ["qwen3_moe", "gpt_oss"])
+def test_moe_experts_parameter_name_adapts_it(source, tmp_path):
+    """The experts' parameter named as a target (Unsloth's MoE notebooks add "gate_up_proj"
+    to the seven MLP and attention names) adapts that parameter, as the MLP names it stands
+    for do: alone it adds experts.gate_up_proj, and with the seven names the same two
+    parameters as the seven alone, the same adapters with the same initial values."""
+    path = _checkpoint(tmp_path, source, **EXPERTS[source])
+    model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+    alone = FastModel.get_peft_model(model, r=8, target_modules=["q_proj", "gate_up_proj"])
+    config = alone.peft_config["default"]
+    assert config.target_modules == {"q_proj"} and set(config.target_parameters) == {"experts.gate_up_proj"}
+
+    def adapters(target_modules):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
+        peft_model = FastModel.get_peft_model(model, r=8, target_modules=target_modules, random_state=5)
+        return {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+
+    with_name, without = adapters(TARGETS + ["gate_up_proj"]), adapters(TARGETS)
+    assert with_name.keys() == without.keys() and any("experts" in n for n in with_name)
+    assert all(torch.equal(with_name[n], without[n]) for n in with_name)
+
+
 def test_qwen3_5_adapts_its_linear_attention_layers_like_hf_peft(tmp_path):
     """Qwen3.5's gated DeltaNet layers (three in four) have no q/k/v/o_proj: the default
     targets adapt their input and output projections too, said once, and 8 steps give the

@@ -68,6 +68,26 @@ def _assert_trained(trainer):
     assert moved
 
 
+def _assert_loss_fell(trainer, rows=16):
+    """The trained adapters lower the loss on the first `rows` training rows below the base
+    model's (the adapters off), each row's loss on the labels the trainer learned from."""
+    model = trainer.model.eval()
+
+    def mean_loss():
+        losses = []
+        with torch.no_grad():
+            for row in trainer.train_dataset.select(range(min(rows, len(trainer.train_dataset)))):
+                ids = torch.tensor([row["input_ids"]], device=model.device)
+                labels = torch.tensor([row.get("labels", row["input_ids"])], device=model.device)
+                losses.append(model(input_ids=ids, labels=labels).loss.float().item())
+        return sum(losses) / len(losses)
+
+    trained = mean_loss()
+    with model.disable_adapter():
+        base = mean_loss()
+    assert trained < base, (trained, base)
+
+
 def _logits(model, tokenizer, text=PROBE):
     model.eval()
     inputs = tokenizer([text], return_tensors="pt").to(model.device)
@@ -771,3 +791,70 @@ def test_gemma3_conversational_on_the_real_checkpoint(notebook_folder, gemma3_pa
     (path,) = (folder / "gemma-3-finetune").glob("*.Q8_0.gguf")
     report = verify_gguf(path, model.eval(), tokenizer, "q8_0", prompts=(prompt,), greedy_tokens=8)
     assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+
+
+def test_gpt_oss_fine_tuning(notebook_folder, capsys):
+    """Unsloth's gpt-oss (20B) fine-tuning notebook: harmony prompts with each reasoning
+    effort as a dict of tensors, a `messages` column rendered into `text`, the final
+    answers alone learned (train_on_responses_only with harmony's markers), the experts
+    adapted, the adapter reloaded from its folder and the merged 16-bit save."""
+    folder, _ = notebook_folder
+    ns = _run("gpt_oss_fine_tuning")
+    tokenizer, trainer, dataset = ns["tokenizer"], ns["trainer"], ns["dataset"]
+    # The last prompt: the system message with the reasoning effort asked for, the system
+    # text as the developer message, then the generation prompt of the assistant.
+    prompt = tokenizer.decode(ns["inputs"]["input_ids"][0])
+    assert "Reasoning: high" in prompt and "<|start|>developer<|message|># Instructions" in prompt
+    assert prompt.endswith("<|start|>user<|message|>Solve x^5 + 3x^4 - 10 = 3.<|end|><|start|>assistant")
+    assert ns["_"].shape[1] > ns["inputs"]["input_ids"].shape[1]
+    # Each row learns its answers, each in the final channel and closed by its turn's end
+    # (<|return|> for the last answer, <|end|> for the earlier ones), and nothing else.
+    for index in (0, 100):
+        labels = trainer.train_dataset[index]["labels"]
+        kept = tokenizer.decode([label for label in labels if label != -100])
+        replies = [m["content"] for m in dataset[index]["messages"] if m["role"] == "assistant"]
+        ends = ["<|end|>"] * (len(replies) - 1) + ["<|return|>"]
+        assert labels[0] == -100 and kept == "".join(r + end for r, end in zip(replies, ends)), kept
+    _assert_trained(trainer)
+    _assert_loss_fell(trainer)
+    _assert_eight_bit_adam(trainer)
+    # The experts are adapted too: gate_up_proj and down_proj through PEFT's target_parameters.
+    moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
+    assert any("experts" in n for n in moved), sorted(moved)
+    assert "Reasoning: medium" in capsys.readouterr().out
+    _assert_reloaded(ns, trainer)
+    _assert_merged(folder / "gpt_oss_finetune_16bit", ns)
+
+
+def test_qwen3_moe(notebook_folder):
+    """Unsloth's Qwen3-30B-A3B (Qwen3_MoE) notebook: the experts adapted through the names it
+    gives ("gate_up_proj" among the MLP's), a custom reasoning chat template set on the
+    tokenizer, pandas rows measured with len(apply_chat_template(...)), and every save:
+    both merged models, the adapter and three GGUFs."""
+    folder, _ = notebook_folder
+    ns = _run("qwen3_moe")
+    tokenizer, trainer = ns["tokenizer"], ns["trainer"]
+    config = trainer.model.peft_config["default"]
+    assert config.target_modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert sorted(config.target_parameters) == ["experts.down_proj", "experts.gate_up_proj"]
+    # The pandas filter kept the numeric answers; each row is its system prompt, problem and
+    # formatted answer, and trains as that text.
+    assert sorted(trainer.train_dataset["expected_answer"]) == ["-2", "1", "12", "7", "9"]
+    for row in trainer.train_dataset:
+        text = tokenizer.decode(row["input_ids"]).removesuffix(tokenizer.eos_token)
+        assert text.startswith(ns["system_prompt"] + tokenizer.eos_token), text
+        assert "<SOLUTION>" + row["expected_answer"] + "</SOLUTION>" in text
+    _assert_trained(trainer)
+    _assert_loss_fell(trainer)
+    _assert_eight_bit_adam(trainer)
+    moved = {n for n, p in trainer.model.named_parameters() if "lora_B" in n and p.detach().abs().max() > 0}
+    assert any("experts" in n for n in moved), sorted(moved)
+    prompt = tokenizer(ns["text"], return_tensors="pt")["input_ids"]
+    assert ns["text"].endswith("<start_working_out>") and ns["_"].shape[1] > prompt.shape[1]
+    from slothkit import FastLanguageModel
+
+    reloaded, _ = FastLanguageModel.from_pretrained("qwen_lora", load_in_4bit=False, dtype=torch.float32)
+    _assert_close(_logits(reloaded, tokenizer), _logits(ns["model"], tokenizer))
+    _assert_merged(folder / "qwen_finetune_16bit", ns)
+    _assert_merged_4bit(folder / "qwen_finetune_4bit", ns)
+    _assert_gguf(folder / "qwen_finetune")

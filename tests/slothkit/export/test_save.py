@@ -111,6 +111,8 @@ def test_unknown_save_method_lists_the_valid_ones(make_lora_model, tmp_path):
         save_pretrained_merged(model, tmp_path / "x", tokenizer, save_method="merged_8bit")
     with pytest.raises(ValueError, match="save_pretrained_gguf"):
         save_pretrained_merged(model, tmp_path / "x", tokenizer, save_method="gguf")
+    with pytest.raises(ValueError, match="'mxfp4' is not one of .*no MXFP4 checkpoint: 'merged_16bit'"):
+        save_pretrained_merged(model, tmp_path / "x", tokenizer, save_method="mxfp4")
     assert not (tmp_path / "x").exists()
 
 
