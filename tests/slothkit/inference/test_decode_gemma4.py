@@ -201,12 +201,13 @@ def test_bidirectional_text_attention_keeps_hf_generate(tiny_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [1, 8])
-@pytest.mark.parametrize("layout", ["tiny", "experts"])
-def test_captured_decode_is_hf_peft_s_on_a_gpu(tiny_path, tmp_path, batch, layout):
+@pytest.mark.parametrize("experts", [None, "silu", "gelu_pytorch_tanh"])
+def test_captured_decode_is_hf_peft_s_on_a_gpu(tiny_path, tmp_path, batch, experts):
     """On a GPU, the step captured as a CUDA graph (RoPE and the cache write in one launch
-    for the layers that keep keys and values): greedy tokens at batch 1 and 8 (half of
-    the rows left-padded) are Hugging Face's generate's, fp32."""
-    path = tiny_path if layout == "tiny" else _experts_checkpoint(tmp_path / "moe", "silu")
+    for the layers that keep keys and values; the experts through expert_gemv, or GELU
+    ones through their module's own forward): greedy tokens at batch 1 and 8 (half of the
+    rows left-padded) are Hugging Face's generate's, fp32."""
+    path = tiny_path if experts is None else _experts_checkpoint(tmp_path / "moe", experts)
     model = _load(path)
     _assert_greedy_equal(model, batch, batch // 2)
     assert state_of(model).fast_decoder.captured.graph is not None
