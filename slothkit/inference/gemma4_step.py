@@ -114,6 +114,35 @@ class _Gemma4Layer:
                 SharedInputProjections([layer.per_layer_projection], dtype),
             )
 
+    def project(self, hidden: torch.Tensor) -> tuple:
+        """q (B, H, T, D) normed, and k and v (B, KV, T, D) normed, not yet rotated (None
+        in a layer that reuses another's)."""
+        batch, tokens, _ = hidden.shape
+        projected = self.qkv(self.layer.input_layernorm(hidden))
+        q = self.q_norm(projected[0].view(batch, tokens, -1, self.head_dim)).transpose(1, 2)
+        if self.cache_layer is None:
+            return q, None, None
+        k = projected[1].view(batch, tokens, -1, self.head_dim)
+        v = projected[2].view(batch, tokens, -1, self.head_dim) if len(projected) == 3 else k
+        return q, self.k_norm(k).transpose(1, 2), self.v_norm(v).transpose(1, 2)
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor, per_layer_input) -> torch.Tensor:
+        """The layer's output from its input ``hidden`` (B, T, hidden), its attention's
+        output (B, H, T, D) and its per-layer input (B, T, P) or None."""
+        layer = self.layer
+        batch, tokens, _ = hidden.shape
+        out = self.o(attended.transpose(1, 2).reshape(batch, tokens, -1))[0]
+        hidden = hidden + layer.post_attention_layernorm(out)
+        out = self.mlp(layer.pre_feedforward_layernorm(hidden))
+        if self.experts is not None:
+            out = layer.post_feedforward_layernorm_1(out) + self.experts(hidden)
+        hidden = hidden + layer.post_feedforward_layernorm(out)
+        if self.per_layer is not None:
+            gate, projection = self.per_layer
+            gated = layer.act_fn(gate(hidden)[0]) * per_layer_input
+            hidden = hidden + layer.post_per_layer_input_norm(projection(gated)[0])
+        return hidden.mul_(layer.layer_scalar)  # in place, as transformers: hidden's dtype kept
+
     def refresh(self) -> None:
         parts = [self.qkv, self.o, self.mlp, *(self.per_layer or ())]
         for part in parts + ([self.experts] if self.experts is not None else []):
@@ -168,7 +197,7 @@ class Gemma4Step(ModelStep):
         causal: bool = False,
     ) -> torch.Tensor:
         """As ModelStep.__call__."""
-        batch, tokens = input_ids.shape
+        tokens = input_ids.shape[1]
         hidden = self.decoder.embed_tokens(input_ids)  # scaled by sqrt(hidden) by the module
         per_layer = self._per_layer_inputs(input_ids, hidden)
         tables = {
@@ -181,27 +210,22 @@ class Gemma4Step(ModelStep):
         stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}
         shared = {}  # layer type -> (keys, values, ring) its storing layer attended over
         for index, g in enumerate(self.decode_layers):
-            layer = g.layer
             if index == self.first_reusing and last_only and hidden.shape[1] > 1:
                 # Only the last token's logits are wanted and the layers from here on write
                 # no cache: run them on that token alone, attending as a one-token step
                 # at the prompt's last slot (under a mask, not causal SDPA's alignment).
-                hidden, tokens = hidden[:, -1:], 1
+                hidden = hidden[:, -1:]
                 per_layer = None if per_layer is None else per_layer[:, -1:]
                 tables = {kind: (cos[:, -1:], sin[:, -1:]) for kind, (cos, sin) in tables.items()}
                 attend = _StepAttention(
                     self, cache, first_slot + slots.shape[0] - 1, 1, visible, False, hidden.dtype
                 )
             cos, sin = tables[g.layer_type]  # (B, T, D) each
-            projected = g.qkv(layer.input_layernorm(hidden))
-            q = g.q_norm(projected[0].view(batch, tokens, -1, g.head_dim)).transpose(1, 2)
+            q, k, v = g.project(hidden)
             if g.cache_layer is None:
                 q = _rotate(q, cos[:, None], sin[:, None])
                 keys, values, ring = shared[g.layer_type]
             else:
-                k = projected[1].view(batch, tokens, -1, g.head_dim)
-                v = projected[2].view(batch, tokens, -1, g.head_dim) if len(projected) == 3 else k
-                k, v = g.k_norm(k).transpose(1, 2), g.v_norm(v).transpose(1, 2)
                 entry = g.cache_layer
                 q, keys, values = _rope_and_cache(
                     q, k, v, cos, sin, cache, entry, slots, stored[cache.rings[entry]]
@@ -211,18 +235,8 @@ class Gemma4Step(ModelStep):
                     keys, values = keys[:, :, :visible], values[:, :, :visible]
                 if g.stores:
                     shared[g.layer_type] = keys, values, ring
-            out = attend(q, keys, values, g, ring)
-            out = g.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
-            hidden = hidden + layer.post_attention_layernorm(out)
-            out = g.mlp(layer.pre_feedforward_layernorm(hidden))
-            if g.experts is not None:
-                out = layer.post_feedforward_layernorm_1(out) + g.experts(hidden)
-            hidden = hidden + layer.post_feedforward_layernorm(out)
-            if g.per_layer is not None:
-                gate, projection = g.per_layer
-                gated = layer.act_fn(gate(hidden)[0]) * per_layer[:, :, index]
-                hidden = hidden + layer.post_per_layer_input_norm(projection(gated)[0])
-            hidden.mul_(layer.layer_scalar)  # in place, as transformers: hidden's dtype kept
+            attended = attend(q, keys, values, g, ring)
+            hidden = g.finish(hidden, attended, None if per_layer is None else per_layer[:, :, index])
         if last_only:
             hidden = hidden[:, -1:]
         logits = self.causal_lm.get_output_embeddings()(self.decoder.norm(hidden)).float()
