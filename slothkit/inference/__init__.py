@@ -5,6 +5,7 @@
     fast_generate(model, args, kwargs)  # generate's glue: the fast loop's output, or None
 
 Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
+gemma4_step.py (Gemma 4's step: per-layer inputs, shared keys and values),
 decode_experts.py (a mixture-of-experts block's chosen experts in a step), sampling.py
 (generate's settings and logits processors), fast_decoder.py (prefill, the captured
 decode step, the loop).
@@ -18,7 +19,8 @@ from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state, state_of
 from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.inference.fast_decoder import FastDecoder
-from slothkit.inference.model_step import longrope_short_positions
+from slothkit.inference.gemma4_step import Gemma4Step
+from slothkit.inference.model_step import ModelStep, longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
 from slothkit.models import ARCHITECTURES, architecture_for, export_record_for
 from slothkit.models.gpt_oss import GPT_OSS
@@ -32,6 +34,11 @@ __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_gen
 # SwiGLU experts, q/k-normed attention), gpt-oss (attention sinks and biases, a router and
 # experts with biases, the clamped SwiGLU) and Mixtral (Mistral's attention).
 DECODED_EXPERT_RECORDS = (QWEN3_MOE, GPT_OSS, MIXTRAL)
+
+# Families with no record whose decoder has its own step (model_type -> step class), each
+# checked token for token against Hugging Face's generate: Gemma 4's text model (per-layer
+# input embeddings, keys and values shared across layers, 26B-A4B's experts beside its MLP).
+DECODED_FAMILY_STEPS = {"gemma4_text": Gemma4Step}
 
 # generate's keywords that are not generation settings and that the fast loop reads.
 _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
@@ -48,13 +55,23 @@ def decoded_record(config):
     return record if record in DECODED_EXPERT_RECORDS else None
 
 
+def step_class_for(config):
+    """The step that decodes a model of ``config``: its family's own, else ModelStep."""
+    return DECODED_FAMILY_STEPS.get(getattr(config, "model_type", None), ModelStep)
+
+
 def _why_not(causal_lm, fast: bool | None) -> str | None:
     """Why the fast path cannot take this model, or None when it can ("" on a CPU, which
     FastModel.from_pretrained's notice has already named)."""
-    arch = decoded_record(causal_lm.config)
-    if arch is None:
-        covered = ", ".join(arch.name for arch in ARCHITECTURES + DECODED_EXPERT_RECORDS)
-        return f"fast generation covers {covered}, not {causal_lm.config.model_type!r}"
+    config = causal_lm.config
+    if decoded_record(config) is None and config.model_type not in DECODED_FAMILY_STEPS:
+        covered = ", ".join(
+            [arch.name for arch in ARCHITECTURES + DECODED_EXPERT_RECORDS] + list(DECODED_FAMILY_STEPS)
+        )
+        return f"fast generation covers {covered}, not {config.model_type!r}"
+    refusal = step_class_for(config).cannot_decode(config)
+    if refusal is not None:
+        return f"fast generation does not cover {refusal}"
     device = causal_lm.get_input_embeddings().weight.device
     if device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(device)
@@ -95,8 +112,11 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
     state = attach_state(causal_lm)
     if state.fast_decoder is None:
         arch = decoded_record(causal_lm.config)
+        # A family step's embedding scales itself (Gemma 4's embedding module does).
+        embedding_scale = arch is not None and arch.embedding_scale
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
-        state.fast_decoder = FastDecoder(causal_lm, arch.embedding_scale, use_graph)
+        step_class = step_class_for(causal_lm.config)
+        state.fast_decoder = FastDecoder(causal_lm, embedding_scale, use_graph, step_class)
     state.fast_decoder.while_training = while_training
     return True
 

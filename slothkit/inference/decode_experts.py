@@ -116,6 +116,14 @@ def _pair_products(x, group: int, weight, ids, weights_in_out: bool, lora: _Expe
     return y
 
 
+def expert_adapters(call: ExpertsCall, dtype: torch.dtype) -> tuple:
+    """The (gate_up, down) _ExpertAdapter, or None, of an experts call, as chosen_experts
+    reads them."""
+    return tuple(
+        None if lora is None else _ExpertAdapter(lora, dtype) for lora in (call.gate_up_lora, call.down_lora)
+    )
+
+
 def chosen_experts(
     call: ExpertsCall, adapters: tuple, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ):
@@ -152,10 +160,7 @@ class DecodeExperts:
             self.call = describe_experts(block.experts)
         self.adapters = (None, None)
         if isinstance(self.call, ExpertsCall):
-            self.adapters = tuple(
-                None if lora is None else _ExpertAdapter(lora, dtype)
-                for lora in (self.call.gate_up_lora, self.call.down_lora)
-            )
+            self.adapters = expert_adapters(self.call, dtype)
         else:
             say_once(
                 f"slothkit: a decode step runs this mixture-of-experts block's own forward, which "

@@ -170,11 +170,12 @@ class FastDecoder:
         embedding_scale: the token embeddings are scaled by sqrt(hidden size) (Gemma).
         use_graph: capture the decode step as a CUDA graph (a CUDA model); False runs it
             eagerly (same numbers, host-bound).
+        step_class: ModelStep, or a family's own step built on it (Gemma 4's).
     """
 
-    def __init__(self, causal_lm, embedding_scale: bool, use_graph: bool):
+    def __init__(self, causal_lm, embedding_scale: bool, use_graph: bool, step_class=ModelStep):
         self.causal_lm = causal_lm
-        self.step = ModelStep(causal_lm, embedding_scale=embedding_scale)
+        self.step = step_class(causal_lm, embedding_scale=embedding_scale)
         self.use_graph = use_graph
         self.while_training = False  # also decode for a model in training mode (GRPO, RLOO)
         self.cache: StaticKVCache | None = None
@@ -191,16 +192,15 @@ class FastDecoder:
         return 0 if self.cache is None else self.cache.nbytes
 
     def _new_cache(self, batch: int, slots: int, device) -> StaticKVCache:
-        config = self.causal_lm.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        layers, dtype = len(self.step.layers), self._kv_dtype()
+        windows, kv_heads, head_dims = self.step.cache_layout()
+        dtype = self._kv_dtype()
         try:
-            return StaticKVCache(
-                layers, batch, kv_heads, slots, self.step.head_dim, dtype, device, windows=self.step.windows
-            )
+            return StaticKVCache(len(windows), batch, kv_heads, slots, head_dims, dtype, device, windows)
         except torch.OutOfMemoryError as error:
             per_slot = (
-                2 * layers * kv_heads * self.step.head_dim * torch.empty((), dtype=dtype).element_size()
+                2
+                * sum(heads * size for heads, size in zip(kv_heads, head_dims))
+                * torch.empty((), dtype=dtype).element_size()
             )
             raise torch.OutOfMemoryError(
                 f"slothkit: the key/value cache for {batch} row(s) of {slots} tokens (at most "

@@ -27,9 +27,10 @@ class StaticKVCache:
     Args:
         layers: decoder layers.
         batch: rows.
-        kv_heads: key/value heads per layer.
+        kv_heads: key/value heads of every layer, or of each (Gemma 4's full layers have
+            their own count).
         slots: tokens per row, prompt and generated (padding included).
-        head_dim: D.
+        head_dim: D of every layer, or of each (Gemma 4's full layers have wider heads).
         dtype: the keys' dtype (the model's compute dtype).
         device: where the model runs.
         windows: each layer's sliding window (None: full attention); a layer whose window
@@ -41,9 +42,9 @@ class StaticKVCache:
         self,
         layers: int,
         batch: int,
-        kv_heads: int,
+        kv_heads: int | list[int],
         slots: int,
-        head_dim: int,
+        head_dim: int | list[int],
         dtype,
         device,
         windows: list[int | None] | None = None,
@@ -51,9 +52,17 @@ class StaticKVCache:
         windows = [None] * layers if windows is None else list(windows)
         if len(windows) != layers:
             raise ValueError(f"{len(windows)} windows for {layers} layers")
+        kv_heads = [kv_heads] * layers if isinstance(kv_heads, int) else list(kv_heads)
+        head_dim = [head_dim] * layers if isinstance(head_dim, int) else list(head_dim)
+        if not len(kv_heads) == len(head_dim) == layers:
+            raise ValueError(
+                f"{len(kv_heads)} head counts and {len(head_dim)} head sizes for {layers} layers"
+            )
         # rings[layer]: the ring's width W, or None where the layer keeps every slot.
         self.rings = [window if window is not None and window < slots else None for window in windows]
-        shapes = [(batch, kv_heads, ring or slots, head_dim) for ring in self.rings]
+        shapes = [
+            (batch, heads, ring or slots, size) for ring, heads, size in zip(self.rings, kv_heads, head_dim)
+        ]
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.filled = torch.zeros(batch, slots, dtype=torch.bool, device=device)

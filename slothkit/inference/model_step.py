@@ -323,13 +323,14 @@ class _StepAttention:
             if not self.causal:  # (B, 1, T, S) booleans, not H times as many fp32 scores
                 padding = self._mask(("padding", window), lambda: self._allowed(window)[:, None])
             return attention(q, keys, values, scaling, padding, softcap, window, sinks).transpose(1, 2)
+        group = q.shape[1] // keys.shape[1]  # per layer: Gemma 4's full layers have their own
         if ring is None:
             mask = self._mask(
-                window, lambda: _additive_mask(self._allowed(window), self.step.group, self.dtype)
+                (window, group), lambda: _additive_mask(self._allowed(window), group, self.dtype)
             )
         else:
             marks = self.cache.ring_filled[ring][:, None, :]
-            mask = self._mask(("ring", ring), lambda: _additive_mask(marks, self.step.group, self.dtype))
+            mask = self._mask(("ring", ring, group), lambda: _additive_mask(marks, group, self.dtype))
         return _grouped_attention(q, keys, values, mask, scaling, softcap, sinks)
 
 
@@ -374,10 +375,20 @@ class ModelStep:
         scales_itself = getattr(base, "embed_scale", None) is not None
         self.embedding_scale = config.hidden_size**0.5 if embedding_scale and not scales_itself else None
         self.dtype = base.weight.dtype
-        self.group = config.num_attention_heads // (
-            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        )
         self.build_projections()
+
+    @staticmethod
+    def cannot_decode(config) -> str | None:
+        """Why this step cannot decode a model of ``config`` (a family step says), or None."""
+        return None
+
+    def cache_layout(self) -> tuple[list[int | None], list[int], list[int]]:
+        """The StaticKVCache this step reads: each cache layer's sliding window, key/value
+        heads and head size (here one cache layer per decoder layer, all alike)."""
+        config = self.causal_lm.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        layers = len(self.layers)
+        return self.windows, [kv_heads] * layers, [self.head_dim] * layers
 
     def build_projections(self) -> None:
         """Describe every layer's projections afresh (after adapters were added, switched,
