@@ -38,6 +38,34 @@ LAYERS = {
     },
 }
 
+# Mllama (Llama 3.2 Vision) has two vision encoders (a local one and a gated global one)
+# and, among the language model's layers, cross-attention layers (the tiny one's layer 1)
+# whose attention is cross_attn: every path written out.
+_QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLLAMA_VISION_LAYERS = [("transformer", 0), ("transformer", 1), ("global_transformer", 0)]
+MLLAMA_LAYERS = {
+    ("vision", "attention"): {
+        f"model.vision_model.{stack}.layers.{i}.self_attn.{leaf}"
+        for stack, i in _MLLAMA_VISION_LAYERS
+        for leaf in _QKVO
+    },
+    ("vision", "mlp"): {
+        f"model.vision_model.{stack}.layers.{i}.mlp.{leaf}"
+        for stack, i in _MLLAMA_VISION_LAYERS
+        for leaf in ("fc1", "fc2")
+    },
+    ("language", "attention"): {
+        f"model.language_model.layers.{i}.{block}.{leaf}"
+        for i, block in ((0, "self_attn"), (1, "cross_attn"), (2, "self_attn"))
+        for leaf in _QKVO
+    },
+    ("language", "mlp"): {
+        f"model.language_model.layers.{i}.mlp.{leaf}"
+        for i in range(3)
+        for leaf in ("gate_proj", "up_proj", "down_proj")
+    },
+}
+
 
 def _load(family, load_in_4bit=False):
     path = str(tiny_image_text_path(family))
@@ -63,6 +91,13 @@ def _adapted(model) -> set[str]:
 def _expected(family, flags) -> set[str]:
     vision, language, attention, mlp = flags
     names = set()
+    if family == "mllama":
+        for (part, block), paths in MLLAMA_LAYERS.items():
+            if (part == "vision" and vision or part == "language" and language) and (
+                block == "attention" and attention or block == "mlp" and mlp
+            ):
+                names |= paths
+        return names
     for (part, block), (stem, leaves) in LAYERS[family].items():
         if (part == "vision" and vision or part == "language" and language) and (
             block == "attention" and attention or block == "mlp" and mlp
@@ -90,7 +125,7 @@ def _paths(family, stem, block, leaves) -> set[str]:
     return {f"{stem}{i}.{block_name}.{leaf}" for i in range(count) for leaf in leaves}
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "mllama"])
 @pytest.mark.parametrize(
     "flags",
     [
@@ -136,7 +171,17 @@ def test_returns_the_whole_model_and_its_processor():
     assert model.max_seq_length == 128
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+# Where each family keeps its vision tower and its projector (Gemma 3's projector is a bare
+# weight, Qwen-VL's merger sits inside the tower, Mllama's is one linear layer).
+SIXTEEN_BIT_PARTS = (
+    "model.vision_tower.",
+    "model.visual.",
+    "model.vision_model.",
+    "model.multi_modal_projector",
+)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "mllama"])
 def test_4bit_keeps_the_vision_tower_and_projector_16bit(family):
     pytest.importorskip("bitsandbytes")
     model, _ = _load(family, load_in_4bit=True)
@@ -145,14 +190,14 @@ def test_4bit_keeps_the_vision_tower_and_projector_16bit(family):
         if isinstance(module, nn.Linear):
             part = (
                 "vision"
-                if "vision_tower" in name or "visual" in name
+                if name.startswith(SIXTEEN_BIT_PARTS)
                 else "lm_head"
                 if name == "lm_head"
                 else "language"
             )
             kinds[part].add(type(module).__name__)
     assert kinds == {"vision": {"Linear"}, "lm_head": {"Linear"}, "language": {"Linear4bit"}}
-    vision_weights = [p for n, p in model.named_parameters() if "vision_tower" in n or "visual" in n]
+    vision_weights = [p for n, p in model.named_parameters() if n.startswith(SIXTEEN_BIT_PARTS)]
     assert vision_weights and all(p.dtype == torch.float32 for p in vision_weights)
 
 
