@@ -271,3 +271,37 @@ def test_the_adapter_reloads_in_plain_peft_with_the_same_logits(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=1e-6)
+
+
+def test_a_saved_adapter_folder_reloads_with_its_base_and_processor(tmp_path):
+    """FastVisionModel.from_pretrained on a folder holding a saved adapter (Unsloth's
+    notebooks reload "lora_model" so): the base its adapter_config.json names, the adapter
+    on it trainable, the folder's processor; the same logits as the model that was saved."""
+    from peft import PeftModel
+
+    model, processor = _load("mllama")
+    model = FastVisionModel.get_peft_model(model, r=4)
+    with torch.no_grad():  # adapters away from B = 0, so that a lost one shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    folder = tmp_path / "lora_model"
+    model.save_pretrained(str(folder))
+    processor.chat_template = processor.chat_template.replace("user", "patient")  # as trained with
+    processor.save_pretrained(str(folder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded, reloaded_processor = FastVisionModel.from_pretrained(
+            str(folder), load_in_4bit=False, dtype=torch.float32, max_seq_length=128
+        )
+    assert isinstance(reloaded, PeftModel) and reloaded.training
+    assert reloaded_processor.chat_template == processor.chat_template
+    trainable = {n for n, p in reloaded.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, p in model.named_parameters() if p.requires_grad} and trainable
+    from slothkit.testing.image_text_parity import random_batch
+
+    batch = random_batch("mllama", seed=5)
+    batch.pop("labels")
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=1e-6)
