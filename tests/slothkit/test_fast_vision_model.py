@@ -201,7 +201,7 @@ def test_4bit_keeps_the_vision_tower_and_projector_16bit(family):
     assert vision_weights and all(p.dtype == torch.float32 for p in vision_weights)
 
 
-def _gemma3_batch(processor, seed):
+def _chat_batch(processor, seed):
     from PIL import Image
 
     rng = np.random.RandomState(seed)
@@ -217,23 +217,54 @@ def _gemma3_batch(processor, seed):
     return processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mllama"])
 @pytest.mark.parametrize("checkpointing", ["offload", True])
-def test_checkpointing_both_towers_gives_the_gradients_of_none(checkpointing):
+def test_checkpointing_both_towers_gives_the_gradients_of_none(family, checkpointing):
     batches = []
     for mode in (False, checkpointing):
-        model, processor = _load("gemma3")
+        model, processor = _load(family)
         model = FastVisionModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode)
-        batch = _gemma3_batch(processor, seed=1)
-        loss = model(**batch, labels=batch["input_ids"]).loss
+        batch = _chat_batch(processor, seed=1)
+        # Every token but Mllama's <|image|>, whose id is past its head's rows.
+        labels = batch["input_ids"].masked_fill(batch["input_ids"] >= model.lm_head.out_features, -100)
+        loss = model(**batch, labels=labels).loss
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         batches.append((loss.detach(), grads))
     (loss, grads), (checkpointed_loss, checkpointed_grads) = batches
     torch.testing.assert_close(checkpointed_loss, loss, rtol=0, atol=1e-6)
     assert grads.keys() == checkpointed_grads.keys()
-    assert any("vision_tower" in n and "lora_B" in n and g.abs().sum() > 0 for n, g in grads.items())
+    tower = "vision_model" if family == "mllama" else "vision_tower"
+    assert any(tower in n and "lora_B" in n and g.abs().sum() > 0 for n, g in grads.items())
     for name, grad in grads.items():
         torch.testing.assert_close(checkpointed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _vision_tower_saves(mode) -> int:
+    """The number of tensors Mllama's adapted vision tower keeps for its backward in one
+    training forward, under use_gradient_checkpointing=`mode`."""
+    from slothkit.testing.image_text_parity import random_batch
+
+    model, _ = _load("mllama")
+    model = FastVisionModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode)
+    batch = random_batch("mllama", seed=2)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model.base_model.model.model.vision_model(
+            pixel_values=batch["pixel_values"],
+            aspect_ratio_ids=batch["aspect_ratio_ids"],
+            aspect_ratio_mask=batch["aspect_ratio_mask"],
+        )
+    return len(saved)
+
+
+def test_mllamas_plain_vision_layers_are_checkpointed_too():
+    """transformers gives Mllama's vision encoder layers no checkpointing hooks; slothkit
+    wraps them, so that each keeps its input and little else (the gradients are checked
+    equal above)."""
+    layers = 3  # the tiny tower's: two local, one global
+    kept, checkpointed = _vision_tower_saves(False), _vision_tower_saves(True)
+    assert checkpointed < kept - 10 * layers, (checkpointed, kept)
 
 
 def test_for_inference_and_for_training_switch_the_processors_padding_and_cache():
@@ -267,7 +298,7 @@ def test_the_adapter_reloads_in_plain_peft_with_the_same_logits(tmp_path):
     model.save_pretrained(str(tmp_path / "adapter"))
     base = AutoModelForImageTextToText.from_pretrained(tiny_image_text_path("gemma3"), dtype=torch.float32)
     reloaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-    batch = _gemma3_batch(processor, seed=3)
+    batch = _chat_batch(processor, seed=3)
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=1e-6)
