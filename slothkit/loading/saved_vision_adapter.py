@@ -44,7 +44,7 @@ def load_saved_vision_adapter(folder: str, options: LoadOptions, checkpointing="
     from peft import PeftModel
 
     base = checked_adapter_base(folder)
-    image_text_config(base, options.token)
+    image_text_config(base, options.token)  # before the processor: a text base is refused as such
     saved_processor = any(os.path.isfile(os.path.join(folder, name)) for name in _PROCESSOR_FILES)
     processor = load_processor(folder if saved_processor else base, options.token)
     model = load_vision_model(base, options, processor)

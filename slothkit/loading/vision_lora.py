@@ -226,7 +226,6 @@ def ready_vision_model(peft_model, mode) -> nn.Module:
     enable_checkpointing(vision, bool(mode), cuda_graphs=False, keep_sums=False)
     if mode:
         checkpoint_plain_layers(plain_vision_layers(peft_model))
-    if mode:
         causal_lm.enable_input_require_grads()
     from slothkit.export import attach_export_methods
 
