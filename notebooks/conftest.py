@@ -14,7 +14,7 @@ MODELS = json.loads((TEMPLATES_DIR / "models.json").read_text())
 # The vision template's models (templates/vision_models.json): each runs on the tiny image-text
 # checkpoint of its family (slothkit.testing.tiny_image_text), processor and all.
 VISION_MODELS = json.loads((TEMPLATES_DIR / "vision_models.json").read_text())
-VISION_STAND_INS = {"gemma-3-4b": "gemma3", "qwen2.5-vl-7b": "qwen2_5_vl"}
+VISION_STAND_INS = {"gemma-3-4b": "gemma3", "qwen2.5-vl-7b": "qwen2_5_vl", "llama-3.2-11b": "mllama"}
 # What a template's notebook runs with beyond the settings every notebook gets.  GRPO
 # samples completions with Hugging Face generate before each step: two short ones per
 # prompt, one prompt a step and two steps keep its run under a minute on a 2-core CPU

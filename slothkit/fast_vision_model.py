@@ -17,6 +17,8 @@ from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.loading import training_mode
 from slothkit.loading.load_model import LoadOptions
 from slothkit.loading.lora_setup import LoraSettings
+from slothkit.loading.saved_adapter import is_adapter_folder
+from slothkit.loading.saved_vision_adapter import load_saved_vision_adapter
 from slothkit.loading.training_mode import CheckpointingOptions
 from slothkit.loading.vision_lora import VisionTargets, add_vision_lora, ready_vision_model
 from slothkit.loading.vision_model import image_text_config, load_processor, load_vision_model
@@ -46,7 +48,11 @@ class FastVisionModel:
 
         Args:
             model_name: a local checkpoint directory (config.json with a vision_config,
-                weights, the processor's files) or a Hugging Face Hub id.
+                weights, the processor's files) or a Hugging Face Hub id; or a folder
+                holding a saved LoRA adapter (adapter_config.json, no config.json): the
+                base its adapter_config.json names loads with these settings and the
+                adapter onto it, trainable, with the folder's processor where it holds
+                one (slothkit.loading.saved_vision_adapter).
             max_seq_length: the longest sequence to train on, image tokens included
                 (default 2048; None: the language model's context).
             dtype: as FastModel.from_pretrained (None: bf16 where the GPU has it, fp16 on
@@ -59,7 +65,8 @@ class FastVisionModel:
             token: a Hugging Face token for gated or private Hub models.
             attn_implementation: transformers' attention; None (default): "sdpa".
             use_gradient_checkpointing: accepted here as Unsloth's notebooks pass it; the
-                checkpointing is get_peft_model's (its own argument).
+                checkpointing is get_peft_model's (its own argument), except for a saved
+                adapter, which is ready to train as it loads, with this checkpointing.
             load_in_8bit, full_finetuning: False; True is refused, as by FastModel.
             **hf_kwargs: passed on to ``AutoModelForImageTextToText.from_pretrained``.
 
@@ -79,6 +86,8 @@ class FastVisionModel:
             max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, device_map=device_map,
             token=token, attn_implementation=attn_implementation, hf_kwargs=hf_kwargs,
         )  # fmt: skip
+        if is_adapter_folder(model_name):
+            return load_saved_vision_adapter(model_name, options, use_gradient_checkpointing)
         image_text_config(model_name, token)  # before the processor: a text checkpoint is refused as such
         processor = load_processor(model_name, token)
         return load_vision_model(model_name, options, processor), processor

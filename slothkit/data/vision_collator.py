@@ -141,7 +141,9 @@ class VisionDataCollator:
         labels[row, ~trained] = self.ignore_index
 
     def _cut(self, batch: dict) -> dict:
-        """The batch's rows cut to max_seq_length, where no image token is cut."""
+        """The batch's rows cut to max_seq_length, where no image token is cut: every
+        tensor laid out (rows, tokens, ...) is cut on its token axis, Mllama's
+        (rows, tokens, images, tiles) cross-attention mask with the ids."""
         keep = self.max_seq_length
         ids = batch["input_ids"]
         cut_images = torch.isin(ids[:, keep:], torch.tensor(self.image_token_ids, dtype=ids.dtype))
@@ -153,7 +155,7 @@ class VisionDataCollator:
         length = ids.shape[1]
         return {
             name: value[:, :keep]
-            if value.dim() == 2 and value.shape[1] == length and name != "pixel_values"
+            if value.dim() >= 2 and value.shape[1] == length and name != "pixel_values"
             else value
             for name, value in batch.items()
         }

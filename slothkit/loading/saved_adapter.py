@@ -75,24 +75,8 @@ def load_saved_adapter(
     """
     from peft import PeftModel
 
-    with open(os.path.join(folder, "adapter_config.json")) as handle:
-        adapter_config = json.load(handle)
-    base = adapter_config.get("base_model_name_or_path")
-    if not base:
-        raise FileNotFoundError(
-            f"{folder!r} holds a LoRA adapter whose adapter_config.json names no base model "
-            "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
-            "with peft.PeftModel.from_pretrained(model, folder)"
-        )
-    _check_base_is_here(folder, base)
-    check_adapter_weights(pathlib.Path(folder))  # before the base loads: a cut-short file is named
-    check_base_fingerprint(
-        folder,
-        base,
-        allow_other_base,
-        f"Set base_model_name_or_path in {os.path.join(folder, 'adapter_config.json')!r} to the base it was "
-        "trained on, or pass allow_other_base=True to load it onto this one anyway",
-    )
+    adapter_config = saved_adapter_config(folder)
+    base = checked_adapter_base(folder, allow_other_base)
     if adapter_config.get("task_type") == "SEQ_CLS" and options.num_labels is None:
         options = dataclasses.replace(options, num_labels=_saved_score_outputs(folder))
     with warnings.catch_warnings():
@@ -116,6 +100,40 @@ def load_saved_adapter(
         model.resize_token_embeddings(len(tokenizer))
     peft_model = PeftModel.from_pretrained(model, folder, is_trainable=True)
     return ready_for_training(peft_model, checkpointing or CheckpointingOptions()), tokenizer
+
+
+def saved_adapter_config(folder: str) -> dict:
+    """The folder's adapter_config.json, read."""
+    with open(os.path.join(folder, "adapter_config.json")) as handle:
+        return json.load(handle)
+
+
+def checked_adapter_base(folder: str, allow_other_base: bool = False) -> str:
+    """The base model the adapter in `folder` names, checked before anything loads: it is
+    named, a named folder is there, the adapter's weights are whole, and the base holds the
+    weights the adapter recorded it was trained on (unless allow_other_base).
+
+    Raises:
+        FileNotFoundError: no base is named, or a named folder is not there.
+        BaseMismatchError: (a ValueError) the base holds other weights.
+    """
+    base = saved_adapter_config(folder).get("base_model_name_or_path")
+    if not base:
+        raise FileNotFoundError(
+            f"{folder!r} holds a LoRA adapter whose adapter_config.json names no base model "
+            "(base_model_name_or_path); load the base with FastModel.from_pretrained and the adapter "
+            "with peft.PeftModel.from_pretrained(model, folder)"
+        )
+    _check_base_is_here(folder, base)
+    check_adapter_weights(pathlib.Path(folder))  # before the base loads: a cut-short file is named
+    check_base_fingerprint(
+        folder,
+        base,
+        allow_other_base,
+        f"Set base_model_name_or_path in {os.path.join(folder, 'adapter_config.json')!r} to the base it was "
+        "trained on, or pass allow_other_base=True to load it onto this one anyway",
+    )
+    return base
 
 
 def _check_base_is_here(folder: str, base: str) -> None:

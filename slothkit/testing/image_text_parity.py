@@ -67,7 +67,9 @@ def load_for_training(
         quantization = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
-            llm_int8_skip_modules=["model.vision_tower", "model.visual", "model.multi_modal_projector", "lm_head"],
+            llm_int8_skip_modules=[
+                "model.vision_tower", "model.visual", "model.vision_model", "model.multi_modal_projector", "lm_head",
+            ],
         )  # fmt: skip
     device_map = (
         {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
@@ -103,10 +105,16 @@ def random_batch(family: str, seed: int, rows: int = 2, text_tokens: int = 20) -
     images = [
         Image.fromarray(rng.randint(0, 255, (56, 42), dtype=np.uint8)).convert("RGB") for _ in range(rows)
     ]
-    processed = AutoImageProcessor.from_pretrained(path)(images=images, return_tensors="pt")
+    # Mllama's image processor reads a list of images per row.
+    per_row = [[image] for image in images] if family == "mllama" else images
+    processed = AutoImageProcessor.from_pretrained(path)(images=per_row, return_tensors="pt")
     # What the model reads (Gemma 3's image processor also counts pan-and-scan crops).
-    pixels = {name: processed[name] for name in ("pixel_values", "image_grid_thw") if name in processed}
-    if family == "gemma3":
+    read = ("pixel_values", "image_grid_thw", "aspect_ratio_ids", "aspect_ratio_mask")
+    pixels = {name: processed[name] for name in read if name in processed}
+    if family == "mllama":  # one token per image; the text reads the image through cross-attention
+        block = [config.image_token_index]
+        placeholder = config.image_token_index
+    elif family == "gemma3":
         block = [config.boi_token_index] + [config.image_token_index] * config.mm_tokens_per_image
         block += [config.eoi_token_index]
         placeholder = config.image_token_index
@@ -124,8 +132,17 @@ def random_batch(family: str, seed: int, rows: int = 2, text_tokens: int = 20) -
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, **pixels}
     if family == "gemma3":  # image tokens attend to each other both ways in training
         batch["token_type_ids"] = (ids == placeholder).long()
+    if family == "mllama":
+        batch["cross_attention_mask"] = _cross_attention_mask(ids, placeholder, pixels["aspect_ratio_mask"])
     batch["pixel_values"] = batch["pixel_values"].float()
     return batch
+
+
+def _cross_attention_mask(ids: torch.Tensor, image_token: int, tiles: torch.Tensor) -> torch.Tensor:
+    """Mllama's (rows, tokens, images, tiles) mask of one image a row, as its processor
+    writes it: every token from the image's token on attends to the image's real tiles."""
+    from_image = (ids == image_token).long().cumsum(dim=1) > 0  # (rows, tokens)
+    return (from_image[:, :, None, None] & tiles[:, None, :, :].bool()).long()
 
 
 def on_device(batch: dict, device: torch.device, dtype: torch.dtype | None = None) -> dict:

@@ -12,6 +12,11 @@ image processor, a chat template that reads image parts).
     qwen2_5_vl   Qwen2_5_VLForConditionalGeneration: the tiny Qwen2 sizes with M-RoPE, a
                  two-block vision tower (one windowed, one full) on 14-pixel patches merged
                  2 x 2, images of 28 x 28 to 56 x 56 pixels (1 to 4 image tokens)
+    mllama       MllamaForConditionalGeneration (Llama 3.2 Vision): three text layers of the
+                 tiny Llama sizes, the middle one a cross-attention layer reading the image;
+                 a two-layer vision transformer and a one-layer gated global one on tiles of
+                 28 x 28 pixels, up to 2 tiles an image; one <|image|> token per image, the
+                 first id past the output head's rows, as in the published checkpoints
 
 The Gemma 3 and Gemma 4 ones also stand in for Gemma 3 4B-27B and Gemma 4 E2B-31B,
 which FastModel loads as their text model alone (slothkit.loading.text_tower).  Qwen2.5-VL's processor needs torchvision where
@@ -32,7 +37,7 @@ import torch
 from slothkit.testing.tiny_chat_templates import tiny_chat_template, with_image_parts
 from slothkit.testing.tiny_models import tiny_model_path
 
-IMAGE_TEXT_FAMILIES = ("gemma3", "qwen2_5_vl")
+IMAGE_TEXT_FAMILIES = ("gemma3", "qwen2_5_vl", "mllama")
 
 # The text the chat template writes where an image stands, which the processor expands.
 GEMMA3_IMAGE_MARKER = "<start_of_image>"
@@ -43,6 +48,9 @@ GEMMA3_IMAGE_TOKENS = {
     "image_token": "<image_soft_token>",
 }
 QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+MLLAMA_IMAGE_TOKEN = "<|image|>"
+# Mllama's processor looks this token up as it is built (the published tokenizer has it).
+MLLAMA_PYTHON_TOKEN = "<|python_tag|>"
 
 
 def build_tiny_image_text_gemma3(
@@ -193,6 +201,63 @@ def build_tiny_image_text_gemma4(
     return _with_tokenizer_files(path, text_path)
 
 
+def build_tiny_image_text_mllama(path: str | pathlib.Path) -> pathlib.Path:
+    """Write the checkpoint to `path` and return it: random weights (seed 0) in the tiny
+    Llama sizes, the tiny Llama tokenizer with <|python_tag|> and <|image|> added after
+    its vocabulary, and the processor (tile-splitting image processor, a Llama 3 chat
+    template that reads image parts).
+
+    As in Llama 3.2 Vision's checkpoints, the output head has one row per text token and
+    <|image|> is the first id past them (the embedding has 8 rows more): a label left on
+    an image token would fall outside the logits, so the collator must mask it."""
+    from transformers import AutoConfig, AutoTokenizer, MllamaConfig, MllamaForConditionalGeneration
+
+    path = pathlib.Path(path)
+    text_path = tiny_model_path("llama")
+    text = AutoConfig.from_pretrained(text_path)
+    tokenizer = AutoTokenizer.from_pretrained(text_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": [MLLAMA_PYTHON_TOKEN, MLLAMA_IMAGE_TOKEN]})
+    image_token_id = tokenizer.convert_tokens_to_ids(MLLAMA_IMAGE_TOKEN)
+    vision_hidden, intermediate_layers = 32, [0]
+    config = MllamaConfig(
+        text_config=dict(
+            vocab_size=image_token_id, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+            num_hidden_layers=3, cross_attention_layers=[1], num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=text.num_key_value_heads, max_position_embeddings=text.max_position_embeddings,
+            rms_norm_eps=text.rms_norm_eps, rope_parameters=dict(text.rope_parameters),
+            bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=vision_hidden, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+            attention_heads=2, image_size=28, patch_size=14, max_num_tiles=2,
+            supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]], intermediate_layers_indices=intermediate_layers,
+            # The projector reads the last layer's output beside each intermediate layer's.
+            vision_output_dim=vision_hidden * (len(intermediate_layers) + 1),
+        ),
+        image_token_index=image_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MllamaForConditionalGeneration(config)
+    # transformers starts every tanh gate on the image's path at zero (the cross-attention
+    # layer's and the tile and position embeddings'), which would leave the text blind to
+    # the image and the vision tower without gradient: open them part way.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("gate", "_gate")):
+                parameter.fill_(0.5)
+    model.save_pretrained(path)
+    shutil.copy(text_path / "generation_config.json", path / "generation_config.json")
+    from transformers import MllamaImageProcessor, MllamaProcessor
+
+    processor = MllamaProcessor(
+        image_processor=MllamaImageProcessor(size={"height": 28, "width": 28}, max_image_tiles=2),
+        tokenizer=tokenizer,
+        chat_template=with_image_parts(tiny_chat_template("llama-3"), MLLAMA_IMAGE_TOKEN),
+    )
+    processor.save_pretrained(path)
+    return path
+
+
 def _with_tokenizer_files(path: pathlib.Path, text_path: pathlib.Path) -> pathlib.Path:
     """``path`` with the text checkpoint's tokenizer files copied in beside the weights."""
     for name in (p.name for p in text_path.iterdir()):
@@ -204,6 +269,7 @@ def _with_tokenizer_files(path: pathlib.Path, text_path: pathlib.Path) -> pathli
 _BUILDERS = {
     "gemma3": build_tiny_image_text_gemma3,
     "gemma4": build_tiny_image_text_gemma4,
+    "mllama": build_tiny_image_text_mllama,
     "qwen2_5_vl": build_tiny_image_text_qwen2_5_vl,
 }
 

@@ -52,7 +52,7 @@ def test_every_model_has_a_committed_finetune_notebook():
 
 
 def test_every_image_text_model_has_a_committed_vision_notebook():
-    assert list(vision_model_data()) == ["gemma-3-4b", "qwen2.5-vl-7b"]
+    assert list(vision_model_data()) == ["gemma-3-4b", "qwen2.5-vl-7b", "llama-3.2-11b"]
     for template in IMAGE_TEXT_TEMPLATES:
         for model in models_for(template):
             assert (NOTEBOOKS / f"{model}-{template}.ipynb").is_file(), model
@@ -65,17 +65,24 @@ def test_every_image_text_model_has_a_committed_vision_notebook():
 def test_image_text_models_language_shapes_fit_a_t4_with_room_for_the_vision_tower():
     """The vision notebooks' claim that their defaults fit a T4: the planner's peak for the
     language model (Gemma 3 4B's is the gemma-3-4b shape, Qwen2.5-VL 7B's the qwen2.5-7b
-    shape) leaves room for the vision tower's 16-bit weights (0.4B and 0.7B parameters)."""
-    from slothkit.memory.plan import plan
+    shape, Llama 3.2 11B Vision's the text config transformers' MllamaConfig defaults to)
+    leaves room for the vision tower's 16-bit weights (0.4B, 0.7B and 0.87B parameters)."""
+    from transformers import MllamaConfig
+
+    from slothkit.memory.plan import plan, shape_from_config
     from slothkit.models import shape_by_name
 
-    language = {"gemma-3-4b": ("gemma-3-4b", 0.4e9), "qwen2.5-vl-7b": ("qwen2.5-7b", 0.7e9)}
+    language = {
+        "gemma-3-4b": (shape_by_name("gemma-3-4b"), 0.4e9),
+        "qwen2.5-vl-7b": (shape_by_name("qwen2.5-7b"), 0.7e9),
+        "llama-3.2-11b": (shape_from_config(MllamaConfig().get_text_config()), 0.87e9),
+    }
     for model, data in vision_model_data().items():
         assert data["gpu_fit"].startswith("The defaults fit a free Colab or Kaggle T4 (15 GB)"), model
         assert "GGUF is not written here" in data["gpu_fit"], model
         shape, tower_parameters = language[model]
         result = plan(
-            shape_by_name(shape), gpu="t4", seq=data["max_seq_length"], batch=data["t4_batch"], mode="qlora",
+            shape, gpu="t4", seq=data["max_seq_length"], batch=data["t4_batch"], mode="qlora",
             rank=16, target_batch=data["t4_batch"] * data["t4_grad_accum"],
         )  # fmt: skip
         assert result.fits and (result.batch, result.seq) == (data["t4_batch"], data["max_seq_length"]), model

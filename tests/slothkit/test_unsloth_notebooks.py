@@ -443,6 +443,48 @@ def test_gemma3_vision(notebook_folder):
     _assert_close(_image_batch_logits(merged.float(), batch), trained, rounded_to_16_bits=True)
 
 
+def test_llama32_vision(notebook_folder):
+    """Unsloth's Llama 3.2 (11B) Vision radiography notebook on the tiny Mllama: every
+    finetune_* flag on (the cross-attention layers and both vision encoders adapted), the
+    processor called with the image and the chat template's text, UnslothVisionDataCollator
+    with SFTConfig's skip_prepare_dataset; the saved adapter reloads through
+    FastVisionModel.from_pretrained to the trained model's logits and greedy answer, and its
+    merged 16-bit save, with the processor, loads in plain transformers to the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder, caught = notebook_folder
+    ns = _run("llama32_vision")
+    trainer, reloaded, processor = ns["trainer"], ns["model"], ns["tokenizer"]
+    trained_model = trainer.model
+    adapted = {n.split(".lora_A")[0] for n, _ in trained_model.named_parameters() if ".lora_A" in n}
+    for part in (".cross_attn.", ".vision_model.transformer.", ".vision_model.global_transformer."):
+        assert any(part in n for n in adapted), part
+    assert any(
+        "SFTTrainer(tokenizer=...) is written SFTTrainer(processing_class=...)" in n for n in _notices(caught)
+    )
+    _assert_trained(trainer)
+    prompt_length = ns["inputs"]["input_ids"].shape[1]
+    assert ns["outputs"].shape[1] > prompt_length
+    # The reloaded adapter answers as the trained model did (greedy: the notebook's sampling
+    # flags are not set on without do_sample).
+    assert isinstance(reloaded, PeftModel) and reloaded is not trained_model
+    assert torch.equal(ns["reloaded_outputs"].cpu(), ns["outputs"].cpu())
+
+    batch = ns["UnslothVisionDataCollator"](trained_model, processor)(ns["converted_dataset"][:2])
+    assert "cross_attention_mask" in batch
+    trained = _image_batch_logits(trained_model, batch)
+    _assert_close(_image_batch_logits(reloaded, batch), trained)
+    merged = AutoModelForImageTextToText.from_pretrained(str(folder / "unsloth_finetune"))
+    assert merged.dtype in (torch.bfloat16, torch.float16), f"merged_16bit stored {merged.dtype}"
+    _assert_close(_image_batch_logits(merged.float(), batch), trained, rounded_to_16_bits=True)
+    reloaded_processor = AutoProcessor.from_pretrained(str(folder / "unsloth_finetune"))
+    assert type(reloaded_processor).__name__ == "MllamaProcessor"
+    assert reloaded_processor.apply_chat_template(
+        ns["messages"], add_generation_prompt=True
+    ) == processor.apply_chat_template(ns["messages"], add_generation_prompt=True)
+
+
 def test_qwen3_reasoning_conversational(notebook_folder, capsys):
     """Unsloth's Qwen3 (14B) Reasoning-Conversational notebook: a list of conversations
     through apply_chat_template at once, a pandas mixture of reasoning and chat rows into

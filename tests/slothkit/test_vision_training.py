@@ -25,7 +25,7 @@ from slothkit.testing.tiny_image_text import image_text_processor_loads, tiny_im
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 STEPS = 8
-VISION_PARTS = ("vision_tower", "visual")
+VISION_PARTS = ("vision_tower", "visual", "vision_model")
 
 
 def _pair(family, vision, load_in_4bit=False):

@@ -174,3 +174,57 @@ def test_sft_trainer_trains_both_towers_as_unsloths_notebooks_set_it_up(loaded, 
     moved = {n for n, p in model.named_parameters() if "lora_B" in n and not torch.equal(p, before[n])}
     assert moved == set(before)  # every adapter, the vision tower's included
     assert any("vision_tower" in n for n in moved)
+
+
+@pytest.fixture(scope="module")
+def mllama_loaded():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FastVisionModel.from_pretrained(
+            str(tiny_image_text_path("mllama")), load_in_4bit=False, dtype=torch.float32, max_seq_length=128
+        )
+
+
+def test_mllama_labels_leave_out_its_image_token_past_the_heads_rows(mllama_loaded):
+    """Llama 3.2 Vision's <|image|> is the first id past its output head's rows: a label
+    left on it could not be scored.  The collator masks it, and the model's loss is the
+    cross-entropy of the answers' tokens alone."""
+    model, processor = mllama_loaded
+    rng = np.random.RandomState(6)
+    answers = ["A cat.", "Two dogs on a mat."]
+    records = [_record(rng, "What is this?", answers[0]), _record(rng, "And these two?", answers[1], 2)]
+    batch = VisionDataCollator(model, processor)(records)
+    image_token = model.config.image_token_index
+    assert image_token >= model.lm_head.out_features
+    assert (batch["input_ids"] == image_token).sum(dim=1).tolist() == [1, 2]
+    assert not (batch["labels"] == image_token).any()
+    for row, answer in enumerate(answers):
+        assert _trained_text(processor, batch["labels"][row]) == answer + "<|eot_id|>"
+    # The cross-attention mask is the processor's own for the rendered conversations.
+    texts = [processor.apply_chat_template(r["messages"], tokenize=False) for r in records]
+    images = [[p["image"] for p in r["messages"][0]["content"] if p["type"] == "image"] for r in records]
+    expected = processor(
+        text=texts, images=images, return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    torch.testing.assert_close(
+        batch["cross_attention_mask"], expected["cross_attention_mask"], rtol=0, atol=0
+    )
+    with torch.no_grad():
+        output = model(**batch)
+    logits, labels = output.logits[:, :-1], batch["labels"][:, 1:]
+    reference = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    torch.testing.assert_close(output.loss, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_mllama_cut_rows_keep_the_cross_attention_mask_in_step(mllama_loaded):
+    model, processor = mllama_loaded
+    rng = np.random.RandomState(7)
+    record = _record(rng, "Describe the picture in a few words please?", "It is noise, nothing more.")
+    full = VisionDataCollator(model, processor)([record])
+    length = full["input_ids"].shape[1]
+    cut = VisionDataCollator(model, processor, max_seq_length=length - 3)([record])
+    assert cut["cross_attention_mask"].shape[1] == cut["input_ids"].shape[1] == length - 3
+    torch.testing.assert_close(
+        cut["cross_attention_mask"], full["cross_attention_mask"][:, : length - 3], rtol=0, atol=0
+    )
+    torch.testing.assert_close(cut["pixel_values"], full["pixel_values"], rtol=0, atol=0)

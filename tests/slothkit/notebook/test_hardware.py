@@ -106,7 +106,7 @@ def test_without_a_gpu_nothing_changes():
     assert result.fits is None and chosen == config
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "mllama"])
 def test_an_image_text_checkpoint_is_planned_from_its_language_model(family):
     """The hardware cell plans an image-text checkpoint (the vision notebooks') from its text
     config, whose sizes the top-level config does not hold."""
