@@ -82,12 +82,12 @@ def _load(path, lora: bool = True):
 
 def _prompts(batch: int, length: int, pad_rows: int = 0):
     """Random prompts, row r < pad_rows left-padded by 2 r + 1 tokens (past the
-    convolution's width from row 2 on)."""
+    convolution's width from row 2 on).  The padding keeps its random tokens: the pad
+    token's embedding row is zero, which would hide a layer that lets padding in."""
     ids = torch.randint(3, 500, (batch, length), generator=torch.Generator().manual_seed(batch + length))
     mask = torch.ones_like(ids)
     for row in range(pad_rows):
         mask[row, : 2 * row + 1] = 0
-        ids[row, : 2 * row + 1] = 0
     return ids.to(DEVICE), mask.to(DEVICE)
 
 
