@@ -46,9 +46,10 @@ class DeltaNetFamily:
     embedding_scale: bool = False  # the token embeddings are not scaled
 
 
-# Qwen3.5 (dense): three gated DeltaNet layers to one gated full-attention layer (q_proj
-# also writes a gate on the attention's output; a quarter of each head rotated).
-QWEN3_5 = DeltaNetFamily("qwen3_5", ("qwen3_5_text",))
+# Qwen3.5: three gated DeltaNet layers to one gated full-attention layer (q_proj also
+# writes a gate on the attention's output; a quarter of each head rotated); its MoE
+# variant's blocks (routed experts and a shared one) run decode_experts.py.
+QWEN3_5 = DeltaNetFamily("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"))
 
 
 def linear_attention_of(layer: nn.Module) -> nn.Module | None:
