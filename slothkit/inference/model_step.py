@@ -1,4 +1,5 @@
-"""One forward step of a decoder (Llama's layer, or Gemma 2/3's sandwich layer) over a static KV cache.
+"""One forward step of a decoder (Llama's layer, Gemma 2/3's sandwich layer, or Qwen3.5's
+gated DeltaNet and gated attention layers) over a static KV cache.
 
 The model's own modules compute the norms and the base projections (16-bit or 4-bit
 weights, read where they are); the LoRA adapters are applied without a merge by
@@ -239,8 +240,9 @@ class _DecodeLayer:
     """One decoder layer's projections, grouped by shared input; its q/k norms where the
     attention has them (Qwen3, Gemma 3: RMSNorm over each head before RoPE); its window,
     rotary table (by layer type: Gemma 3's sliding and global layers have their own rope
-    bases) and attention-logit softcap (Gemma 2); and, in a sandwich layer (Gemma 2 and 3),
-    the norms after attention and around the MLP."""
+    bases) and attention-logit softcap (Gemma 2); its output gate (Qwen3.5); in a sandwich
+    layer (Gemma 2 and 3), the norms after attention and around the MLP; or, in place of
+    the attention, a gated DeltaNet layer (decode_deltanet.py)."""
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype, linear_index: int | None = None):
         sandwich = all(hasattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
@@ -385,7 +387,7 @@ class ModelStep:
         # Gated DeltaNet layers (Qwen3.5) keep a recurrent state (DeltaNetStates), not keys
         # and values: the cache holds the attention layers only, cache_layers[i] being
         # layer i's place in it (None for a DeltaNet layer).
-        self.linear_attention = [m for m in map(linear_attention_of, self.layers) if m is not None]
+        self.deltanet_modules = [m for m in map(linear_attention_of, self.layers) if m is not None]
         attention_layers = [layer for layer in self.layers if linear_attention_of(layer) is None]
         places = iter(range(len(attention_layers)))
         self.cache_layers = [None if linear_attention_of(layer) else next(places) for layer in self.layers]
@@ -394,8 +396,8 @@ class ModelStep:
         # Tables narrower than the head (Qwen3.5's partial rotary) turn part of each head.
         rope = getattr(config, "rope_parameters", None) or {}
         self.partial_rotary = (
-            rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) < 1
-        )
+            rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        ) < 1
         self.softcap = getattr(config, "final_logit_softcapping", None)
         # transformers gives each layer type its own rope base through one rotary module
         # called with the layer's type (Gemma 3), or one table for all layers.
@@ -416,7 +418,7 @@ class ModelStep:
     def build_projections(self) -> None:
         """Describe every layer's projections afresh (after adapters were added, switched,
         merged or disabled)."""
-        linear_places = iter(range(len(self.linear_attention)))
+        linear_places = iter(range(len(self.deltanet_modules)))
         self.decode_layers = [
             _DecodeLayer(layer, self.dtype, next(linear_places) if linear_attention_of(layer) else None)
             for layer in self.layers
@@ -424,9 +426,9 @@ class ModelStep:
 
     def new_linear_states(self, batch: int, device) -> DeltaNetStates | None:
         """Zeroed states of the gated DeltaNet layers for ``batch`` rows (None: it has none)."""
-        if not self.linear_attention:
+        if not self.deltanet_modules:
             return None
-        return DeltaNetStates(self.linear_attention, batch, self.dtype, device)
+        return DeltaNetStates(self.deltanet_modules, batch, self.dtype, device)
 
     def refresh(self) -> None:
         """Bring the adapter copies up to date with adapters trained in place."""
