@@ -159,6 +159,30 @@ def test_the_cache_grows_with_the_states_handed_over(checkpoint, reference_delta
     assert handed and all(handed), f"grew {len(handed)} times, states handed over: {handed}"
 
 
+def test_recurrent_step_is_the_delta_rule_s_next_token():
+    """One step from a random state (2 key heads serving 4 value heads, dk 16, dv 24)
+    gives the reference recurrence's output and final state for that token, to fp32
+    rounding (sums of 16 products: 1e-5 of values of order 1)."""
+    from slothkit_kernels.delta_rule import gated_delta_rule_reference
+    from slothkit_kernels.delta_rule.reference import prepare_queries_and_keys
+
+    generator = torch.Generator().manual_seed(3)
+    query, key = (torch.randn(2, 1, 2, 16, generator=generator) for _ in range(2))
+    value = torch.randn(2, 1, 4, 24, generator=generator)
+    g = -torch.rand(2, 1, 4, generator=generator)
+    beta = torch.rand(2, 1, 4, generator=generator)
+    state = torch.randn(2, 4, 16, 24, generator=generator)
+    expected, expected_state = gated_delta_rule_reference(
+        query, key, value, g, beta, state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    prepared_query, prepared_key = prepare_queries_and_keys(query, key, use_qk_l2norm_in_kernel=True)
+    got = decode_deltanet.recurrent_step(
+        state, prepared_query[:, 0], prepared_key[:, 0], value[:, 0], g[:, 0], beta[:, 0]
+    )
+    torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, expected_state, atol=1e-5, rtol=1e-5)
+
+
 def _step_logits(model, ids, mask, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode's logits (B, T - prompt + 1, V): the prefill's last, then each step's
     over the given tokens, and the model's forward over the whole sequence at the same
