@@ -6,7 +6,8 @@
 
 Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
 gemma4_step.py (Gemma 4's step: per-layer inputs, shared keys and values),
-decode_experts.py (a mixture-of-experts block's chosen experts in a step), sampling.py
+decode_experts.py (a mixture-of-experts block's chosen experts in a step),
+decode_deltanet.py (a gated DeltaNet layer's recurrent state in a step), sampling.py
 (generate's settings and logits processors), fast_decoder.py (prefill, the captured
 decode step, the loop).
 """
@@ -18,6 +19,7 @@ import torch
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state, state_of
 from slothkit.core.notices import FallbackWarning, say_once
+from slothkit.inference.decode_deltanet import QWEN3_5
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.gemma4_step import Gemma4Step
 from slothkit.inference.model_step import ModelStep, longrope_short_positions
@@ -34,6 +36,9 @@ __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_gen
 # SwiGLU experts, q/k-normed attention), gpt-oss (attention sinks and biases, a router and
 # experts with biases, the clamped SwiGLU) and Mixtral (Mistral's attention).
 DECODED_EXPERT_RECORDS = (QWEN3_MOE, GPT_OSS, MIXTRAL)
+# The families whose gated DeltaNet layers decode_deltanet.py steps, checked token for
+# token against Hugging Face's generate: Qwen3.5 (its gated attention in model_step.py).
+DECODED_DELTANET_FAMILIES = (QWEN3_5,)
 
 # Families with no record whose decoder has its own step (model_type -> step class), each
 # checked token for token against Hugging Face's generate: Gemma 4's text model (per-layer
@@ -45,14 +50,17 @@ _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 
 
 def decoded_record(config):
-    """The record of a family the fast loop decodes: a fused family's, or a
+    """The record of a family the fast loop decodes: a fused family's, a
     mixture-of-experts family's (DECODED_EXPERT_RECORDS; its blocks run decode_experts.py),
-    else None."""
+    or a gated DeltaNet family's (DECODED_DELTANET_FAMILIES), else None."""
     arch = architecture_for(config)
     if arch is not None:
         return arch
     record = export_record_for(config)
-    return record if record in DECODED_EXPERT_RECORDS else None
+    if record in DECODED_EXPERT_RECORDS:
+        return record
+    model_type = getattr(config, "model_type", None)
+    return next((f for f in DECODED_DELTANET_FAMILIES if model_type in f.model_types), None)
 
 
 def step_class_for(config):
@@ -65,9 +73,8 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     FastModel.from_pretrained's notice has already named)."""
     config = causal_lm.config
     if decoded_record(config) is None and config.model_type not in DECODED_FAMILY_STEPS:
-        covered = ", ".join(
-            [arch.name for arch in ARCHITECTURES + DECODED_EXPERT_RECORDS] + list(DECODED_FAMILY_STEPS)
-        )
+        families = ARCHITECTURES + DECODED_EXPERT_RECORDS + DECODED_DELTANET_FAMILIES
+        covered = ", ".join([family.name for family in families] + list(DECODED_FAMILY_STEPS))
         return f"fast generation covers {covered}, not {config.model_type!r}"
     refusal = step_class_for(config).cannot_decode(config)
     if refusal is not None:

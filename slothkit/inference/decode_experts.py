@@ -25,6 +25,9 @@ parameters; B copied expert-major in the compute dtype, refreshed when training 
 it in place).  Every shape follows from N and top_k and
 nothing is read back to the host, so the step is captured in the decode's CUDA graph.
 
+A block with a shared expert beside the routed ones (Qwen3.5-MoE) adds, for every token,
+sigmoid(shared_expert_gate(x)) * shared_expert(x), through those modules' own forwards.
+
 A prefill of more than ``GATHER_ROWS`` tokens runs the block's own forward (slothkit's
 fused experts where the model has them), which reads each expert at most once rather than
 once per pair.  So does a block whose experts the description does not cover (several
@@ -158,6 +161,9 @@ class DecodeExperts:
         self.dtype = dtype
         with torch.no_grad():  # the experts' base weights are frozen; adapters read as views
             self.call = describe_experts(block.experts)
+        # Qwen3.5-MoE: a shared expert every token runs, scaled by a one-column sigmoid gate.
+        self.shared_expert = getattr(block, "shared_expert", None)
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
         self.adapters = (None, None)
         if isinstance(self.call, ExpertsCall):
             self.adapters = expert_adapters(self.call, dtype)
@@ -181,4 +187,7 @@ class DecodeExperts:
             return out[0] if isinstance(out, tuple) else out  # gpt-oss's block adds its scores
         rows = x.reshape(tokens, x.shape[-1])
         _, weights, ids = self.router(rows)
-        return chosen_experts(self.call, self.adapters, rows, weights, ids).view(x.shape)
+        out = chosen_experts(self.call, self.adapters, rows, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        return out.view(x.shape)

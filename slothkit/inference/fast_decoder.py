@@ -121,8 +121,10 @@ class _CapturedStep:
         # writes land in the warm slot, which holds no token a later step reads before
         # the decode rewrites it (slot 0 before a prefill; the next slot when the cache
         # grows: empty, or in a ring the position the window has just left), and the marks
-        # are put back.
+        # are put back, as are DeltaNet layers' states, which every step updates in place.
         marks = [self.cache.filled, *self.cache.ring_filled.values()]
+        if self.cache.linear_states is not None:
+            marks += self.cache.linear_states.tensors()
         kept = [mark.clone() for mark in marks]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -191,11 +193,26 @@ class FastDecoder:
         """Device bytes held by the cache (the graph's pool is reported by the bench)."""
         return 0 if self.cache is None else self.cache.nbytes
 
-    def _new_cache(self, batch: int, slots: int, device) -> StaticKVCache:
+    def _new_cache(self, batch: int, slots: int, device, linear_states=None) -> StaticKVCache:
+        """A cache for ``batch`` rows of ``slots`` tokens, laid out as the step says
+        (cache_layout), with ``linear_states`` (a shorter cache's, when it grows) or new ones
+        where the model has gated DeltaNet layers."""
         windows, kv_heads, head_dims = self.step.cache_layout()
         dtype = self._kv_dtype()
         try:
-            return StaticKVCache(len(windows), batch, kv_heads, slots, head_dims, dtype, device, windows)
+            if linear_states is None:
+                linear_states = self.step.new_linear_states(batch, device)
+            return StaticKVCache(
+                len(windows),
+                batch,
+                kv_heads,
+                slots,
+                head_dims,
+                dtype,
+                device,
+                windows,
+                linear_states=linear_states,
+            )
         except torch.OutOfMemoryError as error:
             per_slot = (
                 2
@@ -212,7 +229,7 @@ class FastDecoder:
         """Move the tokens so far into a cache of ``slots`` and capture the step for it."""
         shorter = self.cache
         self.captured = None  # the old graph reads the old cache: drop it first
-        self.cache = self._new_cache(shorter.batch, slots, shorter.filled.device)
+        self.cache = self._new_cache(shorter.batch, slots, shorter.filled.device, shorter.linear_states)
         self.cache.take_over(shorter)
         self._capture(warm_slot=shorter.slots)  # the slot the next step writes
 

@@ -14,6 +14,11 @@ that the step's query may read, so a decode step reads W slots of such a layer r
 than all S, and the ring's own marks ``ring_filled`` (B, W) are its whole mask.  Gemma 3
 4B in bf16 at 8,192 slots a row: its 29 local layers hold 1,024 slots each, the cache 0.27
 GiB a row rather than 1.06 (at 32,768: 0.74 rather than 4.25), and a step reads as much less.
+
+A model with gated DeltaNet layers (Qwen3.5) keeps keys and values for its attention
+layers only; its DeltaNet layers' recurrent states travel with the cache as
+``linear_states`` (decode_deltanet.DeltaNetStates), sized by the rows alone, so a cache
+that grows is handed them as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class StaticKVCache:
     """Keys and values for ``batch`` rows of up to ``slots`` tokens.
 
     Args:
-        layers: decoder layers.
+        layers: attention layers (the decoder layers that keep keys and values).
         batch: rows.
         kv_heads: key/value heads of every layer, or of each (Gemma 4's full layers have
             their own count).
@@ -36,6 +41,8 @@ class StaticKVCache:
         windows: each layer's sliding window (None: full attention); a layer whose window
             is narrower than ``slots`` keeps a ring of that many slots.  None: every layer
             keeps all ``slots``.
+        linear_states: the gated DeltaNet layers' states (decode_deltanet.DeltaNetStates)
+            for the same rows, or None.
     """
 
     def __init__(
@@ -48,6 +55,7 @@ class StaticKVCache:
         dtype,
         device,
         windows: list[int | None] | None = None,
+        linear_states=None,
     ):
         windows = [None] * layers if windows is None else list(windows)
         if len(windows) != layers:
@@ -71,12 +79,14 @@ class StaticKVCache:
             width: torch.zeros(batch, width, dtype=torch.bool, device=device) for width in widths
         }
         self.batch, self.slots = batch, slots
+        self.linear_states = linear_states
 
     @property
     def nbytes(self) -> int:
         """Bytes held: keys, values and the marks."""
         tensors = [*self.keys, *self.values, self.filled, *self.ring_filled.values()]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        states = 0 if self.linear_states is None else self.linear_states.nbytes
+        return states + sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
     def fits(self, batch: int, slots: int, dtype, device) -> bool:
         """Whether this cache can serve ``batch`` rows of ``slots`` tokens as is: the same

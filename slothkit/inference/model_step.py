@@ -1,4 +1,5 @@
-"""One forward step of a decoder (Llama's layer, or Gemma 2/3's sandwich layer) over a static KV cache.
+"""One forward step of a decoder (Llama's layer, Gemma 2/3's sandwich layer, or Qwen3.5's
+gated DeltaNet and gated attention layers) over a static KV cache.
 
 The model's own modules compute the norms and the base projections (16-bit or 4-bit
 weights, read where they are); the LoRA adapters are applied without a merge by
@@ -22,16 +23,22 @@ from torch import nn
 
 from slothkit.core.inspection import attention_window
 from slothkit.core.model_state import patched_module
+from slothkit.inference.decode_deltanet import DecodeDeltaNet, DeltaNetStates, linear_attention_of
 from slothkit.inference.decode_experts import DecodeExperts, is_expert_block
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.memory.sizes import mlp_token_chunk
+from slothkit.models.generic_shapes import OUTPUT_GATE_TYPES
 from slothkit_kernels import attention, geglu, rope, rope_into_cache, swiglu
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE as Hugging Face stores it: the two halves of each head are the pair
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin).  Tables narrower than the head
+    (Qwen3.5's partial rotary) turn its first features so and pass the rest."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :width], cos, sin), x[..., width:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -40,7 +47,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _rotate_pair(q, k, cos, sin):
     """RoPE on q (B, H, T, D) and k, in place where a GPU runs slothkit's kernel (one
     launch for both, computed in fp32 as in training), else as Hugging Face computes it."""
-    if q.is_cuda:
+    if q.is_cuda and cos.shape[-1] == q.shape[-1]:
         return rope(q, k, cos, sin)
     return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
 
@@ -61,7 +68,8 @@ def _rope_and_cache(q, k, v, cos, sin, cache: StaticKVCache, layer: int, slots: 
     three."""
     keys, values = cache.keys[layer], cache.values[layer]
     fits = keys.shape[2] >= slots.shape[0]
-    if _fused_rope_and_cache_write(q) and keys.dtype == q.dtype and fits:
+    whole_head = cos.shape[-1] == q.shape[-1]  # the kernel turns whole heads (not Qwen3.5's quarter)
+    if _fused_rope_and_cache_write(q) and whole_head and keys.dtype == q.dtype and fits:
         return rope_into_cache(q, k, v, cos, sin, keys, values, stored), keys, values
     q, k = _rotate_pair(q, k, cos, sin)
     keys, values = cache.write(layer, slots, k, v)
@@ -222,19 +230,38 @@ def longrope_short_positions(config) -> int | None:
 
 
 def layer_windows(causal_lm: nn.Module) -> list[int | None]:
-    """Each decoder layer's sliding window (None: full attention)."""
+    """Each attention layer's sliding window (None: full attention), in layer order; a
+    gated DeltaNet layer (decode_deltanet.py) keeps no keys and has none."""
     layers = causal_lm.model.layers[: causal_lm.config.num_hidden_layers]
-    return [attention_window(layer.self_attn) for layer in layers]
+    return [attention_window(layer.self_attn) for layer in layers if linear_attention_of(layer) is None]
 
 
 class _DecodeLayer:
     """One decoder layer's projections, grouped by shared input; its q/k norms where the
     attention has them (Qwen3, Gemma 3: RMSNorm over each head before RoPE); its window,
     rotary table (by layer type: Gemma 3's sliding and global layers have their own rope
-    bases) and attention-logit softcap (Gemma 2); and, in a sandwich layer (Gemma 2 and 3),
-    the norms after attention and around the MLP."""
+    bases) and attention-logit softcap (Gemma 2); its output gate (Qwen3.5); in a sandwich
+    layer (Gemma 2 and 3), the norms after attention and around the MLP; or, in place of
+    the attention, a gated DeltaNet layer (decode_deltanet.py)."""
 
-    def __init__(self, layer: nn.Module, dtype: torch.dtype):
+    def __init__(self, layer: nn.Module, dtype: torch.dtype, linear_index: int | None = None):
+        sandwich = all(hasattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
+        #   h = x + post_attention_norm(attn(input_norm(x)));  y = h + post_mlp_norm(mlp(mlp_norm(h)))
+        # (a Llama layer: y = h + mlp(post_attention_layernorm(h)), h = x + attn(input_norm(x)))
+        self.attention_out_norm = layer.post_attention_layernorm if sandwich else None
+        self.mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        self.mlp_out_norm = layer.post_feedforward_layernorm if sandwich else None
+        # A mixture-of-experts block reads its tokens' chosen experts only (decode_experts.py).
+        self.mlp = (
+            DecodeExperts(layer.mlp, dtype) if is_expert_block(layer.mlp) else _DecodeMLP(layer.mlp, dtype)
+        )
+        # A gated DeltaNet layer (Qwen3.5's linear attention) mixes tokens through its
+        # recurrent state, the ``linear_index``-th of the step's DeltaNetStates.
+        linear = linear_attention_of(layer)
+        self.linear_attention = None if linear is None else DecodeDeltaNet(linear, dtype, linear_index)
+        self.layer_type = None
+        if linear is not None:
+            return
         attention = layer.self_attn
         # Read off the modules, not the patch record: a model loaded with fused=False
         # decodes through here too.
@@ -245,12 +272,11 @@ class _DecodeLayer:
         self.softcap = getattr(attention, "attn_logit_softcapping", None)
         self.sinks = getattr(attention, "sinks", None)  # gpt-oss: (H,) logits, one per query head
         self.scaling = float(attention.scaling)
-        sandwich = all(hasattr(layer, n) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
-        #   h = x + post_attention_norm(attn(input_norm(x)));  y = h + post_mlp_norm(mlp(mlp_norm(h)))
-        # (a Llama layer: y = h + mlp(post_attention_layernorm(h)), h = x + attn(input_norm(x)))
-        self.attention_out_norm = layer.post_attention_layernorm if sandwich else None
-        self.mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        self.mlp_out_norm = layer.post_feedforward_layernorm if sandwich else None
+        # Qwen3.5's gated attention: q_proj writes each head's query and then as wide a
+        # gate; the attention's output is multiplied by sigmoid(gate) before o_proj.
+        self.output_gate = (
+            getattr(getattr(attention, "config", None), "model_type", None) in OUTPUT_GATE_TYPES
+        )
         if hasattr(attention, "qkv_proj"):  # Phi-3: one layer, q's rows, then k's, then v's
             config = attention.config
             kv = config.num_key_value_heads * attention.head_dim
@@ -260,10 +286,6 @@ class _DecodeLayer:
             self.qkv_split = None
             self.qkv = SharedInputProjections([attention.q_proj, attention.k_proj, attention.v_proj], dtype)
         self.o = SharedInputProjections([attention.o_proj], dtype)
-        # A mixture-of-experts block reads its tokens' chosen experts only (decode_experts.py).
-        self.mlp = (
-            DecodeExperts(layer.mlp, dtype) if is_expert_block(layer.mlp) else _DecodeMLP(layer.mlp, dtype)
-        )
 
     def project_qkv(self, x: torch.Tensor) -> tuple:
         """q, k and v of ``x``, (B, T, heads * D) each."""
@@ -272,9 +294,12 @@ class _DecodeLayer:
         return self.qkv(x)[0].split(self.qkv_split, dim=-1)
 
     def refresh(self) -> None:
-        self.qkv.refresh()
-        self.o.refresh()
         self.mlp.refresh()
+        if self.linear_attention is not None:
+            self.linear_attention.refresh()
+        else:
+            self.qkv.refresh()
+            self.o.refresh()
 
 
 class _StepAttention:
@@ -360,9 +385,20 @@ class ModelStep:
         self.decoder = causal_lm.model
         config = causal_lm.config
         self.layers = list(self.decoder.layers[: config.num_hidden_layers])
-        attention = self.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.windows = layer_windows(causal_lm)  # per layer; the cache keeps rings by them
+        # Gated DeltaNet layers (Qwen3.5) keep a recurrent state (DeltaNetStates), not keys
+        # and values: the cache holds the attention layers only, cache_layers[i] being
+        # layer i's place in it (None for a DeltaNet layer).
+        self.deltanet_modules = [m for m in map(linear_attention_of, self.layers) if m is not None]
+        attention_layers = [layer for layer in self.layers if linear_attention_of(layer) is None]
+        places = iter(range(len(attention_layers)))
+        self.cache_layers = [None if linear_attention_of(layer) else next(places) for layer in self.layers]
+        self.head_dim = attention_layers[0].self_attn.head_dim
+        self.windows = layer_windows(causal_lm)  # per attention layer; the cache keeps rings by them
+        # Tables narrower than the head (Qwen3.5's partial rotary) turn part of each head.
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.partial_rotary = (
+            rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+        ) < 1
         self.softcap = getattr(config, "final_logit_softcapping", None)
         # transformers gives each layer type its own rope base through one rotary module
         # called with the layer's type (Gemma 3), or one table for all layers.
@@ -384,16 +420,27 @@ class ModelStep:
 
     def cache_layout(self) -> tuple[list[int | None], list[int], list[int]]:
         """The StaticKVCache this step reads: each cache layer's sliding window, key/value
-        heads and head size (here one cache layer per decoder layer, all alike)."""
+        heads and head size (here one cache layer per attention layer, all alike; a gated
+        DeltaNet layer keeps its recurrent state instead, new_linear_states)."""
         config = self.causal_lm.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        layers = len(self.layers)
+        layers = len(self.windows)
         return self.windows, [kv_heads] * layers, [self.head_dim] * layers
 
     def build_projections(self) -> None:
         """Describe every layer's projections afresh (after adapters were added, switched,
         merged or disabled)."""
-        self.decode_layers = [_DecodeLayer(layer, self.dtype) for layer in self.layers]
+        linear_places = iter(range(len(self.deltanet_modules)))
+        self.decode_layers = [
+            _DecodeLayer(layer, self.dtype, next(linear_places) if linear_attention_of(layer) else None)
+            for layer in self.layers
+        ]
+
+    def new_linear_states(self, batch: int, device) -> DeltaNetStates | None:
+        """Zeroed states of the gated DeltaNet layers for ``batch`` rows (None: it has none)."""
+        if not self.deltanet_modules:
+            return None
+        return DeltaNetStates(self.deltanet_modules, batch, self.dtype, device)
 
     def refresh(self) -> None:
         """Bring the adapter copies up to date with adapters trained in place."""
@@ -463,17 +510,30 @@ class ModelStep:
             tables = dict.fromkeys(
                 {p.layer_type for p in self.decode_layers}, self.decoder.rotary_emb(hidden, positions)
             )
-        tables = {kind: _whole_head_tables(pair, self.head_dim) for kind, pair in tables.items()}
+        if not self.partial_rotary:
+            tables = {kind: _whole_head_tables(pair, self.head_dim) for kind, pair in tables.items()}
         visible = cache.slots if visible is None else visible
         ring_step = tokens == 1  # a one-token step reads each ring whole (_StepAttention)
         attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         # Where each layer keeps these tokens: computed once per ring width, not per layer.
         stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}
-        for index, (layer, projections) in enumerate(zip(self.layers, self.decode_layers)):
+        # A DeltaNet layer zeroes padded positions (a one-token step is never padding).
+        real = None if tokens == 1 or causal else cache.filled.index_select(1, slots)
+        for layer, projections, index in zip(self.layers, self.decode_layers, self.cache_layers):
+            if projections.linear_attention is not None:
+                out = projections.linear_attention(layer.input_layernorm(hidden), cache.linear_states, real)
+                hidden = hidden + out
+                out = projections.mlp(projections.mlp_norm(hidden))
+                hidden = hidden + out
+                continue
             cos, sin = tables[projections.layer_type]  # (B, T, D) each
             q, k, v = projections.project_qkv(layer.input_layernorm(hidden))
-            q = q.view(batch, tokens, -1, self.head_dim)
+            gate = None
+            if projections.output_gate:  # each head's query, then its gate
+                q, gate = q.view(batch, tokens, -1, 2 * self.head_dim).chunk(2, dim=-1)
+                gate = gate.reshape(batch, tokens, -1)
+            q = q.reshape(batch, tokens, -1, self.head_dim)
             k = k.view(batch, tokens, -1, self.head_dim)
             if projections.qk_norm is not None:
                 q_norm, k_norm = projections.qk_norm
@@ -487,7 +547,10 @@ class ModelStep:
             if ring is None:
                 keys, values = keys[:, :, :visible], values[:, :, :visible]
             out = attend(q, keys, values, projections, ring)
-            out = projections.o(out.transpose(1, 2).reshape(batch, tokens, -1))[0]
+            out = out.transpose(1, 2).reshape(batch, tokens, -1)
+            if gate is not None:
+                out = out * torch.sigmoid(gate)
+            out = projections.o(out)[0]
             if projections.attention_out_norm is not None:
                 out = projections.attention_out_norm(out)
             hidden = hidden + out

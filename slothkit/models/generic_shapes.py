@@ -82,7 +82,7 @@ PER_HEAD_QK_NORM_TYPES = frozenset({"qwen3_moe"})
 # head's query and a gate as wide (transformers' Qwen3_5Attention), the attention's output
 # is multiplied by the gate's sigmoid before o_proj; the planner counts both
 # (slothkit.memory.hybrid_layers).
-OUTPUT_GATE_TYPES = frozenset({"qwen3_5_text"})
+OUTPUT_GATE_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
 # One shape a line.
 # fmt: off
