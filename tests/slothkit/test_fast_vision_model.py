@@ -39,16 +39,18 @@ LAYERS = {
 }
 
 
-def _load(family, load_in_4bit=False):
+def _load(family, load_in_4bit=False, fused=False):
+    """The model and processor, the language model on HF's layers unless `fused` (its
+    fused path: tests/slothkit/test_vision_training.py)."""
     path = str(tiny_image_text_path(family))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if image_text_processor_loads(family) is None:
             return FastVisionModel.from_pretrained(
-                path, load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128
+                path, load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128, fused=fused
             )
         # Qwen-VL's processor needs torchvision; the model loads without it.
-        options = LoadOptions(load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128)
+        options = LoadOptions(load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128, fused=fused)
         return load_vision_model(path, options), None
 
 
@@ -172,11 +174,14 @@ def _gemma3_batch(processor, seed):
     return processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["hf-layers", "fused-language"])
 @pytest.mark.parametrize("checkpointing", ["offload", True])
-def test_checkpointing_both_towers_gives_the_gradients_of_none(checkpointing):
+def test_checkpointing_both_towers_gives_the_gradients_of_none(checkpointing, fused, request):
+    if fused:  # the fused layers checkpoint themselves; the kernels' torch references run them
+        request.getfixturevalue("reference_kernels")
     batches = []
     for mode in (False, checkpointing):
-        model, processor = _load("gemma3")
+        model, processor = _load("gemma3", fused=fused)
         model = FastVisionModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode)
         batch = _gemma3_batch(processor, seed=1)
         loss = model(**batch, labels=batch["input_ids"]).loss
