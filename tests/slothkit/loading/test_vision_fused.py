@@ -57,10 +57,11 @@ def test_fused_layers_compute_hf_logits_and_loss_on_a_batch_with_an_image(family
     assert state_of(causal_lm).architecture == LANGUAGE_RECORDS[family]
     assert patched_module(causal_lm) is not None  # the head's fused linear cross-entropy
     assert any(f"fused {LANGUAGE_RECORDS[family]} layers" in notice for notice in notices), notices
+    device = next(fused.parameters()).device
     plain = AutoModelForImageTextToText.from_pretrained(
-        tiny_image_text_path(family), dtype=torch.float32, attn_implementation="sdpa"
+        tiny_image_text_path(family), dtype=torch.float32, attn_implementation="sdpa", device_map=device
     )
-    batch = on_device(random_batch(family, seed=5, rows=1, text_tokens=8), torch.device("cpu"))
+    batch = on_device(random_batch(family, seed=5, rows=1, text_tokens=8), device)
     labels = batch.pop("labels")
     with torch.no_grad():
         got = fused.eval()(**batch).logits
