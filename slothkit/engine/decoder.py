@@ -352,8 +352,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = int(num_items_in_batch.item())
     if "labels" in inspect.signature(self.model.forward).parameters:
-        # An image-text model's base model takes them as its own forward passes them
-        # (Gemma 3's may build its training mask over image tokens from them).
+        # An image-text model's own forward hands them to its base model (Gemma 3's), so
+        # the base model sees the call it sees without slothkit.
         kwargs["labels"] = labels
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
