@@ -11,6 +11,7 @@ import torch
 
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import patched_module, state_of
+from slothkit.core.notices import say_once
 from slothkit.loading.load_model import LoadOptions
 from slothkit.loading.vision_model import load_vision_model
 from slothkit.models import language_model_architecture
@@ -34,6 +35,8 @@ def test_the_language_model_runs_its_family_record(config_class, record):
 
 
 def _load(family, fused):
+    """The model and the load notice (shown again: another test may have shown it)."""
+    say_once.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = load_vision_model(
