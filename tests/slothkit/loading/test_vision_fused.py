@@ -87,3 +87,32 @@ def test_fused_false_keeps_hf_modules_where_triton_runs():
     model, notices = _load("qwen2_5_vl", fused=False)
     assert state_of(causal_lm_of(model)).architecture is None
     assert any("language model on Hugging Face's modules" in notice for notice in notices), notices
+
+
+def test_per_section_m_rope_tables_keep_hf_layers_and_refuse_fused_true():
+    """A rotary module that returns one table per M-RoPE section, (3, B, T, D), as older
+    transformers' Qwen2-VL did, is one the fused RoPE cannot read: HF's layers stay (the
+    reason given), and fused=True is refused naming it."""
+    import types
+
+    from transformers import AutoModelForImageTextToText
+
+    from slothkit.engine.decoder import language_model_of
+    from slothkit.loading.vision_fused import fuse_language_model
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        tiny_image_text_path("qwen2_5_vl"), dtype=torch.float32
+    )
+    rotary = language_model_of(model).rotary_emb
+
+    def per_section_tables(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq  # (3, B, T, D / 2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (3, B, T, D)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    rotary.forward = types.MethodType(per_section_tables, rotary)
+    what_runs = fuse_language_model(model, fused=None)
+    assert what_runs.startswith("Hugging Face's modules") and "(3, 1, 4, " in what_runs, what_runs
+    assert state_of(model) is None or state_of(model).architecture is None
+    with pytest.raises(ValueError, match="one per section"):
+        fuse_language_model(model, fused=True)
