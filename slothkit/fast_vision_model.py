@@ -41,6 +41,7 @@ class FastVisionModel:
         use_gradient_checkpointing="offload",
         load_in_8bit: bool = False,
         full_finetuning: bool = False,
+        fused: bool | None = None,
         **hf_kwargs,
     ):
         """Load the whole image-text model (``AutoModelForImageTextToText``: vision tower,
@@ -68,6 +69,11 @@ class FastVisionModel:
                 checkpointing is get_peft_model's (its own argument), except for a saved
                 adapter, which is ready to train as it loads, with this checkpointing.
             load_in_8bit, full_finetuning: False; True is refused, as by FastModel.
+            fused: the language model on slothkit's fused layers (where its family has a
+                record: Gemma 3's, Qwen2.5-VL's) and, where the loss is the plain one, the
+                fused linear cross-entropy. None (default): where Triton runs on the
+                model's device (a CUDA GPU); True: everywhere (refused for a language
+                model without a record); False: Hugging Face's modules.
             **hf_kwargs: passed on to ``AutoModelForImageTextToText.from_pretrained``.
 
         Returns:
@@ -76,15 +82,15 @@ class FastVisionModel:
 
         Raises:
             FileNotFoundError: no such checkpoint, or it has no processor.
-            ValueError: the checkpoint is not of an image-text model, or an option is not
-                accepted.
+            ValueError: the checkpoint is not of an image-text model, an option is not
+                accepted, or fused=True where the language model has no fused path.
             ImportError: load_in_4bit without bitsandbytes, or transformers needs a package
                 to build the processor (Qwen-VL's: torchvision).
         """
         check_loading_options(load_in_8bit, full_finetuning, False, hf_kwargs)
         options = LoadOptions(
             max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit, device_map=device_map,
-            token=token, attn_implementation=attn_implementation, hf_kwargs=hf_kwargs,
+            token=token, attn_implementation=attn_implementation, fused=fused, hf_kwargs=hf_kwargs,
         )  # fmt: skip
         if is_adapter_folder(model_name):
             return load_saved_vision_adapter(model_name, options, use_gradient_checkpointing)

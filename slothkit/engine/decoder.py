@@ -351,6 +351,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     check_labels_in_range(shift_labels, head.weight.shape[0], IGNORE_INDEX)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = int(num_items_in_batch.item())
+    if "labels" in inspect.signature(self.model.forward).parameters:
+        # An image-text model's own forward hands them to its base model (Gemma 3's), so
+        # the base model sees the call it sees without slothkit.
+        kwargs["labels"] = labels
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     )
@@ -369,9 +373,24 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     )
 
 
+def _with_own_signature(function, model: nn.Module):
+    """A copy of `function` that inspect reads as `model`'s class forward: generate() passes
+    on only the keywords that forward names (an image-text model's pixel_values), and the
+    Trainer keeps only the dataset columns it names."""
+    copy = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__signature__ = inspect.signature(type(model).forward)
+    return copy
+
+
 def patch_causal_lm(model: nn.Module) -> None:
     if patched_module(model) is None:  # idempotent
-        bind_forward(model, _causal_lm_forward)
+        bind_forward(model, _with_own_signature(_causal_lm_forward, model))
 
 
 # --- the whole model ---------------------------------------------------------------
@@ -382,15 +401,24 @@ def patch_causal_lm(model: nn.Module) -> None:
 LAYER_LISTS = ("layers", "h", "blocks")
 
 
+def language_model_of(causal_lm: nn.Module) -> nn.Module | None:
+    """The module that runs the decoder layers: the causal LM's base model, or, in an
+    image-text model (Gemma 3's, Qwen2.5-VL's *ForConditionalGeneration), its base model's
+    `language_model`, which receives the image features as input embeddings."""
+    decoder = getattr(causal_lm, "base_model", None) or getattr(causal_lm, "model", None)
+    language_model = getattr(decoder, "language_model", None)
+    return language_model if isinstance(language_model, nn.Module) else decoder
+
+
 def decoder_layers(model: nn.Module):
-    """(the *ForCausalLM or *ForSequenceClassification model, optionally inside a PeftModel,
-    and its decoder layers).
+    """(the *ForCausalLM, *ForSequenceClassification or image-text *ForConditionalGeneration
+    model, optionally inside a PeftModel, and its (language model's) decoder layers).
 
     Raises:
         ValueError: the model keeps no list of layers where transformers' decoders do.
     """
     causal_lm = causal_lm_of(model)
-    decoder = getattr(causal_lm, "base_model", None) or getattr(causal_lm, "model", None)
+    decoder = language_model_of(causal_lm)
     for name in LAYER_LISTS:
         layers = getattr(decoder, name, None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
@@ -401,15 +429,19 @@ def decoder_layers(model: nn.Module):
     )
 
 
-def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
+def patch_decoder(model: nn.Module, arch: Architecture, fused_head: bool = True) -> nn.Module:
     """Route every norm, attention, MLP and the training loss of ``model`` through
     the fused kernels.  A sequence classifier (a reward model) keeps its score head and
-    loss: only its decoder is patched.  Idempotent; returns the model."""
+    loss: only its decoder is patched; so does a model patched with ``fused_head=False``
+    (an image-text model whose loss is not checked to be the plain one).  An image-text
+    model's language model is the decoder patched (``language_model_of``).  Idempotent;
+    returns the model."""
     causal_lm, layers = decoder_layers(model)
     state = state_of(causal_lm)
     if state is not None and state.architecture == arch.name:
         return model
-    activation = arch.activation(causal_lm.config)
+    language_model = language_model_of(causal_lm)
+    activation = arch.activation(language_model.config)
     norms = ["input_layernorm", "post_attention_layernorm"]
     if arch.sandwich_norms:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
@@ -422,8 +454,8 @@ def patch_decoder(model: nn.Module, arch: Architecture) -> nn.Module:
         patch_attention(layer.self_attn, qk_norm=arch.qk_norm)
         patch_mlp(layer.mlp, activation, output_unread_in_recompute=not arch.sandwich_norms)
         patch_decoder_layer(layer, sandwich_norms=arch.sandwich_norms)
-    patch_rms_norm(causal_lm.model.norm, arch.norm_adds_one)
-    if causal_lm.get_output_embeddings() is not None:  # an LM head: the fused loss applies
+    patch_rms_norm(language_model.norm, arch.norm_adds_one)
+    if fused_head and causal_lm.get_output_embeddings() is not None:  # an LM head: the fused loss applies
         patch_causal_lm(causal_lm)
     attach_state(causal_lm).architecture = arch.name
     return model

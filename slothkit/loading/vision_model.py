@@ -6,8 +6,10 @@ beside it.
     processor = load_processor("path/or/hub-id")
     model = load_vision_model("path/or/hub-id", LoadOptions(load_in_4bit=True), processor)
 
-The model trains on Hugging Face's modules (both towers); slothkit adds its checkpointing,
-LoRA targets by part (slothkit.loading.vision_lora) and the saves.
+The vision tower and projector train on Hugging Face's modules; the language model on
+slothkit's fused layers where its family has a record and Triton runs
+(slothkit.loading.vision_fused). slothkit adds its checkpointing, LoRA targets by part
+(slothkit.loading.vision_lora) and the saves.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from slothkit.core.model_state import attach_state
 from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.loading.load_model import LoadOptions, prepare_tokenizer, set_max_seq_length
+from slothkit.loading.vision_fused import fuse_language_model
 from slothkit.models.image_text import SIXTEEN_BIT_MODULES, is_image_text_config
 
 
@@ -88,10 +91,11 @@ def load_vision_model(model_name: str, options: LoadOptions, processor=None):
         prepare_tokenizer(processor.tokenizer, max_seq_length)
         attach_state(model).tokenizer = processor
     set_max_seq_length(model, max_seq_length, checked=True)
+    language = fuse_language_model(model, options.fused)
     say_once(
-        f"slothkit: {model_name} is an image-text {config.model_type} model; FastVisionModel trains both towers "
-        f"on Hugging Face's modules with slothkit's checkpointing and LoRA targets (the fused language path "
-        f"is for text models), and generates through Hugging Face's generate",
+        f"slothkit: {model_name} is an image-text {config.model_type} model; FastVisionModel trains its vision "
+        f"tower and projector on Hugging Face's modules and its language model on {language}, with slothkit's "
+        f"checkpointing and LoRA targets, and generates through Hugging Face's generate",
         FallbackWarning,
     )
     return model

@@ -1,6 +1,7 @@
 """Supported architectures: one record per family (slothkit.models.architecture).
 
 architecture_for(model.config)     # the fused path's record by config.model_type; None without one
+language_model_architecture(config)  # the fused record of an image-text model's language model
 record_for(model.config)           # any record by config.model_type (GGUF export); None when unknown
 export_record_for(model.config)    # record_for, else a mixture-of-experts family's (GGUF export)
 architecture_named("gemma")        # by record name
@@ -65,6 +66,7 @@ __all__ = [
     "architecture_named",
     "architecture_of_shape",
     "export_record_for",
+    "language_model_architecture",
     "record_for",
     "shape_by_name",
     "supported_summary",
@@ -83,6 +85,20 @@ def architecture_for(config) -> Architecture | None:
         _notice_generic_config(arch.name, reason)
         return None
     return arch
+
+
+def language_model_architecture(config) -> Architecture | None:
+    """The fused record for the language model of an image-text model's config (its
+    text_config's model_type: a record's own, as Gemma 3's "gemma3_text", or one of its
+    `language_model_types`, as Qwen2.5-VL's "qwen2_5_vl_text"), or None."""
+    text = config.get_text_config()
+    arch = architecture_for(text)
+    if arch is not None:
+        return arch
+    for arch in ARCHITECTURES:
+        if text.model_type in arch.language_model_types and generic_path_reason(text) is None:
+            return arch
+    return None
 
 
 @functools.cache

@@ -36,6 +36,9 @@ rest of slothkit reads what differs between families from it and from nowhere el
                       (the fast decode step reads the extra norms off the layer)
     text_tower_of     loading (slothkit.loading.text_tower): a multimodal checkpoint of these
                       model_types loads as this family's text model
+    language_model_types  FastVisionModel's fused language path (slothkit.loading.vision_fused,
+                      through language_model_architecture): an image-text model's language
+                      model of these model_types runs this family's fused layers
     demo_model        `slothkit demo` (slothkit.notebook.execute): the real model it trains
     unsloth_block_compile  the bench's Unsloth runs (slothkit.bench.train_worker)
 
@@ -195,6 +198,11 @@ class Architecture:
     # language model (Gemma 3's 4B, 12B and 27B: "gemma3"); FastModel loads that text tower
     # alone (slothkit.loading.text_tower).
     text_tower_of: tuple[str, ...] = ()
+    # model_types of an image-text model's language model (its text_config) that are this
+    # family's decoder under another name (Qwen2.5-VL's "qwen2_5_vl_text": Qwen2's layers,
+    # rotated by M-RoPE tables); FastVisionModel runs them on the fused path
+    # (slothkit.loading.vision_fused). A family's own model_types need no entry here.
+    language_model_types: tuple[str, ...] = ()
     # q, k, v are one layer (qkv_proj) and gate, up another (gate_up_proj), adapted as they
     # are (Phi-3): one LoRA A per group. The fused path reads them as row slices
     # (slothkit.engine.lora_projection.describe_rows) by the modules it finds.

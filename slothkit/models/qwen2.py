@@ -9,6 +9,9 @@ attention module its own `sliding_window`, which the fused attention reads.
 
 llama.cpp runs it as its "qwen2" graph: half-split ("neox") rotation, so the Q/K rows are
 written as stored, and the three biases as blk.N.attn_{q,k,v}.bias.
+
+Qwen2.5-VL's language model is this decoder (`language_model_types`): FastVisionModel
+runs it on the fused path.
 """
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
@@ -47,4 +50,8 @@ QWEN2 = Architecture(
         "tiny-qwen2": Shape("qwen2", 64, 192, 2, 4, 2, 512, 2048, _QWEN25),
     },
     families=("Qwen2", "Qwen2.5", "Qwen2.5-Coder", "Qwen2.5-Math", "DeepSeek-R1-Distill-Qwen"),
+    # Qwen2.5-VL's language model: these layers, whose rotary tables transformers builds by
+    # M-RoPE (each frequency band takes the temporal, height or width position), one
+    # (B, T, D) table like any other that the fused RoPE reads as it is.
+    language_model_types=("qwen2_5_vl_text",),
 )

@@ -25,7 +25,13 @@ LEARNING_RATE = 1e-2
 
 
 def load_for_training(
-    kind: str, family: str, vision: bool, load_in_4bit: bool = False, targets=None, dtype=torch.float32
+    kind: str,
+    family: str,
+    vision: bool,
+    load_in_4bit: bool = False,
+    targets=None,
+    dtype=torch.float32,
+    fused: bool | None = None,
 ):
     """The tiny `family` checkpoint with LoRA (r=8, alpha=16), on the GPU where there is
     one (as FastVisionModel places it).
@@ -40,6 +46,8 @@ def load_for_training(
             and head 16-bit), computing in `dtype`.
         targets: "hf" only: the module paths to adapt (adapted_layers of the slothkit
             model: the same layers, so that the two start from the same adapters).
+        fused: "slothkit" only: from_pretrained's fused (True: the language model on the
+            fused layers, on the CPU through the Triton interpreter).
     """
     path = str(tiny_image_text_path(family))
     if kind == "slothkit":
@@ -49,10 +57,10 @@ def load_for_training(
 
         if image_text_processor_loads(family) is None:
             model, _ = FastVisionModel.from_pretrained(
-                path, load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128
+                path, load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128, fused=fused
             )
         else:  # the model alone, where transformers cannot build the processor (Qwen-VL's without torchvision)
-            options = LoadOptions(load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128)
+            options = LoadOptions(load_in_4bit=load_in_4bit, dtype=dtype, max_seq_length=128, fused=fused)
             model = load_vision_model(path, options)
         return FastVisionModel.get_peft_model(
             model, finetune_vision_layers=vision, r=8, lora_alpha=16, random_state=SEED,
@@ -95,7 +103,8 @@ def adapted_layers(model) -> list[str]:
 
 def random_batch(family: str, seed: int, rows: int = 2, text_tokens: int = 20) -> dict[str, torch.Tensor]:
     """`rows` rows of random text tokens, each with one random image's tokens after its
-    first few, the labels the ids with the image tokens left out (-100)."""
+    first few, the labels the ids with the image tokens left out (-100), and the token
+    types the processor writes (Gemma 3's token_type_ids, Qwen-VL's mm_token_type_ids)."""
     from PIL import Image
     from transformers import AutoConfig, AutoImageProcessor
 
@@ -134,6 +143,8 @@ def random_batch(family: str, seed: int, rows: int = 2, text_tokens: int = 20) -
         batch["token_type_ids"] = (ids == placeholder).long()
     if family == "mllama":
         batch["cross_attention_mask"] = _cross_attention_mask(ids, placeholder, pixels["aspect_ratio_mask"])
+    if family == "qwen2_5_vl":  # the image tokens' M-RoPE positions (time, height, width) are read from these
+        batch["mm_token_type_ids"] = (ids == placeholder).long()
     batch["pixel_values"] = batch["pixel_values"].float()
     return batch
 

@@ -67,16 +67,18 @@ MLLAMA_LAYERS = {
 }
 
 
-def _load(family, load_in_4bit=False):
+def _load(family, load_in_4bit=False, fused=False):
+    """The model and processor, the language model on HF's layers unless `fused` (its
+    fused path: tests/slothkit/test_vision_training.py)."""
     path = str(tiny_image_text_path(family))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if image_text_processor_loads(family) is None:
             return FastVisionModel.from_pretrained(
-                path, load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128
+                path, load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128, fused=fused
             )
         # Qwen-VL's processor needs torchvision; the model loads without it.
-        options = LoadOptions(load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128)
+        options = LoadOptions(load_in_4bit=load_in_4bit, dtype=torch.float32, max_seq_length=128, fused=fused)
         return load_vision_model(path, options), None
 
 
@@ -217,12 +219,18 @@ def _chat_batch(processor, seed):
     return processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mllama"])
+@pytest.mark.parametrize(
+    ("family", "fused"),
+    [("gemma3", False), ("gemma3", True), ("mllama", False)],
+    ids=["gemma3-hf-layers", "gemma3-fused-language", "mllama-hf-layers"],
+)
 @pytest.mark.parametrize("checkpointing", ["offload", True])
-def test_checkpointing_both_towers_gives_the_gradients_of_none(family, checkpointing):
+def test_checkpointing_both_towers_gives_the_gradients_of_none(family, checkpointing, fused, request):
+    if fused:  # the fused layers checkpoint themselves; the kernels' torch references run them
+        request.getfixturevalue("reference_kernels")
     batches = []
     for mode in (False, checkpointing):
-        model, processor = _load(family)
+        model, processor = _load(family, fused=fused)
         model = FastVisionModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode)
         batch = _chat_batch(processor, seed=1)
         # Every token but Mllama's <|image|>, whose id is past its head's rows.

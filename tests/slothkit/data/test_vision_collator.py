@@ -20,8 +20,9 @@ def loaded():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return FastVisionModel.from_pretrained(
-            str(tiny_image_text_path("gemma3")), load_in_4bit=False, dtype=torch.float32, max_seq_length=128
-        )
+            str(tiny_image_text_path("gemma3")), load_in_4bit=False, dtype=torch.float32, max_seq_length=128,
+            fused=False,
+        )  # fmt: skip
 
 
 def _image(rng, size=(40, 30)):
@@ -135,15 +136,17 @@ def test_a_tokenizer_is_refused_naming_the_processor(loaded):
         VisionDataCollator(model, processor.tokenizer)
 
 
-def test_sft_trainer_trains_both_towers_as_unsloths_notebooks_set_it_up(loaded, tmp_path):
+def test_sft_trainer_trains_both_towers_as_unsloths_notebooks_set_it_up(loaded, tmp_path, reference_kernels):
+    """With the language model on the fused path (the kernels' torch references), as on a GPU."""
     from slothkit.trl import SFTConfig, SFTTrainer
 
     _, processor = loaded
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, processor = FastVisionModel.from_pretrained(
-            str(tiny_image_text_path("gemma3")), load_in_4bit=False, dtype=torch.float32, max_seq_length=128
-        )
+            str(tiny_image_text_path("gemma3")), load_in_4bit=False, dtype=torch.float32, max_seq_length=128,
+            fused=True,
+        )  # fmt: skip
         model = FastVisionModel.get_peft_model(model, r=8, lora_alpha=16)
     rng = np.random.RandomState(5)
     record = _record(rng, "What is in the picture?", "Noise in many colours.")
