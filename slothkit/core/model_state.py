@@ -53,6 +53,9 @@ class ModelState:
             (slothkit.engine.checkpointing.recompute_policy.RecomputePolicy), else None.
         fast_decoder: the FastDecoder ``for_inference`` attached (slothkit.inference),
             else None; not copied with the model.
+        fast_decode_refused: why the fast loop of a family without a record disagreed
+            with the model's own forward when it was switched on (slothkit.inference.
+            decode_check), so that later switches keep Hugging Face's generate; else None.
     """
 
     architecture: str | None = None
@@ -60,6 +63,7 @@ class ModelState:
     max_seq_length: int | None = None
     recompute_policy: Any = None
     fast_decoder: Any = None
+    fast_decode_refused: str | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "fast_decoder": None}

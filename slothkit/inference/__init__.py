@@ -7,7 +7,8 @@
 Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
 gemma4_step.py (Gemma 4's step: per-layer inputs, shared keys and values),
 decode_experts.py (a mixture-of-experts block's chosen experts in a step),
-decode_deltanet.py (a gated DeltaNet layer's recurrent state in a step), sampling.py
+decode_deltanet.py (a gated DeltaNet layer's recurrent state in a step), decode_check.py
+(a family without a record checked against its own forward when switched on), sampling.py
 (generate's settings and logits processors), fast_decoder.py (prefill, the captured
 decode step, the loop).
 """
@@ -19,6 +20,7 @@ import torch
 from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state, state_of
 from slothkit.core.notices import FallbackWarning, say_once
+from slothkit.inference.decode_check import decode_disagreement
 from slothkit.inference.decode_deltanet import QWEN3_5
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.gemma4_step import Gemma4Step
@@ -117,13 +119,27 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
             say_once(f"slothkit: {reason}; model.generate runs Hugging Face's generate", FallbackWarning)
         return False
     state = attach_state(causal_lm)
+    if state.fast_decode_refused is not None:
+        return False
     if state.fast_decoder is None:
         arch = decoded_record(causal_lm.config)
         # A family step's embedding scales itself (Gemma 4's embedding module does).
         embedding_scale = arch is not None and arch.embedding_scale
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
         step_class = step_class_for(causal_lm.config)
-        state.fast_decoder = FastDecoder(causal_lm, embedding_scale, use_graph, step_class)
+        decoder = FastDecoder(causal_lm, embedding_scale, use_graph, step_class)
+        if architecture_for(causal_lm.config) is None:  # no record: checked here (decode_check.py)
+            disagreement = decode_disagreement(decoder)
+            if disagreement is not None:
+                decoder.release()
+                state.fast_decode_refused = disagreement
+                say_once(
+                    f"slothkit: fast generation is off for this {causal_lm.config.model_type!r} model: "
+                    f"{disagreement}; model.generate runs Hugging Face's generate",
+                    FallbackWarning,
+                )
+                return False
+        state.fast_decoder = decoder
     state.fast_decoder.while_training = while_training
     return True
 
