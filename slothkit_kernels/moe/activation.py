@@ -14,9 +14,9 @@ Backward, given dh, with s = sigmoid(g) resp. s = sigmoid(alpha g'):
     gpt_oss:     dg = dh (u' + 1) s (1 + alpha g' (1 - s)) [g <= limit],
                  du = dh g' s [-limit <= u <= limit]
     geglu_tanh:  dg = dh u gelu_tanh'(g),                du = dh gelu_tanh(g)
-with gelu_tanh and its derivative as slothkit_kernels.geglu derives and computes them
-(g sigmoid(2 k (g + c g^3)), no tanh).
-(torch.clamp passes the gradient where the input lies in the closed range, and so do these.)
+(torch.clamp passes the gradient where the input lies in the closed range, and so do these;
+gelu_tanh and its derivative are slothkit_kernels.geglu's, derived and computed there as
+g sigmoid(2 k (g + c g^3)), with no tanh.)
 
 In the expert block the backward kernel also finishes two things that need the whole
 row: dh = w gY is the routing weight w times the unweighted gradient gY of the row
