@@ -53,10 +53,11 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "ta
 
 
 @triton.jit
-def _gelu_and_derivative(
+def gelu_and_derivative(
     e,  # fp32 block of gate values
     APPROXIMATE_TANH: tl.constexpr,  # True: tanh approximation; False: exact erf form
 ):
+    """(gelu(e), gelu'(e)) in fp32 (module docstring); the MoE experts' GeGLU reads it too."""
     if APPROXIMATE_TANH:
         k = 0.7978845608028654  # sqrt(2 / pi)
         u = k * e * (1.0 + 0.044715 * e * e)
@@ -86,7 +87,7 @@ def _geglu_forward_kernel(
 
     e = tl.load(E + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
-    gelu, _ = _gelu_and_derivative(e, APPROXIMATE_TANH)
+    gelu, _ = gelu_and_derivative(e, APPROXIMATE_TANH)
     tl.store(H + offsets, (gelu * g).to(H.dtype.element_ty), mask=mask)
 
 
@@ -111,7 +112,7 @@ def _geglu_backward_kernel(
     e = tl.load(E + offsets, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offsets, mask=mask, other=0.0).to(tl.float32)
 
-    gelu, d_gelu = _gelu_and_derivative(e, APPROXIMATE_TANH)
+    gelu, d_gelu = gelu_and_derivative(e, APPROXIMATE_TANH)
     h = gelu * g
     dg = dh * gelu
     de = dh * g * d_gelu

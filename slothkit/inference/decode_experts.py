@@ -11,7 +11,8 @@ codes.  Here, for the P = N * top_k (token, choice) pairs of N tokens:
     W_p = W[ids_p]                              the chosen experts' weights, read where
                                                 they lie (NF4: only theirs dequantised)
     gu_p = x_t W_gu,p^T + s (x_t A_p^T) B_p^T + b_p     one launch over the pairs
-    h_p = act(gu_p)                             SwiGLU of the gate and up halves
+    h_p = act(gu_p)                             the experts' gate (SwiGLU, gpt-oss's
+                                                clamped SwiGLU, Gemma 4's GELU-tanh)
     y_p = h_p W_d,p^T + s (h_p A_p^T) B_p^T + b_p
     out_t = sum_j w_tj y_tj                     the products in the model's dtype as
                                                 transformers forms them, summed in fp32

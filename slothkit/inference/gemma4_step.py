@@ -25,7 +25,7 @@ What Gemma 4 adds to the sandwich layer of Gemma 2 and 3 that ModelStep runs:
 - 26B-A4B: beside the dense MLP, a mixture-of-experts block reads the residual before the
   MLP: its router chooses experts from it, and the experts read its own pre-norm of it;
   the two outputs, each normed, are summed before post_feedforward_layernorm.  The chosen
-  experts run through decode_experts.py.
+  experts, with their GELU-tanh gate, run through decode_experts.py.
 
 Shapes as in model_step.py: B rows, T new tokens, S cache slots, H query heads, D head size
 (the layer's), P the per-layer input width, L layers.
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from slothkit.core.inspection import attention_window
+from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.engine.experts import ExpertsCall, describe_experts
 from slothkit.inference.decode_experts import GATHER_ROWS, chosen_experts, expert_adapters
 from slothkit.inference.decode_projections import SharedInputProjections
@@ -53,8 +54,10 @@ from slothkit.inference.model_step import (
 class _ExpertBlock:
     """26B-A4B's mixture-of-experts block as a step runs it: transformers' router on the
     residual, the chosen experts (decode_experts.chosen_experts) on its own pre-norm of
-    it, then its post-norm.  A prefill of more than GATHER_ROWS tokens, or experts the
-    gathered path does not describe, run the experts module's own forward."""
+    it, then its post-norm.  A prefill of more than GATHER_ROWS tokens runs the experts
+    module's forward (the fused experts where the model has them); experts the gathered
+    path does not describe (an activation other than the fused experts' gates, several
+    active adapters) run the module's own forward, said once."""
 
     def __init__(self, layer: nn.Module, dtype: torch.dtype):
         self.router, self.experts = layer.router, layer.experts
@@ -63,6 +66,12 @@ class _ExpertBlock:
             self.call = describe_experts(layer.experts)
         gathered = isinstance(self.call, ExpertsCall)
         self.adapters = expert_adapters(self.call, dtype) if gathered else (None, None)
+        if not gathered:
+            say_once(
+                f"slothkit: a decode step runs this mixture-of-experts block's own experts "
+                f"forward, which reads every expert hit: {self.call}",
+                FallbackWarning,
+            )
 
     def refresh(self) -> None:
         for adapter in self.adapters:

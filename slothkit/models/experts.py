@@ -20,7 +20,8 @@ class ExpertGate:
     """An experts module's activation, by slothkit_kernels.moe's name, and where its
     parameters live on the module."""
 
-    activation: str  # "swiglu": silu(gate) * up; "gpt_oss": the clamped SwiGLU of gpt-oss
+    activation: str  # "swiglu": silu(gate) * up; "gpt_oss": the clamped SwiGLU of gpt-oss;
+    # "geglu_tanh": gelu_tanh(gate) * up (Gemma 4)
     alpha_attribute: str | None = None  # the sigmoid's slope (gpt-oss: alpha, 1.702)
     limit_attribute: str | None = None  # the clamp on gate and up (gpt-oss: limit, 7.0)
 
@@ -32,8 +33,11 @@ OWN_GATES = {
     "GptOssExperts": ExpertGate("gpt_oss", alpha_attribute="alpha", limit_attribute="limit"),
 }
 
-# transformers' default gate, act_fn(gate) * up, by the class of act_fn.
+# transformers' default gate, act_fn(gate) * up, by the class of act_fn.  GELUTanh is
+# ACT2FN["gelu_pytorch_tanh"] (Gemma 4's experts: 26B-A4B), PytorchGELUTanh its older name.
 DEFAULT_GATES = {
     "SiLUActivation": ExpertGate("swiglu"),
     "SiLU": ExpertGate("swiglu"),
+    "GELUTanh": ExpertGate("geglu_tanh"),
+    "PytorchGELUTanh": ExpertGate("geglu_tanh"),
 }

@@ -3,16 +3,20 @@
 The gate and up halves are columns of one product: the first I and the last I
 (Qwen3-MoE, Mixtral), or the even and the odd columns when ``interleaved`` (gpt-oss).
 
-    "swiglu":   h = silu(g) * u
-    "gpt_oss":  g' = min(g, limit),  u' = clamp(u, -limit, limit),
-                h = (u' + 1) * g' * sigmoid(alpha g')           (transformers' GptOssExperts)
+    "swiglu":      h = silu(g) * u
+    "gpt_oss":     g' = min(g, limit),  u' = clamp(u, -limit, limit),
+                   h = (u' + 1) * g' * sigmoid(alpha g')        (transformers' GptOssExperts)
+    "geglu_tanh":  h = gelu_tanh(g) * u                          (Gemma 4's gelu_pytorch_tanh)
 
 Backward, given dh, with s = sigmoid(g) resp. s = sigmoid(alpha g'):
 
-    swiglu:   dg = dh u s (1 + g (1 - s)),            du = dh g s
-    gpt_oss:  dg = dh (u' + 1) s (1 + alpha g' (1 - s)) [g <= limit],
-              du = dh g' s [-limit <= u <= limit]
-(torch.clamp passes the gradient where the input lies in the closed range, and so do these.)
+    swiglu:      dg = dh u s (1 + g (1 - s)),            du = dh g s
+    gpt_oss:     dg = dh (u' + 1) s (1 + alpha g' (1 - s)) [g <= limit],
+                 du = dh g' s [-limit <= u <= limit]
+    geglu_tanh:  dg = dh u gelu_tanh'(g),                du = dh gelu_tanh(g)
+(torch.clamp passes the gradient where the input lies in the closed range, and so do these;
+gelu_tanh and its derivative are slothkit_kernels.geglu's, derived and computed there as
+g sigmoid(2 k (g + c g^3)), with no tanh.)
 
 In the expert block the backward kernel also finishes two things that need the whole
 row: dh = w gY is the routing weight w times the unweighted gradient gY of the row
@@ -32,10 +36,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slothkit_kernels.geglu import gelu_and_derivative
 from slothkit_kernels.moe.routing import ExpertRouting
 from slothkit_kernels.utils import interpreter_enabled
 
-ACTIVATIONS = ("swiglu", "gpt_oss")
+ACTIVATIONS = ("swiglu", "gpt_oss", "geglu_tanh")
 
 
 def split_gate_up(gate_up: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +56,8 @@ def expert_activation_reference(
     gate, up = split_gate_up(gate_up, interleaved)
     if activation == "swiglu":
         return F.silu(gate) * up
+    if activation == "geglu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
@@ -65,18 +72,24 @@ def _columns(offs, I, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _activate(gate, up, alpha, limit, GPT_OSS: tl.constexpr):
-    if GPT_OSS:
+def _activate(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "gpt_oss":
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    if ACTIVATION == "geglu_tanh":
+        gelu, _ = gelu_and_derivative(gate, True)
+        return gelu * up
     return gate * tl.sigmoid(gate) * up
 
 
 @triton.jit
-def _activate_backward(gate, up, dh, alpha, limit, GPT_OSS: tl.constexpr):
+def _activate_backward(gate, up, dh, alpha, limit, ACTIVATION: tl.constexpr):
     """(h, dL/dgate, dL/dup) in fp32."""
-    if GPT_OSS:
+    if ACTIVATION == "geglu_tanh":
+        gelu, d_gelu = gelu_and_derivative(gate, True)
+        return gelu * up, dh * up * d_gelu, dh * gelu
+    if ACTIVATION == "gpt_oss":
         g = tl.minimum(gate, limit)
         u = tl.minimum(tl.maximum(up, -limit), limit)
         s = tl.sigmoid(alpha * g)
@@ -99,7 +112,7 @@ def _activation_forward_kernel(
     I,  # intermediate features
     alpha,  # gpt_oss: the sigmoid's slope
     limit,  # gpt_oss: the clamp
-    GPT_OSS: tl.constexpr,  # gpt-oss's clamped SwiGLU, else silu(gate) * up
+    ACTIVATION: tl.constexpr,  # "swiglu", "gpt_oss" or "geglu_tanh" (module docstring)
     INTERLEAVED: tl.constexpr,  # gate/up are the even/odd columns, else the two halves
     BLOCK: tl.constexpr,  # intermediate features per program
 ):
@@ -112,7 +125,7 @@ def _activation_forward_kernel(
     gu_row = GU + row.to(tl.int64) * stride_gu
     gate = tl.load(gu_row + gate_cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_row + up_cols, mask=mask, other=0.0).to(tl.float32)
-    h = _activate(gate, up, alpha, limit, GPT_OSS)
+    h = _activate(gate, up, alpha, limit, ACTIVATION)
     tl.store(H + row.to(tl.int64) * stride_h + offs, h.to(H.dtype.element_ty), mask=mask)
 
 
@@ -141,7 +154,7 @@ def _activation_backward_kernel(
     alpha,  # gpt_oss: the sigmoid's slope
     limit,  # gpt_oss: the clamp
     HAS_BIAS: tl.constexpr,  # add <dOut, bias_e> to dw
-    GPT_OSS: tl.constexpr,  # gpt-oss's clamped SwiGLU, else silu(gate) * up
+    ACTIVATION: tl.constexpr,  # "swiglu", "gpt_oss" or "geglu_tanh" (module docstring)
     INTERLEAVED: tl.constexpr,  # gate/up are the even/odd columns, else the two halves
     BLOCK: tl.constexpr,  # features per step along a row
 ):
@@ -161,7 +174,7 @@ def _activation_backward_kernel(
         gate = tl.load(gu_row + gate_cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_row + up_cols, mask=mask, other=0.0).to(tl.float32)
         gy = tl.load(GY + row64 * stride_gy + offs, mask=mask, other=0.0).to(tl.float32)
-        h, d_gate, d_up = _activate_backward(gate, up, weight * gy, alpha, limit, GPT_OSS)
+        h, d_gate, d_up = _activate_backward(gate, up, weight * gy, alpha, limit, ACTIVATION)
         h = h.to(H_OUT.dtype.element_ty)  # the forward pass's rounding
         dot += gy * h.to(tl.float32)
         tl.store(H_OUT + row64 * stride_h + offs, h, mask=mask)
@@ -201,7 +214,7 @@ def expert_activation(
         gate_up, gate_up.stride(0), h, h.stride(0),
         routing.offsets[routing.num_experts:],
         inter, float(alpha), float(limit),
-        GPT_OSS=activation == "gpt_oss", INTERLEAVED=interleaved, BLOCK=block,
+        ACTIVATION=activation, INTERLEAVED=interleaved, BLOCK=block,
     )  # fmt: skip
     return h
 
@@ -243,6 +256,6 @@ def expert_activation_backward(
         down_bias if has_bias else dw, *(down_bias.stride() if has_bias else (0, 0)),
         routing.offsets[routing.num_experts:],
         inter, hid, float(alpha), float(limit),
-        HAS_BIAS=has_bias, GPT_OSS=activation == "gpt_oss", INTERLEAVED=interleaved, BLOCK=block,
+        HAS_BIAS=has_bias, ACTIVATION=activation, INTERLEAVED=interleaved, BLOCK=block,
     )  # fmt: skip
     return grad_y, d_gate_up, dw

@@ -4,8 +4,8 @@
     gate_up_e(x) = x W_e^T + s (x A_e^T) B_e^T + bias_e          (2I features)
     down_e(h)    = h V_e^T + s' (h A'_e^T) B'_e^T + bias'_e      (H features)
 
-the experts of transformers' Qwen3MoeExperts, MixtralExperts and GptOssExperts with a
-LoRA adapter on each expert's projections.  Weights are logically (E, 2I, H) and
+the experts of transformers' Qwen3MoeExperts, MixtralExperts, GptOssExperts and
+Gemma4TextExperts with a LoRA adapter on each expert's projections.  Weights are logically (E, 2I, H) and
 (E, H, I), (out, in) as Qwen3-MoE and Mixtral store them; ``weights_in_out=True`` reads
 gpt-oss's (E, H, 2I) and (E, I, H) storage (y = x W_e) through transposed strides, with
 no copy.  Base weights and biases are frozen; x, the routing weights w and the adapters
@@ -361,8 +361,8 @@ def moe_lora_experts(
         gate_up_lora, down_lora: ``ExpertLoRA(A (E, r, in), B (E, out, r), scale)``, any
             strides, r <= 64; get gradients.
         gate_up_bias, down_bias: frozen (E, 2I) and (E, H) biases (gpt-oss).
-        activation: "swiglu" (silu(gate) * up) or "gpt_oss" (clamped, with ``alpha`` and
-            ``limit``: activation.py).
+        activation: "swiglu" (silu(gate) * up), "gpt_oss" (clamped, with ``alpha`` and
+            ``limit``) or "geglu_tanh" (gelu_tanh(gate) * up, Gemma 4): activation.py.
         interleaved: gate and up are the even and odd columns of gate_up's output (gpt-oss)
             rather than its first and second halves.
         weights_in_out: the weights are stored (in, out) as gpt-oss's, y = x W_e.

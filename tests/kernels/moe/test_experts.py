@@ -1,5 +1,6 @@
 """moe_lora_experts: forward and every gradient against the loop over experts in float64,
-and the semantics against transformers' own expert modules (Qwen3-MoE, Mixtral, gpt-oss)."""
+and the semantics against transformers' own expert modules (Qwen3-MoE, Mixtral, gpt-oss,
+Gemma 4)."""
 
 import math
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ CASES = [
         rank=None,
         top_k=1,
     ),
+    Case("geglu-tanh", activation="geglu_tanh", rank=4),
+    Case("geglu-tanh-no-lora-top1", activation="geglu_tanh", rank=None, top_k=1, dropped=True),
     Case("wide", tokens=21, hidden=48, inter=40, experts=3, rank=16, top_k=2, bias=True),
 ]
 
@@ -170,7 +173,7 @@ def test_moe_lora_experts_fp32_matches_float64_loop(case, device):
         assert (d_a1[case.used_experts :] == 0).all()
 
 
-LOW_CASES = [c for c in CASES if c.id in ("swiglu", "idle-experts", "dropped-ids", "gpt-oss")]
+LOW_CASES = [c for c in CASES if c.id in ("swiglu", "idle-experts", "dropped-ids", "gpt-oss", "geglu-tanh")]
 
 
 def _round_inputs(problem, dtype):
@@ -211,7 +214,7 @@ def test_moe_lora_experts_16bit_with_fp32_adapters(case, dtype, device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss", "geglu_tanh"])
 def test_moe_lora_experts_large(activation):
     """A Qwen3-MoE-like layer slice in bf16 on the GPU: the tensor-core path, many tiles
     per expert, and the float64 gold on the same rounded inputs (bounds as above)."""
@@ -271,9 +274,11 @@ def test_moe_lora_experts_only_the_gradients_asked_for(device):
         assert relative_error(a, b) < FP32_RTOL
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss"])
+@pytest.mark.parametrize("activation", ["swiglu", "gpt_oss", "geglu_tanh"])
 def test_activation_gradient_at_the_clamps_is_torch_clamps(activation, device):
-    """At g = limit and u = +-limit exactly torch.clamp passes the gradient; beyond, none."""
+    """At g = limit and u = +-limit exactly torch.clamp passes the gradient; beyond, none.
+    (The grid of gate and up values, far negative gates included, checks the unclamped
+    activations' values and derivatives against torch's autograd as well.)"""
     limit = 1.5
     values = torch.tensor([-3.0, -limit, -1.0, 0.0, 0.5, limit, 2.0, 7.0], dtype=torch.float64)
     gate_up = torch.cartesian_prod(values, values).reshape(-1, 2).to(device)  # (rows, 2): I = 1
@@ -499,3 +504,38 @@ def test_matches_transformers_gpt_oss(device):
     )
     options.pop("weights_in_out")
     _against_merged(ex, x.view(-1, hidden), ids, scores, gu_lora, d_lora, True, **options)
+
+
+def test_matches_transformers_gemma4_experts(device):
+    """Gemma4TextExperts (gelu_pytorch_tanh between the halves of an (out, in) gate/up),
+    fed Gemma4TextRouter's choice and weights, against our experts; then with merged
+    adapters, gradients included."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts, Gemma4TextRouter
+
+    gen = torch.Generator().manual_seed(8)
+    hidden, inter, experts = 24, 13, 6
+    config = transformers.Gemma4TextConfig(
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        top_k_experts=2,
+        enable_moe_block=True,
+        hidden_activation="gelu_pytorch_tanh",
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+    config._experts_implementation = "eager"
+    ex = _fill(Gemma4TextExperts(config), gen, std=0.4).to(device).eval()
+    router = _fill(Gemma4TextRouter(config), gen).to(device).eval()
+    x = torch.randn(11, hidden, generator=gen).to(device)
+    _, weights, ids = router(x)
+
+    expected = ex(x, ids, weights)
+    ours = moe_lora_experts(x, ids, weights, ex.gate_up_proj, ex.down_proj, activation="geglu_tanh")
+    assert relative_error(ours, expected) < FP32_RTOL
+
+    gu_lora, d_lora = (
+        ExpertLoRA(lo.A.to(device), lo.B.to(device), lo.scale)
+        for lo in _random_loras(experts, hidden, inter, 3, gen)
+    )
+    _against_merged(ex, x, ids, weights, gu_lora, d_lora, False, activation="geglu_tanh")

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*not whole blocks:UserWarning"),
 ]
 
-# (activation, interleaved, weights_in_out, bias, rank): both activations with and without
+# (activation, interleaved, weights_in_out, bias, rank): the activations with and without
 # biases, both storages, an expert block without adapters; odd sizes throughout.
 CASES = {
     "swiglu": ("swiglu", False, False, False, 3),
@@ -31,6 +31,7 @@ CASES = {
     "gpt-oss": ("gpt_oss", True, True, True, 4),
     "gpt-oss-no-bias": ("gpt_oss", True, True, False, 5),
     "gpt-oss-halves-no-lora": ("gpt_oss", False, False, True, None),
+    "geglu-tanh": ("geglu_tanh", False, False, False, 3),
 }
 TOKENS, EXPERTS, TOP_K = 13, 5, 2
 # (hidden, intermediate): odd sizes, experts not whole blocks of 64; and whole blocks.

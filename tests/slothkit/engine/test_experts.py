@@ -1,8 +1,9 @@
 """Mixture-of-experts layers through slothkit's fused experts, against HF + PEFT.
 
-Tiny random Qwen3-MoE, gpt-oss and Mixtral checkpoints (their real layouts: gate and up
-concatenated or interleaved, weights (out, in) or (in, out), gpt-oss's biases and clamped
-SwiGLU) train 8 steps on the generic path with the experts fused, and give the losses
+Tiny random Qwen3-MoE, gpt-oss, Mixtral and Gemma 4 (26B-A4B's layout) checkpoints (their
+real layouts: gate and up concatenated or interleaved, weights (out, in) or (in, out),
+gpt-oss's biases and clamped SwiGLU, Gemma 4's GELU-tanh gate on experts beside a dense
+MLP) train 8 steps on the generic path with the experts fused, and give the losses
 and every adapter of HF + PEFT with the same target_parameters, in fp32; the router's
 auxiliary loss included where the config asks for it. What the fused experts do not
 compute runs the module's own forward, said once, with the same numbers.
@@ -30,12 +31,26 @@ FAMILIES = {
     "qwen3_moe": dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, head_dim=16),
     "gpt_oss": dict(num_local_experts=5, num_experts_per_tok=2, head_dim=16, sliding_window=8),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # 26B-A4B's layout: experts beside the dense MLP, a sliding and a full layer.
+    "gemma4_text": dict(
+        enable_moe_block=True,
+        num_experts=6,
+        top_k_experts=2,
+        moe_intermediate_size=24,
+        hidden_activation="gelu_pytorch_tanh",
+        head_dim=16,
+        global_head_dim=16,
+        hidden_size_per_layer_input=0,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 # What each family's experts module is, as slothkit reads it.
 LAYOUTS = {
     "qwen3_moe": dict(weights_in_out=False, interleaved=False, biases=False, activation="swiglu"),
     "gpt_oss": dict(weights_in_out=True, interleaved=True, biases=True, activation="gpt_oss"),
     "mixtral": dict(weights_in_out=False, interleaved=False, biases=False, activation="swiglu"),
+    "gemma4_text": dict(weights_in_out=False, interleaved=False, biases=False, activation="geglu_tanh"),
 }
 
 
@@ -91,7 +106,7 @@ def _random_b(model, seed: int) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
 
 
-def _plain_peft(path):
+def _plain_peft(path, target_modules=ATTENTION):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +116,7 @@ def _plain_peft(path):
         r=8,
         lora_alpha=16,
         task_type="CAUSAL_LM",
-        target_modules=ATTENTION,
+        target_modules=target_modules,
         target_parameters=EXPERT_PARAMETERS,
     )
     return get_peft_model(model, config).train().to(DEVICE)
@@ -160,7 +175,8 @@ def test_fused_experts_train_like_hf_peft(family, tmp_path, fused_calls):
     path = _checkpoint(tmp_path, family)
     with pytest.warns(UserWarning, match="experts of its 2 mixture-of-experts layers fused"):
         fast = _fused(path)
-    plain = _plain_peft(path)
+    # Gemma 4's dense MLP beside the experts is adapted too: the same modules in both.
+    plain = _plain_peft(path, sorted(fast.peft_config["default"].target_modules))
     assert fast.peft_config["default"].target_parameters == plain.peft_config["default"].target_parameters
     _random_b(fast, seed=5)
     _random_b(plain, seed=5)
@@ -238,7 +254,8 @@ def test_greedy_generation_is_hf_peft_s(family, tmp_path, fused_calls):
     cache): HF + PEFT's greedy tokens.  slothkit's own decode loop, which a GPU takes for
     Qwen3-MoE, is tested in tests/slothkit/inference/test_decode_experts.py."""
     path = _checkpoint(tmp_path, family)
-    fast, plain = _fused(path), _plain_peft(path)
+    fast = _fused(path)
+    plain = _plain_peft(path, sorted(fast.peft_config["default"].target_modules))
     _random_b(fast, seed=6)
     _random_b(plain, seed=6)
     FastModel.for_inference(fast, fast_decode=False)
@@ -312,7 +329,7 @@ def _expert_weight_bytes(model) -> int:
     return total
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_text"])
 def test_4bit_experts_compute_what_their_dequantised_weights_do(family, tmp_path, fused_calls):
     """A 4-bit model's fused experts read NF4 codes in their GEMMs: the loss and every LoRA
     gradient are those of the same model whose experts hold the dequantised values in fp32

@@ -95,7 +95,7 @@ def _train(model, steps: int = 2) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_text"])
 def test_experts_quantised_as_they_load_are_those_quantised_after(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
