@@ -11,7 +11,8 @@ RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder pa
 record; a record with fused=False would serve export only, its family training on the
 generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
 and the fast decode loop generates (they train on the generic path: no fixture, notebook
-or fused layer reads them); SHAPES the shapes every record names and those of record-less families
+or fused layer reads them); EXPORT_ONLY_RECORDS the generic path's families that GGUF export
+alone reads a record of (Qwen3.5's DeltaNet hybrid); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
 """
@@ -40,12 +41,14 @@ from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
+from slothkit.models.qwen3_5 import QWEN3_5
 from slothkit.models.qwen3_moe import QWEN3_MOE
 from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
+EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5,)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,
@@ -54,6 +57,7 @@ SHAPES: dict[str, Shape] = {
 __all__ = [
     "ARCHITECTURES",
     "EXPERT_RECORDS",
+    "EXPORT_ONLY_RECORDS",
     "RECORDS",
     "SHAPES",
     "Architecture",
@@ -104,9 +108,10 @@ def record_for(config) -> Architecture | None:
 
 def export_record_for(config) -> Architecture | None:
     """The record GGUF export writes a model of `config` by: record_for's, else the
-    mixture-of-experts family's (EXPERT_RECORDS), else None."""
+    mixture-of-experts family's (EXPERT_RECORDS) or an export-only family's
+    (EXPORT_ONLY_RECORDS), else None."""
     model_type = getattr(config, "model_type", None)
-    for arch in RECORDS + EXPERT_RECORDS:
+    for arch in RECORDS + EXPERT_RECORDS + EXPORT_ONLY_RECORDS:
         if model_type in arch.model_types:
             return arch
     return None

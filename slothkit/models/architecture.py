@@ -130,6 +130,14 @@ class GGUFLayout:
     query_scale_hidden_layers: int | None = None
     # A mixture-of-experts MLP in every layer, and where its parts are; None: a dense MLP.
     experts: GGUFExperts | None = None
+    # Gated DeltaNet (linear attention) layers between the attention layers, every
+    # full_attention_interval-th layer attending (Qwen3.5): their tensors and the ssm.* keys
+    # (slothkit.export.gguf.deltanet). False: attention in every layer.
+    deltanet: bool = False
+    # The llama-cpp-python release whose llama.cpp first ran this graph in slothkit's tests
+    # (the verifier refuses an older one with this version named); None: every release
+    # slothkit supports runs it.
+    llama_cpp_python: str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import math
 import torch
 from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
-from slothkit.export.gguf import attention, longrope
+from slothkit.export.gguf import attention, deltanet, longrope
 from slothkit.export.gguf.layout import head_counts
 from slothkit.export.gguf.yarn import Yarn, yarn_scaling
 from slothkit.models import Architecture
@@ -55,6 +55,8 @@ class HyperParameters:
     longrope: longrope.LongRope | None = None  # rope type "longrope": its factors and lengths
     experts: tuple[int, int, int] | None = None  # (count, used per token, width); None: dense MLP
     yarn: Yarn | None = None  # rope type "yarn": its factor, original context and betas
+    deltanet: deltanet.DeltaNetShape | None = None  # DeltaNet layers (Qwen3.5): their shape and pattern
+    rope_sections: tuple[int, ...] | None = None  # multi-axis rope's pairs per position axis (Qwen3.5)
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -98,6 +100,8 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         longrope=scaling,
         experts=_experts(config, arch),
         yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
+        deltanet=deltanet.deltanet_shape(config) if arch.gguf.deltanet else None,
+        rope_sections=deltanet.rope_sections(rope, rope_dims) if arch.gguf.deltanet else None,
     )
 
 
@@ -147,6 +151,16 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
         writer.add_attn_logit_softcapping(float(hp.attn_softcap))
     if hp.final_softcap is not None:
         writer.add_final_logit_softcapping(float(hp.final_softcap))
+    if hp.deltanet is not None:
+        shape = hp.deltanet
+        writer.add_ssm_conv_kernel(shape.conv_kernel)
+        writer.add_ssm_state_size(shape.key_dim)
+        writer.add_ssm_group_count(shape.key_heads)
+        writer.add_ssm_time_step_rank(shape.value_heads)
+        writer.add_ssm_inner_size(shape.value_heads * shape.value_dim)
+        writer.add_full_attention_interval(shape.full_attention_interval)
+    if hp.rope_sections is not None:
+        writer.add_rope_dimension_sections(list(hp.rope_sections))
     if hp.experts is not None:
         count, used, width = hp.experts
         writer.add_expert_count(count)

@@ -52,8 +52,8 @@ from slothkit.export.disk_space import (
     megabytes,
 )
 from slothkit.export.gguf import tensor_types as types
-from slothkit.export.gguf.experts import Piece, check_experts, cut, piece_shape
-from slothkit.export.gguf.layout import architecture_of, gguf_pieces, to_gguf
+from slothkit.export.gguf.experts import Piece, check_experts, cut
+from slothkit.export.gguf.layout import architecture_of, gguf_pieces, gguf_shape, to_gguf
 from slothkit.export.gguf.metadata import (
     HyperParameters,
     hyperparameters,
@@ -317,7 +317,13 @@ def _plan(
     plan = []
     for name, produce, shape, layer in tensors:
         intended = types.mix_type(
-            method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
+            method,
+            name,
+            shape,
+            layer=layer,
+            n_layers=hp.n_layers,
+            output_tied_to_embeddings=tied,
+            deltanet=arch.gguf.deltanet,
         )
         qtype = intended if intended == T.F32 else types.fallback_type(intended, shape[-1])
         plan.append(_PlannedTensor(name, produce, shape, qtype, intended))
@@ -405,7 +411,7 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             unknown.append(hf_name)
             continue
         for piece in pieces:
-            shape = piece_shape(tensor, piece)
+            shape = gguf_shape(tensor, piece, arch)
             yield piece.name, _producer(tensor, piece, arch, model.config), shape, piece.layer
     if unknown:
         raise ValueError(
