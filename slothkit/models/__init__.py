@@ -12,7 +12,7 @@ record; a record with fused=False would serve export only, its family training o
 generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
 and the fast decode loop generates (they train on the generic path: no fixture, notebook
 or fused layer reads them); EXPORT_ONLY_RECORDS the generic path's families that GGUF export
-alone reads a record of (Qwen3.5's DeltaNet hybrid); SHAPES the shapes every record names and those of record-less families
+alone reads a record of (Qwen3.5's DeltaNet hybrid, Gemma 4); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
 """
@@ -32,6 +32,7 @@ from slothkit.models.architecture import (
 from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
+from slothkit.models.gemma4 import GEMMA4
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.gpt_oss import GPT_OSS
 from slothkit.models.llama import LLAMA
@@ -48,7 +49,7 @@ from slothkit.models.shape import Shape
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
-EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5,)
+EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, GEMMA4)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,

@@ -134,6 +134,10 @@ class GGUFLayout:
     # full_attention_interval-th layer attending (Qwen3.5): their tensors and the ssm.* keys
     # (slothkit.export.gguf.deltanet). False: attention in every layer.
     deltanet: bool = False
+    # Gemma 4's layers in llama.cpp's gemma4 graph: per-layer input embeddings, keys and values
+    # shared by the last layers, per-layer head sizes and feed-forward widths, proportional
+    # rope on the full layers (slothkit.export.gguf.gemma4).
+    gemma4: bool = False
     # The llama-cpp-python release whose llama.cpp first ran this graph in slothkit's tests
     # (the verifier refuses an older one with this version named); None: every release
     # slothkit supports runs it.

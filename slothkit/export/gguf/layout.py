@@ -44,7 +44,7 @@ import re
 import numpy as np
 import torch
 
-from slothkit.export.gguf import deltanet
+from slothkit.export.gguf import deltanet, gemma4
 from slothkit.export.gguf.experts import Piece, expert_pieces, join, piece_shape
 from slothkit.models import EXPERT_RECORDS, EXPORT_ONLY_RECORDS, RECORDS, Architecture, export_record_for
 
@@ -130,6 +130,8 @@ def gguf_pieces(hf_name: str, arch: Architecture) -> list[Piece] | None:
     if pieces is not None:
         return pieces
     if arch.gguf.deltanet and (mapped := deltanet.gguf_tensor_name(hf_name)) is not None:
+        return [Piece(*mapped)]
+    if arch.gguf.gemma4 and (mapped := gemma4.gguf_tensor_name(hf_name)) is not None:
         return [Piece(*mapped)]
     mapped = gguf_tensor_name(hf_name, arch)
     if mapped is None:

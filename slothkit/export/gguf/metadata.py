@@ -26,7 +26,7 @@ import math
 import torch
 from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
-from slothkit.export.gguf import attention, deltanet, longrope
+from slothkit.export.gguf import attention, deltanet, gemma4, longrope
 from slothkit.export.gguf.layout import head_counts
 from slothkit.export.gguf.yarn import Yarn, yarn_scaling
 from slothkit.models import Architecture
@@ -36,10 +36,10 @@ from slothkit.models import Architecture
 class HyperParameters:
     vocab_size: int
     hidden: int
-    intermediate: int
+    intermediate: int | tuple[int, ...]  # one per layer where they differ (Gemma 4)
     n_layers: int
     n_heads: int
-    n_kv_heads: int
+    n_kv_heads: int | tuple[int, ...]  # one per layer where they differ (Gemma 4)
     head_dim: int
     rope_dims: int  # the rotated part of each head: head_dim x partial_rotary_factor
     rms_eps: float
@@ -57,9 +57,12 @@ class HyperParameters:
     yarn: Yarn | None = None  # rope type "yarn": its factor, original context and betas
     deltanet: deltanet.DeltaNetShape | None = None  # DeltaNet layers (Qwen3.5): their shape and pattern
     rope_sections: tuple[int, ...] | None = None  # multi-axis rope's pairs per position axis (Qwen3.5)
+    gemma4: gemma4.Gemma4Layers | None = None  # Gemma 4's per-layer shapes and keys
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
+    if arch.gguf.gemma4:
+        return _gemma4_hyperparameters(config)
     n_heads, n_kv_heads = head_counts(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     rope, sliding_rope = attention.rope_parameters(config)
@@ -102,6 +105,35 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
         deltanet=deltanet.deltanet_shape(config) if arch.gguf.deltanet else None,
         rope_sections=deltanet.rope_sections(rope, rope_dims) if arch.gguf.deltanet else None,
+    )
+
+
+def _gemma4_hyperparameters(config) -> HyperParameters:
+    """Gemma 4's: the full layers' head size and rope (slothkit.export.gguf.gemma4), a number
+    per layer where the layers differ; its window and the rest are gemma4.write_metadata's."""
+    layers = gemma4.gemma4_layers(config)
+
+    def one_or_each(values: tuple[int, ...]):
+        return values[0] if len(set(values)) == 1 else values
+
+    return HyperParameters(
+        vocab_size=config.vocab_size,
+        hidden=config.hidden_size,
+        intermediate=one_or_each(layers.widths),
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=one_or_each(layers.kv_heads),
+        head_dim=layers.full_head_dim,
+        rope_dims=layers.full_head_dim,  # the whole head, rope_freqs leaving the unrotated pairs still
+        rms_eps=config.rms_norm_eps,
+        context=config.max_position_embeddings,
+        rope_theta=layers.rope_theta,
+        rope_type="default",
+        rope={},
+        sliding_window=None,
+        sliding_layers=None,
+        rope_theta_sliding=None,
+        gemma4=layers,
     )
 
 
@@ -159,6 +191,8 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
         writer.add_ssm_time_step_rank(shape.value_heads)
         writer.add_ssm_inner_size(shape.value_heads * shape.value_dim)
         writer.add_full_attention_interval(shape.full_attention_interval)
+    if hp.gemma4 is not None:
+        gemma4.write_metadata(writer, hp.gemma4)
     if hp.rope_sections is not None:
         writer.add_rope_dimension_sections(list(hp.rope_sections))
     if hp.experts is not None:

@@ -16,12 +16,18 @@ router (ffn_gate_inp) and a DeltaNet layer's convolution kernel (ssm_conv1d), wh
 in F32 too.
 
 The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense models):
-  - output.weight, or token_embd.weight when the output is tied to it (Gemma): Q6_K
-    (Q8_0 if its rows are not a multiple of 256; kept Q8_0 for a Q8_0 base);
+  - output.weight, or token_embd.weight when the output is tied to it (Gemma), and Gemma 4's
+    per-layer input embeddings (per_layer_token_embd.weight): Q6_K (Q8_0 if its rows are not
+    a multiple of 256; kept Q8_0 for a Q8_0 base);
+  - Gemma 4's per_layer_model_proj.weight: F16 in every quantised method (llama-quantize
+    leaves it as it is in the F16 file it is given);
   - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight too: llama-quantize
     matches "ffn_down" in the name) get Q6_K in the layers where
     `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
-    (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31);
+    (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31); llama-quantize counts i and n over the
+    tensors of that name in the file (value_positions), which is the layer and the layer
+    count where every layer has one, and not where some have none (Gemma 4's layers that
+    share keys and values);
   - attn_qkv.weight (Phi-3's fused q/k/v): Q5_K in Q4_K_M, Q6_K in Q5_K_M, in every layer;
     a DeltaNet layer's attn_qkv (Qwen3.5: its q, k and v inputs) takes attn_v's rule instead
     (each layer holds one of the two, so the layer's index is its count among them), as
@@ -181,9 +187,13 @@ def mix_type(
         # vectors, norms, a mixture-of-experts router and a DeltaNet layer's convolution (as
         # llama.cpp's converter and llama-quantize keep them; ggml's ssm_conv reads F32)
         return T.F32
+    if name == "per_layer_model_proj.weight":  # Gemma 4's: llama-quantize leaves it unquantised
+        return method.base if method.base in (T.F32, T.F16, T.BF16) else T.F16
     if not method.mixed:
         return method.base
-    is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
+    is_output = name in ("output.weight", "per_layer_token_embd.weight") or (
+        output_tied_to_embeddings and name == "token_embd.weight"
+    )
     if is_output:
         return T.Q6_K if method.base != T.Q8_0 else method.base
     if name.endswith(".attn_qkv.weight") and method.file_type in _QKV_STEP and not deltanet:
@@ -197,6 +207,15 @@ def mix_type(
     ):
         return T.Q6_K
     return method.base
+
+
+def value_positions(names: list[str], deltanet: bool = False) -> dict[str, tuple[int, int]]:
+    """For each attn_v.weight among the file's tensor `names` (and a DeltaNet layer's
+    attn_qkv.weight, which takes its rule), (its position among them, their number): the
+    i and n llama-quantize's use_more_bits is given (module docstring)."""
+    ends = (".attn_v.weight", ".attn_qkv.weight") if deltanet else (".attn_v.weight",)
+    values = [name for name in names if name.endswith(ends)]
+    return {name: (i, len(values)) for i, name in enumerate(values)}
 
 
 def fallback_type(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:

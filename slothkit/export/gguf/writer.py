@@ -51,6 +51,7 @@ from slothkit.export.disk_space import (
     is_disk_full,
     megabytes,
 )
+from slothkit.export.gguf import gemma4
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.experts import Piece, check_experts, cut
 from slothkit.export.gguf.layout import architecture_of, gguf_pieces, gguf_shape, to_gguf
@@ -314,14 +315,17 @@ def _plan(
     hp = hyperparameters(model.config, arch)
     tensors = list(_gguf_tensors(model, arch, hp))
     tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    values = types.value_positions([name for name, *_ in tensors], arch.gguf.deltanet)
     plan = []
     for name, produce, shape, layer in tensors:
+        # an attn_v's layer and the layer count, as llama-quantize counts them
+        position, count = values.get(name, (layer, hp.n_layers))
         intended = types.mix_type(
             method,
             name,
             shape,
-            layer=layer,
-            n_layers=hp.n_layers,
+            layer=position,
+            n_layers=count,
             output_tied_to_embeddings=tied,
             deltanet=arch.gguf.deltanet,
         )
@@ -395,6 +399,9 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
                 f"'llama3' rope scaling is supported for the {graphs} architecture only"
             )
         divisors = llama3_rope_divisors(hp)
+        yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
+    if hp.gemma4 is not None:
+        divisors = gemma4.rope_divisors(hp.gemma4)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
     if hp.longrope is not None:
         for name, factors in hp.longrope.tensors():
