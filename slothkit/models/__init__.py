@@ -42,14 +42,14 @@ from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
-from slothkit.models.qwen3_5 import QWEN3_5
+from slothkit.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from slothkit.models.qwen3_moe import QWEN3_MOE
 from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
-EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, GEMMA4)
+EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, QWEN3_5_MOE, GEMMA4)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,

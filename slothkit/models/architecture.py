@@ -77,6 +77,10 @@ class GGUFExperts:
     # gate_up_proj's gate and up alternate along its output dimension, the gate first
     # (gpt-oss: gate at even columns, up at odd); False: the gate's half, then the up's.
     interleaved: bool = False
+    # config field: the width of a shared expert that every token runs beside the chosen
+    # ones, its output gated by a sigmoid (mlp.shared_expert, mlp.shared_expert_gate: Qwen3.5's
+    # MoE sizes; expert_shared_feed_forward_length); None: no shared expert.
+    shared_width_key: str | None = None
     # Config fields whose value llama.cpp's graph fixes and reads from no key, with that
     # value (gpt-oss's clamped SwiGLU: swiglu_alpha 1.702, swiglu_limit 7.0); a model with
     # another is refused.

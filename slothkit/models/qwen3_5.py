@@ -15,7 +15,7 @@ EXPORT_ONLY_RECORDS.
 
 import dataclasses
 
-from slothkit.models.architecture import GGUFLayout
+from slothkit.models.architecture import GGUFExperts, GGUFLayout
 from slothkit.models.qwen3 import QWEN3
 
 QWEN3_5 = dataclasses.replace(
@@ -43,4 +43,26 @@ QWEN3_5 = dataclasses.replace(
     fused=False,
     shapes={},  # the generic path's shapes: slothkit.models.generic_shapes
     families=("Qwen3.5",),
+)
+
+# Qwen3.5's mixture-of-experts sizes (qwen3_5_moe_text): the same layers with Qwen3-MoE's
+# experts in every layer (softmax router, the chosen experts' weights always renormalised)
+# and a shared expert beside them, gated per token by sigmoid(shared_expert_gate(x)).
+# llama.cpp runs them as its "qwen35moe" graph.
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5,
+    name="qwen3_5_moe",
+    model_types=("qwen3_5_moe_text",),
+    causal_lm_class="Qwen3_5MoeForCausalLM",
+    gguf=dataclasses.replace(
+        QWEN3_5.gguf,
+        arch="qwen35moe",
+        experts=GGUFExperts(
+            count_key="num_experts",
+            used_count_key="num_experts_per_tok",
+            width_key="moe_intermediate_size",
+            shared_width_key="shared_expert_intermediate_size",
+        ),
+    ),
+    families=("Qwen3.5 MoE",),
 )

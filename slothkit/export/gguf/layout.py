@@ -65,6 +65,11 @@ _PROJECTIONS = {  # every architecture's; the norms come from the record
     # into q, k, v and ffn_up's into gate (the first half, under SiLU) and up.
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # A shared expert beside the routed ones (Qwen3.5's MoE sizes), and its gate (one row).
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # gpt-oss's attention sinks: a parameter of the attention module, one logit per head.

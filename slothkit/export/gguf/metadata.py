@@ -36,7 +36,9 @@ from slothkit.models import Architecture
 class HyperParameters:
     vocab_size: int
     hidden: int
-    intermediate: int | tuple[int, ...]  # one per layer where they differ (Gemma 4)
+    intermediate: (
+        int | tuple[int, ...] | None
+    )  # one per layer where they differ (Gemma 4); None: no dense MLP
     n_layers: int
     n_heads: int
     n_kv_heads: int | tuple[int, ...]  # one per layer where they differ (Gemma 4)
@@ -58,6 +60,7 @@ class HyperParameters:
     deltanet: deltanet.DeltaNetShape | None = None  # DeltaNet layers (Qwen3.5): their shape and pattern
     rope_sections: tuple[int, ...] | None = None  # multi-axis rope's pairs per position axis (Qwen3.5)
     gemma4: gemma4.Gemma4Layers | None = None  # Gemma 4's per-layer shapes and keys
+    shared_expert_width: int | None = None  # a shared expert beside the routed ones (Qwen3.5 MoE)
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
@@ -84,7 +87,8 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
     return HyperParameters(
         vocab_size=config.vocab_size,
         hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
+        # none where every layer's MLP is experts (Qwen3.5's MoE sizes)
+        intermediate=getattr(config, "intermediate_size", None),
         n_layers=config.num_hidden_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -105,6 +109,7 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
         deltanet=deltanet.deltanet_shape(config) if arch.gguf.deltanet else None,
         rope_sections=deltanet.rope_sections(rope, rope_dims) if arch.gguf.deltanet else None,
+        shared_expert_width=_shared_expert_width(config, arch),
     )
 
 
@@ -137,6 +142,11 @@ def _gemma4_hyperparameters(config) -> HyperParameters:
     )
 
 
+def _shared_expert_width(config, arch: Architecture) -> int | None:
+    key = arch.gguf.experts.shared_width_key if arch.gguf.experts else None
+    return int(getattr(config, key)) if key else None
+
+
 def _experts(config, arch: Architecture) -> tuple[int, int, int] | None:
     fields = arch.gguf.experts
     if fields is None:
@@ -153,7 +163,8 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
     writer.add_context_length(hp.context)
     writer.add_embedding_length(hp.hidden)
     writer.add_block_count(hp.n_layers)
-    writer.add_feed_forward_length(hp.intermediate)
+    if hp.intermediate is not None:
+        writer.add_feed_forward_length(hp.intermediate)
     writer.add_head_count(hp.n_heads)
     writer.add_head_count_kv(hp.n_kv_heads)
     writer.add_key_length(hp.head_dim)
@@ -200,6 +211,8 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
         writer.add_expert_count(count)
         writer.add_expert_used_count(used)
         writer.add_expert_feed_forward_length(width)
+    if hp.shared_expert_width is not None:
+        writer.add_expert_shared_feed_forward_length(hp.shared_expert_width)
 
 
 def llama3_rope_divisors(hp: HyperParameters) -> torch.Tensor:

@@ -12,7 +12,8 @@
 
 Always F32, whatever the method: vectors (RMSNorm weights, biases, rope_freqs), as llama.cpp
 computes norms in F32 and both llama.cpp tools leave them unquantised; a mixture-of-experts
-router (ffn_gate_inp) and a DeltaNet layer's convolution kernel (ssm_conv1d), which both keep
+router (ffn_gate_inp; a shared expert's one-row gate, ffn_gate_inp_shexp, which llama-quantize
+also leaves as it is given) and a DeltaNet layer's convolution kernel (ssm_conv1d), which both keep
 in F32 too.
 
 The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense models):
@@ -21,8 +22,8 @@ The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense mo
     a multiple of 256; kept Q8_0 for a Q8_0 base);
   - Gemma 4's per_layer_model_proj.weight: F16 in every quantised method (llama-quantize
     leaves it as it is in the F16 file it is given);
-  - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight too: llama-quantize
-    matches "ffn_down" in the name) get Q6_K in the layers where
+  - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight and a shared
+    expert's ffn_down_shexp.weight too: llama-quantize matches "ffn_down" in the name) get Q6_K in the layers where
     `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
     (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31); llama-quantize counts i and n over the
     tensors of that name in the file (value_positions), which is the layer and the layer
@@ -182,9 +183,12 @@ def mix_type(
     if (
         len(shape) < 2
         or not name.endswith(".weight")
-        or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ssm_conv1d.weight"))
+        or name.endswith(
+            ("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+        )
     ):
-        # vectors, norms, a mixture-of-experts router and a DeltaNet layer's convolution (as
+        # vectors, norms, a mixture-of-experts router (and a shared expert's one-row gate),
+        # a DeltaNet layer's convolution (as
         # llama.cpp's converter and llama-quantize keep them; ggml's ssm_conv reads F32)
         return T.F32
     if name == "per_layer_model_proj.weight":  # Gemma 4's: llama-quantize leaves it unquantised
@@ -198,7 +202,7 @@ def mix_type(
         return T.Q6_K if method.base != T.Q8_0 else method.base
     if name.endswith(".attn_qkv.weight") and method.file_type in _QKV_STEP and not deltanet:
         return _QKV_STEP[method.file_type]
-    more_bits = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight")
+    more_bits = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight")
     if (
         method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
         and name.endswith(more_bits + ((".attn_qkv.weight",) if deltanet else ()))

@@ -255,3 +255,100 @@ def test_an_architecture_llama_cpp_does_not_know_fails_with_its_name(checkpoint,
         patch.setattr("slothkit.export.gguf.verify.architecture_of", lambda model: unknown)
         with pytest.raises(GGUFVerificationError, match="could not load the file, of architecture 'qwen99'"):
             verify_gguf(file, model, tokenizer, "f16")
+
+
+# Qwen3.5's MoE sizes (qwen3_5_moe_text, llama.cpp's qwen35moe): the same layers with 4
+# experts of width 64 (2 per token) and a shared expert of width 64 in every layer.
+MOE = dict(
+    hidden_size=HIDDEN, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD,
+    vocab_size=768, linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS,
+    linear_key_head_dim=HEAD, linear_value_head_dim=HEAD, moe_intermediate_size=64,
+    shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    """The tiny Qwen3.5 MoE with its weights drawn as _checkpoint draws the dense one's, and
+    the dense tiny model's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_generic_model_path("qwen3_5_text"))
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_5_moe_text", **MOE, eos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            uniform = torch.rand(parameter.shape, generator=generator)
+            if name.endswith("linear_attn.norm.weight"):
+                parameter.copy_(uniform + 0.5)
+            elif name.endswith("norm.weight"):
+                parameter.copy_(uniform - 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+            elif parameter.dim() >= 2:
+                parameter.normal_(0, SCALE / parameter.shape[-1] ** 0.5, generator=generator)
+    return model, tokenizer
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("method", ["f16", "q8_0"])
+def test_moe_file_runs_in_llama_cpp_as_the_model(method, moe_model, tmp_path):
+    """The MoE file, run by llama.cpp, gives the model's logits within the method's tolerance;
+    the file holds the experts as stacks, the shared expert and its one-row gate (F32) beside
+    them, and the expert widths as keys. (A random router scores experts nearly alike, so the
+    read-back weights' rounding moves some tokens to other experts: the gguf_weights check is
+    not the measure here, as for Qwen3-MoE: docs/gguf-export.md.)"""
+    model, tokenizer = moe_model
+    file = write_gguf(model, tmp_path / "moe.gguf", tokenizer, method)
+    report = verify_gguf(file, model, tokenizer, method)
+    assert report.logit_error < gguf_verify.TOLERANCES[method]
+    reader = gguf.GGUFReader(file)
+    tensors = {t.name: t for t in reader.tensors}
+    assert reader.fields["general.architecture"].contents() == "qwen35moe"
+    assert reader.fields["qwen35moe.expert_shared_feed_forward_length"].contents() == 64
+    assert reader.fields["qwen35moe.expert_feed_forward_length"].contents() == 64
+    assert "qwen35moe.feed_forward_length" not in reader.fields  # no dense MLP
+    assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [HIDDEN, 64, 4]
+    assert list(tensors["blk.0.ffn_up_shexp.weight"].shape) == [HIDDEN, 64]
+    assert tensors["blk.0.ffn_gate_inp_shexp.weight"].tensor_type == T.F32
+    assert "blk.0.ssm_a" in tensors and "blk.3.attn_q.weight" in tensors
+
+
+@needs_llama_cpp
+def test_moe_file_with_gate_and_up_exchanged_fails_verification(moe_model, tmp_path):
+    """The experts' gate and up halves taken the other way round (as alternating columns)
+    give other logits than the model's."""
+    model, tokenizer = moe_model
+    arch = architecture_of(model)
+    experts = dataclasses.replace(arch.gguf.experts, interleaved=True)
+    arch = dataclasses.replace(arch, gguf=dataclasses.replace(arch.gguf, experts=experts))
+    file = write_gguf(model, tmp_path / "wrong.gguf", tokenizer, "f32", arch=arch)
+    with pytest.raises(GGUFVerificationError, match="logits differ"):
+        verify_gguf(file, model, tokenizer, "f32")
+
+
+def test_every_moe_weight_is_named_as_the_gguf_package_names_it(moe_model):
+    """The shared expert, its gate and the router get gguf-py's qwen35moe names; the expert
+    stacks the names of separate gate_proj and up_proj, as for Qwen3-MoE."""
+    import re
+
+    model, _ = moe_model
+    tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, 4)
+    graph = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35MOE]}
+    arch = architecture_of(model)
+    for hf_name, _ in model.named_parameters():
+        stem, _, kind = hf_name.rpartition(".")
+        if kind == "gate_up_proj":
+            expected = [
+                f"{tensor_map.get_name(f'{stem}.{half}')}.weight" for half in ("gate_proj", "up_proj")
+            ]
+        elif kind == "down_proj" and ".experts" in stem:
+            expected = [f"{tensor_map.get_name(hf_name)}.weight"]
+        elif kind in ("A_log", "dt_bias"):
+            continue  # as the dense model's (test_every_weight_is_named_as_the_gguf_package_names_it)
+        else:
+            expected = [f"{tensor_map.get_name(stem)}.{kind}"]
+        pieces = gguf_pieces(hf_name, arch)
+        assert [piece.name for piece in pieces] == expected, hf_name
+        for piece in pieces:
+            assert re.sub(r"^blk\.\d+\.", "blk.{bid}.", piece.name).removesuffix(".weight") in graph
