@@ -90,7 +90,8 @@ def save_pretrained_gguf(
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral,
-            qwen3_5_text, gemma4_text, and the mixture-of-experts qwen3_moe, gpt_oss and mixtral); slothkit.export.merge turns a
+            qwen3_5_text, gemma4_text, and the mixture-of-experts qwen3_moe, gpt_oss, mixtral and
+            qwen3_5_moe_text); slothkit.export.merge turns a
             LoRA/QLoRA model into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
