@@ -10,7 +10,9 @@ alternating sliding and full layers, with what E2B and E4B add:
   - wider heads on the full layers (per_layer_config), rotated "proportionally": a share of
     each head's frequencies at the full head's spacing, the others not at all;
   - a scalar per layer multiplying its output (layer_scalar), and norms that scale by w
-    (not Gemma's 1 + w); the query scale is 1, q_norm setting the queries' size.
+    (not Gemma's 1 + w); the query scale is 1, q_norm setting the queries' size;
+  - in the larger sizes, full layers whose values are their keys (attention_k_eq_v, 31B)
+    and a mixture-of-experts block beside the MLP (26B-A4B: refused by GGUF export).
 
 slothkit has no fused decoder for it: FastModel trains it on the generic path. This record
 serves GGUF export, as llama.cpp's "gemma4" graph (slothkit.export.gguf.gemma4), which is

@@ -34,12 +34,17 @@ whole head at base^(-2i / head) and divides each pair's frequency by rope_freqs.
 the full layers read it): 1 for the rotated pairs, 1e30 for the others, whose angle is then
 zero.
 
+Keys as values (attention_k_eq_v: the 31B's full layers): such a layer has no v_proj, and
+HF takes its values from k_proj's output (before k_norm and rope), normalised by v_norm;
+llama.cpp's graph does the same for a layer whose file holds no attn_v, so nothing is
+written for it (its key/value heads, num_global_key_value_heads, go into head_count_kv per
+layer).
+
 Refused, where llama.cpp's graph would compute something else or slothkit has not checked it
 against llama.cpp: a sliding-layer rope other than the default, a full-layer rope other than
 proportional (or default over the whole head), layers sharing keys and values other than
 after a sliding and then a full layer (llama.cpp's rule for which layer's cache they reuse),
-bidirectional attention, keys used as values (attention_k_eq_v) and the mixture-of-experts
-block (enable_moe_block: 26B-A4B).
+bidirectional attention and the mixture-of-experts block (enable_moe_block: 26B-A4B).
 """
 
 from __future__ import annotations
@@ -94,7 +99,6 @@ def gemma4_layers(config) -> Gemma4Layers:
     graph = "llama.cpp's 'gemma4' graph"
     for key, what in (
         ("enable_moe_block", "the mixture-of-experts block"),
-        ("attention_k_eq_v", "keys used as values on the full layers"),
         ("use_bidirectional_attention", "bidirectional attention"),
     ):
         if getattr(config, key, None):

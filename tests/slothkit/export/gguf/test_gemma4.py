@@ -211,13 +211,16 @@ def test_a_file_without_a_part_of_the_layout_fails_verification(fault, checkpoin
 @pytest.mark.parametrize(
     "changes,message",
     [
-        (dict(attention_k_eq_v=True), "without keys used as values"),
+        (
+            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+            "without the mixture-of-experts block",
+        ),
         (
             dict(layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
             r"keys and values of layer 0 \(sliding\) and 1 \(full\)",
         ),
     ],
-    ids=["k-eq-v", "shared-after-another-pattern"],
+    ids=["moe-block", "shared-after-another-pattern"],
 )
 def test_a_gemma4_llama_cpp_would_compute_otherwise_is_refused(changes, message, tmp_path):
     values = AutoConfig.from_pretrained(tiny_generic_model_path("gemma4_text")).to_dict()
@@ -229,3 +232,34 @@ def test_a_gemma4_llama_cpp_would_compute_otherwise_is_refused(changes, message,
     with pytest.raises(NotImplementedError, match=message):
         save_pretrained_gguf(model, tmp_path / "out", None, "q8_0")
     assert not (tmp_path / "out").exists()
+
+
+@needs_llama_cpp
+def test_full_layers_with_keys_as_values_run_as_the_model(tmp_path):
+    """attention_k_eq_v (Gemma 4 31B's full layers): no v_proj there, the values k_proj's
+    output; with one key/value head on the full layers and two on the sliding ones, the file
+    states the heads per layer and llama.cpp gives the model's logits."""
+    values = AutoConfig.from_pretrained(_checkpoint(tmp_path / "source")).to_dict()
+    for key in ("model_type", "per_layer_config"):  # the layers' shapes follow the new settings
+        values.pop(key)
+    config = AutoConfig.for_model(
+        "gemma4_text", **{**values, "global_head_dim": FULL_HEAD, "attention_k_eq_v": True,
+                          "num_global_key_value_heads": 1},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", "layer_scalar")):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+            elif parameter.dim() >= 2:
+                parameter.normal_(0, SCALE / parameter.shape[-1] ** 0.5, generator=generator)
+    assert model.model.layers[1].self_attn.v_proj is None
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "source")
+    file = write_gguf(model, tmp_path / "k-eq-v.gguf", tokenizer, "f32")
+    reader = gguf.GGUFReader(file)
+    assert reader.fields["gemma4.attention.head_count_kv"].contents() == [2, 1, 2, 1]
+    assert "blk.1.attn_v.weight" not in {t.name for t in reader.tensors}
+    report = verify_gguf(file, model, tokenizer, "f32", prompts=PROMPTS)
+    assert report.logit_error < gguf_verify.TOLERANCES["f32"]
