@@ -12,7 +12,7 @@ alternating sliding and full layers, with what E2B and E4B add:
   - a scalar per layer multiplying its output (layer_scalar), and norms that scale by w
     (not Gemma's 1 + w); the query scale is 1, q_norm setting the queries' size;
   - in the larger sizes, full layers whose values are their keys (attention_k_eq_v, 31B)
-    and a mixture-of-experts block beside the MLP (26B-A4B: refused by GGUF export).
+    and a mixture-of-experts block beside the MLP (26B-A4B).
 
 slothkit has no fused decoder for it: FastModel trains it on the generic path. This record
 serves GGUF export, as llama.cpp's "gemma4" graph (slothkit.export.gguf.gemma4), which is
@@ -42,6 +42,10 @@ GEMMA4 = dataclasses.replace(
             ("pre_feedforward_layernorm", "ffn_norm"),
             ("post_feedforward_layernorm", "post_ffw_norm"),
             ("post_per_layer_input_norm", "post_norm"),
+            # the mixture-of-experts block's (26B-A4B): its input norm, and each branch's output
+            ("pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
+            ("post_feedforward_layernorm_1", "post_ffw_norm_1"),
+            ("post_feedforward_layernorm_2", "post_ffw_norm_2"),
         ),
         windowed_layers=True,  # the file's pattern says which layers slide, as for Gemma 3
         gemma4=True,

@@ -44,7 +44,16 @@ Refused, where llama.cpp's graph would compute something else or slothkit has no
 against llama.cpp: a sliding-layer rope other than the default, a full-layer rope other than
 proportional (or default over the whole head), layers sharing keys and values other than
 after a sliding and then a full layer (llama.cpp's rule for which layer's cache they reuse),
-bidirectional attention and the mixture-of-experts block (enable_moe_block: 26B-A4B).
+and bidirectional attention over text (use_bidirectional_attention='all').
+
+The mixture-of-experts block (enable_moe_block: 26B-A4B) runs beside each layer's MLP: a
+router (router.proj -> ffn_gate_inp.weight, its input scale router.scale ->
+ffn_gate_inp.scale, router.per_expert_scale -> ffn_down_exps.scale, each chosen expert's
+weight multiplied by its scale), the experts as llama.cpp's fused stacks (experts.gate_up_proj
+-> ffn_gate_up_exps.weight, the gate's rows then the up's, as HF holds them;
+experts.down_proj -> ffn_down_exps.weight), and its norms (pre_feedforward_layernorm_2,
+post_feedforward_layernorm_1 and _2 -> pre_ffw_norm_2, post_ffw_norm_1, post_ffw_norm_2);
+the keys expert_count, expert_used_count (top_k_experts) and expert_feed_forward_length.
 """
 
 from __future__ import annotations
@@ -64,6 +73,12 @@ _LAYER = {  # a decoder layer's own weights beside the attention, MLP and norms
     "per_layer_input_gate.weight": "inp_gate.weight",
     "per_layer_projection.weight": "proj.weight",
     "layer_scalar": "layer_output_scale.weight",
+    # the mixture-of-experts block beside the MLP (enable_moe_block: 26B-A4B)
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
 }
 _PREFIX = "model.layers."
 _UNROTATED = 1e30  # rope_freqs' divisor of a pair proportional rope leaves alone
@@ -83,6 +98,7 @@ class Gemma4Layers:
     rotated_pairs: int  # of a full layer's head_dim / 2 pairs, those proportional rope turns
     rope_dims_sliding: int
     final_softcap: float | None
+    experts: tuple[int, int, int] | None  # the MoE block's (count, used per token, width); None: none
 
     @property
     def full_head_dim(self) -> int:
@@ -97,15 +113,11 @@ def gemma4_layers(config) -> Gemma4Layers:
     """What llama.cpp's gemma4 graph needs of a gemma4_text config, refused where it would
     compute another model (module docstring)."""
     graph = "llama.cpp's 'gemma4' graph"
-    for key, what in (
-        ("enable_moe_block", "the mixture-of-experts block"),
-        ("use_bidirectional_attention", "bidirectional attention"),
-    ):
-        if getattr(config, key, None):
-            raise NotImplementedError(
-                f"slothkit writes Gemma 4 for {graph} without {what} (not yet checked against llama.cpp); "
-                f"this model sets {key}={getattr(config, key)!r}"
-            )
+    # "vision" makes image tokens attend both ways, text causally: a text model is unchanged.
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        raise NotImplementedError(
+            f"{graph} attends causally; this model sets use_bidirectional_attention='all' (accepted: None, 'vision')"
+        )
     layers = list(config.per_layer_config)
     sliding = tuple(kind == "sliding_attention" for kind in config.layer_types)
     if all(sliding) or not any(sliding):
@@ -154,6 +166,11 @@ def gemma4_layers(config) -> Gemma4Layers:
         rotated_pairs=int(full_head * factor / 2),
         rope_dims_sliding=int(sliding_head * float(sliding_rope.get("partial_rotary_factor", 1.0))),
         final_softcap=getattr(config, "final_logit_softcapping", None),
+        experts=(
+            (int(config.num_experts), int(config.top_k_experts), int(config.moe_intermediate_size))
+            if getattr(config, "enable_moe_block", False)
+            else None
+        ),
     )
 
 

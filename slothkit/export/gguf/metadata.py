@@ -138,6 +138,7 @@ def _gemma4_hyperparameters(config) -> HyperParameters:
         sliding_window=None,
         sliding_layers=None,
         rope_theta_sliding=None,
+        experts=layers.experts,
         gemma4=layers,
     )
 

@@ -211,16 +211,13 @@ def test_a_file_without_a_part_of_the_layout_fails_verification(fault, checkpoin
 @pytest.mark.parametrize(
     "changes,message",
     [
-        (
-            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-            "without the mixture-of-experts block",
-        ),
+        (dict(use_bidirectional_attention="all"), "attends causally"),
         (
             dict(layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
             r"keys and values of layer 0 \(sliding\) and 1 \(full\)",
         ),
     ],
-    ids=["moe-block", "shared-after-another-pattern"],
+    ids=["bidirectional", "shared-after-another-pattern"],
 )
 def test_a_gemma4_llama_cpp_would_compute_otherwise_is_refused(changes, message, tmp_path):
     values = AutoConfig.from_pretrained(tiny_generic_model_path("gemma4_text")).to_dict()
@@ -263,3 +260,65 @@ def test_full_layers_with_keys_as_values_run_as_the_model(tmp_path):
     assert "blk.1.attn_v.weight" not in {t.name for t in reader.tensors}
     report = verify_gguf(file, model, tokenizer, "f32", prompts=PROMPTS)
     assert report.logit_error < gguf_verify.TOLERANCES["f32"]
+
+
+def _moe_model(folder):
+    """A tiny Gemma 4 with the mixture-of-experts block beside each layer's MLP (26B-A4B's
+    layout: 4 experts of width 64, 2 per token), its router's scales drawn in [0.5, 1.5)."""
+    values = AutoConfig.from_pretrained(_checkpoint(folder)).to_dict()
+    for key in ("model_type", "per_layer_config"):
+        values.pop(key)
+    config = AutoConfig.for_model(
+        "gemma4_text", **{**values, "global_head_dim": FULL_HEAD, "enable_moe_block": True, "num_experts": 4,
+                          "top_k_experts": 2, "moe_intermediate_size": 64},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) + 0.5)
+            elif parameter.dim() >= 2:
+                parameter.normal_(0, SCALE / parameter.shape[-1] ** 0.5, generator=generator)
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+@needs_llama_cpp
+def test_the_mixture_of_experts_block_runs_as_the_model(tmp_path):
+    """enable_moe_block (26B-A4B): the router (its weight, input scale and per-expert scales),
+    the fused gate/up and down expert stacks and the block's three norms are written as
+    llama.cpp's gemma4 reads them, and llama.cpp gives the model's logits at F16; a file of
+    the model without its per-expert scales (all 1) fails verification."""
+    model, tokenizer = _moe_model(tmp_path / "source")
+    file = write_gguf(model, tmp_path / "moe.gguf", tokenizer, "f16")
+    reader = gguf.GGUFReader(file)
+    tensors = {t.name: t for t in reader.tensors}
+    assert (
+        reader.fields["gemma4.expert_count"].contents(),
+        reader.fields["gemma4.expert_used_count"].contents(),
+    ) == (
+        4,
+        2,
+    )
+    assert list(tensors["blk.0.ffn_gate_up_exps.weight"].shape) == [HIDDEN, 2 * 64, 4]
+    assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [64, HIDDEN, 4]
+    assert list(tensors["blk.0.ffn_down_exps.scale"].shape) == [4]
+    assert tensors["blk.0.ffn_gate_inp.scale"].tensor_type == T.F32
+    assert {
+        "blk.0.pre_ffw_norm_2.weight",
+        "blk.0.post_ffw_norm_1.weight",
+        "blk.0.post_ffw_norm_2.weight",
+    } <= set(tensors)
+    report = verify_gguf(file, model, tokenizer, "f16", prompts=PROMPTS)
+    assert report.logit_error < gguf_verify.TOLERANCES["f16"]
+
+    with torch.no_grad():
+        scales = [layer.router.per_expert_scale.clone() for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.router.per_expert_scale.fill_(1.0)
+        wrong = write_gguf(model, tmp_path / "unscaled.gguf", tokenizer, "f32")
+        for layer, scale in zip(model.model.layers, scales):
+            layer.router.per_expert_scale.copy_(scale)
+    with pytest.raises(GGUFVerificationError, match="logits differ"):
+        verify_gguf(wrong, model, tokenizer, "f32", prompts=PROMPTS)
