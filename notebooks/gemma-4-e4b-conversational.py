@@ -21,7 +21,7 @@
 # chat test, and saving: LoRA adapter, merged 16-bit model, GGUF files (with an
 # Ollama Modelfile), optionally pushed to the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB). slothkit's planner puts them (4 bits, batch 2 x 2048, LoRA rank 16) at about 6 GiB there (`slothkit plan gemma-4-e4b --gpu t4 --mode qlora`); not measured on a T4. Gemma 4 E4B has per-layer input embeddings and keys and values shared across its last 18 layers, and trains on slothkit's generic path. google/gemma-4-E4B-it is an image, audio and text checkpoint: slothkit loads its text model alone (said once), quantised to NF4 as it loads. SAVE_GGUF is off: slothkit's GGUF export does not write Gemma 4's per-layer embeddings and shared key/value layers and refuses the model.
+# The defaults fit a free Colab or Kaggle T4 (15 GB). slothkit's planner puts them (4 bits, batch 2 x 2048, LoRA rank 16) at about 6 GiB there (`slothkit plan gemma-4-e4b --gpu t4 --mode qlora`); not measured on a T4. Gemma 4 E4B has per-layer input embeddings and keys and values shared across its last 18 layers, and trains on slothkit's generic path. google/gemma-4-E4B-it is an image, audio and text checkpoint: slothkit loads its text model alone (said once), quantised to NF4 as it loads. SAVE_GGUF writes llama.cpp's gemma4 graph (per-layer embeddings, shared key/value layers, proportional rope), each file checked by llama.cpp when llama-cpp-python (0.3.36 or later) is installed; checked at f16, q8_0 and q4_k_m on a tiny random Gemma 4, not yet on Gemma 4 E4B itself or its tokenizer.
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
@@ -67,7 +67,7 @@ DATASET = "example:chat"  # @param {type:"string"}
 CHAT_TEMPLATE = "gemma-4"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = False  # @param {type:"boolean"}
+SAVE_GGUF = True  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

@@ -21,7 +21,7 @@
 # chat test, and saving: LoRA adapter, merged 16-bit model, GGUF files (with an
 # Ollama Modelfile), optionally pushed to the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB). slothkit's planner puts them (4 bits, batch 2 x 2048, LoRA rank 16) at about 9 GiB there (`slothkit plan qwen3.5-9b --gpu t4 --mode qlora`); not measured on a T4. Qwen3.5 has three gated DeltaNet (linear-attention) layers in four and trains on slothkit's generic path; the q/k/v/o names adapt the DeltaNet layers' in_proj_qkv, in_proj_z and out_proj too. Qwen/Qwen3.5-9B is an image-text checkpoint whose text model transformers loads alone, quantised to NF4 by slothkit as it loads. SAVE_GGUF is off: slothkit's GGUF export does not write Qwen3.5's DeltaNet layers and refuses the model.
+# The defaults fit a free Colab or Kaggle T4 (15 GB). slothkit's planner puts them (4 bits, batch 2 x 2048, LoRA rank 16) at about 9 GiB there (`slothkit plan qwen3.5-9b --gpu t4 --mode qlora`); not measured on a T4. Qwen3.5 has three gated DeltaNet (linear-attention) layers in four and trains on slothkit's generic path; the q/k/v/o names adapt the DeltaNet layers' in_proj_qkv, in_proj_z and out_proj too. Qwen/Qwen3.5-9B is an image-text checkpoint whose text model transformers loads alone, quantised to NF4 by slothkit as it loads. SAVE_GGUF writes llama.cpp's qwen35 graph (the DeltaNet layers as its ssm tensors), each file checked by llama.cpp when llama-cpp-python (0.3.36 or later) is installed; checked at f16, q8_0 and q4_k_m on a tiny random Qwen3.5, not yet on Qwen3.5-9B itself.
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
@@ -67,7 +67,7 @@ DATASET = "example:chat"  # @param {type:"string"}
 CHAT_TEMPLATE = "qwen3.5"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
-SAVE_GGUF = False  # @param {type:"boolean"}
+SAVE_GGUF = True  # @param {type:"boolean"}
 GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}

@@ -12,7 +12,8 @@ RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder pa
 record; a record with fused=False would serve export only, its family training on the
 generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
 and the fast decode loop generates (they train on the generic path: no fixture, notebook
-or fused layer reads them); SHAPES the shapes every record names and those of record-less families
+or fused layer reads them); EXPORT_ONLY_RECORDS the generic path's families that GGUF export
+alone reads a record of (Qwen3.5's DeltaNet hybrid, Gemma 4); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights).
 """
@@ -32,6 +33,7 @@ from slothkit.models.architecture import (
 from slothkit.models.gemma import GEMMA
 from slothkit.models.gemma2 import GEMMA2
 from slothkit.models.gemma3 import GEMMA3
+from slothkit.models.gemma4 import GEMMA4
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.gpt_oss import GPT_OSS
 from slothkit.models.llama import LLAMA
@@ -41,12 +43,14 @@ from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.phi3 import PHI3
 from slothkit.models.qwen2 import QWEN2
 from slothkit.models.qwen3 import QWEN3
+from slothkit.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from slothkit.models.qwen3_moe import QWEN3_MOE
 from slothkit.models.shape import Shape
 
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
+EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, QWEN3_5_MOE, GEMMA4)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,
@@ -55,6 +59,7 @@ SHAPES: dict[str, Shape] = {
 __all__ = [
     "ARCHITECTURES",
     "EXPERT_RECORDS",
+    "EXPORT_ONLY_RECORDS",
     "RECORDS",
     "SHAPES",
     "Architecture",
@@ -120,9 +125,10 @@ def record_for(config) -> Architecture | None:
 
 def export_record_for(config) -> Architecture | None:
     """The record GGUF export writes a model of `config` by: record_for's, else the
-    mixture-of-experts family's (EXPERT_RECORDS), else None."""
+    mixture-of-experts family's (EXPERT_RECORDS) or an export-only family's
+    (EXPORT_ONLY_RECORDS), else None."""
     model_type = getattr(config, "model_type", None)
-    for arch in RECORDS + EXPERT_RECORDS:
+    for arch in RECORDS + EXPERT_RECORDS + EXPORT_ONLY_RECORDS:
         if model_type in arch.model_types:
             return arch
     return None

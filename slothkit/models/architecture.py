@@ -80,6 +80,10 @@ class GGUFExperts:
     # gate_up_proj's gate and up alternate along its output dimension, the gate first
     # (gpt-oss: gate at even columns, up at odd); False: the gate's half, then the up's.
     interleaved: bool = False
+    # config field: the width of a shared expert that every token runs beside the chosen
+    # ones, its output gated by a sigmoid (mlp.shared_expert, mlp.shared_expert_gate: Qwen3.5's
+    # MoE sizes; expert_shared_feed_forward_length); None: no shared expert.
+    shared_width_key: str | None = None
     # Config fields whose value llama.cpp's graph fixes and reads from no key, with that
     # value (gpt-oss's clamped SwiGLU: swiglu_alpha 1.702, swiglu_limit 7.0); a model with
     # another is refused.
@@ -133,6 +137,18 @@ class GGUFLayout:
     query_scale_hidden_layers: int | None = None
     # A mixture-of-experts MLP in every layer, and where its parts are; None: a dense MLP.
     experts: GGUFExperts | None = None
+    # Gated DeltaNet (linear attention) layers between the attention layers, every
+    # full_attention_interval-th layer attending (Qwen3.5): their tensors and the ssm.* keys
+    # (slothkit.export.gguf.deltanet). False: attention in every layer.
+    deltanet: bool = False
+    # Gemma 4's layers in llama.cpp's gemma4 graph: per-layer input embeddings, keys and values
+    # shared by the last layers, per-layer head sizes and feed-forward widths, proportional
+    # rope on the full layers (slothkit.export.gguf.gemma4).
+    gemma4: bool = False
+    # The llama-cpp-python release whose llama.cpp first ran this graph in slothkit's tests
+    # (the verifier refuses an older one with this version named); None: every release
+    # slothkit supports runs it.
+    llama_cpp_python: str | None = None
 
 
 @dataclass(frozen=True)

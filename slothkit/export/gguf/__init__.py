@@ -8,6 +8,9 @@
 - layout: where each Hugging Face weight goes in the file and how it is transformed on the way
   (Q/K row permutation, norm offset), from the architecture record; and the way back
   (hf_weights_from_gguf).
+- deltanet: gated DeltaNet layers (Qwen3.5) in llama.cpp's qwen35 layout: names, transforms, keys.
+- gemma4: Gemma 4's per-layer inputs, shared key/value layers and per-layer shapes in llama.cpp's
+  gemma4 layout.
 - tensor_types: the quantization methods (parsed once, where users pass them: quantization_methods),
   which GGML type each tensor gets for a method, and its encoding.
 - kquants: the K-quant encoders and decoders (Q4_K, Q5_K, Q6_K).
@@ -18,7 +21,8 @@
 
 Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
 functions included): layout and tensor_types need neither writer nor verify; verify reads
-files back through layout; metadata reads layout and attention; writer uses all of them.
+files back through layout; layout reads deltanet, gemma4 and experts; metadata reads layout,
+attention, deltanet and gemma4; writer uses all of them.
 """
 
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, QuantizationMethod, quantization_methods

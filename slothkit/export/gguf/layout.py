@@ -44,8 +44,9 @@ import re
 import numpy as np
 import torch
 
+from slothkit.export.gguf import deltanet, gemma4
 from slothkit.export.gguf.experts import Piece, expert_pieces, join, piece_shape
-from slothkit.models import EXPERT_RECORDS, RECORDS, Architecture, export_record_for
+from slothkit.models import EXPERT_RECORDS, EXPORT_ONLY_RECORDS, RECORDS, Architecture, export_record_for
 
 _TOP_LEVEL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -64,6 +65,11 @@ _PROJECTIONS = {  # every architecture's; the norms come from the record
     # into q, k, v and ffn_up's into gate (the first half, under SiLU) and up.
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # A shared expert beside the routed ones (Qwen3.5's MoE sizes), and its gate (one row).
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # gpt-oss's attention sinks: a parameter of the attention module, one logit per head.
@@ -76,6 +82,7 @@ def architecture_of(model) -> Architecture:
     arch = export_record_for(config)
     if arch is None:
         supported = ", ".join(repr(t) for a in RECORDS for t in a.model_types)
+        supported += "".join(f", {t!r}" for a in EXPORT_ONLY_RECORDS for t in a.model_types)
         experts = ", ".join(repr(t) for a in EXPERT_RECORDS for t in a.model_types)
         raise ValueError(
             f"GGUF export supports the architectures {supported} and the mixture-of-experts {experts}; "
@@ -127,10 +134,22 @@ def gguf_pieces(hf_name: str, arch: Architecture) -> list[Piece] | None:
     pieces = expert_pieces(hf_name, arch)
     if pieces is not None:
         return pieces
+    if arch.gguf.deltanet and (mapped := deltanet.gguf_tensor_name(hf_name)) is not None:
+        return [Piece(*mapped)]
+    if arch.gguf.gemma4 and (mapped := gemma4.gguf_tensor_name(hf_name)) is not None:
+        return [Piece(*mapped)]
     mapped = gguf_tensor_name(hf_name, arch)
     if mapped is None:
         return None
     return [Piece(mapped[0], mapped[1])]
+
+
+def gguf_shape(value: torch.Tensor, piece: Piece, arch: Architecture) -> tuple[int, ...]:
+    """The shape (torch's order) GGUF tensor `piece` has in the file, cut from HF weight `value`."""
+    shape = piece_shape(value, piece)
+    if arch.gguf.deltanet and deltanet.holds(piece.name):
+        return deltanet.stored_shape(piece.name, shape)
+    return shape
 
 
 def _rotary_heads(name: str, arch: Architecture, config) -> int | None:
@@ -150,7 +169,10 @@ def _is_norm(name: str) -> bool:
 
 
 def to_gguf(value: torch.Tensor, name: str, arch: Architecture, config) -> torch.Tensor:
-    """An HF weight as GGUF tensor `name` holds it: Q/K rows permuted, norm offset added."""
+    """An HF weight as GGUF tensor `name` holds it: Q/K rows permuted, norm offset added, a
+    DeltaNet layer's as slothkit.export.gguf.deltanet says."""
+    if arch.gguf.deltanet and deltanet.holds(name):
+        return deltanet.to_gguf(value, name, deltanet.deltanet_shape(config))
     heads = _rotary_heads(name, arch, config)
     if heads is not None:
         value = permute_rotary_rows(value, heads)
@@ -159,8 +181,11 @@ def to_gguf(value: torch.Tensor, name: str, arch: Architecture, config) -> torch
     return value
 
 
-def from_gguf(value: torch.Tensor, name: str, arch: Architecture, config) -> torch.Tensor:
-    """Inverse of to_gguf: GGUF tensor `name` back in HF's layout."""
+def from_gguf(value: torch.Tensor, name: str, arch: Architecture, config, hf_shape=None) -> torch.Tensor:
+    """Inverse of to_gguf: GGUF tensor `name` back in HF's layout (of shape `hf_shape`, where
+    the file stores another: a DeltaNet convolution's)."""
+    if arch.gguf.deltanet and deltanet.holds(name):
+        return deltanet.from_gguf(value, name, deltanet.deltanet_shape(config), hf_shape or value.shape)
     heads = _rotary_heads(name, arch, config)
     if heads is not None:
         value = unpermute_rotary_rows(value, heads)
@@ -216,7 +241,8 @@ def hf_weights_from_gguf(path: str | os.PathLike, model) -> dict[str, torch.Tens
         for piece in pieces:
             tensor = stored[piece.name]
             value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
-            values.append(from_gguf(value.reshape(piece_shape(param, piece)), piece.name, arch, model.config))
+            value = value.reshape(gguf_shape(param, piece, arch))
+            values.append(from_gguf(value, piece.name, arch, model.config, piece_shape(param, piece)))
         value = join(values, pieces)
         weights[hf_name] = value.to(device=param.device, dtype=param.dtype)
     return weights

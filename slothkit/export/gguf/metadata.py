@@ -26,7 +26,7 @@ import math
 import torch
 from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
-from slothkit.export.gguf import attention, longrope
+from slothkit.export.gguf import attention, deltanet, gemma4, longrope
 from slothkit.export.gguf.layout import head_counts
 from slothkit.export.gguf.yarn import Yarn, yarn_scaling
 from slothkit.models import Architecture
@@ -36,10 +36,12 @@ from slothkit.models import Architecture
 class HyperParameters:
     vocab_size: int
     hidden: int
-    intermediate: int
+    intermediate: (
+        int | tuple[int, ...] | None
+    )  # one per layer where they differ (Gemma 4); None: no dense MLP
     n_layers: int
     n_heads: int
-    n_kv_heads: int
+    n_kv_heads: int | tuple[int, ...]  # one per layer where they differ (Gemma 4)
     head_dim: int
     rope_dims: int  # the rotated part of each head: head_dim x partial_rotary_factor
     rms_eps: float
@@ -55,9 +57,15 @@ class HyperParameters:
     longrope: longrope.LongRope | None = None  # rope type "longrope": its factors and lengths
     experts: tuple[int, int, int] | None = None  # (count, used per token, width); None: dense MLP
     yarn: Yarn | None = None  # rope type "yarn": its factor, original context and betas
+    deltanet: deltanet.DeltaNetShape | None = None  # DeltaNet layers (Qwen3.5): their shape and pattern
+    rope_sections: tuple[int, ...] | None = None  # multi-axis rope's pairs per position axis (Qwen3.5)
+    gemma4: gemma4.Gemma4Layers | None = None  # Gemma 4's per-layer shapes and keys
+    shared_expert_width: int | None = None  # a shared expert beside the routed ones (Qwen3.5 MoE)
 
 
 def hyperparameters(config, arch: Architecture) -> HyperParameters:
+    if arch.gguf.gemma4:
+        return _gemma4_hyperparameters(config)
     n_heads, n_kv_heads = head_counts(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     rope, sliding_rope = attention.rope_parameters(config)
@@ -79,7 +87,8 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
     return HyperParameters(
         vocab_size=config.vocab_size,
         hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
+        # none where every layer's MLP is experts (Qwen3.5's MoE sizes)
+        intermediate=getattr(config, "intermediate_size", None),
         n_layers=config.num_hidden_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
@@ -98,7 +107,45 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         longrope=scaling,
         experts=_experts(config, arch),
         yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
+        deltanet=deltanet.deltanet_shape(config) if arch.gguf.deltanet else None,
+        rope_sections=deltanet.rope_sections(rope, rope_dims) if arch.gguf.deltanet else None,
+        shared_expert_width=_shared_expert_width(config, arch),
     )
+
+
+def _gemma4_hyperparameters(config) -> HyperParameters:
+    """Gemma 4's: the full layers' head size and rope (slothkit.export.gguf.gemma4), a number
+    per layer where the layers differ; its window and the rest are gemma4.write_metadata's."""
+    layers = gemma4.gemma4_layers(config)
+
+    def one_or_each(values: tuple[int, ...]):
+        return values[0] if len(set(values)) == 1 else values
+
+    return HyperParameters(
+        vocab_size=config.vocab_size,
+        hidden=config.hidden_size,
+        intermediate=one_or_each(layers.widths),
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=one_or_each(layers.kv_heads),
+        head_dim=layers.full_head_dim,
+        rope_dims=layers.full_head_dim,  # the whole head, rope_freqs leaving the unrotated pairs still
+        rms_eps=config.rms_norm_eps,
+        context=config.max_position_embeddings,
+        rope_theta=layers.rope_theta,
+        rope_type="default",
+        rope={},
+        sliding_window=None,
+        sliding_layers=None,
+        rope_theta_sliding=None,
+        experts=layers.experts,
+        gemma4=layers,
+    )
+
+
+def _shared_expert_width(config, arch: Architecture) -> int | None:
+    key = arch.gguf.experts.shared_width_key if arch.gguf.experts else None
+    return int(getattr(config, key)) if key else None
 
 
 def _experts(config, arch: Architecture) -> tuple[int, int, int] | None:
@@ -117,7 +164,8 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
     writer.add_context_length(hp.context)
     writer.add_embedding_length(hp.hidden)
     writer.add_block_count(hp.n_layers)
-    writer.add_feed_forward_length(hp.intermediate)
+    if hp.intermediate is not None:
+        writer.add_feed_forward_length(hp.intermediate)
     writer.add_head_count(hp.n_heads)
     writer.add_head_count_kv(hp.n_kv_heads)
     writer.add_key_length(hp.head_dim)
@@ -147,11 +195,25 @@ def write_metadata(writer: GGUFWriter, hp: HyperParameters, method, name: str) -
         writer.add_attn_logit_softcapping(float(hp.attn_softcap))
     if hp.final_softcap is not None:
         writer.add_final_logit_softcapping(float(hp.final_softcap))
+    if hp.deltanet is not None:
+        shape = hp.deltanet
+        writer.add_ssm_conv_kernel(shape.conv_kernel)
+        writer.add_ssm_state_size(shape.key_dim)
+        writer.add_ssm_group_count(shape.key_heads)
+        writer.add_ssm_time_step_rank(shape.value_heads)
+        writer.add_ssm_inner_size(shape.value_heads * shape.value_dim)
+        writer.add_full_attention_interval(shape.full_attention_interval)
+    if hp.gemma4 is not None:
+        gemma4.write_metadata(writer, hp.gemma4)
+    if hp.rope_sections is not None:
+        writer.add_rope_dimension_sections(list(hp.rope_sections))
     if hp.experts is not None:
         count, used, width = hp.experts
         writer.add_expert_count(count)
         writer.add_expert_used_count(used)
         writer.add_expert_feed_forward_length(width)
+    if hp.shared_expert_width is not None:
+        writer.add_expert_shared_feed_forward_length(hp.shared_expert_width)
 
 
 def llama3_rope_divisors(hp: HyperParameters) -> torch.Tensor:

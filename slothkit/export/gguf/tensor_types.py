@@ -11,17 +11,28 @@
     q6_k     MOSTLY_Q6_K     Q6_K                             llama-quantize Q6_K
 
 Always F32, whatever the method: vectors (RMSNorm weights, biases, rope_freqs), as llama.cpp
-computes norms in F32 and both llama.cpp tools leave them unquantised; and a mixture-of-experts
-router (ffn_gate_inp), which both keep in F32 too.
+computes norms in F32 and both llama.cpp tools leave them unquantised; a mixture-of-experts
+router (ffn_gate_inp; a shared expert's one-row gate, ffn_gate_inp_shexp, which llama-quantize
+also leaves as it is given) and a DeltaNet layer's convolution kernel (ssm_conv1d), which both keep
+in F32 too.
 
 The llama-quantize mixes (llama_tensor_get_type in src/llama-quant.cpp, dense models):
-  - output.weight, or token_embd.weight when the output is tied to it (Gemma): Q6_K
-    (Q8_0 if its rows are not a multiple of 256; kept Q8_0 for a Q8_0 base);
-  - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight too: llama-quantize
-    matches "ffn_down" in the name) get Q6_K in the layers where
+  - output.weight, or token_embd.weight when the output is tied to it (Gemma), and Gemma 4's
+    per-layer input embeddings (per_layer_token_embd.weight): Q6_K (Q8_0 if its rows are not
+    a multiple of 256; kept Q8_0 for a Q8_0 base);
+  - Gemma 4's per_layer_model_proj.weight: F16 in every quantised method (llama-quantize
+    leaves it as it is in the F16 file it is given);
+  - _M variants: attn_v.weight and ffn_down.weight (ffn_down_exps.weight and a shared
+    expert's ffn_down_shexp.weight too: llama-quantize matches "ffn_down" in the name) get Q6_K in the layers where
     `use_more_bits(i, n) = i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2`, the base type elsewhere
-    (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31);
+    (for 32 layers: 0-3, 6, 9, ..., 27 and 28-31); llama-quantize counts i and n over the
+    tensors of that name in the file (value_positions), which is the layer and the layer
+    count where every layer has one, and not where some have none (Gemma 4's layers that
+    share keys and values);
   - attn_qkv.weight (Phi-3's fused q/k/v): Q5_K in Q4_K_M, Q6_K in Q5_K_M, in every layer;
+    a DeltaNet layer's attn_qkv (Qwen3.5: its q, k and v inputs) takes attn_v's rule instead
+    (each layer holds one of the two, so the layer's index is its count among them), as
+    llama-quantize gives it (compared tensor by tensor on a tiny Qwen3.5);
   - every other 2-D weight, token_embd included when untied, and every 3-D expert stack
     (quantised row by row, as a 2-D weight of its rows): the base type.
 Fallback for rows that a type's block cannot tile (tensor_type_fallback): Q4_K -> Q5_0,
@@ -136,6 +147,7 @@ def tensor_type(
     layer: int | None,
     n_layers: int,
     output_tied_to_embeddings: bool,
+    deltanet: bool = False,
 ) -> GGMLQuantizationType:
     """The GGML type of GGUF tensor `name` (shape in torch order, rows last) under `method`:
     the mix's type (mix_type), or its fallback where the row is not a whole number of its
@@ -147,6 +159,7 @@ def tensor_type(
         layer=layer,
         n_layers=n_layers,
         output_tied_to_embeddings=output_tied_to_embeddings,
+        deltanet=deltanet,
     )
     return intended if intended == T.F32 else fallback_type(intended, shape[-1])
 
@@ -163,29 +176,50 @@ def mix_type(
     layer: int | None,
     n_layers: int,
     output_tied_to_embeddings: bool,
+    deltanet: bool = False,
 ) -> GGMLQuantizationType:
-    """The type `method`'s mix gives tensor `name`, before any fallback for its row length."""
+    """The type `method`'s mix gives tensor `name`, before any fallback for its row length;
+    `deltanet`: the model has DeltaNet layers, whose attn_qkv takes attn_v's rule."""
     if (
         len(shape) < 2
         or not name.endswith(".weight")
-        or name.endswith(("_norm.weight", ".ffn_gate_inp.weight"))
+        or name.endswith(
+            ("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+        )
     ):
-        return T.F32  # vectors, norms and a mixture-of-experts router (as llama-quantize keeps it)
+        # vectors, norms, a mixture-of-experts router (and a shared expert's one-row gate),
+        # a DeltaNet layer's convolution (as
+        # llama.cpp's converter and llama-quantize keep them; ggml's ssm_conv reads F32)
+        return T.F32
+    if name == "per_layer_model_proj.weight":  # Gemma 4's: llama-quantize leaves it unquantised
+        return method.base if method.base in (T.F32, T.F16, T.BF16) else T.F16
     if not method.mixed:
         return method.base
-    is_output = name == "output.weight" or (output_tied_to_embeddings and name == "token_embd.weight")
+    is_output = name in ("output.weight", "per_layer_token_embd.weight") or (
+        output_tied_to_embeddings and name == "token_embd.weight"
+    )
     if is_output:
         return T.Q6_K if method.base != T.Q8_0 else method.base
-    if name.endswith(".attn_qkv.weight") and method.file_type in _QKV_STEP:
+    if name.endswith(".attn_qkv.weight") and method.file_type in _QKV_STEP and not deltanet:
         return _QKV_STEP[method.file_type]
+    more_bits = (".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight")
     if (
         method.file_type in (LlamaFileType.MOSTLY_Q4_K_M, LlamaFileType.MOSTLY_Q5_K_M)
-        and name.endswith((".attn_v.weight", ".ffn_down.weight", ".ffn_down_exps.weight"))
+        and name.endswith(more_bits + ((".attn_qkv.weight",) if deltanet else ()))
         and layer is not None
         and use_more_bits(layer, n_layers)
     ):
         return T.Q6_K
     return method.base
+
+
+def value_positions(names: list[str], deltanet: bool = False) -> dict[str, tuple[int, int]]:
+    """For each attn_v.weight among the file's tensor `names` (and a DeltaNet layer's
+    attn_qkv.weight, which takes its rule), (its position among them, their number): the
+    i and n llama-quantize's use_more_bits is given (module docstring)."""
+    ends = (".attn_v.weight", ".attn_qkv.weight") if deltanet else (".attn_v.weight",)
+    values = [name for name in names if name.endswith(ends)]
+    return {name: (i, len(values)) for i, name in enumerate(values)}
 
 
 def fallback_type(qtype: GGMLQuantizationType, row: int) -> GGMLQuantizationType:

@@ -271,14 +271,23 @@ def verify_gguf(
     prompt_ids = [tokenizer(prompt)["input_ids"][: length - greedy_tokens] for prompt in prompts]
     _check_rope_factors_agree(model, context, prompt_ids)
 
-    with _plain_cpu_kernels():
-        llm = llama_cpp.Llama(
-            model_path=str(pathlib.Path(path)),
-            n_ctx=context,
-            logits_all=True,
-            verbose=False,
-            seed=0,
-        )
+    arch = architecture_of(model).gguf
+    _check_llama_cpp_runs(arch.arch, arch.llama_cpp_python, llama_cpp.__version__)
+    try:
+        with _plain_cpu_kernels():
+            llm = llama_cpp.Llama(
+                model_path=str(pathlib.Path(path)),
+                n_ctx=context,
+                logits_all=True,
+                verbose=False,
+                seed=0,
+            )
+    except ValueError as error:  # llama-cpp-python's only word for any load failure
+        raise GGUFVerificationError(
+            f"{path}: llama.cpp (llama-cpp-python {llama_cpp.__version__}) could not load the file, of "
+            f"architecture {arch.arch!r}; a llama.cpp that does not know the architecture fails so: "
+            f"upgrade llama-cpp-python, or pass verify=False to write the file for another runner"
+        ) from error
     errors, exact, gaps, generated = [], 0, [], 0
     try:
         for prompt, hf_ids in zip(prompts, prompt_ids):
@@ -320,6 +329,19 @@ def verify_gguf(
             f"best, beyond the {GREEDY_MARGIN * tolerance:.3f} that rounding can explain for {method.name}"
         )
     return report
+
+
+def _check_llama_cpp_runs(graph: str, first_release: str | None, installed: str) -> None:
+    """Refuse a llama-cpp-python older than the first release known to run `graph`: its
+    llama.cpp would not load the file (or not as slothkit wrote it)."""
+    from packaging.version import Version
+
+    if first_release is not None and Version(installed) < Version(first_release):
+        raise GGUFVerificationError(
+            f"llama.cpp's {graph!r} architecture needs llama-cpp-python {first_release} or later to "
+            f"verify the file; {installed} is installed: pip install -U 'llama-cpp-python>={first_release}', "
+            f"or pass verify=False to write the file without running it"
+        )
 
 
 def _check_weights(path, weights: dict[str, torch.Tensor], model, method: str) -> float:

@@ -51,9 +51,10 @@ from slothkit.export.disk_space import (
     is_disk_full,
     megabytes,
 )
+from slothkit.export.gguf import gemma4
 from slothkit.export.gguf import tensor_types as types
-from slothkit.export.gguf.experts import Piece, check_experts, cut, piece_shape
-from slothkit.export.gguf.layout import architecture_of, gguf_pieces, to_gguf
+from slothkit.export.gguf.experts import Piece, check_experts, cut
+from slothkit.export.gguf.layout import architecture_of, gguf_pieces, gguf_shape, to_gguf
 from slothkit.export.gguf.metadata import (
     HyperParameters,
     hyperparameters,
@@ -88,8 +89,9 @@ def save_pretrained_gguf(
 
     Args:
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
-            (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral, and the
-            mixture-of-experts qwen3_moe, gpt_oss and mixtral); slothkit.export.merge turns a
+            (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral,
+            qwen3_5_text, gemma4_text, and the mixture-of-experts qwen3_moe, gpt_oss, mixtral and
+            qwen3_5_moe_text); slothkit.export.merge turns a
             LoRA/QLoRA model into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
@@ -314,10 +316,19 @@ def _plan(
     hp = hyperparameters(model.config, arch)
     tensors = list(_gguf_tensors(model, arch, hp))
     tied = arch.gguf.output_always_tied or not any(name == "output.weight" for name, *_ in tensors)
+    values = types.value_positions([name for name, *_ in tensors], arch.gguf.deltanet)
     plan = []
     for name, produce, shape, layer in tensors:
+        # an attn_v's layer and the layer count, as llama-quantize counts them
+        position, count = values.get(name, (layer, hp.n_layers))
         intended = types.mix_type(
-            method, name, shape, layer=layer, n_layers=hp.n_layers, output_tied_to_embeddings=tied
+            method,
+            name,
+            shape,
+            layer=position,
+            n_layers=count,
+            output_tied_to_embeddings=tied,
+            deltanet=arch.gguf.deltanet,
         )
         qtype = intended if intended == T.F32 else types.fallback_type(intended, shape[-1])
         plan.append(_PlannedTensor(name, produce, shape, qtype, intended))
@@ -390,6 +401,9 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             )
         divisors = llama3_rope_divisors(hp)
         yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
+    if hp.gemma4 is not None:
+        divisors = gemma4.rope_divisors(hp.gemma4)
+        yield "rope_freqs.weight", (lambda d=divisors: d), tuple(divisors.shape), None
     if hp.longrope is not None:
         for name, factors in hp.longrope.tensors():
             yield name, (lambda f=factors: f), tuple(factors.shape), None
@@ -405,7 +419,7 @@ def _gguf_tensors(model, arch: Architecture, hp: HyperParameters) -> Iterator[tu
             unknown.append(hf_name)
             continue
         for piece in pieces:
-            shape = piece_shape(tensor, piece)
+            shape = gguf_shape(tensor, piece, arch)
             yield piece.name, _producer(tensor, piece, arch, model.config), shape, piece.layer
     if unknown:
         raise ValueError(

@@ -22,7 +22,7 @@ from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf.layout import hf_weights_from_gguf, permute_rotary_rows
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, quantization_method
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
-from slothkit.models import EXPERT_RECORDS, RECORDS, architecture_named
+from slothkit.models import EXPERT_RECORDS, EXPORT_ONLY_RECORDS, RECORDS, architecture_named
 from slothkit.testing import CORPUS, tiny_model_path
 
 T = gguf.GGMLQuantizationType
@@ -537,7 +537,9 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                                          pad_token_id=0))  # fmt: skip
     _, tokenizer = tiny("llama")
-    supported = ", ".join(repr(model_type) for record in RECORDS for model_type in record.model_types)
+    records = RECORDS + EXPORT_ONLY_RECORDS
+    supported = ", ".join(repr(model_type) for record in records for model_type in record.model_types)
+    assert "'qwen3_5_text'" in supported
     assert "'llama', 'mistral', 'gemma', 'qwen2', 'qwen3', 'gemma3_text'" in supported
     experts = ", ".join(repr(model_type) for record in EXPERT_RECORDS for model_type in record.model_types)
     assert "'qwen3_moe', 'gpt_oss', 'mixtral'" in experts
