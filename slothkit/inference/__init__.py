@@ -21,7 +21,6 @@ from slothkit.core.inspection import causal_lm_of
 from slothkit.core.model_state import attach_state, state_of
 from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.inference.decode_check import decode_disagreement
-from slothkit.inference.decode_deltanet import QWEN3_5
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.gemma4_step import Gemma4Step
 from slothkit.inference.model_step import ModelStep, longrope_short_positions
@@ -29,6 +28,7 @@ from slothkit.inference.sampling import generation_config_for, setting, unsuppor
 from slothkit.models import ARCHITECTURES, architecture_for, export_record_for
 from slothkit.models.gpt_oss import GPT_OSS
 from slothkit.models.mixtral import MIXTRAL
+from slothkit.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from slothkit.models.qwen3_moe import QWEN3_MOE
 
 __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_generate"]
@@ -40,7 +40,7 @@ __all__ = ["FastDecoder", "disable_fast_decode", "enable_fast_decode", "fast_gen
 DECODED_EXPERT_RECORDS = (QWEN3_MOE, GPT_OSS, MIXTRAL)
 # The families whose gated DeltaNet layers decode_deltanet.py steps, checked token for
 # token against Hugging Face's generate: Qwen3.5 (its gated attention in model_step.py).
-DECODED_DELTANET_FAMILIES = (QWEN3_5,)
+DECODED_DELTANET_FAMILIES = (QWEN3_5, QWEN3_5_MOE)
 
 # Families with no record whose decoder has its own step (model_type -> step class), each
 # checked token for token against Hugging Face's generate: Gemma 4's text model (per-layer
@@ -59,10 +59,7 @@ def decoded_record(config):
     if arch is not None:
         return arch
     record = export_record_for(config)
-    if record in DECODED_EXPERT_RECORDS:
-        return record
-    model_type = getattr(config, "model_type", None)
-    return next((f for f in DECODED_DELTANET_FAMILIES if model_type in f.model_types), None)
+    return record if record in DECODED_EXPERT_RECORDS + DECODED_DELTANET_FAMILIES else None
 
 
 def step_class_for(config):

@@ -24,8 +24,6 @@ are zero and the state it leaves is the zero state it found.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,22 +32,6 @@ from transformers.activations import ACT2FN
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit_kernels.delta_rule import gated_delta_rule
 from slothkit_kernels.delta_rule.reference import l2norm
-
-
-@dataclasses.dataclass(frozen=True)
-class DeltaNetFamily:
-    """A family whose decoder interleaves gated DeltaNet layers (``layer.linear_attn``)
-    with attention layers, decoded with the states of this file beside the KV cache."""
-
-    name: str
-    model_types: tuple[str, ...]
-    embedding_scale: bool = False  # the token embeddings are not scaled
-
-
-# Qwen3.5: three gated DeltaNet layers to one gated full-attention layer (q_proj also
-# writes a gate on the attention's output; a quarter of each head rotated); its MoE
-# variant's blocks (routed experts and a shared one) run decode_experts.py.
-QWEN3_5 = DeltaNetFamily("qwen3_5", ("qwen3_5_text", "qwen3_5_moe_text"))
 
 
 def linear_attention_of(layer: nn.Module) -> nn.Module | None:
