@@ -650,7 +650,13 @@ def test_llama3_ollama_on_the_real_checkpoint(notebook_folder, smollm2_path):
     )
     (path,) = (folder / "model").glob("*.Q8_0.gguf")
     report = verify_gguf(path, trainer.model.eval(), tokenizer, "q8_0", prompts=(prompt,), greedy_tokens=8)
-    assert report.greedy_tokens == 8 and report.greedy_exact >= 6, report
+    # llama.cpp's greedy tokens, fed back to both: where one is not HF's argmax, HF's own
+    # best logit must beat it by less than twice the file's measured logit error (a near
+    # tie that q8_0's rounding may flip; a wrong file moves whole rows instead, which the
+    # tolerance catches). This short training's continuation has such ties: on one CPU 5
+    # of 8 tokens agreed exactly, the others 0.075 std apart at a logit error of 0.076.
+    assert report.greedy_tokens == 8 and report.greedy_exact >= 4, report
+    assert report.worst_greedy_gap <= 2 * report.logit_error, report
     modelfile = (folder / "model" / "Modelfile").read_text()
     go = modelfile.split('TEMPLATE """')[1].split('"""')[0]
     assert go.split("{{ .Response }}")[0].replace("{{ .Prompt }}", conversation[0]["content"]) == prompt
