@@ -176,13 +176,21 @@ class FastVisionModel:
         return training_mode.for_training(model)
 
     @staticmethod
-    def for_inference(model):
-        """Evaluation mode, the KV cache on, the processor's tokenizer padding on the left;
-        ``generate`` is Hugging Face's (slothkit's decode loop is for text models), said
-        once.  Returns the same model."""
-        say_once(
-            "slothkit: an image-text model generates through Hugging Face's generate (slothkit's fast decode "
-            "loop is for text models)",
-            FallbackWarning,
-        )
-        return training_mode.for_inference(model, fast_decode=False)
+    def for_inference(model, fast_decode: bool | None = None):
+        """Evaluation mode, the KV cache on, the processor's tokenizer padding on the left,
+        and ``generate`` on slothkit's fast decode loop where the language model's family
+        has a fused record (Gemma 3, Qwen2.5-VL's Qwen2): the prompt's images go through
+        the model's own vision tower and merge (slothkit.inference.image_prompt), the new
+        tokens through the captured decode step.  Elsewhere Hugging Face's generate, said
+        once.
+
+        Args:
+            model: a model from ``FastVisionModel.from_pretrained`` or ``get_peft_model``.
+            fast_decode: as FastModel.for_inference's: None: the fast loop on a CUDA GPU;
+                True: also on a CPU (no graph: for checking); False: Hugging Face's
+                generate.
+
+        Returns:
+            The same model.
+        """
+        return training_mode.for_inference(model, fast_decode)

@@ -17,6 +17,15 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def language_model_of(causal_lm: nn.Module) -> nn.Module | None:
+    """The module that runs the decoder layers: the causal LM's base model, or, in an
+    image-text model (Gemma 3's, Qwen2.5-VL's *ForConditionalGeneration), its base model's
+    `language_model`, which receives the image features as input embeddings."""
+    decoder = getattr(causal_lm, "base_model", None) or getattr(causal_lm, "model", None)
+    language_model = getattr(decoder, "language_model", None)
+    return language_model if isinstance(language_model, nn.Module) else decoder
+
+
 def text_tokenizer(tokenizer):
     """The tokenizer itself, or the one inside a processor (an image-text model's: its
     image processor beside a tokenizer).  Judged by the image processor, since some

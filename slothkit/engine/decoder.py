@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.core.inspection import attention_window, causal_lm_of
+from slothkit.core.inspection import attention_window, causal_lm_of, language_model_of
 from slothkit.core.model_state import (
     PatchedModule,
     attach_patched_module,
@@ -399,15 +399,6 @@ def patch_causal_lm(model: nn.Module) -> None:
 # Where transformers' decoders keep their layers: `.layers` (Llama and most), `.h` (GPT-2,
 # Falcon, Bloom, GPT-J), `.blocks`.
 LAYER_LISTS = ("layers", "h", "blocks")
-
-
-def language_model_of(causal_lm: nn.Module) -> nn.Module | None:
-    """The module that runs the decoder layers: the causal LM's base model, or, in an
-    image-text model (Gemma 3's, Qwen2.5-VL's *ForConditionalGeneration), its base model's
-    `language_model`, which receives the image features as input embeddings."""
-    decoder = getattr(causal_lm, "base_model", None) or getattr(causal_lm, "model", None)
-    language_model = getattr(decoder, "language_model", None)
-    return language_model if isinstance(language_model, nn.Module) else decoder
 
 
 def decoder_layers(model: nn.Module):

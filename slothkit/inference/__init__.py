@@ -8,7 +8,8 @@ Files: kv_cache.py (the static cache), model_step.py (one decoder step over it),
 gemma4_step.py (Gemma 4's step: per-layer inputs, shared keys and values),
 decode_experts.py (a mixture-of-experts block's chosen experts in a step),
 decode_deltanet.py (a gated DeltaNet layer's recurrent state in a step), decode_check.py
-(a family without a record checked against its own forward when switched on), sampling.py
+(a family without a record checked against its own forward when switched on),
+image_prompt.py (an image-text model's prompt: its images merged by the model), sampling.py
 (generate's settings and logits processors), fast_decoder.py (prefill, the captured
 decode step, the loop).
 """
@@ -23,10 +24,12 @@ from slothkit.core.notices import FallbackWarning, say_once
 from slothkit.inference.decode_check import decode_disagreement
 from slothkit.inference.fast_decoder import FastDecoder
 from slothkit.inference.gemma4_step import Gemma4Step
+from slothkit.inference.image_prompt import IMAGE_INPUTS
 from slothkit.inference.model_step import ModelStep, longrope_short_positions
 from slothkit.inference.sampling import generation_config_for, setting, unsupported_settings
-from slothkit.models import ARCHITECTURES, architecture_for, export_record_for
+from slothkit.models import ARCHITECTURES, architecture_for, export_record_for, language_model_architecture
 from slothkit.models.gpt_oss import GPT_OSS
+from slothkit.models.image_text import is_image_text_config
 from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from slothkit.models.qwen3_moe import QWEN3_MOE
@@ -51,12 +54,18 @@ DECODED_FAMILY_STEPS = {"gemma4_text": Gemma4Step}
 _INPUTS = ("input_ids", "attention_mask", "streamer", "generation_config")
 
 
+def fused_record(config):
+    """The fused record of the model (an image-text model's: its language model's), or None."""
+    return language_model_architecture(config) if is_image_text_config(config) else architecture_for(config)
+
+
 def decoded_record(config):
-    """The record of a family the fast loop decodes: a fused family's, a
+    """The record of a family the fast loop decodes: a fused family's (an image-text
+    model's language model's: the prefill merges its images, image_prompt.py), a
     mixture-of-experts family's (DECODED_EXPERT_RECORDS; its blocks run decode_experts.py),
     or a gated DeltaNet family's (DECODED_DELTANET_FAMILIES), else None."""
-    arch = architecture_for(config)
-    if arch is not None:
+    arch = fused_record(config)
+    if arch is not None or is_image_text_config(config):
         return arch
     record = export_record_for(config)
     return record if record in DECODED_EXPERT_RECORDS + DECODED_DELTANET_FAMILIES else None
@@ -74,6 +83,13 @@ def _why_not(causal_lm, fast: bool | None) -> str | None:
     if decoded_record(config) is None and config.model_type not in DECODED_FAMILY_STEPS:
         families = ARCHITECTURES + DECODED_EXPERT_RECORDS + DECODED_DELTANET_FAMILIES
         covered = ", ".join([family.name for family in families] + list(DECODED_FAMILY_STEPS))
+        if is_image_text_config(config):
+            text_type = config.get_text_config().model_type
+            return (
+                f"fast generation covers the image-text models whose language model is of a fused family "
+                f"({', '.join(family.name for family in ARCHITECTURES)}), not {config.model_type!r} "
+                f"(its language model is {text_type!r})"
+            )
         return f"fast generation covers {covered}, not {config.model_type!r}"
     refusal = step_class_for(config).cannot_decode(config)
     if refusal is not None:
@@ -125,7 +141,7 @@ def enable_fast_decode(model, fast: bool | None = None, while_training: bool = F
         use_graph = causal_lm.get_input_embeddings().weight.device.type == "cuda"
         step_class = step_class_for(causal_lm.config)
         decoder = FastDecoder(causal_lm, embedding_scale, use_graph, step_class)
-        if architecture_for(causal_lm.config) is None:  # no record: checked here (decode_check.py)
+        if fused_record(causal_lm.config) is None:  # no record: checked here (decode_check.py)
             disagreement = decode_disagreement(decoder)
             if disagreement is not None:
                 decoder.release()
@@ -164,6 +180,11 @@ def fast_generate(model, args: tuple, kwargs: dict):
             return None
         kwargs["input_ids"] = args[0]
     inputs = {name: kwargs.pop(name, None) for name in _INPUTS}
+    image_inputs = None
+    if is_image_text_config(causal_lm.config):
+        image_inputs = {name: kwargs.pop(name) for name in IMAGE_INPUTS if kwargs.get(name) is not None}
+        if "pixel_values" not in image_inputs:  # a prompt without images: the token types say nothing
+            image_inputs = None
     input_ids = inputs["input_ids"]
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         return _refuse("generate without a (batch, length) input_ids tensor")
@@ -172,7 +193,7 @@ def fast_generate(model, args: tuple, kwargs: dict):
     unsupported = unused + unsupported_settings(config)
     if unsupported:
         return _refuse(", ".join(unsupported))
-    short_positions = longrope_short_positions(causal_lm.config)
+    short_positions = longrope_short_positions(causal_lm.config.get_text_config())
     if short_positions is not None:
         prompt = input_ids.shape[1]
         new = (
@@ -192,7 +213,9 @@ def fast_generate(model, args: tuple, kwargs: dict):
         eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
         if pad not in eos and bool((input_ids == pad).any()):
             attention_mask = (input_ids != pad).long()
-    return decoder.generate(input_ids, attention_mask, config, streamer=inputs["streamer"])
+    return decoder.generate(
+        input_ids, attention_mask, config, streamer=inputs["streamer"], image_inputs=image_inputs
+    )
 
 
 def _refuse(what: str):

@@ -23,6 +23,7 @@ import torch
 
 from slothkit.core.model_state import state_of
 from slothkit.core.notices import DataWarning, FallbackWarning, say_once
+from slothkit.inference.image_prompt import image_prompt, last_positions
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.inference.model_step import ModelStep
 from slothkit.inference.sampling import (
@@ -151,7 +152,7 @@ class _CapturedStep:
 def _warn_past_context(causal_lm, length: int) -> None:
     """Say (once per length) that a call decodes past the positions the model was made
     for, as Hugging Face's generate does: RoPE still extrapolates, the text degrades."""
-    limit = getattr(causal_lm.config, "max_position_embeddings", None)
+    limit = getattr(causal_lm.config.get_text_config(), "max_position_embeddings", None)
     state = state_of(causal_lm)
     if state is not None and state.max_seq_length is not None:
         limit = max(limit or 0, state.max_seq_length)  # extended at load (linear RoPE scaling)
@@ -269,7 +270,7 @@ class FastDecoder:
         return base.weight.dtype
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask, config, streamer=None) -> torch.Tensor:
+    def generate(self, input_ids, attention_mask, config, streamer=None, image_inputs=None) -> torch.Tensor:
         """Decode up to the config's length; returns (B, prompt + new) token ids, rows
         that finished early padded with the pad token, as generate returns them.
 
@@ -278,6 +279,8 @@ class FastDecoder:
             attention_mask: (B, P), 1 for real tokens; None: all real.
             config: the call's GenerationConfig (sampling.generation_config_for).
             streamer: a transformers streamer (put / end), or None.
+            image_inputs: an image-text model's images for the prompt (pixel_values and
+                the rest, image_prompt.IMAGE_INPUTS), or None.
         """
         device = self.causal_lm.get_input_embeddings().weight.device
         input_ids = input_ids.to(device)
@@ -305,7 +308,13 @@ class FastDecoder:
         # Without padding the prefill needs no mask: the flash kernel, as Hugging Face's
         # prefill uses, or slothkit's tiled kernel where a window or a cap applies.
         causal = bool(attention_mask.all())
-        logits = self.step(input_ids, positions, cache, first, visible=prompt, causal=causal)
+        merged = {}
+        if image_inputs:  # the model's own vision tower and merge (image_prompt.py)
+            prompt_input = image_prompt(self.causal_lm, input_ids, attention_mask, positions, image_inputs)
+            positions = prompt_input.positions
+            merged = {"inputs_embeds": prompt_input.embeds, "both_ways": prompt_input.both_ways}
+            causal = causal and prompt_input.both_ways is None
+        logits = self.step(input_ids, positions, cache, first, visible=prompt, causal=causal, **merged)
 
         processors = logits_processors(config, prompt, device)
         do_sample = bool(setting(config, "do_sample"))
@@ -321,7 +330,7 @@ class FastDecoder:
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         any_unfinished = torch.ones(max_new, dtype=torch.bool, device=device)
         produced = max_new
-        position = positions[:, -1]
+        position = last_positions(positions)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         # Sampling past the end draws random numbers generate would not: keep the

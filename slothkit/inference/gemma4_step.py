@@ -184,7 +184,7 @@ class Gemma4Step(ModelStep):
 
     def cache_layout(self) -> tuple[list[int | None], list[int], list[int]]:
         producers = [g for g in self.decode_layers if g.cache_layer is not None]
-        heads = self.causal_lm.config.num_attention_heads
+        heads = self.config.num_attention_heads
         kv_heads = [heads // g.layer.self_attn.num_key_value_groups for g in producers]
         return [g.window for g in producers], kv_heads, [g.head_dim for g in producers]
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slothkit.core.inspection import attention_window
+from slothkit.core.inspection import attention_window, language_model_of
 from slothkit.core.model_state import patched_module
 from slothkit.inference.decode_deltanet import DecodeDeltaNet, DeltaNetStates, linear_attention_of
 from slothkit.inference.decode_experts import DecodeExperts, is_expert_block
@@ -232,7 +232,7 @@ def longrope_short_positions(config) -> int | None:
 def layer_windows(causal_lm: nn.Module) -> list[int | None]:
     """Each attention layer's sliding window (None: full attention), in layer order; a
     gated DeltaNet layer (decode_deltanet.py) keeps no keys and has none."""
-    layers = causal_lm.model.layers[: causal_lm.config.num_hidden_layers]
+    layers = language_model_of(causal_lm).layers[: causal_lm.config.get_text_config().num_hidden_layers]
     return [attention_window(layer.self_attn) for layer in layers if linear_attention_of(layer) is None]
 
 
@@ -311,19 +311,30 @@ class _StepAttention:
     causal SDPA (the flash kernel) where no cap or window shorter than the prompt applies,
     else slothkit's tiled kernel on a GPU; a padded prefill's capped layers take that
     kernel too, with the padding as its mask; everything else attends under an additive
-    mask (the scores made explicitly where a cap applies)."""
+    mask (the scores made explicitly where a cap applies).  ``both_ways`` (B, T, T): pairs
+    of prompt tokens that read each other whatever their order (Gemma 3's image tokens,
+    image_prompt.py); the tiled kernel, causal by construction, is then not used."""
 
     def __init__(
-        self, step, cache: StaticKVCache, first_slot, tokens: int, visible: int, causal: bool, dtype
+        self,
+        step,
+        cache: StaticKVCache,
+        first_slot,
+        tokens: int,
+        visible: int,
+        causal: bool,
+        dtype,
+        both_ways: torch.Tensor | None = None,
     ):
         self.step, self.cache, self.first_slot = step, cache, first_slot
         self.tokens, self.visible, self.causal, self.dtype = tokens, visible, causal, dtype
+        self.both_ways = both_ways
         self.masks = {}
 
     def _allowed(self, window: int | None) -> torch.Tensor:
         """(B, T, visible) slots each query may read, within ``window``."""
         filled = self.cache.filled[:, : self.visible]
-        return self.step.allowed_slots(filled, self.first_slot, self.tokens, window)
+        return self.step.allowed_slots(filled, self.first_slot, self.tokens, window, self.both_ways)
 
     def _mask(self, key, build):
         if key not in self.masks:
@@ -343,7 +354,8 @@ class _StepAttention:
                 q, keys, values, is_causal=True, scale=scaling, enable_gqa=True
             )
         beyond_sdpa = softcap is not None or sinks is not None
-        if self.tokens > 1 and (self.causal or beyond_sdpa) and _tiled_prefill_attention(q):
+        tiled = self.tokens > 1 and (self.causal or beyond_sdpa) and self.both_ways is None
+        if tiled and _tiled_prefill_attention(q):
             padding = None
             if not self.causal:  # (B, 1, T, S) booleans, not H times as many fp32 scores
                 padding = self._mask(("padding", window), lambda: self._allowed(window)[:, None])
@@ -382,8 +394,9 @@ class ModelStep:
 
     def __init__(self, causal_lm: nn.Module, embedding_scale: bool = False):
         self.causal_lm = causal_lm
-        self.decoder = causal_lm.model
-        config = causal_lm.config
+        # An image-text model's language model (its text config) is the decoder stepped.
+        self.decoder = language_model_of(causal_lm)
+        self.config = config = causal_lm.config.get_text_config()
         self.layers = list(self.decoder.layers[: config.num_hidden_layers])
         # Gated DeltaNet layers (Qwen3.5) keep a recurrent state (DeltaNetStates), not keys
         # and values: the cache holds the attention layers only, cache_layers[i] being
@@ -422,7 +435,7 @@ class ModelStep:
         """The StaticKVCache this step reads: each cache layer's sliding window, key/value
         heads and head size (here one cache layer per attention layer, all alike; a gated
         DeltaNet layer keeps its recurrent state instead, new_linear_states)."""
-        config = self.causal_lm.config
+        config = self.config
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         layers = len(self.windows)
         return self.windows, [kv_heads] * layers, [self.head_dim] * layers
@@ -460,14 +473,22 @@ class ModelStep:
 
     @staticmethod
     def allowed_slots(
-        filled: torch.Tensor, first_slot: torch.Tensor, tokens: int, window: int | None
+        filled: torch.Tensor,
+        first_slot: torch.Tensor,
+        tokens: int,
+        window: int | None,
+        both_ways: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T, S) for the S slots of ``filled`` (B, S): query t (at slot first_slot + t) reads slot s when s holds a real
-        token, s <= its own slot, and s is inside the sliding ``window``; its own slot always
-        (a left-padding query then reads itself and stays finite, as in Hugging Face)."""
+        token, s <= its own slot or (t, s) is a ``both_ways`` pair (a prefill from slot 0,
+        S = T), and s is inside the sliding ``window``; its own slot always (a left-padding
+        query then reads itself and stays finite, as in Hugging Face)."""
         slots = torch.arange(filled.shape[1], device=filled.device)
         own = first_slot + torch.arange(tokens, device=filled.device)  # (T,)
-        allowed = filled[:, None, :] & (slots[None, None, :] <= own[None, :, None])
+        earlier = slots[None, None, :] <= own[None, :, None]
+        if both_ways is not None:
+            earlier = earlier | both_ways
+        allowed = filled[:, None, :] & earlier
         if window is not None:
             allowed = allowed & (slots[None, None, :] > own[None, :, None] - window)
         return allowed | (slots[None, None, :] == own[None, :, None])
@@ -482,6 +503,8 @@ class ModelStep:
         last_only: bool = True,
         visible: int | None = None,
         causal: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+        both_ways: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for ``input_ids`` (B, T) at RoPE ``positions`` (B, T), written into the
         cache at slots first_slot .. first_slot + T - 1 (``first_slot`` a 1-element long
@@ -491,14 +514,22 @@ class ModelStep:
         ``causal``: the T tokens are a prefill from slot 0 with no padding, so attention
         needs no mask: plain causal SDPA (the flash kernel) in layers without a cap or a
         window shorter than T, slothkit's tiled kernel in the others where a GPU runs it.
+        ``inputs_embeds`` (B, T, hidden): the layers' input in place of the tokens'
+        embeddings (an image prompt's, with the image features merged: image_prompt.py);
+        ``positions`` may then be (3, B, T), M-RoPE's, which the model's rotary module
+        composes.  ``both_ways``: (B, T, T) pairs of prompt tokens that read each other
+        whatever their order (_StepAttention).
 
         Returns:
             float32 logits (B, V) of the last token, or (B, T, V) with last_only=False.
         """
         batch, tokens = input_ids.shape
-        hidden = self.decoder.embed_tokens(input_ids)
-        if self.embedding_scale is not None:
-            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        if inputs_embeds is not None:
+            hidden = inputs_embeds
+        else:
+            hidden = self.decoder.embed_tokens(input_ids)
+            if self.embedding_scale is not None:
+                hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         if self.short_factors_only:
             tables = dict.fromkeys(
                 {p.layer_type for p in self.decode_layers}, self._short_factor_tables(hidden, positions)
@@ -514,7 +545,7 @@ class ModelStep:
             tables = {kind: _whole_head_tables(pair, self.head_dim) for kind, pair in tables.items()}
         visible = cache.slots if visible is None else visible
         ring_step = tokens == 1  # a one-token step reads each ring whole (_StepAttention)
-        attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype)
+        attend = _StepAttention(self, cache, first_slot, tokens, visible, causal, hidden.dtype, both_ways)
         slots = first_slot + torch.arange(tokens, device=input_ids.device)
         # Where each layer keeps these tokens: computed once per ring width, not per layer.
         stored = {ring: slots if ring is None else slots % ring for ring in set(cache.rings)}

@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slothkit.engine.decoder import language_model_of, patch_decoder
+from slothkit.core.inspection import language_model_of
+from slothkit.engine.decoder import patch_decoder
 from slothkit.engine.generic_head import why_head_stays
 from slothkit.loading.load_model import takes_fused_path
 from slothkit.models import language_model_architecture, supported_summary

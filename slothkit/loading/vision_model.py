@@ -95,7 +95,7 @@ def load_vision_model(model_name: str, options: LoadOptions, processor=None):
     say_once(
         f"slothkit: {model_name} is an image-text {config.model_type} model; FastVisionModel trains its vision "
         f"tower and projector on Hugging Face's modules and its language model on {language}, with slothkit's "
-        f"checkpointing and LoRA targets, and generates through Hugging Face's generate",
+        f"checkpointing and LoRA targets",
         FallbackWarning,
     )
     return model
