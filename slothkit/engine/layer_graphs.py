@@ -82,6 +82,13 @@ class LayerGraphs:
         self.eligible_layers: dict[int, bool] = {}
         self.kept_names: dict[tuple, tuple] = {}  # forward graph key -> names it keeps
 
+    def __getstate__(self) -> dict:
+        """A copy of the model (copy.deepcopy, pickle) starts with no graphs: captured
+        graphs and their memory pool belong to the original's layers and tensors, and
+        neither copies nor pickles."""
+        fresh = {"pool": None, "seen": {}, "graphs": {}, "statics": {}, "signatures": set()}
+        return {**self.__dict__, **fresh, "eligible_layers": {}, "kept_names": {}}
+
     # -- the CUDA calls (a test replaces them to check the plumbing on a CPU) ----------
 
     def _device_ok(self, hidden: torch.Tensor) -> bool:

@@ -192,7 +192,10 @@ class Gemma4Step(ModelStep):
         """(B, T, L, P): every layer's input from the per-layer embeddings, or None."""
         if not getattr(self.decoder, "hidden_size_per_layer_input", None):
             return None
-        return self.decoder.project_per_layer_inputs(hidden, self.decoder.get_per_layer_inputs(input_ids))
+        return self.decoder.project_per_layer_inputs(
+            hidden,
+            self.decoder.get_per_layer_inputs(input_ids, hidden),  # 5.17 requires the embeddings
+        )
 
     @torch.no_grad()
     def __call__(

@@ -412,6 +412,10 @@ class ModelStep:
         self.partial_rotary = (
             rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
         ) < 1
+        # M-RoPE (Qwen2.5-VL's and Qwen3.5's rotary modules): positions (3, B, T), one
+        # row per section; some transformers releases (5.17) index them as such, so a
+        # text position p is written (p, p, p), which the module turns as plain RoPE.
+        self.mrope = "mrope_section" in (rope or getattr(config, "rope_scaling", None) or {})
         self.softcap = getattr(config, "final_logit_softcapping", None)
         # transformers gives each layer type its own rope base through one rotary module
         # called with the layer's type (Gemma 3), or one table for all layers.
@@ -530,6 +534,8 @@ class ModelStep:
             hidden = self.decoder.embed_tokens(input_ids)
             if self.embedding_scale is not None:
                 hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
+        if self.mrope and positions.dim() == 2:
+            positions = positions.expand(3, -1, -1)
         if self.short_factors_only:
             tables = dict.fromkeys(
                 {p.layer_type for p in self.decode_layers}, self._short_factor_tables(hidden, positions)

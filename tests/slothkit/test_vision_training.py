@@ -37,7 +37,9 @@ LANGUAGE_RECORDS = {"gemma3": "gemma3", "qwen2_5_vl": "qwen2"}
 # gradients agree with HF's to float32 rounding (about 1e-6 relative), which Adam turns
 # into a fraction of the learning rate in an element whose gradient is near zero
 # (measured: at most 8e-5 over these runs, 2.4e-4 in the worst element).
-FUSED_ADAPTER_TOLERANCE = 2e-4
+# On a GPU the Triton kernels' float32 sums round differently again (measured on an H100:
+# 1.8e-4, Qwen2.5-VL in 4 bits with vision LoRA).
+FUSED_ADAPTER_TOLERANCE = 4e-4 if torch.cuda.is_available() else 2e-4
 
 
 @pytest.fixture(params=[False, True], ids=["hf-layers", "fused-language"])
@@ -213,4 +215,10 @@ def test_merged_16bit_of_a_4bit_model_folds_the_adapters_into_the_original_weigh
     assert any(part in name for name in saved for part in VISION_PARTS)
     assert set(saved) <= set(reference)
     for name, tensor in saved.items():
-        torch.testing.assert_close(tensor, reference[name].to(tensor.dtype), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(
+            tensor,
+            reference[name].to(tensor.dtype),
+            rtol=0,
+            atol=0,
+            msg=lambda text, name=name: f"{name}: {text}",
+        )

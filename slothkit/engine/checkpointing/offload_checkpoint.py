@@ -213,6 +213,13 @@ class OffloadedCheckpointer:
         else:
             self.graphs = LayerGraphs() if cuda_graphs else None
 
+    def __getstate__(self) -> dict:
+        """A copy of the model (copy.deepcopy: TRL's reference models, a test's merged
+        copy; or a pickle) gets a checkpointer with no streams and no activation in
+        flight: a CUDA stream neither copies nor pickles, and the copy makes its own at
+        its first offload."""
+        return {**self.__dict__, "_streams": {}, "_last": None, "pinned_bytes": 0}
+
     def keeps_for(self, hidden_states: torch.Tensor) -> bool:
         tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
         return self.keeps and self.marks_recompute and tokens <= self.keep_max_tokens

@@ -87,6 +87,9 @@ def test_fused_true_is_refused_for_a_language_model_without_a_record(family):
     assert any("language model on Hugging Face's modules" in notice for notice in notices), notices
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="FastVisionModel places the model on the GPU, where Triton runs"
+)
 def test_on_a_cpu_without_triton_the_language_model_keeps_hf_modules(reference_kernels):
     model, notices = _load("gemma3", fused=None)
     state = state_of(causal_lm_of(model))
@@ -108,12 +111,12 @@ def test_per_section_m_rope_tables_keep_hf_layers_and_refuse_fused_true():
 
     from transformers import AutoModelForImageTextToText
 
-    from slothkit.engine.decoder import language_model_of
+    from slothkit.core.inspection import language_model_of
     from slothkit.loading.vision_fused import fuse_language_model
 
     model = AutoModelForImageTextToText.from_pretrained(
         tiny_image_text_path("qwen2_5_vl"), dtype=torch.float32
-    )
+    ).to("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs (the interpreter on a CPU)
     rotary = language_model_of(model).rotary_emb
 
     def per_section_tables(self, x, position_ids):

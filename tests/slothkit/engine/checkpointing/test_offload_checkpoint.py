@@ -93,3 +93,37 @@ def test_a_host_limit_keeps_later_layers_on_the_gpu_and_trains_the_same(tmp_path
     torch.testing.assert_close(
         torch.tensor(losses["one and a half layers"]), torch.tensor(losses[None]), rtol=1e-5, atol=0
     )
+
+
+class _Uncopyable:
+    """Stands for a CUDA stream or graph: copy.deepcopy and pickle refuse it."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("cannot pickle 'Stream' object")
+
+
+def test_a_copied_model_gets_a_checkpointer_without_streams_or_graphs():
+    """copy.deepcopy of a model whose layers offload (TRL's reference model, a merged copy)
+    must not copy the original's CUDA streams and captured layer graphs, which cannot be
+    copied: the copy starts without them, one checkpointer shared by its layers as in the
+    original, and the original keeps its own."""
+    import copy
+
+    from slothkit.engine.checkpointing.offload_checkpoint import OffloadedCheckpointer
+
+    layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    checkpointer = OffloadedCheckpointer(cuda_graphs=True)
+    for layer in layers:
+        layer._gradient_checkpointing_func = checkpointer
+    stream, graph = _Uncopyable(), _Uncopyable()
+    checkpointer._streams[torch.device("cuda", 0)] = stream
+    checkpointer.graphs.graphs[("layer", 0)] = graph
+    checkpointer.graphs.pool = _Uncopyable()
+    with pytest.raises(TypeError):
+        copy.deepcopy(stream)
+    copied = copy.deepcopy(layers)
+    twin = copied[0]._gradient_checkpointing_func
+    assert twin is copied[1]._gradient_checkpointing_func and twin is not checkpointer
+    assert twin._streams == {} and twin.graphs.graphs == {} and twin.graphs.pool is None
+    assert checkpointer._streams[torch.device("cuda", 0)] is stream
+    assert checkpointer.graphs.graphs[("layer", 0)] is graph
