@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slothkit import FastModel
 from slothkit.export.gguf import gemma4, save_pretrained_gguf, write_gguf
 from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf.layout import architecture_of, gguf_pieces, hf_weights_from_gguf
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
+from slothkit.testing.lora_models import load_plain, lora_with_random_b
 from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
 T = gguf.GGMLQuantizationType
@@ -57,12 +57,6 @@ def _checkpoint(folder, **changes):
     return folder
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    ).eval(), AutoTokenizer.from_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("gemma4") / "tiny-gemma4")
@@ -71,14 +65,8 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_model(checkpoint):
     """FastModel's LoRA model of the tiny Gemma 4, every adapter's B random."""
-    model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return model.eval(), tokenizer
+    model, tokenizer, _ = lora_with_random_b(checkpoint)
+    return model, tokenizer
 
 
 @needs_llama_cpp
@@ -100,7 +88,7 @@ def test_file_is_the_models_weights_run_as_hf_runs_them(checkpoint, tmp_path):
     read back are the model's within the type's rounding. (On this tiny model llama.cpp's
     8-bit rounding of activations alone puts its quantised files, its own quantiser's
     included, near GGUF_WEIGHTS_TOLERANCE: docs/gguf-export.md.)"""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     file = write_gguf(model, tmp_path / "f16.gguf", tokenizer, "f16")
     exact = verify_gguf(file, model, tokenizer, "f16", prompts=PROMPTS, reference="gguf_weights")
     assert exact.logit_error < 0.01
@@ -118,7 +106,7 @@ def test_file_holds_gemma4_in_llama_cpps_layout(checkpoint, tmp_path):
     """Names, shapes (GGUF's order: row first), types and keys as llama.cpp's gemma4 reads
     them: per-layer widths and head sizes, the shared layers without keys and values, the
     per-layer input tensors, rope_freqs leaving the unrotated pairs still, norms as they are."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     file = write_gguf(model, tmp_path / "gemma4.gguf", tokenizer, "f32")
     reader = gguf.GGUFReader(file)
     tensors = {t.name: t for t in reader.tensors}
@@ -194,14 +182,14 @@ def test_a_file_without_a_part_of_the_layout_fails_verification(fault, checkpoin
     """Each part counts: the full layers' unrotated pairs rotated (rope_freqs all 1), Gemma's
     1 + w norms instead of Gemma 4's w, or the soft-cap left out give other logits than the
     model's."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     arch, written = architecture_of(model), model
     if fault == "every-pair-rotated":
         monkeypatch.setattr(gemma4, "_UNROTATED", 1.0)
     elif fault == "norm-offset-added":
         arch = dataclasses.replace(arch, norm_adds_one=True)
     else:
-        written, _ = _load(_checkpoint(tmp_path / "uncapped", final_logit_softcapping=None))
+        written, _ = load_plain(_checkpoint(tmp_path / "uncapped", final_logit_softcapping=None))
     file = write_gguf(written, tmp_path / "wrong.gguf", tokenizer, "f32", arch=arch)
     monkeypatch.undo()
     with pytest.raises(GGUFVerificationError, match="logits differ"):

@@ -12,9 +12,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from slothkit import FastModel
 from slothkit.core.notices import DataWarning, say_once
 from slothkit.export.gguf import save_pretrained_gguf, write_gguf
 from slothkit.export.gguf import verify as gguf_verify
@@ -22,6 +21,7 @@ from slothkit.export.gguf.layout import architecture_of
 from slothkit.export.gguf.tensor_types import quantization_method
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
 from slothkit.testing import build_tiny_tokenizer
+from slothkit.testing.lora_models import load_plain, lora_with_random_b
 
 T = gguf.GGMLQuantizationType
 # gpt-oss's unrounded YaRN range gives a notice at every export; its own test checks it.
@@ -70,12 +70,6 @@ def _checkpoint(folder, **changes):
     return folder
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    ).eval(), AutoTokenizer.from_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("gpt_oss") / "tiny-gpt-oss")
@@ -84,17 +78,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_model(checkpoint):
     """FastModel's LoRA model of the tiny gpt-oss, every adapter's B random."""
-    model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(5)
-    adapted = []
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-                adapted.append(name)
+    model, tokenizer, adapted = lora_with_random_b(checkpoint)
     assert any("experts" in name for name in adapted) and any("q_proj" in name for name in adapted)
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 @needs_llama_cpp
@@ -116,7 +102,7 @@ def test_file_holds_gpt_oss_in_llama_cpps_layout(checkpoint, tmp_path):
     """Tensor names, GGUF shapes (reversed: row first), types and metadata as llama.cpp's
     gpt-oss reads them; gate and up are the even and odd columns of gate_up_proj; the
     weights read back are the model's and llama.cpp runs them as HF does, tightly."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     q8_0 = quantization_method("q8_0")
     file = write_gguf(model, tmp_path / "gpt-oss.gguf", tokenizer, q8_0)
     reader = gguf.GGUFReader(file)
@@ -171,7 +157,7 @@ def test_a_file_without_a_part_of_gpt_oss_fails_verification(fault, checkpoint, 
     """Each part of the layout counts: the file written with gate and up taken as halves
     instead of alternating columns, with the sinks at zero, from the model without YaRN, or
     from the model with another window gives other logits than the model's."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     f32 = quantization_method("f32")  # llama.cpp within 0.001 of HF: any fault shows
     arch = architecture_of(model)
     wrong = model
@@ -179,18 +165,18 @@ def test_a_file_without_a_part_of_gpt_oss_fails_verification(fault, checkpoint, 
         experts = dataclasses.replace(arch.gguf.experts, interleaved=False)
         arch = dataclasses.replace(arch, gguf=dataclasses.replace(arch.gguf, experts=experts))
     elif fault == "no-sinks":
-        wrong, _ = _load(checkpoint)
+        wrong, _ = load_plain(checkpoint)
         with torch.no_grad():
             for layer in wrong.model.layers:
                 layer.self_attn.sinks.zero_()
     elif fault == "no-yarn":
-        wrong, _ = _load(
+        wrong, _ = load_plain(
             _checkpoint(
                 tmp_path / "no-yarn", rope_parameters={"rope_type": "default", "rope_theta": 150_000.0}
             )
         )
     else:
-        wrong, _ = _load(_checkpoint(tmp_path / "other-window", sliding_window=2 * WINDOW))
+        wrong, _ = load_plain(_checkpoint(tmp_path / "other-window", sliding_window=2 * WINDOW))
     file = write_gguf(wrong, tmp_path / "wrong.gguf", tokenizer, f32, arch=arch)
     with pytest.raises(GGUFVerificationError, match="logits differ"):
         verify_gguf(file, model, tokenizer, f32, prompts=PROMPTS)
@@ -202,12 +188,14 @@ def test_unrounded_yarn_range_is_written_with_a_notice_and_stays_close(checkpoin
     file, run by llama.cpp, stays within F32's tolerance of the model on this tiny one; the
     same model with a rounded range matches closer still."""
     say_once.cache_clear()
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     f32 = quantization_method("f32")
     with pytest.warns(DataWarning, match="truncate: false"):
         file = write_gguf(model, tmp_path / "unrounded.gguf", tokenizer, f32)
     unrounded = verify_gguf(file, model, tokenizer, f32, prompts=PROMPTS).logit_error
-    rounded_model, _ = _load(_checkpoint(tmp_path / "rounded", rope_parameters={**YARN, "truncate": True}))
+    rounded_model, _ = load_plain(
+        _checkpoint(tmp_path / "rounded", rope_parameters={**YARN, "truncate": True})
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", DataWarning)  # no notice for a range llama.cpp states
         file = write_gguf(rounded_model, tmp_path / "rounded.gguf", tokenizer, f32)

@@ -8,15 +8,15 @@ import importlib.util
 import gguf
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from slothkit import FastModel
 from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf import write_gguf
 from slothkit.export.gguf.layout import permute_rotary_rows
 from slothkit.export.gguf.tensor_types import quantization_method
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
 from slothkit.testing import build_tiny_tokenizer
+from slothkit.testing.lora_models import load_plain, lora_with_random_b
 
 T = gguf.GGMLQuantizationType
 needs_llama_cpp = pytest.mark.skipif(
@@ -45,27 +45,13 @@ def _checkpoint(folder, gate_up_std: float | None = None):
     return folder
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    ).eval(), AutoTokenizer.from_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def lora_model(tmp_path_factory):
     """FastModel's LoRA model of the tiny Mixtral, every adapter's B random."""
     path = _checkpoint(tmp_path_factory.mktemp("mixtral") / "tiny-mixtral")
-    model, tokenizer = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(5)
-    adapted = []
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-                adapted.append(name)
+    model, tokenizer, adapted = lora_with_random_b(path)
     assert any("experts" in name for name in adapted) and any("q_proj" in name for name in adapted)
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 @needs_llama_cpp
@@ -87,7 +73,7 @@ def test_file_holds_mixtral_as_llama_with_experts(tmp_path):
     """llama.cpp's llama graph with expert stacks: no dense ffn tensors, the expert keys, Q
     and K rows permuted as for Llama; the weights read back equal the model's and llama.cpp
     runs them as HF does, tightly."""
-    model, tokenizer = _load(_checkpoint(tmp_path / "tiny-mixtral"))
+    model, tokenizer = load_plain(_checkpoint(tmp_path / "tiny-mixtral"))
     q8_0 = quantization_method("q8_0")
     file = write_gguf(model, tmp_path / "mixtral.gguf", tokenizer, q8_0)
     reader = gguf.GGUFReader(file)
@@ -120,8 +106,8 @@ def test_swapped_gate_and_up_fail_verification(tmp_path):
     """The file written with gate and up exchanged: llama.cpp's logits then differ (inputs of
     order 1, where silu(gate) * up and silu(up) * gate differ)."""
     path = _checkpoint(tmp_path / "tiny-mixtral", gate_up_std=1.5 / HIDDEN**0.5)
-    model, tokenizer = _load(path)
-    swapped, _ = _load(path)
+    model, tokenizer = load_plain(path)
+    swapped, _ = load_plain(path)
     with torch.no_grad():
         for layer in swapped.model.layers:
             gate_up = layer.mlp.experts.gate_up_proj

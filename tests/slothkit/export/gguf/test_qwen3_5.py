@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slothkit import FastModel
 from slothkit.export.gguf import deltanet, save_pretrained_gguf, write_gguf
 from slothkit.export.gguf import verify as gguf_verify
 from slothkit.export.gguf.layout import architecture_of, gguf_pieces
 from slothkit.export.gguf.verify import GGUFVerificationError, verify_gguf
+from slothkit.testing.lora_models import load_plain, lora_with_random_b
 from slothkit.testing.tiny_generic_models import tiny_generic_model_path
 
 T = gguf.GGMLQuantizationType
@@ -55,12 +55,6 @@ def _checkpoint(folder):
     return folder
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32
-    ).eval(), AutoTokenizer.from_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("qwen3_5") / "tiny-qwen3.5")
@@ -69,17 +63,9 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_model(checkpoint):
     """FastModel's LoRA model of the tiny Qwen3.5, every adapter's B random."""
-    model, tokenizer = FastModel.from_pretrained(str(checkpoint), dtype=torch.float32, load_in_4bit=False)
-    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-    generator = torch.Generator().manual_seed(5)
-    adapted = []
-    with torch.no_grad():
-        for name, parameter in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-                adapted.append(name)
+    model, tokenizer, adapted = lora_with_random_b(checkpoint)
     assert any("linear_attn" in name for name in adapted) and any("self_attn" in name for name in adapted)
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 @needs_llama_cpp
@@ -100,7 +86,7 @@ def test_lora_model_exports_through_save_pretrained_gguf(method, lora_model, tmp
 def test_quantised_file_is_the_models_weights_run_as_hf_runs_them(method, checkpoint, tmp_path):
     """The weights read back (DeltaNet's undone: value heads grouped again, log(-A)) are the
     model's within the type's rounding, and llama.cpp runs them as HF does, tightly."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     file = write_gguf(model, tmp_path / "qwen3_5.gguf", tokenizer, method)
     exact = verify_gguf(file, model, tokenizer, method, reference="gguf_weights")
     assert exact.logit_error < gguf_verify.GGUF_WEIGHTS_TOLERANCE
@@ -112,7 +98,7 @@ def test_file_holds_qwen3_5_in_llama_cpps_layout(checkpoint, tmp_path):
     """Names, shapes (GGUF's order: row first), types and keys as llama.cpp's qwen35 reads
     them, and the DeltaNet tensors' contents: A = -exp(A_log), the value heads tiled, the
     convolution's channel axis dropped, the gated norm without the offset the others get."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     file = write_gguf(model, tmp_path / "qwen3_5.gguf", tokenizer, "f32")
     reader = gguf.GGUFReader(file)
     tensors = {t.name: t for t in reader.tensors}
@@ -173,7 +159,7 @@ def test_every_weight_is_named_as_the_gguf_package_names_it(checkpoint):
     of the graph."""
     import re
 
-    model, _ = _load(checkpoint)
+    model, _ = load_plain(checkpoint)
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, model.config.num_hidden_layers)
     graph = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.QWEN35]}
     arch = architecture_of(model)
@@ -198,7 +184,7 @@ def test_every_weight_is_named_as_the_gguf_package_names_it(checkpoint):
 def test_a_file_without_a_part_of_the_layout_fails_verification(fault, checkpoint, tmp_path, monkeypatch):
     """Each part of the DeltaNet layout counts: value heads left grouped by key head, A_log
     stored instead of A, or the 1 + w norms written as w give other logits than the model's."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     arch = architecture_of(model)
     if fault == "grouped-value-heads":
         monkeypatch.setattr(deltanet, "_tiled", lambda value, *args: value)
@@ -234,7 +220,7 @@ def test_a_llama_cpp_python_older_than_the_graph_is_refused_by_name(checkpoint, 
     installed, and refuses before loading anything."""
     import llama_cpp
 
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     file = write_gguf(model, tmp_path / "qwen3_5.gguf", tokenizer, "f16")
     monkeypatch.setattr(llama_cpp, "__version__", "0.3.16")
     with pytest.raises(GGUFVerificationError, match=r"'qwen35' architecture needs llama-cpp-python 0\.3\.36"):
@@ -245,7 +231,7 @@ def test_a_llama_cpp_python_older_than_the_graph_is_refused_by_name(checkpoint, 
 def test_an_architecture_llama_cpp_does_not_know_fails_with_its_name(checkpoint, tmp_path):
     """A file whose general.architecture the installed llama.cpp does not know (as qwen35 is
     to an older one) fails verification with the architecture named, not a crash."""
-    model, tokenizer = _load(checkpoint)
+    model, tokenizer = load_plain(checkpoint)
     arch = architecture_of(model)
     unknown = dataclasses.replace(
         arch, gguf=dataclasses.replace(arch.gguf, arch="qwen99", llama_cpp_python=None)
