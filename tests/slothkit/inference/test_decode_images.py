@@ -86,6 +86,22 @@ def test_greedy_generation_with_an_image_is_hf_s(trained, rows, pad_rows):
     assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fused_language_path_decodes_as_hf(family, reference_kernels):
+    """The language model on slothkit's fused layers (the default where Triton runs; here
+    the kernels' torch references): the step reads the same modules, and a padded batch's
+    greedy tokens are Hugging Face's generate's over that model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_for_training("slothkit", family, vision=True, fused=True)
+    assert state_of(causal_lm_of(model)).architecture is not None, (
+        "the language model is not on the fused path"
+    )
+    train(model, [random_batch(family, seed) for seed in range(2)])
+    expected, got = _hf_then_fast(model.to(DEVICE), _prompt(family, rows=2, pad_rows=1))
+    assert torch.equal(got, expected), f"first difference at {(got != expected).nonzero()[:1].tolist()}"
+
+
 def _prefill_logits(model, prompt: dict) -> torch.Tensor:
     """The step's logits at every prompt position, prefilled as the fast loop does."""
     causal_lm = causal_lm_of(model)
