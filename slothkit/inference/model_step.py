@@ -412,10 +412,11 @@ class ModelStep:
         self.partial_rotary = (
             rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
         ) < 1
-        # M-RoPE (Qwen2.5-VL's and Qwen3.5's rotary modules): positions (3, B, T), one
-        # row per section; some transformers releases (5.17) index them as such, so a
-        # text position p is written (p, p, p), which the module turns as plain RoPE.
-        self.mrope = "mrope_section" in (rope or getattr(config, "rope_scaling", None) or {})
+        # M-RoPE (Qwen2.5-VL's and Qwen3.5's rotary modules, which carry mrope_section,
+        # defaulted when the config has none): positions (3, B, T), one row per section;
+        # some transformers releases (5.17) index them as such, so a text position p is
+        # written (p, p, p), which the module turns as plain RoPE.
+        self.mrope = getattr(self.decoder.rotary_emb, "mrope_section", None) is not None
         self.softcap = getattr(config, "final_logit_softcapping", None)
         # transformers gives each layer type its own rope base through one rotary module
         # called with the layer's type (Gemma 3), or one table for all layers.
