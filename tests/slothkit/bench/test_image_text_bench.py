@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from slothkit.bench.image_text_batch import image_block, image_pixels, training_batch
+from slothkit.bench.image_text_batch import generation_prompts, image_block, image_pixels, training_batch
 from slothkit.bench.model_setup import build_model
 from slothkit.cli import main
 from slothkit.models import IMAGE_TEXT_SHAPES, SHAPES, language_shape_by_name
@@ -188,3 +188,65 @@ def test_image_text_record_through_the_cli(tmp_path, monkeypatch):
     record = json.loads(output.read_text())
     assert record["model"] == "tiny-qwen2.5-vl" and [row["status"] for row in record["rows"]] == ["ok", "ok"]
     assert calls == [("slothkit", "tiny-qwen2.5-vl", 24), ("hf", "tiny-qwen2.5-vl", 24)]
+
+
+def _decode(impl, name, batch, pixels_seed=1, new_tokens=6):
+    """(new tokens, model) of the generate worker's model for ``impl`` on its prompts,
+    slothkit's fast loop on the CPU."""
+    import argparse
+
+    from slothkit.bench import generate_worker
+
+    args = argparse.Namespace(
+        model=name,
+        mode="lora",
+        dtype="fp32",
+        batch=batch,
+        prompt_len=6,
+        new_tokens=new_tokens,
+        rank=4,
+        seed=0,
+    )
+    model = generate_worker.prepare(impl, args, torch.float32, "cpu", fast_decode=True)
+    inputs = generate_worker.prompts_for(args, 512, torch.Generator().manual_seed(1), "cpu")
+    shape = IMAGE_TEXT_SHAPES[name]
+    inputs.update(image_pixels(shape, batch, torch.Generator().manual_seed(pixels_seed)))
+    ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask")
+    out = generate_worker._generate(model, ids, mask, new_tokens, **inputs)
+    assert out.shape == (batch, ids.shape[1] + new_tokens)
+    return out[:, ids.shape[1] :], model
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_slothkit_fast_loop_decodes_image_prompts_as_hf_does(name, batch):
+    from slothkit.core.inspection import causal_lm_of
+    from slothkit.core.model_state import state_of
+
+    fast, model = _decode("slothkit", name, batch)
+    assert state_of(causal_lm_of(model)).fast_decoder is not None  # slothkit's loop, not HF's generate
+    plain, _ = _decode("hf", name, batch)
+    assert torch.equal(fast, plain)
+    merged, _ = _decode("slothkit-merged", name, batch)
+    assert torch.equal(merged, plain)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_image_prompts_decode_by_their_images(name):
+    """Other pixels, other tokens: the prompts' images reach the fast loop's prefill."""
+    first, _ = _decode("slothkit", name, 3, pixels_seed=1)
+    second, _ = _decode("slothkit", name, 3, pixels_seed=2)
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_generation_prompts_are_left_padded_around_one_image(name):
+    shape = IMAGE_TEXT_SHAPES[name]
+    prompts = generation_prompts(shape, 4, 8, torch.Generator().manual_seed(0))
+    ids, mask = prompts["input_ids"], prompts["attention_mask"]
+    assert ids.shape == (4, 8 + len(image_block(shape)))
+    assert ((ids == shape.image_markers()[1]).sum(dim=1) == shape.image_tokens()).all()
+    padding = (mask == 0).sum(dim=1)
+    assert padding.tolist() == [0, 1, 2, 3]  # r * 8 // (2 * 4) text tokens fewer
+    for row, pad in enumerate(padding.tolist()):  # padding on the left only, id 0
+        assert (mask[row, pad:] == 1).all() and (ids[row, :pad] == 0).all()
