@@ -98,10 +98,9 @@ def adapted_layers(model) -> list[str]:
 
 def load_with_unsloth_vision(model, shape_name: str, args, dtype, inference: bool = False):
     """Unsloth loads from a checkpoint on disk with its processor: save the random model
-    with a processor (a small BPE tokenizer with the image markers at the config's ids is
-    not available, so the tokenizer is only there to be loaded; the bench feeds ids
-    itself) and the family's image processor, then load it as Unsloth's vision notebooks
-    do, with LoRA on the language layers.  Returns (model, bytes allocated once loaded)."""
+    with one (``write_processor``), load it as Unsloth's vision notebooks do and add LoRA
+    on the language layers (deleting the checkpoint once loaded).  Returns (model, bytes
+    allocated once loaded)."""
     import shutil
     import tempfile
 
@@ -110,7 +109,7 @@ def load_with_unsloth_vision(model, shape_name: str, args, dtype, inference: boo
     folder = tempfile.mkdtemp(prefix="slothkit-bench-unsloth-vision-")
     try:
         model.save_pretrained(folder, safe_serialization=True)
-        _write_processor(folder, shape_name)
+        write_processor(folder, shape_name)
         del model
         torch.cuda.empty_cache()
         unsloth_model, _ = UnslothVisionModel.from_pretrained(
@@ -138,20 +137,50 @@ def load_with_unsloth_vision(model, shape_name: str, args, dtype, inference: boo
     return unsloth_model, loaded
 
 
-def _write_processor(folder: str, shape_name: str) -> None:
-    """A processor's files beside the weights: the tiny BPE tokenizer and the family's
-    image processor at the shape's default resolution."""
+def write_processor(folder: str, shape_name: str) -> None:
+    """A processor's files beside the weights, as a checkpoint has them: a small tokenizer
+    of the family's kind with the image markers added (at its own ids, not the config's:
+    the bench writes the ids itself, the processor is only loaded), the family's chat
+    template reading image parts, and its image processor at the shape's default
+    resolution."""
+    import json
+    import pathlib
+
+    from transformers import AutoTokenizer
+
     from slothkit.models import IMAGE_TEXT_SHAPES
     from slothkit.testing import build_tiny_tokenizer
+    from slothkit.testing.tiny_chat_templates import with_image_parts
+    from slothkit.testing.tiny_image_text import (
+        GEMMA3_IMAGE_MARKER,
+        GEMMA3_IMAGE_TOKENS,
+        QWEN_IMAGE_MARKER,
+        QWEN_VISION_TOKENS,
+    )
 
     shape = IMAGE_TEXT_SHAPES[shape_name]
-    build_tiny_tokenizer("bpe", folder)
     side = shape.image_size
     if shape.model_type == "gemma3":
-        from transformers import Gemma3ImageProcessor
+        from transformers import Gemma3ImageProcessor, Gemma3Processor
 
-        Gemma3ImageProcessor(size={"height": side, "width": side}).save_pretrained(folder)
-    else:
-        from transformers import Qwen2VLImageProcessor
+        build_tiny_tokenizer("sentencepiece", folder, arch="gemma3")
+        tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+        Gemma3Processor(
+            image_processor=Gemma3ImageProcessor(size={"height": side, "width": side}),
+            tokenizer=tokenizer,
+            chat_template=with_image_parts(tokenizer.chat_template, GEMMA3_IMAGE_MARKER),
+            image_seq_length=shape.image_tokens(),
+        ).save_pretrained(folder)
+        return
+    # Qwen2.5-VL's processor object needs torchvision to be built (its video processor):
+    # its files are written as such, as the tiny Qwen2.5-VL checkpoint's are.
+    from transformers import Qwen2VLImageProcessor
 
-        Qwen2VLImageProcessor(min_pixels=side * side, max_pixels=side * side).save_pretrained(folder)
+    build_tiny_tokenizer("qwen", folder, arch="qwen2")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VISION_TOKENS)})
+    tokenizer.chat_template = with_image_parts(tokenizer.chat_template, QWEN_IMAGE_MARKER)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessor(min_pixels=side * side, max_pixels=side * side).save_pretrained(folder)
+    config = {"processor_class": "Qwen2_5_VLProcessor"}
+    (pathlib.Path(folder) / "processor_config.json").write_text(json.dumps(config, indent=2) + "\n")

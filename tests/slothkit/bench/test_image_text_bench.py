@@ -250,3 +250,31 @@ def test_generation_prompts_are_left_padded_around_one_image(name):
     assert padding.tolist() == [0, 1, 2, 3]  # r * 8 // (2 * 4) text tokens fewer
     for row, pad in enumerate(padding.tolist()):  # padding on the left only, id 0
         assert (mask[row, pad:] == 1).all() and (ids[row, :pad] == 0).all()
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_saved_checkpoint_with_processor_loads_as_built(name, tmp_path):
+    """What the Unsloth rows load: the built model saved with write_processor's files
+    loads back (processor and all, where transformers builds it here) to the same model."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from slothkit.bench.image_text_setup import write_processor
+    from slothkit.testing.tiny_image_text import GEMMA3_IMAGE_TOKENS, QWEN_VISION_TOKENS
+
+    shape = IMAGE_TEXT_SHAPES[name]
+    built = build_model(name, torch.float32, "cpu", seed=0)
+    built.save_pretrained(tmp_path)
+    write_processor(str(tmp_path), name)
+    tokens = AutoTokenizer.from_pretrained(tmp_path).get_vocab()
+    markers = GEMMA3_IMAGE_TOKENS.values() if shape.model_type == "gemma3" else QWEN_VISION_TOKENS
+    assert all(marker in tokens for marker in markers)
+    try:
+        processor = AutoProcessor.from_pretrained(tmp_path)
+    except ImportError:  # Qwen-VL's processor needs torchvision to be built
+        assert shape.model_type == "qwen2_5_vl"
+    else:
+        assert hasattr(processor, "image_processor")
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    batch = training_batch(shape, 2, 24, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, built(**batch).logits)
