@@ -71,7 +71,8 @@ def run(args) -> dict | None:
         if importlib.util.find_spec("unsloth") is None:
             raise ImportError("No module named 'unsloth'")
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-        record = record_for(SHAPES.get(args.model))
+        shape = SHAPES.get(args.model) or getattr(IMAGE_TEXT_SHAPES.get(args.model), "text", None)
+        record = record_for(shape)  # an image-text shape's: its language model's
         if record is not None and not record.unsloth_block_compile:
             os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
