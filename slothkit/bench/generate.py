@@ -17,7 +17,7 @@ import sys
 from slothkit.bench.train import environment, write_record
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.core.arguments import positive_float, positive_int
-from slothkit.models import SHAPES, shape_by_name
+from slothkit.models import IMAGE_TEXT_SHAPES, SHAPES, language_shape_by_name
 
 IMPLEMENTATIONS = ("slothkit", "hf", "unsloth", "slothkit-merged")
 
@@ -116,7 +116,7 @@ def run_generate_bench(args) -> dict:
     unknown = [i for i in impls if i not in IMPLEMENTATIONS]
     if unknown:
         raise ValueError(f"unknown implementation(s) {unknown}; known: {', '.join(IMPLEMENTATIONS)}")
-    shape_by_name(args.model)
+    language_shape_by_name(args.model)
     batches = _batches(args.batch)
     if args.t4:
         args.dtype, args.memory_gib = "fp16", min(args.memory_gib or 15.0, 15.0)
@@ -151,7 +151,12 @@ def run_generate_bench(args) -> dict:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="llama-3-8b", help=f"a known shape ({', '.join(SHAPES)})")
+    parser.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"a known shape ({', '.join(SHAPES)}) or image-text shape ({', '.join(IMAGE_TEXT_SHAPES)}: "
+        "each prompt holds one image besides its --prompt-len text tokens)",
+    )
     parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")

@@ -6,7 +6,10 @@ Every implementation decodes the same thing: the named shape with the same rando
 mixture-of-experts model's on its experts' 3-D parameters, as FastModel adapts them) with
 the same random adapter weights (so that the adapters change the output), the same random
 prompts, greedy, ``min_new_tokens = max_new_tokens`` so that every run makes the same
-number of tokens.  ``slothkit-merged`` is slothkit's model with those adapters merged
+number of tokens.  An image-text shape's prompts hold one random default-resolution
+image each besides their text (slothkit.bench.image_text_batch), its adapters are on the
+language model's layers, and slothkit decodes through FastVisionModel.for_inference.
+``slothkit-merged`` is slothkit's model with those adapters merged
 into its 16-bit weights (PEFT's merge_and_unload), as a model saved merged decodes; under
 --mode qlora it is the 4-bit base alone, which is what a merged model loaded back in
 4-bit reads.  Each run also records its bandwidth limit (slothkit.bench.decode_limit).
@@ -25,6 +28,12 @@ import traceback
 import torch
 
 from slothkit.bench.decode_limit import copy_gb_per_s, decode_limit
+from slothkit.bench.image_text_batch import generation_prompts
+from slothkit.bench.image_text_setup import (
+    load_with_unsloth_vision,
+    prepare_image_text,
+    take_fast_vision_path,
+)
 from slothkit.bench.model_setup import (
     build_for,
     build_model,
@@ -36,6 +45,7 @@ from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.core.allocator import prefer_expandable_segments
 from slothkit.core.environment import allocator_settings
 from slothkit.core.model_state import state_of
+from slothkit.models import IMAGE_TEXT_SHAPES
 
 # Tokens of each row compared between implementations (the issue's first 32).
 COMPARED_TOKENS = 32
@@ -60,8 +70,14 @@ def _randomise_adapters(model, seed: int) -> None:
             parameter.copy_(values.to(parameter.device, parameter.dtype))
 
 
-def prepare(impl: str, args, dtype, device):
-    """The model with LoRA, switched to inference as each implementation's users do."""
+def prepare(impl: str, args, dtype, device, fast_decode: bool | None = None):
+    """The model with LoRA, switched to inference as each implementation's users do.
+
+    fast_decode: slothkit's for_inference argument (None: its fast loop on a CUDA GPU;
+    True: on a CPU too, for checking).
+    """
+    if args.model in IMAGE_TEXT_SHAPES:
+        return prepare_image_text_inference(impl, args, dtype, device, fast_decode)
     if impl == "unsloth":
         from unsloth import FastLanguageModel
 
@@ -106,15 +122,78 @@ def prepare(impl: str, args, dtype, device):
         _randomise_adapters(model, args.seed + 2)
         if impl == "slothkit-merged":
             model = model.merge_and_unload()  # the adapters added into the 16-bit weights
-        FastModel.for_inference(model)
+        FastModel.for_inference(model, fast_decode)
         return model
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _generate(model, input_ids, attention_mask, new_tokens: int):
+def prepare_image_text_inference(impl: str, args, dtype, device, fast_decode: bool | None = None):
+    """An image-text shape's model with LoRA on its language model's layers
+    (slothkit.bench.image_text_setup), switched to inference: slothkit's through
+    FastVisionModel.for_inference (its fast loop, which prefills the images through the
+    model's own vision tower), HF + PEFT's and Unsloth's as their users do."""
+    if impl == "unsloth":
+        from unsloth import FastVisionModel as UnslothVisionModel
+
+        args.seq = args.prompt_len + args.new_tokens + IMAGE_TEXT_SHAPES[args.model].image_tokens() + 2
+        built = build_model(args.model, dtype, device, args.seed)
+        model, _ = load_with_unsloth_vision(built, args.model, args, dtype, inference=True)
+        _randomise_adapters(model, args.seed + 2)
+        UnslothVisionModel.for_inference(model)
+        return model
+    if impl not in ("slothkit", "slothkit-merged", "hf"):
+        raise ValueError(f"unknown implementation {impl!r}")
+    model = build_for(impl, args, dtype, device)
+    if impl == "hf":
+        model = prepare_image_text("hf", model, args.rank, seq=0, hf_checkpointing="off")
+        _randomise_adapters(model, args.seed + 2)
+        model.eval()
+        model.config.use_cache = True
+        return model
+    from slothkit import FastVisionModel
+
+    take_fast_vision_path(model, model.config.get_text_config().max_position_embeddings)
+    if impl == "slothkit-merged" and args.mode == "qlora":  # the 4-bit base, as for a text shape
+        FastVisionModel.for_inference(model, fast_decode)
+        return model
+    model = FastVisionModel.get_peft_model(
+        model,
+        finetune_vision_layers=False,
+        r=args.rank,
+        lora_alpha=args.rank,
+        use_gradient_checkpointing=False,
+    )
+    _randomise_adapters(model, args.seed + 2)
+    if impl == "slothkit-merged":
+        model = model.merge_and_unload()  # the adapters added into the 16-bit weights
+    FastVisionModel.for_inference(model, fast_decode)
+    return model
+
+
+def prompts_for(args, vocab: int, generator: torch.Generator, device) -> dict:
+    """generate's inputs of the run: ``--batch`` random prompts of ``--prompt-len`` tokens,
+    left-padded to various lengths after the first; an image-text shape's with one image
+    each besides (its tokens on top of --prompt-len; slothkit.bench.image_text_batch)."""
+    shape = IMAGE_TEXT_SHAPES.get(args.model)
+    if shape is not None:
+        prompts = generation_prompts(shape, args.batch, args.prompt_len, generator)
+        return {name: value.to(device) for name, value in prompts.items()}
+    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=generator).to(device)
+    mask = torch.ones_like(prompts)
+    if args.batch > 1:  # left padding of various lengths, as a batch of real prompts has
+        for row in range(1, args.batch):
+            mask[row, : (row * args.prompt_len) // (2 * args.batch)] = 0
+        prompts = prompts.masked_fill(mask == 0, 0)
+    return {"input_ids": prompts, "attention_mask": mask}
+
+
+def _generate(model, input_ids, attention_mask, new_tokens: int, **images):
+    """Greedy, exactly ``new_tokens`` new tokens; ``images``: an image-text prompt's pixels
+    and token types (generate's keywords)."""
     return model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
+        **images,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -122,12 +201,12 @@ def _generate(model, input_ids, attention_mask, new_tokens: int):
     )
 
 
-def timed_generate(model, input_ids, attention_mask, new_tokens: int):
+def timed_generate(model, input_ids, attention_mask, new_tokens: int, **images):
     """(output, seconds) of one greedy generate call of ``new_tokens`` tokens, the GPU
     synchronised before and after: what the bench times (scripts/profile_decode.py too)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    out = _generate(model, input_ids, attention_mask, new_tokens)
+    out = _generate(model, input_ids, attention_mask, new_tokens, **images)
     torch.cuda.synchronize()
     return out, time.perf_counter() - start
 
@@ -153,26 +232,26 @@ def run(args) -> dict:
     model = prepare(args.impl, args, dtype, device)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(args.seed + 1)
-    prompts = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=generator).to(device)
-    mask = torch.ones_like(prompts)
-    if args.batch > 1:  # left padding of various lengths, as a batch of real prompts has
-        for row in range(1, args.batch):
-            mask[row, : (row * args.prompt_len) // (2 * args.batch)] = 0
-        prompts = prompts.masked_fill(mask == 0, 0)
+    images = prompts_for(args, vocab, generator, device)
+    prompts, mask = images.pop("input_ids"), images.pop("attention_mask")
+    if "pixel_values" in images:  # in the model's dtype, as the vision collator casts them
+        images["pixel_values"] = images["pixel_values"].to(dtype)
+    prompt_len = prompts.shape[1]  # an image-text prompt's image tokens included
 
     # Warm-up: the timed call itself, once.  A static-cache decoder sizes its cache and
     # captures its graph for the length it is asked for; a shorter warm-up would leave that
     # one-time work (and compilation, autotuning) inside the timed run.
-    _generate(model, prompts, mask, args.new_tokens)
+    _generate(model, prompts, mask, args.new_tokens, **images)
     torch.cuda.reset_peak_memory_stats()
-    out, seconds = timed_generate(model, prompts, mask, args.new_tokens)
+    out, seconds = timed_generate(model, prompts, mask, args.new_tokens, **images)
     result = {
         "status": "ok",
         "tokens_per_s": args.batch * args.new_tokens / seconds,
         "seconds": seconds,
-        "first_tokens": out[:, args.prompt_len : args.prompt_len + COMPARED_TOKENS].tolist(),
+        "prompt_tokens": prompt_len,
+        "first_tokens": out[:, prompt_len : prompt_len + COMPARED_TOKENS].tolist(),
         "loaded_gib": loaded / 2**30,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
@@ -182,7 +261,7 @@ def run(args) -> dict:
     # A 4-bit base without adapters is another model than HF's: its tokens are not compared.
     result["compare_tokens"] = not (args.impl == "slothkit-merged" and args.mode == "qlora")
     result.update(
-        decode_limit(model, dtype, args.batch, args.prompt_len, args.new_tokens, torch.cuda.get_device_name())
+        decode_limit(model, dtype, args.batch, prompt_len, args.new_tokens, torch.cuda.get_device_name())
     )
     try:
         result["copy_gb_per_s"] = copy_gb_per_s()
@@ -198,7 +277,10 @@ def run(args) -> dict:
         result["kv_cache_gib"] = decoder.nbytes / 2**30
         result["graph_captured"] = decoder.captured is not None and decoder.captured.graph is not None
     if args.ttft_len and args.batch == 1:
-        long_prompt = torch.randint(3, vocab, (1, args.ttft_len), generator=generator).to(device)
+        # Text alone, below an image-text shape's image ids (no image to prefill).
+        shape = IMAGE_TEXT_SHAPES.get(args.model)
+        top = min(shape.image_markers()) if shape is not None else vocab
+        long_prompt = torch.randint(3, top, (1, args.ttft_len), generator=generator).to(device)
         result.update(_time_to_first_token(model, long_prompt))
     return result
 

@@ -36,23 +36,28 @@ def build_model(
     for slothkit, whose fused experts read those records; HF + PEFT keeps 16-bit experts.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from slothkit.engine.experts import DOWN, GATE_UP, is_experts_module
     from slothkit.engine.experts_nf4 import quantize_expert_parameters
     from slothkit.loading.load_model import attention_for
-    from slothkit.models import record_for, shape_by_name
+    from slothkit.models import IMAGE_TEXT_SHAPES, record_for, shape_by_name
+    from slothkit.models.image_text import part_of
 
-    config = shape_by_name(shape_name).config()
+    image_text = shape_name in IMAGE_TEXT_SHAPES
+    if image_text:  # the whole model (vision tower, projector, language model)
+        config = IMAGE_TEXT_SHAPES[shape_name].config()
+        model_class, attention = AutoModelForImageTextToText, "sdpa"  # as FastVisionModel loads it
+    else:
+        config = shape_by_name(shape_name).config()
+        model_class, attention = AutoModelForCausalLM, attention_for(config)
     record = record_for(config)  # None for a generic shape: its norms scale by w
     neutral_norm = 0.0 if record is not None and record.norm_adds_one else 1.0
 
     # Parameters on the meta device (no memory, no init time), made real one module at a
     # time below; buffers (rotary inv_freq, Gemma's embed_scale) real from the start.
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attention_for(config)
-        )
+        model = model_class.from_config(config, dtype=dtype, attn_implementation=attention)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         # Tied weights (Gemma's embeddings and head) are one meta parameter in two modules:
@@ -69,7 +74,10 @@ def build_model(
                         torch.empty_like(meta, device=device), requires_grad=meta.requires_grad
                     )
                     name = f"{module_name}.{param_name}" if module_name else param_name
-                    if name.endswith("norm.weight") or "layernorm" in name:
+                    neutral = _neutral_norm_value(module, param_name) if image_text else None
+                    if neutral is not None:
+                        param.fill_(neutral)
+                    elif not image_text and (name.endswith("norm.weight") or "layernorm" in name):
                         # Neutral norm: 1, or 0 where the norm scales by (1 + w).
                         param.fill_(neutral_norm)
                     else:
@@ -79,13 +87,29 @@ def build_model(
                 else:
                     param = built[id(meta)]
                 module._parameters[param_name] = param
-            if quantize_nf4 and _is_projection(module_name, module):
+            # An image-text model's vision tower and projector stay 16-bit, as FastVisionModel's
+            # 4-bit loading leaves them (slothkit.models.image_text.SIXTEEN_BIT_MODULES).
+            in_language_model = not image_text or part_of(module_name) == "language"
+            if quantize_nf4 and in_language_model and _is_projection(module_name, module):
                 _replace_with_nf4(model, module_name, module, dtype)
             if quantize_nf4 and quantize_experts and is_experts_module(module):
                 quantize_expert_parameters(module, (GATE_UP, DOWN))
     model.to(device)  # moves the buffers; the parameters are there already
     model.tie_weights()
     return model
+
+
+def _neutral_norm_value(module, param_name: str) -> float | None:
+    """What a norm's parameter holds for the norm to change nothing (None for any other
+    parameter), by the norm's class, since an image-text model's parts name their norms
+    each their own way (SigLIP's layer_norm1, Qwen-VL's norm1 and ln_q): a bias 0, a
+    weight 1, or 0 in Gemma's RMSNorm, which scales by (1 + w)."""
+    kind = type(module).__name__
+    if "Norm" not in kind:
+        return None
+    if param_name == "bias":
+        return 0.0
+    return 0.0 if kind.startswith("Gemma") and "RMSNorm" in kind else 1.0
 
 
 def build_for(impl: str, args, dtype: torch.dtype, device: str):

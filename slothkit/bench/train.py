@@ -26,7 +26,7 @@ from slothkit.bench.multi_gpu import PEAK_FIELDS, check_gpus, launcher_command, 
 from slothkit.bench.train_worker import RESULT_TAG
 from slothkit.core.arguments import non_negative_int, positive_float, positive_int
 from slothkit.core.configuration import environment_defaults
-from slothkit.models import SHAPES, shape_by_name
+from slothkit.models import IMAGE_TEXT_SHAPES, SHAPES, language_shape_by_name
 
 IMPLEMENTATIONS = ("slothkit", "hf", "liger", "unsloth")
 
@@ -137,12 +137,13 @@ def flops_per_token(shape_name: str, seq: int, recomputed: float = 1.0) -> float
     (heads * head_dim) per token plus 2 * T * ... for the re-run.
 
     Args:
-        shape_name: the model shape.
+        shape_name: the model shape (an image-text shape: its language model, which reads
+            every token; the vision tower's FLOPs are not counted).
         seq: the sequence length T.
         recomputed: the share of decoder layers re-run in backward (1: every layer
             checkpointed, 0: none).
     """
-    shape = shape_by_name(shape_name)
+    shape = language_shape_by_name(shape_name)  # an image-text model's: its language model's alone
     head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
     attention = (6 + 2 * recomputed) * seq * shape.num_hidden_layers * shape.num_attention_heads * head_dim
     return (4 + 2 * recomputed) * shape.matmul_parameters() + attention
@@ -276,7 +277,7 @@ def run_train_bench(args) -> dict:
     impls = [i.strip() for i in args.impl.split(",") if i.strip()]
     check_implementations(impls)
     check_best(args)
-    shape_by_name(args.model)
+    language_shape_by_name(args.model)
     import torch
 
     if not torch.cuda.is_available() and not args.model.startswith("tiny-"):
@@ -391,7 +392,12 @@ def write_record(output: str | None, record: dict, pending: list[str]) -> None:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default="llama-3-8b", help=f"a known shape ({', '.join(SHAPES)})")
+    parser.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help=f"a known shape ({', '.join(SHAPES)}) or image-text shape ({', '.join(IMAGE_TEXT_SHAPES)}: "
+        "each row holds one image at the processor's default resolution)",
+    )
     parser.add_argument("--mode", choices=["lora", "qlora"], default="lora")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--batch", type=positive_int, default=2)

@@ -7,7 +7,9 @@ another's figures.  The worker prints one JSON line prefixed with RESULT_TAG.
 Every implementation trains the same thing: the model shape built with the same
 random weights (seeded), LoRA r=16 / alpha 16 on all seven projections, gradient
 checkpointing on (unless --hf-checkpointing off, or slothkit's "auto"), fused AdamW at
-lr 1e-4, the same random tokens each step.  Memory is measured three ways: the peak
+lr 1e-4, the same random tokens each step (an image-text shape's: the same rows, each with
+one random default-resolution image, slothkit.bench.image_text_batch; LoRA on the language
+model's layers, slothkit.bench.image_text_setup).  Memory is measured three ways: the peak
 allocated and the peak reserved on the GPU (torch's caching allocator; reserved is what
 runs out), and the peak resident host memory of the worker process.
 
@@ -32,6 +34,8 @@ import traceback
 
 import torch
 
+from slothkit.bench.image_text_batch import on_device, training_batch
+from slothkit.bench.image_text_setup import load_with_unsloth_vision, prepare_image_text
 from slothkit.bench.model_setup import (
     CHECKPOINTING,
     CUDA_GRAPHS,
@@ -53,7 +57,7 @@ from slothkit.core.allocator import prefer_expandable_segments
 from slothkit.core.distributed import launch
 from slothkit.core.environment import allocator_settings
 from slothkit.memory.memory_model import MemoryBudgetError
-from slothkit.models import SHAPES, record_for
+from slothkit.models import IMAGE_TEXT_SHAPES, SHAPES, record_for
 
 RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 
@@ -67,7 +71,8 @@ def run(args) -> dict | None:
         if importlib.util.find_spec("unsloth") is None:
             raise ImportError("No module named 'unsloth'")
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-        record = record_for(SHAPES.get(args.model))
+        shape = SHAPES.get(args.model) or getattr(IMAGE_TEXT_SHAPES.get(args.model), "text", None)
+        record = record_for(shape)  # an image-text shape's: its language model's
         if record is not None and not record.unsloth_block_compile:
             os.environ.setdefault("UNSLOTH_BLOCK_COMPILE", "0")
         import unsloth  # noqa: F401  (Unsloth must be imported before transformers is used)
@@ -82,8 +87,13 @@ def run(args) -> dict | None:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_gib * 2**30 / total))
 
+    image_text = IMAGE_TEXT_SHAPES.get(args.model)
     if args.impl == "unsloth":  # Unsloth quantises while loading from disk itself
-        model, loaded = load_with_unsloth(build_model(args.model, dtype, device, args.seed), args, dtype)
+        built = build_model(args.model, dtype, device, args.seed)
+        if image_text is not None:
+            model, loaded = load_with_unsloth_vision(built, args.model, args, dtype)
+        else:
+            model, loaded = load_with_unsloth(built, args, dtype)
     else:
         model = build_for(args.impl, args, dtype, device)
         if device == "cuda":
@@ -91,6 +101,11 @@ def run(args) -> dict | None:
             loaded = torch.cuda.memory_allocated()
         else:
             loaded = 0
+    if image_text is not None and args.impl != "unsloth":
+        model = prepare_image_text(
+            args.impl, model, args.rank, args.seq, args.slothkit_checkpointing, args.hf_checkpointing
+        )
+    elif args.impl != "unsloth":
         model = prepare(
             args.impl,
             model,
@@ -105,8 +120,12 @@ def run(args) -> dict | None:
         )
 
     generator = torch.Generator().manual_seed(args.seed + 1 + where.rank)  # each process its own tokens
-    vocab = model.config.vocab_size
-    input_ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+    if image_text is not None:  # one image a row (slothkit.bench.image_text_batch)
+        batch = on_device(training_batch(image_text, args.batch, args.seq, generator), device, dtype)
+    else:
+        vocab = model.config.vocab_size
+        input_ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(device)
+        batch = {"input_ids": input_ids, "labels": input_ids}
     trained = wrap(model, where)  # DDP under torchrun, else the model itself
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
@@ -123,7 +142,7 @@ def run(args) -> dict | None:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autocast(device, dtype=dtype, enabled=args.autocast and dtype != torch.float32):
-            loss = trained(input_ids=input_ids, labels=input_ids).loss
+            loss = trained(**batch).loss
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()

@@ -7,6 +7,7 @@ export_record_for(model.config)    # record_for, else a mixture-of-experts famil
 architecture_named("gemma")        # by record name
 architecture_of_shape("gemma-7b")  # the family a named shape belongs to
 shape_by_name("llama-3-8b")        # a real checkpoint's size, no weights (bench, planner)
+language_shape_by_name("qwen2.5-vl-7b")  # shape_by_name, or an image-text shape's language model
 
 RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder patches (every
 record; a record with fused=False would serve export only, its family training on the
@@ -15,7 +16,9 @@ and the fast decode loop generates (they train on the generic path: no fixture, 
 or fused layer reads them); EXPORT_ONLY_RECORDS the generic path's families that GGUF export
 alone reads a record of (Qwen3.5's DeltaNet hybrid, Gemma 4); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
-`slothkit bench` builds them with random weights).
+`slothkit bench` builds them with random weights); IMAGE_TEXT_SHAPES the image-text
+models' (image_text_shapes: a language model's shape under a vision tower), which
+`slothkit bench` builds too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from slothkit.models.gemma3 import GEMMA3
 from slothkit.models.gemma4 import GEMMA4
 from slothkit.models.generic_shapes import GENERIC_SHAPES
 from slothkit.models.gpt_oss import GPT_OSS
+from slothkit.models.image_text_shapes import IMAGE_TEXT_SHAPES, ImageTextShape
 from slothkit.models.llama import LLAMA
 from slothkit.models.ministral import MINISTRAL
 from slothkit.models.mistral import MISTRAL
@@ -60,17 +64,20 @@ __all__ = [
     "ARCHITECTURES",
     "EXPERT_RECORDS",
     "EXPORT_ONLY_RECORDS",
+    "IMAGE_TEXT_SHAPES",
     "RECORDS",
     "SHAPES",
     "Architecture",
     "GGUFExperts",
     "GGUFLayout",
+    "ImageTextShape",
     "Shape",
     "TinyTraits",
     "architecture_for",
     "architecture_named",
     "architecture_of_shape",
     "export_record_for",
+    "language_shape_by_name",
     "language_model_architecture",
     "record_for",
     "shape_by_name",
@@ -157,6 +164,19 @@ def shape_by_name(name: str) -> Shape:
         raise ValueError(
             f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)} "
             f"(or pass a local checkpoint directory)"
+        )
+    return SHAPES[name]
+
+
+def language_shape_by_name(name: str) -> Shape:
+    """The named text shape, or the language model's of the named image-text shape
+    (IMAGE_TEXT_SHAPES); a ValueError naming the known ones otherwise."""
+    if name in IMAGE_TEXT_SHAPES:
+        return IMAGE_TEXT_SHAPES[name].text
+    if name not in SHAPES:
+        raise ValueError(
+            f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}; "
+            f"image-text shapes: {', '.join(IMAGE_TEXT_SHAPES)}"
         )
     return SHAPES[name]
 
