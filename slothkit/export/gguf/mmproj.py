@@ -134,6 +134,13 @@ def mmproj_tensors(model) -> dict[str, torch.Tensor]:
     return {name: t.detach().to(torch.float32).cpu() for name, t in tensors.items()}
 
 
+def planned_bytes(model, float_type: GGMLQuantizationType) -> int:
+    """About what the projector file takes on disk: its weights at float_type's size (the
+    F32 norms, biases and embeddings are a small part)."""
+    parts = (model.model.vision_tower, model.model.multi_modal_projector)
+    return sum(p.numel() for part in parts for p in part.parameters()) * (4 if float_type == T.F32 else 2)
+
+
 def tensor_type(name: str, tensor: torch.Tensor, float_type: GGMLQuantizationType) -> GGMLQuantizationType:
     """F32 for norms, biases and the embeddings (as llama.cpp's converter keeps them);
     `float_type` (F16 or F32) for the matrices."""

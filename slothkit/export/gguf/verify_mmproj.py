@@ -18,6 +18,7 @@ projector's norm stored without its 1 + w offset, is far beyond them (the tests)
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import dataclasses
 import os
@@ -56,14 +57,17 @@ def _file_normalisation(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def hf_image_features(model, image: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """The model's projected image features (image tokens, text width) for uint8 `image`."""
+    """The model's projected image features (image tokens, text width) for uint8 `image`,
+    as Gemma 3's get_image_features computes them (tower, then projector), in float32: a
+    16-bit model's tower and projector run as float32 copies, since the file holds its
+    weights unrounded (F32) or rounded once (F16) and llama.cpp computes in float32."""
+    tower, projector = model.model.vision_tower, model.model.multi_modal_projector
+    if next(tower.parameters()).dtype != torch.float32:
+        tower, projector = copy.deepcopy(tower).float(), copy.deepcopy(projector).float()
     pixels = (image.astype(np.float32) / 255.0 - mean) / std
-    dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
-    pixel_values = torch.from_numpy(pixels).permute(2, 0, 1)[None].to(device, dtype)
+    pixel_values = torch.from_numpy(pixels).permute(2, 0, 1)[None].to(next(tower.parameters()).device)
     with torch.no_grad():
-        features = model.model.get_image_features(pixel_values=pixel_values)
-    features = getattr(features, "pooler_output", features)  # transformers 5 returns an output object
+        features = projector(tower(pixel_values=pixel_values, return_dict=True).last_hidden_state)
     return features.reshape(-1, features.shape[-1]).float().cpu().numpy()
 
 

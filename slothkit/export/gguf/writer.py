@@ -144,7 +144,10 @@ def save_pretrained_gguf(
             f"{str(target)!r} already holds {', '.join(clashes)} from an earlier save; pass "
             f"overwrite=True to replace them (the folder's other files are kept), or choose a new folder"
         )
-    check_free_space(target, planned_bytes(model, methods, arch), f"the GGUF files ({', '.join(gguf_names)})")
+    planned = planned_bytes(model, methods, arch)
+    if vision_model is not None:
+        planned += mmproj.planned_bytes(vision_model, mmproj_type)
+    check_free_space(target, planned, f"the GGUF files ({', '.join(gguf_names + mmproj_names)})")
     if verify is None:
         from slothkit.export.gguf.verify import llama_cpp_available
 
@@ -173,8 +176,9 @@ def _modelfile_names(target: pathlib.Path, gguf_names: list[str], methods) -> li
     in this save or beside earlier GGUF files in the folder (whose `Modelfile` stays theirs,
     unless it is this file's own from an earlier save)."""
     if len(methods) == 1:
-        earlier = target.is_dir() and any(
-            p.suffix == ".gguf" and p.name != gguf_names[0] for p in target.iterdir()
+        earlier = target.is_dir() and any(  # a projector file (mmproj-*) runs with its model's
+            p.suffix == ".gguf" and p.name != gguf_names[0] and not p.name.startswith("mmproj-")
+            for p in target.iterdir()
         )
         modelfile = target / "Modelfile"
         own = modelfile.is_file() and modelfile.read_text(errors="replace").startswith(

@@ -108,6 +108,29 @@ def test_gemma3_projector_matches_the_lora_models_image_features(gemma3, tmp_pat
     assert error < TOLERANCES[float_type] / 5  # measured 0.0006 (F32), 0.0007 (F16)
 
 
+@needs_llama_cpp
+def test_gemma3_bfloat16_model_and_a_second_save_into_the_folder(tmp_path):
+    """A 16-bit model's tower is compared in float32 (the file's weights are its own), and
+    saving again asks for overwrite, which replaces the projector and keeps `Modelfile`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from slothkit.export.atomic import DirectoryNotEmptyError
+    from slothkit.export.gguf import save_pretrained_gguf
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+    from slothkit.testing import tiny_image_text_path
+
+    path = tiny_image_text_path("gemma3")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text, projector, _ = save_pretrained_gguf(model, tmp_path / "out", processor, "f16")
+    report = verify_mmproj(projector, text, model, T.F16)
+    assert report.image_tokens == 4 and report.relative_error < report.tolerance / 5  # measured 0.0006
+    with pytest.raises(DirectoryNotEmptyError, match="mmproj-"):
+        save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False)
+    again = save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False, overwrite=True)
+    assert [p.name for p in again] == [text.name, projector.name, "Modelfile"]
+
+
 def _fault_files(merged, model):
     tensors = mmproj.mmproj_tensors(merged)
     without_offset = dict(tensors)
