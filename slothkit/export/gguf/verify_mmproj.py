@@ -47,7 +47,7 @@ def random_image(size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
 
 
-def _file_normalisation(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+def file_normalisation(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
     reader = GGUFReader(path)
     values = {}
     for key in ("clip.vision.image_mean", "clip.vision.image_std"):
@@ -138,7 +138,7 @@ def verify_mmproj(
         raise ImportError("verifying a GGUF file needs llama-cpp-python: pip install 'slothkit[gguf]'")
     mmproj_path = pathlib.Path(mmproj_path)
     image = random_image(model.config.vision_config.image_size, seed)
-    mean, std = _file_normalisation(mmproj_path)
+    mean, std = file_normalisation(mmproj_path)
     reference = hf_image_features(model, image, mean, std)
     embeddings = llama_cpp_image_embeddings(mmproj_path, text_path, image)
     if embeddings.shape != reference.shape:

@@ -53,14 +53,14 @@ def gemma3(tmp_path_factory):
 
 def _error_against(model, mmproj_path, text_path):
     from slothkit.export.gguf.verify_mmproj import (
-        _file_normalisation,
+        file_normalisation,
         hf_image_features,
         llama_cpp_image_embeddings,
         random_image,
     )
 
     image = random_image(model.config.vision_config.image_size, seed=1)
-    reference = hf_image_features(model, image, *_file_normalisation(mmproj_path))
+    reference = hf_image_features(model, image, *file_normalisation(mmproj_path))
     embeddings = llama_cpp_image_embeddings(mmproj_path, text_path, image)
     return float(np.sqrt(np.mean((embeddings - reference) ** 2)) / reference.std())
 
