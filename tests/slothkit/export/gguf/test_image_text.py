@@ -131,6 +131,37 @@ def test_gemma3_bfloat16_model_and_a_second_save_into_the_folder(tmp_path):
     assert [p.name for p in again] == [text.name, projector.name, "Modelfile"]
 
 
+@needs_llama_cpp
+def test_gemma3_own_image_geometry_uses_llama_cpps_default_pooling(tmp_path):
+    """Gemma 3's images (896 pixels, 64 patches a side averaged 4 x 4 into 256 tokens), on a
+    narrow random tower: the pool is llama.cpp's default, so no scale_factor key is written,
+    and llama.cpp's pooling still matches HF's."""
+    from transformers import AutoProcessor, Gemma3Config, Gemma3ForConditionalGeneration
+
+    from slothkit.export.gguf import save_pretrained_gguf
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+    from slothkit.testing import tiny_image_text_path
+
+    path = tiny_image_text_path("gemma3")
+    processor = AutoProcessor.from_pretrained(path)
+    tiny = Gemma3Config.from_pretrained(path)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=896, patch_size=14, vision_use_head=False)  # fmt: skip
+    config = Gemma3Config(
+        text_config=tiny.text_config.to_dict(), vision_config=vision, mm_tokens_per_image=256,
+        image_token_index=tiny.image_token_index, boi_token_index=tiny.boi_token_index,
+        eoi_token_index=tiny.eoi_token_index,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projection at zero: every image alike
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 32**-0.5)
+    text, projector, _ = save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False)
+    assert GGUFReader(projector).get_field("clip.vision.projector.scale_factor") is None
+    report = verify_mmproj(projector, text, model, T.F16)
+    assert report.image_tokens == 256 and report.relative_error < report.tolerance / 5
+
+
 def _fault_files(merged, model):
     tensors = mmproj.mmproj_tensors(merged)
     without_offset = dict(tensors)
