@@ -97,7 +97,7 @@ def test_gemma3_language_gguf_matches_the_merged_language_model(gemma3, tmp_path
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("float_type", [T.F32, T.F16])
+@pytest.mark.parametrize("float_type", [T.F32, T.F16], ids=["F32", "F16"])
 def test_gemma3_projector_matches_the_lora_models_image_features(gemma3, tmp_path, float_type):
     """llama.cpp's embeddings against the unmerged LoRA model's: the vision LoRA is in the file."""
     from slothkit.export.gguf.verify_mmproj import TOLERANCES
