@@ -29,12 +29,13 @@ from torch import nn
 
 from slothkit.compat.unsloth_options import gguf_method_keyword, gguf_push_arguments
 from slothkit.core.folder_paths import check_folder_path
-from slothkit.core.inspection import is_4bit_model
+from slothkit.core.inspection import causal_lm_of, is_4bit_model
 from slothkit.export.atomic import DirectoryNotEmptyError
 from slothkit.export.base_fingerprint import write_base_fingerprint
 from slothkit.export.export_types import EXPORT_TYPES, GGUF_MODULE
 from slothkit.export.save import merged_plain_model, resolve_tokenizer
 from slothkit.export.saved_files import full_model_files
+from slothkit.models.image_text import is_image_text_config
 
 
 def _gguf_available() -> bool:
@@ -75,6 +76,11 @@ def _gguf_method(name: str):
         if len(args) < 2 and kwargs.get("tokenizer") is None:
             kwargs["tokenizer"] = resolve_tokenizer(model, None)
         tokenizer = args[1] if len(args) > 1 else kwargs["tokenizer"]
+        config = getattr(causal_lm_of(model), "config", None)
+        if is_image_text_config(config):  # a refused family is refused before the merge
+            from slothkit.export.gguf.mmproj import check_projector_family
+
+            check_projector_family(config)
         if needs_merging(model):
             # The temporary merged checkpoint goes beside the GGUF output folder (on the disk
             # the user chose for it), or in the system's temporary folder for a push.

@@ -371,7 +371,8 @@ def merged_plain_model(
     model: nn.Module, tokenizer=None, *, base_weights="auto", dtype=None, scratch_dir=None
 ) -> nn.Module:
     """A plain transformers model (no adapters, not quantised) holding the merged weights, for
-    writers that take a model rather than a folder (GGUF). Built by writing the merged
+    writers that take a model rather than a folder (GGUF); an image-text model's whole
+    (AutoModelForImageTextToText: vision tower, projector and language model). Built by writing the merged
     checkpoint to a temporary folder and loading it back, as save_pretrained_merged(...,
     "merged_16bit") writes it but in the base weights' own dtype (float32 stays float32, so
     that GGUF types are quantised from unrounded weights and an F32 file is exact); the
@@ -391,9 +392,10 @@ def merged_plain_model(
     Raises:
         OSError: the scratch folder has no room; the message names it.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from slothkit.export.generation_config import generation_config_with_eos
+    from slothkit.models.image_text import is_image_text_config
 
     source = merge.choose_merge_source(model, base_weights)
     dtype = _check_dtype(dtype)
@@ -419,8 +421,11 @@ def merged_plain_model(
                 f"checkpoint (the full 16-bit model, written before the GGUF files); free space "
                 f"there or write the export to a folder on a larger disk",
             ) from error
-        plain = AutoModelForCausalLM.from_pretrained(scratch, dtype=saved_dtype)
-    plain.generation_config = generation_config_with_eos(causal_lm_of(model), tokenizer)
+        # An image-text model comes back whole (vision tower, projector, language model).
+        image_text = is_image_text_config(getattr(causal_lm_of(model), "config", None))
+        loader = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+        plain = loader.from_pretrained(scratch, dtype=saved_dtype)
+    plain.generation_config = generation_config_with_eos(causal_lm_of(model), text_tokenizer(tokenizer))
     # Loaded from the scratch folder, it would carry that folder's name; GGUF files and
     # their general.name are named after the model (the base's name, as the card says).
     plain.config._name_or_path = merge.base_model_name(model) or ""

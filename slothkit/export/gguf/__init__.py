@@ -18,11 +18,15 @@
 - pre_tokenizer: which pre-tokenizer llama.cpp runs for a byte-level tokenizer, named as its converter names it.
 - modelfile: Ollama's Modelfile for an exported file.
 - verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
+- image_text: an image-text model's language model as a text model of its own, for its GGUF.
+- mmproj: an image-text model's vision tower and projector as llama.cpp's projector file.
+- verify_mmproj: llama.cpp's libmtmd encodes an image with the projector file, compared with
+  the HF model's image features.
 
 Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
 functions included): layout and tensor_types need neither writer nor verify; verify reads
 files back through layout; layout reads deltanet, gemma4 and experts; metadata reads layout,
-attention, deltanet and gemma4; writer uses all of them.
+attention, deltanet and gemma4; verify_mmproj reads verify; writer uses all of them.
 """
 
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, QuantizationMethod, quantization_methods

@@ -51,7 +51,7 @@ from slothkit.export.disk_space import (
     is_disk_full,
     megabytes,
 )
-from slothkit.export.gguf import gemma4
+from slothkit.export.gguf import gemma4, image_text, mmproj
 from slothkit.export.gguf import tensor_types as types
 from slothkit.export.gguf.experts import Piece, check_experts, cut
 from slothkit.export.gguf.layout import architecture_of, gguf_pieces, gguf_shape, to_gguf
@@ -91,7 +91,7 @@ def save_pretrained_gguf(
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral,
             qwen3_5_text, gemma4_text, and the mixture-of-experts qwen3_moe, gpt_oss, mixtral and
-            qwen3_5_moe_text); slothkit.export.merge turns a
+            qwen3_5_moe_text), or the image-text gemma3 (below); slothkit.export.merge turns a
             LoRA/QLoRA model into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
@@ -107,12 +107,26 @@ def save_pretrained_gguf(
             another quantisation adds its files beside the first one's, and GGUF files
             may go beside a merged model's.
 
+    An image-text model (Gemma 3's Gemma3ForConditionalGeneration, merged) is written as two
+    kinds of file: its language model's GGUF per method, as the text family's, and one
+    projector file `mmproj-<name>.F16.gguf` for llama.cpp's libmtmd (slothkit.export.gguf.mmproj;
+    F16, or F32 when every method is f32), verified with libmtmd against the model's image
+    features (slothkit.export.gguf.verify_mmproj). Other image-text families are refused by
+    name before any work. `tokenizer` may be the processor.
+
     Returns:
-        The written paths: the GGUF files in the order asked, then the Modelfiles. With one
+        The written paths: the GGUF files in the order asked, the projector file of an
+        image-text model, then the Modelfiles. With one
         method into a folder without GGUF files the Modelfile is `Modelfile`; otherwise
         `Modelfile.<LABEL>` for each.
     """
     methods = quantization_methods(quantization_method)
+    vision_model = None
+    if image_text.is_image_text_model(model):  # refused by name before any work
+        mmproj.check_projector_family(model.config)
+        _check_plain_model(model)
+        vision_model, processor = model, tokenizer
+        model, tokenizer = image_text.language_model_of(model), image_text.text_tokenizer(tokenizer)
     arch = architecture_of(model)
     _check_plain_model(model)
     target = pathlib.Path(save_directory).expanduser()
@@ -121,13 +135,19 @@ def save_pretrained_gguf(
     stem = model_name(model, fallback=target.name or "model")
     gguf_names = [f"{stem}.{method.label}.gguf" for method in methods]
     modelfile_names = _modelfile_names(target, gguf_names, methods)
-    clashes = [name for name in gguf_names + modelfile_names if (target / name).exists()]
+    # F16 (llama.cpp's converter's default for projectors) unless every file is F32.
+    mmproj_type = T.F32 if all(method.name == "f32" for method in methods) else T.F16
+    mmproj_names = [mmproj.mmproj_file_name(stem, mmproj_type)] if vision_model is not None else []
+    clashes = [name for name in gguf_names + mmproj_names + modelfile_names if (target / name).exists()]
     if clashes and not overwrite:  # before any work
         raise DirectoryNotEmptyError(
             f"{str(target)!r} already holds {', '.join(clashes)} from an earlier save; pass "
             f"overwrite=True to replace them (the folder's other files are kept), or choose a new folder"
         )
-    check_free_space(target, planned_bytes(model, methods, arch), f"the GGUF files ({', '.join(gguf_names)})")
+    planned = planned_bytes(model, methods, arch)
+    if vision_model is not None:
+        planned += mmproj.planned_bytes(vision_model, mmproj_type)
+    check_free_space(target, planned, f"the GGUF files ({', '.join(gguf_names + mmproj_names)})")
     if verify is None:
         from slothkit.export.gguf.verify import llama_cpp_available
 
@@ -140,9 +160,15 @@ def save_pretrained_gguf(
                 from slothkit.export.gguf.verify import verify_gguf
 
                 verify_gguf(staging / name, model, tokenizer, method)
+        for name in mmproj_names:
+            mmproj.write_mmproj(vision_model, staging / name, processor, mmproj_type, name=stem)
+            if verify:
+                from slothkit.export.gguf.verify_mmproj import verify_mmproj
+
+                verify_mmproj(staging / name, staging / gguf_names[0], vision_model, mmproj_type)
         for name, modelfile in zip(gguf_names, modelfile_names):
             write_modelfile(staging / modelfile, name, tokenizer, _stop_token_ids(model))
-    return [target / name for name in gguf_names + modelfile_names]
+    return [target / name for name in gguf_names + mmproj_names + modelfile_names]
 
 
 def _modelfile_names(target: pathlib.Path, gguf_names: list[str], methods) -> list[str]:
@@ -150,8 +176,9 @@ def _modelfile_names(target: pathlib.Path, gguf_names: list[str], methods) -> li
     in this save or beside earlier GGUF files in the folder (whose `Modelfile` stays theirs,
     unless it is this file's own from an earlier save)."""
     if len(methods) == 1:
-        earlier = target.is_dir() and any(
-            p.suffix == ".gguf" and p.name != gguf_names[0] for p in target.iterdir()
+        earlier = target.is_dir() and any(  # a projector file (mmproj-*) runs with its model's
+            p.suffix == ".gguf" and p.name != gguf_names[0] and not p.name.startswith("mmproj-")
+            for p in target.iterdir()
         )
         modelfile = target / "Modelfile"
         own = modelfile.is_file() and modelfile.read_text(errors="replace").startswith(
@@ -212,7 +239,10 @@ def push_to_hub_gguf(
 
     check_repo_id(repo_id)
     methods = quantization_methods(quantization_method)  # refuse bad input before any work
-    architecture_of(model)
+    if image_text.is_image_text_model(model):
+        mmproj.check_projector_family(model.config)
+    else:
+        architecture_of(model)
     with hub_session(HubOptions(stall_timeout_s=stall_timeout_s), repo_id):
         token = resolve_token(token, HfApi(endpoint=endpoint))
     labels = ", ".join(m.label for m in methods)

@@ -1,0 +1,212 @@
+"""GGUF export of an image-text model: the language model's GGUF plus llama.cpp's projector
+file (mmproj), on the tiny Gemma 3 image-text checkpoint of slothkit.testing (a one-layer
+SigLIP tower on 28 x 28 images of 14-pixel patches, 4 image tokens) with LoRA on the
+language and vision layers (random B, so that both LoRA parts move the outputs).
+
+llama.cpp's libmtmd loads the projector beside the text GGUF and encodes a random image;
+its embeddings are compared with the unmerged LoRA model's projected image features."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from slothkit.core.inspection import text_tokenizer
+from slothkit.export.gguf import mmproj
+from slothkit.export.gguf.image_text import language_model_of
+from slothkit.export.save import merged_plain_model
+from slothkit.testing.image_text_parity import load_for_training
+
+T = GGMLQuantizationType
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None,
+    reason="llama-cpp-python is not installed (pip install 'slothkit[gguf]'); it runs the GGUF files",
+)
+
+
+def _lora_model(family: str, vision: bool = True, seed: int = 5, scale: float = 0.05):
+    model = load_for_training("slothkit", family, vision=vision)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(LoRA model, processor, merged model, folder written by save_pretrained_gguf at f16)."""
+    model = _lora_model("gemma3")
+    from slothkit.export.save import resolve_tokenizer
+
+    processor = resolve_tokenizer(model, None)
+    folder = tmp_path_factory.mktemp("gemma3-vision") / "out"
+    paths = model.save_pretrained_gguf(
+        folder, quantization_method="f16"
+    )  # verified: llama-cpp-python present
+    merged = merged_plain_model(model, processor)
+    return model, processor, merged, folder, paths
+
+
+def _error_against(model, mmproj_path, text_path):
+    from slothkit.export.gguf.verify_mmproj import (
+        file_normalisation,
+        hf_image_features,
+        llama_cpp_image_embeddings,
+        random_image,
+    )
+
+    image = random_image(model.config.vision_config.image_size, seed=1)
+    reference = hf_image_features(model, image, *file_normalisation(mmproj_path))
+    embeddings = llama_cpp_image_embeddings(mmproj_path, text_path, image)
+    return float(np.sqrt(np.mean((embeddings - reference) ** 2)) / reference.std())
+
+
+@needs_llama_cpp
+def test_gemma3_writes_the_language_gguf_and_the_projector(gemma3):
+    _, _, _, folder, paths = gemma3
+    names = [path.name for path in paths]
+    assert names == ["gemma3-image-text.F16.gguf", "mmproj-gemma3-image-text.F16.gguf", "Modelfile"]
+    text = GGUFReader(folder / names[0])
+    assert bytes(text.get_field("general.architecture").parts[-1]).decode() == "gemma3"
+    projector = GGUFReader(folder / names[1])
+    fields = {key: projector.get_field(key) for key in ("general.architecture", "clip.projector_type")}
+    assert {key: bytes(field.parts[-1]).decode() for key, field in fields.items()} == {
+        "general.architecture": "clip",
+        "clip.projector_type": "gemma3",
+    }
+    types = {tensor.name: tensor.tensor_type for tensor in projector.tensors}
+    assert types["mm.input_projection.weight"] == T.F16 and types["v.blk.0.attn_q.weight"] == T.F16
+    assert types["v.patch_embd.weight"] == T.F32 and types["v.blk.0.ln1.weight"] == T.F32
+    # 28 / 14 = 2 patches a side pooled into 2 tokens a side: llama.cpp's default is 4, so it is written
+    assert projector.get_field("clip.vision.projector.scale_factor").parts[-1][0] == 1
+
+
+@needs_llama_cpp
+def test_gemma3_language_gguf_matches_the_merged_language_model(gemma3, tmp_path):
+    from slothkit.export.gguf.verify import verify_gguf
+
+    _, processor, merged, folder, _ = gemma3
+    report = verify_gguf(
+        folder / "gemma3-image-text.F16.gguf", language_model_of(merged), text_tokenizer(processor), "f16"
+    )
+    assert report.logit_error < report.tolerance
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("float_type", [T.F32, T.F16], ids=["F32", "F16"])
+def test_gemma3_projector_matches_the_lora_models_image_features(gemma3, tmp_path, float_type):
+    """llama.cpp's embeddings against the unmerged LoRA model's: the vision LoRA is in the file."""
+    from slothkit.export.gguf.verify_mmproj import TOLERANCES
+
+    model, processor, merged, folder, _ = gemma3
+    path = mmproj.write_mmproj(merged, tmp_path / "mmproj.gguf", processor, float_type)
+    error = _error_against(model.base_model.model, path, folder / "gemma3-image-text.F16.gguf")
+    assert error < TOLERANCES[float_type] / 5  # measured 0.0006 (F32), 0.0007 (F16)
+
+
+@needs_llama_cpp
+def test_gemma3_bfloat16_model_and_a_second_save_into_the_folder(tmp_path):
+    """A 16-bit model's tower is compared in float32 (the file's weights are its own), and
+    saving again asks for overwrite, which replaces the projector and keeps `Modelfile`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from slothkit.export.atomic import DirectoryNotEmptyError
+    from slothkit.export.gguf import save_pretrained_gguf
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+    from slothkit.testing import tiny_image_text_path
+
+    path = tiny_image_text_path("gemma3")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text, projector, _ = save_pretrained_gguf(model, tmp_path / "out", processor, "f16")
+    report = verify_mmproj(projector, text, model, T.F16)
+    assert report.image_tokens == 4 and report.relative_error < report.tolerance / 5  # measured 0.0006
+    with pytest.raises(DirectoryNotEmptyError, match="mmproj-"):
+        save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False)
+    again = save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False, overwrite=True)
+    assert [p.name for p in again] == [text.name, projector.name, "Modelfile"]
+
+
+@needs_llama_cpp
+def test_gemma3_own_image_geometry_uses_llama_cpps_default_pooling(tmp_path):
+    """Gemma 3's images (896 pixels, 64 patches a side averaged 4 x 4 into 256 tokens), on a
+    narrow random tower: the pool is llama.cpp's default, so no scale_factor key is written,
+    and llama.cpp's pooling still matches HF's."""
+    from transformers import AutoProcessor, Gemma3Config, Gemma3ForConditionalGeneration
+
+    from slothkit.export.gguf import save_pretrained_gguf
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+    from slothkit.testing import tiny_image_text_path
+
+    path = tiny_image_text_path("gemma3")
+    processor = AutoProcessor.from_pretrained(path)
+    tiny = Gemma3Config.from_pretrained(path)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=896, patch_size=14, vision_use_head=False)  # fmt: skip
+    config = Gemma3Config(
+        text_config=tiny.text_config.to_dict(), vision_config=vision, mm_tokens_per_image=256,
+        image_token_index=tiny.image_token_index, boi_token_index=tiny.boi_token_index,
+        eoi_token_index=tiny.eoi_token_index,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projection at zero: every image alike
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 32**-0.5)
+    text, projector, _ = save_pretrained_gguf(model, tmp_path / "out", processor, "f16", verify=False)
+    assert GGUFReader(projector).get_field("clip.vision.projector.scale_factor") is None
+    report = verify_mmproj(projector, text, model, T.F16)
+    assert report.image_tokens == 256 and report.relative_error < report.tolerance / 5
+
+
+def _fault_files(merged, model):
+    tensors = mmproj.mmproj_tensors(merged)
+    without_offset = dict(tensors)
+    without_offset["mm.soft_emb_norm.weight"] = tensors["mm.soft_emb_norm.weight"] - 1.0
+    # The LoRA wrappers' .weight is their base layer's: the tower without its vision LoRA.
+    without_vision_lora = mmproj.mmproj_tensors(model.base_model.model)
+    swapped = dict(tensors)
+    swapped["v.blk.0.attn_q.weight"], swapped["v.blk.0.attn_k.weight"] = (
+        tensors["v.blk.0.attn_k.weight"],
+        tensors["v.blk.0.attn_q.weight"],
+    )
+    return {
+        "norm without 1 + w": without_offset,
+        "vision LoRA dropped": without_vision_lora,
+        "q and k swapped": swapped,
+    }
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("fault", ["norm without 1 + w", "vision LoRA dropped", "q and k swapped"])
+def test_gemma3_faulty_projector_files_fail_verification(gemma3, tmp_path, fault):
+    from slothkit.export.gguf.verify import GGUFVerificationError
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+
+    model, processor, merged, folder, _ = gemma3
+    tensors = _fault_files(merged, model)[fault]
+    path = mmproj.write_mmproj(merged, tmp_path / "faulty.gguf", processor, T.F32, tensors=tensors)
+    with pytest.raises(GGUFVerificationError, match="rms / std"):
+        verify_mmproj(path, folder / "gemma3-image-text.F16.gguf", merged, T.F32)
+
+
+@pytest.mark.parametrize("family", ["mllama", "qwen2_5_vl"])
+def test_unsupported_image_text_families_are_refused_by_name_before_any_work(family, tmp_path):
+    model = load_for_training("slothkit", family, vision=True)
+    from slothkit.export.save import resolve_tokenizer
+
+    try:
+        tokenizer = resolve_tokenizer(model, None)
+    except ValueError:  # Qwen-VL's processor needs torchvision; any tokenizer will do
+        from transformers import AutoTokenizer
+
+        from slothkit.testing import tiny_image_text_path
+
+        tokenizer = AutoTokenizer.from_pretrained(tiny_image_text_path(family))
+    with pytest.raises(mmproj.UnsupportedImageTextModel, match=family) as refused:
+        model.save_pretrained_gguf(tmp_path / "out", tokenizer, quantization_method="f16")
+    assert "gemma3" in str(refused.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even the merge's scratch folder
