@@ -22,7 +22,7 @@
 # the LoRA adapter and a merged 16-bit model with its processor, optionally pushed to
 # the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 3 GiB of language weights (NF4, with the 16-bit embeddings) and the 0.4B-parameter SigLIP vision tower in 16 bits; Gemma 3's processor makes every image 896 x 896 pixels, 256 image tokens. unsloth/gemma-3-4b-it is an ungated 16-bit copy of google/gemma-3-4b-it, quantised to NF4 by slothkit as it loads. Not measured on a T4. GGUF is not written here: slothkit's GGUF export writes text models, not llama.cpp's multimodal projector file.
+# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 3 GiB of language weights (NF4, with the 16-bit embeddings) and the 0.4B-parameter SigLIP vision tower in 16 bits; Gemma 3's processor makes every image 896 x 896 pixels, 256 image tokens. unsloth/gemma-3-4b-it is an ungated 16-bit copy of google/gemma-3-4b-it, quantised to NF4 by slothkit as it loads. Not measured on a T4. GGUF is not written here; `model.save_pretrained_gguf(folder, processor)` writes Gemma 3's language model and llama.cpp's projector file (mmproj).
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
@@ -208,8 +208,9 @@ compare_answers(before, after)
 # ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor (each behind its Config flag)
 
 # %%
-# GGUF is not written for image-text models: slothkit's GGUF export writes text models, not
-# llama.cpp's multimodal projector file.
+# GGUF is not written in this cell. For Gemma 3, model.save_pretrained_gguf(folder, processor)
+# writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
+# Qwen2.5-VL's and Llama 3.2 Vision's are refused there.
 from slothkit.core.distributed import is_main_process
 from slothkit.notebook.saving import list_files
 

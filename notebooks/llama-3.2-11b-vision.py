@@ -22,7 +22,7 @@
 # the LoRA adapter and a merged 16-bit model with its processor, optionally pushed to
 # the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: slothkit's planner puts the language model (40 layers, 8 of them cross-attention layers that read the image) at about 6 GiB of weights (NF4, with the 16-bit embeddings and head) and 8.6 GiB at its peak for these settings; the 0.87B-parameter vision tower and projector add 1.6 GiB in 16 bits. An image is cut into up to four 560 x 560 tiles and enters the text as one <|image|> token, so the rows stay short. unsloth/Llama-3.2-11B-Vision-Instruct is an ungated 16-bit copy of meta-llama/Llama-3.2-11B-Vision-Instruct, quantised to NF4 by slothkit as it loads. Not measured on a T4. GGUF is not written here: slothkit's GGUF export writes text models, not llama.cpp's multimodal projector file.
+# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: slothkit's planner puts the language model (40 layers, 8 of them cross-attention layers that read the image) at about 6 GiB of weights (NF4, with the 16-bit embeddings and head) and 8.6 GiB at its peak for these settings; the 0.87B-parameter vision tower and projector add 1.6 GiB in 16 bits. An image is cut into up to four 560 x 560 tiles and enters the text as one <|image|> token, so the rows stay short. unsloth/Llama-3.2-11B-Vision-Instruct is an ungated 16-bit copy of meta-llama/Llama-3.2-11B-Vision-Instruct, quantised to NF4 by slothkit as it loads. Not measured on a T4. GGUF is not written here: slothkit refuses Llama 3.2 Vision's (llama.cpp's mtmd has no mllama projector).
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
@@ -208,8 +208,9 @@ compare_answers(before, after)
 # ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor (each behind its Config flag)
 
 # %%
-# GGUF is not written for image-text models: slothkit's GGUF export writes text models, not
-# llama.cpp's multimodal projector file.
+# GGUF is not written in this cell. For Gemma 3, model.save_pretrained_gguf(folder, processor)
+# writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
+# Qwen2.5-VL's and Llama 3.2 Vision's are refused there.
 from slothkit.core.distributed import is_main_process
 from slothkit.notebook.saving import list_files
 
