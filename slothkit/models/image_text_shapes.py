@@ -41,18 +41,7 @@ class ImageTextShape:
     def config(self):
         from transformers import AutoConfig
 
-        text = self.text
-        text_config = dict(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_hidden_layers=text.num_hidden_layers,
-            num_attention_heads=text.num_attention_heads,
-            num_key_value_heads=text.num_key_value_heads,
-            vocab_size=text.vocab_size,
-            max_position_embeddings=text.max_position_embeddings,
-            **text.extra,
-            **self.text_extra,
-        )
+        text_config = {**self.text.config_fields(), **self.text_extra}
         return AutoConfig.for_model(
             self.model_type, text_config=text_config, vision_config=dict(self.vision), **self.extra
         )

@@ -22,11 +22,9 @@ class Shape:
     max_position_embeddings: int
     extra: dict = field(default_factory=dict)  # further config fields (rope_theta, head_dim, ...)
 
-    def config(self):
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(
-            self.model_type,
+    def config_fields(self) -> dict:
+        """The transformers config's fields of this shape (its model_type aside)."""
+        return dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -36,6 +34,11 @@ class Shape:
             max_position_embeddings=self.max_position_embeddings,
             **self.extra,
         )
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.model_type, **self.config_fields())
 
     def experts(self) -> ExpertsShape | None:
         """The mixture-of-experts layers' sizes, or None for a dense model."""
