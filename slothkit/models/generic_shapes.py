@@ -7,14 +7,23 @@ model (what `slothkit plan` and the notebooks' hardware cell count), and for ben
 one 80 GB card in 16 bits the same layers with fewer of them (the name says how many). Their experts train through slothkit's fused
 experts (slothkit.engine.experts), the rest through the model's own modules.
 
-OLMo 2 stands for the record-less families: its layers normalise the attention's and the
-MLP's outputs and each full q/k projection, which no fused record covers, and its module
-names are Llama's, so HF + PEFT adapts the same seven projections.
+OLMo 2 and SmolLM3 stand for the record-less families: OLMo 2's layers normalise the
+attention's and the MLP's outputs and each full q/k projection, which no fused record
+covers; SmolLM3's are Llama's but a quarter of them attend without RoPE. Both name their
+modules as Llama does, so HF + PEFT adapts the same seven projections.
 """
 
 from slothkit.models.shape import Shape
 
 _OLMO2 = {"rope_theta": 500_000.0, "rms_norm_eps": 1e-6}
+# SmolLM3-3B: Llama's parts, but every fourth layer's attention without RoPE, which the
+# generic path's check at load tells from the others, so every layer keeps its own modules.
+_SMOLLM3 = {
+    "rope_theta": 5_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "no_rope_layer_interval": 4,
+    "tie_word_embeddings": True,
+}
 # Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised top-k weights.
 _QWEN3_MOE = {
     "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
@@ -88,6 +97,7 @@ OUTPUT_GATE_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 # fmt: off
 GENERIC_SHAPES: dict[str, Shape] = {
     "olmo-2-7b": Shape("olmo2", 4096, 11008, 32, 32, 32, 100352, 4096, _OLMO2),
+    "smollm3-3b": Shape("smollm3", 2048, 11008, 36, 16, 4, 128256, 65536, _SMOLLM3),
     "tiny-olmo2": Shape("olmo2", 64, 192, 2, 4, 4, 512, 2048, _OLMO2),
     "qwen3-30b-a3b": Shape("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, _QWEN3_MOE),
     "qwen3-30b-a3b-12l": Shape("qwen3_moe", 2048, 6144, 12, 32, 4, 151936, 40960, _QWEN3_MOE),
