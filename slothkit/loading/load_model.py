@@ -40,6 +40,7 @@ from slothkit.engine.experts_loading import quantized_experts_while_loading, set
 from slothkit.engine.gated_deltanet import fuse_deltanet_layers
 from slothkit.engine.generic_head import fuse_generic_head
 from slothkit.engine.generic_layers import fuse_generic_layers
+from slothkit.engine.generic_modules import fuse_generic_modules
 from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.engine.position_limit import watch_position_limit
 from slothkit.inference.generation import accept_encoding_in_generate
@@ -321,12 +322,18 @@ def take_generic_path(model, fused: bool | None) -> None:
     expert_blocks = patch_experts(causal_lm)
     reason = fuse_generic_head(causal_lm)
     layers_reason = fuse_generic_layers(causal_lm)
+    norms = mlps = 0
+    if layers_reason is not None:  # the layers stay: their norms and MLPs one by one
+        norms, mlps, modules_reason = fuse_generic_modules(causal_lm)
+        if modules_reason is not None:
+            layers_reason += f"; {modules_reason}"
     if (
         reason is not None
         and fused
         and not expert_blocks
         and layers_reason is not None
         and not deltanet_layers
+        and not (norms or mlps)
     ):
         raise ValueError(
             f"fused=True, but slothkit has no fused path for model_type {model_type!r} and cannot "
@@ -341,6 +348,11 @@ def take_generic_path(model, fused: bool | None) -> None:
         if layers_reason is None
         else f"its Hugging Face modules (not the fused layers: {layers_reason})"
     )
+    if norms or mlps:
+        layers += (
+            f", with {norms} RMSNorms and {mlps} gated MLPs in slothkit's kernels (each checked against "
+            f"its own output at load)"
+        )
     _notice_generic_path(model_type, layers, head)
 
 
