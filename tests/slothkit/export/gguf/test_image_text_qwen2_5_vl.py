@@ -217,3 +217,18 @@ def test_the_processors_mean_and_std_are_written_else_clips():
     assert mmproj.image_normalisation(processor, FAMILY) == ([0.1] * 3, [0.2] * 3)
     assert mmproj.image_normalisation(object(), FAMILY) == (qwen.IMAGE_MEAN, qwen.IMAGE_STD)
     assert mmproj.image_normalisation(object(), "gemma3") == ([0.5] * 3, [0.5] * 3)
+
+
+@needs_llama_cpp
+def test_bfloat16_model_is_verified_on_a_float32_copy_of_its_tower(tmp_path):
+    """A 16-bit model's tower is compared in float32 (the file's weights are its own)."""
+    from transformers import AutoModelForImageTextToText
+
+    from slothkit.export.gguf import save_pretrained_gguf
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+
+    path = tiny_image_text_path(FAMILY)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).eval()
+    text, projector, _ = save_pretrained_gguf(model, tmp_path / "out", _tokenizer(), "f16")
+    report = verify_mmproj(projector, text, model, T.F16)
+    assert report.image_tokens == 40 and report.relative_error < report.tolerance / 10  # measured 0.0004
