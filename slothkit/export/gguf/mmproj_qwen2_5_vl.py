@@ -67,15 +67,15 @@ def window_pattern(vision) -> int:
     full = list(vision.fullatt_block_indexes)
     pattern = full[0] + 1 if full else 0
     expected = [i for i in range(vision.depth) if pattern and (i + 1) % pattern == 0]
-    if pattern == 1:
-        raise ValueError(
-            "every block of this Qwen2.5-VL tower attends fully (fullatt_block_indexes); llama.cpp's qwen2.5vl "
-            "graph fails on such a file (n_wa_pattern 1: 'Failed to get tensor window_mask')"
-        )
     if not full or full != expected:
         raise ValueError(
             f"Qwen2.5-VL's fullatt_block_indexes {full} over {vision.depth} blocks are not every n-th block "
             f"(n - 1, 2n - 1, ...), the only pattern llama.cpp's qwen2.5vl graph reads (clip.vision.n_wa_pattern)"
+        )
+    if pattern == 1:
+        raise ValueError(
+            "every block of this Qwen2.5-VL tower attends fully (fullatt_block_indexes); llama.cpp's qwen2.5vl "
+            "graph fails on such a file (n_wa_pattern 1: 'Failed to get tensor window_mask')"
         )
     return pattern
 
