@@ -208,9 +208,9 @@ compare_answers(before, after)
 # ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor (each behind its Config flag)
 
 # %%
-# GGUF is not written in this cell. For Gemma 3, model.save_pretrained_gguf(folder, processor)
-# writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
-# Qwen2.5-VL's and Llama 3.2 Vision's are refused there.
+# GGUF is not written in this cell. For Gemma 3 and Qwen2.5-VL, model.save_pretrained_gguf(folder,
+# processor) writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
+# Llama 3.2 Vision's is refused there.
 from slothkit.core.distributed import is_main_process
 from slothkit.notebook.saving import list_files
 

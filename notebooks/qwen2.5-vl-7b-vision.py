@@ -22,7 +22,7 @@
 # the LoRA adapter and a merged 16-bit model with its processor, optionally pushed to
 # the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 6 GiB of language weights (NF4, with the 16-bit embeddings and head) and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). GGUF is not written here: slothkit refuses Qwen2.5-VL's (llama.cpp's qwen2vl graph and projector are not written yet).
+# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 6 GiB of language weights (NF4, with the 16-bit embeddings and head) and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). GGUF is not written here; `model.save_pretrained_gguf(folder, processor)` writes Qwen2.5-VL's language model (llama.cpp's qwen2vl graph) and llama.cpp's projector file (mmproj).
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
@@ -208,9 +208,9 @@ compare_answers(before, after)
 # ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor (each behind its Config flag)
 
 # %%
-# GGUF is not written in this cell. For Gemma 3, model.save_pretrained_gguf(folder, processor)
-# writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
-# Qwen2.5-VL's and Llama 3.2 Vision's are refused there.
+# GGUF is not written in this cell. For Gemma 3 and Qwen2.5-VL, model.save_pretrained_gguf(folder,
+# processor) writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
+# Llama 3.2 Vision's is refused there.
 from slothkit.core.distributed import is_main_process
 from slothkit.notebook.saving import list_files
 

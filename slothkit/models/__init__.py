@@ -13,8 +13,9 @@ RECORDS holds every record; ARCHITECTURES those that slothkit's fused decoder pa
 record; a record with fused=False would serve export only, its family training on the
 generic path); EXPERT_RECORDS the mixture-of-experts families that GGUF export writes
 and the fast decode loop generates (they train on the generic path: no fixture, notebook
-or fused layer reads them); EXPORT_ONLY_RECORDS the generic path's families that GGUF export
-alone reads a record of (Qwen3.5's DeltaNet hybrid, Gemma 4); SHAPES the shapes every record names and those of record-less families
+or fused layer reads them); EXPORT_ONLY_RECORDS the families that GGUF export
+alone reads a record of (Qwen3.5's DeltaNet hybrid and Gemma 4, which train on the generic
+path, and Qwen2.5-VL's language model under llama.cpp's qwen2vl graph); SHAPES the shapes every record names and those of record-less families
 (generic_shapes: the generic path's), by name (`slothkit plan` predicts from them,
 `slothkit bench` builds them with random weights); IMAGE_TEXT_SHAPES the image-text
 models' (image_text_shapes: a language model's shape under a vision tower), which
@@ -45,7 +46,7 @@ from slothkit.models.ministral import MINISTRAL
 from slothkit.models.mistral import MISTRAL
 from slothkit.models.mixtral import MIXTRAL
 from slothkit.models.phi3 import PHI3
-from slothkit.models.qwen2 import QWEN2
+from slothkit.models.qwen2 import QWEN2, QWEN2_5_VL_TEXT
 from slothkit.models.qwen3 import QWEN3
 from slothkit.models.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from slothkit.models.qwen3_moe import QWEN3_MOE
@@ -54,7 +55,7 @@ from slothkit.models.shape import Shape
 RECORDS: tuple[Architecture, ...] = (LLAMA, MISTRAL, GEMMA, QWEN2, QWEN3, GEMMA3, GEMMA2, PHI3, MINISTRAL)
 ARCHITECTURES: tuple[Architecture, ...] = tuple(arch for arch in RECORDS if arch.fused)
 EXPERT_RECORDS: tuple[Architecture, ...] = (QWEN3_MOE, GPT_OSS, MIXTRAL)
-EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, QWEN3_5_MOE, GEMMA4)
+EXPORT_ONLY_RECORDS: tuple[Architecture, ...] = (QWEN3_5, QWEN3_5_MOE, GEMMA4, QWEN2_5_VL_TEXT)
 SHAPES: dict[str, Shape] = {
     **{name: shape for arch in RECORDS for name, shape in arch.shapes.items()},
     **GENERIC_SHAPES,

@@ -145,6 +145,10 @@ class GGUFLayout:
     # shared by the last layers, per-layer head sizes and feed-forward widths, proportional
     # rope on the full layers (slothkit.export.gguf.gemma4).
     gemma4: bool = False
+    # llama.cpp's graph rotates by M-RoPE (qwen2vl): rope.dimension_sections gives how many
+    # rotated pairs follow each position axis (time, height, width), in contiguous runs, from
+    # the config's mrope_section. A text prompt gives all three axes the same position.
+    mrope_sections: bool = False
     # The llama-cpp-python release whose llama.cpp first ran this graph in slothkit's tests
     # (the verifier refuses an older one with this version named); None: every release
     # slothkit supports runs it.

@@ -11,8 +11,12 @@ llama.cpp runs it as its "qwen2" graph: half-split ("neox") rotation, so the Q/K
 written as stored, and the three biases as blk.N.attn_{q,k,v}.bias.
 
 Qwen2.5-VL's language model is this decoder (`language_model_types`): FastVisionModel
-runs it on the fused path.
+runs it on the fused path. GGUF export writes it by QWEN2_5_VL_TEXT, as llama.cpp's
+"qwen2vl" graph: the same tensors, rotated by M-RoPE, so that llama.cpp's libmtmd can give
+the image tokens their (time, height, width) positions.
 """
+
+import dataclasses
 
 from slothkit.models.architecture import Architecture, GGUFLayout, TinyTraits
 from slothkit.models.shape import Shape
@@ -54,4 +58,18 @@ QWEN2 = Architecture(
     # M-RoPE (each frequency band takes the temporal, height or width position), one
     # (B, T, D) table like any other that the fused RoPE reads as it is.
     language_model_types=("qwen2_5_vl_text",),
+)
+
+# Qwen2.5-VL's language model (qwen2_5_vl_text) for GGUF export alone (EXPORT_ONLY_RECORDS):
+# Qwen2's tensors under llama.cpp's "qwen2vl" graph, whose rope.dimension_sections split
+# each head's rotated pairs among the position axes as transformers' mrope_section does.
+QWEN2_5_VL_TEXT = dataclasses.replace(
+    QWEN2,
+    name="qwen2_5_vl_text",
+    model_types=("qwen2_5_vl_text",),
+    gguf=dataclasses.replace(QWEN2.gguf, arch="qwen2vl", mrope_sections=True),
+    fused=False,
+    shapes={},
+    families=("Qwen2.5-VL",),
+    language_model_types=(),
 )

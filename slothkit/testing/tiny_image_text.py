@@ -11,7 +11,8 @@ image processor, a chat template that reads image parts).
                  checkpoint's tokenizer alone (no processor)
     qwen2_5_vl   Qwen2_5_VLForConditionalGeneration: the tiny Qwen2 sizes with M-RoPE, a
                  two-block vision tower (one windowed, one full) on 14-pixel patches merged
-                 2 x 2, images of 28 x 28 to 56 x 56 pixels (1 to 4 image tokens)
+                 2 x 2, images of 28 x 28 to 56 x 56 pixels (1 to 4 image tokens); windows
+                 of 112 pixels, as the published models' (and llama.cpp's, which fixes them)
     mllama       MllamaForConditionalGeneration (Llama 3.2 Vision): three text layers of the
                  tiny Llama sizes, the middle one a cross-attention layer reading the image;
                  a two-layer vision transformer and a one-layer gated global one on tiles of
@@ -143,7 +144,7 @@ def build_tiny_image_text_qwen2_5_vl(path: str | pathlib.Path) -> pathlib.Path:
         ),
         vision_config=dict(
             depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text.hidden_size,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
         ),
         image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
     )  # fmt: skip
@@ -152,10 +153,15 @@ def build_tiny_image_text_qwen2_5_vl(path: str | pathlib.Path) -> pathlib.Path:
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config)
     # A tiny model's random weights are small; give the vision tower's output an order-one
-    # scale, so that image features move the language model's numbers measurably.
+    # scale, so that image features move the language model's numbers measurably, and its
+    # attention sharper scores and a larger share of each block's output, so that which
+    # patches attend to which (the windows) moves the features measurably.
     with torch.no_grad():
         for parameter in model.model.visual.merger.parameters():
             parameter.mul_(8.0)
+        for block in model.model.visual.blocks:
+            block.attn.qkv.weight.mul_(8.0)
+            block.attn.proj.weight.mul_(4.0)
     model.save_pretrained(path)
     shutil.copy(text_path / "generation_config.json", path / "generation_config.json")
     tokenizer.chat_template = with_image_parts(tiny_chat_template("qwen-2.5"), QWEN_IMAGE_MARKER)

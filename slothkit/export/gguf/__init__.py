@@ -20,13 +20,16 @@
 - verify: llama.cpp (llama-cpp-python) reads the file back and is compared with the HF model.
 - image_text: an image-text model's language model as a text model of its own, for its GGUF.
 - mmproj: an image-text model's vision tower and projector as llama.cpp's projector file.
+- mmproj_qwen2_5_vl: Qwen2.5-VL's tower and patch merger in that file (its keys and tensors),
+  and the pixels its reference features are computed from.
 - verify_mmproj: llama.cpp's libmtmd encodes an image with the projector file, compared with
   the HF model's image features.
 
 Imports go one way (tests/slothkit/export/gguf/test_imports.py checks it, imports inside
 functions included): layout and tensor_types need neither writer nor verify; verify reads
 files back through layout; layout reads deltanet, gemma4 and experts; metadata reads layout,
-attention, deltanet and gemma4; verify_mmproj reads verify; writer uses all of them.
+attention, deltanet and gemma4; mmproj reads mmproj_qwen2_5_vl; verify_mmproj reads verify
+and mmproj_qwen2_5_vl; writer uses all of them.
 """
 
 from slothkit.export.gguf.tensor_types import QUANTIZATION_METHODS, QuantizationMethod, quantization_methods

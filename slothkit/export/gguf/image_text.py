@@ -1,6 +1,13 @@
 """An image-text model as two GGUF files: its language model, written as the text family's
-GGUF (Gemma 3's language model is a gemma3_text model), and llama.cpp's projector file
-(slothkit.export.gguf.mmproj) for its vision tower and projector.
+GGUF, and llama.cpp's projector file (slothkit.export.gguf.mmproj) for its vision tower and
+projector.
+
+    gemma3       Gemma3ForCausalLM on the gemma3_text config: llama.cpp's gemma3 graph
+    qwen2_5_vl   Qwen2ForCausalLM on the qwen2_5_vl_text config: the same layers, whose
+                 plain RoPE is M-RoPE with every axis at the token's position, as in a text
+                 prompt; written by the qwen2_5_vl_text record as llama.cpp's qwen2vl graph
+                 (M-RoPE, rope.dimension_sections), which libmtmd gives the image tokens'
+                 (time, height, width) positions
 
     text, tokenizer = language_model_of(merged), text_tokenizer(processor)
 """
@@ -15,7 +22,7 @@ from slothkit.models.image_text import is_image_text_config
 __all__ = ["is_image_text_model", "language_model_of", "text_tokenizer"]
 
 # The text model class of each written family's language model.
-LANGUAGE_MODELS = {"gemma3": "Gemma3ForCausalLM"}
+LANGUAGE_MODELS = {"gemma3": "Gemma3ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
 
 
 def is_image_text_model(model) -> bool:
@@ -24,7 +31,7 @@ def is_image_text_model(model) -> bool:
 
 def language_model_of(model):
     """The language model of a merged image-text model as a text model of its own
-    (Gemma3ForCausalLM from text_config), sharing the merged weights (no copy)."""
+    (LANGUAGE_MODELS, built from text_config), sharing the merged weights (no copy)."""
     import transformers
 
     family = model.config.model_type

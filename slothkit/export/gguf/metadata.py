@@ -58,7 +58,9 @@ class HyperParameters:
     experts: tuple[int, int, int] | None = None  # (count, used per token, width); None: dense MLP
     yarn: Yarn | None = None  # rope type "yarn": its factor, original context and betas
     deltanet: deltanet.DeltaNetShape | None = None  # DeltaNet layers (Qwen3.5): their shape and pattern
-    rope_sections: tuple[int, ...] | None = None  # multi-axis rope's pairs per position axis (Qwen3.5)
+    rope_sections: tuple[int, ...] | None = (
+        None  # multi-axis rope's pairs per position axis (Qwen3.5, Qwen2.5-VL)
+    )
     gemma4: gemma4.Gemma4Layers | None = None  # Gemma 4's per-layer shapes and keys
     shared_expert_width: int | None = None  # a shared expert beside the routed ones (Qwen3.5 MoE)
 
@@ -108,7 +110,7 @@ def hyperparameters(config, arch: Architecture) -> HyperParameters:
         experts=_experts(config, arch),
         yarn=yarn_scaling(config, rope, arch) if rope_type == "yarn" else None,
         deltanet=deltanet.deltanet_shape(config) if arch.gguf.deltanet else None,
-        rope_sections=deltanet.rope_sections(rope, rope_dims) if arch.gguf.deltanet else None,
+        rope_sections=_rope_sections(rope, rope_dims, arch),
         shared_expert_width=_shared_expert_width(config, arch),
     )
 
@@ -141,6 +143,23 @@ def _gemma4_hyperparameters(config) -> HyperParameters:
         experts=layers.experts,
         gemma4=layers,
     )
+
+
+def _rope_sections(rope: dict, rope_dims: int, arch: Architecture) -> tuple[int, ...] | None:
+    """rope.dimension_sections (four entries) where llama.cpp's graph reads them: Qwen3.5's
+    interleaved split (deltanet.rope_sections), or M-RoPE's contiguous runs of rotated pairs
+    per axis (qwen2vl), which are transformers' mrope_section as it is, padded with zeros."""
+    if arch.gguf.deltanet:
+        return deltanet.rope_sections(rope, rope_dims)
+    if not arch.gguf.mrope_sections:
+        return None
+    sections = [int(n) for n in rope.get("mrope_section") or ()]
+    if not sections or sum(sections) != rope_dims // 2 or len(sections) > 4:
+        raise ValueError(
+            f"M-RoPE's mrope_section {sections} must split the {rope_dims // 2} rotated pairs of a head "
+            f"among at most four position axes"
+        )
+    return tuple(sections + [0] * (4 - len(sections)))
 
 
 def _shared_expert_width(config, arch: Architecture) -> int | None:

@@ -5,12 +5,15 @@ projector in llama.cpp's clip layout, read by its libmtmd (`llama-mtmd-cli -m te
 Which families (the image-text config's `model_type`):
 
     gemma3      written: SigLIP tower + Gemma 3's pooled projector, clip.projector_type "gemma3"
-    qwen2_5_vl  refused: llama.cpp reads it ("qwen2.5vl"); slothkit does not write it yet
+    qwen2_5_vl  written: Qwen2.5-VL's windowed tower + 2 x 2 patch merger, clip.projector_type
+                "qwen2.5vl_merger" (slothkit.export.gguf.mmproj_qwen2_5_vl)
     mllama      refused: llama.cpp's mtmd has no Llama 3.2 Vision projector (its mllama
                 vision support was removed)
 
-Any other image-text family is refused naming these. The layout follows llama.cpp's
-tools/mtmd/clip-impl.h (tensor and key names) and its Gemma 3 graph (clip.cpp):
+Any other image-text family is refused naming these. Every file holds the same header
+(clip.has_vision_encoder, clip.projector_type, the image mean and std, general.name and
+file type); the family's keys and tensors follow llama.cpp's tools/mtmd/clip-impl.h (names)
+and the family's graph. Gemma 3's (clip.cpp's SigLIP graph):
 
 | HF (under model.vision_tower.vision_model / model.multi_modal_projector) | mmproj tensor |
 |---|---|
@@ -41,13 +44,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from slothkit.export.gguf import mmproj_qwen2_5_vl as qwen2_5_vl
+
 T = GGMLQuantizationType
 
 # llama.cpp's clip projector type per written family.
-PROJECTOR_TYPES = {"gemma3": "gemma3"}
+PROJECTOR_TYPES = {"gemma3": "gemma3", "qwen2_5_vl": qwen2_5_vl.PROJECTOR_TYPE}
 # Families refused, with the reason the error gives.
 REFUSED = {
-    "qwen2_5_vl": "llama.cpp reads Qwen2.5-VL's projector ('qwen2.5vl'), but slothkit does not write it yet",
     "mllama": "llama.cpp's mtmd has no Llama 3.2 Vision (mllama) projector: its mllama vision support was removed",
 }
 GEMMA3_DEFAULT_POOL = 4  # llama.cpp's n_merge for gemma3 when the key is absent
@@ -101,18 +105,27 @@ def pool_size(config) -> int:
     return patches_per_side // tokens_per_side
 
 
-def image_normalisation(processor) -> tuple[list[float], list[float]]:
-    """The image processor's mean and std (Gemma 3's: 0.5, 0.5); llama.cpp normalises with
-    those written in the file."""
+def image_normalisation(processor, family: str = "gemma3") -> tuple[list[float], list[float]]:
+    """The image processor's mean and std; without one, the family's (Gemma 3's: 0.5, 0.5;
+    Qwen2.5-VL's: OpenAI CLIP's). llama.cpp normalises with those written in the file."""
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None:
+        if family == "qwen2_5_vl":
+            return list(qwen2_5_vl.IMAGE_MEAN), list(qwen2_5_vl.IMAGE_STD)
         return [0.5] * 3, [0.5] * 3
     return [float(v) for v in image_processor.image_mean], [float(v) for v in image_processor.image_std]
 
 
 def mmproj_tensors(model) -> dict[str, torch.Tensor]:
-    """The file's tensors in llama.cpp's layout (table above), float32, from a merged
-    Gemma3ForConditionalGeneration."""
+    """The file's tensors in llama.cpp's layout, float32, from a merged image-text model of
+    a written family."""
+    if model.config.model_type == "qwen2_5_vl":
+        return qwen2_5_vl.tensors(model)
+    return gemma3_tensors(model)
+
+
+def gemma3_tensors(model) -> dict[str, torch.Tensor]:
+    """Gemma 3's tensors (table above) from a merged Gemma3ForConditionalGeneration."""
     tower = model.model.vision_tower
     tower = getattr(tower, "vision_model", tower)  # SiglipVisionModel wraps its transformer
     projector = model.model.multi_modal_projector
@@ -137,14 +150,17 @@ def mmproj_tensors(model) -> dict[str, torch.Tensor]:
 def planned_bytes(model, float_type: GGMLQuantizationType) -> int:
     """About what the projector file takes on disk: its weights at float_type's size (the
     F32 norms, biases and embeddings are a small part)."""
-    parts = (model.model.vision_tower, model.model.multi_modal_projector)
+    if model.config.model_type == "qwen2_5_vl":
+        parts = qwen2_5_vl.parts(model)
+    else:
+        parts = (model.model.vision_tower, model.model.multi_modal_projector)
     return sum(p.numel() for part in parts for p in part.parameters()) * (4 if float_type == T.F32 else 2)
 
 
 def tensor_type(name: str, tensor: torch.Tensor, float_type: GGMLQuantizationType) -> GGMLQuantizationType:
     """F32 for norms, biases and the embeddings (as llama.cpp's converter keeps them);
     `float_type` (F16 or F32) for the matrices."""
-    if tensor.ndim == 1 or name.startswith(("v.patch_embd", "v.position_embd")):
+    if tensor.ndim == 1 or name.startswith(("v.patch_embd", "v.position_embd")):  # Qwen's .weight.1 too
         return T.F32
     return float_type
 
@@ -157,12 +173,14 @@ def write_mmproj(
     name: str = "model",
     tensors: dict[str, torch.Tensor] | None = None,
 ) -> pathlib.Path:
-    """Write the projector file of a merged Gemma 3 image-text model; return its path.
+    """Write the projector file of a merged image-text model of a written family; return its path.
 
     Args:
-        model: the merged (plain) Gemma3ForConditionalGeneration.
+        model: the merged (plain) Gemma3ForConditionalGeneration or
+            Qwen2_5_VLForConditionalGeneration.
         path: the file to write.
-        processor: the model's processor, for the image mean and std (default 0.5).
+        processor: the model's processor, for the image mean and std (default: the
+            family's, image_normalisation).
         float_type: T.F16 (llama.cpp's converter's default for projectors) or T.F32.
         name: general.name.
         tensors: the file's tensors (mmproj_tensors(model) when None); the tests pass
@@ -170,15 +188,17 @@ def write_mmproj(
     """
     config = model.config
     projector_type = check_projector_family(config)
-    vision = config.vision_config
+    family = config.model_type
     if float_type not in (T.F16, T.F32):
         raise ValueError(f"the projector file is written in F16 or F32, not {float_type.name}")
-    if getattr(vision, "vision_use_head", False):
+    if family == "qwen2_5_vl":
+        qwen2_5_vl.check_vision_config(config.vision_config)
+    elif getattr(config.vision_config, "vision_use_head", False):
         raise ValueError(
             "a SigLIP tower with a pooling head is not Gemma 3's; llama.cpp's gemma3 graph has none"
         )
     tensors = mmproj_tensors(model) if tensors is None else tensors
-    mean, std = image_normalisation(processor)
+    mean, std = image_normalisation(processor, family)
 
     path = pathlib.Path(path)
     writer = GGUFWriter(path, "clip")
@@ -186,21 +206,12 @@ def write_mmproj(
     writer.add_file_type(1 if float_type == T.F16 else 0)
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", projector_type)
-    writer.add_uint32("clip.vision.image_size", vision.image_size)
-    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
-    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
-    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
-    writer.add_uint32("clip.vision.block_count", vision.num_hidden_layers)
-    writer.add_uint32("clip.vision.attention.head_count", vision.num_attention_heads)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
-    # The language model's width, which mtmd checks against the text GGUF's.
-    writer.add_uint32("clip.vision.projection_dim", config.text_config.hidden_size)
     writer.add_array("clip.vision.image_mean", mean)
     writer.add_array("clip.vision.image_std", std)
-    writer.add_bool("clip.use_gelu", True)  # SigLIP's gelu_pytorch_tanh: ggml's gelu is the tanh form
-    pool = pool_size(config)
-    if pool != GEMMA3_DEFAULT_POOL:
-        writer.add_uint32("clip.vision.projector.scale_factor", pool)
+    if family == "qwen2_5_vl":
+        qwen2_5_vl.write_keys(writer, config)
+    else:
+        _write_gemma3_keys(writer, config)
     for tensor_name, tensor in tensors.items():
         qtype = tensor_type(tensor_name, tensor, float_type)
         array = tensor.numpy().astype(np.float16 if qtype == T.F16 else np.float32)
@@ -210,3 +221,20 @@ def write_mmproj(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_gemma3_keys(writer: GGUFWriter, config) -> None:
+    vision = config.vision_config
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.hidden_size)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.intermediate_size)
+    writer.add_uint32("clip.vision.block_count", vision.num_hidden_layers)
+    writer.add_uint32("clip.vision.attention.head_count", vision.num_attention_heads)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    # The language model's width, which mtmd checks against the text GGUF's.
+    writer.add_uint32("clip.vision.projection_dim", config.text_config.hidden_size)
+    writer.add_bool("clip.use_gelu", True)  # SigLIP's gelu_pytorch_tanh: ggml's gelu is the tanh form
+    pool = pool_size(config)
+    if pool != GEMMA3_DEFAULT_POOL:
+        writer.add_uint32("clip.vision.projector.scale_factor", pool)

@@ -2,17 +2,21 @@
 llama.cpp's libmtmd itself (llama-cpp-python's `llama_cpp.mtmd_cpp` bindings).
 
 libmtmd loads the projector beside the language model's GGUF (it checks that the
-projector's output width is the text model's), tokenises a prompt holding one image of
-the model's own size (so that llama.cpp's resize is the identity), encodes the image and
-hands back its image-token embeddings. The HF side runs get_image_features on the same
-pixels normalised as llama.cpp normalises them, with the mean and std written in the file
-(uint8 / 255, minus mean, over std: what Gemma 3's image processor does). Compared by
+projector's output width is the text model's), tokenises a prompt holding one random image
+of a size llama.cpp keeps as it is (Gemma 3: the model's own size; Qwen2.5-VL: sides that
+are multiples of 28 pixels, at least 8 image tokens and windows of two sizes:
+mmproj_qwen2_5_vl.verification_image_shape), encodes the image and hands back its
+image-token embeddings. The HF side runs the tower and projector (get_image_features) on
+the same pixels normalised as llama.cpp normalises them, with the mean and std written in
+the file (uint8 / 255, minus mean, over std: what both families' image processors do; for
+Qwen2.5-VL laid out in patches as its image processor lays them out). Compared by
 
     relative error = rms(llama.cpp - HF) / std(HF)    over every image token's embedding
 
 within TOLERANCES: measured on the tiny Gemma 3 of the tests, 0.0006 for an F32 file and
-0.0007 for F16 (matrices rounded to 11 bits); a file without the vision LoRA, or with the
-projector's norm stored without its 1 + w offset, is far beyond them (the tests).
+0.0007 for F16 (matrices rounded to 11 bits); on the tiny Qwen2.5-VL, 0.0003 and 0.0006. A file
+without the vision LoRA, or with Gemma 3's projector norm stored without its 1 + w offset,
+or Qwen2.5-VL's full-attention blocks placed wrongly, is far beyond them (the tests).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from slothkit.export.gguf import mmproj_qwen2_5_vl
 from slothkit.export.gguf.verify import GGUFVerificationError, _plain_cpu_kernels, llama_cpp_available
 
 T = GGMLQuantizationType
@@ -42,9 +47,17 @@ class MmprojReport:
     image_tokens: int
 
 
-def random_image(size: int, seed: int = 0) -> np.ndarray:
-    """An RGB image of `size` x `size` uint8 pixels, uniformly random."""
-    return np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+def random_image(size: int | tuple[int, int], seed: int = 0) -> np.ndarray:
+    """An RGB image of `size` x `size` (or (height, width)) uint8 pixels, uniformly random."""
+    height, width = (size, size) if isinstance(size, int) else size
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def verification_image_shape(config) -> tuple[int, int]:
+    """(height, width) of the image verification encodes (module docstring)."""
+    if config.model_type == "qwen2_5_vl":
+        return mmproj_qwen2_5_vl.verification_image_shape(config.vision_config)
+    return config.vision_config.image_size, config.vision_config.image_size
 
 
 def file_normalisation(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
@@ -58,9 +71,11 @@ def file_normalisation(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
 
 def hf_image_features(model, image: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """The model's projected image features (image tokens, text width) for uint8 `image`,
-    as Gemma 3's get_image_features computes them (tower, then projector), in float32: a
-    16-bit model's tower and projector run as float32 copies, since the file holds its
-    weights unrounded (F32) or rounded once (F16) and llama.cpp computes in float32."""
+    as get_image_features computes them (tower, then projector), in float32: a 16-bit
+    model's tower and projector run as float32 copies, since the file holds its weights
+    unrounded (F32) or rounded once (F16) and llama.cpp computes in float32."""
+    if model.config.model_type == "qwen2_5_vl":
+        return mmproj_qwen2_5_vl.hf_image_features(model, image, mean, std)
     tower, projector = model.model.vision_tower, model.model.multi_modal_projector
     if next(tower.parameters()).dtype != torch.float32:
         tower, projector = copy.deepcopy(tower).float(), copy.deepcopy(projector).float()
@@ -137,7 +152,7 @@ def verify_mmproj(
     if not llama_cpp_available():
         raise ImportError("verifying a GGUF file needs llama-cpp-python: pip install 'slothkit[gguf]'")
     mmproj_path = pathlib.Path(mmproj_path)
-    image = random_image(model.config.vision_config.image_size, seed)
+    image = random_image(verification_image_shape(model.config), seed)
     mean, std = file_normalisation(mmproj_path)
     reference = hf_image_features(model, image, mean, std)
     embeddings = llama_cpp_image_embeddings(mmproj_path, text_path, image)

@@ -91,7 +91,7 @@ def save_pretrained_gguf(
         model: a plain (merged, 16- or 32-bit) transformers model of a supported architecture
             (llama, mistral, gemma, qwen2, qwen3, gemma3_text, gemma2, phi3, ministral,
             qwen3_5_text, gemma4_text, and the mixture-of-experts qwen3_moe, gpt_oss, mixtral and
-            qwen3_5_moe_text), or the image-text gemma3 (below); slothkit.export.merge turns a
+            qwen3_5_moe_text), or the image-text gemma3 and qwen2_5_vl (below); slothkit.export.merge turns a
             LoRA/QLoRA model into one, the experts' LoRA updates included.
         save_directory: the folder to write; its name is the stem of the file names when the
             model has none (model_name).
@@ -107,9 +107,9 @@ def save_pretrained_gguf(
             another quantisation adds its files beside the first one's, and GGUF files
             may go beside a merged model's.
 
-    An image-text model (Gemma 3's Gemma3ForConditionalGeneration, merged) is written as two
-    kinds of file: its language model's GGUF per method, as the text family's, and one
-    projector file `mmproj-<name>.F16.gguf` for llama.cpp's libmtmd (slothkit.export.gguf.mmproj;
+    An image-text model (Gemma3ForConditionalGeneration or Qwen2_5_VLForConditionalGeneration,
+    merged) is written as two kinds of file: its language model's GGUF per method, as the
+    text family's (Qwen2.5-VL's as llama.cpp's qwen2vl graph), and one projector file `mmproj-<name>.F16.gguf` for llama.cpp's libmtmd (slothkit.export.gguf.mmproj;
     F16, or F32 when every method is f32), verified with libmtmd against the model's image
     features (slothkit.export.gguf.verify_mmproj). Other image-text families are refused by
     name before any work. `tokenizer` may be the processor.
