@@ -210,3 +210,37 @@ def test_unsupported_image_text_families_are_refused_by_name_before_any_work(fam
         model.save_pretrained_gguf(tmp_path / "out", tokenizer, quantization_method="f16")
     assert "gemma3" in str(refused.value)
     assert list(tmp_path.iterdir()) == []  # nothing written, not even the merge's scratch folder
+
+
+def test_push_uploads_the_language_gguf_and_the_projector_file(gemma3, local_hub, tmp_path):
+    """model.push_to_hub_gguf of the LoRA Gemma 3 image-text model (the vision notebook's
+    publish cell): one commit holding the language model's GGUF, its Modelfile and the
+    projector file, which comes back from the Hub as llama.cpp's clip file of the model."""
+    from huggingface_hub import hf_hub_download
+
+    model, processor, _, _, _ = gemma3
+    pushed = model.push_to_hub_gguf(
+        "local-user/gemma3-vision-gguf",
+        processor,
+        quantization_method="q8_0",
+        token="hf_writer",
+        verify=False,
+    )
+    text, projector = "gemma3-image-text.Q8_0.gguf", "mmproj-gemma3-image-text.F16.gguf"
+    assert sorted(pushed.files) == ["Modelfile", text, projector]
+    assert set(local_hub.files("local-user/gemma3-vision-gguf")) == {
+        ".gitattributes",
+        "Modelfile",
+        text,
+        projector,
+    }
+    pulled = hf_hub_download(
+        "local-user/gemma3-vision-gguf", projector, token="hf_writer", local_dir=tmp_path
+    )
+    reader = GGUFReader(pulled)
+    assert bytes(reader.get_field("clip.projector_type").parts[-1]).decode() == "gemma3"
+    local = mmproj.mmproj_tensors(gemma3[2])  # the merged model's: the vision LoRA is in the upload
+    uploaded = {tensor.name: np.asarray(tensor.data) for tensor in reader.tensors}
+    for name in ("v.blk.0.attn_q.weight", "mm.input_projection.weight"):
+        expected = local[name].numpy().astype(np.float16)
+        assert np.array_equal(uploaded[name].reshape(expected.shape), expected), name
