@@ -244,3 +244,26 @@ def test_push_uploads_the_language_gguf_and_the_projector_file(gemma3, local_hub
     for name in ("v.blk.0.attn_q.weight", "mm.input_projection.weight"):
         expected = local[name].numpy().astype(np.float16)
         assert np.array_equal(uploaded[name].reshape(expected.shape), expected), name
+
+
+@pytest.mark.parametrize(
+    ("family", "written"), [("gemma3", True), ("qwen2_5_vl", False), ("mllama", False), ("llava", False)]
+)
+def test_gguf_refusal_says_which_families_are_written(family, written):
+    """What the vision notebooks read to offer SAVE_GGUF: the writer's own tables."""
+    from slothkit.export.gguf.image_text import gguf_refusal, writes_gguf
+
+    assert writes_gguf(family) is written
+    assert (gguf_refusal(family) is None) is written
+    if not written:
+        assert f"{family!r} is refused" in gguf_refusal(family)
+
+
+def test_a_family_is_written_once_both_its_language_model_and_projector_are(monkeypatch):
+    """Pretended for Qwen2.5-VL: its projector type alone is not enough."""
+    from slothkit.export.gguf.image_text import LANGUAGE_MODELS, gguf_refusal, writes_gguf
+
+    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "qwen2_5_vl", "qwen2.5vl")
+    assert "knows no text model class" in gguf_refusal("qwen2_5_vl")
+    monkeypatch.setitem(LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
+    assert writes_gguf("qwen2_5_vl")
