@@ -267,3 +267,18 @@ def test_a_family_is_written_once_both_its_language_model_and_projector_are(monk
     assert "knows no text model class" in gguf_refusal("qwen2_5_vl")
     monkeypatch.setitem(LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
     assert writes_gguf("qwen2_5_vl")
+
+
+@needs_llama_cpp
+def test_projector_verification_keeps_libmtmds_log_to_errors(gemma3, capfd):
+    """libmtmd logs every hyperparameter and encoding step unless told otherwise: dozens of
+    lines in a notebook's save cell for one check."""
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+
+    _, _, merged, folder, _ = gemma3
+    capfd.readouterr()
+    verify_mmproj(
+        folder / "mmproj-gemma3-image-text.F16.gguf", folder / "gemma3-image-text.F16.gguf", merged, T.F16
+    )
+    printed = capfd.readouterr()
+    assert "load_hparams" not in printed.err + printed.out and "clip_encode" not in printed.err + printed.out
