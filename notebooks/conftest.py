@@ -12,9 +12,8 @@ import pytest
 TEMPLATES_DIR = Path(__file__).resolve().parents[1] / "templates"
 MODELS = json.loads((TEMPLATES_DIR / "models.json").read_text())
 # The vision template's models (templates/vision_models.json): each runs on the tiny image-text
-# checkpoint of its family (slothkit.testing.tiny_image_text), processor and all.
+# checkpoint of its family (its model_type; slothkit.testing.tiny_image_text), processor and all.
 VISION_MODELS = json.loads((TEMPLATES_DIR / "vision_models.json").read_text())
-VISION_STAND_INS = {"gemma-3-4b": "gemma3", "qwen2.5-vl-7b": "qwen2_5_vl", "llama-3.2-11b": "mllama"}
 # What a template's notebook runs with beyond the settings every notebook gets.  GRPO
 # samples completions with Hugging Face generate before each step: two short ones per
 # prompt, one prompt a step and two steps keep its run under a minute on a 2-core CPU
@@ -82,11 +81,21 @@ def _vision_stand_in(model: str):
     where transformers cannot build its processor here (Qwen-VL's needs torchvision)."""
     from slothkit.testing.tiny_image_text import image_text_processor_loads, tiny_image_text_path
 
-    family = VISION_STAND_INS[model]
+    family = VISION_MODELS[model]["model_type"]
     why_not = image_text_processor_loads(family)
     if why_not is not None:
         pytest.skip(f"{model} vision notebook: {why_not}")
     return tiny_image_text_path(family)
+
+
+def _writes_gguf(model: str, vision: bool) -> bool:
+    """SAVE_GGUF's default in the model's notebook (a vision notebook's is computed:
+    slothkit.notebook.render.vision_model_data)."""
+    if not vision:
+        return MODELS[model]["save_gguf"]
+    from slothkit.notebook.render import vision_model_data
+
+    return vision_model_data()[model]["save_gguf"]
 
 
 def notebook_environment(stem: str) -> dict[str, str]:
@@ -102,8 +111,9 @@ def notebook_environment(stem: str) -> dict[str, str]:
         "SLOTHKIT_MAX_STEPS": "16",
         "SLOTHKIT_LEARNING_RATE": "0.002",
         "SLOTHKIT_OUTPUT_DIR": os.path.join(_state["outputs"].name, stem),
-        # GGUF where the model's notebook writes it (models.json's save_gguf: not gpt-oss).
-        "SLOTHKIT_SAVE_GGUF": "1" if not vision and MODELS[model]["save_gguf"] else "0",
+        # GGUF where the model's notebook writes it (models.json's save_gguf: not gpt-oss; a
+        # vision notebook's: where slothkit writes its family, Gemma 3's language model and projector).
+        "SLOTHKIT_SAVE_GGUF": "1" if _writes_gguf(model, vision) else "0",
         # One quantisation keeps the run short; every type is tested in tests/slothkit/export.
         "SLOTHKIT_GGUF_QUANTS": "q8_0",
         "SLOTHKIT_HUB_REPO": f"local-user/{stem}",

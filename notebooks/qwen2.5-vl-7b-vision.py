@@ -19,10 +19,11 @@
 # LoRA (or QLoRA, on 4-bit language weights) fine-tuning of an image-text model on
 # images with their answers: by default the formula images shipped with slothkit, each
 # to be read back as LaTeX (an OCR task). Then the model reads a formula, and saving:
-# the LoRA adapter and a merged 16-bit model with its processor, optionally pushed to
-# the Hugging Face Hub.
+# the LoRA adapter, a merged 16-bit model with its processor and, where slothkit writes
+# the model's family, GGUF files for llama.cpp (the language model and its projector file),
+# optionally pushed to the Hugging Face Hub.
 #
-# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 6 GiB of language weights (NF4, with the 16-bit embeddings and head) and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). GGUF is not written here; `model.save_pretrained_gguf(folder, processor)` writes Qwen2.5-VL's language model (llama.cpp's qwen2vl graph) and llama.cpp's projector file (mmproj).
+# The defaults fit a free Colab or Kaggle T4 (15 GB) in 4 bits: about 6 GiB of language weights (NF4, with the 16-bit embeddings and head) and the 0.7B-parameter vision tower in 16 bits; the shipped formula images are a few image tokens each. Qwen/Qwen2.5-VL-7B-Instruct is quantised to NF4 by slothkit as it loads. Not measured on a T4. transformers builds Qwen2.5-VL's processor only where torchvision is installed (Colab and Kaggle have it). SAVE_GGUF writes Qwen2.5-VL's language model as GGUF (llama.cpp's qwen2vl graph), a file per GGUF_QUANTS (they quantise the language model only), and its vision tower and merger as llama.cpp's projector file (mmproj, F16; F32 only when every method is f32), for `llama-mtmd-cli --mmproj`; each file is checked by llama.cpp when llama-cpp-python is installed. Checked on a tiny random Qwen2.5-VL image-text model, not yet on Qwen2.5-VL 7B itself.
 #
 # Run the cells top to bottom. Change settings in the **Config** cell (a form on
 # Colab, a panel in Jupyter and Kaggle).
@@ -70,6 +71,8 @@ GRAD_ACCUM = 4  # @param {type:"integer"}
 DATASET = "example:latex_ocr"  # @param {type:"string"}
 SAVE_LORA = True  # @param {type:"boolean"}
 SAVE_MERGED = True  # @param {type:"boolean"}
+SAVE_GGUF = True  # @param {type:"boolean"}
+GGUF_QUANTS = "q4_k_m,q8_0"  # @param {type:"string"}
 OUTPUT_DIR = "outputs"  # @param {type:"string"}
 HUB_REPO = ""  # @param {type:"string"}
 
@@ -205,16 +208,15 @@ for record in TEST_RECORDS:
 compare_answers(before, after)
 
 # %% [markdown]
-# ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor (each behind its Config flag)
+# ## 10. Save: the LoRA adapter, the merged 16-bit model with its processor, GGUF files (each behind its Config flag)
 
 # %%
-# GGUF is not written in this cell. For Gemma 3 and Qwen2.5-VL, model.save_pretrained_gguf(folder,
-# processor) writes the language model's GGUF and llama.cpp's projector file (docs/gguf-export.md);
-# Llama 3.2 Vision's is refused there.
 from slothkit.core.distributed import is_main_process
-from slothkit.notebook.saving import list_files
+from slothkit.notebook.saving import image_text_gguf_wanted, list_files
 
 out = config.output_dir
+# SAVE_GGUF where slothkit writes this model's family as GGUF; for any other family this says why not.
+save_gguf = image_text_gguf_wanted(model, config.save_gguf)
 if is_main_process():  # under a multi-GPU launch every process holds the same adapters: one saves
     if config.save_lora:  # the adapter alone (megabytes), loaded on top of the base model
         model.save_pretrained(f"{out}/lora")
@@ -222,6 +224,12 @@ if is_main_process():  # under a multi-GPU launch every process holds the same a
     if config.save_merged:  # base, adapter, vision tower and processor files: for transformers, vLLM, ...
         model.save_pretrained_merged(
             f"{out}/merged-16bit", processor, save_method="merged_16bit", overwrite=True
+        )
+    if save_gguf:  # for llama.cpp: the language model, a file per GGUF_QUANTS, and its projector
+        # file mmproj-MODEL.F16.gguf (F32 when every quant is f32), run together as
+        # llama-mtmd-cli -m MODEL.Q4_K_M.gguf --mmproj mmproj-MODEL.F16.gguf --image photo.png
+        model.save_pretrained_gguf(
+            f"{out}/gguf", processor, quantization_method=config.gguf_quants, overwrite=True
         )
     list_files(out)
 
@@ -236,4 +244,9 @@ if config.hub_repo and is_main_process():
         print(pushed.commit_url)
     if config.save_merged:
         pushed = model.push_to_hub_merged(config.hub_repo, processor, save_method="merged_16bit", token=token)
+        print(pushed.commit_url)
+    if save_gguf:  # the GGUF files, their Modelfiles and the projector file, in one commit
+        pushed = model.push_to_hub_gguf(
+            f"{config.hub_repo}-gguf", processor, quantization_method=config.gguf_quants, token=token
+        )
         print(pushed.commit_url)

@@ -41,9 +41,18 @@ def model_data() -> dict[str, dict]:
 
 
 def vision_model_data() -> dict[str, dict]:
-    """The image-text models' notebook data (templates/vision_models.json): Hub ids, T4
-    batch sizes and where the defaults fit, for the templates of IMAGE_TEXT_TEMPLATES."""
-    return json.loads(_package_file("vision_models.json").read_text())
+    """The image-text models' notebook data (templates/vision_models.json): Hub ids, the
+    image-text config's model_type, T4 batch sizes and where the defaults fit, for the
+    templates of IMAGE_TEXT_TEMPLATES; and save_gguf, SAVE_GGUF's default, which is not
+    stored there but asked of the GGUF writer (slothkit.export.gguf.image_text.writes_gguf):
+    on where slothkit writes the family's GGUF and projector file, so that a family's
+    notebook offers it as soon as its writer does."""
+    from slothkit.export.gguf.image_text import writes_gguf
+
+    records = json.loads(_package_file("vision_models.json").read_text())
+    for record in records.values():
+        record["save_gguf"] = writes_gguf(record["model_type"])
+    return records
 
 
 def models_for(template: str) -> dict[str, dict]:

@@ -14,6 +14,7 @@ from slothkit.notebook.render import (
     model_data,
     models_for,
     render_notebook,
+    render_text,
     vision_model_data,
 )
 
@@ -79,7 +80,9 @@ def test_image_text_models_language_shapes_fit_a_t4_with_room_for_the_vision_tow
     }
     for model, data in vision_model_data().items():
         assert data["gpu_fit"].startswith("The defaults fit a free Colab or Kaggle T4 (15 GB)"), model
-        assert "GGUF is not written here" in data["gpu_fit"], model
+        # SAVE_GGUF's default is the writer's answer (vision_model_data); the sentence must agree.
+        gguf_sentence = "SAVE_GGUF writes" if data["save_gguf"] else "SAVE_GGUF is off here"
+        assert gguf_sentence in data["gpu_fit"], model
         shape, tower_parameters = language[model]
         result = plan(
             shape, gpu="t4", seq=data["max_seq_length"], batch=data["t4_batch"], mode="qlora",
@@ -375,7 +378,9 @@ class _Recorder:
         return call
 
 
-def _run_save_cells(template, tmp_path, monkeypatch, environ=None, **settings):
+def _run_save_cells(template, tmp_path, monkeypatch, environ=None, model_type=None, **settings):
+    """The calls the save and publish cells make; model_type: the config's of the model (the
+    vision cells ask whether its family's GGUF is written)."""
     from slothkit.notebook.config import NotebookConfig
 
     for name, value in {"WORLD_SIZE": "", "RANK": "", **(environ or {})}.items():
@@ -385,8 +390,10 @@ def _run_save_cells(template, tmp_path, monkeypatch, environ=None, **settings):
     save, publish = cells[-2:]
     calls = []
     config = NotebookConfig(model_name="m", output_dir=str(tmp_path), hub_token="hf_x", **settings)
+    recorder = _Recorder("model", calls)
+    recorder.config = types.SimpleNamespace(model_type=model_type)
     namespace = {
-        "model": _Recorder("model", calls),
+        "model": recorder,
         "tokenizer": _Recorder("tokenizer", calls),
         "processor": _Recorder("processor", calls),
         "config": config,
@@ -443,33 +450,78 @@ def test_save_cells_call_each_save_and_push_behind_its_flag(template, tmp_path, 
     assert calls == []
 
 
-def test_vision_save_cells_save_the_adapter_and_the_merged_model_with_the_processor(
+def test_vision_save_cells_save_the_adapter_merged_model_and_gguf_with_the_processor(
     tmp_path, monkeypatch, capsys
 ):
-    """The vision notebook's save and publish cells: the adapter and the merged 16-bit model,
-    each written with the processor, each behind its flag; no GGUF."""
+    """The vision notebook's save and publish cells: the adapter, the merged 16-bit model and
+    the GGUF files (the language model's and the projector file), each written with the
+    processor, each behind its flag."""
     out = str(tmp_path)
     calls = _run_save_cells(
-        "vision", tmp_path, monkeypatch, save_merged=True, save_gguf=True, hub_repo="me/m"
-    )
+        "vision", tmp_path, monkeypatch, model_type="gemma3", save_merged=True, save_gguf=True,
+        gguf_quants="q4_k_m,q8_0", hub_repo="me/m",
+    )  # fmt: skip
     assert [call[:2] for call in calls] == [
         ("model.save_pretrained", f"{out}/lora"),
         ("processor.save_pretrained", f"{out}/lora"),
         ("model.save_pretrained_merged", f"{out}/merged-16bit"),
+        ("model.save_pretrained_gguf", f"{out}/gguf"),
         ("model.push_to_hub_merged", "me/m-lora"),
         ("model.push_to_hub_merged", "me/m"),
+        ("model.push_to_hub_gguf", "me/m-gguf"),
     ]
-    assert [call[2].name for call in calls[2:]] == ["processor"] * 3
+    assert [call[2].name for call in calls[2:]] == ["processor"] * 5
     assert [call[-1] for call in calls[2:]] == [
         {"save_method": "merged_16bit", "overwrite": True},
+        {"quantization_method": "q4_k_m,q8_0", "overwrite": True},
         {"save_method": "lora", "token": "hf_x"},
         {"save_method": "merged_16bit", "token": "hf_x"},
+        {"quantization_method": "q4_k_m,q8_0", "token": "hf_x"},
     ]
-    assert "https://hub/me/m/commit/1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "https://hub/me/m-gguf/commit/1" in printed and "not written" not in printed
     calls = _run_save_cells(
-        "vision", tmp_path, monkeypatch, save_lora=False, save_merged=False, hub_repo="me/m"
-    )
-    assert calls == []
+        "vision", tmp_path, monkeypatch, model_type="gemma3", save_lora=False, save_merged=False,
+        save_gguf=False, hub_repo="me/m",
+    )  # fmt: skip
+    assert calls == [] and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "mllama"])
+@pytest.mark.parametrize("save_gguf", [True, False], ids=["SAVE_GGUF on", "SAVE_GGUF off"])
+def test_vision_save_cells_skip_gguf_of_a_refused_family_saying_why_once(
+    family, save_gguf, tmp_path, monkeypatch, capsys
+):
+    calls = _run_save_cells(
+        "vision", tmp_path, monkeypatch, model_type=family, save_merged=True, save_gguf=save_gguf,
+        hub_repo="me/m",
+    )  # fmt: skip
+    assert not [call for call in calls if "gguf" in call[0]]
+    assert [call[0] for call in calls][-2:] == ["model.push_to_hub_merged"] * 2
+    refusals = [line for line in capsys.readouterr().out.splitlines() if "GGUF files are not written" in line]
+    assert len(refusals) == 1 and f"{family!r} is refused" in refusals[0]
+    assert ("(SAVE_GGUF is on)" in refusals[0]) == save_gguf
+
+
+def test_vision_notebooks_offer_gguf_where_the_writer_writes_the_family(monkeypatch):
+    """SAVE_GGUF's default in a vision notebook is the GGUF writer's answer for its family:
+    on for Gemma 3, off for the refused ones, and on for Qwen2.5-VL once the writer knows
+    its language model and projector (here pretended), with no notebook data changed."""
+    from slothkit.export.gguf import image_text, mmproj
+
+    def save_gguf_line(model):
+        (line,) = [line for line in render_text("vision", model).splitlines() if line.startswith("SAVE_GGUF")]
+        return line.split("  #")[0]
+
+    assert [save_gguf_line(model) for model in vision_model_data()] == [
+        "SAVE_GGUF = True",
+        "SAVE_GGUF = False",
+        "SAVE_GGUF = False",
+    ]
+    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "qwen2_5_vl", "qwen2.5vl")
+    assert save_gguf_line("qwen2.5-vl-7b") == "SAVE_GGUF = False"  # its language model has no class yet
+    monkeypatch.setitem(image_text.LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
+    assert save_gguf_line("qwen2.5-vl-7b") == "SAVE_GGUF = True"
 
 
 def test_vision_train_cell_builds_the_config_slothkit_chooses_with_the_collator(monkeypatch, tmp_path):

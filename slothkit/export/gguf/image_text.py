@@ -10,16 +10,20 @@ projector.
                  (time, height, width) positions
 
     text, tokenizer = language_model_of(merged), text_tokenizer(processor)
+    gguf_refusal("qwen2_5_vl")  # why a family's two files are not written; None: they are
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from slothkit.core.inspection import text_tokenizer
+from slothkit.export.gguf import mmproj
 from slothkit.models.image_text import is_image_text_config
 
-__all__ = ["is_image_text_model", "language_model_of", "text_tokenizer"]
+__all__ = ["gguf_refusal", "is_image_text_model", "language_model_of", "text_tokenizer", "writes_gguf"]
 
 # The text model class of each written family's language model.
 LANGUAGE_MODELS = {"gemma3": "Gemma3ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
@@ -27,6 +31,30 @@ LANGUAGE_MODELS = {"gemma3": "Gemma3ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalL
 
 def is_image_text_model(model) -> bool:
     return is_image_text_config(getattr(model, "config", None))
+
+
+def gguf_refusal(family: str) -> str | None:
+    """Why slothkit writes no GGUF for the image-text family `family` (the image-text config's
+    model_type: "qwen2_5_vl"), in save_pretrained_gguf's words; None where it writes both
+    files: the language model's GGUF (a text model class in LANGUAGE_MODELS) and the projector
+    file (a projector type in mmproj.PROJECTOR_TYPES).  The vision notebooks read it
+    (slothkit.notebook): SAVE_GGUF is on by default, and the save cell writes GGUF, only
+    where this is None; elsewhere the save cell prints it."""
+    try:
+        mmproj.check_projector_family(types.SimpleNamespace(model_type=family))
+    except mmproj.UnsupportedImageTextModel as refused:
+        return str(refused)
+    if family not in LANGUAGE_MODELS:
+        return (
+            f"GGUF export of the image-text model {family!r} is refused: slothkit knows no text model "
+            f"class for its language model (written: {', '.join(LANGUAGE_MODELS)})"
+        )
+    return None
+
+
+def writes_gguf(family: str) -> bool:
+    """Whether save_pretrained_gguf writes the image-text family `family` (gguf_refusal)."""
+    return gguf_refusal(family) is None
 
 
 def language_model_of(model):

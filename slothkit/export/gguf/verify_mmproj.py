@@ -38,6 +38,8 @@ from slothkit.export.gguf.verify import GGUFVerificationError, _plain_cpu_kernel
 T = GGMLQuantizationType
 TOLERANCES = {T.F32: 0.01, T.F16: 0.02}
 IMAGE_CHUNK = 1  # mtmd_input_chunk_type: MTMD_INPUT_CHUNK_TYPE_IMAGE
+GGML_LOG_LEVEL_ERROR = 3  # enum ggml_log_level: NONE, INFO, WARN, ERROR, DEBUG, CONT
+_quiet_log = []  # the ctypes callback libmtmd holds, kept alive here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +88,30 @@ def hf_image_features(model, image: np.ndarray, mean: np.ndarray, std: np.ndarra
     return features.reshape(-1, features.shape[-1]).float().cpu().numpy()
 
 
+def _errors_only_log():
+    """A ggml log callback that writes errors to stderr and drops the rest: libmtmd logs
+    every hyperparameter and step of the encoding otherwise (dozens of lines in a save, or
+    a notebook's save cell), where llama.cpp's own log is quieted by verbose=False."""
+    import llama_cpp
+
+    if not _quiet_log:
+
+        @llama_cpp.llama_log_callback
+        def log(level, text, user_data):
+            if level == GGML_LOG_LEVEL_ERROR:
+                os.write(2, text)
+
+        _quiet_log.append(log)
+    return _quiet_log[0]
+
+
 def llama_cpp_image_embeddings(mmproj_path, text_path, image: np.ndarray) -> np.ndarray:
     """libmtmd's embeddings of `image` (image tokens, text width): the projector file read
     beside the language model's GGUF, on the CPU."""
     import llama_cpp
     from llama_cpp import mtmd_cpp as mtmd
 
+    mtmd.mtmd_log_set(_errors_only_log(), ctypes.c_void_p(0))
     with contextlib.ExitStack() as cleanup:
         with _plain_cpu_kernels():
             llm = llama_cpp.Llama(model_path=str(text_path), n_ctx=256, verbose=False)

@@ -1,6 +1,10 @@
-"""The save cell's listing of what it wrote."""
+"""The save cell's listing of what it wrote, and whether a vision notebook writes GGUF."""
 
-from slothkit.notebook.saving import list_files
+import types
+
+import pytest
+
+from slothkit.notebook.saving import image_text_gguf_wanted, list_files
 
 
 def test_list_files_prints_each_file_with_its_size_and_leaves_out_checkpoints(tmp_path, capsys):
@@ -28,3 +32,30 @@ def test_list_files_prints_each_file_with_its_size_and_leaves_out_checkpoints(tm
         "merged-16bit/model.safetensors    1.5 GB",
     ]
     assert list_files(tmp_path / "nothing-saved") == [] and capsys.readouterr().out == ""
+
+
+def _model(family):
+    """A PeftModel's outline: the image-text model inside, with its config."""
+    inner = types.SimpleNamespace(config=types.SimpleNamespace(model_type=family))
+    return types.SimpleNamespace(get_base_model=lambda: inner)
+
+
+@pytest.mark.parametrize("save_gguf", [True, False])
+def test_gguf_is_written_for_gemma3_as_save_gguf_says_without_a_word(save_gguf, monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert image_text_gguf_wanted(_model("gemma3"), save_gguf) is save_gguf
+    assert capsys.readouterr().out == ""
+
+
+def test_a_refused_family_says_why_on_the_saving_process_only(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert image_text_gguf_wanted(_model("mllama"), True) is False
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("GGUF files are not written (SAVE_GGUF is on): ") and "'mllama' is refused" in line
+    assert image_text_gguf_wanted(_model("qwen2_5_vl"), False) is False
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("GGUF files are not written: ") and "'qwen2_5_vl' is refused" in line
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert image_text_gguf_wanted(_model("mllama"), True) is False
+    assert capsys.readouterr().out == ""

@@ -1,7 +1,8 @@
 """The Gemma 3 vision notebook on a GPU, as a user runs it: its hardware cell plans the
 image-text checkpoint, the language layers load in NF4, the trainer takes this GPU's
-precision, and the merged 16-bit save loads back with plain transformers.  (nbval runs the
-committed notebooks on the CPU in 16 bits.)"""
+precision, the merged 16-bit save loads back with plain transformers, and SAVE_GGUF (on in
+Gemma 3's notebook) writes the language model per GGUF_QUANTS and its projector file.
+(nbval runs the committed notebooks on the CPU in 16 bits.)"""
 
 import json
 
@@ -40,3 +41,6 @@ def test_the_vision_notebook_trains_in_4_bits_and_saves_on_the_gpu(tmp_path):
     merged = AutoModelForImageTextToText.from_pretrained(out / "merged-16bit")
     assert merged.dtype in (torch.bfloat16, torch.float16)
     assert type(AutoProcessor.from_pretrained(out / "merged-16bit")).__name__ == "Gemma3Processor"
+    written = sorted(path.name for path in (out / "gguf").glob("*.gguf"))
+    assert [name.split(".", 1)[1] for name in written] == ["Q4_K_M.gguf", "Q8_0.gguf", "F16.gguf"], written
+    assert written[-1].startswith("mmproj-"), written

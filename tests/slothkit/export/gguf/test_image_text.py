@@ -203,3 +203,75 @@ def test_llama_3_2_vision_is_refused_by_name_before_any_work(tmp_path):
         model.save_pretrained_gguf(tmp_path / "out", tokenizer, quantization_method="f16")
     assert "Written: gemma3, qwen2_5_vl" in str(refused.value)
     assert list(tmp_path.iterdir()) == []  # nothing written, not even the merge's scratch folder
+
+
+def test_push_uploads_the_language_gguf_and_the_projector_file(gemma3, local_hub, tmp_path):
+    """model.push_to_hub_gguf of the LoRA Gemma 3 image-text model (the vision notebook's
+    publish cell): one commit holding the language model's GGUF, its Modelfile and the
+    projector file, which comes back from the Hub as llama.cpp's clip file of the model."""
+    from huggingface_hub import hf_hub_download
+
+    model, processor, _, _, _ = gemma3
+    pushed = model.push_to_hub_gguf(
+        "local-user/gemma3-vision-gguf",
+        processor,
+        quantization_method="q8_0",
+        token="hf_writer",
+        verify=False,
+    )
+    text, projector = "gemma3-image-text.Q8_0.gguf", "mmproj-gemma3-image-text.F16.gguf"
+    assert sorted(pushed.files) == ["Modelfile", text, projector]
+    assert set(local_hub.files("local-user/gemma3-vision-gguf")) == {
+        ".gitattributes",
+        "Modelfile",
+        text,
+        projector,
+    }
+    pulled = hf_hub_download(
+        "local-user/gemma3-vision-gguf", projector, token="hf_writer", local_dir=tmp_path
+    )
+    reader = GGUFReader(pulled)
+    assert bytes(reader.get_field("clip.projector_type").parts[-1]).decode() == "gemma3"
+    local = mmproj.mmproj_tensors(gemma3[2])  # the merged model's: the vision LoRA is in the upload
+    uploaded = {tensor.name: np.asarray(tensor.data) for tensor in reader.tensors}
+    for name in ("v.blk.0.attn_q.weight", "mm.input_projection.weight"):
+        expected = local[name].numpy().astype(np.float16)
+        assert np.array_equal(uploaded[name].reshape(expected.shape), expected), name
+
+
+@pytest.mark.parametrize(
+    ("family", "written"), [("gemma3", True), ("qwen2_5_vl", False), ("mllama", False), ("llava", False)]
+)
+def test_gguf_refusal_says_which_families_are_written(family, written):
+    """What the vision notebooks read to offer SAVE_GGUF: the writer's own tables."""
+    from slothkit.export.gguf.image_text import gguf_refusal, writes_gguf
+
+    assert writes_gguf(family) is written
+    assert (gguf_refusal(family) is None) is written
+    if not written:
+        assert f"{family!r} is refused" in gguf_refusal(family)
+
+
+def test_a_family_is_written_once_both_its_language_model_and_projector_are(monkeypatch):
+    """Pretended for Qwen2.5-VL: its projector type alone is not enough."""
+    from slothkit.export.gguf.image_text import LANGUAGE_MODELS, gguf_refusal, writes_gguf
+
+    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "qwen2_5_vl", "qwen2.5vl")
+    assert "knows no text model class" in gguf_refusal("qwen2_5_vl")
+    monkeypatch.setitem(LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
+    assert writes_gguf("qwen2_5_vl")
+
+
+@needs_llama_cpp
+def test_projector_verification_keeps_libmtmds_log_to_errors(gemma3, capfd):
+    """libmtmd logs every hyperparameter and encoding step unless told otherwise: dozens of
+    lines in a notebook's save cell for one check."""
+    from slothkit.export.gguf.verify_mmproj import verify_mmproj
+
+    _, _, merged, folder, _ = gemma3
+    capfd.readouterr()
+    verify_mmproj(
+        folder / "mmproj-gemma3-image-text.F16.gguf", folder / "gemma3-image-text.F16.gguf", merged, T.F16
+    )
+    printed = capfd.readouterr()
+    assert "load_hparams" not in printed.err + printed.out and "clip_encode" not in printed.err + printed.out
