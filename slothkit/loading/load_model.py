@@ -350,8 +350,8 @@ def take_generic_path(model, fused: bool | None) -> None:
     )
     if norms or mlps:
         layers += (
-            f", with {norms} RMSNorms and {mlps} gated MLPs in slothkit's kernels (each checked against "
-            f"its own output at load)"
+            f", its {norms} RMSNorms and {mlps} gated MLPs in slothkit's kernels (each checked against "
+            f"its own output at load),"
         )
     _notice_generic_path(model_type, layers, head)
 

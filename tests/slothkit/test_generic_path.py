@@ -83,8 +83,8 @@ def _plain_peft(path, attention="sdpa", targets=TARGETS):
 @pytest.mark.parametrize("source", ["olmo2", "olmo", "vaultgemma"])
 def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path):
     """OLMo 2 (norms after attention and MLP, q/k norms), OLMo and VaultGemma (Gemma 2's
-    layer), none of which has a record: the decoder layers stay Hugging Face's, the head
-    computes the fused loss (VaultGemma's with its final-logit soft-capping at 30), and 8
+    layer), none of which has a record: the decoder layers stay Hugging Face's with their
+    gated MLPs (and RMSNorms) fused one by one, the head computes the fused loss (VaultGemma's with its final-logit soft-capping at 30), and 8
     steps give HF + PEFT's losses. VaultGemma's class refuses SDPA (its attention logits
     are soft-capped too): it loads with eager attention."""
     path = _checkpoint(tmp_path, source)
@@ -93,7 +93,8 @@ def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path)
     fast = FastModel.get_peft_model(fast, r=8, lora_alpha=16, use_gradient_checkpointing=False)
     causal_lm = fast.get_base_model()
     assert patched_module(causal_lm) is not None  # the head's loss is slothkit's
-    assert patched_module(causal_lm.model.layers[0].mlp) is None  # the layers are not
+    assert patched_module(causal_lm.model.layers[0]) is None  # the layers are not
+    assert patched_module(causal_lm.model.layers[0].mlp) is not None  # their MLPs are
     attention = "eager" if source == "vaultgemma" else "sdpa"
     assert causal_lm.config._attn_implementation == attention
     plain = _plain_peft(path, attention)
@@ -108,16 +109,26 @@ def test_generic_model_trains_with_the_fused_head_like_hf_peft(source, tmp_path)
     assert fast(input_ids=ids, labels=labels).logits is None  # no (tokens x vocabulary) logits built
 
 
-def test_a_model_that_scales_its_logits_keeps_its_own_loss(tmp_path):
+def test_a_model_that_scales_its_logits_keeps_its_own_loss(tmp_path, monkeypatch):
     """Granite divides its logits by logits_scaling: the fused loss would be another one, so
-    the check finds it and the model keeps its loss (fused=True, with its residual
-    multiplier also keeping its layers its own: refused, with both reasons)."""
+    the check finds it and the model keeps its loss; with its residual multiplier its layers
+    stay its own too, their norms and MLPs fused one by one. Where not even those could be
+    fused, fused=True is refused with every reason."""
     from transformers import AutoModelForCausalLM
+
+    from slothkit.loading import load_model
 
     path = _checkpoint(tmp_path, "granite", logits_scaling=4.0, residual_multiplier=0.5)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert "transforms its logits" in why_head_stays(model)
     assert patched_module(model) is None and model.training is False  # left as it was
+    with pytest.warns(
+        UserWarning, match="RMSNorms and 2 gated MLPs in slothkit's kernels.*transforms its logits"
+    ):
+        fast, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+    assert patched_module(fast) is None and patched_module(fast.model.layers[0]) is None
+    assert patched_module(fast.model.layers[0].mlp) is not None
+    monkeypatch.setattr(load_model, "fuse_generic_modules", lambda causal_lm: (0, 0, None))
     with pytest.raises(
         ValueError,
         match="cannot fuse its loss: its own loss .* transforms its logits, nor its layers: .* differs by",
