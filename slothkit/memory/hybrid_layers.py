@@ -1,8 +1,9 @@
 """The memory terms of a hybrid model's decoder layers (Qwen3.5): gated DeltaNet (linear
 attention) layers and gated full-attention layers, each with the model's gated MLP, as
-slothkit trains them: transformers' modules (the fused layers leave a partially rotated
-head alone: slothkit.engine.generic_layers) with PEFT's adapters, and the delta rule
-through slothkit_kernels.delta_rule (slothkit.engine.gated_deltanet).
+slothkit trains them: transformers' layers (the fused layers leave a partially rotated
+head alone: slothkit.engine.generic_layers) with their norms and MLPs in slothkit's
+kernels (slothkit.engine.generic_modules), PEFT's adapters, and the delta rule through
+slothkit_kernels.delta_rule (slothkit.engine.gated_deltanet).
 
 Sizes, per layer: H hidden, I the MLP's width, r the LoRA rank; a full-attention layer has
 Hq query heads and Hkv key/value heads of D; a DeltaNet layer HK key heads of dk, HV value
@@ -12,17 +13,18 @@ of the model's dtype; what is fp32 whatever that dtype counts 4.
 
 What a layer keeps for backward, per token (``kept_bytes``; tests/slothkit/memory/
 test_memory_model.py counts it to the byte through autograd's saved-tensor hooks on a
-tiny Qwen3.5, in fp32 and bf16):
+tiny Qwen3.5, in fp32 and bf16, with the kernels under Triton's interpreter). The layer
+norms, the q/k norms and the MLP are slothkit's kernels (slothkit.engine.generic_modules
+fuses them one by one), the rest transformers' modules with PEFT's adapters:
 
-  both kinds    the two RMSNorms (transformers' Qwen3_5RMSNorm computes in fp32): their
-                fp32 inputs, the layer input and the residual sum after the mixer, and
-                1/rms, 8 H + 8; the MLP's gate and up outputs and its activation, 3 I e;
-                each adapter's x A^T in fp32 (PEFT keeps the adapters in fp32), 4 r per
-                adapter: six in a DeltaNet layer (in_proj_qkv, in_proj_z, out_proj, gate,
-                up, down), seven in a full one; each adapter's input as its A reads it
-                (``_adapter_inputs``): in an fp32 model each input once (the mixer's and
-                the MLP's normed inputs H each, the mixer's output, the MLP's product I),
-                in a 16-bit one an fp32 copy for every adapter that reads it.
+  both kinds    the two RMSNorms: each its input and 1/rms, 2 (H e + 4); the fused MLP:
+                its input, the gate and up outputs and its three adapters' x A^T,
+                (H + 2 I + 3 r) e; each of the mixer's adapters x A^T in fp32 (PEFT keeps
+                the adapters in fp32), 4 r per adapter: three in a DeltaNet layer
+                (in_proj_qkv, in_proj_z, out_proj), four in a full one; each of those
+                adapters' input as its A reads it (``_adapter_inputs``): in an fp32 model
+                each input once (the mixer's normed input H, its output), in a 16-bit one an
+                fp32 copy for every adapter that reads it.
   DeltaNet      in_proj_qkv's output and the convolution's (its padding makes K - 1 more
                 positions per sequence), 2 N e; the SiLU's output (N e) in an fp32 model,
                 where a 16-bit one keeps the l2 norms' fp32 copies of q and k (8 Q)
@@ -31,19 +33,19 @@ tiny Qwen3.5, in fp32 and bf16):
                 beta (8 HV + HV e); the kernel's per-chunk inverse
                 (I + strict_tril(beta K K^T))^-1 and the state entering each chunk, in
                 fp32 over whole chunks, 4 HV C and 4 HV dk dv / C; the gated RMSNorm on the
-                output: its fp32 input, z and silu(z) (12 V), 1/rms per head (4 HV), the
-                normed output before the gate (V e).
-  full          q_norm's fp32 input (q_proj's output of queries and gate, 8 Hq D, in an
-                fp32 model, of which it reads a view; the queries' copy, 4 Hq D, in a
-                16-bit one) and k_norm's (4 Hkv D); q and k after their norms and RoPE
+                output (transformers' own: it takes the gate too): its fp32 input, z and
+                silu(z) (12 V), 1/rms per head (4 HV), the normed output before the gate
+                (V e).
+  full          q_norm's input, a view of q_proj's output of queries and gate (2 Hq D e),
+                and k_norm's, of k_proj's (Hkv D e); q and k after their norms and RoPE
                 and v (Hq D + 2 Hkv D), the attention's output and its (tokens, Hq D)
                 copy, the gate's sigmoid (3 Hq D), all in e; the attention's
                 log-sum-exp and the q/k norms' 1/rms, 4 (2 Hq + Hkv).  The output's copy
                 is the CPU's: CUDA's flash attention writes its output (tokens, heads, D)
                 already, and there the copy is a view (the prediction is Hq D e high).
 
-Per layer, whatever the tokens: each RMSNorm's (1 + weight) in fp32 (4 H for the two layer
-norms, 4 D each for q_norm and k_norm), and a DeltaNet layer's -exp(A_log) (4 HV).
+Per layer, whatever the tokens: in a 16-bit model the fused MLP's 16-bit copies of its
+three adapters' A and B, 3 r (H + I) e; a DeltaNet layer's -exp(A_log) (4 HV).
 
 The recurrent state a DeltaNet layer carries from chunk to chunk is the per-chunk state
 above, in training; each sequence starts from zero and no final state is asked for.
@@ -136,14 +138,15 @@ def kept_bytes(
     """What one layer of ``layer_type`` that is not checkpointed keeps for backward (module
     docstring), in a step of ``tokens`` tokens in ``sequences`` sequences."""
     e, h, i = element_bytes, shape.hidden_size, shape.intermediate_size
-    # The two norms' fp32 inputs (the layer input, the residual sum) and 1/rms; the MLP's
-    # gate, up and activation.
-    common = 2 * FP32 * h + 2 * FP32 + 3 * i * e
+    # The two norms' inputs and 1/rms; the fused MLP's input, gate, up and x A^T.
+    common = 2 * (h * e + FP32) + (h + 2 * i + 3 * rank) * e
+    # The fused MLP's 16-bit copies of its adapters (an fp32 model's are the parameters).
+    adapter_copies = 3 * rank * (h + i) * e if e < FP32 else 0
     if layer_type == "linear_attention":
         la = _linear(shape)
         n, q = la.conv_channels, la.key_heads * la.key_dim
         v, hv = la.value_heads * la.value_dim, la.value_heads
-        per_token = common + 6 * FP32 * rank + _adapter_inputs([(h, 2), (v, 1), (h, 2), (i, 1)], e)
+        per_token = common + 3 * FP32 * rank + _adapter_inputs([(h, 2), (v, 1)], e)
         # in_proj_qkv's output and the convolution's; the SiLU's is what the l2 norms read
         # in an fp32 model, where a 16-bit one keeps their fp32 copies of q and k instead.
         per_token += 2 * n * e + (n * e if e >= FP32 else 2 * FP32 * q)
@@ -153,17 +156,16 @@ def kept_bytes(
         chunks = _chunks(tokens, sequences)
         recurrent = chunks * hv * FP32 * (DELTA_RULE_CHUNK**2 + la.key_dim * la.value_dim)
         convolution = sequences * (la.conv_kernel - 1) * n * e
-        per_layer = FP32 * (2 * h + hv)
+        per_layer = FP32 * hv + adapter_copies
         return float(tokens * per_token + recurrent + convolution + per_layer)
     d = _head_dim(shape)
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
-    per_token = common + 7 * FP32 * rank + _adapter_inputs([(h, 3), (heads * d, 1), (h, 2), (i, 1)], e)
-    # q_norm reads q_proj's output (a view of it in an fp32 model, the queries' fp32 copy in
-    # a 16-bit one), k_norm k_proj's fp32 output.
-    per_token += FP32 * ((_query_width(shape) if e >= FP32 else heads * d) + kv_heads * d)
+    per_token = common + 4 * FP32 * rank + _adapter_inputs([(h, 3), (heads * d, 1)], e)
+    # q_norm reads a view of q_proj's output (queries and gate), k_norm of k_proj's.
+    per_token += e * (_query_width(shape) + kv_heads * d)
     per_token += e * (heads * d + 2 * kv_heads * d + 3 * heads * d)
     per_token += FP32 * (2 * heads + kv_heads)
-    return float(tokens * per_token + FP32 * (2 * h + 2 * d))
+    return float(tokens * per_token + adapter_copies)
 
 
 def deltanet_working_elements(shape: Shape, element_bytes: int) -> float:

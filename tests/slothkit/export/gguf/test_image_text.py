@@ -240,7 +240,7 @@ def test_push_uploads_the_language_gguf_and_the_projector_file(gemma3, local_hub
 
 
 @pytest.mark.parametrize(
-    ("family", "written"), [("gemma3", True), ("qwen2_5_vl", False), ("mllama", False), ("llava", False)]
+    ("family", "written"), [("gemma3", True), ("qwen2_5_vl", True), ("mllama", False), ("llava", False)]
 )
 def test_gguf_refusal_says_which_families_are_written(family, written):
     """What the vision notebooks read to offer SAVE_GGUF: the writer's own tables."""
@@ -253,13 +253,13 @@ def test_gguf_refusal_says_which_families_are_written(family, written):
 
 
 def test_a_family_is_written_once_both_its_language_model_and_projector_are(monkeypatch):
-    """Pretended for Qwen2.5-VL: its projector type alone is not enough."""
+    """Pretended for LLaVA: its projector type alone is not enough."""
     from slothkit.export.gguf.image_text import LANGUAGE_MODELS, gguf_refusal, writes_gguf
 
-    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "qwen2_5_vl", "qwen2.5vl")
-    assert "knows no text model class" in gguf_refusal("qwen2_5_vl")
-    monkeypatch.setitem(LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
-    assert writes_gguf("qwen2_5_vl")
+    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "llava", "mlp")
+    assert "knows no text model class" in gguf_refusal("llava")
+    monkeypatch.setitem(LANGUAGE_MODELS, "llava", "LlamaForCausalLM")
+    assert writes_gguf("llava")
 
 
 @needs_llama_cpp
