@@ -13,9 +13,9 @@ computes, not by its class:
   and whose output on a random input is the RMSNorm's with weight or with 1 + weight
   (generic_layers' ``_norm_adds_one``);
 - a module with gate_proj, up_proj and down_proj and an activation the fused MLP computes,
-  whose output in float32, with random projections scaled so that the gate's outputs are
-  of order one (at a tiny checkpoint's small weights SiLU and GELU are both nearly x / 2),
-  equals the fused MLP's.
+  whose output in float32, with small random projections scaled so that the gate's
+  outputs are of order one (at a tiny checkpoint's small weights SiLU and GELU are both
+  nearly x / 2), equals the fused MLP's.
 
 Then, in the model's own dtype and weights, every patched module's output on one short
 random batch is compared with its own forward's, each given the same input (the first
@@ -69,20 +69,31 @@ def _norm_flavour(norm: nn.Module) -> bool | None:
         return None
 
 
+# The check's widths: what the MLP computes does not depend on them, and small random
+# projections keep it free of the model's size (no copy of a 4096 x 11008 matrix).
+CHECK_WIDTH, CHECK_INTERMEDIATE = 64, 48
+
+
 def mlp_difference(mlp: nn.Module, activation: str) -> float:
     """The relative difference between ``mlp`` and the fused MLP, in float32 on a copy whose
-    projections hold random weights (gate and up scaled to outputs of order one)."""
+    projections are small random ones (gate and up scaled to outputs of order one). A
+    forward tied to the model's widths fails on the copy, and the MLP keeps its own."""
     generator = torch.Generator(device="cpu").manual_seed(2)
     device = mlp.down_proj.weight.device
     projections = {name: getattr(mlp, name) for name in MLP_PROJECTIONS}
     own = copy.deepcopy(mlp, memo={id(m): None for m in projections.values()})
-    for name, projection in projections.items():
-        linear = nn.Linear(projection.in_features, projection.out_features, bias=False, device="meta")
-        weight = torch.randn(projection.out_features, projection.in_features, generator=generator)
-        linear.weight = nn.Parameter((weight / projection.in_features**0.5).to(device), requires_grad=False)
+    shapes = {
+        "gate_proj": (CHECK_INTERMEDIATE, CHECK_WIDTH),
+        "up_proj": (CHECK_INTERMEDIATE, CHECK_WIDTH),
+        "down_proj": (CHECK_WIDTH, CHECK_INTERMEDIATE),
+    }
+    for name, (rows, columns) in shapes.items():
+        linear = nn.Linear(columns, rows, bias=False, device="meta")
+        weight = torch.randn(rows, columns, generator=generator) / columns**0.5
+        linear.weight = nn.Parameter(weight.to(device), requires_grad=False)
         setattr(own, name, linear)
     own.float()
-    x = torch.randn(1, CHECK_TOKENS, projections["gate_proj"].in_features, generator=generator).to(device)
+    x = torch.randn(1, CHECK_TOKENS, CHECK_WIDTH, generator=generator).to(device)
     with torch.no_grad():
         expected = own(x)
         patch_mlp(own, activation, output_unread_in_recompute=False)
