@@ -487,7 +487,7 @@ def test_vision_save_cells_save_the_adapter_merged_model_and_gguf_with_the_proce
     assert calls == [] and capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "mllama"])
+@pytest.mark.parametrize("family", ["mllama", "llava"])
 @pytest.mark.parametrize("save_gguf", [True, False], ids=["SAVE_GGUF on", "SAVE_GGUF off"])
 def test_vision_save_cells_skip_gguf_of_a_refused_family_saying_why_once(
     family, save_gguf, tmp_path, monkeypatch, capsys
@@ -505,23 +505,22 @@ def test_vision_save_cells_skip_gguf_of_a_refused_family_saying_why_once(
 
 def test_vision_notebooks_offer_gguf_where_the_writer_writes_the_family(monkeypatch):
     """SAVE_GGUF's default in a vision notebook is the GGUF writer's answer for its family:
-    on for Gemma 3, off for the refused ones, and on for Qwen2.5-VL once the writer knows
-    its language model and projector (here pretended), with no notebook data changed."""
-    from slothkit.export.gguf import image_text, mmproj
+    on for Gemma 3 and Qwen2.5-VL, off for the refused Llama 3.2 Vision; and off for
+    Qwen2.5-VL where the writer knew its projector but not its language model (here
+    pretended), with no notebook data changed."""
+    from slothkit.export.gguf import image_text
 
     def save_gguf_line(model):
         (line,) = [line for line in render_text("vision", model).splitlines() if line.startswith("SAVE_GGUF")]
         return line.split("  #")[0]
 
-    assert [save_gguf_line(model) for model in vision_model_data()] == [
-        "SAVE_GGUF = True",
-        "SAVE_GGUF = False",
-        "SAVE_GGUF = False",
-    ]
-    monkeypatch.setitem(mmproj.PROJECTOR_TYPES, "qwen2_5_vl", "qwen2.5vl")
-    assert save_gguf_line("qwen2.5-vl-7b") == "SAVE_GGUF = False"  # its language model has no class yet
-    monkeypatch.setitem(image_text.LANGUAGE_MODELS, "qwen2_5_vl", "Qwen2_5_VLForCausalLM")
-    assert save_gguf_line("qwen2.5-vl-7b") == "SAVE_GGUF = True"
+    assert {model: save_gguf_line(model) for model in vision_model_data()} == {
+        "gemma-3-4b": "SAVE_GGUF = True",
+        "qwen2.5-vl-7b": "SAVE_GGUF = True",
+        "llama-3.2-11b": "SAVE_GGUF = False",
+    }
+    monkeypatch.delitem(image_text.LANGUAGE_MODELS, "qwen2_5_vl")
+    assert save_gguf_line("qwen2.5-vl-7b") == "SAVE_GGUF = False"
 
 
 def test_vision_train_cell_builds_the_config_slothkit_chooses_with_the_collator(monkeypatch, tmp_path):
