@@ -1,6 +1,6 @@
 """Forward + backward of slothkit_kernels.moe.moe_lora_experts at a real layer's shape, with
 16-bit experts and with NF4 experts at several sizes of the dequantised run, on one CUDA
-GPU; and the dequantisation of all experts alone.
+GPU; the same two through the torch._grouped_mm backend (slothkit_kernels/moe/grouped_mm.py); and the dequantisation of all experts alone.
 
     python3 scripts/moe_nf4_timing.py [--shape qwen3-30b-a3b|gpt-oss-20b] [--tokens 4096]
 
@@ -19,6 +19,7 @@ from triton.testing import do_bench
 
 import slothkit_kernels.moe.grouped_gemm as grouped_gemm
 from slothkit_kernels.moe import ExpertLoRA, dequantize_nf4_experts, moe_lora_experts
+from slothkit_kernels.moe.grouped_mm import set_backend
 from slothkit_kernels.moe.nf4_quantize import quantize_nf4_experts
 
 SHAPES = {  # hidden, intermediate, experts, top-k, activation, weights stored (in, out)
@@ -84,6 +85,10 @@ def main() -> None:
         marker = " (default)" if mib * 2**20 == default else ""
         timed(f"NF4 experts, runs of <= {mib} MiB{marker}, fwd+bwd", lambda: step(nf4))
     grouped_gemm.NF4_STAGE_BYTES = default
+    set_backend("grouped_mm")
+    timed("16-bit experts, torch._grouped_mm backend, fwd+bwd", lambda: step(dequantised))
+    timed("NF4 experts, torch._grouped_mm backend, fwd+bwd", lambda: step(nf4))
+    set_backend("triton")
     timed(
         "dequantise all experts (gate_up + down), once",
         lambda: [dequantize_nf4_experts(w) for w in nf4] and None,

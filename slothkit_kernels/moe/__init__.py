@@ -4,7 +4,8 @@ One file per concept: ``routing`` (sort by expert, the tile schedule), ``grouped
 (each expert's projection with its adapter fused), ``activation`` (the gated
 activations and their backward), ``combine`` (sorted rows back to tokens),
 ``expert_sums`` (the adapters' per-expert gradients), ``lora`` (the adapter record) and
-``experts`` (the autograd Function and the public op, with the derivation); ``gemv``
+``experts`` (the autograd Function and the public op, with the derivation); ``grouped_mm``
+(the same grouped GEMMs through torch._grouped_mm, chosen by its ``set_backend``); ``gemv``
 (``expert_gemv``: a decode step's few tokens, each pair through its chosen expert, reading
 only those experts' weights).
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slothkit_kernels.moe.grouped_mm import grouped_mm_applies, grouped_mm_lora_gemm
 from slothkit_kernels.moe.lora import ExpertLoRA
 from slothkit_kernels.moe.nf4_dequantize import dequantize_nf4_experts
 from slothkit_kernels.moe.nf4_experts import NF4Experts
@@ -207,7 +208,15 @@ def grouped_lora_gemm(
     unwritten.
     """
     m = routing.num_rows
-    num_experts, n, _ = weight.shape
+    num_experts, n, k = weight.shape
+    if grouped_mm_applies(x, n, k, lora):  # set_backend("grouped_mm") (grouped_mm.py)
+        if not isinstance(weight, NF4Experts):
+            return grouped_mm_lora_gemm(x, routing, weight, lora, bias, gather=gather, store_xa=store_xa)
+        _, rows, cols = weight.stored_shape
+        if num_experts * rows * cols * weight.dtype.itemsize <= NF4_STAGE_BYTES:
+            stored = dequantize_nf4_experts(weight, 0, num_experts)
+            dense = stored.mT if weight.transposed else stored
+            return grouped_mm_lora_gemm(x, routing, dense, lora, bias, gather=gather, store_xa=store_xa)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     xa = None
     if lora is not None and store_xa:
