@@ -45,7 +45,7 @@ from slothkit.engine.nf4_layout import keep_nf4_layout
 from slothkit.engine.position_limit import watch_position_limit
 from slothkit.inference.generation import accept_encoding_in_generate
 from slothkit.inference.vllm_generate import attach_vllm_methods
-from slothkit.loading.mxfp4_checkpoint import notice_mxfp4_experts
+from slothkit.loading.mxfp4_checkpoint import holds_mxfp4_experts, mxfp4_dequantization, notice_mxfp4_experts
 from slothkit.loading.text_tower import (
     TEXT_TOWER_KEYS,
     renders_text_by_default,
@@ -108,7 +108,7 @@ def load_model(model_name: str, options: LoadOptions):
         # CUDA (pick_dtype, bitsandbytes), which would put a context on GPU 0.
         device_map = device_map_for_process()
     config = resolve_checkpoint(model_name, token=options.token)
-    notice_mxfp4_experts(config, model_name)
+    notice_mxfp4_experts(config, model_name, options.load_in_4bit)
     hf_kwargs = dict(options.hf_kwargs)
     hf_kwargs.pop("output_loading_info", None)  # slothkit reads the report itself
     text_config = text_tower_config(config, model_name) if options.num_labels is None else None
@@ -242,8 +242,11 @@ def prepare_tokenizer(tokenizer, max_seq_length: int) -> None:
 
 
 def _quantization_config(config, load_in_4bit: bool, dtype: torch.dtype):
-    """bitsandbytes' NF4 settings for a 16-bit checkpoint loaded in 4 bits, else None (a
-    checkpoint already quantised carries its own)."""
+    """bitsandbytes' NF4 settings for a 16-bit checkpoint loaded in 4 bits; for MXFP4
+    experts, transformers' dequantisation as they load (slothkit.loading.mxfp4_checkpoint);
+    else None (a checkpoint already quantised carries its own)."""
+    if holds_mxfp4_experts(config):
+        return mxfp4_dequantization()
     already_quantized = getattr(config, "quantization_config", None) is not None
     if load_in_4bit or already_quantized:
         require_bitsandbytes()
@@ -261,7 +264,9 @@ def _experts_quantized_while_loading(config, quantization_config, options: LoadO
     they are quantised one parameter at a time as they load; else a block that does
     nothing (and yields None)."""
     takes_generic_path = options.num_labels is None and architecture_for(config) is None
-    if quantization_config is None or not takes_generic_path or options.fused is False:
+    if quantization_config is None or not options.load_in_4bit:
+        return contextlib.nullcontext()
+    if not takes_generic_path or options.fused is False:
         return contextlib.nullcontext()
     if options.fused:
         return quantized_experts_while_loading(lambda device: True)

@@ -1,10 +1,14 @@
-"""A checkpoint whose experts are stored in MXFP4 (gpt-oss as OpenAI released it): said once
-before it loads, with what transformers will do and what loads for training instead.
+"""A checkpoint whose experts are stored in MXFP4 (gpt-oss as OpenAI released it) loads
+through transformers' MXFP4 dequantisation, said once before it loads.
 
-transformers keeps MXFP4 experts as they are on a GPU with its MXFP4 kernels, and warns that
-it does not train them; elsewhere it dequantises them to 16 bits, which for gpt-oss-20b is
-about 39 GiB. slothkit has no MXFP4 path: a 16-bit copy loaded with load_in_4bit=True has its
-experts quantised to NF4 as they load (slothkit.engine.experts_loading), which trains.
+transformers would keep MXFP4 experts as they are on a GPU, in kernels that do not train.
+slothkit asks it to dequantise them as they load (``Mxfp4Config(dequantize=True)``), one
+tensor at a time, into the model's dtype; with ``load_in_4bit=True`` each experts tensor
+is then quantised to NF4 the moment it is registered (slothkit.engine.experts_loading), so
+no 16-bit copy of all the experts is ever held.  The checkpoint's other layers (attention,
+router, embeddings) are stored in 16 bits, and they load in 16 bits: bitsandbytes' 4-bit
+loading cannot be combined with the checkpoint's own quantisation config.  The loaded
+model carries no MXFP4 config, so its merged saves are plain 16-bit checkpoints.
 """
 
 from __future__ import annotations
@@ -22,15 +26,35 @@ def quantization_method(config) -> str | None:
     return getattr(quantization, "quant_method", None)
 
 
-def notice_mxfp4_experts(config, model_name: str) -> None:
-    """Say once that `model_name` holds MXFP4 experts and what to load to fine-tune it."""
-    if quantization_method(config) != "mxfp4":  # transformers' QuantizationMethod is a str enum
+def holds_mxfp4_experts(config) -> bool:
+    return quantization_method(config) == "mxfp4"  # transformers' QuantizationMethod is a str enum
+
+
+def mxfp4_dequantization():
+    """What transformers is given to load MXFP4 experts as 16-bit (or, through slothkit's
+    experts hook, NF4) tensors rather than its untrainable MXFP4 modules."""
+    from transformers import Mxfp4Config
+
+    return Mxfp4Config(dequantize=True)
+
+
+def notice_mxfp4_experts(config, model_name: str, load_in_4bit: bool) -> None:
+    """Say once that `model_name` holds MXFP4 experts and what they load as."""
+    if not holds_mxfp4_experts(config):
         return
+    if load_in_4bit:
+        what = (
+            "slothkit quantises each to NF4 as it arrives, so no 16-bit copy of all the experts is held; "
+            "its attention, router and embeddings stay 16-bit as the checkpoint stores them "
+            "(bitsandbytes' 4-bit loading does not combine with an MXFP4 checkpoint)"
+        )
+    else:
+        what = (
+            "they stay in the model's dtype (gpt-oss-20b: about 39 GiB of weights in 16 bits); "
+            "load_in_4bit=True keeps them in NF4"
+        )
     say_once(
-        f"slothkit: {model_name} stores its experts in MXFP4, which slothkit does not train: "
-        "transformers keeps them in MXFP4 on a GPU with its MXFP4 kernels (and warns that it "
-        "does not train them), else dequantises them to 16 bits (gpt-oss-20b: about 39 GiB). "
-        "To fine-tune, load a 16-bit copy (for gpt-oss-20b, unsloth/gpt-oss-20b-BF16) with "
-        "load_in_4bit=True: slothkit quantises its experts to NF4 as they load",
+        f"slothkit: {model_name} stores its experts in MXFP4, which trains in no kernel: transformers "
+        f"dequantises them as they load, and {what}",
         FallbackWarning,
     )
