@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slothkit_kernels.moe.grouped_mm import grouped_mm_applies, grouped_mm_lora_gemm
+from slothkit_kernels.moe.grouped_mm import grouped_mm_applies, grouped_mm_lora_gemm, say_triton_instead
 from slothkit_kernels.moe.lora import ExpertLoRA
 from slothkit_kernels.moe.nf4_dequantize import dequantize_nf4_experts
 from slothkit_kernels.moe.nf4_experts import NF4Experts
@@ -217,6 +217,9 @@ def grouped_lora_gemm(
             stored = dequantize_nf4_experts(weight, 0, num_experts)
             dense = stored.mT if weight.transposed else stored
             return grouped_mm_lora_gemm(x, routing, dense, lora, bias, gather=gather, store_xa=store_xa)
+        say_triton_instead(
+            f"4-bit experts larger than one dequantisation run ({NF4_STAGE_BYTES / 2**30:g} GiB)"
+        )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     xa = None
     if lora is not None and store_xa:

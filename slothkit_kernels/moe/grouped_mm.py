@@ -42,6 +42,11 @@ def set_backend(name: str) -> None:
     BACKEND = name
 
 
+def say_triton_instead(reason: str) -> None:
+    """Say once that a grouped GEMM the grouped_mm backend was asked for runs in Triton."""
+    _say_once(reason)
+
+
 def _say_once(reason: str) -> None:
     if reason not in _said:
         _said.add(reason)

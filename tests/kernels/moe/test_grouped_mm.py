@@ -96,7 +96,7 @@ def test_product_matches_the_loop_in_float64(layout, gather, lora, bias, device,
         assert xa is None
 
 
-def test_nf4_experts_are_dequantised_once_and_multiplied(device, grouped_mm_backend):
+def test_nf4_experts_are_dequantised_once_and_multiplied(device, grouped_mm_backend, monkeypatch):
     gen = torch.Generator().manual_seed(9)
     _, routing = _routing(15, 2, 4, used=4, gen=gen, device=device)
     x = torch.randn(15, 64, generator=gen).to(device).bfloat16()
@@ -105,6 +105,15 @@ def test_nf4_experts_are_dequantised_once_and_multiplied(device, grouped_mm_back
     assert len(grouped_mm_backend) == 1
     gold = grouped_lora_gemm_reference(x.double(), routing, record.dequantize().double(), gather=True)
     assert relative_error(y, gold) < 2 * BF16_U
+    # Experts larger than one dequantisation run: the Triton kernel's runs, said once.
+    stage = grouped_gemm.NF4_STAGE_BYTES
+    monkeypatch.setattr(grouped_gemm, "NF4_STAGE_BYTES", 2 * 32 * 64 * 2)  # two of the four experts
+    monkeypatch.setattr(grouped_mm, "_said", set())
+    with pytest.warns(UserWarning, match="larger than one dequantisation run"):
+        y_runs, _ = grouped_lora_gemm(x, routing, record, gather=True)
+    assert len(grouped_mm_backend) == 1
+    assert relative_error(y_runs, gold) < 4 * BF16_U  # the interpreter's bf16 casts truncate
+    monkeypatch.setattr(grouped_gemm, "NF4_STAGE_BYTES", stage)
     # Its transposed reading: the backward's product.
     dy = torch.randn(routing.num_rows, 32, generator=gen).to(device).bfloat16()
     dx, _ = grouped_lora_gemm(dy, routing, record.mT, gather=False)
