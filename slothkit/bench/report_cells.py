@@ -24,6 +24,8 @@ def _setting(record: dict) -> str:
     for key, what in (("slothkit_cuda_graphs", "CUDA graphs"), ("slothkit_keep_sums", "keep sums")):
         if record.get(key, "auto") != "auto":
             parts.append(f"{what} {record[key]}")
+    if record.get("slothkit_moe_gemm", "triton") != "triton":
+        parts.append(f"slothkit's experts through {record['slothkit_moe_gemm']}")
     if record.get("hf_checkpointing", "on") != "on" and not record.get("best"):
         parts.append("HF and Liger without checkpointing")
     if record.get("memory_gib"):

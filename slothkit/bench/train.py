@@ -121,6 +121,8 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--keep-sums", "keep_sums")):
         if getattr(args, key, "auto") != "auto":
             command += [flag, getattr(args, key)]
+    if getattr(args, "moe_gemm", "triton") != "triton":
+        command += ["--moe-gemm", args.moe_gemm]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     for line in completed.stdout.splitlines():
@@ -304,6 +306,7 @@ def run_train_bench(args) -> dict:
         "slothkit_checkpointing": args.slothkit_checkpointing,
         "slothkit_cuda_graphs": args.cuda_graphs,
         "slothkit_keep_sums": args.keep_sums,
+        "slothkit_moe_gemm": args.moe_gemm,
         "hf_checkpointing": args.hf_checkpointing,
         "memory_gib": args.memory_gib,
         "best": args.best,
@@ -459,6 +462,14 @@ def add_arguments(parser) -> None:
         help="slothkit's cuda_graphs: replay each decoder layer's forward and backward (on), "
         "its forward only (forward), or neither (off); auto (default): "
         "SLOTHKIT_CUDA_GRAPHS if set, else FastModel's choice for the GPU and mode",
+    )
+    parser.add_argument(
+        "--moe-gemm",
+        choices=["triton", "grouped_mm"],
+        default="triton",
+        help="the backend of slothkit's mixture-of-experts grouped GEMMs "
+        "(slothkit_kernels.moe.grouped_mm.set_backend): its Triton kernel (default) or "
+        "torch._grouped_mm where that applies (bf16, compute capability 9.0 or newer)",
     )
     parser.add_argument(
         "--keep-sums",

@@ -63,6 +63,10 @@ RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 
 
 def run(args) -> dict | None:
+    if args.moe_gemm != "triton" and args.impl.startswith("slothkit"):
+        from slothkit_kernels.moe.grouped_mm import set_backend
+
+        set_backend(args.moe_gemm)
     if args.impl == "matmul-peak":
         return {"status": "ok", "tflops": matmul_peak_tflops()}
     if args.impl == "unsloth":
@@ -211,6 +215,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto")
     parser.add_argument("--keep-sums", choices=list(KEEP_SUMS), default="auto")
+    parser.add_argument("--moe-gemm", choices=["triton", "grouped_mm"], default="triton")
     args = parser.parse_args(argv)
     try:
         result = run(args)

@@ -488,3 +488,14 @@ def test_the_readme_overview_speaks_for_one_gpu(tmp_path):
         line for line in readme_table(tmp_path, gpu="GPU Y").splitlines() if line.startswith("| llama")
     ]
     assert "129.0" in line
+
+
+def test_the_experts_backend_is_named_in_the_setting_where_not_the_default():
+    from slothkit.bench.report_cells import _setting
+
+    record = {"dtype": "bf16", "autocast": False}
+    assert _setting(record) == "bf16, no autocast"
+    assert _setting({**record, "slothkit_moe_gemm": "triton"}) == "bf16, no autocast"
+    assert _setting({**record, "slothkit_moe_gemm": "grouped_mm"}) == (
+        "bf16, no autocast, slothkit's experts through grouped_mm"
+    )

@@ -274,6 +274,8 @@ def test_checkpointing_switch_reaches_every_worker_and_the_record(tmp_path, monk
         ([], "slothkit_keep_sums", "auto"),
         (["--keep-sums", "on"], "slothkit_keep_sums", "on"),
         (["--keep-sums", "off"], "slothkit_keep_sums", "off"),
+        ([], "slothkit_moe_gemm", "triton"),
+        (["--moe-gemm", "grouped_mm"], "slothkit_moe_gemm", "grouped_mm"),
     ],
 )
 def test_slothkit_switches_reach_every_worker_and_the_record(tmp_path, monkeypatch, flag, key, expected):
@@ -298,6 +300,22 @@ def test_a_variable_left_to_auto_is_recorded_and_passed_as_a_flag(
     flag = {"slothkit_cuda_graphs": "--cuda-graphs", "slothkit_keep_sums": "--keep-sums"}[key]
     commands = _check_switch(tmp_path, monkeypatch, [], flag, key, expected, environ={variable: value})
     assert all(command[command.index(flag) + 1] == expected for command in commands)
+
+
+def test_the_worker_sets_the_experts_backend_for_slothkit_only(monkeypatch):
+    """--moe-gemm reaches slothkit_kernels' backend switch in a slothkit worker only."""
+    import argparse
+
+    from slothkit.bench import train_worker
+    from slothkit_kernels.moe import grouped_mm
+
+    monkeypatch.setattr(grouped_mm, "BACKEND", "triton")
+    monkeypatch.setattr(train_worker, "matmul_peak_tflops", lambda: 1.0)
+    train_worker.run(argparse.Namespace(impl="matmul-peak", moe_gemm="grouped_mm"))
+    assert grouped_mm.BACKEND == "triton"
+    with pytest.raises(AttributeError):  # the Namespace lacks the rest of a run's arguments
+        train_worker.run(argparse.Namespace(impl="slothkit", moe_gemm="grouped_mm"))
+    assert grouped_mm.BACKEND == "grouped_mm"
 
 
 def test_the_worker_hands_its_switches_to_fast_model(monkeypatch):
