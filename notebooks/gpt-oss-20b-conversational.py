@@ -21,7 +21,7 @@
 # chat test, and saving: LoRA adapter, merged 16-bit model, GGUF files (with an
 # Ollama Modelfile), optionally pushed to the Hugging Face Hub.
 #
-# openai/gpt-oss-20b ships its experts in MXFP4, which transformers either keeps (and cannot train) or dequantises to 16 bits (about 39 GiB); this notebook loads unsloth/gpt-oss-20b-BF16, a 16-bit copy, whose experts slothkit quantises to NF4 as it loads: about 12 GiB of weights. With the experts' adapters that is more than a free T4's 15 GB, where the hardware cell stops and says so; an L4 (24 GB) or an A100 trains it as set. SAVE_GGUF is off here: slothkit writes gpt-oss as GGUF checked by llama.cpp at f16 and q8_0, not yet at the notebook's q4_k_m.
+# openai/gpt-oss-20b ships its experts in MXFP4, which trains in no kernel: slothkit has transformers dequantise them as they load and quantises each to NF4 as it arrives, but that checkpoint's attention then stays 16-bit; this notebook loads unsloth/gpt-oss-20b-BF16, a 16-bit copy whose attention loads in NF4 too and whose experts slothkit quantises to NF4 as they load: about 12 GiB of weights. With the experts' adapters that is more than a free T4's 15 GB, where the hardware cell stops and says so; an L4 (24 GB) or an A100 trains it as set. SAVE_GGUF is off here: slothkit writes gpt-oss as GGUF checked by llama.cpp at f16 and q8_0, not yet at the notebook's q4_k_m.
 
 # %% [markdown]
 # ## 1. Install what is missing (Colab's torch and ipywidgets stay, where torch is 2.11 or newer)
