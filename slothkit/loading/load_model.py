@@ -264,9 +264,8 @@ def _experts_quantized_while_loading(config, quantization_config, options: LoadO
     they are quantised one parameter at a time as they load; else a block that does
     nothing (and yields None)."""
     takes_generic_path = options.num_labels is None and architecture_for(config) is None
-    if quantization_config is None or not options.load_in_4bit:
-        return contextlib.nullcontext()
-    if not takes_generic_path or options.fused is False:
+    not_nf4 = quantization_config is None or not options.load_in_4bit
+    if not_nf4 or not takes_generic_path or options.fused is False:
         return contextlib.nullcontext()
     if options.fused:
         return quantized_experts_while_loading(lambda device: True)

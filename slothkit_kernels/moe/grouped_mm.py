@@ -44,10 +44,6 @@ def set_backend(name: str) -> None:
 
 def say_triton_instead(reason: str) -> None:
     """Say once that a grouped GEMM the grouped_mm backend was asked for runs in Triton."""
-    _say_once(reason)
-
-
-def _say_once(reason: str) -> None:
     if reason not in _said:
         _said.add(reason)
         warnings.warn(
@@ -74,20 +70,20 @@ def grouped_mm_applies(x: torch.Tensor, n: int, k: int, lora: ExpertLoRA | None)
     if BACKEND != "grouped_mm":
         return False
     if not hasattr(torch, "_grouped_mm"):
-        _say_once(f"this torch ({torch.__version__}) has no torch._grouped_mm")
+        say_triton_instead(f"this torch ({torch.__version__}) has no torch._grouped_mm")
         return False
     if x.dtype != torch.bfloat16:
-        _say_once(f"torch._grouped_mm multiplies bf16 only, not {x.dtype}")
+        say_triton_instead(f"torch._grouped_mm multiplies bf16 only, not {x.dtype}")
         return False
     if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
-        _say_once("torch._grouped_mm's fast kernel needs compute capability 9.0 or newer")
+        say_triton_instead("torch._grouped_mm's fast kernel needs compute capability 9.0 or newer")
         return False
     sizes = {"input features": k, "output features": n}
     if lora is not None:
         sizes["LoRA rank"] = lora.rank
     for name, size in sizes.items():
         if size % 8:
-            _say_once(f"{name} = {size} is not a multiple of 8 (rows of 16 bytes)")
+            say_triton_instead(f"{name} = {size} is not a multiple of 8 (rows of 16 bytes)")
             return False
     return True
 
@@ -98,7 +94,7 @@ def _bf16_matrices(t: torch.Tensor) -> torch.Tensor:
     PEFT keeps in fp32 and in an expert-interleaved view)."""
     if t.dtype == torch.bfloat16 and _leading_stride_aligned(t):
         return t
-    return t.to(dtype=torch.bfloat16, memory_format=torch.contiguous_format).contiguous()
+    return t.to(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
 
 
 def grouped_mm_lora_gemm(
