@@ -187,7 +187,9 @@ class FastModel:
                 models on GPUs of compute capability 8.0 and up, and none for 16-bit
                 models, older GPUs and the CPU (docs/configuration.md).
             keep_sums: with "offload", keep each layer's residual sum after attention
-                in pinned host memory for its recompute, which then skips o_proj.  None
+                in pinned host memory for its recompute, which then skips o_proj (and a
+                mixture-of-experts layer's experts' forward, so that the recompute runs
+                none of their products).  None
                 (default): the SLOTHKIT_KEEP_SUMS environment variable if set, else on
                 for GPUs of compute capability 8.0 and up, off for older ones and the
                 CPU.

@@ -40,7 +40,8 @@ class CheckpointingOptions:
         mode: use_gradient_checkpointing: "offload", "auto", True or False ("unsloth" is
             read as "offload").
         cuda_graphs: with "offload", replay each layer from CUDA graphs; None: the default.
-        keep_sums: with "offload", keep each layer's sum after attention; None: the default.
+        keep_sums: with "offload", keep each layer's sum after attention (and its
+            experts' forward); None: the default.
         max_memory: with "auto", the GPU memory budget (GiB or bytes).
         batch_size: with "auto", the per-device batch size, to decide now.
         max_host_memory: with "auto" or "offload", the host memory the offloaded inputs

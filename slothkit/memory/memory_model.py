@@ -22,7 +22,9 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
   host         with every layer offloaded, each checkpointed layer's input (and kept
-               sum) in pinned host memory: e H (1 or 2) per token per layer, held in
+               sum, and a mixture-of-experts layer's kept experts' forward:
+               ``experts_forward_bytes``, two of them in flight on the GPU) in pinned
+               host memory: e H (1 or 2) per token per layer, held in
                power-of-two pieces (``host_checkpoint_bytes``: torch's pinned
                allocator rounds each request up to a power of two, which would cost up
                to 2x); a layer the host budget cannot take keeps them
@@ -290,6 +292,19 @@ def experts_working_bytes(shape: Shape, tokens: int, element_bytes: int = 2) -> 
     return float(rows * (6 * experts.width * element_bytes + ROUTING_BYTES) + tokens * 8 * experts.count)
 
 
+def experts_forward_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:
+    """What a mixture-of-experts layer's checkpointed forward keeps of its fused experts for
+    the re-run (slothkit.engine.experts; slothkit_kernels.moe.ExpertsForward): the output
+    (H per token), and per routed row the gate/up products (2 W), the two adapters'
+    x A^T (2 r) and the routing (ROUTING_BYTES)."""
+    experts = shape.experts()
+    rows = tokens * experts.top_k
+    return float(
+        element_bytes * (tokens * shape.hidden_size + rows * (2 * experts.width + 2 * rank))
+        + rows * ROUTING_BYTES
+    )
+
+
 # The most bytes of NF4 experts the grouped GEMMs hold dequantised at once
 # (slothkit_kernels.moe.grouped_gemm.NF4_STAGE_BYTES; a test holds the two equal: the
 # planner does not import the kernel library, which imports torch).
@@ -401,7 +416,8 @@ class TrainingMemory:
         Args:
             tokens: tokens per step (batch x sequence).
         """
-        return float(self._copies(tokens) * tokens * self.shape.hidden_size * self.element_bytes)
+        hidden_state = tokens * self.shape.hidden_size * self.element_bytes
+        return float(self._copies(tokens) * hidden_state + self.experts_kept_bytes(tokens))
 
     def host_checkpoint_bytes(self, tokens: int) -> float:
         """``checkpoint_bytes`` as pinned host memory holds it (``pinned_bytes``).
@@ -409,12 +425,32 @@ class TrainingMemory:
         Args:
             tokens: tokens per step (batch x sequence).
         """
-        return float(
-            self._copies(tokens) * pinned_bytes(tokens * self.shape.hidden_size * self.element_bytes)
-        )
+        hidden_state = pinned_bytes(tokens * self.shape.hidden_size * self.element_bytes)
+        experts = self.experts_kept_bytes(tokens)
+        # Each kept tensor is pinned on its own; the largest, the gate/up products, rounds
+        # up as one piece (the others are under a tenth of it).
+        return float(self._copies(tokens) * hidden_state + (pinned_bytes(int(experts)) if experts else 0.0))
 
     def _copies(self, tokens: int) -> int:
-        return 1 + int(self.keep_sums and tokens <= self.graph_max_tokens)
+        return 1 + int(self._keeps(tokens))
+
+    def _keeps(self, tokens: int) -> bool:
+        """Whether checkpointed layers keep tensors for their re-runs at this step size
+        (OffloadedCheckpointer.keeps_for)."""
+        return self.keep_sums and tokens <= self.graph_max_tokens
+
+    def experts_kept_bytes(self, tokens: int) -> float:
+        """What one checkpointed layer keeps of its fused experts' forward for the re-run,
+        averaged over the decoder layers (``experts_forward_bytes``); 0 where nothing is
+        kept at this step size or the model has no experts.
+
+        Args:
+            tokens: tokens per step (batch x sequence).
+        """
+        if not self._keeps(tokens) or not self.shape.experts():
+            return 0.0
+        share = self.shape.experts().layers / self.layers
+        return share * experts_forward_bytes(self.shape, tokens, self.rank, self.element_bytes)
 
     def allocated(self, tokens: int, kept_layers: int = 0, on_gpu_layers: int = 0) -> float:
         """Predicted peak allocated bytes: weights, trained parameters and activations.
@@ -427,6 +463,10 @@ class TrainingMemory:
         staged = 0.0
         if self.mode == "qlora" and self.shape.experts():
             staged = nf4_experts_stage_bytes(self.shape, self.element_bytes)
+        if kept_layers < self.layers and self.experts_kept_bytes(tokens):
+            # The experts' kept forward in flight on the GPU: the one being copied to the
+            # host in forward, the one prefetched a layer ahead in backward.
+            staged += 2 * experts_forward_bytes(self.shape, tokens, self.rank, self.element_bytes)
         return (
             weights_bytes(self.shape, self.mode, self.element_bytes)
             + self.trainable_bytes

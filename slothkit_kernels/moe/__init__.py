@@ -4,7 +4,8 @@ One file per concept: ``routing`` (sort by expert, the tile schedule), ``grouped
 (each expert's projection with its adapter fused), ``activation`` (the gated
 activations and their backward), ``combine`` (sorted rows back to tokens),
 ``expert_sums`` (the adapters' per-expert gradients), ``lora`` (the adapter record) and
-``experts`` (the autograd Function and the public op, with the derivation); ``grouped_mm``
+``experts`` (the autograd Function and the public op, with the derivation, and
+``moe_lora_experts_forward``: a forward to hand to a later call on the same inputs); ``grouped_mm``
 (the same grouped GEMMs through torch._grouped_mm, chosen by its ``set_backend``); ``gemv``
 (``expert_gemv``: a decode step's few tokens, each pair through its chosen expert, reading
 only those experts' weights).
@@ -19,7 +20,12 @@ a base weight, and multiply it a run of experts at a time (at most
 copy of all the experts is made.
 """
 
-from slothkit_kernels.moe.experts import moe_lora_experts, moe_lora_experts_reference
+from slothkit_kernels.moe.experts import (
+    ExpertsForward,
+    moe_lora_experts,
+    moe_lora_experts_forward,
+    moe_lora_experts_reference,
+)
 from slothkit_kernels.moe.gemv import expert_gemv, expert_gemv_reference
 from slothkit_kernels.moe.grouped_gemm import grouped_lora_gemm, grouped_lora_gemm_reference
 from slothkit_kernels.moe.lora import ExpertLoRA
@@ -31,6 +37,7 @@ from slothkit_kernels.moe.routing import ExpertRouting, route_to_experts
 __all__ = [
     "ExpertLoRA",
     "ExpertRouting",
+    "ExpertsForward",
     "NF4Experts",
     "dequantize_nf4_experts",
     "expert_gemv",
@@ -38,6 +45,7 @@ __all__ = [
     "grouped_lora_gemm",
     "grouped_lora_gemm_reference",
     "moe_lora_experts",
+    "moe_lora_experts_forward",
     "moe_lora_experts_reference",
     "quantize_nf4_experts",
     "route_to_experts",

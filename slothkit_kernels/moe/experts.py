@@ -18,6 +18,12 @@ Forward, over the M = T * top_k (token, expert) rows sorted by expert (``routing
   out_t = sum_j w_tj Y[row(t, j)]                                            (T, H)
 Saved: x, w, G and the two (M, r) adapter products; h and Y are not kept.
 
+A forward computed once may be handed to a later differentiable call on the same inputs
+(``moe_lora_experts_forward`` returns it as an ``ExpertsForward``; ``moe_lora_experts(...,
+forward=)`` takes it): that call runs no GEMM and returns the same output, with the same
+backward.  A checkpointed layer's re-run uses this to rebuild its graph without running
+the experts' products a second time.
+
 Backward, given dOut (T, H); for row i of token t, expert e, weight w:
   gY_i   = dOut_t V_e + s' (dOut_t B'_e) A'_e       the same grouped GEMM on transposed views
   h, dG  = act backward with dh_i = w gY_i          (h recomputed from G)
@@ -129,26 +135,77 @@ def _lora(a, b, scale) -> ExpertLoRA | None:
     return None if a is None else ExpertLoRA(a, b, scale)
 
 
+@dataclass
+class ExpertsForward:
+    """What one forward of the experts computed (module docstring): the output and what
+    the backward reads of it, for a later call on the same inputs to take as they are."""
+
+    out: torch.Tensor  # (T, H)
+    gate_up: torch.Tensor  # (M, 2I): G, the gate/up products before the activation
+    xa: torch.Tensor | None  # (M, r): x A^T of the gate/up adapter, None without one
+    ha: torch.Tensor | None  # (M, r): h A'^T of the down adapter, None without one
+    routing: ExpertRouting
+
+    _FIELDS = ("out", "gate_up", "xa", "ha")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor it holds by name (the routing's as routing0, routing1, ...)."""
+        named = {name: getattr(self, name) for name in self._FIELDS if getattr(self, name) is not None}
+        named.update((f"routing{i}", t) for i, t in enumerate(self.routing.tensors()))
+        return named
+
+    @classmethod
+    def from_tensors(cls, named: dict[str, torch.Tensor]) -> ExpertsForward:
+        """The record ``tensors()`` flattened, rebuilt (from copies of those tensors, say)."""
+        out, gate_up = named["out"], named["gate_up"]
+        routing_tensors = [named[f"routing{i}"] for i in range(len(ROUTING_FIELDS))]
+        offsets = routing_tensors[ROUTING_FIELDS.index("offsets")]
+        routing = ExpertRouting(
+            num_experts=offsets.shape[0] - 1,
+            top_k=gate_up.shape[0] // out.shape[0],
+            block_m=tile_sizes(out.dtype)["BLOCK_M"],
+            **dict(zip(ROUTING_FIELDS, routing_tensors)),
+        )
+        return cls(out, gate_up, named.get("xa"), named.get("ha"), routing)
+
+
+# ExpertRouting's tensors in the order its tensors() lists them.
+ROUTING_FIELDS = ("tokens", "order", "row_expert", "inverse", "offsets", "tile_expert", "tile_row")
+
+
+def _experts_forward(x, expert_weights, gu_lora, d_lora, experts: _Experts, routing) -> ExpertsForward:
+    """The forward's products (module docstring), no autograd."""
+    act = (experts.activation, experts.interleaved, experts.alpha, experts.limit)
+    gate_up, xa = grouped_lora_gemm(
+        x, routing, experts.gate_up, gu_lora, experts.gate_up_bias, gather=True, store_xa=True
+    )  # (M, 2I), (M, r)
+    h = expert_activation(gate_up, routing, *act)  # (M, I)
+    y, ha = grouped_lora_gemm(
+        h, routing, experts.down, d_lora, experts.down_bias, gather=False, store_xa=True
+    )
+    del h  # recomputed in backward
+    out = combine_rows(y, routing, expert_weights)  # (T, H)
+    return ExpertsForward(out, gate_up, xa, ha, routing)
+
+
 class _MoELoRAExpertsFunction(torch.autograd.Function):
-    """apply(x, expert_weights, gate_up A, gate_up B, down A, down B, experts, routing)."""
+    """apply(x, expert_weights, gate_up A, gate_up B, down A, down B, experts, routing,
+    forward): ``forward`` an ExpertsForward of these inputs to take, or None to compute it."""
 
     @staticmethod
-    def forward(ctx, x, expert_weights, gu_a, gu_b, d_a, d_b, experts: _Experts, routing: ExpertRouting):
-        gu_lora = _lora(gu_a, gu_b, experts.gate_up_scale)
-        d_lora = _lora(d_a, d_b, experts.down_scale)
-        act = (experts.activation, experts.interleaved, experts.alpha, experts.limit)
-        gate_up, xa = grouped_lora_gemm(
-            x, routing, experts.gate_up, gu_lora, experts.gate_up_bias, gather=True, store_xa=True
-        )  # (M, 2I), (M, r)
-        h = expert_activation(gate_up, routing, *act)  # (M, I)
-        y, ha = grouped_lora_gemm(
-            h, routing, experts.down, d_lora, experts.down_bias, gather=False, store_xa=True
+    def forward(
+        ctx, x, expert_weights, gu_a, gu_b, d_a, d_b, experts: _Experts, routing, done: ExpertsForward | None
+    ):
+        if done is None:
+            gu_lora = _lora(gu_a, gu_b, experts.gate_up_scale)
+            d_lora = _lora(d_a, d_b, experts.down_scale)
+            done = _experts_forward(x, expert_weights, gu_lora, d_lora, experts, routing)
+        routing = done.routing
+        ctx.save_for_backward(
+            x, expert_weights, gu_a, gu_b, d_a, d_b, done.gate_up, done.xa, done.ha, *routing.tensors()
         )
-        del h  # recomputed in backward
-        out = combine_rows(y, routing, expert_weights)  # (T, H)
-        ctx.save_for_backward(x, expert_weights, gu_a, gu_b, d_a, d_b, gate_up, xa, ha, *routing.tensors())
         ctx.experts, ctx.routing = experts, routing
-        return out
+        return done.out
 
     @staticmethod
     def backward(ctx, d_out):
@@ -211,7 +268,7 @@ class _MoELoRAExpertsFunction(torch.autograd.Function):
             inverse = routing.inverse.long()
             dw = torch.where(inverse >= 0, dw_rows[inverse.clamp(min=0)], 0.0)
             dw = dw.view(expert_weights.shape).to(expert_weights.dtype)
-        return dx, dw, d_ga, d_gb, d_da, d_db, None, None
+        return dx, dw, d_ga, d_gb, d_da, d_db, None, None, None
 
 
 def _check_lora(name: str, lora: ExpertLoRA | None, experts: int, out_f: int, in_f: int, x):
@@ -344,6 +401,7 @@ def moe_lora_experts(
     alpha: float = 1.702,
     limit: float = 7.0,
     weights_in_out: bool = False,
+    forward: ExpertsForward | None = None,
 ) -> torch.Tensor:
     """The experts of an MoE block with per-expert LoRA, differentiable (module docstring).
 
@@ -366,28 +424,97 @@ def moe_lora_experts(
         interleaved: gate and up are the even and odd columns of gate_up's output (gpt-oss)
             rather than its first and second halves.
         weights_in_out: the weights are stored (in, out) as gpt-oss's, y = x W_e.
+        forward: what ``moe_lora_experts_forward`` computed from these same inputs,
+            weights and adapters: taken as this call's forward (no product runs; its
+            ``out`` is returned), the backward as always.  Its shapes are checked, its
+            values cannot be.
 
     Returns:
         (T, H) in x's dtype: sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x_t).
     """
+    setup = _setup(
+        x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
+        activation, interleaved, alpha, limit, weights_in_out,
+    )  # fmt: skip
+    if setup is None:
+        if forward is not None:
+            raise ValueError(
+                "moe_lora_experts: forward= was given, but the plain-torch reference runs here "
+                "(no Triton on x's device), which moe_lora_experts_forward never records for"
+            )
+        warn_reference_once("moe_lora_experts", x.device.type)
+        return moe_lora_experts_reference(
+            x, expert_ids, expert_weights, gate_up, down, gate_up_lora=gate_up_lora, down_lora=down_lora,
+            gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation, interleaved=interleaved,
+            alpha=alpha, limit=limit, weights_in_out=weights_in_out,
+        )  # fmt: skip
+    x, experts = setup
+    if forward is not None:
+        _check_forward(forward, x, expert_ids, experts, gate_up_lora, down_lora)
+        routing = forward.routing
+    else:
+        routing = route_to_experts(expert_ids, experts.gate_up.shape[0], tile_sizes(x.dtype)["BLOCK_M"])
+    gu_a, gu_b = (gate_up_lora.A, gate_up_lora.B) if gate_up_lora is not None else (None, None)
+    d_a, d_b = (down_lora.A, down_lora.B) if down_lora is not None else (None, None)
+    return _MoELoRAExpertsFunction.apply(x, expert_weights, gu_a, gu_b, d_a, d_b, experts, routing, forward)
+
+
+def moe_lora_experts_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor | NF4Experts,
+    down: torch.Tensor | NF4Experts,
+    *,
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    weights_in_out: bool = False,
+) -> tuple[torch.Tensor, ExpertsForward | None]:
+    """moe_lora_experts' output without autograd, and what its forward computed, for a
+    later ``moe_lora_experts(..., forward=)`` on the same inputs to take (module
+    docstring).  The arguments are moe_lora_experts'.
+
+    Returns:
+        (the (T, H) output, its ExpertsForward); the record is None where the plain-torch
+        reference runs (no Triton on x's device), whose forward keeps nothing to hand on.
+    """
+    with torch.no_grad():
+        setup = _setup(
+            x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
+            activation, interleaved, alpha, limit, weights_in_out,
+        )  # fmt: skip
+        if setup is None:
+            warn_reference_once("moe_lora_experts", x.device.type)
+            out = moe_lora_experts_reference(
+                x, expert_ids, expert_weights, gate_up, down, gate_up_lora=gate_up_lora,
+                down_lora=down_lora, gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+                interleaved=interleaved, alpha=alpha, limit=limit, weights_in_out=weights_in_out,
+            )  # fmt: skip
+            return out, None
+        x, experts = setup
+        routing = route_to_experts(expert_ids, experts.gate_up.shape[0], tile_sizes(x.dtype)["BLOCK_M"])
+        done = _experts_forward(x, expert_weights, gate_up_lora, down_lora, experts, routing)
+        return done.out, done
+
+
+def _setup(
+    x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
+    activation, interleaved, alpha, limit, weights_in_out,
+) -> tuple[torch.Tensor, _Experts] | None:  # fmt: skip
+    """The inputs checked, and (x in the compute dtype, the _Experts record); None where
+    the plain-torch reference must run (no Triton on x's device)."""
     w_gu, w_d = _logical_weights(gate_up, down, weights_in_out)
     _check_inputs(
         x, expert_ids, expert_weights, w_gu, w_d, gate_up_lora, down_lora, gate_up_bias, down_bias, activation
     )
-    options = dict(
-        gate_up_lora=gate_up_lora,
-        down_lora=down_lora,
-        gate_up_bias=gate_up_bias,
-        down_bias=down_bias,
-        activation=activation,
-        interleaved=interleaved,
-        alpha=alpha,
-        limit=limit,
-        weights_in_out=weights_in_out,
-    )
     if not use_triton(x):
-        warn_reference_once("moe_lora_experts", x.device.type)
-        return moe_lora_experts_reference(x, expert_ids, expert_weights, gate_up, down, **options)
+        return None
     if torch.is_autocast_enabled(x.device.type):
         # The compute dtype is autocast's, as for F.linear: x and the base weights are cast
         # to it (a copy only where they differ); the adapters are read in their own dtype.
@@ -409,7 +536,31 @@ def moe_lora_experts(
         float(alpha),
         float(limit),
     )
-    routing = route_to_experts(expert_ids, w_gu.shape[0], tile_sizes(x.dtype)["BLOCK_M"])
-    gu_a, gu_b = (gate_up_lora.A, gate_up_lora.B) if gate_up_lora is not None else (None, None)
-    d_a, d_b = (down_lora.A, down_lora.B) if down_lora is not None else (None, None)
-    return _MoELoRAExpertsFunction.apply(x, expert_weights, gu_a, gu_b, d_a, d_b, experts, routing)
+    return x, experts
+
+
+def _check_forward(forward, x, expert_ids, experts: _Experts, gate_up_lora, down_lora) -> None:
+    """A handed-on ExpertsForward fits this call: its shapes, dtype, device and adapters."""
+    if not isinstance(forward, ExpertsForward):
+        raise TypeError(f"moe_lora_experts: forward= must be an ExpertsForward, got {type(forward).__name__}")
+    rows, width = expert_ids.numel(), experts.gate_up.shape[1]
+    expected = {
+        "out": (forward.out, tuple(x.shape)),
+        "gate_up": (forward.gate_up, (rows, width)),
+        "xa": (forward.xa, None if gate_up_lora is None else (rows, gate_up_lora.rank)),
+        "ha": (forward.ha, None if down_lora is None else (rows, down_lora.rank)),
+    }
+    for name, (tensor, shape) in expected.items():
+        found = None if tensor is None else tuple(tensor.shape)
+        if found != shape or (tensor is not None and (tensor.dtype != x.dtype or tensor.device != x.device)):
+            what = "none" if tensor is None else f"{tensor.dtype} {found} on {tensor.device}"
+            raise ValueError(
+                f"moe_lora_experts: forward.{name} is {what}; this call needs "
+                f"{'none' if shape is None else f'{x.dtype} {shape} on {x.device}'}: it was not "
+                f"computed from these inputs and adapters"
+            )
+    if forward.routing.num_rows != rows or forward.routing.num_experts != experts.gate_up.shape[0]:
+        raise ValueError(
+            f"moe_lora_experts: forward.routing has {forward.routing.num_rows} rows of "
+            f"{forward.routing.num_experts} experts; this call routes {rows} rows to {experts.gate_up.shape[0]}"
+        )

@@ -16,7 +16,8 @@ Kept intermediates.  A layer may also hand an intermediate of its forward to the
 re-run, so as not to compute it twice: ``keep(name, tensor)`` in the forward, and
 ``kept(name)`` in the marked re-run, which returns it (None everywhere else).  The
 decoder layer keeps the residual sum after attention, so its re-run skips the output
-projection.  A kept tensor travels like the layer input (to pinned host memory and
+projection; a mixture-of-experts layer's fused experts keep their whole forward
+(``keep_group``/``take_kept_group``), so its re-run runs none of their products.  A kept tensor travels like the layer input (to pinned host memory and
 back, prefetched one layer ahead), so it costs host memory and copy bandwidth; a
 checkpointer collects them only when built with ``keeps=True``.
 """
@@ -69,6 +70,35 @@ def kept(name: str) -> torch.Tensor | None:
     """In a marked re-run, the tensor the forward offered under ``name``; else None."""
     kept_tensors = getattr(_state, "kept", None)
     return None if kept_tensors is None else kept_tensors.get(name)
+
+
+def keeping() -> bool:
+    """Whether a checkpointer that keeps is running a layer's forward now, so that what
+    ``keep`` is offered reaches the re-run."""
+    return getattr(_state, "collector", None) is not None
+
+
+def keep_group(prefix: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """keep() each tensor under ``prefix + name``, unless this layer's forward kept a group
+    under ``prefix`` already (a second module of the kind in one layer then recomputes);
+    whether they were kept."""
+    collector = getattr(_state, "collector", None)
+    if collector is None or any(name.startswith(prefix) for name in collector):
+        return False
+    for name, tensor in tensors.items():
+        collector[prefix + name] = tensor.detach()
+    return True
+
+
+def take_kept_group(prefix: str) -> dict[str, torch.Tensor] | None:
+    """In a marked re-run, the tensors ``keep_group(prefix, ...)`` kept, by their own
+    names; they are taken, so a second call finds none (as ``keep_group`` kept one group
+    per layer).  None where nothing was kept."""
+    kept_tensors = getattr(_state, "kept", None)
+    if not kept_tensors:
+        return None
+    names = [name for name in kept_tensors if name.startswith(prefix)]
+    return {name[len(prefix) :]: kept_tensors.pop(name) for name in names} or None
 
 
 class _UnreadSum(torch.autograd.Function):

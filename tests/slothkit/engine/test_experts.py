@@ -427,3 +427,45 @@ def test_models_with_fused_experts_or_qk_norms_are_launch_bound(tmp_path):
         assert is_launch_bound(loaded(tiny_model_path("qwen3")))
         assert is_launch_bound(loaded(_checkpoint(tmp_path, "qwen3_moe")))
         assert is_launch_bound(loaded(_checkpoint(tmp_path, "gpt_oss")))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4_text"])
+def test_checkpointed_layers_take_their_kept_experts_forward(family, tmp_path, monkeypatch):
+    """Offloaded checkpointing with keep_sums (the default on compute capability 8.0 and
+    up): each layer's forward keeps its experts' forward and the re-run takes it, so a step
+    runs 4 grouped GEMMs per layer rather than 6, with the gradients of keep_sums=False bit
+    for bit (Gemma 4's norm after the experts reads their kept output in the re-run)."""
+    import slothkit_kernels.moe.experts as experts_op
+
+    path = _checkpoint(tmp_path, family)
+    ids = torch.randint(3, 500, (2, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    products = []
+    real = experts_op.grouped_lora_gemm
+
+    def counted(*args, **kwargs):
+        products.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experts_op, "grouped_lora_gemm", counted)
+
+    def step(keep_sums: bool):
+        model, _ = FastModel.from_pretrained(str(path), dtype=torch.float32, load_in_4bit=False, fused=True)
+        model = FastModel.get_peft_model(
+            model, r=8, lora_alpha=16, use_gradient_checkpointing="unsloth", keep_sums=keep_sums
+        )
+        _random_b(model, seed=5)
+        products.clear()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, len(products)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept_loss, kept_grads, kept_products = step(keep_sums=True)
+        loss, grads, plain_products = step(keep_sums=False)
+    assert (kept_products, plain_products) == (2 * 4, 2 * 6)
+    assert torch.equal(kept_loss, loss)
+    assert kept_grads.keys() == grads.keys() and any("experts" in name for name in grads)
+    for name, grad in grads.items():
+        assert torch.equal(kept_grads[name], grad), name

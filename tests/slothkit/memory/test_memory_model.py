@@ -205,7 +205,7 @@ def test_the_default_token_bound_is_the_checkpointer_s():
     assert bound == LayerGraphs().max_tokens == OffloadedCheckpointer().keep_max_tokens
 
 
-def _tiny_qwen3_moe(tmp_path):
+def _tiny_qwen3_moe(tmp_path, **peft_options):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from slothkit.testing import build_tiny_tokenizer
@@ -223,7 +223,7 @@ def _tiny_qwen3_moe(tmp_path):
         model, _ = FastModel.from_pretrained(
             str(tmp_path / "moe"), dtype=torch.float32, load_in_4bit=False, fused=True
         )
-        return FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+        return FastModel.get_peft_model(model, r=8, **{"use_gradient_checkpointing": False, **peft_options})
 
 
 @pytest.mark.skipif(
@@ -246,6 +246,47 @@ def test_a_kept_mixture_of_experts_layer_saves_what_the_model_says(tmp_path):
     expected = kept_layer_bytes(shape, batch * seq, rank=8, element_bytes=4)
     for saved in measured[1:]:
         assert saved == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_checkpointed_mixture_of_experts_layer_keeps_what_the_model_says(tmp_path, monkeypatch):
+    """Offloaded checkpointing that keeps: each layer's forward keeps its fused experts'
+    forward for the re-run, experts_forward_bytes of it, and the routing's tile schedule
+    besides (which grows with the experts, not the tokens); TrainingMemory counts it in a
+    checkpointed layer's bytes while layers keep, and not above the step size they keep at."""
+    import math
+
+    import slothkit.engine.experts as experts_glue
+    from slothkit.memory.memory_model import experts_forward_bytes
+    from slothkit_kernels.moe.grouped_gemm import tile_sizes
+
+    model = _tiny_qwen3_moe(tmp_path, use_gradient_checkpointing="unsloth", keep_sums=True)
+    kept = []
+    real = experts_glue.keep_group
+
+    def measured(prefix, tensors):
+        kept.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return real(prefix, tensors)
+
+    monkeypatch.setattr(experts_glue, "keep_group", measured)
+    batch, seq = 2, 20
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    shape = shape_from_config(model.config)
+    tokens, experts = batch * seq, shape.experts()
+    tiles = math.ceil(tokens * experts.top_k / tile_sizes(torch.float32)["BLOCK_M"]) + experts.count
+    schedule = 4 * (experts.count + 1) + 2 * 4 * tiles  # offsets, each tile's expert and first row
+    expected = experts_forward_bytes(shape, tokens, rank=8, element_bytes=4) + schedule
+    assert kept == [expected] * shape.num_hidden_layers
+
+    memory = TrainingMemory(shape, "lora", lora_bytes(shape, 8), rank=8, element_bytes=4, keep_sums=True)
+    hidden_state = tokens * shape.hidden_size * 4
+    per_layer = experts_forward_bytes(shape, tokens, rank=8, element_bytes=4)
+    assert memory.checkpoint_bytes(tokens) == 2 * hidden_state + per_layer
+    long = memory.graph_max_tokens * 2
+    assert memory.checkpoint_bytes(long) == long * shape.hidden_size * 4
+    plain = dataclasses.replace(memory, keep_sums=False)
+    assert memory.allocated(tokens) == plain.allocated(tokens) + 2 * per_layer
 
 
 def _tiny_qwen3_5_config(**sizes):
