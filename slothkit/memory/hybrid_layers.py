@@ -5,6 +5,12 @@ head alone: slothkit.engine.generic_layers) with their norms and MLPs in slothki
 kernels (slothkit.engine.generic_modules), PEFT's adapters, and the delta rule through
 slothkit_kernels.delta_rule (slothkit.engine.gated_deltanet).
 
+Qwen3.5-MoE (qwen3_5_moe_text) has the same layers with a mixture of experts for every
+MLP.  Here its MLP is the shared expert, a gated MLP of width Ws as the dense model's (I =
+Ws below), whose output sigmoid(shared_expert_gate(x)) scales, and the MLP's normed input,
+which the router and the routed experts read too; the routed experts and the router are
+counted as in any mixture-of-experts model (slothkit.memory.memory_model).
+
 Sizes, per layer: H hidden, I the MLP's width, r the LoRA rank; a full-attention layer has
 Hq query heads and Hkv key/value heads of D; a DeltaNet layer HK key heads of dk, HV value
 heads of dv, Q = HK dk, V = HV dv, a causal convolution K wide over its N = 2 Q + V
@@ -13,9 +19,10 @@ of the model's dtype; what is fp32 whatever that dtype counts 4.
 
 What a layer keeps for backward, per token (``kept_bytes``; tests/slothkit/memory/
 test_memory_model.py counts it to the byte through autograd's saved-tensor hooks on a
-tiny Qwen3.5, in fp32 and bf16, with the kernels under Triton's interpreter). The layer
-norms, the q/k norms and the MLP are slothkit's kernels (slothkit.engine.generic_modules
-fuses them one by one), the rest transformers' modules with PEFT's adapters:
+tiny Qwen3.5 and a tiny Qwen3.5-MoE, in fp32 and bf16, with the kernels under Triton's
+interpreter). The layer norms, the q/k norms and the MLP are slothkit's kernels
+(slothkit.engine.generic_modules fuses them one by one), the rest transformers' modules
+with PEFT's adapters:
 
   both kinds    the two RMSNorms: each its input and 1/rms, 2 (H e + 4); the fused MLP:
                 its input, the gate and up outputs and its three adapters' x A^T,
@@ -24,7 +31,9 @@ fuses them one by one), the rest transformers' modules with PEFT's adapters:
                 (in_proj_qkv, in_proj_z, out_proj), four in a full one; each of those
                 adapters' input as its A reads it (``_adapter_inputs``): in an fp32 model
                 each input once (the mixer's normed input H, its output), in a 16-bit one an
-                fp32 copy for every adapter that reads it.
+                fp32 copy for every adapter that reads it.  A shared expert's gate adds
+                its sigmoid and the product's other factor, the shared expert's output,
+                (H + 1) e.
   DeltaNet      in_proj_qkv's output and the convolution's (its padding makes K - 1 more
                 positions per sequence), 2 N e; the SiLU's output (N e) in an fp32 model,
                 where a 16-bit one keeps the l2 norms' fp32 copies of q and k (8 Q)
@@ -78,10 +87,26 @@ def _query_width(shape: Shape) -> int:
     return 2 * width if shape.model_type in OUTPUT_GATE_TYPES else width
 
 
+def _dense_mlp_width(shape: Shape) -> int:
+    """The width of the layer's gated MLP of linear layers: the model's MLP, or in a
+    mixture-of-experts model the shared expert (0 where it has none)."""
+    experts = shape.experts()
+    return shape.intermediate_size if experts is None else experts.shared_width
+
+
+def _has_shared_expert_gate(shape: Shape) -> bool:
+    """Whether the layer scales its shared expert's output by sigmoid(shared_expert_gate(x))."""
+    experts = shape.experts()
+    return experts is not None and experts.shared_width > 0
+
+
 def projection_parameters(shape: Shape, layer_type: str) -> int:
-    """The parameters of one layer's linear projections (NF4 in QLoRA), the MLP's included."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    mlp = 3 * h * i
+    """The parameters of one layer's linear projections (NF4 in QLoRA), the MLP's included:
+    in a mixture-of-experts model the shared expert's and its gate's (a linear layer
+    H -> 1, which bitsandbytes quantises as it does the others); the routed experts are
+    slothkit.memory.memory_model's, as in any mixture-of-experts model."""
+    h, i = shape.hidden_size, _dense_mlp_width(shape)
+    mlp = 3 * h * i + (h if _has_shared_expert_gate(shape) else 0)
     if layer_type == "linear_attention":
         la = _linear(shape)
         value_width = la.value_heads * la.value_dim
@@ -106,9 +131,12 @@ def other_parameters(shape: Shape, layer_type: str) -> int:
 def adapter_columns(shape: Shape, layer_type: str) -> int:
     """r times this is one layer's LoRA parameters: A's input width plus B's output width
     for every adapted projection (q/k/v/o asked for adapt in_proj_qkv, in_proj_z and
-    out_proj in a DeltaNet layer: slothkit.loading.lora_setup.onto_linear_attention)."""
-    h, i = shape.hidden_size, shape.intermediate_size
-    mlp = 2 * h + i + (2 * i + h)
+    out_proj in a DeltaNet layer: slothkit.loading.lora_setup.onto_linear_attention).  In
+    a mixture-of-experts model the MLP's are the shared expert's gate/up/down (its gate,
+    H -> 1, and the router are not adapted); the routed experts' are
+    slothkit.memory.memory_model's."""
+    h, i = shape.hidden_size, _dense_mlp_width(shape)
+    mlp = 2 * h + i + (2 * i + h) if i else 0
     if layer_type == "linear_attention":
         la = _linear(shape)
         value_width = la.value_heads * la.value_dim
@@ -136,12 +164,18 @@ def kept_bytes(
     shape: Shape, layer_type: str, tokens: int, rank: int, element_bytes: int, sequences: int
 ) -> float:
     """What one layer of ``layer_type`` that is not checkpointed keeps for backward (module
-    docstring), in a step of ``tokens`` tokens in ``sequences`` sequences."""
-    e, h, i = element_bytes, shape.hidden_size, shape.intermediate_size
-    # The two norms' inputs and 1/rms; the fused MLP's input, gate, up and x A^T.
-    common = 2 * (h * e + FP32) + (h + 2 * i + 3 * rank) * e
+    docstring), in a step of ``tokens`` tokens in ``sequences`` sequences; of a
+    mixture-of-experts layer, all but the routed experts and their router
+    (slothkit.memory.memory_model.routed_experts_kept_bytes)."""
+    e, h, i = element_bytes, shape.hidden_size, _dense_mlp_width(shape)
+    # The two norms' inputs and 1/rms; the MLP's normed input; the fused MLP's gate, up
+    # and x A^T (in a mixture-of-experts model the shared expert's).
+    common = 2 * (h * e + FP32) + h * e + ((2 * i + 3 * rank) * e if i else 0)
+    if _has_shared_expert_gate(shape):
+        # sigmoid(gate(x)) * shared_expert(x): the product keeps both factors, the sigmoid its output.
+        common += (h + 1) * e
     # The fused MLP's 16-bit copies of its adapters (an fp32 model's are the parameters).
-    adapter_copies = 3 * rank * (h + i) * e if e < FP32 else 0
+    adapter_copies = 3 * rank * (h + i) * e if e < FP32 and i else 0
     if layer_type == "linear_attention":
         la = _linear(shape)
         n, q = la.conv_channels, la.key_heads * la.key_dim

@@ -18,7 +18,9 @@ In bytes, with e bytes per 16-bit element (2; 4 for an fp32 model):
                checkpointing adds one layer input (e H) per layer; each layer that is not
                checkpointed adds what it saves for backward (``kept_layer_bytes``).
   hybrid       a hybrid model's layers (Qwen3.5's gated DeltaNet and gated full-attention
-               layers) count by their kind in all three terms: slothkit.memory.hybrid_layers.
+               layers) count by their kind in all three terms: slothkit.memory.hybrid_layers;
+               Qwen3.5-MoE's routed experts and router count as any mixture-of-experts
+               model's, its shared expert as the hybrid layer's MLP.
   allocated    the sum of the three: the peak ``torch.cuda.max_memory_allocated``
                reports.
   host         with every layer offloaded, each checkpointed layer's input (and kept
@@ -113,10 +115,16 @@ def _embeddings_and_head(shape: Shape) -> int:
 
 def _hybrid_weights_bytes(shape: Shape, per_projection: float, element_bytes: int) -> float:
     """A hybrid model's weights: its linear projections at per_projection bytes, the rest
-    (convolutions, norms, the DeltaNet layers' decay parameters) in element_bytes."""
+    (convolutions, norms, the DeltaNet layers' decay parameters) in element_bytes; in a
+    mixture-of-experts model (Qwen3.5-MoE, every layer sparse) each layer's routed experts
+    as projections and its router in element_bytes, as in any other."""
     types = shape.layer_types()
     projections = sum(hybrid_layers.projection_parameters(shape, kind) for kind in types)
     others = sum(hybrid_layers.other_parameters(shape, kind) for kind in types) + shape.hidden_size
+    experts = shape.experts()
+    if experts:
+        projections += experts.layers * experts.count * 3 * shape.hidden_size * experts.width
+        others += experts.layers * experts.count * shape.hidden_size
     return projections * per_projection + element_bytes * (_embeddings_and_head(shape) + others)
 
 
@@ -132,22 +140,22 @@ def lora_bytes(shape: Shape, rank: int) -> float:
         shape: the model's shape.
         rank: the LoRA rank.
     """
+    h, experts = shape.hidden_size, shape.experts()
+    # Every expert's gate/up (A reads H, B writes 2 W) and down (A reads W, B writes H).
+    expert_columns = experts.count * (h + 2 * experts.width + experts.width + h) if experts else 0
     if shape.linear_attention() is not None:  # a hybrid model: each layer by its kind
         columns = sum(hybrid_layers.adapter_columns(shape, kind) for kind in shape.layer_types())
-        return 16.0 * rank * columns
+        return 16.0 * rank * (columns + (experts.layers * expert_columns if experts else 0))
     d = _head_dim(shape)
-    h, i = shape.hidden_size, shape.intermediate_size
+    i = shape.intermediate_size
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     arch = architecture_for(shape)
     fused = arch is not None and arch.fused_projections
     attention = (1 if fused else 3) * h + q + (q + 2 * kv + h)  # A columns (o reads q), B rows
     mlp = (1 if fused else 2) * h + i + (2 * i + h)
-    experts = shape.experts()
     sparse = experts.layers if experts else 0
     per_rank = shape.num_hidden_layers * attention + (shape.num_hidden_layers - sparse) * mlp
-    if experts:
-        per_rank += sparse * experts.count * (h + experts.width + 2 * experts.width + h)
-    return 16.0 * rank * per_rank
+    return 16.0 * rank * (per_rank + sparse * expert_columns)
 
 
 def kept_layer_bytes(
@@ -193,27 +201,24 @@ def kept_layer_bytes(
         sequences: how many sequences the tokens are (a DeltaNet layer's convolution and
             chunks are per sequence); one where not known, a few KiB short per further one.
     """
+    experts = shape.experts()
     if shape.linear_attention() is not None:
         if layer_type not in ("full_attention", "linear_attention"):
             raise ValueError(f"layer_type={layer_type!r}; accepted: 'full_attention' or 'linear_attention'")
-        return hybrid_layers.kept_bytes(shape, layer_type, tokens, rank, element_bytes, sequences)
+        # The layer's norms, mixer and dense MLP (a mixture-of-experts layer's shared
+        # expert and its gate), and the routed experts as in any mixture-of-experts model.
+        kept = hybrid_layers.kept_bytes(shape, layer_type, tokens, rank, element_bytes, sequences)
+        return kept + (tokens * routed_experts_kept_bytes(shape, rank, element_bytes) if experts else 0.0)
     d = _head_dim(shape)
     h, i = shape.hidden_size, shape.intermediate_size
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = element_bytes * (4 * h + 2 * i + 2 * (heads + kv_heads) * d + 7 * rank)
     per_token += 4 * (heads + 2)
-    experts = shape.experts()
     if experts:
-        # The fused experts keep G (2 W) and the two adapters' x A^T (2 r) per routed row
-        # and the routing (ROUTING_BYTES a row); transformers' router its fp32
-        # probabilities (4 E), the top-k indices (int64) and weights and their sum
-        # (12 k + 4); the attention's four adapters keep theirs.  Layers of both kinds:
-        # the larger.
-        k = experts.top_k
-        sparse = element_bytes * (
-            4 * h + k * 2 * (experts.width + rank) + 2 * (heads + kv_heads) * d + 4 * rank
-        )
-        sparse += 4 * (heads + 2) + ROUTING_BYTES * k + 4 * experts.count + 12 * k + 4
+        # The routed experts and their router in place of the MLP; the attention's four
+        # adapters keep their x A^T.  Layers of both kinds: the larger.
+        sparse = element_bytes * (4 * h + 2 * (heads + kv_heads) * d + 4 * rank) + 4 * (heads + 2)
+        sparse += routed_experts_kept_bytes(shape, rank, element_bytes)
         per_token = sparse if experts.layers == shape.num_hidden_layers else max(per_token, sparse)
     arch = architecture_for(shape)
     if arch.qk_norm if arch is not None else shape.model_type in PER_HEAD_QK_NORM_TYPES:
@@ -277,6 +282,25 @@ def activation_bytes(
 ROUTING_BYTES = 20
 
 
+def routed_experts_kept_bytes(shape: Shape, rank: int, element_bytes: int = 2) -> float:
+    """Per token, what a mixture-of-experts layer's routed experts and router keep for
+    backward (beyond the MLP's normed input, which they read): the fused experts keep G
+    (2 W), the two adapters' x A^T (2 r) and the row's weight (1), in element_bytes, and
+    the routing (ROUTING_BYTES), per routed row; transformers' router its fp32
+    probabilities (4 E) and the top-k indices (int64, 8 k), and where it renormalises the
+    chosen weights (ExpertsShape.renormalised) the division's fp32 weights and their sum
+    (4 k + 4).
+
+    Left out, as it grows with the experts, not the tokens: the routing's tile schedule
+    (4 (E + 1) + 8 (M / BLOCK_M + E) bytes for M routed rows, BLOCK_M the grouped GEMM's
+    tile rows: slothkit_kernels.moe), a few hundred bytes to a few KiB per layer."""
+    experts = shape.experts()
+    k = experts.top_k
+    routed_rows = k * (element_bytes * (2 * experts.width + 2 * rank + 1) + ROUTING_BYTES)
+    router = 4 * experts.count + 8 * k + (4 * k + 4 if experts.renormalised else 0)
+    return float(routed_rows + router)
+
+
 def experts_working_bytes(shape: Shape, tokens: int, element_bytes: int = 2) -> float:
     """The most a mixture-of-experts layer's fused experts (slothkit_kernels.moe) hold at
     once in a training step, beyond the layer's input and output.
@@ -286,10 +310,16 @@ def experts_working_bytes(shape: Shape, tokens: int, element_bytes: int = 2) -> 
     input and the recomputed activation (W each) and G's gradient (2 W): 6 W elements per
     row; the routing adds ROUTING_BYTES per row, the router its fp32 logits and
     probabilities (8 E per token).  The adapters' (M, r) products are under 1 % of that at r = 16.
+    A shared expert of width Ws (Qwen3.5-MoE) adds its fused MLP's gate and up outputs
+    (2 Ws per token): it runs first in forward, so autograd runs its backward after the
+    routed experts', and they are held throughout theirs.
     """
     experts = shape.experts()
     rows = tokens * experts.top_k
-    return float(rows * (6 * experts.width * element_bytes + ROUTING_BYTES) + tokens * 8 * experts.count)
+    shared = tokens * 2 * experts.shared_width * element_bytes
+    return float(
+        rows * (6 * experts.width * element_bytes + ROUTING_BYTES) + tokens * 8 * experts.count + shared
+    )
 
 
 def experts_forward_bytes(shape: Shape, tokens: int, rank: int = 16, element_bytes: int = 2) -> float:

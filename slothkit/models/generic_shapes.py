@@ -74,6 +74,20 @@ _QWEN3_5_9B = {
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
     "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8, "tie_word_embeddings": False,
 }  # fmt: skip
+# Qwen3.5-35B-A3B's text model (transformers' Qwen3_5MoeTextConfig defaults, with the
+# checkpoint's 262,144-token context; the checkpoint holds a vision tower too): Qwen3.5-9B's
+# kinds of layer at 2048 hidden, 40 of them, every fourth gated full attention (16 heads of
+# 256, 2 key/value heads), the others gated DeltaNet (16 key heads and 32 value heads of 128);
+# every layer's MLP 256 experts of width 512, 8 per token, beside a shared expert of width
+# 512 gated by sigmoid(shared_expert_gate(x)). Its config has no dense MLP width: the
+# shape's intermediate_size is the experts' (as slothkit.models.shape.shape_from_config
+# reads it). Untied head.
+_QWEN3_5_MOE = {
+    "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "num_experts": 256,
+    "num_experts_per_tok": 8, "tie_word_embeddings": False,
+}  # fmt: skip
 # Gemma 4 E4B's text model (the checkpoint is image-text and audio): 42 layers, five sliding
 # (512 tokens, heads of 256) to one full (heads of 512); per-layer input embeddings of 256
 # per layer; the last 18 layers reuse earlier layers' keys and values; logits soft-capped.
@@ -105,6 +119,8 @@ GENERIC_SHAPES: dict[str, Shape] = {
     "gpt-oss-120b-6l": Shape("gpt_oss", 2880, 2880, 6, 64, 8, 201088, 131072, {**_GPT_OSS, "num_local_experts": 128}),
     "tiny-qwen3-moe": Shape("qwen3_moe", 64, 128, 2, 4, 2, 512, 2048, {**_QWEN3_MOE, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16}),
     "qwen3.5-9b": Shape("qwen3_5_text", 4096, 12288, 32, 16, 4, 248320, 262144, _QWEN3_5_9B),
+    "qwen3.5-35b-a3b": Shape("qwen3_5_moe_text", 2048, 512, 40, 16, 2, 248320, 262144, {**_QWEN3_5_MOE, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10}),
+    "qwen3.5-35b-a3b-8l": Shape("qwen3_5_moe_text", 2048, 512, 8, 16, 2, 248320, 262144, {**_QWEN3_5_MOE, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2}),
     "gemma-4-e4b": Shape("gemma4_text", 2560, 10240, 42, 8, 2, 262144, 131072, _GEMMA4_E4B),
     "tiny-gemma4": Shape("gemma4_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA4),
     "tiny-gemma3n": Shape("gemma3n_text", 64, 128, 4, 4, 2, 512, 2048, _TINY_GEMMA3N),

@@ -52,7 +52,11 @@ class Shape:
         dense = set(self.extra.get("mlp_only_layers") or ())
         layers = sum(1 for n in range(self.num_hidden_layers) if n not in dense and (n + 1) % step == 0)
         width = self.extra.get("moe_intermediate_size", self.intermediate_size)
-        return ExpertsShape(count, width, routed, layers)
+        shared_width = self.extra.get("shared_expert_intermediate_size") or 0
+        # Qwen3-MoE and Qwen2-MoE renormalise the chosen experts' weights where
+        # norm_topk_prob says so; Qwen3.5-MoE and Mixtral always, and their configs do not say.
+        renormalised = bool(self.extra.get("norm_topk_prob", True))
+        return ExpertsShape(count, width, routed, layers, shared_width, renormalised)
 
     def layer_types(self) -> list[str]:
         """Each decoder layer's kind, as the config's layer_types names it: "full_attention"
@@ -77,7 +81,8 @@ class Shape:
 
     def matmul_parameters(self) -> int:
         """Parameters of the projections and LM head that cost FLOPs per token: of a
-        mixture-of-experts layer, the router and the experts each token is routed to."""
+        mixture-of-experts layer, the router, the experts each token is routed to and the
+        shared expert with its gate (H -> 1), which every token runs."""
         head_dim = self.extra.get("head_dim", self.hidden_size // self.num_attention_heads)
         q = self.hidden_size * self.num_attention_heads * head_dim
         kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
@@ -88,7 +93,10 @@ class Shape:
         mlps = (self.num_hidden_layers - sparse_layers) * dense_mlp
         if experts:
             routed = experts.top_k * 3 * self.hidden_size * experts.width + experts.count * self.hidden_size
-            mlps += sparse_layers * routed
+            shared = (
+                3 * self.hidden_size * experts.shared_width + self.hidden_size if experts.shared_width else 0
+            )
+            mlps += sparse_layers * (routed + shared)
         return self.num_hidden_layers * (q + kv + o) + mlps + self.vocab_size * self.hidden_size
 
 
@@ -96,12 +104,18 @@ class Shape:
 class ExpertsShape:
     """A model's mixture-of-experts layers: ``count`` experts of MLP width ``width``, each
     token routed to ``top_k`` of them, in ``layers`` of the decoder layers (the others
-    have a dense MLP of the shape's intermediate_size)."""
+    have a dense MLP of the shape's intermediate_size).  Beside the routed experts, a
+    shared expert of width ``shared_width`` that every token runs, its output scaled by
+    sigmoid(shared_expert_gate(x)), a linear layer H -> 1 (Qwen3.5-MoE); 0
+    where there is none (Qwen3-MoE, gpt-oss, Mixtral, Gemma 4).  ``renormalised``: the
+    router divides the chosen experts' softmax weights by their sum."""
 
     count: int
     width: int
     top_k: int
     layers: int
+    shared_width: int = 0
+    renormalised: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,8 +144,10 @@ EXPERTS_FIELDS = (
     "num_local_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "shared_expert_intermediate_size",
     "decoder_sparse_step",
     "mlp_only_layers",
+    "norm_topk_prob",
 )
 
 # The config fields Shape.linear_attention reads.
@@ -155,6 +171,21 @@ def _check_positive(config, name: str, required: bool) -> None:
         raise ValueError(f"the model's config has {found}; expected a positive integer")
 
 
+def _dense_width(config) -> int:
+    """The config's dense MLP width (intermediate_size).  A model whose every layer is a
+    mixture of experts may have none (Qwen3.5-MoE's config has no intermediate_size): the
+    experts' width (moe_intermediate_size) stands in for it, which nothing reads where
+    every layer is sparse (Shape.experts says which layers are; the memory model counts
+    those by their experts) and which keeps the rank check of `slothkit plan` on the
+    narrowest adapted projection."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if getattr(config, "intermediate_size", None) is None and experts:
+        _check_positive(config, "moe_intermediate_size", required=True)
+        return config.moe_intermediate_size
+    _check_positive(config, "intermediate_size", required=True)
+    return config.intermediate_size
+
+
 def shape_from_config(config) -> Shape:
     """A Shape read off a transformers config (for checkpoints the bench does not name).
 
@@ -162,14 +193,9 @@ def shape_from_config(config) -> Shape:
         config: a transformers config, or anything with its attributes (config.json's
             fields as a namespace).
     """
-    for name in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "vocab_size",
-    ):
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         _check_positive(config, name, required=True)
+    dense_width = _dense_width(config)
     _check_positive(config, "num_key_value_heads", required=False)
     extra = {}
     head_dim = getattr(config, "head_dim", None)
@@ -179,12 +205,12 @@ def shape_from_config(config) -> Shape:
     # Shape.experts' fields, and Shape.linear_attention's where some layers are linear.
     for name in EXPERTS_FIELDS + (LINEAR_ATTENTION_FIELDS if hybrid else ()):
         value = getattr(config, name, None)
-        if value is not None and not isinstance(value, bool):
+        if value is not None and (not isinstance(value, bool) or name == "norm_topk_prob"):
             extra[name] = list(value) if isinstance(value, (list, tuple)) else value
     return Shape(
         config.model_type,
         config.hidden_size,
-        config.intermediate_size,
+        dense_width,
         config.num_hidden_layers,
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,

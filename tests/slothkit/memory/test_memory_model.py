@@ -229,23 +229,36 @@ def _tiny_qwen3_moe(tmp_path, **peft_options):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
 )
+def _tile_schedule_bytes(shape, tokens: int, dtype: torch.dtype) -> int:
+    """What the routing's tile schedule keeps, which kept_layer_bytes leaves out (it grows
+    with the experts, not the tokens, and its tile rows are the kernel's choice): the
+    experts' row offsets, and each tile's expert and first row."""
+    import math
+
+    from slothkit_kernels.moe.grouped_gemm import tile_sizes
+
+    experts = shape.experts()
+    tiles = math.ceil(tokens * experts.top_k / tile_sizes(dtype)["BLOCK_M"]) + experts.count
+    return 4 * (experts.count + 1) + 2 * 4 * tiles
+
+
 def test_a_kept_mixture_of_experts_layer_saves_what_the_model_says(tmp_path):
     """Qwen3-MoE on the generic path (fused norms, attention with per-head q/k norms, fused
-    experts): each layer keeps kept_layer_bytes to within 0.1 %.  Not to the byte: the
-    routing's tile schedule grows with the experts, not the tokens, and transformers' router
-    keeps a few small tensors the model counts per token.  Its adapters, every expert's,
-    are lora_bytes exactly."""
+    experts): each layer keeps kept_layer_bytes and the routing's tile schedule, to the
+    byte.  Its router does not renormalise (the config's norm_topk_prob), so keeps no
+    division.  Its adapters, every expert's, are lora_bytes exactly."""
     model = _tiny_qwen3_moe(tmp_path)
     shape = shape_from_config(model.config)
     assert shape.experts() is not None and shape.experts().count == 6
+    assert not shape.experts().renormalised
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert lora_bytes(shape, 8) == 16 * trained
     batch, seq = 2, 20
     ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     measured = _saved_bytes_per_layer(model, ids)
-    expected = kept_layer_bytes(shape, batch * seq, rank=8, element_bytes=4)
-    for saved in measured[1:]:
-        assert saved == pytest.approx(expected, rel=1e-3)
+    tokens = batch * seq
+    expected = kept_layer_bytes(shape, tokens, rank=8, element_bytes=4)
+    assert measured[1:] == [expected + _tile_schedule_bytes(shape, tokens, torch.float32)] * 2
 
 
 def test_a_checkpointed_mixture_of_experts_layer_keeps_what_the_model_says(tmp_path, monkeypatch):
@@ -303,22 +316,47 @@ def _tiny_qwen3_5_config(**sizes):
     return AutoConfig.for_model("qwen3_5_text", **{**defaults, **sizes})
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-9b"])
+def _is_nf4_in_qlora(name: str, parameter: torch.Tensor) -> bool:
+    """Whether QLoRA holds a parameter in NF4: the linear layers' weights (bitsandbytes
+    quantises every nn.Linear, the shared expert's gate H -> 1 among them, the head
+    aside) and the experts' 3-D parameters (slothkit quantises them as they load); not
+    the router's weight, a bare parameter, nor the DeltaNet's convolution."""
+    if ".experts." in name:
+        return True
+    return parameter.dim() == 2 and ("proj" in name or "shared_expert_gate" in name)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3.5-35b-a3b-8l"])
 def test_a_hybrid_model_s_weights_count_its_parameters(name):
-    """Qwen3.5 built on the meta device: weights_bytes at one byte a parameter is its
-    parameter count, both kinds of layer (the gated attention's double q_proj, the
-    DeltaNet layers' projections, convolution and decay parameters) included; in NF4 the
-    projections shrink and the rest does not."""
+    """Qwen3.5 and Qwen3.5-MoE built on the meta device: weights_bytes at one byte a
+    parameter is its parameter count, both kinds of layer (the gated attention's double
+    q_proj, the DeltaNet layers' projections, convolution and decay parameters) and the
+    MoE sizes' routed experts, router, shared expert and its gate included; in NF4 the
+    projections and experts shrink and the rest does not."""
     from transformers import AutoModelForCausalLM
 
     shape = shape_by_name(name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape.config())
     assert weights_bytes(shape, "lora", element_bytes=1) == sum(p.numel() for p in model.parameters())
-    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "proj" in n)
-    others = sum(p.numel() for p in model.parameters()) - linear
-    expected = linear * (0.5 + 1 / 64 + 4 / 16384) + 2 * others
+    nf4 = sum(p.numel() for n, p in model.named_parameters() if _is_nf4_in_qlora(n, p))
+    others = sum(p.numel() for p in model.parameters()) - nf4
+    expected = nf4 * (0.5 + 1 / 64 + 4 / 16384) + 2 * others
     assert weights_bytes(shape, "qlora") == pytest.approx(expected, rel=1e-12)
+
+
+def test_qwen3_5_35b_a3b_is_planned_at_its_size():
+    """Qwen3.5-35B-A3B: 34.66 billion parameters, about 18 GiB in NF4 (the experts
+    quantised with the projections); its adapters, every expert's at r = 16, about 14 GiB
+    with their gradients and AdamW's moments."""
+    from slothkit.memory.plan import plan
+
+    shape = shape_by_name("qwen3.5-35b-a3b")
+    assert weights_bytes(shape, "lora", element_bytes=1) == pytest.approx(34.66e9, rel=1e-3)
+    planned = plan("qwen3.5-35b-a3b", gpu="h100", mode="qlora")
+    assert 17 < planned.weights_gib < 19
+    assert lora_bytes(shape, 16) / GIB == pytest.approx(14.0, rel=0.01)
+    assert planned.fits
 
 
 @pytest.mark.skipif(
@@ -353,6 +391,78 @@ def test_a_kept_qwen3_5_layer_saves_what_the_model_says(dtype, seq, tmp_path):
     e = 4 if dtype == torch.float32 else 2
     expected = [
         kept_layer_bytes(shape, batch * seq, rank=8, element_bytes=e, layer_type=kind, sequences=batch)
+        for kind in shape.layer_types()
+    ]
+    assert measured[1:] == expected[1:]
+    assert expected[1] != expected[3]
+
+
+# The fields of _tiny_qwen3_5_config that a Qwen3.5-MoE config shares (not the dense MLP's width).
+_TINY_QWEN3_5_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "pad_token_id",
+)  # fmt: skip
+
+
+def _tiny_qwen3_5_moe(tmp_path, dtype):
+    """A tiny Qwen3.5-MoE on slothkit's generic path (fused norms, the shared expert as a
+    fused MLP, the routed experts fused, the delta rule kernel), with PEFT's adapters: the
+    widths of _tiny_qwen3_5_config, and the experts' (W, 2 W), the shared expert's (Ws)
+    and the experts' count all different from them and from each other."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slothkit.testing import build_tiny_tokenizer
+
+    dense = _tiny_qwen3_5_config().to_dict()
+    sizes = {k: dense[k] for k in _TINY_QWEN3_5_FIELDS}
+    config = AutoConfig.for_model(
+        "qwen3_5_moe_text", **sizes, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=28,
+        shared_expert_intermediate_size=20,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "moe")
+    build_tiny_tokenizer("bpe", tmp_path / "moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generic path, the DeltaNet and experts' adapters are said
+        model, _ = FastModel.from_pretrained(
+            str(tmp_path / "moe"), dtype=dtype, load_in_4bit=False, fused=True
+        )
+        return FastModel.get_peft_model(model, r=8, use_gradient_checkpointing=False)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="counts the CPU's attention; CUDA's kernels save their RNG state too"
+)
+@pytest.mark.parametrize(("dtype", "seq"), [(torch.float32, 70), (torch.bfloat16, 20)])
+def test_a_kept_qwen3_5_moe_layer_saves_what_the_model_says(dtype, seq, tmp_path):
+    """A tiny Qwen3.5-MoE: each kind of layer keeps kept_layer_bytes of its kind (the
+    routed experts' and router's terms of Qwen3-MoE, the shared expert's fused MLP, its
+    gate's sigmoid and the product's other factor) and the routing's tile schedule, to the
+    byte, in fp32 and in bf16 (where the experts keep their rows' weights in bf16 beside
+    the router's fp32 ones, and the shared expert's fused MLP 16-bit copies of its
+    adapters).  The config's missing intermediate_size is the experts' width; the adapters
+    (every expert's through PEFT's target_parameters, the shared expert's gate/up/down as
+    linear layers, not its gate nor the router) are lora_bytes exactly, and the weights
+    weights_bytes."""
+    from slothkit.models.shape import ExpertsShape
+
+    model = _tiny_qwen3_5_moe(tmp_path, dtype)
+    shape = shape_from_config(model.config)
+    assert shape.intermediate_size == 28
+    assert shape.experts() == ExpertsShape(count=5, width=28, top_k=2, layers=4, shared_width=20)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_bytes(shape, 8) == 16 * trained
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert weights_bytes(shape, "lora", element_bytes=1) == frozen
+    batch = 2
+    ids = torch.randint(3, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
+    measured = _saved_bytes_per_layer(model, ids)
+    e = 4 if dtype == torch.float32 else 2
+    tokens = batch * seq
+    schedule = _tile_schedule_bytes(shape, tokens, dtype)
+    expected = [
+        kept_layer_bytes(shape, tokens, rank=8, element_bytes=e, layer_type=kind, sequences=batch) + schedule
         for kind in shape.layer_types()
     ]
     assert measured[1:] == expected[1:]
