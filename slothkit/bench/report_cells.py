@@ -24,7 +24,9 @@ def _setting(record: dict) -> str:
     for key, what in (("slothkit_cuda_graphs", "CUDA graphs"), ("slothkit_keep_sums", "keep sums")):
         if record.get(key, "auto") != "auto":
             parts.append(f"{what} {record[key]}")
-    if record.get("slothkit_moe_gemm", "triton") != "triton":
+    # Runs before the "auto" backend (torch._grouped_mm where it applies on compute
+    # capability 9.0 and up) ran the Triton kernel by default and say "triton".
+    if record.get("slothkit_moe_gemm", "auto") not in ("auto", "triton"):
         parts.append(f"slothkit's experts through {record['slothkit_moe_gemm']}")
     if record.get("hf_checkpointing", "on") != "on" and not record.get("best"):
         parts.append("HF and Liger without checkpointing")

@@ -121,7 +121,7 @@ def run_worker(impl: str, args, extra_env=None) -> dict:
     for flag, key in (("--cuda-graphs", "cuda_graphs"), ("--keep-sums", "keep_sums")):
         if getattr(args, key, "auto") != "auto":
             command += [flag, getattr(args, key)]
-    if getattr(args, "moe_gemm", "triton") != "triton":
+    if getattr(args, "moe_gemm", "auto") != "auto":
         command += ["--moe-gemm", args.moe_gemm]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     completed = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
@@ -465,11 +465,12 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--moe-gemm",
-        choices=["triton", "grouped_mm"],
-        default="triton",
+        choices=["auto", "triton", "grouped_mm"],
+        default="auto",
         help="the backend of slothkit's mixture-of-experts grouped GEMMs "
-        "(slothkit_kernels.moe.grouped_mm.set_backend): its Triton kernel (default) or "
-        "torch._grouped_mm where that applies (bf16, compute capability 9.0 or newer)",
+        "(slothkit_kernels.moe.grouped_mm.set_backend): auto (default) runs "
+        "torch._grouped_mm where that applies (bf16, compute capability 9.0 or newer) and "
+        "the Triton kernel elsewhere; triton or grouped_mm choose one",
     )
     parser.add_argument(
         "--keep-sums",

@@ -63,7 +63,7 @@ RESULT_TAG = "SLOTHKIT_BENCH_RESULT "
 
 
 def run(args) -> dict | None:
-    if args.moe_gemm != "triton" and args.impl.startswith("slothkit"):
+    if args.moe_gemm != "auto" and args.impl.startswith("slothkit"):
         from slothkit_kernels.moe.grouped_mm import set_backend
 
         set_backend(args.moe_gemm)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto")
     parser.add_argument("--keep-sums", choices=list(KEEP_SUMS), default="auto")
-    parser.add_argument("--moe-gemm", choices=["triton", "grouped_mm"], default="triton")
+    parser.add_argument("--moe-gemm", choices=["auto", "triton", "grouped_mm"], default="auto")
     args = parser.parse_args(argv)
     try:
         result = run(args)

@@ -187,7 +187,12 @@ def test_it_applies_only_where_asked_and_possible_saying_why_once(monkeypatch):
     lora8 = ExpertLoRA(torch.zeros(2, 8, 64), torch.zeros(2, 32, 8), 1.0)
     lora4 = ExpertLoRA(torch.zeros(2, 4, 64), torch.zeros(2, 32, 4), 1.0)
     monkeypatch.setattr(grouped_mm, "_said", set())
-    monkeypatch.setattr(grouped_mm, "BACKEND", "triton")  # the default, restored after the test
+    monkeypatch.setattr(grouped_mm, "BACKEND", "auto")  # the default, restored after the test
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "auto" takes it on compute capability 9.0+ only, silently
+        assert not grouped_mm.grouped_mm_applies(x, 32, 64, lora8)  # on the CPU
+        assert not grouped_mm.grouped_mm_applies(x.float(), 32, 64, lora8)
+    grouped_mm.set_backend("triton")
     assert not grouped_mm.grouped_mm_applies(x, 32, 64, lora8)  # not asked for
     with pytest.raises(ValueError, match="not one of"):
         grouped_mm.set_backend("cutlass")
@@ -203,3 +208,29 @@ def test_it_applies_only_where_asked_and_possible_saying_why_once(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once
             assert not grouped_mm.grouped_mm_applies(*args)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs a GPU of compute capability 9.0 or newer; run on the GPU machine",
+)
+def test_the_default_takes_it_on_compute_capability_9_and_up(monkeypatch):
+    monkeypatch.setattr(grouped_mm, "BACKEND", "auto")
+    calls = []
+    real = grouped_gemm.grouped_mm_lora_gemm
+    monkeypatch.setattr(
+        grouped_gemm, "grouped_mm_lora_gemm", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    gen = torch.Generator().manual_seed(8)
+    _, routing = _routing(64, 2, 4, used=4, gen=gen, device="cuda")
+    x = torch.randn(64, 32, generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.randn(4, 48, 32, generator=gen).to("cuda", torch.bfloat16)
+    y, _ = grouped_lora_gemm(x, routing, weight, gather=True)
+    assert calls == [1]
+    # Both round their fp32 sums to bf16 once: a unit in the last place apart at most.
+    reference = grouped_lora_gemm_reference(x, routing, weight, gather=True).float()
+    torch.testing.assert_close(y.float(), reference, rtol=2 * BF16_U, atol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fp32 takes the Triton kernel, silently
+        grouped_lora_gemm(x.float(), routing, weight.float(), gather=True)
+    assert calls == [1]

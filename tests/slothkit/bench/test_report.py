@@ -495,6 +495,8 @@ def test_the_experts_backend_is_named_in_the_setting_where_not_the_default():
 
     record = {"dtype": "bf16", "autocast": False}
     assert _setting(record) == "bf16, no autocast"
+    # "auto" is the default; "triton" was, before it.
+    assert _setting({**record, "slothkit_moe_gemm": "auto"}) == "bf16, no autocast"
     assert _setting({**record, "slothkit_moe_gemm": "triton"}) == "bf16, no autocast"
     assert _setting({**record, "slothkit_moe_gemm": "grouped_mm"}) == (
         "bf16, no autocast, slothkit's experts through grouped_mm"

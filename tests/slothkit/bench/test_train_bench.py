@@ -274,8 +274,9 @@ def test_checkpointing_switch_reaches_every_worker_and_the_record(tmp_path, monk
         ([], "slothkit_keep_sums", "auto"),
         (["--keep-sums", "on"], "slothkit_keep_sums", "on"),
         (["--keep-sums", "off"], "slothkit_keep_sums", "off"),
-        ([], "slothkit_moe_gemm", "triton"),
+        ([], "slothkit_moe_gemm", "auto"),
         (["--moe-gemm", "grouped_mm"], "slothkit_moe_gemm", "grouped_mm"),
+        (["--moe-gemm", "triton"], "slothkit_moe_gemm", "triton"),
     ],
 )
 def test_slothkit_switches_reach_every_worker_and_the_record(tmp_path, monkeypatch, flag, key, expected):
@@ -309,10 +310,10 @@ def test_the_worker_sets_the_experts_backend_for_slothkit_only(monkeypatch):
     from slothkit.bench import train_worker
     from slothkit_kernels.moe import grouped_mm
 
-    monkeypatch.setattr(grouped_mm, "BACKEND", "triton")
+    monkeypatch.setattr(grouped_mm, "BACKEND", "auto")
     monkeypatch.setattr(train_worker, "matmul_peak_tflops", lambda: 1.0)
     train_worker.run(argparse.Namespace(impl="matmul-peak", moe_gemm="grouped_mm"))
-    assert grouped_mm.BACKEND == "triton"
+    assert grouped_mm.BACKEND == "auto"
     with pytest.raises(AttributeError):  # the Namespace lacks the rest of a run's arguments
         train_worker.run(argparse.Namespace(impl="slothkit", moe_gemm="grouped_mm"))
     assert grouped_mm.BACKEND == "grouped_mm"
