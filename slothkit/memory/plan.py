@@ -154,7 +154,7 @@ def plan(
         raise ValueError(f"max_memory={max_memory!r}; expected a positive number of GiB")
     if max_host_memory is not None and (isinstance(max_host_memory, bool) or not max_host_memory > 0):
         raise ValueError(f"max_host_memory={max_host_memory!r}; expected a positive number of GiB")
-    shape = _shape_of(model)
+    shape, text_only = _shape_of(model)
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
         raise ValueError(f"mode={mode!r}; accepted: 'lora' (16-bit base) or 'qlora' (4-bit base)")
@@ -204,6 +204,11 @@ def plan(
         host_budget = host_budget_bytes()
     dtype = "fp16" if gpu_name in NO_BF16 else "bf16"
     notes = []
+    if text_only:
+        notes.append(
+            "an image-text checkpoint: planned for its language model (config.json's text_config) "
+            "alone; the vision tower's weights and the image tokens' activations are not counted"
+        )
     if dtype == "fp16":
         notes.append(f"{gpu_name} has no bfloat16: training in float16 with loss scaling")
 
@@ -280,13 +285,27 @@ def plan(
     )
 
 
-def _shape_of(model: str | Shape) -> Shape:
+def _shape_of(model: str | Shape) -> tuple[Shape, bool]:
+    """The shape to plan for, and whether it is an image-text checkpoint's language model."""
     if isinstance(model, Shape):
-        return model
+        return model, False
     config = Path(model) / "config.json"
-    if config.is_file():
-        return shape_from_config(SimpleNamespace(**json.loads(config.read_text())))
-    return shape_by_name(model)
+    if not config.is_file():
+        return shape_by_name(model), False
+    fields = json.loads(config.read_text())
+    text = fields.get("text_config")
+    if not isinstance(text, dict) or "hidden_size" in fields:
+        return shape_from_config(SimpleNamespace(**fields)), False
+    # An image-text checkpoint (Qwen3.5's and Gemma 4's releases, Gemma 3 4B and up): its
+    # language model's sizes are under text_config, where the file leaves out the fields
+    # at their defaults; transformers' config class fills them in.
+    try:
+        from transformers import AutoConfig
+
+        text_config = AutoConfig.from_pretrained(model).get_text_config()
+    except (ImportError, OSError, ValueError, KeyError):  # a model_type this transformers lacks
+        text_config = SimpleNamespace(**text)
+    return shape_from_config(text_config), True
 
 
 def _gpu_memory(gpu: str) -> tuple[float | None, str, float | None]:

@@ -316,3 +316,30 @@ def test_a_checkpoint_s_experts_are_read_from_its_config(tmp_path):
     )
     assert read.weights_gib == pytest.approx(named.weights_gib, rel=1e-3)
     assert read.total_gib == pytest.approx(named.total_gib, rel=0.01)
+
+
+def test_an_image_text_checkpoint_is_planned_for_its_language_model(tmp_path):
+    """`slothkit plan DIR` on an image-text release (Qwen3.5's config.json holds its sizes
+    under text_config, leaving defaults out): the language model's plan, said so; a
+    model_type this transformers does not know is read from the file's fields alone."""
+    import json
+
+    from transformers import AutoConfig
+
+    named = plan("qwen3.5-9b", gpu="h100", mode="qlora")
+    text_fields = shape_by_name("qwen3.5-9b").config_fields()
+    AutoConfig.for_model("qwen3_5", text_config=text_fields).save_pretrained(tmp_path / "qwen3.5")
+    assert "hidden_size" not in json.loads((tmp_path / "qwen3.5" / "config.json").read_text())
+    read = plan(str(tmp_path / "qwen3.5"), gpu="h100", mode="qlora")
+    assert read.weights_gib == pytest.approx(named.weights_gib, rel=1e-6)
+    assert read.total_gib == pytest.approx(named.total_gib, rel=1e-6)
+    assert any("image-text checkpoint" in note and "text_config" in note for note in read.notes)
+    assert not any("image-text" in note for note in named.notes)
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    text = {"model_type": "qwen3_5_text", **{k: v for k, v in text_fields.items()}}
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_vlm", "text_config": text}))
+    assert plan(str(unknown), gpu="h100", mode="qlora").weights_gib == pytest.approx(
+        named.weights_gib, rel=1e-6
+    )
