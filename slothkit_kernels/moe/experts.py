@@ -433,8 +433,9 @@ def moe_lora_experts(
         (T, H) in x's dtype: sum_j expert_weights[t, j] * expert_{expert_ids[t, j]}(x_t).
     """
     setup = _setup(
-        x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
-        activation, interleaved, alpha, limit, weights_in_out,
+        x, expert_ids, expert_weights, gate_up, down, gate_up_lora=gate_up_lora, down_lora=down_lora,
+        gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation, interleaved=interleaved,
+        alpha=alpha, limit=limit, weights_in_out=weights_in_out,
     )  # fmt: skip
     if setup is None:
         if forward is not None:
@@ -465,47 +466,30 @@ def moe_lora_experts_forward(
     expert_weights: torch.Tensor,
     gate_up: torch.Tensor | NF4Experts,
     down: torch.Tensor | NF4Experts,
-    *,
-    gate_up_lora: ExpertLoRA | None = None,
-    down_lora: ExpertLoRA | None = None,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    activation: str = "swiglu",
-    interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    weights_in_out: bool = False,
+    **options,
 ) -> tuple[torch.Tensor, ExpertsForward | None]:
     """moe_lora_experts' output without autograd, and what its forward computed, for a
     later ``moe_lora_experts(..., forward=)`` on the same inputs to take (module
-    docstring).  The arguments are moe_lora_experts'.
+    docstring).  The arguments are moe_lora_experts' (``options`` its keywords but
+    ``forward``).
 
     Returns:
         (the (T, H) output, its ExpertsForward); the record is None where the plain-torch
         reference runs (no Triton on x's device), whose forward keeps nothing to hand on.
     """
     with torch.no_grad():
-        setup = _setup(
-            x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
-            activation, interleaved, alpha, limit, weights_in_out,
-        )  # fmt: skip
-        if setup is None:
-            warn_reference_once("moe_lora_experts", x.device.type)
-            out = moe_lora_experts_reference(
-                x, expert_ids, expert_weights, gate_up, down, gate_up_lora=gate_up_lora,
-                down_lora=down_lora, gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
-                interleaved=interleaved, alpha=alpha, limit=limit, weights_in_out=weights_in_out,
-            )  # fmt: skip
-            return out, None
-        x, experts = setup
+        if not use_triton(x):
+            return moe_lora_experts(x, expert_ids, expert_weights, gate_up, down, **options), None
+        x, experts = _setup(x, expert_ids, expert_weights, gate_up, down, **options)
         routing = route_to_experts(expert_ids, experts.gate_up.shape[0], tile_sizes(x.dtype)["BLOCK_M"])
-        done = _experts_forward(x, expert_weights, gate_up_lora, down_lora, experts, routing)
+        lora = options.get("gate_up_lora"), options.get("down_lora")
+        done = _experts_forward(x, expert_weights, *lora, experts, routing)
         return done.out, done
 
 
 def _setup(
-    x, expert_ids, expert_weights, gate_up, down, gate_up_lora, down_lora, gate_up_bias, down_bias,
-    activation, interleaved, alpha, limit, weights_in_out,
+    x, expert_ids, expert_weights, gate_up, down, *, gate_up_lora=None, down_lora=None, gate_up_bias=None,
+    down_bias=None, activation="swiglu", interleaved=False, alpha=1.702, limit=7.0, weights_in_out=False,
 ) -> tuple[torch.Tensor, _Experts] | None:  # fmt: skip
     """The inputs checked, and (x in the compute dtype, the _Experts record); None where
     the plain-torch reference must run (no Triton on x's device)."""
