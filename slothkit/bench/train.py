@@ -136,7 +136,8 @@ def flops_per_token(shape_name: str, seq: int, recomputed: float = 1.0) -> float
     """LoRA training FLOPs per token: 4 x matmul parameters (forward and the
     input-gradient matmuls; frozen weights need no weight gradients) plus 2 x for the
     re-run forward of the checkpointed layers, and causal attention, 6 * T * layers *
-    (heads * head_dim) per token plus 2 * T * ... for the re-run.
+    (heads * head_dim) per token plus 2 * T * ... for the re-run, in the layers that attend
+    in full (the chunked delta rule of a hybrid's linear-attention layers is not counted).
 
     Args:
         shape_name: the model shape (an image-text shape: its language model, which reads
@@ -146,8 +147,8 @@ def flops_per_token(shape_name: str, seq: int, recomputed: float = 1.0) -> float
             checkpointed, 0: none).
     """
     shape = language_shape_by_name(shape_name)  # an image-text model's: its language model's alone
-    head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
-    attention = (6 + 2 * recomputed) * seq * shape.num_hidden_layers * shape.num_attention_heads * head_dim
+    per_pass = seq * shape.full_attention_layers() * shape.num_attention_heads * shape.head_dim()
+    attention = (6 + 2 * recomputed) * per_pass
     return (4 + 2 * recomputed) * shape.matmul_parameters() + attention
 
 

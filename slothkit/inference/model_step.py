@@ -28,7 +28,7 @@ from slothkit.inference.decode_experts import DecodeExperts, is_expert_block
 from slothkit.inference.decode_projections import SharedInputProjections
 from slothkit.inference.kv_cache import StaticKVCache
 from slothkit.memory.sizes import mlp_token_chunk
-from slothkit.models.generic_shapes import OUTPUT_GATE_TYPES
+from slothkit.models.shape import OUTPUT_GATE_TYPES
 from slothkit_kernels import attention, geglu, rope, rope_into_cache, swiglu
 
 

@@ -64,17 +64,12 @@ from __future__ import annotations
 
 import math
 
-from slothkit.models.generic_shapes import OUTPUT_GATE_TYPES
-from slothkit.models.shape import LinearAttentionShape, Shape
+from slothkit.models.shape import OUTPUT_GATE_TYPES, LinearAttentionShape, Shape
 
 # Positions per chunk of the delta rule (slothkit_kernels.delta_rule.ops.CHUNK; a test
 # holds the two equal: the planner does not import the kernel library, which imports torch).
 DELTA_RULE_CHUNK = 64
 FP32 = 4
-
-
-def _head_dim(shape: Shape) -> int:
-    return shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
 
 
 def _linear(shape: Shape) -> LinearAttentionShape:
@@ -83,7 +78,7 @@ def _linear(shape: Shape) -> LinearAttentionShape:
 
 def _query_width(shape: Shape) -> int:
     """q_proj's output: the queries, and as many gate values where the layer gates its output."""
-    width = shape.num_attention_heads * _head_dim(shape)
+    width = shape.num_attention_heads * shape.head_dim()
     return 2 * width if shape.model_type in OUTPUT_GATE_TYPES else width
 
 
@@ -112,7 +107,7 @@ def projection_parameters(shape: Shape, layer_type: str) -> int:
         value_width = la.value_heads * la.value_dim
         # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a read the hidden state; out_proj writes it.
         return h * (la.conv_channels + value_width + 2 * la.value_heads) + value_width * h + mlp
-    d = _head_dim(shape)
+    d = shape.head_dim()
     kv = shape.num_key_value_heads * d
     return h * (_query_width(shape) + 2 * kv) + shape.num_attention_heads * d * h + mlp
 
@@ -125,7 +120,7 @@ def other_parameters(shape: Shape, layer_type: str) -> int:
     if layer_type == "linear_attention":
         la = _linear(shape)
         return norms + la.conv_channels * la.conv_kernel + 2 * la.value_heads + la.value_dim
-    return norms + 2 * _head_dim(shape)
+    return norms + 2 * shape.head_dim()
 
 
 def adapter_columns(shape: Shape, layer_type: str) -> int:
@@ -141,7 +136,7 @@ def adapter_columns(shape: Shape, layer_type: str) -> int:
         la = _linear(shape)
         value_width = la.value_heads * la.value_dim
         return 2 * h + value_width + (la.conv_channels + value_width + h) + mlp
-    d = _head_dim(shape)
+    d = shape.head_dim()
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     return 3 * h + q + (_query_width(shape) + 2 * kv + h) + mlp
 
@@ -192,7 +187,7 @@ def kept_bytes(
         convolution = sequences * (la.conv_kernel - 1) * n * e
         per_layer = FP32 * hv + adapter_copies
         return float(tokens * per_token + recurrent + convolution + per_layer)
-    d = _head_dim(shape)
+    d = shape.head_dim()
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = common + 4 * FP32 * rank + _adapter_inputs([(h, 3), (heads * d, 1)], e)
     # q_norm reads a view of q_proj's output (queries and gate), k_norm of k_proj's.

@@ -74,10 +74,6 @@ GRAPH_POOL_RESERVE = 3.0
 BUDGET_MARGIN = 0.05
 
 
-def _head_dim(shape: Shape) -> int:
-    return shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
-
-
 def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
     """The frozen weights: the projections in element_bytes (mode "lora") or NF4 ("qlora"),
     the embeddings, head and norms in element_bytes.  A mixture-of-experts layer's experts
@@ -89,7 +85,7 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
         mode: "lora" or "qlora".
         element_bytes: bytes per 16-bit weight (4 for an fp32 model).
     """
-    d = _head_dim(shape)
+    d = shape.head_dim()
     h, i = shape.hidden_size, shape.intermediate_size
     per_projection = float(element_bytes) if mode == "lora" else 0.5 + 1 / 64 + 4 / 16384
     if shape.linear_attention() is not None:  # a hybrid model: each layer by its kind
@@ -146,7 +142,7 @@ def lora_bytes(shape: Shape, rank: int) -> float:
     if shape.linear_attention() is not None:  # a hybrid model: each layer by its kind
         columns = sum(hybrid_layers.adapter_columns(shape, kind) for kind in shape.layer_types())
         return 16.0 * rank * (columns + (experts.layers * expert_columns if experts else 0))
-    d = _head_dim(shape)
+    d = shape.head_dim()
     i = shape.intermediate_size
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
     arch = architecture_for(shape)
@@ -209,7 +205,7 @@ def kept_layer_bytes(
         # expert and its gate), and the routed experts as in any mixture-of-experts model.
         kept = hybrid_layers.kept_bytes(shape, layer_type, tokens, rank, element_bytes, sequences)
         return kept + (tokens * routed_experts_kept_bytes(shape, rank, element_bytes) if experts else 0.0)
-    d = _head_dim(shape)
+    d = shape.head_dim()
     h, i = shape.hidden_size, shape.intermediate_size
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = element_bytes * (4 * h + 2 * i + 2 * (heads + kv_heads) * d + 7 * rank)
@@ -249,7 +245,7 @@ def activation_bytes(
     """
     if checkpointing is not True and checkpointing != "offload":
         raise ValueError(f"checkpointing={checkpointing!r}; accepted: 'offload' or True")
-    d = _head_dim(shape)
+    d = shape.head_dim()
     h, i = shape.hidden_size, shape.intermediate_size
     per_token = 6 * h + 2 * (shape.num_attention_heads + 2 * shape.num_key_value_heads) * d
     linear = shape.linear_attention()

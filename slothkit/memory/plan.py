@@ -158,7 +158,7 @@ def plan(
     model = model if isinstance(model, str) else f"{shape.model_type} ({shape.hidden_size} hidden)"
     if mode not in ("lora", "qlora"):
         raise ValueError(f"mode={mode!r}; accepted: 'lora' (16-bit base) or 'qlora' (4-bit base)")
-    head_dim = shape.extra.get("head_dim", shape.hidden_size // shape.num_attention_heads)
+    head_dim = shape.head_dim()
     smallest = min(shape.hidden_size, shape.intermediate_size, shape.num_key_value_heads * head_dim)
     if rank > smallest:
         raise ValueError(

@@ -101,11 +101,6 @@ _GEMMA4_E4B = {
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
 # they keep (slothkit.memory.memory_model.kept_layer_bytes).
 PER_HEAD_QK_NORM_TYPES = frozenset({"qwen3_moe"})
-# Record-less families whose full-attention layers gate their output: q_proj writes each
-# head's query and a gate as wide (transformers' Qwen3_5Attention), the attention's output
-# is multiplied by the gate's sigmoid before o_proj; the planner counts both
-# (slothkit.memory.hybrid_layers).
-OUTPUT_GATE_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
 # One shape a line.
 # fmt: off

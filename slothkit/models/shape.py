@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Families whose full-attention layers gate their output: q_proj writes each head's query
+# and a gate as wide (transformers' Qwen3_5Attention), the attention's output is multiplied
+# by the gate's sigmoid before o_proj; the planner (slothkit.memory.hybrid_layers), the
+# FLOPs per token (Shape.matmul_parameters) and the decode step count both.
+OUTPUT_GATE_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -79,14 +85,40 @@ class Shape:
             layers,
         )
 
+    def head_dim(self) -> int:
+        """The full-attention layers' head width."""
+        return self.extra.get("head_dim", self.hidden_size // self.num_attention_heads)
+
+    def full_attention_layers(self) -> int:
+        """The decoder layers that attend in full (all but a hybrid's linear-attention ones)."""
+        linear = self.linear_attention()
+        return self.num_hidden_layers - (linear.layers if linear else 0)
+
     def matmul_parameters(self) -> int:
         """Parameters of the projections and LM head that cost FLOPs per token: of a
         mixture-of-experts layer, the router, the experts each token is routed to and the
-        shared expert with its gate (H -> 1), which every token runs."""
-        head_dim = self.extra.get("head_dim", self.hidden_size // self.num_attention_heads)
+        shared expert with its gate (H -> 1), which every token runs; of a hybrid model
+        (Qwen3.5), each layer's own projections: the gated attention layers' q_proj, twice
+        as wide (its output gate), and the gated DeltaNet layers' in_proj_qkv, in_proj_z,
+        in_proj_b, in_proj_a and out_proj."""
+        head_dim = self.head_dim()
         q = self.hidden_size * self.num_attention_heads * head_dim
+        if self.model_type in OUTPUT_GATE_TYPES:
+            q *= 2  # the query and its output gate, from one projection
         kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
         o = self.num_attention_heads * head_dim * self.hidden_size
+        attention = self.full_attention_layers() * (q + kv + o)
+        linear = self.linear_attention()
+        if linear:
+            keys = linear.key_heads * linear.key_dim
+            values = linear.value_heads * linear.value_dim
+            # in_proj_qkv (2 keys + values), in_proj_z (values), in_proj_b and in_proj_a
+            # (a value head each), out_proj (values -> H)
+            per_layer = (
+                self.hidden_size * (2 * keys + 2 * values + 2 * linear.value_heads)
+                + values * self.hidden_size
+            )
+            attention += linear.layers * per_layer
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         experts = self.experts()
         sparse_layers = experts.layers if experts else 0
@@ -97,7 +129,7 @@ class Shape:
                 3 * self.hidden_size * experts.shared_width + self.hidden_size if experts.shared_width else 0
             )
             mlps += sparse_layers * (routed + shared)
-        return self.num_hidden_layers * (q + kv + o) + mlps + self.vocab_size * self.hidden_size
+        return attention + mlps + self.vocab_size * self.hidden_size
 
 
 @dataclass(frozen=True)

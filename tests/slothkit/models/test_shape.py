@@ -57,3 +57,17 @@ def test_matmul_parameters_count_the_shared_expert_and_its_gate(name):
     unshared = dataclasses.replace(shape, extra=without)
     assert unshared.experts().shared_width == 0
     assert shape.matmul_parameters() - unshared.matmul_parameters() == shared
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "tiny-qwen3.5", "llama-3-8b", "gemma-7b"])
+def test_matmul_parameters_are_the_linear_weights_of_the_model_transformers_builds(name):
+    """Of a dense model, every nn.Linear's weight runs once per token: Qwen3.5's gated
+    attention layers' q_proj (query and output gate) and its gated DeltaNet layers' five
+    projections each by their own width, not as full attention."""
+    from transformers import AutoModelForCausalLM
+
+    shape = shape_by_name(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.config())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert shape.matmul_parameters() == linear  # the LM head among them, tied or not
