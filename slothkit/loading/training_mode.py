@@ -174,7 +174,10 @@ def _enable_recompute_policy(causal_lm, peft_model, layers, options: Checkpointi
             f"to get_peft_model (or leave batch_size out: the first training step decides)"
         )
     tokens = options.batch_size * seq if options.batch_size is not None else None
-    enable_recompute_policy(causal_lm, peft_model, layers, options.max_memory, tokens)
+    keep_sums = environment_defaults().keep_sums if options.keep_sums is None else options.keep_sums
+    enable_recompute_policy(
+        causal_lm, peft_model, layers, options.max_memory, tokens, keeps_as_asked=keep_sums is True
+    )
 
 
 def for_training(model):

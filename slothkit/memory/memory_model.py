@@ -48,7 +48,7 @@ committed record to them and docs/planner.md compares predictions with measured 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from slothkit.memory import hybrid_layers
@@ -384,6 +384,9 @@ class RecomputeChoice:
     on_gpu: int = 0
     host_budget_bytes: float | None = None
     host_bytes: float = 0.0  # predicted pinned host memory of the offloaded layers
+    # The checkpointed layers keep nothing for their re-runs (no residual sums, no experts'
+    # forward): with them the step does not fit the budget even with every layer offloaded.
+    stops_keeping: bool = False
 
     @property
     def offloaded(self) -> int:
@@ -400,6 +403,11 @@ class RecomputeChoice:
             line += (
                 f" ({self.host_bytes / GIB:.1f} GiB of host memory, budget "
                 f"{self.host_budget_bytes / GIB:.1f} GiB) and checkpoints {self.on_gpu} on the GPU"
+            )
+        if self.stops_keeping:
+            line += (
+                "; the re-runs recompute their residual sums and experts' products instead of "
+                "keeping them (kept, they would not fit the budget)"
             )
         return line
 
@@ -543,7 +551,11 @@ class TrainingMemory:
         return self.reserved(tokens, 0, self.layers - self.host_layers(tokens, host_budget_bytes))
 
     def recompute_choice(
-        self, tokens: int, budget_bytes: float, host_budget_bytes: float | None = None
+        self,
+        tokens: int,
+        budget_bytes: float,
+        host_budget_bytes: float | None = None,
+        may_stop_keeping: bool = False,
     ) -> RecomputeChoice:
         """The most layers whose activations can be kept with the predicted reserved peak
         at or under ``budget_bytes``; the others are offloaded, as many as
@@ -554,6 +566,11 @@ class TrainingMemory:
             tokens: tokens per step (batch x sequence).
             budget_bytes: the memory the step may reserve on the GPU.
             host_budget_bytes: the host memory the offloaded layers may pin; None: no limit.
+            may_stop_keeping: where the checkpointed layers keep tensors for their re-runs
+                (``keep_sums``) and not even every layer offloaded fits, choose as if they
+                kept none (the choice's ``stops_keeping``) before giving up.  What they keep
+                only saves work (about a third of a mixture-of-experts layer's re-run); a
+                step that fits without it beats one that does not run.
 
         Raises:
             MemoryBudgetError: even with every layer checkpointed the peak exceeds the budget.
@@ -564,6 +581,9 @@ class TrainingMemory:
             return max(0, self.layers - kept - host_layers)
 
         peaks = [self.reserved(tokens, kept, on_gpu(kept)) for kept in range(self.layers + 1)]
+        if peaks[0] > budget_bytes and may_stop_keeping and self._keeps(tokens):
+            lean = replace(self, keep_sums=False).recompute_choice(tokens, budget_bytes, host_budget_bytes)
+            return replace(lean, stops_keeping=True)
         if peaks[0] > budget_bytes:
             raise MemoryBudgetError(peaks[0], budget_bytes, tokens, on_gpu(0), quantized=self.mode == "qlora")
         kept = max(k for k, peak in enumerate(peaks) if peak <= budget_bytes)

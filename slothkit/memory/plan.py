@@ -23,6 +23,7 @@ free Colab has 12.7 GB).  Layers the host cannot take are checkpointed on the GP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,9 +216,12 @@ def plan(
     if budget is not None:
         limit = f"{budget / GIB:.1f} GiB"
         asked_batch, asked_seq = batch, seq
-        while batch > 1 and memory.least_reserved(batch * seq, host_budget) > budget:
+        # The least a step can reserve: with nothing kept for the re-runs where "auto" may
+        # stop keeping (below).
+        least = (dataclasses.replace(memory, keep_sums=False) if keep_sums is None else memory).least_reserved
+        while batch > 1 and least(batch * seq, host_budget) > budget:
             batch //= 2
-        while seq > 256 and memory.least_reserved(batch * seq, host_budget) > budget:
+        while seq > 256 and least(batch * seq, host_budget) > budget:
             seq //= 2
         if batch != asked_batch:
             notes.append(f"batch lowered from {asked_batch} to {batch} to fit {limit}")
@@ -231,7 +235,16 @@ def plan(
     recompute = None
     if budget is not None:
         try:
-            recompute = memory.recompute_choice(batch * seq, budget, host_budget)
+            recompute = memory.recompute_choice(
+                batch * seq, budget, host_budget, may_stop_keeping=keep_sums is None
+            )
+            if recompute.stops_keeping:
+                memory = dataclasses.replace(memory, keep_sums=False)
+                notes.append(
+                    f"the layers' re-runs recompute their residual sums (and experts' products) "
+                    f"instead of keeping them, as use_gradient_checkpointing='auto' does where "
+                    f"only that fits {budget / GIB:.1f} GiB"
+                )
         except MemoryBudgetError:
             notes.append(
                 f"the weights alone do not fit in {budget / GIB:.1f} GiB"

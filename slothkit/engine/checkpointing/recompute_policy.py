@@ -32,6 +32,7 @@ inputs stay there, as with plain checkpointing), which the GPU budget then pays 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -101,13 +102,23 @@ class RecomputePolicy:
         memory: the model's TrainingMemory.
         budget: the GPU budget in bytes.
         host_budget: the host budget in bytes, or None for no limit.
+        may_stop_keeping: whether the policy may turn the checkpointer's kept sums off
+            where only that makes the step fit (not where the user asked for them).
     """
 
-    def __init__(self, layers, memory: TrainingMemory, budget: float, host_budget: float | None = None):
+    def __init__(
+        self,
+        layers,
+        memory: TrainingMemory,
+        budget: float,
+        host_budget: float | None = None,
+        may_stop_keeping: bool = True,
+    ):
         self.layers = list(layers)
         self.memory = memory
         self.budget = budget
         self.host_budget = host_budget
+        self.may_stop_keeping = may_stop_keeping
         self.checkpointer = self.layers[0]._gradient_checkpointing_func
         self.choice: RecomputeChoice | None = None
 
@@ -127,7 +138,15 @@ class RecomputePolicy:
         if self.choice is not None and tokens <= self.choice.tokens:
             return self.choice
         previous = self.choice
-        self.choice = self.memory.recompute_choice(tokens, self.budget, self.host_budget)
+        self.choice = self.memory.recompute_choice(
+            tokens, self.budget, self.host_budget, self.may_stop_keeping
+        )
+        if self.choice.stops_keeping:
+            # From now on the layers keep nothing for their re-runs (a layer graph captured
+            # while keeping is keyed apart and no longer replayed), and later choices are
+            # made for layers that keep nothing.
+            self.checkpointer.keeps = False
+            self.memory = dataclasses.replace(self.memory, keep_sums=False)
         checkpointed = self.choice.offloaded + self.choice.on_gpu
         for index, layer in enumerate(self.layers):
             layer.gradient_checkpointing = index < checkpointed
@@ -193,6 +212,7 @@ def enable_recompute_policy(
     layers,
     max_memory=None,
     tokens: int | None = None,
+    keeps_as_asked: bool = False,
 ) -> RecomputePolicy | None:
     """Turn use_gradient_checkpointing="auto" on for layers that ``enable_checkpointing``
     has set up for "offload": every layer stays offloaded until the policy decides.
@@ -203,6 +223,9 @@ def enable_recompute_policy(
         layers: the decoder layers.
         max_memory: the budget, GiB or bytes; None: from the GPU's free memory.
         tokens: the tokens per step if known (batch size x max_seq_length): decide now.
+        keeps_as_asked: the user chose the checkpointer's kept sums (keep_sums=True): the
+            policy does not turn them off to fit the budget (by default it does, said in
+            its one line).
 
     The host budget is the layers' checkpointer's ``host_limit_bytes`` (FastModel sets it
     from ``max_host_memory``): the plan is made within the limit the checkpointer keeps.
@@ -232,7 +255,9 @@ def enable_recompute_policy(
     layers = list(layers)
     checkpointer = layers[0]._gradient_checkpointing_func
     memory = training_memory(causal_lm, peft_model, checkpointer)
-    policy = RecomputePolicy(layers, memory, budget, checkpointer.host_limit_bytes)
+    policy = RecomputePolicy(
+        layers, memory, budget, checkpointer.host_limit_bytes, may_stop_keeping=not keeps_as_asked
+    )
     if tokens is not None:
         policy.decide(tokens)
     causal_lm.model.register_forward_pre_hook(policy.before_decoder, with_kwargs=True)

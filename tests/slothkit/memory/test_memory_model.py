@@ -187,6 +187,29 @@ def test_a_budget_below_full_offload_names_the_least_it_needs():
     assert "or load the model with load_in_4bit=True" in str(error.value)
 
 
+def test_kept_sums_give_way_where_only_that_fits():
+    """Between the least a step reserves keeping nothing for the re-runs and the least it
+    reserves keeping the sums, a choice that may stop keeping does, and is the choice of
+    layers that keep nothing; one that may not names the least with the sums kept."""
+    keeping = _memory(keep_sums=True)
+    lean = dataclasses.replace(keeping, keep_sums=False)
+    tokens = 4096
+    least_lean, least_keeping = lean.reserved(tokens, 0), keeping.reserved(tokens, 0)
+    assert least_lean < least_keeping
+    budget = (least_lean + least_keeping) / 2
+    choice = keeping.recompute_choice(tokens, budget, may_stop_keeping=True)
+    assert choice.stops_keeping and choice == dataclasses.replace(
+        lean.recompute_choice(tokens, budget), stops_keeping=True
+    )
+    assert "recompute their residual sums and experts' products instead of keeping them" in choice.notice()
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {least_keeping / GIB:.2f} GiB"):
+        keeping.recompute_choice(tokens, budget)
+    # Where the kept sums fit, they stay; below the lean least, nothing fits.
+    assert not keeping.recompute_choice(tokens, least_keeping, may_stop_keeping=True).stops_keeping
+    with pytest.raises(MemoryBudgetError, match=f"needs at least {least_lean / GIB:.2f} GiB"):
+        keeping.recompute_choice(tokens, least_lean - 1, may_stop_keeping=True)
+
+
 def test_graphs_and_kept_sums_cost_reserved_memory_only_while_layers_are_checkpointed():
     plain, both = _memory(), _memory(cuda_graphs=True, keep_sums=True)
     hidden = 4096 * 4096 * 2  # tokens x H x 2 bytes

@@ -225,6 +225,23 @@ def test_auto_keeps_the_most_layers_the_budget_allows():
     assert roomy.recompute.kept == 32 and roomy.budget_gib == pytest.approx((141.0 - 0.5) * 0.95)
 
 
+def test_a_budget_that_fits_only_without_kept_sums_is_planned_without_them():
+    """On an H100 the layers keep their sums by default; under a budget between the least a
+    step reserves with them and without, the plan, like "auto", stops keeping them, says so
+    and reports the lean step's memory; with keep_sums=True asked it halves the batch."""
+    shape = shape_by_name("llama-3-8b")
+    keeping = TrainingMemory(shape, "qlora", lora_bytes(shape, 16), cuda_graphs=True, keep_sums=True)
+    lean = TrainingMemory(shape, "qlora", lora_bytes(shape, 16), cuda_graphs=True, keep_sums=False)
+    tokens = 2 * 2048
+    budget = (lean.reserved(tokens, 0) + keeping.reserved(tokens, 0)) / 2 / GIB
+    result = plan("llama-3-8b", gpu="h100", mode="qlora", max_memory=budget)
+    assert result.fits and result.batch == 2 and result.recompute.stops_keeping
+    assert any("instead of keeping them" in note for note in result.notes)
+    assert result.total_gib == lean.reserved(tokens) / GIB
+    asked = plan("llama-3-8b", gpu="h100", mode="qlora", max_memory=budget, keep_sums=True)
+    assert asked.batch == 1 and not asked.recompute.stops_keeping
+
+
 def test_70b_qlora_on_an_80_gib_gpu():
     result = plan("llama-3-70b", gpu="a100-80", seq=4096, batch=1, mode="qlora")
     # 70.6 billion parameters, 69.5 of them in the projections at about 0.52 bytes each.

@@ -3,6 +3,7 @@ query replaced, so that it runs on a CPU): which layers it keeps, what it says, 
 trains exactly as full checkpointing and none do, and that `slothkit plan` predicts the
 same choice.  On a GPU the same tests run there (with layer graphs for 4-bit models)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -148,6 +149,42 @@ def test_a_batch_size_decides_at_once_and_a_budget_too_small_names_the_least(tin
     with pytest.raises(MemoryBudgetError, match=f"needs at least {least / GIB:.2f} GiB") as error:
         _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_memory=least - 1)
     assert error.value.minimum_bytes == least
+
+
+@pytest.fixture
+def keeps_by_default(monkeypatch):
+    """The checkpointer's defaults of a GPU of compute capability 9.0 (kept sums on), on
+    whatever device the test runs."""
+    from types import SimpleNamespace
+
+    from slothkit.engine.checkpointing import choice
+
+    cuda = SimpleNamespace(is_available=lambda: True, get_device_capability=lambda: (9, 0))
+    monkeypatch.setattr(choice, "torch", SimpleNamespace(cuda=cuda))
+
+
+def test_kept_sums_give_way_where_only_that_fits_the_budget(tiny_path, reference_kernels, keeps_by_default):
+    """A budget under the least a step reserves with the sums kept, but over the least
+    without: "auto" stops keeping them (said in its line) and the step trains as one that
+    never kept any; where the user asked for kept sums it refuses instead."""
+    model = _model(tiny_path, "auto", max_memory=1.0)  # a budget that keeps every layer
+    keeping = _memory_of(model)
+    assert keeping.keep_sums and _layers(model)[0]._gradient_checkpointing_func.keeps
+    lean = dataclasses.replace(keeping, keep_sums=False)
+    tokens = BATCH * SEQ
+    budget = (lean.reserved(tokens, 0) + keeping.reserved(tokens, 0)) / 2
+    with pytest.warns(RecomputeNotice, match="the re-runs recompute their residual sums"):
+        model = _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_memory=budget)
+    policy = state_of(model).recompute_policy
+    assert policy.choice.stops_keeping and not policy.checkpointer.keeps and not policy.memory.keep_sums
+    assert policy.choice.kept == lean.recompute_choice(tokens, budget).kept
+    never_kept = _model(tiny_path, "offload", keep_sums=False)
+    ids = _ids(keeping.shape.vocab_size)
+    assert _train(model, ids) == _train(never_kept, ids)
+    with pytest.raises(
+        MemoryBudgetError, match=f"needs at least {keeping.reserved(tokens, 0) / GIB:.2f} GiB"
+    ):
+        _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_memory=budget, keep_sums=True)
 
 
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
