@@ -43,7 +43,6 @@ from slothkit.memory.memory_model import (
     weights_bytes,
 )
 from slothkit.models import Shape, architecture_for, shape_by_name
-from slothkit.models.generic_shapes import BUDGETED_GENERIC_TYPES
 from slothkit.models.shape import shape_from_config
 
 __all__ = ["MemoryPlan", "plan", "shape_from_config"]
@@ -267,13 +266,7 @@ def plan(
         )
         if budget is not None and loading * GIB > budget:
             fits = False
-    if fused is None and shape.model_type in BUDGETED_GENERIC_TYPES:
-        notes.append(
-            f"slothkit has no record for {shape.model_type}: planned for the generic path's fused "
-            f"layers, which it checks at load against the model's own (where they differ, the "
-            f"model trains on its Hugging Face modules with every layer offloaded)"
-        )
-    elif fused is None:
+    if fused is None:
         # The generic path keeps the model's own modules, which "auto" cannot budget: it
         # offloads every layer, and a layer's recompute holds more than a fused one's.
         recompute = None

@@ -101,12 +101,6 @@ _GEMMA4_E4B = {
 # k_norm): the generic path fuses those norms as a record's, and the planner counts what
 # they keep (slothkit.memory.memory_model.kept_layer_bytes).
 PER_HEAD_QK_NORM_TYPES = frozenset({"qwen3_moe"})
-# Record-less families whose decoder layers, once the generic path fuses them
-# (slothkit.engine.generic_layers), save what the memory model counts for a fused layer,
-# to the byte (tests/slothkit/memory/test_memory_model.py): use_gradient_checkpointing=
-# "auto" budgets them and `slothkit plan` says what it would keep.  Mixtral's and
-# gpt-oss's fused layers save more than it counts, so they stay every layer offloaded.
-BUDGETED_GENERIC_TYPES = frozenset({"qwen3_moe"})
 
 # One shape a line.
 # fmt: off

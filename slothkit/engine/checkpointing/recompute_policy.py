@@ -39,7 +39,7 @@ import warnings
 import torch
 from torch import nn
 
-from slothkit.core.model_state import attach_state, patched_module, state_of
+from slothkit.core.model_state import attach_state, state_of
 from slothkit.memory.memory_model import (
     RecomputeChoice,
     TrainingMemory,
@@ -47,7 +47,6 @@ from slothkit.memory.memory_model import (
     free_bytes,
     gib_or_bytes,
 )
-from slothkit.models.generic_shapes import BUDGETED_GENERIC_TYPES
 from slothkit.models.shape import shape_from_config
 
 
@@ -85,9 +84,8 @@ def _notice_no_budget(device_type: str) -> None:
 @functools.cache
 def _notice_unfused(model_type: str) -> None:
     warnings.warn(
-        f"slothkit: use_gradient_checkpointing='auto' predicts memory for slothkit's fused layers "
-        f"(records, and the generic path's for {', '.join(sorted(BUDGETED_GENERIC_TYPES))}), "
-        f"and {model_type!r} trains through others: every layer is offloaded, as with 'offload'",
+        f"slothkit: use_gradient_checkpointing='auto' predicts memory for slothkit's fused layers, "
+        f"and {model_type!r} trains through Hugging Face's: every layer is offloaded, as with 'offload'",
         RecomputeNotice,
         stacklevel=4,
     )
@@ -181,14 +179,6 @@ class RecomputePolicy:
             self.decide(ids.numel())
 
 
-def _budgeted_generic_layers(causal_lm: nn.Module, layers: list) -> bool:
-    """Whether a model without a record trains through the generic path's fused layers,
-    every one of them, of a family whose fused layers the memory model counts."""
-    return causal_lm.config.model_type in BUDGETED_GENERIC_TYPES and all(
-        patched_module(layer) is not None for layer in layers
-    )
-
-
 def training_memory(causal_lm: nn.Module, peft_model: nn.Module, checkpointer) -> TrainingMemory:
     """The TrainingMemory of a model as it will train: its shape, 4-bit or not, its
     trained parameters (weight, gradient and two AdamW moments each), LoRA rank, compute
@@ -259,10 +249,10 @@ def enable_recompute_policy(
             _notice_no_budget(device.type)
         return None
     state = state_of(causal_lm)
-    layers = list(layers)
-    if state is None or (state.architecture is None and not _budgeted_generic_layers(causal_lm, layers)):
+    if state is None or state.architecture is None:
         _notice_unfused(causal_lm.config.model_type)
         return None
+    layers = list(layers)
     checkpointer = layers[0]._gradient_checkpointing_func
     memory = training_memory(causal_lm, peft_model, checkpointer)
     policy = RecomputePolicy(

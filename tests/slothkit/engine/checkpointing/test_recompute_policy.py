@@ -187,47 +187,6 @@ def test_kept_sums_give_way_where_only_that_fits_the_budget(tiny_path, reference
         _model(tiny_path, "auto", batch_size=BATCH, max_seq_length=SEQ, max_memory=budget, keep_sums=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe_path(tmp_path_factory):
-    """A record-less family whose layers the generic path fuses and "auto" budgets."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from slothkit.testing import build_tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    config = AutoConfig.for_model(
-        "qwen3_moe", hidden_size=48, intermediate_size=40, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=512, moe_intermediate_size=24, num_experts=6,
-        num_experts_per_tok=2, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    build_tiny_tokenizer("bpe", path)
-    return path
-
-
-def test_the_generic_path_s_fused_mixture_of_experts_layers_are_budgeted(
-    tiny_qwen3_moe_path, reference_kernels, free_memory
-):
-    """Qwen3-MoE has no record; the generic path fuses its layers, which the memory model
-    counts: "auto" keeps as many as the budget allows, as for a record's, says so, and
-    trains with the losses of every layer offloaded and of none checkpointed."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the generic path and the experts' adapters are said
-        offloaded = _model(tiny_qwen3_moe_path, "offload")
-        memory = _memory_of(offloaded)
-        assert memory.shape.experts() is not None
-        ids = _ids(memory.shape.vocab_size)
-        losses = {"offload": _train(offloaded, ids), False: _train(_model(tiny_qwen3_moe_path, False), ids)}
-        free_memory(_free_for(memory, 2))
-        model = _model(tiny_qwen3_moe_path, "auto")
-    with pytest.warns(RecomputeNotice, match=f"keeps 2 of {LAYERS} layers' activations"):
-        losses["auto"] = _train(model, ids)
-    assert [layer.gradient_checkpointing for layer in _layers(model)] == [True, True, False, False]
-    for mode in ("offload", "auto"):
-        torch.testing.assert_close(torch.tensor(losses[mode]), torch.tensor(losses[False]), rtol=1e-5, atol=0)
-
-
 @pytest.mark.parametrize("load_in_4bit", [False, True], ids=["16bit", "4bit"])
 def test_auto_trains_as_full_checkpointing_and_none_do(
     tiny_path, reference_kernels, free_memory, mlp_calls, load_in_4bit
