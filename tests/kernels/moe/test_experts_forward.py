@@ -10,6 +10,7 @@ import torch
 
 import slothkit_kernels.moe.experts as experts_op
 from slothkit_kernels.moe import ExpertLoRA, ExpertsForward, moe_lora_experts, moe_lora_experts_forward
+from slothkit_kernels.utils import warn_reference_once
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -125,6 +126,8 @@ def test_the_reference_keeps_nothing_to_hand_on(device, monkeypatch):
     args, kwargs = arguments(leaves)
     _, done = moe_lora_experts_forward(*args, **kwargs)
     monkeypatch.setattr(experts_op, "use_triton", lambda *tensors: False)
+    # Said once per process: another test on this worker may have said it already.
+    warn_reference_once.cache_clear()
     with pytest.warns(UserWarning, match="plain-torch reference"):
         out, nothing = moe_lora_experts_forward(*args, **kwargs)
     assert nothing is None
