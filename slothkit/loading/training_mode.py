@@ -121,6 +121,12 @@ def ready_for_training(peft_model, checkpointing: CheckpointingOptions = Checkpo
     return for_training(peft_model)
 
 
+def _asked_keep_sums(options: CheckpointingOptions) -> bool | None:
+    """keep_sums as the user asked for it (the argument, else SLOTHKIT_KEEP_SUMS); None:
+    the default."""
+    return environment_defaults().keep_sums if options.keep_sums is None else options.keep_sums
+
+
 def _enable_checkpointing(causal_lm, layers, options: CheckpointingOptions) -> None:
     defaults = environment_defaults()
     enable_checkpointing(
@@ -128,8 +134,7 @@ def _enable_checkpointing(causal_lm, layers, options: CheckpointingOptions) -> N
         "offload" if options.mode == "auto" else options.mode,
         cuda_graphs=defaults.cuda_graphs if options.cuda_graphs is None else options.cuda_graphs,
         launch_bound=is_launch_bound(causal_lm),
-        keep_sums=_layers_keep_sums(causal_lm)
-        and (defaults.keep_sums if options.keep_sums is None else options.keep_sums),
+        keep_sums=_layers_keep_sums(causal_lm) and _asked_keep_sums(options),
         host_limit_bytes=host_budget_bytes(options.max_host_memory) if options.offloads else None,
     )
 
@@ -174,9 +179,13 @@ def _enable_recompute_policy(causal_lm, peft_model, layers, options: Checkpointi
             f"to get_peft_model (or leave batch_size out: the first training step decides)"
         )
     tokens = options.batch_size * seq if options.batch_size is not None else None
-    keep_sums = environment_defaults().keep_sums if options.keep_sums is None else options.keep_sums
     enable_recompute_policy(
-        causal_lm, peft_model, layers, options.max_memory, tokens, keeps_as_asked=keep_sums is True
+        causal_lm,
+        peft_model,
+        layers,
+        options.max_memory,
+        tokens,
+        keeps_as_asked=_asked_keep_sums(options) is True,
     )
 
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 
-from slothkit.models.shape import OUTPUT_GATE_TYPES, LinearAttentionShape, Shape
+from slothkit.models.shape import LinearAttentionShape, Shape
 
 # Positions per chunk of the delta rule (slothkit_kernels.delta_rule.ops.CHUNK; a test
 # holds the two equal: the planner does not import the kernel library, which imports torch).
@@ -74,12 +74,6 @@ FP32 = 4
 
 def _linear(shape: Shape) -> LinearAttentionShape:
     return shape.linear_attention()
-
-
-def _query_width(shape: Shape) -> int:
-    """q_proj's output: the queries, and as many gate values where the layer gates its output."""
-    width = shape.num_attention_heads * shape.head_dim()
-    return 2 * width if shape.model_type in OUTPUT_GATE_TYPES else width
 
 
 def _dense_mlp_width(shape: Shape) -> int:
@@ -102,14 +96,7 @@ def projection_parameters(shape: Shape, layer_type: str) -> int:
     slothkit.memory.memory_model's, as in any mixture-of-experts model."""
     h, i = shape.hidden_size, _dense_mlp_width(shape)
     mlp = 3 * h * i + (h if _has_shared_expert_gate(shape) else 0)
-    if layer_type == "linear_attention":
-        la = _linear(shape)
-        value_width = la.value_heads * la.value_dim
-        # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a read the hidden state; out_proj writes it.
-        return h * (la.conv_channels + value_width + 2 * la.value_heads) + value_width * h + mlp
-    d = shape.head_dim()
-    kv = shape.num_key_value_heads * d
-    return h * (_query_width(shape) + 2 * kv) + shape.num_attention_heads * d * h + mlp
+    return shape.attention_parameters(layer_type) + mlp
 
 
 def other_parameters(shape: Shape, layer_type: str) -> int:
@@ -138,7 +125,7 @@ def adapter_columns(shape: Shape, layer_type: str) -> int:
         return 2 * h + value_width + (la.conv_channels + value_width + h) + mlp
     d = shape.head_dim()
     q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    return 3 * h + q + (_query_width(shape) + 2 * kv + h) + mlp
+    return 3 * h + q + (shape.query_width() + 2 * kv + h) + mlp
 
 
 def _adapter_inputs(inputs: list[tuple[int, int]], element_bytes: int) -> int:
@@ -191,7 +178,7 @@ def kept_bytes(
     heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
     per_token = common + 4 * FP32 * rank + _adapter_inputs([(h, 3), (heads * d, 1)], e)
     # q_norm reads a view of q_proj's output (queries and gate), k_norm of k_proj's.
-    per_token += e * (_query_width(shape) + kv_heads * d)
+    per_token += e * (shape.query_width() + kv_heads * d)
     per_token += e * (heads * d + 2 * kv_heads * d + 3 * heads * d)
     per_token += FP32 * (2 * heads + kv_heads)
     return float(tokens * per_token + adapter_copies)

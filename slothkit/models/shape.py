@@ -94,31 +94,32 @@ class Shape:
         linear = self.linear_attention()
         return self.num_hidden_layers - (linear.layers if linear else 0)
 
-    def matmul_parameters(self) -> int:
-        """Parameters of the projections and LM head that cost FLOPs per token: of a
-        mixture-of-experts layer, the router, the experts each token is routed to and the
-        shared expert with its gate (H -> 1), which every token runs; of a hybrid model
-        (Qwen3.5), each layer's own projections: the gated attention layers' q_proj, twice
-        as wide (its output gate), and the gated DeltaNet layers' in_proj_qkv, in_proj_z,
-        in_proj_b, in_proj_a and out_proj."""
-        head_dim = self.head_dim()
-        q = self.hidden_size * self.num_attention_heads * head_dim
-        if self.model_type in OUTPUT_GATE_TYPES:
-            q *= 2  # the query and its output gate, from one projection
-        kv = 2 * self.hidden_size * self.num_key_value_heads * head_dim
-        o = self.num_attention_heads * head_dim * self.hidden_size
-        attention = self.full_attention_layers() * (q + kv + o)
-        linear = self.linear_attention()
-        if linear:
-            keys = linear.key_heads * linear.key_dim
+    def attention_parameters(self, layer_type: str = "full_attention") -> int:
+        """One decoder layer's attention projections: q/k/v/o, q_proj twice as wide where
+        the layer gates its output (OUTPUT_GATE_TYPES); a gated DeltaNet layer's
+        ("linear_attention") in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj."""
+        h = self.hidden_size
+        if layer_type == "linear_attention":
+            linear = self.linear_attention()
             values = linear.value_heads * linear.value_dim
-            # in_proj_qkv (2 keys + values), in_proj_z (values), in_proj_b and in_proj_a
-            # (a value head each), out_proj (values -> H)
-            per_layer = (
-                self.hidden_size * (2 * keys + 2 * values + 2 * linear.value_heads)
-                + values * self.hidden_size
-            )
-            attention += linear.layers * per_layer
+            # in_proj_qkv (the convolution's channels), in_proj_z (values), in_proj_b and
+            # in_proj_a (a value head each) read the hidden state; out_proj writes it.
+            return h * (linear.conv_channels + values + 2 * linear.value_heads) + values * h
+        q = self.num_attention_heads * self.head_dim()
+        return h * (self.query_width() + 2 * self.num_key_value_heads * self.head_dim()) + q * h
+
+    def query_width(self) -> int:
+        """A full-attention layer's q_proj output: the queries, and as many gate values
+        where the layer gates its output (OUTPUT_GATE_TYPES)."""
+        width = self.num_attention_heads * self.head_dim()
+        return 2 * width if self.model_type in OUTPUT_GATE_TYPES else width
+
+    def matmul_parameters(self) -> int:
+        """Parameters of the projections and LM head that cost FLOPs per token: each layer's
+        attention projections by its kind (``attention_parameters``); of a
+        mixture-of-experts layer, the router, the experts each token is routed to and the
+        shared expert with its gate (H -> 1), which every token runs."""
+        attention = sum(self.attention_parameters(kind) for kind in self.layer_types())
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         experts = self.experts()
         sparse_layers = experts.layers if experts else 0
