@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import slothkit.inference as inference
+import slothkit.inference.decode_check as decode_check
 from slothkit import FastModel
 from slothkit.core.model_state import state_of
 from slothkit.core.notices import FallbackWarning, say_once
@@ -91,3 +92,60 @@ def test_a_family_with_a_record_is_not_checked(monkeypatch):
     model = model.to(DEVICE)
     _switch_on(model)
     assert state_of(model).fast_decoder is not None
+
+
+def _with_relative_noise(logits: torch.Tensor, size: float, seed: int) -> torch.Tensor:
+    """``logits`` with Gaussian noise whose norm is about ``size`` times each row's norm."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(logits.shape, generator=generator).to(logits.device, logits.dtype)
+    return logits + size * logits.norm(dim=-1, keepdim=True) * noise / logits.shape[-1] ** 0.5
+
+
+@torch.no_grad()
+def test_the_models_own_cached_decode_is_its_forward():
+    """The model decoding through its own cache gives its forward's logits (fp32)."""
+    model = _gemma4().eval()
+    prompt, total = decode_check.PROMPT_TOKENS, decode_check.PROMPT_TOKENS + decode_check.STEPS + 1
+    ids = torch.randint(3, 500, (1, total), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    own = decode_check._logits_of_own_decode(model, ids)
+    forward = model(input_ids=ids, use_cache=False).logits.float()[0, prompt - 1 : -1]
+    assert own is not None and own.shape == forward.shape == (total - prompt, forward.shape[-1])
+    assert decode_check._relative_difference(own, forward) < 1e-5
+
+
+def test_the_bound_is_the_dtypes_rounding_or_the_models_own_decodes():
+    bf16 = decode_check.relative_tolerance(torch.bfloat16)
+    assert decode_check.allowed_difference(torch.bfloat16, None) == bf16
+    assert decode_check.allowed_difference(torch.bfloat16, bf16 / 10) == bf16
+    assert decode_check.allowed_difference(torch.bfloat16, 0.08) == pytest.approx(0.24)
+    assert decode_check.allowed_difference(torch.bfloat16, 1.0) == decode_check.CHECK_LIMIT
+    assert decode_check.allowed_difference(torch.float32, float("nan")) == decode_check.relative_tolerance(
+        torch.float32
+    )
+
+
+@pytest.mark.parametrize(("loop_noise", "switched_on"), [(2e-3, True), (0.5, False)])
+def test_a_model_whose_own_decode_rounds_far_allows_its_loop_as_much(monkeypatch, loop_noise, switched_on):
+    """A model that moves 1e-3 from its forward when it decodes through its own cache (as a
+    deep random bf16 model moves 0.08): a loop as far is switched on, one at 0.5 is not,
+    and the notice names both distances."""
+    model = _gemma4()
+    own_decode = decode_check._logits_of_own_decode
+    monkeypatch.setattr(
+        decode_check,
+        "_logits_of_own_decode",
+        lambda causal_lm, ids: _with_relative_noise(own_decode(causal_lm, ids), 1e-3, seed=2),
+    )
+    step_class = inference.step_class_for(model.config)
+    real_call = step_class.__call__
+
+    def rounding_far(self, input_ids, *args, **kwargs):
+        return _with_relative_noise(real_call(self, input_ids, *args, **kwargs), loop_noise, seed=3)
+
+    monkeypatch.setattr(step_class, "__call__", rounding_far)
+    notices = [n for n in _switch_on(model) if "fast generation is off" in n]
+    assert (state_of(model).fast_decoder is not None) == switched_on
+    if switched_on:
+        assert not notices
+    else:
+        assert len(notices) == 1 and "its own cached decode differs by 0.001" in notices[0], notices
