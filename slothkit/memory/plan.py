@@ -245,9 +245,15 @@ def plan(
                     f"instead of keeping them, as use_gradient_checkpointing='auto' does where "
                     f"only that fits {budget / GIB:.1f} GiB"
                 )
-        except MemoryBudgetError:
+        except MemoryBudgetError as error:
+            what = (
+                "the weights alone"
+                if weights_bytes(shape, mode) > budget
+                else f"the weights, the adapters and their optimiser state with a step of {batch * seq:,} "
+                f"tokens (at least {error.minimum_bytes / GIB:.1f} GiB)"
+            )
             notes.append(
-                f"the weights alone do not fit in {budget / GIB:.1f} GiB"
+                f"{what} do not fit in {budget / GIB:.1f} GiB"
                 + ("; try load_in_4bit=True (qlora)" if mode == "lora" else "")
             )
     fits = None if budget is None else recompute is not None

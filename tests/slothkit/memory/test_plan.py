@@ -253,7 +253,12 @@ def test_70b_qlora_on_an_80_gib_gpu():
 def test_a_budget_below_the_least_the_step_needs_is_said():
     result = plan("llama-3-8b", gpu="t4", mode="qlora", batch=1, seq=256, max_memory=4)
     assert result.fits is False and result.recompute is None
-    assert any("do not fit in 4.0 GiB" in note for note in result.notes)
+    assert any("the weights alone do not fit in 4.0 GiB" in note for note in result.notes)
+    # Weights that fit, with too little left for the adapters and a step: said as such.
+    result = plan("llama-3-8b", gpu="t4", mode="qlora", batch=1, seq=256, max_memory=result.weights_gib + 0.1)
+    assert result.fits is False and result.recompute is None
+    (note,) = [note for note in result.notes if "do not fit" in note]
+    assert "weights alone" not in note and "with a step of 256 tokens (at least" in note
 
 
 def test_graphs_are_planned_where_fast_model_turns_them_on():
