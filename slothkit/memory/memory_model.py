@@ -99,14 +99,29 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
         projections += sparse * experts.count * 3 * h * experts.width
         routers = sparse * experts.count * h
     norms = (2 * shape.num_hidden_layers + 1) * h
-    return projections * per_projection + element_bytes * (_embeddings_and_head(shape) + norms + routers)
+    per_layer_table, per_layer_projections = shape.per_layer_input_parameters()
+    projections += per_layer_projections
+    embeddings = _embeddings_and_head(shape) + per_layer_table
+    return projections * per_projection + element_bytes * (embeddings + norms + routers)
 
 
 def _embeddings_and_head(shape: Shape) -> int:
-    arch = architecture_for(shape)
-    # A shape may say itself (Qwen's small sizes tie, its large ones do not).
-    tied = shape.extra.get("tie_word_embeddings", arch is not None and arch.tied_embeddings)
+    tied = shape.extra.get(
+        "tie_word_embeddings"
+    )  # a shape may say (Qwen's small sizes tie, its large ones not)
+    if tied is None:
+        arch = architecture_for(shape)
+        # A family without a record: its transformers config's default (Gemma 4 ties), or
+        # untied where this transformers does not know the model_type.
+        tied = arch.tied_embeddings if arch is not None else _config_ties(shape)
     return (1 if tied else 2) * shape.vocab_size * shape.hidden_size
+
+
+def _config_ties(shape: Shape) -> bool:
+    try:
+        return bool(shape.config().tie_word_embeddings)
+    except ValueError:  # a model_type this transformers does not know
+        return False
 
 
 def _hybrid_weights_bytes(shape: Shape, per_projection: float, element_bytes: int) -> float:

@@ -114,6 +114,19 @@ class Shape:
         width = self.num_attention_heads * self.head_dim()
         return 2 * width if self.model_type in OUTPUT_GATE_TYPES else width
 
+    def per_layer_input_parameters(self) -> tuple[int, int]:
+        """Gemma 4 E2B/E4B's per-layer input embeddings: (the table, a lookup:
+        vocab_size_per_layer_input rows of every layer's slice; the linear layers that mix
+        it in: the projection of the token embeddings to every slice, and each layer's gate
+        and projection back). (0, 0) for a model without them. E4B's table alone is 2.8
+        billion parameters, a third of the checkpoint."""
+        width = self.extra.get("hidden_size_per_layer_input") or 0
+        if not width:
+            return 0, 0
+        slices = self.num_hidden_layers * width
+        table = self.extra.get("vocab_size_per_layer_input", self.vocab_size) * slices
+        return table, self.hidden_size * slices + self.num_hidden_layers * 2 * self.hidden_size * width
+
     def matmul_parameters(self) -> int:
         """Parameters of the projections and LM head that cost FLOPs per token: each layer's
         attention projections by its kind (``attention_parameters``); of a
@@ -130,7 +143,7 @@ class Shape:
                 3 * self.hidden_size * experts.shared_width + self.hidden_size if experts.shared_width else 0
             )
             mlps += sparse_layers * (routed + shared)
-        return attention + mlps + self.vocab_size * self.hidden_size
+        return attention + mlps + self.per_layer_input_parameters()[1] + self.vocab_size * self.hidden_size
 
 
 @dataclass(frozen=True)

@@ -544,3 +544,20 @@ def test_a_kept_qwen3_5_layer_saves_what_the_model_says_on_a_gpu(tmp_path):
     for saved, kind in list(zip(measured, shape.layer_types()))[1:]:
         expected = kept_layer_bytes(shape, batch * seq, rank=8, layer_type=kind, sequences=batch)
         assert saved == pytest.approx(expected, rel=0.01 if kind == "linear_attention" else 0.05)
+
+
+@pytest.mark.parametrize(
+    "name", ["gemma-4-e4b", "gpt-oss-20b", "qwen3-30b-a3b", "qwen3.5-9b", "llama-3-8b", "gemma-7b", "phi-4"]
+)
+def test_the_weights_counted_are_the_parameters_transformers_builds(name):
+    """The planner's weights at one byte each are the parameters of the model transformers
+    builds from the shape, to 1% (Gemma 4 E4B's per-layer input embeddings, 2.8 billion of
+    its 8.1, included; its wider full-attention heads and its layers without keys and
+    values of their own are not counted apart)."""
+    from transformers import AutoModelForCausalLM
+
+    shape = shape_by_name(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.config())
+    parameters = sum(p.numel() for p in model.parameters())
+    assert weights_bytes(shape, "lora", element_bytes=1) == pytest.approx(parameters, rel=0.01)
