@@ -30,7 +30,7 @@ from torch import nn
 
 from slothkit.core.model_state import detach_patched_module, patched_module
 from slothkit.engine.decoder import bind_forward
-from slothkit.engine.generic_layers import largest_difference, relative_tolerance
+from slothkit.engine.generic_layers import largest_difference, relative_tolerance, worst_difference
 from slothkit_kernels.delta_rule import gated_delta_rule
 
 # What a gated DeltaNet layer holds (transformers' Qwen3_5GatedDeltaNet and its MoE twin).
@@ -129,19 +129,20 @@ def fuse_deltanet_layers(causal_lm: nn.Module) -> tuple[int, str | None]:
     )
     was_training = causal_lm.training
     causal_lm.eval()
-    patched, worst = [], 0.0
+    patched, differences = [], []
     try:
         for module in modules:
             own = _output_and_input_gradient(module, x)
             patch_deltanet(module)
             patched.append(module)
             fused = _output_and_input_gradient(module, x)
-            worst = max(worst, largest_difference(fused, own))
+            differences.append(largest_difference(fused, own))
     except Exception as error:  # noqa: BLE001  (a Triton compile or launch error on this GPU included)
         _unpatch(patched)
         return 0, f"its gated DeltaNet layers could not be checked ({type(error).__name__}: {error})"
     finally:
         causal_lm.train(was_training)
+    worst = worst_difference(differences)
     if not worst <= relative_tolerance(weight.dtype):  # a NaN fails too
         _unpatch(patched)
         return 0, (

@@ -22,6 +22,7 @@ router as it is); the layer forward calls it as transformers does.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -196,11 +197,18 @@ def _outputs(causal_lm: nn.Module, ids: torch.Tensor, experts_inputs: list | Non
     return seen + [hidden.float() for hidden in inputs], inputs
 
 
+def worst_difference(differences: list[float]) -> float:
+    """The largest of ``differences`` (0 for none); NaN where any is NaN, which Python's
+    max would keep or drop by its place in the list."""
+    return float("nan") if any(math.isnan(d) for d in differences) else max(differences, default=0.0)
+
+
 def largest_difference(fused: list[torch.Tensor], own: list[torch.Tensor]) -> float:
-    """The largest norm-wise relative difference between matching outputs."""
+    """The largest norm-wise relative difference between matching outputs (NaN where any
+    is NaN)."""
     if len(fused) != len(own):
         return float("inf")
-    return max(((f - o).norm() / o.norm().clamp_min(1e-12)).item() for f, o in zip(fused, own))
+    return worst_difference([((f - o).norm() / o.norm().clamp_min(1e-12)).item() for f, o in zip(fused, own)])
 
 
 def _causal_mask(tokens: int, window: int | None, device) -> torch.Tensor:
@@ -248,7 +256,7 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
 
-    worst = 0.0
+    differences = []
     for layer in causal_lm.model.layers:
         # A copy without the projections' weights (the memo stands them in): random float32
         # ones of the same shapes take their place.
@@ -269,8 +277,8 @@ def _attention_difference(causal_lm: nn.Module, adds_one: bool) -> float:
                 patch_rms_norm(attention.k_norm, adds_one)
             patch_attention(attention, qk_norm=hasattr(attention, "q_norm"))
             fused = attention(hidden_states=x, position_embeddings=(cos, sin), attention_mask=mask)[0]
-        worst = max(worst, largest_difference([fused], [own]))
-    return worst
+        differences.append(largest_difference([fused], [own]))
+    return worst_difference(differences)
 
 
 def _is_dense(mlp: nn.Module) -> bool:

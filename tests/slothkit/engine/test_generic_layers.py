@@ -7,7 +7,7 @@ import torch
 
 from slothkit import FastModel
 from slothkit.core.model_state import patched_module
-from slothkit.engine.generic_layers import fuse_generic_layers
+from slothkit.engine.generic_layers import fuse_generic_layers, largest_difference
 from slothkit.testing import build_tiny_tokenizer
 from slothkit.testing.training_parity import assert_trains_as_hf_peft_does
 
@@ -217,3 +217,16 @@ def test_fused_gpt_oss_generates_like_hf(tmp_path, monkeypatch):
         theirs = plain.generate(input_ids=prompt, **settings)
     assert tiled_calls == [True, True]  # the prompt, in each of the two layers
     assert ours.tolist() == theirs.tolist()
+
+
+def test_a_nan_anywhere_makes_the_largest_difference_nan():
+    """A NaN output fails a check wherever it falls among the outputs compared (Python's
+    max keeps a NaN only in first place)."""
+    own = [torch.randn(4, 8) for _ in range(3)]
+    close = [o + 1e-3 * torch.randn(4, 8) for o in own]
+    assert 0 < largest_difference(close, own) < 1e-2
+    for place in range(3):
+        fused = [o.clone() for o in close]
+        fused[place][1, 2] = float("nan")
+        assert largest_difference(fused, own) != largest_difference(fused, own)  # NaN
+    assert largest_difference(close[:2], own) == float("inf")
