@@ -29,7 +29,7 @@ import inspect
 
 import torch
 
-from slothkit.engine.generic_layers import relative_tolerance
+from slothkit.engine.generic_layers import largest_difference, relative_tolerance
 
 PROMPT_TOKENS = 12  # the prefill: longer than the tiny models' sliding windows
 STEPS = 4  # one-token steps after it, each through the captured step
@@ -49,11 +49,6 @@ def allowed_difference(dtype: torch.dtype, own_decode: float | None) -> float:
     if own_decode is None or not own_decode == own_decode:  # not measured, or NaN
         return tolerance
     return max(tolerance, min(CHECK_LIMIT, OWN_DECODE_MARGIN * own_decode))
-
-
-def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest norm-wise relative difference of a row of ``got`` from ``expected``'s."""
-    return ((got - expected).norm(dim=-1) / expected.norm(dim=-1).clamp_min(1e-12)).max().item()
 
 
 def _logits_of_the_loop(decoder, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -104,28 +99,27 @@ def decode_disagreement(decoder) -> str | None:
     vocab = causal_lm.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, PROMPT_TOKENS + STEPS + 1), generator=generator).to(device)
+    dtype = decoder.step.dtype
     was_training = causal_lm.training
     causal_lm.eval()  # dropout off on both sides; put back below
     try:
         expected = causal_lm(input_ids=ids, use_cache=False).logits.float()[0, PROMPT_TOKENS - 1 : -1]
         got = torch.cat(_logits_of_the_loop(decoder, ids))
-        difference = _relative_difference(got, expected)
-        own_decode = None
-        if not difference <= relative_tolerance(
-            decoder.step.dtype
-        ):  # how far rounding takes the model itself
-            own = _logits_of_own_decode(causal_lm, ids)
-            own_decode = None if own is None else _relative_difference(own, expected)
+        difference = largest_difference(list(got), list(expected))  # of each position's logits
+        # How far rounding takes the model itself, only where the dtype's rounding does not
+        # explain the loop (two more forwards).
+        own = _logits_of_own_decode(causal_lm, ids) if not difference <= relative_tolerance(dtype) else None
+        own_decode = None if own is None else largest_difference(list(own), list(expected))
     except Exception as error:  # noqa: BLE001 - any failure means Hugging Face's generate
         return f"its first steps failed ({type(error).__name__}: {error})"
     finally:
         causal_lm.train(was_training)
         decoder.captured = decoder._key = None  # the next generate captures for its own batch
-    allowed = allowed_difference(decoder.step.dtype, own_decode)
+    allowed = allowed_difference(dtype, own_decode)
     if not difference <= allowed:  # NaN included
         own_said = "" if own_decode is None else f"; its own cached decode differs by {own_decode:.2g}"
         return (
             f"its logits differ from the model's own forward on a random prompt by {difference:.2g} "
-            f"(norm-wise; at most {allowed:.2g} for {decoder.step.dtype}{own_said})"
+            f"(norm-wise; at most {allowed:.2g} for {dtype}{own_said})"
         )
     return None

@@ -106,9 +106,8 @@ def weights_bytes(shape: Shape, mode: str, element_bytes: int = 2) -> float:
 
 
 def _embeddings_and_head(shape: Shape) -> int:
-    tied = shape.extra.get(
-        "tie_word_embeddings"
-    )  # a shape may say (Qwen's small sizes tie, its large ones not)
+    # A shape may say itself (Qwen's small sizes tie, its large ones do not).
+    tied = shape.extra.get("tie_word_embeddings")
     if tied is None:
         arch = architecture_for(shape)
         # A family without a record: its transformers config's default (Gemma 4 ties), or
