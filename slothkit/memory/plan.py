@@ -193,6 +193,7 @@ def plan(
         cuda_graphs=(launch_bound and newer) if cuda_graphs is None else cuda_graphs,
         keep_sums=layers_keep_sums and (newer if keep_sums is None else keep_sums),
     )
+    weights = weights_bytes(shape, mode)
     budget = None
     if max_memory is not None:
         budget = max_memory * GIB
@@ -248,7 +249,7 @@ def plan(
         except MemoryBudgetError as error:
             what = (
                 "the weights alone"
-                if weights_bytes(shape, mode) > budget
+                if weights > budget
                 else f"the weights, the adapters and their optimiser state with a step of {batch * seq:,} "
                 f"tokens (at least {error.minimum_bytes / GIB:.1f} GiB)"
             )
@@ -265,7 +266,7 @@ def plan(
         # three copies of it at once.
         experts = shape.experts()
         gate_up = 2 * experts.count * experts.width * shape.hidden_size * 2
-        loading = (weights_bytes(shape, "qlora") + 3 * gate_up) / GIB
+        loading = (weights + 3 * gate_up) / GIB
         notes.append(
             f"the experts are quantised to NF4 as they load, one layer at a time: loading peaks "
             f"at about {loading:.1f} GiB"
@@ -289,7 +290,7 @@ def plan(
         batch=batch,
         grad_accum=max(1, target_batch // batch),
         dtype=dtype,
-        weights_gib=weights_bytes(shape, mode) / GIB,
+        weights_gib=weights / GIB,
         lora_gib=lora_bytes(shape, rank) / GIB,
         activations_gib=activation_bytes(shape, tokens, rank=rank) / GIB,
         host_gib=memory.layers * memory.host_checkpoint_bytes(tokens) / GIB,
